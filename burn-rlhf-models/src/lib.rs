@@ -1,0 +1,1 @@
+//! Burn-native decoder models for burn-rlhf.

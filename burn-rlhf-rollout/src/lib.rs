@@ -1,0 +1,1 @@
+//! Rollout for burn-rlhf.

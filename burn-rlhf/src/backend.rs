@@ -1,0 +1,67 @@
+//! The one place that maps the enabled Cargo feature to the backend and device that the binary and
+//! the examples use. Library code stays generic over `B: Backend` / `B: AutodiffBackend`.
+//!
+//! Priority when several are enabled: `cuda` > `wgpu` > `tch` > `flex` > `ndarray`.
+
+#[cfg(feature = "cuda")]
+mod selected {
+    /// The compute backend chosen by features.
+    pub type Inner = burn::backend::Cuda<f32, i32>;
+    pub const NAME: &str = "cuda";
+}
+
+#[cfg(all(feature = "wgpu", not(feature = "cuda")))]
+mod selected {
+    pub type Inner = burn::backend::Wgpu<f32, i32>;
+    pub const NAME: &str = "wgpu";
+}
+
+#[cfg(all(feature = "tch", not(any(feature = "cuda", feature = "wgpu"))))]
+mod selected {
+    pub type Inner = burn::backend::LibTorch<f32>;
+    pub const NAME: &str = "tch";
+}
+
+#[cfg(all(
+    feature = "flex",
+    not(any(feature = "cuda", feature = "wgpu", feature = "tch"))
+))]
+mod selected {
+    pub type Inner = burn::backend::Flex;
+    pub const NAME: &str = "flex";
+}
+
+#[cfg(all(
+    feature = "ndarray",
+    not(any(feature = "cuda", feature = "wgpu", feature = "tch", feature = "flex"))
+))]
+mod selected {
+    pub type Inner = burn::backend::NdArray<f32>;
+    pub const NAME: &str = "ndarray";
+}
+
+#[cfg(not(any(
+    feature = "cuda",
+    feature = "wgpu",
+    feature = "tch",
+    feature = "flex",
+    feature = "ndarray"
+)))]
+compile_error!("burn-rlhf needs one backend feature: flex (default), ndarray, wgpu, cuda or tch");
+
+/// The inference backend selected by Cargo features.
+pub type InferenceBackend = selected::Inner;
+/// The training backend: the selected backend under autodiff.
+pub type TrainBackend = burn::backend::Autodiff<InferenceBackend>;
+/// The device type of the selected backend.
+pub type Device = burn::tensor::Device<InferenceBackend>;
+
+/// The selected backend's name, for logs.
+pub fn backend_name() -> &'static str {
+    selected::NAME
+}
+
+/// The default device of the selected backend (the first GPU on cuda/wgpu, the CPU otherwise).
+pub fn default_device() -> Device {
+    Device::default()
+}

@@ -1,0 +1,575 @@
+//! The configuration tree: verl's key names and verl's (0.9.1) default values.
+//!
+//! Keys that verl fills by interpolation (`${data.max_response_length}` and friends) are `Option`s
+//! here; [`RlhfConfig::resolve`] fills them in the same way, so `config show` prints what a run uses.
+
+use serde::{Deserialize, Serialize};
+
+/// The whole tree. Every struct has `#[serde(default)]`, so a file names only what it changes.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(default, deny_unknown_fields)]
+pub struct RlhfConfig {
+    pub data: DataConfig,
+    pub actor_rollout_ref: ActorRolloutRefConfig,
+    pub critic: CriticConfig,
+    pub reward_model: RewardModelConfig,
+    pub custom_reward_function: CustomRewardFunctionConfig,
+    pub algorithm: AlgorithmConfig,
+    pub trainer: TrainerConfig,
+}
+
+/// `data.*`: where prompts come from and how they are batched and cut.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DataConfig {
+    /// Parquet (verl layout) or GSM8K jsonl files, or a dataset hub id.
+    pub train_files: Vec<String>,
+    pub val_files: Vec<String>,
+    pub prompt_key: String,
+    /// SFT: the column holding the response.
+    pub response_key: String,
+    pub reward_fn_key: String,
+    pub max_prompt_length: usize,
+    pub max_response_length: usize,
+    /// SFT: prompt + response tokens kept per example.
+    pub max_length: usize,
+    pub train_batch_size: usize,
+    /// `None`: the whole validation set in one batch, as verl.
+    pub val_batch_size: Option<usize>,
+    /// DAPO's dynamic sampling: prompts generated per round (`None`: train_batch_size).
+    pub gen_batch_size: Option<usize>,
+    pub shuffle: bool,
+    pub validation_shuffle: bool,
+    pub seed: u64,
+    pub filter_overlong_prompts: bool,
+    /// `error`, `left` or `right`.
+    pub truncation: String,
+    pub return_raw_chat: bool,
+}
+
+impl Default for DataConfig {
+    fn default() -> Self {
+        Self {
+            train_files: vec!["~/data/gsm8k/train.parquet".into()],
+            val_files: vec!["~/data/gsm8k/test.parquet".into()],
+            prompt_key: "prompt".into(),
+            response_key: "response".into(),
+            reward_fn_key: "data_source".into(),
+            max_prompt_length: 512,
+            max_response_length: 512,
+            max_length: 1024,
+            train_batch_size: 1024,
+            val_batch_size: None,
+            gen_batch_size: None,
+            shuffle: true,
+            validation_shuffle: false,
+            seed: 1,
+            filter_overlong_prompts: false,
+            truncation: "error".into(),
+            return_raw_chat: false,
+        }
+    }
+}
+
+/// `actor_rollout_ref.*`: the policy, its rollout and its frozen reference.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(default, deny_unknown_fields)]
+pub struct ActorRolloutRefConfig {
+    pub model: ModelConfig,
+    pub actor: ActorConfig,
+    pub rollout: RolloutConfig,
+    #[serde(rename = "ref")]
+    pub reference: RefConfig,
+}
+
+/// A model to load: a hub id, a local HF folder or a `.gguf` file.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ModelConfig {
+    pub path: String,
+    /// `None`: the model's own tokenizer (`path`).
+    pub tokenizer_path: Option<String>,
+    /// Compute dtype: `float32` (CPU) or `bfloat16`/`float16` where the backend has them.
+    pub dtype: String,
+    pub enable_gradient_checkpointing: bool,
+    /// SFT (verl's `model.partial_pretrain`): the model SFT starts from; `None`: `path`.
+    pub partial_pretrain: Option<String>,
+    pub lora_rank: usize,
+    pub lora_alpha: f64,
+    /// `all-linear` or a list of module names such as `[q_proj, v_proj]`.
+    pub target_modules: Vec<String>,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        Self {
+            path: "~/models/deepseek-llm-7b-chat".into(),
+            tokenizer_path: None,
+            dtype: "float32".into(),
+            enable_gradient_checkpointing: true,
+            partial_pretrain: None,
+            lora_rank: 0,
+            lora_alpha: 16.0,
+            target_modules: vec!["all-linear".into()],
+        }
+    }
+}
+
+/// `optim.*` for the actor and the critic (AdamW with warm-up and a schedule).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct OptimConfig {
+    pub lr: f64,
+    pub betas: [f64; 2],
+    pub weight_decay: f64,
+    /// Warm-up steps; negative: use `lr_warmup_steps_ratio`.
+    pub lr_warmup_steps: i64,
+    pub lr_warmup_steps_ratio: f64,
+    /// `constant` or `cosine`.
+    pub lr_scheduler_type: String,
+    pub min_lr_ratio: f64,
+    pub num_cycles: f64,
+    /// Filled by the trainer from the run length when negative.
+    pub total_training_steps: i64,
+}
+
+impl OptimConfig {
+    fn with_lr(lr: f64) -> Self {
+        Self {
+            lr,
+            betas: [0.9, 0.999],
+            weight_decay: 0.01,
+            lr_warmup_steps: -1,
+            lr_warmup_steps_ratio: 0.0,
+            lr_scheduler_type: "constant".into(),
+            min_lr_ratio: 0.0,
+            num_cycles: 0.5,
+            total_training_steps: -1,
+        }
+    }
+}
+
+impl Default for OptimConfig {
+    fn default() -> Self {
+        Self::with_lr(1e-6)
+    }
+}
+
+/// `actor_rollout_ref.actor.policy_loss.*`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PolicyLossConfig {
+    pub loss_mode: String,
+    pub clip_cov_ratio: f64,
+    pub clip_cov_lb: f64,
+    pub clip_cov_ub: f64,
+    pub kl_cov_ratio: f64,
+    pub ppo_kl_coef: f64,
+}
+
+impl Default for PolicyLossConfig {
+    fn default() -> Self {
+        Self {
+            loss_mode: "vanilla".into(),
+            clip_cov_ratio: 0.0002,
+            clip_cov_lb: 1.0,
+            clip_cov_ub: 5.0,
+            kl_cov_ratio: 0.0002,
+            ppo_kl_coef: 0.1,
+        }
+    }
+}
+
+/// `actor_rollout_ref.actor.*`: the policy update.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ActorConfig {
+    pub optim: OptimConfig,
+    /// Prompts per mini-batch (multiplied by `rollout.n` into sequences, as verl).
+    pub ppo_mini_batch_size: usize,
+    /// Sequences per forward/backward; `None`: the whole mini-batch.
+    pub ppo_micro_batch_size_per_gpu: Option<usize>,
+    pub use_dynamic_bsz: bool,
+    pub ppo_max_token_len_per_gpu: usize,
+    pub ppo_epochs: usize,
+    pub shuffle: bool,
+    pub clip_ratio: f64,
+    /// `None`: `clip_ratio`.
+    pub clip_ratio_low: Option<f64>,
+    /// `None`: `clip_ratio`.
+    pub clip_ratio_high: Option<f64>,
+    /// Dual-clip lower bound; must be > 1.
+    pub clip_ratio_c: f64,
+    pub policy_loss: PolicyLossConfig,
+    /// SAPO's gate temperatures.
+    pub tau_pos: f64,
+    pub tau_neg: f64,
+    pub loss_agg_mode: String,
+    /// `seq-mean-token-sum-norm` divisor; `None`: the response length.
+    pub loss_scale_factor: Option<f64>,
+    pub entropy_coeff: f64,
+    pub use_kl_loss: bool,
+    pub kl_loss_coef: f64,
+    pub kl_loss_type: String,
+    pub grad_clip: f64,
+}
+
+impl Default for ActorConfig {
+    fn default() -> Self {
+        Self {
+            optim: OptimConfig::default(),
+            ppo_mini_batch_size: 256,
+            ppo_micro_batch_size_per_gpu: None,
+            use_dynamic_bsz: false,
+            ppo_max_token_len_per_gpu: 16384,
+            ppo_epochs: 1,
+            shuffle: false,
+            clip_ratio: 0.2,
+            clip_ratio_low: None,
+            clip_ratio_high: None,
+            clip_ratio_c: 3.0,
+            policy_loss: PolicyLossConfig::default(),
+            tau_pos: 1.0,
+            tau_neg: 1.05,
+            loss_agg_mode: "token-mean".into(),
+            loss_scale_factor: None,
+            entropy_coeff: 0.0,
+            use_kl_loss: false,
+            kl_loss_coef: 0.001,
+            kl_loss_type: "low_var_kl".into(),
+            grad_clip: 1.0,
+        }
+    }
+}
+
+/// `actor_rollout_ref.rollout.val_kwargs.*`: sampling for validation.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ValKwargsConfig {
+    pub temperature: f64,
+    pub top_k: i64,
+    pub top_p: f64,
+    pub do_sample: bool,
+    pub n: usize,
+}
+
+impl Default for ValKwargsConfig {
+    fn default() -> Self {
+        Self {
+            temperature: 0.0,
+            top_k: -1,
+            top_p: 1.0,
+            do_sample: false,
+            n: 1,
+        }
+    }
+}
+
+/// `actor_rollout_ref.rollout.*`: sampling for training rollouts.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RolloutConfig {
+    /// Samples per prompt.
+    pub n: usize,
+    pub temperature: f64,
+    /// `-1`: off.
+    pub top_k: i64,
+    pub top_p: f64,
+    pub do_sample: bool,
+    /// `None`: `data.max_prompt_length`.
+    pub prompt_length: Option<usize>,
+    /// `None`: `data.max_response_length`.
+    pub response_length: Option<usize>,
+    /// `raw_logprobs` or `processed_logprobs` (after temperature/top-k/top-p).
+    pub logprobs_mode: String,
+    pub log_prob_micro_batch_size_per_gpu: Option<usize>,
+    /// Extra token ids that end a response besides the model's eos.
+    pub stop_token_ids: Vec<u32>,
+    pub val_kwargs: ValKwargsConfig,
+}
+
+impl Default for RolloutConfig {
+    fn default() -> Self {
+        Self {
+            n: 1,
+            temperature: 1.0,
+            top_k: -1,
+            top_p: 1.0,
+            do_sample: true,
+            prompt_length: None,
+            response_length: None,
+            logprobs_mode: "raw_logprobs".into(),
+            log_prob_micro_batch_size_per_gpu: None,
+            stop_token_ids: Vec::new(),
+            val_kwargs: ValKwargsConfig::default(),
+        }
+    }
+}
+
+/// `actor_rollout_ref.ref.*`: the frozen reference policy.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(default, deny_unknown_fields)]
+pub struct RefConfig {
+    pub log_prob_micro_batch_size_per_gpu: Option<usize>,
+}
+
+/// `critic.model.*`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CriticModelConfig {
+    pub path: String,
+    /// `None`: `actor_rollout_ref.model.path`.
+    pub tokenizer_path: Option<String>,
+    pub enable_gradient_checkpointing: bool,
+}
+
+impl Default for CriticModelConfig {
+    fn default() -> Self {
+        Self {
+            path: "~/models/deepseek-llm-7b-chat".into(),
+            tokenizer_path: None,
+            enable_gradient_checkpointing: true,
+        }
+    }
+}
+
+/// `critic.*`: the value model and its update.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CriticConfig {
+    /// `None`: on exactly when the advantage estimator needs values (`gae`), as verl decides.
+    pub enable: Option<bool>,
+    pub model: CriticModelConfig,
+    pub optim: OptimConfig,
+    /// `None`: the actor's.
+    pub ppo_mini_batch_size: Option<usize>,
+    pub ppo_micro_batch_size_per_gpu: Option<usize>,
+    /// `None`: the actor's.
+    pub ppo_epochs: Option<usize>,
+    /// `None`: the actor's.
+    pub shuffle: Option<bool>,
+    pub cliprange_value: f64,
+    /// `None`: the actor's.
+    pub loss_agg_mode: Option<String>,
+    pub grad_clip: f64,
+}
+
+impl Default for CriticConfig {
+    fn default() -> Self {
+        Self {
+            enable: None,
+            model: CriticModelConfig::default(),
+            optim: OptimConfig::with_lr(1e-5),
+            ppo_mini_batch_size: None,
+            ppo_micro_batch_size_per_gpu: None,
+            ppo_epochs: None,
+            shuffle: None,
+            cliprange_value: 0.5,
+            loss_agg_mode: None,
+            grad_clip: 1.0,
+        }
+    }
+}
+
+/// `reward_model.overlong_buffer.*`: DAPO's soft overlong penalty.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(default, deny_unknown_fields)]
+pub struct OverlongBufferConfig {
+    pub enable: bool,
+    pub len: usize,
+    pub penalty_factor: f64,
+}
+
+/// `reward_model.*`: how scores become token-level rewards.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RewardModelConfig {
+    /// `naive` or `dapo`.
+    pub reward_manager: String,
+    pub overlong_buffer: OverlongBufferConfig,
+}
+
+impl Default for RewardModelConfig {
+    fn default() -> Self {
+        Self {
+            reward_manager: "naive".into(),
+            overlong_buffer: OverlongBufferConfig::default(),
+        }
+    }
+}
+
+/// `custom_reward_function.*`: a user's reward function registered by name (verl's top-level key).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(default, deny_unknown_fields)]
+pub struct CustomRewardFunctionConfig {
+    /// `None`: the built-in function for each row's data source (GSM8K, ...).
+    pub name: Option<String>,
+}
+
+/// `algorithm.kl_ctrl.*`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct KlCtrlConfig {
+    /// `fixed` or `adaptive`.
+    pub r#type: String,
+    pub kl_coef: f64,
+    pub horizon: f64,
+    pub target_kl: f64,
+}
+
+impl Default for KlCtrlConfig {
+    fn default() -> Self {
+        Self {
+            r#type: "fixed".into(),
+            kl_coef: 0.001,
+            horizon: 10000.0,
+            target_kl: 0.1,
+        }
+    }
+}
+
+/// `algorithm.filter_groups.*`: DAPO's dynamic sampling.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct FilterGroupsConfig {
+    pub enable: bool,
+    /// `acc`, `score` or `seq_reward`.
+    pub metric: String,
+    /// `0`: no limit.
+    pub max_num_gen_batches: usize,
+}
+
+impl Default for FilterGroupsConfig {
+    fn default() -> Self {
+        Self {
+            enable: false,
+            metric: "acc".into(),
+            max_num_gen_batches: 0,
+        }
+    }
+}
+
+/// `algorithm.*`: advantages and the KL penalty.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AlgorithmConfig {
+    pub gamma: f64,
+    pub lam: f64,
+    pub adv_estimator: String,
+    pub norm_adv_by_std_in_grpo: bool,
+    pub use_kl_in_reward: bool,
+    pub kl_penalty: String,
+    pub kl_ctrl: KlCtrlConfig,
+    pub filter_groups: FilterGroupsConfig,
+}
+
+impl Default for AlgorithmConfig {
+    fn default() -> Self {
+        Self {
+            gamma: 1.0,
+            lam: 1.0,
+            adv_estimator: "gae".into(),
+            norm_adv_by_std_in_grpo: true,
+            use_kl_in_reward: false,
+            kl_penalty: "kl".into(),
+            kl_ctrl: KlCtrlConfig::default(),
+            filter_groups: FilterGroupsConfig::default(),
+        }
+    }
+}
+
+/// `trainer.*`: the run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TrainerConfig {
+    pub total_epochs: usize,
+    /// `None`: epochs x batches per epoch.
+    pub total_training_steps: Option<usize>,
+    pub project_name: String,
+    pub experiment_name: String,
+    /// Any of `console`, `jsonl`.
+    pub logger: Vec<String>,
+    pub nnodes: usize,
+    pub n_gpus_per_node: usize,
+    pub balance_batch: bool,
+    /// Steps between checkpoints; `-1`: only at the end.
+    pub save_freq: i64,
+    /// Steps between validations; `-1`: never.
+    pub test_freq: i64,
+    pub val_before_train: bool,
+    /// Steps during which only the critic is trained.
+    pub critic_warmup: usize,
+    /// `None`: `checkpoints/{project_name}/{experiment_name}`.
+    pub default_local_dir: Option<String>,
+    /// `auto`, `disable` or `resume_path`.
+    pub resume_mode: String,
+    pub resume_from_path: Option<String>,
+    pub seed: u64,
+}
+
+impl Default for TrainerConfig {
+    fn default() -> Self {
+        Self {
+            total_epochs: 30,
+            total_training_steps: None,
+            project_name: "verl_examples".into(),
+            experiment_name: "gsm8k".into(),
+            logger: vec!["console".into()],
+            nnodes: 1,
+            n_gpus_per_node: 8,
+            balance_batch: true,
+            save_freq: -1,
+            test_freq: -1,
+            val_before_train: true,
+            critic_warmup: 0,
+            default_local_dir: None,
+            resume_mode: "auto".into(),
+            resume_from_path: None,
+            seed: 1,
+        }
+    }
+}
+
+impl RlhfConfig {
+    /// Fills every key verl derives from another one (its `${...}` interpolations).
+    pub fn resolve(&mut self) {
+        let data = &self.data;
+        let arr = &mut self.actor_rollout_ref;
+        arr.rollout
+            .prompt_length
+            .get_or_insert(data.max_prompt_length);
+        arr.rollout
+            .response_length
+            .get_or_insert(data.max_response_length);
+        arr.actor.clip_ratio_low.get_or_insert(arr.actor.clip_ratio);
+        arr.actor
+            .clip_ratio_high
+            .get_or_insert(arr.actor.clip_ratio);
+        if arr.model.tokenizer_path.is_none() {
+            arr.model.tokenizer_path = Some(arr.model.path.clone());
+        }
+        self.data
+            .gen_batch_size
+            .get_or_insert(self.data.train_batch_size);
+        let actor = &self.actor_rollout_ref.actor;
+        let critic = &mut self.critic;
+        critic
+            .ppo_mini_batch_size
+            .get_or_insert(actor.ppo_mini_batch_size);
+        critic.ppo_epochs.get_or_insert(actor.ppo_epochs);
+        critic.shuffle.get_or_insert(actor.shuffle);
+        critic
+            .loss_agg_mode
+            .get_or_insert_with(|| actor.loss_agg_mode.clone());
+        if critic.model.tokenizer_path.is_none() {
+            critic.model.tokenizer_path = Some(self.actor_rollout_ref.model.path.clone());
+        }
+        let trainer = &mut self.trainer;
+        if trainer.default_local_dir.is_none() {
+            trainer.default_local_dir = Some(format!(
+                "checkpoints/{}/{}",
+                trainer.project_name, trainer.experiment_name
+            ));
+        }
+    }
+}

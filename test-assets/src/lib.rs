@@ -1,0 +1,112 @@
+//! Where the tests find their assets. One helper for every crate's tests:
+//!
+//! - `RLHF_FIXTURES_DIR` (default: the repository's `tests/fixtures`): reference outputs the repo
+//!   ships. Missing or empty is always a failure.
+//! - `RLHF_SMOLLM2_DIR` (default `../shared/models/smollm2-135m-instruct`) and `RLHF_GSM8K_DIR`
+//!   (default `../shared/data/gsm8k`): large assets kept outside the repo. Missing, they fail the
+//!   test when `RLHF_REQUIRE_ASSETS=1` (CI) and otherwise print a visible skip line.
+//!
+//! Relative paths in the variables are taken from the repository root, so a test gives the same
+//! answer whichever crate directory cargo runs it from.
+
+use std::path::{Path, PathBuf};
+
+/// The repository root (the workspace directory).
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("test-assets lives in the workspace")
+        .to_path_buf()
+}
+
+fn from_env(var: &str, default: &str) -> PathBuf {
+    let raw = std::env::var_os(var)
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(default));
+    if raw.is_absolute() {
+        raw
+    } else {
+        repo_root().join(raw)
+    }
+}
+
+fn is_nonempty_dir(dir: &Path) -> bool {
+    std::fs::read_dir(dir)
+        .map(|mut entries| entries.next().is_some())
+        .unwrap_or(false)
+}
+
+/// The fixture root (`RLHF_FIXTURES_DIR`). Panics when it is missing or empty.
+pub fn fixtures_dir() -> PathBuf {
+    let dir = from_env("RLHF_FIXTURES_DIR", "tests/fixtures");
+    assert!(
+        is_nonempty_dir(&dir),
+        "fixture directory {} is missing or empty (set RLHF_FIXTURES_DIR)",
+        dir.display()
+    );
+    dir
+}
+
+/// A fixture sub-folder such as `algos` or `models`; panics when it is missing or empty.
+pub fn fixtures_subdir(name: &str) -> PathBuf {
+    let dir = fixtures_dir().join(name);
+    assert!(
+        is_nonempty_dir(&dir),
+        "fixture directory {} is missing or empty (set RLHF_FIXTURES_DIR)",
+        dir.display()
+    );
+    dir
+}
+
+/// The files in `dir` whose name ends with `ext`, sorted. Panics when there are none.
+pub fn files_with_ext(dir: &Path, ext: &str) -> Vec<PathBuf> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap_or_else(|e| panic!("cannot read {}: {e}", dir.display()))
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.is_file() && p.to_string_lossy().ends_with(ext))
+        .collect();
+    files.sort();
+    assert!(!files.is_empty(), "no `*{ext}` files in {}", dir.display());
+    files
+}
+
+/// Whether CI asked for every asset to be present.
+pub fn assets_required() -> bool {
+    std::env::var("RLHF_REQUIRE_ASSETS")
+        .map(|v| v == "1" || v == "true")
+        .unwrap_or(false)
+}
+
+fn optional_asset(var: &str, default: &str, what: &str, test: &str) -> Option<PathBuf> {
+    let dir = from_env(var, default);
+    if is_nonempty_dir(&dir) {
+        return Some(dir);
+    }
+    if assets_required() {
+        panic!(
+            "{what} not found at {} (set {var}); RLHF_REQUIRE_ASSETS=1 makes this a failure",
+            dir.display()
+        );
+    }
+    eprintln!(
+        "SKIPPED {test}: {what} not found at {} (set {var}, or RLHF_REQUIRE_ASSETS=1 to fail)",
+        dir.display()
+    );
+    println!("SKIPPED {test}: {what} not found at {}", dir.display());
+    None
+}
+
+/// SmolLM2-135M-Instruct's folder (`RLHF_SMOLLM2_DIR`), or `None` after printing a skip line.
+pub fn smollm2_dir(test: &str) -> Option<PathBuf> {
+    optional_asset(
+        "RLHF_SMOLLM2_DIR",
+        "../shared/models/smollm2-135m-instruct",
+        "SmolLM2-135M-Instruct",
+        test,
+    )
+}
+
+/// The GSM8K jsonl folder (`RLHF_GSM8K_DIR`), or `None` after printing a skip line.
+pub fn gsm8k_dir(test: &str) -> Option<PathBuf> {
+    optional_asset("RLHF_GSM8K_DIR", "../shared/data/gsm8k", "GSM8K", test)
+}
