@@ -193,7 +193,9 @@ fn whiten<B: Backend>(values: Tensor<B, 2>, mask: Tensor<B, 2>) -> Result<Tensor
 /// `δ_t = r_t + γ V_{t+1} - V_t`, `A_t = δ_t + γλ A_{t+1}`.
 #[derive(Debug, Clone, Copy)]
 pub struct Gae {
+    /// Discount factor.
     pub gamma: f64,
+    /// GAE's lambda.
     pub lam: f64,
 }
 
@@ -274,7 +276,9 @@ impl<B: Backend> AdvantageEstimator<B> for Gae {
 /// mean 0 and std 1.
 #[derive(Debug, Clone, Copy)]
 pub struct Grpo {
+    /// Added to the group std before dividing.
     pub epsilon: f64,
+    /// Divide by the group std (`false`: Dr.GRPO).
     pub norm_adv_by_std: bool,
 }
 
@@ -311,7 +315,9 @@ impl<B: Backend> AdvantageEstimator<B> for Grpo {
 /// needs two responses or more.
 #[derive(Debug, Clone, Copy)]
 pub struct GrpoPassK {
+    /// Added to the group std before dividing.
     pub epsilon: f64,
+    /// Divide by the group std (`false`: Dr.GRPO).
     pub norm_adv_by_std: bool,
 }
 
@@ -353,6 +359,46 @@ impl<B: Backend> AdvantageEstimator<B> for GrpoPassK {
             returns: a,
         })
     }
+}
+
+/// GRPO's per-row advantage computed with tensor ops only (a one-hot `[G, B]` group matrix), so
+/// the scores never leave the device; equal to [`Grpo`]'s host loop (a property test checks it).
+///
+/// Shapes: scores `[B]` → `[B]`.
+pub fn grpo_vectorized<B: Backend>(
+    scores: Tensor<B, 1>,
+    group_ids: &[u64],
+    epsilon: f64,
+    norm_adv_by_std: bool,
+) -> Result<Tensor<B, 1>, AlgoError> {
+    let rows = scores.dims()[0];
+    let groups = groups("grpo_vectorized", group_ids, rows)?;
+    let device = scores.device();
+    let mut one_hot = vec![0.0f32; groups.len() * rows];
+    for (g, members) in groups.iter().enumerate() {
+        for &r in members {
+            one_hot[g * rows + r] = 1.0;
+        }
+    }
+    let one_hot = from_rows::<B>(one_hot, groups.len(), rows, &device); // [G, B]
+    let counts = one_hot.clone().sum_dim(1); // [G, 1]
+    let singleton = counts.clone().equal_elem(1.0);
+    let s = scores.unsqueeze_dim::<2>(1); // [B, 1]
+    let mean = one_hot.clone().matmul(s.clone()) / counts.clone(); // [G, 1]
+    let mean_row = one_hot.clone().transpose().matmul(mean.clone()); // [B, 1]
+    let sq = (s.clone() - mean_row).square();
+    let var = one_hot.clone().matmul(sq) / (counts - 1.0).clamp_min(1.0);
+    // verl's convention for a one-row group: mean 0, std 1.
+    let mean = mean.mask_fill(singleton.clone(), 0.0);
+    let std = var.sqrt().mask_fill(singleton, 1.0);
+    let mean_row = one_hot.clone().transpose().matmul(mean);
+    let centered = s - mean_row;
+    let out = if norm_adv_by_std {
+        centered / (one_hot.transpose().matmul(std) + epsilon)
+    } else {
+        centered
+    };
+    Ok(out.squeeze_dim::<1>(1))
 }
 
 /// RLOO (Ahmadian et al. 2024): each response's score minus the mean of the others in its group,
@@ -478,6 +524,7 @@ pub fn discounted_returns(rewards: &[f64], mask: &[f64], cols: usize, gamma: f64
 /// REINFORCE++ (Hu 2025): discounted token returns, whitened over the batch's valid tokens.
 #[derive(Debug, Clone, Copy)]
 pub struct ReinforcePlusPlus {
+    /// Discount factor.
     pub gamma: f64,
 }
 

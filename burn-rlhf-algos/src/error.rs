@@ -6,19 +6,37 @@ pub enum AlgoError {
     /// A registry was asked for a name it does not have.
     #[error("unknown {kind} `{name}`; valid names: {}", .valid.join(", "))]
     UnknownName {
+        /// What was looked up (for example `advantage estimator`).
         kind: &'static str,
+        /// The name asked for.
         name: String,
+        /// The names the registry has.
         valid: Vec<String>,
     },
     /// An estimator or loss was called without an input it needs.
     #[error("{what} needs `{input}`, which was not given")]
-    MissingInput { what: String, input: &'static str },
+    MissingInput {
+        /// The algorithm or function that failed.
+        what: String,
+        /// The missing input.
+        input: &'static str,
+    },
     /// Inputs whose shapes do not fit together.
     #[error("{what}: shape mismatch: {detail}")]
-    Shape { what: String, detail: String },
+    Shape {
+        /// The algorithm or function that failed.
+        what: String,
+        /// What is wrong.
+        detail: String,
+    },
     /// A parameter or an input outside what the algorithm accepts.
     #[error("{what}: {detail}")]
-    Invalid { what: String, detail: String },
+    Invalid {
+        /// The algorithm or function that failed.
+        what: String,
+        /// What is wrong.
+        detail: String,
+    },
 }
 
 impl AlgoError {

@@ -170,6 +170,7 @@ fn check_kind(expected: &str, state: &KlControllerState) -> Result<(), AlgoError
 /// A constant coefficient.
 #[derive(Debug, Clone, PartialEq)]
 pub struct FixedKlController {
+    /// The current coefficient.
     pub value: f64,
 }
 
@@ -198,8 +199,11 @@ impl KlController for FixedKlController {
 /// keeps the KL at `target`, `value *= 1 + clip(kl / target - 1, -0.2, 0.2) * n_steps / horizon`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct AdaptiveKlController {
+    /// The current coefficient.
     pub value: f64,
+    /// The KL the controller steers towards.
     pub target: f64,
+    /// Steps over which a full correction is applied.
     pub horizon: f64,
 }
 

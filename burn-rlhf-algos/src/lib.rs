@@ -5,6 +5,8 @@
 //! The trait objects ([`AdvantageEstimator`], [`PolicyLoss`], [`KlController`]) are built by name
 //! from a [`Registry`]; gradients flow through Burn's autodiff when `B` is an autodiff backend.
 
+#![warn(missing_docs)]
+
 pub mod advantage;
 pub mod agg;
 pub mod dapo;

@@ -53,19 +53,25 @@ pub trait PolicyLoss<B: Backend>: Send + Sync {
 /// Parameters the built-in losses read (`actor.*` and `actor.policy_loss.*`).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct PolicyLossParams {
+    /// Lower clip range: ratios below `1 - clip_ratio_low` are clipped.
     pub clip_ratio_low: f64,
+    /// Upper clip range (clip-higher): ratios above `1 + clip_ratio_high` are clipped.
     pub clip_ratio_high: f64,
     /// Dual-clip bound for negative advantages; > 1.
     pub clip_ratio_c: f64,
     /// SAPO's gate temperatures for positive and non-positive advantages.
     pub tau_pos: f64,
+    /// Gate temperature for non-positive advantages.
     pub tau_neg: f64,
     /// Clip-Cov: fraction of tokens whose gradient is dropped, and the covariance window.
     pub clip_cov_ratio: f64,
+    /// Lower bound (exclusive) of the covariance window.
     pub clip_cov_lb: f64,
+    /// Upper bound (exclusive) of the covariance window.
     pub clip_cov_ub: f64,
     /// KL-Cov: fraction of tokens penalised, and the penalty's coefficient.
     pub kl_cov_ratio: f64,
+    /// Coefficient of the `|log r|` penalty.
     pub ppo_kl_coef: f64,
     /// Seeds Clip-Cov's random choice of tokens, so runs reproduce.
     pub seed: u64,
@@ -120,8 +126,11 @@ fn check_shapes<B: Backend>(what: &str, input: &PolicyLossInput<B>) -> Result<()
 /// `log r` is clamped to ±20.
 #[derive(Debug, Clone, Copy)]
 pub struct VanillaPpo {
+    /// Lower clip range: ratios below `1 - clip_ratio_low` are clipped.
     pub clip_ratio_low: f64,
+    /// Upper clip range (clip-higher): ratios above `1 + clip_ratio_high` are clipped.
     pub clip_ratio_high: f64,
+    /// Dual-clip bound on the loss of negative advantages; > 1.
     pub clip_ratio_c: f64,
 }
 
@@ -171,7 +180,9 @@ impl<B: Backend> PolicyLoss<B> for VanillaPpo {
 /// `sg(s_i) * π/sg(π)`, clipped like PPO (log clamped at 10).
 #[derive(Debug, Clone, Copy)]
 pub struct Gspo {
+    /// Lower clip range: ratios below `1 - clip_ratio_low` are clipped.
     pub clip_ratio_low: f64,
+    /// Upper clip range (clip-higher): ratios above `1 + clip_ratio_high` are clipped.
     pub clip_ratio_high: f64,
 }
 
@@ -212,7 +223,9 @@ impl<B: Backend> PolicyLoss<B> for Gspo {
 /// `τ = tau_pos` for `A > 0`, else `tau_neg`; always aggregated `seq-mean-token-mean`, as verl does.
 #[derive(Debug, Clone, Copy)]
 pub struct Sapo {
+    /// Gate temperature for positive advantages.
     pub tau_pos: f64,
+    /// Gate temperature for non-positive advantages.
     pub tau_neg: f64,
 }
 
@@ -280,7 +293,9 @@ impl<B: Backend> PolicyLoss<B> for GpgLoss {
 /// `L = -sg(clip(r, 1-ε_low, 1+ε_high)) * A * log π`.
 #[derive(Debug, Clone, Copy)]
 pub struct Cispo {
+    /// Lower clip range: ratios below `1 - clip_ratio_low` are clipped.
     pub clip_ratio_low: f64,
+    /// Upper clip range (clip-higher): ratios above `1 + clip_ratio_high` are clipped.
     pub clip_ratio_high: f64,
 }
 
@@ -319,7 +334,9 @@ impl<B: Backend> PolicyLoss<B> for Cispo {
 /// count the mean is taken over it, so micro-batches add up to the mini-batch's loss.
 #[derive(Debug, Clone, Copy)]
 pub struct GeoMean {
+    /// Lower clip range: ratios below `1 - clip_ratio_low` are clipped.
     pub clip_ratio_low: f64,
+    /// Upper clip range (clip-higher): ratios above `1 + clip_ratio_high` are clipped.
     pub clip_ratio_high: f64,
 }
 
@@ -385,7 +402,9 @@ fn token_covariance(adv: &[f32], logp: &[f32], mask: &[f32]) -> (Vec<usize>, Vec
 /// `-A r`. Metric `actor/ppo_kl` is the masked mean of `|log r|`.
 #[derive(Debug, Clone, Copy)]
 pub struct KlCov {
+    /// Fraction of valid tokens penalised.
     pub kl_cov_ratio: f64,
+    /// Coefficient of the `|log r|` penalty.
     pub ppo_kl_coef: f64,
 }
 
@@ -442,11 +461,17 @@ impl<B: Backend> PolicyLoss<B> for KlCov {
 /// of a loss built with seed `s` draws the same tokens in every run.
 #[derive(Debug)]
 pub struct ClipCov {
+    /// Lower clip range: ratios below `1 - clip_ratio_low` are clipped.
     pub clip_ratio_low: f64,
+    /// Upper clip range (clip-higher): ratios above `1 + clip_ratio_high` are clipped.
     pub clip_ratio_high: f64,
+    /// Fraction of valid tokens whose gradient is dropped.
     pub clip_cov_ratio: f64,
+    /// Lower bound (exclusive) of the covariance window.
     pub clip_cov_lb: f64,
+    /// Upper bound (exclusive) of the covariance window.
     pub clip_cov_ub: f64,
+    /// Seed of the random token choice.
     pub seed: u64,
     calls: AtomicU64,
 }

@@ -48,8 +48,11 @@ pub type KlControllerFactory =
 /// `algorithm.kl_ctrl.*`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct KlControllerParams {
+    /// The initial (or fixed) coefficient.
     pub kl_coef: f64,
+    /// The adaptive controller's target KL.
     pub target_kl: f64,
+    /// Steps over which a full correction is applied.
     pub horizon: f64,
 }
 

@@ -280,8 +280,15 @@ fn cross_field_rules_are_enforced_in_words() {
 }
 
 #[test]
-fn critic_estimator_list_matches_names() {
-    for name in burn_rlhf::algos::names::CRITIC_ESTIMATORS {
-        assert!(burn_rlhf::algos::names::ADVANTAGE_ESTIMATORS.contains(name));
-    }
+fn a_users_registered_estimator_is_a_known_name() {
+    use burn::backend::Flex;
+    use burn_rlhf::algos::advantage::Rloo;
+    use burn_rlhf::config::KnownNames;
+    let mut registry = burn_rlhf::algos::Registry::<Flex>::builtin();
+    registry.register_estimator("my_rloo", |_| Ok(Box::new(Rloo)));
+    let config = load_config(&ppo(), &overrides(&["algorithm.adv_estimator=my_rloo"])).unwrap();
+    assert!(config.validate("ppo").is_err(), "not a built-in name");
+    config
+        .validate_with(&KnownNames::from_registry(&registry), "ppo")
+        .unwrap();
 }

@@ -34,6 +34,20 @@ impl Default for KnownNames {
     }
 }
 
+impl KnownNames {
+    /// The names `registry` can build (the built-ins plus whatever a program registered).
+    pub fn from_registry<B: burn::tensor::backend::Backend>(
+        registry: &burn_rlhf_algos::Registry<B>,
+    ) -> Self {
+        Self {
+            adv_estimators: registry.estimator_names(),
+            policy_losses: registry.policy_loss_names(),
+            kl_controllers: registry.kl_controller_names(),
+            ..Self::default()
+        }
+    }
+}
+
 /// Collects rule violations so one run reports all of them.
 struct Problems(Vec<String>);
 
