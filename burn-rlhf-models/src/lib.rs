@@ -1,1 +1,35 @@
-//! Burn-native decoder models for burn-rlhf.
+//! Burn-native Qwen2/Llama decoders for burn-rlhf: the same numbers as HF transformers on the same
+//! weights, with LM, value and reward heads, loading from HF folders, hub ids and GGUF files,
+//! saving in the HF layout, LoRA adapters, the tokenizer and the chat template.
+//!
+//! ```no_run
+//! use burn::backend::Flex;
+//! use burn_rlhf_models::load_pretrained;
+//! let pretrained = load_pretrained("../shared/models/smollm2-135m-instruct")?;
+//! let tokenizer = pretrained.tokenizer.clone();
+//! let model = pretrained.causal_lm::<Flex>(&Default::default())?;
+//! # Ok::<(), burn_rlhf_models::ModelError>(())
+//! ```
+
+#![warn(missing_docs)]
+
+mod build;
+pub mod cache;
+mod config;
+mod error;
+pub mod gguf;
+pub mod lora;
+pub mod pretrained;
+pub mod tokenizer;
+pub mod transformer;
+pub mod weights;
+
+pub use cache::KvCache;
+pub use config::TransformerConfig;
+pub use error::ModelError;
+pub use lora::LoraConfig;
+pub use pretrained::{
+    load_pretrained, locate, save_pretrained, ModelFiles, Pretrained, WeightsFile,
+};
+pub use tokenizer::{ChatMessage, Tokenizer};
+pub use transformer::{CausalLm, RewardModel, Transformer, ValueModel};

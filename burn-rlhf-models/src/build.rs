@@ -1,0 +1,439 @@
+//! Building the modules: from checkpoint tensors (HF names, PyTorch layout) or from random
+//! initialisation, and exporting them back to HF names for saving.
+
+use std::collections::BTreeMap;
+
+use burn::module::{Module, Param};
+use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
+use burn::tensor::backend::Backend;
+use burn::tensor::{Distribution, Tensor, TensorData};
+
+use crate::lora::{LoraConfig, LoraLinear};
+use crate::transformer::*;
+use crate::weights::{HostTensor, WeightMap};
+use crate::{ModelError, TransformerConfig};
+
+/// `[rows, cols]` row-major → `[cols, rows]`.
+fn transpose(data: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let mut out = vec![0.0; data.len()];
+    for r in 0..rows {
+        for c in 0..cols {
+            out[c * rows + r] = data[r * cols + c];
+        }
+    }
+    out
+}
+
+fn tensor1<B: Backend>(t: HostTensor, device: &B::Device) -> Tensor<B, 1> {
+    let n = t.data.len();
+    Tensor::from_data(TensorData::new(t.data, [n]), device)
+}
+
+fn tensor2<B: Backend>(data: Vec<f32>, shape: [usize; 2], device: &B::Device) -> Tensor<B, 2> {
+    Tensor::from_data(TensorData::new(data, shape), device)
+}
+
+fn host<B: Backend, const D: usize>(t: Tensor<B, D>) -> HostTensor {
+    let shape = t.dims().to_vec();
+    HostTensor {
+        shape,
+        data: t.into_data().iter::<f32>().collect(),
+    }
+}
+
+/// A linear layer from HF `{prefix}.weight` (`[out, in]`) and, when `bias`, `{prefix}.bias`.
+fn linear<B: Backend>(
+    w: &mut WeightMap,
+    prefix: &str,
+    d_in: usize,
+    d_out: usize,
+    bias: bool,
+    device: &B::Device,
+) -> Result<Linear<B>, ModelError> {
+    let weight = w.take(&format!("{prefix}.weight"), &[d_out, d_in])?;
+    let weight = tensor2(transpose(&weight.data, d_out, d_in), [d_in, d_out], device);
+    let bias = if bias {
+        Some(Param::from_tensor(tensor1(
+            w.take(&format!("{prefix}.bias"), &[d_out])?,
+            device,
+        )))
+    } else {
+        None
+    };
+    Ok(Linear {
+        weight: Param::from_tensor(weight),
+        bias,
+    })
+}
+
+fn export_linear<B: Backend>(
+    layer: &LoraLinear<B>,
+    prefix: &str,
+    out: &mut BTreeMap<String, HostTensor>,
+) {
+    let w = host(layer.merged_weight());
+    let (d_in, d_out) = (w.shape[0], w.shape[1]);
+    out.insert(
+        format!("{prefix}.weight"),
+        HostTensor {
+            shape: vec![d_out, d_in],
+            data: transpose(&w.data, d_in, d_out),
+        },
+    );
+    if let Some(b) = &layer.base.bias {
+        out.insert(format!("{prefix}.bias"), host(b.val()));
+    }
+}
+
+fn norm<B: Backend>(
+    w: &mut WeightMap,
+    name: &str,
+    c: &TransformerConfig,
+    device: &B::Device,
+) -> Result<RmsNorm<B>, ModelError> {
+    Ok(RmsNorm {
+        weight: Param::from_tensor(tensor1(w.take(name, &[c.hidden_size])?, device)),
+        eps: c.rms_norm_eps,
+    })
+}
+
+fn init_norm<B: Backend>(c: &TransformerConfig, device: &B::Device) -> RmsNorm<B> {
+    RmsNorm {
+        weight: Param::from_tensor(Tensor::ones([c.hidden_size], device)),
+        eps: c.rms_norm_eps,
+    }
+}
+
+impl TransformerConfig {
+    /// A randomly initialised decoder (Burn's default initialisers), for training from scratch.
+    pub fn init<B: Backend>(&self, device: &B::Device) -> Transformer<B> {
+        let (h, q, kv, i) = (
+            self.hidden_size,
+            self.num_attention_heads * self.head_dim,
+            self.num_key_value_heads * self.head_dim,
+            self.intermediate_size,
+        );
+        let layers = (0..self.num_hidden_layers)
+            .map(|_| DecoderLayer {
+                self_attn: Attention {
+                    q_proj: LoraLinear::init(h, q, self.qkv_bias, device),
+                    k_proj: LoraLinear::init(h, kv, self.qkv_bias, device),
+                    v_proj: LoraLinear::init(h, kv, self.qkv_bias, device),
+                    o_proj: LoraLinear::init(q, h, self.o_bias, device),
+                    num_heads: self.num_attention_heads,
+                    num_kv_heads: self.num_key_value_heads,
+                    head_dim: self.head_dim,
+                },
+                mlp: Mlp {
+                    gate_proj: LoraLinear::init(h, i, self.mlp_bias, device),
+                    up_proj: LoraLinear::init(h, i, self.mlp_bias, device),
+                    down_proj: LoraLinear::init(i, h, self.mlp_bias, device),
+                },
+                input_layernorm: init_norm(self, device),
+                post_attention_layernorm: init_norm(self, device),
+            })
+            .collect();
+        Transformer {
+            embed_tokens: EmbeddingConfig::new(self.vocab_size, h).init(device),
+            layers,
+            norm: init_norm(self, device),
+            rope_theta: self.rope_theta,
+            head_dim: self.head_dim,
+        }
+    }
+
+    /// A randomly initialised causal LM (tied head when `tie_word_embeddings`).
+    pub fn init_causal_lm<B: Backend>(&self, device: &B::Device) -> CausalLm<B> {
+        let lm_head = (!self.tie_word_embeddings)
+            .then(|| LoraLinear::init(self.hidden_size, self.vocab_size, false, device));
+        CausalLm {
+            model: self.init(device),
+            lm_head,
+        }
+    }
+}
+
+impl<B: Backend> Transformer<B> {
+    /// The decoder from HF `model.*` tensors, taking each from `w`.
+    pub fn from_weights(
+        c: &TransformerConfig,
+        w: &mut WeightMap,
+        device: &B::Device,
+    ) -> Result<Self, ModelError> {
+        let (h, q, kv, i) = (
+            c.hidden_size,
+            c.num_attention_heads * c.head_dim,
+            c.num_key_value_heads * c.head_dim,
+            c.intermediate_size,
+        );
+        let embed = w.take("model.embed_tokens.weight", &[c.vocab_size, h])?;
+        let embed_tokens = Embedding {
+            weight: Param::from_tensor(tensor2(embed.data, [c.vocab_size, h], device)),
+        };
+        let mut layers = Vec::with_capacity(c.num_hidden_layers);
+        for n in 0..c.num_hidden_layers {
+            let p = format!("model.layers.{n}");
+            let lin = |w: &mut WeightMap,
+                       name: &str,
+                       d_in,
+                       d_out,
+                       bias|
+             -> Result<LoraLinear<B>, ModelError> {
+                Ok(LoraLinear::new(linear(
+                    w,
+                    &format!("{p}.{name}"),
+                    d_in,
+                    d_out,
+                    bias,
+                    device,
+                )?))
+            };
+            layers.push(DecoderLayer {
+                self_attn: Attention {
+                    q_proj: lin(w, "self_attn.q_proj", h, q, c.qkv_bias)?,
+                    k_proj: lin(w, "self_attn.k_proj", h, kv, c.qkv_bias)?,
+                    v_proj: lin(w, "self_attn.v_proj", h, kv, c.qkv_bias)?,
+                    o_proj: lin(w, "self_attn.o_proj", q, h, c.o_bias)?,
+                    num_heads: c.num_attention_heads,
+                    num_kv_heads: c.num_key_value_heads,
+                    head_dim: c.head_dim,
+                },
+                mlp: Mlp {
+                    gate_proj: lin(w, "mlp.gate_proj", h, i, c.mlp_bias)?,
+                    up_proj: lin(w, "mlp.up_proj", h, i, c.mlp_bias)?,
+                    down_proj: lin(w, "mlp.down_proj", i, h, c.mlp_bias)?,
+                },
+                input_layernorm: norm(w, &format!("{p}.input_layernorm.weight"), c, device)?,
+                post_attention_layernorm: norm(
+                    w,
+                    &format!("{p}.post_attention_layernorm.weight"),
+                    c,
+                    device,
+                )?,
+            });
+        }
+        Ok(Self {
+            embed_tokens,
+            layers,
+            norm: norm(w, "model.norm.weight", c, device)?,
+            rope_theta: c.rope_theta,
+            head_dim: c.head_dim,
+        })
+    }
+
+    /// The decoder's tensors under HF names (adapters merged).
+    pub fn export(&self, out: &mut BTreeMap<String, HostTensor>) {
+        out.insert(
+            "model.embed_tokens.weight".into(),
+            host(self.embed_tokens.weight.val()),
+        );
+        for (n, layer) in self.layers.iter().enumerate() {
+            let p = format!("model.layers.{n}");
+            let a = &layer.self_attn;
+            export_linear(&a.q_proj, &format!("{p}.self_attn.q_proj"), out);
+            export_linear(&a.k_proj, &format!("{p}.self_attn.k_proj"), out);
+            export_linear(&a.v_proj, &format!("{p}.self_attn.v_proj"), out);
+            export_linear(&a.o_proj, &format!("{p}.self_attn.o_proj"), out);
+            export_linear(&layer.mlp.gate_proj, &format!("{p}.mlp.gate_proj"), out);
+            export_linear(&layer.mlp.up_proj, &format!("{p}.mlp.up_proj"), out);
+            export_linear(&layer.mlp.down_proj, &format!("{p}.mlp.down_proj"), out);
+            out.insert(
+                format!("{p}.input_layernorm.weight"),
+                host(layer.input_layernorm.weight.val()),
+            );
+            out.insert(
+                format!("{p}.post_attention_layernorm.weight"),
+                host(layer.post_attention_layernorm.weight.val()),
+            );
+        }
+        out.insert("model.norm.weight".into(), host(self.norm.weight.val()));
+    }
+
+    /// Attaches LoRA adapters to the targeted linear layers and freezes everything else.
+    pub fn with_lora(self, lora: &LoraConfig, device: &B::Device) -> Self {
+        let adapt = |l: LoraLinear<B>, name: &str| {
+            if lora.targets(name) {
+                l.with_adapter(lora.rank, lora.alpha, device)
+            } else {
+                l.no_grad()
+            }
+        };
+        let layers = self
+            .layers
+            .into_iter()
+            .map(|layer| {
+                let a = layer.self_attn;
+                DecoderLayer {
+                    self_attn: Attention {
+                        q_proj: adapt(a.q_proj, "q_proj"),
+                        k_proj: adapt(a.k_proj, "k_proj"),
+                        v_proj: adapt(a.v_proj, "v_proj"),
+                        o_proj: adapt(a.o_proj, "o_proj"),
+                        ..a
+                    },
+                    mlp: Mlp {
+                        gate_proj: adapt(layer.mlp.gate_proj, "gate_proj"),
+                        up_proj: adapt(layer.mlp.up_proj, "up_proj"),
+                        down_proj: adapt(layer.mlp.down_proj, "down_proj"),
+                    },
+                    input_layernorm: layer.input_layernorm.no_grad(),
+                    post_attention_layernorm: layer.post_attention_layernorm.no_grad(),
+                }
+            })
+            .collect();
+        Self {
+            embed_tokens: self.embed_tokens.no_grad(),
+            layers,
+            norm: self.norm.no_grad(),
+            ..self
+        }
+    }
+}
+
+impl<B: Backend> CausalLm<B> {
+    /// The LM from a checkpoint: tied to the embeddings when `lm_head.weight` is absent. Fails
+    /// (and returns no model) on a missing, unexpected or misshapen tensor.
+    pub fn from_weights(
+        c: &TransformerConfig,
+        mut w: WeightMap,
+        device: &B::Device,
+    ) -> Result<Self, ModelError> {
+        let model = Transformer::from_weights(c, &mut w, device)?;
+        let lm_head = if w.contains("lm_head.weight") {
+            Some(LoraLinear::new(linear(
+                &mut w,
+                "lm_head",
+                c.hidden_size,
+                c.vocab_size,
+                false,
+                device,
+            )?))
+        } else {
+            None
+        };
+        w.finish()?;
+        Ok(Self { model, lm_head })
+    }
+
+    /// Every tensor under HF names, adapters merged (what `save_pretrained` writes).
+    pub fn export(&self) -> BTreeMap<String, HostTensor> {
+        let mut out = BTreeMap::new();
+        self.model.export(&mut out);
+        if let Some(head) = &self.lm_head {
+            export_linear(head, "lm_head", &mut out);
+        }
+        out
+    }
+
+    /// Whether the head reuses the embeddings.
+    pub fn is_tied(&self) -> bool {
+        self.lm_head.is_none()
+    }
+
+    /// Attaches LoRA adapters (the LM head is left frozen) and freezes the rest.
+    pub fn with_lora(self, lora: &LoraConfig, device: &B::Device) -> Self {
+        Self {
+            model: self.model.with_lora(lora, device),
+            lm_head: self.lm_head.map(|h| h.no_grad()),
+        }
+    }
+
+    /// Merges every adapter into its base weight.
+    pub fn merge_lora(self) -> Self {
+        let merge = |l: LoraLinear<B>| l.merge();
+        let layers = self
+            .model
+            .layers
+            .into_iter()
+            .map(|layer| {
+                let a = layer.self_attn;
+                DecoderLayer {
+                    self_attn: Attention {
+                        q_proj: merge(a.q_proj),
+                        k_proj: merge(a.k_proj),
+                        v_proj: merge(a.v_proj),
+                        o_proj: merge(a.o_proj),
+                        ..a
+                    },
+                    mlp: Mlp {
+                        gate_proj: merge(layer.mlp.gate_proj),
+                        up_proj: merge(layer.mlp.up_proj),
+                        down_proj: merge(layer.mlp.down_proj),
+                    },
+                    ..layer
+                }
+            })
+            .collect();
+        Self {
+            model: Transformer {
+                layers,
+                ..self.model
+            },
+            lm_head: self.lm_head.map(merge),
+        }
+    }
+}
+
+/// The value head's initialisation: normal(0, 0.02) weight and zero bias, as HF initialises a new
+/// `score` layer (`initializer_range`).
+fn init_value_head<B: Backend>(hidden: usize, bias: bool, device: &B::Device) -> Linear<B> {
+    let weight = Tensor::random([hidden, 1], Distribution::Normal(0.0, 0.02), device);
+    let mut l = LinearConfig::new(hidden, 1).with_bias(bias).init(device);
+    l.weight = Param::from_tensor(weight);
+    if let Some(b) = l.bias.as_mut() {
+        *b = Param::from_tensor(Tensor::zeros([1], device));
+    }
+    l
+}
+
+impl<B: Backend> ValueModel<B> {
+    /// The critic from a checkpoint: a saved critic (`score.weight`/`score.bias`) or an LM checkpoint
+    /// (its `lm_head.weight` is dropped and a fresh value head initialised, as verl's critic is).
+    pub fn from_weights(
+        c: &TransformerConfig,
+        mut w: WeightMap,
+        device: &B::Device,
+    ) -> Result<Self, ModelError> {
+        let model = Transformer::from_weights(c, &mut w, device)?;
+        let score = if w.contains("score.weight") {
+            let bias = w.contains("score.bias");
+            linear(&mut w, "score", c.hidden_size, 1, bias, device)?
+        } else {
+            w.take_optional("lm_head.weight", &[c.vocab_size, c.hidden_size])?;
+            init_value_head(c.hidden_size, true, device)
+        };
+        w.finish()?;
+        Ok(Self { model, score })
+    }
+
+    /// A randomly initialised critic.
+    pub fn init(c: &TransformerConfig, device: &B::Device) -> Self {
+        Self {
+            model: c.init(device),
+            score: init_value_head(c.hidden_size, true, device),
+        }
+    }
+
+    /// Every tensor under HF names (`model.*` and `score.*`).
+    pub fn export(&self) -> BTreeMap<String, HostTensor> {
+        let mut out = BTreeMap::new();
+        self.model.export(&mut out);
+        export_linear(&LoraLinear::new(self.score.clone()), "score", &mut out);
+        out
+    }
+}
+
+impl<B: Backend> RewardModel<B> {
+    /// A reward model from a `*ForSequenceClassification` checkpoint (`score.weight` `[1, hidden]`).
+    pub fn from_weights(
+        c: &TransformerConfig,
+        mut w: WeightMap,
+        device: &B::Device,
+    ) -> Result<Self, ModelError> {
+        let model = Transformer::from_weights(c, &mut w, device)?;
+        let bias = w.contains("score.bias");
+        let score = linear(&mut w, "score", c.hidden_size, 1, bias, device)?;
+        w.finish()?;
+        Ok(Self { model, score })
+    }
+}

@@ -1,0 +1,108 @@
+//! The key/value cache of one generation call. It belongs to the caller, never to the model:
+//! preallocated for the longest sequence the call will produce, shared time axis for every row
+//! (left padding and the attention mask say which positions are real), rows selectable so finished
+//! sequences stop costing compute.
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{Int, Tensor, TensorData};
+
+use crate::TransformerConfig;
+
+/// Cached keys and values of every layer.
+#[derive(Debug, Clone)]
+pub struct KvCache<B: Backend> {
+    keys: Vec<Tensor<B, 4>>,
+    values: Vec<Tensor<B, 4>>,
+    len: usize,
+    capacity: usize,
+}
+
+impl<B: Backend> KvCache<B> {
+    /// An empty cache for `batch` rows of up to `capacity` positions.
+    ///
+    /// Buffers: `[batch, kv_heads, capacity, head_dim]` per layer, keys and values.
+    pub fn new(
+        config: &TransformerConfig,
+        batch: usize,
+        capacity: usize,
+        device: &B::Device,
+    ) -> Self {
+        let shape = [batch, config.num_key_value_heads, capacity, config.head_dim];
+        let zeros = || {
+            (0..config.num_hidden_layers)
+                .map(|_| Tensor::zeros(shape, device))
+                .collect()
+        };
+        Self {
+            keys: zeros(),
+            values: zeros(),
+            len: 0,
+            capacity,
+        }
+    }
+
+    /// Positions filled so far.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether nothing has been cached yet.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Rows in the cache.
+    pub fn batch_size(&self) -> usize {
+        self.keys.first().map_or(0, |k| k.dims()[0])
+    }
+
+    /// Writes `k`, `v` (`[B, kv_heads, L, head_dim]`) of `layer` after the cached positions and
+    /// returns every position so far (`[B, kv_heads, len + L, head_dim]`). The length advances
+    /// once all layers are written ([`KvCache::advance`]).
+    pub fn append(
+        &mut self,
+        layer: usize,
+        k: Tensor<B, 4>,
+        v: Tensor<B, 4>,
+    ) -> (Tensor<B, 4>, Tensor<B, 4>) {
+        let [b, kv, l, d] = k.dims();
+        let end = self.len + l;
+        if end > self.capacity {
+            self.grow(end.max(self.capacity * 2));
+        }
+        let ranges = [0..b, 0..kv, self.len..end, 0..d];
+        let keys = self.keys[layer].clone().slice_assign(ranges.clone(), k);
+        let values = self.values[layer].clone().slice_assign(ranges, v);
+        self.keys[layer] = keys.clone();
+        self.values[layer] = values.clone();
+        let upto = [0..b, 0..kv, 0..end, 0..d];
+        (keys.slice(upto.clone()), values.slice(upto))
+    }
+
+    /// Marks `l` more positions as filled (after every layer appended them).
+    pub fn advance(&mut self, l: usize) {
+        self.len += l;
+    }
+
+    fn grow(&mut self, capacity: usize) {
+        for buf in self.keys.iter_mut().chain(self.values.iter_mut()) {
+            let [b, kv, cap, d] = buf.dims();
+            let extra = Tensor::zeros([b, kv, capacity - cap, d], &buf.device());
+            *buf = Tensor::cat(vec![buf.clone(), extra], 2);
+        }
+        self.capacity = capacity;
+    }
+
+    /// Keeps only `rows` (in that order): finished sequences leave the batch.
+    pub fn select_rows(&mut self, rows: &[usize]) {
+        let Some(first) = self.keys.first() else {
+            return;
+        };
+        let device = first.device();
+        let idx: Vec<i64> = rows.iter().map(|&r| r as i64).collect();
+        let idx = Tensor::<B, 1, Int>::from_data(TensorData::new(idx, [rows.len()]), &device);
+        for buf in self.keys.iter_mut().chain(self.values.iter_mut()) {
+            *buf = buf.clone().select(0, idx.clone());
+        }
+    }
+}

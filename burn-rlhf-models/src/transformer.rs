@@ -1,0 +1,379 @@
+//! The Qwen2/Llama decoder: RMSNorm, rotary attention with grouped-query heads, SwiGLU MLP, and
+//! the heads built on it (LM, value, reward). Field names follow HF's module tree
+//! (`model.layers.N.self_attn.q_proj`), so HF tensor names map one to one.
+
+use burn::module::{Module, Param};
+use burn::nn::{Embedding, Linear};
+use burn::tensor::activation::{silu, softmax};
+use burn::tensor::backend::Backend;
+use burn::tensor::{Int, Tensor, TensorData};
+
+use crate::cache::KvCache;
+use crate::lora::LoraLinear;
+
+/// RMSNorm (`x / sqrt(mean(x^2) + eps) * weight`), with HF's field name `weight`.
+#[derive(Module, Debug)]
+pub struct RmsNorm<B: Backend> {
+    /// `[hidden]`.
+    pub weight: Param<Tensor<B, 1>>,
+    /// Added to the mean square.
+    pub eps: f64,
+}
+
+impl<B: Backend> RmsNorm<B> {
+    /// Shapes: `[B, L, H]` → `[B, L, H]`. The statistics are f32 (the compute dtype).
+    pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let rms = (x.clone().square().mean_dim(2) + self.eps).sqrt();
+        x / rms * self.weight.val().unsqueeze::<3>()
+    }
+}
+
+/// Self-attention with rotary positions and grouped-query key/value heads.
+#[derive(Module, Debug)]
+pub struct Attention<B: Backend> {
+    /// `[hidden] → [heads * head_dim]`.
+    pub q_proj: LoraLinear<B>,
+    /// `[hidden] → [kv_heads * head_dim]`.
+    pub k_proj: LoraLinear<B>,
+    /// `[hidden] → [kv_heads * head_dim]`.
+    pub v_proj: LoraLinear<B>,
+    /// `[heads * head_dim] → [hidden]`.
+    pub o_proj: LoraLinear<B>,
+    /// Query heads.
+    pub num_heads: usize,
+    /// Key/value heads.
+    pub num_kv_heads: usize,
+    /// Per-head width.
+    pub head_dim: usize,
+}
+
+/// Rotary tables for one forward: `[B, 1, L, head_dim]` each.
+#[derive(Clone, Debug)]
+pub struct Rope<B: Backend> {
+    cos: Tensor<B, 4>,
+    sin: Tensor<B, 4>,
+}
+
+impl<B: Backend> Rope<B> {
+    /// HF's default rotary embedding for integer positions: `inv_freq_i = theta^(-2i/d)`,
+    /// angles `pos * inv_freq` repeated over both halves. Computed on the host in f64.
+    ///
+    /// Shapes: `positions` is `[B][L]` → tables `[B, 1, L, head_dim]`.
+    pub fn new(positions: &[Vec<i64>], head_dim: usize, theta: f64, device: &B::Device) -> Self {
+        let (b, l) = (positions.len(), positions.first().map_or(0, Vec::len));
+        let half = head_dim / 2;
+        let inv: Vec<f64> = (0..half)
+            .map(|i| 1.0 / theta.powf(2.0 * i as f64 / head_dim as f64))
+            .collect();
+        let mut cos = Vec::with_capacity(b * l * head_dim);
+        let mut sin = Vec::with_capacity(b * l * head_dim);
+        for row in positions {
+            for &p in row {
+                // HF's `cat(freqs, freqs)`: both halves use the same angles.
+                for _half in 0..2 {
+                    for f in &inv {
+                        let angle = p as f64 * f;
+                        cos.push(angle.cos() as f32);
+                        sin.push(angle.sin() as f32);
+                    }
+                }
+            }
+        }
+        let shape = [b, 1, l, head_dim];
+        Self {
+            cos: Tensor::from_data(TensorData::new(cos, shape), device),
+            sin: Tensor::from_data(TensorData::new(sin, shape), device),
+        }
+    }
+
+    /// `x * cos + rotate_half(x) * sin`. Shapes: `[B, heads, L, head_dim]`.
+    pub fn apply(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
+        let [b, h, l, d] = x.dims();
+        let x1 = x.clone().slice([0..b, 0..h, 0..l, 0..d / 2]);
+        let x2 = x.clone().slice([0..b, 0..h, 0..l, d / 2..d]);
+        let rotated = Tensor::cat(vec![x2.neg(), x1], 3);
+        x * self.cos.clone() + rotated * self.sin.clone()
+    }
+}
+
+impl<B: Backend> Attention<B> {
+    /// Shapes: x `[B, L, H]`, mask `[B, 1, L, S]` (additive), → `[B, L, H]`. With a cache, the new
+    /// keys and values are written at the cache's length and attention spans all `S` cached
+    /// positions.
+    pub fn forward(
+        &self,
+        x: Tensor<B, 3>,
+        rope: &Rope<B>,
+        mask: Tensor<B, 4>,
+        cache: Option<(&mut KvCache<B>, usize)>,
+    ) -> Tensor<B, 3> {
+        let [b, l, _] = x.dims();
+        let (h, kv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        let q = self
+            .q_proj
+            .forward(x.clone())
+            .reshape([b, l, h, d])
+            .swap_dims(1, 2);
+        let k = self
+            .k_proj
+            .forward(x.clone())
+            .reshape([b, l, kv, d])
+            .swap_dims(1, 2);
+        let v = self
+            .v_proj
+            .forward(x)
+            .reshape([b, l, kv, d])
+            .swap_dims(1, 2);
+        let q = rope.apply(q);
+        let k = rope.apply(k);
+        let (k, v) = match cache {
+            Some((cache, layer)) => cache.append(layer, k, v),
+            None => (k, v),
+        };
+        let s = k.dims()[2];
+        let groups = h / kv;
+        let expand = |t: Tensor<B, 4>| {
+            if groups == 1 {
+                t
+            } else {
+                t.unsqueeze_dim::<5>(2)
+                    .expand([b, kv, groups, s, d])
+                    .reshape([b, h, s, d])
+            }
+        };
+        let (k, v) = (expand(k), expand(v));
+        let scores = q.matmul(k.swap_dims(2, 3)) / (d as f64).sqrt() + mask;
+        let probs = softmax(scores, 3);
+        let out = probs.matmul(v).swap_dims(1, 2).reshape([b, l, h * d]);
+        self.o_proj.forward(out)
+    }
+}
+
+/// SwiGLU: `down(silu(gate(x)) * up(x))`.
+#[derive(Module, Debug)]
+pub struct Mlp<B: Backend> {
+    /// `[hidden] → [intermediate]`.
+    pub gate_proj: LoraLinear<B>,
+    /// `[hidden] → [intermediate]`.
+    pub up_proj: LoraLinear<B>,
+    /// `[intermediate] → [hidden]`.
+    pub down_proj: LoraLinear<B>,
+}
+
+impl<B: Backend> Mlp<B> {
+    /// Shapes: `[B, L, H]` → `[B, L, H]`.
+    pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let gate = silu(self.gate_proj.forward(x.clone()));
+        self.down_proj.forward(gate * self.up_proj.forward(x))
+    }
+}
+
+/// One pre-norm decoder layer.
+#[derive(Module, Debug)]
+pub struct DecoderLayer<B: Backend> {
+    /// Attention block.
+    pub self_attn: Attention<B>,
+    /// MLP block.
+    pub mlp: Mlp<B>,
+    /// Norm before attention.
+    pub input_layernorm: RmsNorm<B>,
+    /// Norm before the MLP.
+    pub post_attention_layernorm: RmsNorm<B>,
+}
+
+impl<B: Backend> DecoderLayer<B> {
+    /// Shapes: `[B, L, H]` → `[B, L, H]`.
+    pub fn forward(
+        &self,
+        x: Tensor<B, 3>,
+        rope: &Rope<B>,
+        mask: Tensor<B, 4>,
+        cache: Option<(&mut KvCache<B>, usize)>,
+    ) -> Tensor<B, 3> {
+        let h = x.clone()
+            + self
+                .self_attn
+                .forward(self.input_layernorm.forward(x), rope, mask, cache);
+        h.clone() + self.mlp.forward(self.post_attention_layernorm.forward(h))
+    }
+}
+
+/// The decoder stack (HF's `model.*`).
+#[derive(Module, Debug)]
+pub struct Transformer<B: Backend> {
+    /// `[vocab, hidden]`.
+    pub embed_tokens: Embedding<B>,
+    /// The layers.
+    pub layers: Vec<DecoderLayer<B>>,
+    /// Final norm.
+    pub norm: RmsNorm<B>,
+    /// RoPE base.
+    pub rope_theta: f64,
+    /// Per-head width.
+    pub head_dim: usize,
+}
+
+/// Host-side integer matrix `[B][L]` from an Int tensor.
+fn rows_i64<B: Backend>(t: &Tensor<B, 2, Int>) -> Vec<Vec<i64>> {
+    let [b, l] = t.dims();
+    let flat: Vec<i64> = t.to_data().iter::<i64>().collect();
+    (0..b).map(|r| flat[r * l..(r + 1) * l].to_vec()).collect()
+}
+
+/// The additive attention mask: query `i` (absolute position `past + i`) may attend key `j` when
+/// `j <= past + i` and key `j` is not padding. Fully masked rows (padding queries) attend
+/// uniformly instead of producing NaN, as HF's `min_dtype` mask does.
+///
+/// Shapes: `attention_mask` `[B][S]` (0/1 over every key position) → `[B, 1, L, S]`.
+pub fn causal_padding_mask<B: Backend>(
+    attention_mask: &[Vec<i64>],
+    past: usize,
+    l: usize,
+    device: &B::Device,
+) -> Tensor<B, 4> {
+    let b = attention_mask.len();
+    let s = attention_mask.first().map_or(0, Vec::len);
+    let mut m = vec![0.0f32; b * l * s];
+    for (r, row) in attention_mask.iter().enumerate() {
+        for i in 0..l {
+            for j in 0..s {
+                if j > past + i || row[j] == 0 {
+                    m[(r * l + i) * s + j] = -1e9;
+                }
+            }
+        }
+    }
+    Tensor::from_data(TensorData::new(m, [b, 1, l, s]), device)
+}
+
+impl<B: Backend> Transformer<B> {
+    /// Hidden states after the final norm.
+    ///
+    /// Shapes: input_ids, attention_mask, position_ids `[B, L]` → `[B, L, H]`. With a cache,
+    /// `attention_mask` covers every key position so far (`[B, past + L]`), and the new keys and
+    /// values are appended to it.
+    pub fn forward(
+        &self,
+        input_ids: Tensor<B, 2, Int>,
+        attention_mask: Tensor<B, 2, Int>,
+        position_ids: Tensor<B, 2, Int>,
+        mut cache: Option<&mut KvCache<B>>,
+    ) -> Tensor<B, 3> {
+        let device = input_ids.device();
+        let [_, l] = input_ids.dims();
+        let past = cache.as_ref().map_or(0, |c| c.len());
+        let rope = Rope::new(
+            &rows_i64(&position_ids),
+            self.head_dim,
+            self.rope_theta,
+            &device,
+        );
+        let mask = causal_padding_mask::<B>(&rows_i64(&attention_mask), past, l, &device);
+        let mut x = self.embed_tokens.forward(input_ids);
+        for (i, layer) in self.layers.iter().enumerate() {
+            let layer_cache = cache.as_deref_mut().map(|c| (c, i));
+            x = layer.forward(x, &rope, mask.clone(), layer_cache);
+        }
+        if let Some(c) = cache {
+            c.advance(l);
+        }
+        self.norm.forward(x)
+    }
+}
+
+/// A causal language model: the decoder and its LM head (tied to the embeddings when the
+/// checkpoint has no `lm_head.weight`).
+#[derive(Module, Debug)]
+pub struct CausalLm<B: Backend> {
+    /// The decoder (HF `model.*`).
+    pub model: Transformer<B>,
+    /// `None`: tied to `model.embed_tokens`.
+    pub lm_head: Option<LoraLinear<B>>,
+}
+
+impl<B: Backend> CausalLm<B> {
+    /// Logits over the vocabulary. Shapes: `[B, L]` each → `[B, L, V]`.
+    pub fn forward(
+        &self,
+        input_ids: Tensor<B, 2, Int>,
+        attention_mask: Tensor<B, 2, Int>,
+        position_ids: Tensor<B, 2, Int>,
+        cache: Option<&mut KvCache<B>>,
+    ) -> Tensor<B, 3> {
+        let hidden = self
+            .model
+            .forward(input_ids, attention_mask, position_ids, cache);
+        self.logits(hidden)
+    }
+
+    /// The LM head on hidden states. Shapes: `[B, L, H]` → `[B, L, V]`.
+    pub fn logits(&self, hidden: Tensor<B, 3>) -> Tensor<B, 3> {
+        match &self.lm_head {
+            Some(head) => head.forward(hidden),
+            None => {
+                let w = self.model.embed_tokens.weight.val(); // [V, H]
+                hidden.matmul(w.transpose().unsqueeze::<3>())
+            }
+        }
+    }
+}
+
+/// The critic: the decoder and a `Linear(hidden, 1)` value head (HF `*ForTokenClassification` with
+/// one label, as verl's critic).
+#[derive(Module, Debug)]
+pub struct ValueModel<B: Backend> {
+    /// The decoder.
+    pub model: Transformer<B>,
+    /// `[hidden] → [1]`, with bias.
+    pub score: Linear<B>,
+}
+
+impl<B: Backend> ValueModel<B> {
+    /// One value per token. Shapes: `[B, L]` each → `[B, L]`.
+    pub fn forward(
+        &self,
+        input_ids: Tensor<B, 2, Int>,
+        attention_mask: Tensor<B, 2, Int>,
+        position_ids: Tensor<B, 2, Int>,
+    ) -> Tensor<B, 2> {
+        let hidden = self
+            .model
+            .forward(input_ids, attention_mask, position_ids, None);
+        self.score.forward(hidden).squeeze_dim::<2>(2)
+    }
+}
+
+/// A scalar reward model (HF `*ForSequenceClassification` with one label, `score.weight`, no bias):
+/// the score of the last non-padding token.
+#[derive(Module, Debug)]
+pub struct RewardModel<B: Backend> {
+    /// The decoder.
+    pub model: Transformer<B>,
+    /// `[hidden] → [1]`, no bias.
+    pub score: Linear<B>,
+}
+
+impl<B: Backend> RewardModel<B> {
+    /// One reward per row, at its last token with `attention_mask == 1` (left or right padding).
+    ///
+    /// Shapes: `[B, L]` each → `[B]`.
+    pub fn forward(
+        &self,
+        input_ids: Tensor<B, 2, Int>,
+        attention_mask: Tensor<B, 2, Int>,
+        position_ids: Tensor<B, 2, Int>,
+    ) -> Tensor<B, 1> {
+        let device = input_ids.device();
+        let last: Vec<i64> = rows_i64(&attention_mask)
+            .iter()
+            .map(|row| row.iter().rposition(|&m| m != 0).unwrap_or(0) as i64)
+            .collect();
+        let b = last.len();
+        let hidden = self
+            .model
+            .forward(input_ids, attention_mask, position_ids, None);
+        let scores = self.score.forward(hidden).squeeze_dim::<2>(2); // [B, L]
+        let index = Tensor::<B, 2, Int>::from_data(TensorData::new(last, [b, 1]), &device);
+        scores.gather(1, index).squeeze_dim::<1>(1)
+    }
+}

@@ -1,0 +1,403 @@
+//! The decoder against HF transformers' own outputs: every model folder in
+//! `$RLHF_FIXTURES_DIR/models` (logits, token log-probs, greedy continuations) and the real
+//! SmolLM2-135M-Instruct GGUF from `$RLHF_SMOLLM2_DIR` (log-probs, top-20 logits, greedy tokens,
+//! chat template).
+
+use std::path::Path;
+
+use burn::backend::Flex;
+use burn::tensor::activation::log_softmax;
+use burn::tensor::{Int, Tensor, TensorData};
+use burn_rlhf_models::{load_pretrained, CausalLm, ChatMessage, KvCache, TransformerConfig};
+use serde_json::Value;
+
+type B = Flex;
+
+struct Golden {
+    atol: f64,
+    rtol: f64,
+    cases: Vec<Value>,
+    root: Value,
+}
+
+fn read_golden(path: &Path) -> Golden {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let root: Value =
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let tol = &root["tolerance"];
+    let cases = root["cases"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{}: no cases", path.display()))
+        .clone();
+    assert!(!cases.is_empty(), "{}: no cases", path.display());
+    Golden {
+        atol: tol["atol"].as_f64().expect("tolerance.atol"),
+        rtol: tol["rtol"].as_f64().expect("tolerance.rtol"),
+        cases,
+        root,
+    }
+}
+
+/// A golden tensor: shape and data as f64.
+fn tensor(v: &Value, name: &str) -> (Vec<usize>, Vec<f64>) {
+    let t = &v[name];
+    let shape = t["shape"]
+        .as_array()
+        .unwrap_or_else(|| panic!("`{name}` has no shape"))
+        .iter()
+        .map(|d| d.as_u64().unwrap() as usize)
+        .collect();
+    let data = t["data"]
+        .as_array()
+        .unwrap_or_else(|| panic!("`{name}` has no data"))
+        .iter()
+        .map(|d| d.as_f64().unwrap())
+        .collect();
+    (shape, data)
+}
+
+fn int2(shape: &[usize], data: &[f64]) -> Tensor<B, 2, Int> {
+    let ints: Vec<i64> = data.iter().map(|&x| x as i64).collect();
+    Tensor::from_data(
+        TensorData::new(ints, [shape[0], shape[1]]),
+        &Default::default(),
+    )
+}
+
+fn close(ours: f64, theirs: f64, atol: f64, rtol: f64) -> bool {
+    (ours - theirs).abs() <= atol + rtol * theirs.abs()
+}
+
+/// Log-prob of each next token: `[B, L-1]`, position `t` scores `ids[t+1]`.
+fn token_logprobs(logits: Tensor<B, 3>, ids: &[f64], l: usize) -> Vec<f64> {
+    let [b, _, v] = logits.dims();
+    let lp: Vec<f32> = log_softmax(logits, 2).into_data().iter::<f32>().collect();
+    let mut out = Vec::with_capacity(b * (l - 1));
+    for r in 0..b {
+        for t in 0..l - 1 {
+            let next = ids[r * l + t + 1] as usize;
+            out.push(lp[(r * l + t) * v + next] as f64);
+        }
+    }
+    out
+}
+
+/// Greedy decoding with the KV cache from a left-padded batch: returns the new tokens per row and
+/// checks each step's logits against a full forward over the whole sequence so far.
+fn greedy_with_cache(
+    model: &CausalLm<B>,
+    config: &TransformerConfig,
+    ids: &[f64],
+    mask: &[f64],
+    pos: &[f64],
+    b: usize,
+    l: usize,
+    steps: usize,
+    check_cache: bool,
+) -> Vec<Vec<u32>> {
+    let device = Default::default();
+    let mut cache = KvCache::<B>::new(config, b, l + steps, &device);
+    let mut all_ids: Vec<Vec<i64>> = (0..b)
+        .map(|r| ids[r * l..(r + 1) * l].iter().map(|&x| x as i64).collect())
+        .collect();
+    let mut all_mask: Vec<Vec<i64>> = (0..b)
+        .map(|r| mask[r * l..(r + 1) * l].iter().map(|&x| x as i64).collect())
+        .collect();
+    let mut next_pos: Vec<i64> = (0..b).map(|r| pos[r * l + l - 1] as i64 + 1).collect();
+    let mut new_tokens = vec![Vec::new(); b];
+    let mut logits = model.forward(
+        int2(&[b, l], ids),
+        int2(&[b, l], mask),
+        int2(&[b, l], pos),
+        Some(&mut cache),
+    );
+    for step in 0..steps {
+        let s = logits.dims()[1];
+        let last = logits.clone().slice([0..b, s - 1..s]).squeeze_dim::<2>(1);
+        if check_cache && step > 0 {
+            // The same step from scratch, no cache.
+            let n = all_ids[0].len();
+            let flat =
+                |m: &Vec<Vec<i64>>| m.iter().flatten().map(|&x| x as f64).collect::<Vec<_>>();
+            let full_pos: Vec<f64> = all_mask
+                .iter()
+                .flat_map(|row| {
+                    let mut p = 0i64;
+                    row.iter().map(move |&m| {
+                        let v = p;
+                        p += m;
+                        (if m == 0 { 0 } else { v }) as f64
+                    })
+                })
+                .collect();
+            let full = model.forward(
+                int2(&[b, n], &flat(&all_ids)),
+                int2(&[b, n], &flat(&all_mask)),
+                int2(&[b, n], &full_pos),
+                None,
+            );
+            let full_last: Vec<f32> = full
+                .slice([0..b, n - 1..n])
+                .into_data()
+                .iter::<f32>()
+                .collect();
+            let inc: Vec<f32> = last.clone().into_data().iter::<f32>().collect();
+            let worst = full_last
+                .iter()
+                .zip(&inc)
+                .map(|(a, c)| (a - c).abs())
+                .fold(0.0f32, f32::max);
+            assert!(
+                worst < 1e-4,
+                "step {step}: cached logits differ from a full forward by {worst}"
+            );
+        }
+        let next: Vec<i64> = last.argmax(1).into_data().iter::<i64>().collect();
+        for r in 0..b {
+            new_tokens[r].push(next[r] as u32);
+            all_ids[r].push(next[r]);
+            all_mask[r].push(1);
+        }
+        let step_ids: Vec<f64> = next.iter().map(|&x| x as f64).collect();
+        let step_pos: Vec<f64> = next_pos.iter().map(|&x| x as f64).collect();
+        let full_mask: Vec<f64> = all_mask.iter().flatten().map(|&x| x as f64).collect();
+        let n = all_mask[0].len();
+        logits = model.forward(
+            int2(&[b, 1], &step_ids),
+            int2(&[b, n], &full_mask),
+            int2(&[b, 1], &step_pos),
+            Some(&mut cache),
+        );
+        for p in next_pos.iter_mut() {
+            *p += 1;
+        }
+    }
+    new_tokens
+}
+
+fn check_fixture_model(dir: &Path) -> Result<(), String> {
+    let golden = read_golden(&dir.join("golden.json"));
+    let pretrained = load_pretrained(dir.to_str().unwrap()).map_err(|e| e.to_string())?;
+    let config = pretrained.config.clone();
+    let model = pretrained
+        .causal_lm::<B>(&Default::default())
+        .map_err(|e| e.to_string())?;
+    for (ci, case) in golden.cases.iter().enumerate() {
+        let (shape, ids) = tensor(case, "input_ids");
+        let (_, mask) = tensor(case, "attention_mask");
+        let (_, pos) = tensor(case, "position_ids");
+        let (b, l) = (shape[0], shape[1]);
+        let logits = model.forward(
+            int2(&shape, &ids),
+            int2(&shape, &mask),
+            int2(&shape, &pos),
+            None,
+        );
+        let (lshape, want) = tensor(case, "logits");
+        let v = lshape[2];
+        let ours: Vec<f32> = logits.clone().into_data().iter::<f32>().collect();
+        for r in 0..b {
+            for t in 0..l {
+                if mask[r * l + t] == 0.0 {
+                    continue;
+                }
+                for k in 0..v {
+                    let i = (r * l + t) * v + k;
+                    if !close(ours[i] as f64, want[i], golden.atol, golden.rtol) {
+                        return Err(format!(
+                            "case {ci} logits[{r},{t},{k}]: ours {} HF {}",
+                            ours[i], want[i]
+                        ));
+                    }
+                }
+            }
+        }
+        let (_, want_lp) = tensor(case, "token_logprobs");
+        let ours_lp = token_logprobs(logits, &ids, l);
+        for r in 0..b {
+            for t in 0..l - 1 {
+                if mask[r * l + t] == 0.0 || mask[r * l + t + 1] == 0.0 {
+                    continue;
+                }
+                let i = r * (l - 1) + t;
+                if !close(ours_lp[i], want_lp[i], golden.atol, golden.rtol) {
+                    return Err(format!(
+                        "case {ci} token_logprobs[{r},{t}]: ours {} HF {}",
+                        ours_lp[i], want_lp[i]
+                    ));
+                }
+            }
+        }
+        let steps = case["max_new_tokens"].as_u64().expect("max_new_tokens") as usize;
+        let greedy = greedy_with_cache(&model, &config, &ids, &mask, &pos, b, l, steps, true);
+        let want_greedy = case["greedy"].as_array().expect("greedy");
+        for r in 0..b {
+            let prompt: Vec<u32> = (0..l)
+                .filter(|&t| mask[r * l + t] != 0.0)
+                .map(|t| ids[r * l + t] as u32)
+                .collect();
+            let ours: Vec<u32> = prompt
+                .into_iter()
+                .chain(greedy[r].iter().cloned())
+                .collect();
+            let theirs: Vec<u32> = want_greedy[r]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_u64().unwrap() as u32)
+                .collect();
+            if ours != theirs {
+                return Err(format!("case {ci} row {r}: greedy {ours:?}, HF {theirs:?}"));
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn fixture_models_match_transformers() {
+    let root = burn_rlhf_test_assets::fixtures_subdir("models");
+    let mut dirs: Vec<_> = std::fs::read_dir(&root)
+        .unwrap()
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.is_dir())
+        .collect();
+    dirs.sort();
+    assert!(!dirs.is_empty(), "no model folders in {}", root.display());
+    let mut failures = Vec::new();
+    for dir in &dirs {
+        if let Err(e) = check_fixture_model(dir) {
+            failures.push(format!("{}: {e}", dir.display()));
+        }
+    }
+    println!(
+        "hf golden: {} of {} fixture models passed",
+        dirs.len() - failures.len(),
+        dirs.len()
+    );
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
+fn smollm2_gguf_matches_transformers() {
+    let Some(dir) = burn_rlhf_test_assets::smollm2_dir("smollm2_gguf_matches_transformers") else {
+        return;
+    };
+    let golden = read_golden(&dir.join("golden.json"));
+    let pretrained = load_pretrained(dir.to_str().unwrap()).unwrap_or_else(|e| panic!("{e}"));
+    let tokenizer = pretrained
+        .tokenizer
+        .clone()
+        .expect("SmolLM2 has a tokenizer");
+    let config = pretrained.config.clone();
+    let model = pretrained
+        .causal_lm::<B>(&Default::default())
+        .unwrap_or_else(|e| panic!("{e}"));
+
+    // Chat template: text and ids exactly. The fields sit at the top level or in the first case.
+    let field = |k: &str| -> Value {
+        let top = &golden.root[k];
+        if top.is_null() {
+            golden.cases[0][k].clone()
+        } else {
+            top.clone()
+        }
+    };
+    let prompts: Vec<String> = field("prompts")
+        .as_array()
+        .expect("prompts")
+        .iter()
+        .map(|p| p.as_str().unwrap().to_string())
+        .collect();
+    let text = tokenizer
+        .apply_chat_template(&[ChatMessage::user(&prompts[0])], true)
+        .unwrap();
+    assert_eq!(
+        text,
+        field("chat_template_text").as_str().unwrap(),
+        "chat template text"
+    );
+    let ids = tokenizer.encode(&text, false).unwrap();
+    let want_ids: Vec<u32> = field("chat_template_ids")
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect();
+    assert_eq!(ids, want_ids, "chat template ids");
+
+    for (ci, case) in golden.cases.iter().enumerate() {
+        let (shape, ids) = tensor(case, "input_ids");
+        let (_, mask) = tensor(case, "attention_mask");
+        let (_, pos) = tensor(case, "position_ids");
+        let (b, l) = (shape[0], shape[1]);
+        let logits = model.forward(
+            int2(&shape, &ids),
+            int2(&shape, &mask),
+            int2(&shape, &pos),
+            None,
+        );
+        let v = logits.dims()[2];
+        let (_, want_lp) = tensor(case, "token_logprobs");
+        let ours_lp = token_logprobs(logits.clone(), &ids, l);
+        for r in 0..b {
+            for t in 0..l - 1 {
+                if mask[r * l + t] != 0.0 && mask[r * l + t + 1] != 0.0 {
+                    let i = r * (l - 1) + t;
+                    assert!(
+                        close(ours_lp[i], want_lp[i], golden.atol, golden.rtol),
+                        "case {ci} token_logprobs[{r},{t}]: ours {} HF {}",
+                        ours_lp[i],
+                        want_lp[i]
+                    );
+                }
+            }
+        }
+        let last: Vec<f32> = logits
+            .slice([0..b, l - 1..l])
+            .into_data()
+            .iter::<f32>()
+            .collect();
+        let (_, top_ids) = tensor(case, "last_top20_ids");
+        let (_, top_logits) = tensor(case, "last_top20_logits");
+        for r in 0..b {
+            let row = &last[r * v..(r + 1) * v];
+            let mut order: Vec<usize> = (0..v).collect();
+            order.sort_by(|&a, &c| row[c].total_cmp(&row[a]));
+            let ours_top: Vec<usize> = order[..20].to_vec();
+            let theirs_top: Vec<usize> = top_ids[r * 20..(r + 1) * 20]
+                .iter()
+                .map(|&x| x as usize)
+                .collect();
+            assert_eq!(ours_top, theirs_top, "case {ci} row {r}: top-20 ids");
+            for k in 0..20 {
+                let (o, t) = (row[theirs_top[k]] as f64, top_logits[r * 20 + k]);
+                assert!(
+                    close(o, t, golden.atol, golden.rtol),
+                    "case {ci} row {r} top-{k} logit: ours {o} HF {t}"
+                );
+            }
+        }
+        let steps = case["max_new_tokens"].as_u64().expect("max_new_tokens") as usize;
+        let greedy = greedy_with_cache(&model, &config, &ids, &mask, &pos, b, l, steps, false);
+        let want_greedy = case["greedy"].as_array().expect("greedy");
+        for r in 0..b {
+            let prompt: Vec<u32> = (0..l)
+                .filter(|&t| mask[r * l + t] != 0.0)
+                .map(|t| ids[r * l + t] as u32)
+                .collect();
+            let ours: Vec<u32> = prompt
+                .into_iter()
+                .chain(greedy[r].iter().cloned())
+                .collect();
+            let theirs: Vec<u32> = want_greedy[r]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_u64().unwrap() as u32)
+                .collect();
+            assert_eq!(ours, theirs, "case {ci} row {r}: greedy tokens");
+        }
+    }
+    println!("hf golden: SmolLM2-135M-Instruct passed");
+}
