@@ -208,6 +208,7 @@ pub fn locate(path_or_id: &str) -> Result<ModelFiles, ModelError> {
 }
 
 /// A located and read checkpoint: config, tensors and tokenizer, ready to build a model from.
+#[derive(Debug)]
 pub struct Pretrained {
     /// The model's shape.
     pub config: TransformerConfig,

@@ -89,6 +89,11 @@ impl WeightMap {
         }
     }
 
+    /// Removes and returns `name` whatever its shape.
+    pub fn take_any(&mut self, name: &str) -> Option<HostTensor> {
+        self.tensors.remove(name)
+    }
+
     /// Fails when tensors remain that no module took.
     pub fn finish(self) -> Result<(), ModelError> {
         let rest = self.remaining();

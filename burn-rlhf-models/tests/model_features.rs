@@ -1,0 +1,349 @@
+//! Heads, LoRA, saving and loading: what the trainers rely on beyond matching HF's logits.
+
+use std::path::{Path, PathBuf};
+
+use burn::backend::{Autodiff, Flex};
+use burn::module::AutodiffModule;
+use burn::optim::{GradientsParams, Optimizer, SgdConfig};
+use burn::tensor::{Int, Tensor, TensorData};
+use std::collections::BTreeMap;
+
+use burn_rlhf_models::weights::{write_safetensors, HostTensor, WeightMap};
+use burn_rlhf_models::{load_pretrained, save_pretrained, CausalLm, LoraConfig, ValueModel};
+
+type B = Flex;
+type AD = Autodiff<Flex>;
+
+fn tiny(name: &str) -> PathBuf {
+    burn_rlhf_test_assets::fixtures_subdir("models").join(name)
+}
+
+fn temp_dir(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("burn-rlhf-models-{tag}-{}", std::process::id()));
+    std::fs::remove_dir_all(&d).ok();
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn batch<BB: burn::tensor::backend::Backend>(
+    vocab: usize,
+) -> (Tensor<BB, 2, Int>, Tensor<BB, 2, Int>, Tensor<BB, 2, Int>) {
+    let device = Default::default();
+    let ids: Vec<i64> = (0..12).map(|i| (i * 37 % vocab) as i64).collect();
+    let mask: Vec<i64> = vec![0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1];
+    let pos: Vec<i64> = vec![0, 0, 0, 1, 2, 3, 0, 1, 2, 3, 4, 5];
+    let t = |v: Vec<i64>| Tensor::from_data(TensorData::new(v, [2, 6]), &device);
+    (t(ids), t(mask), t(pos))
+}
+
+fn max_abs_diff<const D: usize>(a: Tensor<B, D>, b: Tensor<B, D>) -> f32 {
+    (a - b).abs().max().into_scalar()
+}
+
+#[test]
+fn saved_model_loads_back_with_identical_logits_and_config() {
+    for name in ["tiny-llama", "tiny-qwen2"] {
+        let pre = load_pretrained(tiny(name).to_str().unwrap()).unwrap();
+        let config = pre.config.clone();
+        let model: CausalLm<B> = pre.causal_lm(&Default::default()).unwrap();
+        let out = temp_dir(name);
+        save_pretrained(&out, &config, &model.export(), None, None).unwrap();
+        let again = load_pretrained(out.to_str().unwrap()).unwrap();
+        assert_eq!(again.config, config, "{name}: config.json round trip");
+        let reloaded: CausalLm<B> = again.causal_lm(&Default::default()).unwrap();
+        assert_eq!(reloaded.is_tied(), model.is_tied());
+        let (i, m, p) = batch::<B>(config.vocab_size);
+        let d = max_abs_diff(
+            model.forward(i.clone(), m.clone(), p.clone(), None),
+            reloaded.forward(i, m, p, None),
+        );
+        assert_eq!(d, 0.0, "{name}: logits changed through save/load");
+        std::fs::remove_dir_all(&out).ok();
+    }
+}
+
+/// Copies a tiny model and rewrites its tensors with `edit`.
+fn corrupted(name: &str, tag: &str, edit: impl Fn(&mut BTreeMap<String, HostTensor>)) -> PathBuf {
+    let src = tiny(name);
+    let dir = temp_dir(tag);
+    std::fs::copy(src.join("config.json"), dir.join("config.json")).unwrap();
+    let mut map = WeightMap::new("src");
+    map.read_safetensors(&src.join("model.safetensors"))
+        .unwrap();
+    let mut tensors: BTreeMap<String, HostTensor> = map
+        .remaining()
+        .into_iter()
+        .map(|n| (n.clone(), map.take_any(&n).unwrap()))
+        .collect();
+    edit(&mut tensors);
+    write_safetensors(&dir.join("model.safetensors"), &tensors, Default::default()).unwrap();
+    dir
+}
+
+#[test]
+fn broken_checkpoints_fail_naming_file_and_tensor() {
+    let missing = corrupted("tiny-llama", "missing", |t| {
+        t.remove("model.layers.1.mlp.up_proj.weight");
+    });
+    let err = load_pretrained(missing.to_str().unwrap())
+        .unwrap()
+        .causal_lm::<B>(&Default::default())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("missing tensor `model.layers.1.mlp.up_proj.weight`")
+            && err.contains("model.safetensors"),
+        "{err}"
+    );
+
+    let unexpected = corrupted("tiny-llama", "unexpected", |t| {
+        let extra = t["model.norm.weight"].clone();
+        t.insert("model.extra.weight".into(), extra);
+    });
+    let err = load_pretrained(unexpected.to_str().unwrap())
+        .unwrap()
+        .causal_lm::<B>(&Default::default())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("unexpected tensor(s) model.extra.weight"),
+        "{err}"
+    );
+
+    let shape = corrupted("tiny-qwen2", "shape", |t| {
+        let w = t.get_mut("model.layers.0.self_attn.k_proj.bias").unwrap();
+        w.data.push(0.0);
+        w.shape = vec![w.data.len()];
+    });
+    let err = load_pretrained(shape.to_str().unwrap())
+        .unwrap()
+        .causal_lm::<B>(&Default::default())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("`model.layers.0.self_attn.k_proj.bias` has shape [33]")
+            && err.contains("[32]"),
+        "{err}"
+    );
+    for d in [missing, unexpected, shape] {
+        std::fs::remove_dir_all(d).ok();
+    }
+    let err = load_pretrained("/nonexistent/model/dir")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("/nonexistent/model/dir"), "{err}");
+}
+
+#[test]
+fn value_head_gradients_reach_head_and_backbone() {
+    let pre = load_pretrained(tiny("tiny-qwen2").to_str().unwrap()).unwrap();
+    let critic: ValueModel<AD> = pre.value_model(&Default::default()).unwrap();
+    let (i, m, p) = batch::<AD>(1000);
+    let values = critic.forward(i, m, p);
+    assert_eq!(values.dims(), [2, 6]);
+    let grads = values.sum().backward();
+    let g_head = critic
+        .score
+        .weight
+        .grad(&grads)
+        .expect("value head gradient");
+    let g_q = critic.model.layers[0]
+        .self_attn
+        .q_proj
+        .base
+        .weight
+        .grad(&grads)
+        .expect("backbone gradient");
+    assert!(g_head.abs().sum().into_scalar() > 0.0 && g_q.abs().sum().into_scalar() > 0.0);
+    // Saved critics load back as critics (score.weight/score.bias), not as fresh heads.
+    let out = temp_dir("critic");
+    save_pretrained(
+        &out,
+        &load_pretrained(tiny("tiny-qwen2").to_str().unwrap())
+            .unwrap()
+            .config,
+        &critic.valid().export(),
+        Some("Qwen2ForTokenClassification"),
+        None,
+    )
+    .unwrap();
+    let again: ValueModel<B> = load_pretrained(out.to_str().unwrap())
+        .unwrap()
+        .value_model(&Default::default())
+        .unwrap();
+    let d = max_abs_diff(again.score.weight.val(), critic.valid().score.weight.val());
+    assert_eq!(d, 0.0);
+    std::fs::remove_dir_all(out).ok();
+}
+
+#[test]
+fn lora_trains_only_adapters_and_merges_exactly() {
+    let pre = load_pretrained(tiny("tiny-llama").to_str().unwrap()).unwrap();
+    let model: CausalLm<AD> = pre.causal_lm(&Default::default()).unwrap();
+    let lora = LoraConfig {
+        rank: 4,
+        alpha: 8.0,
+        target_modules: vec!["q_proj".into(), "v_proj".into(), "down_proj".into()],
+    };
+    let model = model.with_lora(&lora, &Default::default());
+    let before = model.valid();
+    let (i, m, p) = batch::<AD>(512);
+    let mut optim = SgdConfig::new().init();
+    let mut model = model;
+    for _ in 0..2 {
+        let loss = model
+            .forward(i.clone(), m.clone(), p.clone(), None)
+            .powi_scalar(2)
+            .mean();
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        model = optim.step(0.5, model, grads);
+    }
+    let after = model.valid();
+    let l0b = &before.model.layers[0];
+    let l0a = &after.model.layers[0];
+    // Base weights and every untargeted parameter are unchanged...
+    assert_eq!(
+        max_abs_diff(
+            l0b.self_attn.q_proj.base.weight.val(),
+            l0a.self_attn.q_proj.base.weight.val()
+        ),
+        0.0
+    );
+    assert_eq!(
+        max_abs_diff(
+            l0b.self_attn.k_proj.base.weight.val(),
+            l0a.self_attn.k_proj.base.weight.val()
+        ),
+        0.0
+    );
+    assert_eq!(
+        max_abs_diff(
+            before.model.embed_tokens.weight.val(),
+            after.model.embed_tokens.weight.val()
+        ),
+        0.0
+    );
+    assert_eq!(
+        max_abs_diff(
+            l0b.input_layernorm.weight.val(),
+            l0a.input_layernorm.weight.val()
+        ),
+        0.0
+    );
+    assert_eq!(
+        max_abs_diff(
+            before.lm_head.as_ref().unwrap().base.weight.val(),
+            after.lm_head.as_ref().unwrap().base.weight.val()
+        ),
+        0.0
+    );
+    assert!(l0a.self_attn.k_proj.lora.is_none());
+    // ...and the adapters moved.
+    let lb = l0a.self_attn.q_proj.lora.as_ref().unwrap();
+    assert!(
+        lb.lora_b.val().abs().sum().into_scalar() > 0.0,
+        "the adapter was not trained"
+    );
+    // Merged equals unmerged.
+    let (i, m, p) = batch::<B>(512);
+    let unmerged = after.forward(i.clone(), m.clone(), p.clone(), None);
+    let merged = after.clone().merge_lora();
+    assert!(merged.model.layers[0].self_attn.q_proj.lora.is_none());
+    let d = max_abs_diff(unmerged, merged.forward(i, m, p, None));
+    assert!(d < 1e-5, "merged LoRA differs by {d}");
+}
+
+#[test]
+fn bare_gguf_carries_config_and_tokenizer() {
+    let Some(dir) = burn_rlhf_test_assets::smollm2_dir("bare_gguf_carries_config_and_tokenizer")
+    else {
+        return;
+    };
+    let gguf = std::fs::read_dir(&dir)
+        .unwrap()
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .find(|p| p.extension().is_some_and(|x| x == "gguf"))
+        .unwrap();
+    // A folder with only the GGUF file: config and tokenizer come from its metadata.
+    let alone = temp_dir("gguf-alone");
+    let link = alone.join(gguf.file_name().unwrap());
+    std::os::unix::fs::symlink(&gguf, &link).unwrap();
+    let bare = load_pretrained(link.to_str().unwrap()).unwrap();
+    let full = load_pretrained(dir.to_str().unwrap()).unwrap();
+    let (bc, fc) = (&bare.config, &full.config);
+    assert_eq!(
+        (
+            bc.vocab_size,
+            bc.hidden_size,
+            bc.num_hidden_layers,
+            bc.num_attention_heads,
+            bc.num_key_value_heads,
+            bc.head_dim
+        ),
+        (
+            fc.vocab_size,
+            fc.hidden_size,
+            fc.num_hidden_layers,
+            fc.num_attention_heads,
+            fc.num_key_value_heads,
+            fc.head_dim
+        )
+    );
+    assert!(
+        (bc.rope_theta - fc.rope_theta).abs() < 1e-3
+            && bc.tie_word_embeddings == fc.tie_word_embeddings
+    );
+    let (bt, ft) = (
+        bare.tokenizer.expect("GGUF tokenizer"),
+        full.tokenizer.expect("tokenizer.json"),
+    );
+    for text in [
+        "The capital of France is",
+        "Natalia sold 48 clips in April, then 24 in May. #### 72",
+        "<|im_start|>user\nhi<|im_end|>",
+    ] {
+        assert_eq!(
+            bt.encode(text, false).unwrap(),
+            ft.encode(text, false).unwrap(),
+            "{text}"
+        );
+    }
+    std::fs::remove_dir_all(alone).ok();
+}
+
+/// The hub cache layout hf-hub reads: `hub/models--org--name/{refs/main, snapshots/<rev>/...}`.
+fn fake_hub_cache(root: &Path, id: &str, files_from: &Path) {
+    let repo = root
+        .join("hub")
+        .join(format!("models--{}", id.replace('/', "--")));
+    let rev = "0123456789abcdef0123456789abcdef01234567";
+    std::fs::create_dir_all(repo.join("refs")).unwrap();
+    std::fs::write(repo.join("refs/main"), rev).unwrap();
+    let snap = repo.join("snapshots").join(rev);
+    std::fs::create_dir_all(&snap).unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(files_from.join(f), snap.join(f)).unwrap();
+    }
+}
+
+#[test]
+fn hub_ids_load_from_the_cache_when_offline() {
+    let home = temp_dir("hf-home");
+    fake_hub_cache(&home, "tiny-org/tiny-qwen2", &tiny("tiny-qwen2"));
+    // SAFETY: this test is the only one in this binary that reads these variables.
+    unsafe {
+        std::env::set_var("HF_HOME", &home);
+        std::env::set_var("HF_HUB_OFFLINE", "1");
+    }
+    let pre = load_pretrained("tiny-org/tiny-qwen2").unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(pre.config.vocab_size, 1000);
+    pre.causal_lm::<B>(&Default::default()).unwrap();
+    let err = load_pretrained("tiny-org/not-cached")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("tiny-org/not-cached") && err.contains("HF_HUB_OFFLINE=1"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(home).ok();
+}
