@@ -12,3 +12,4 @@ pub use burn_rlhf_rollout as rollout;
 
 pub mod backend;
 pub mod config;
+pub mod runtime;

@@ -6,6 +6,9 @@ use std::process::ExitCode;
 use burn_rlhf::config::{config_to_ron, load_config};
 use clap::{Parser, Subcommand};
 
+#[global_allocator]
+static GLOBAL: burn_rlhf::runtime::MiMalloc = burn_rlhf::runtime::MiMalloc;
+
 /// RL post-training for LLMs (PPO, GRPO, DAPO, ...) on Burn, with verl's config keys.
 ///
 /// Configs are RON files with verl's key names (see `configs/`). Any key can be overridden after the
@@ -77,6 +80,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
 }
 
 fn main() -> ExitCode {
+    burn_rlhf::runtime::tune_allocator();
     match run(Cli::parse()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -1,0 +1,116 @@
+//! Forward+backward tokens/s of SmolLM2-135M at batch 4 x 256 on the default CPU backend, and the
+//! same figure from HF transformers (`../shared/bench/peer_bench.py --cases fwd_bwd`) measured in
+//! the same run, as a ratio. A benchmark: it prints, it never asserts on time.
+//!
+//! `cargo bench -p burn-rlhf-models` (env: `RLHF_SMOLLM2_DIR`, `PEER_PYTHON` for the peer venv,
+//! default `/tmp/peer-venv/bin/python`; `RLHF_BENCH_SKIP_PEER=1` to skip the peer).
+
+use std::time::Instant;
+
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+use burn::backend::{Autodiff, Flex};
+use burn::tensor::activation::log_softmax;
+use burn::tensor::{Int, Tensor, TensorData};
+use burn_rlhf_models::load_pretrained;
+
+type B = Autodiff<Flex>;
+
+/// Runs the peer benchmark and returns its `unit_per_s` for `case`, if it can run here.
+pub fn peer_rate(case_arg: &str, case_name: &str) -> Option<f64> {
+    if std::env::var("RLHF_BENCH_SKIP_PEER").is_ok_and(|v| v == "1") {
+        return None;
+    }
+    let python =
+        std::env::var("PEER_PYTHON").unwrap_or_else(|_| "/tmp/peer-venv/bin/python".into());
+    let script = burn_rlhf_test_assets::repo_root().join("../shared/bench/peer_bench.py");
+    if !std::path::Path::new(&python).exists() || !script.exists() {
+        println!(
+            "peer: not measured ({python} or {} missing; run ../shared/bench/setup_peers.sh)",
+            script.display()
+        );
+        return None;
+    }
+    let out = std::process::Command::new(&python)
+        .arg(&script)
+        .args(["--cases", case_arg])
+        .output()
+        .ok()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    for line in text.lines() {
+        let v: serde_json::Value = serde_json::from_str(line).ok()?;
+        if v["case"] == case_name {
+            println!("peer: {line}");
+            return v["unit_per_s"].as_f64();
+        }
+    }
+    println!(
+        "peer: no `{case_name}` line in its output:\n{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    None
+}
+
+/// mimalloc v2's `mi_option_purge_delay` (its `mimalloc.h` option enum).
+const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
+
+fn main() {
+    // Autodiff keeps every activation of a step alive and frees them together; returning that
+    // memory to the OS after each step makes the next step fault every page in again (measured:
+    // 16 s -> 9.4 s per step on SmolLM2 here).
+    unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, -1) };
+    let Some(dir) = burn_rlhf_test_assets::smollm2_dir("bench fwd_bwd") else {
+        return;
+    };
+    let device = Default::default();
+    let model = load_pretrained(dir.to_str().unwrap())
+        .expect("SmolLM2")
+        .causal_lm::<B>(&device)
+        .expect("SmolLM2 builds");
+    let (b, l) = (4usize, 256usize);
+    let vocab = 49152usize;
+    let mut state = 12345u64;
+    let ids: Vec<i64> = (0..b * l)
+        .map(|_| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            3 + ((state >> 33) as usize % (vocab - 3)) as i64
+        })
+        .collect();
+    let t = |v: Vec<i64>| Tensor::<B, 2, Int>::from_data(TensorData::new(v, [b, l]), &device);
+    let input = t(ids.clone());
+    let mask = t(vec![1; b * l]);
+    let pos = t((0..b).flat_map(|_| 0..l as i64).collect());
+    let labels =
+        Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [b, l]), &device).slice([0..b, 1..l]);
+    let step = || {
+        let logits = model
+            .forward(input.clone(), mask.clone(), pos.clone(), None)
+            .slice([0..b, 0..l - 1]);
+        let lp = log_softmax(logits, 2).gather(2, labels.clone().unsqueeze_dim::<3>(2));
+        let loss = lp.mean().neg();
+        let _grads = loss.backward();
+    };
+    step(); // warm-up
+    let mut times = Vec::new();
+    for _ in 0..3 {
+        let t0 = Instant::now();
+        step();
+        times.push(t0.elapsed().as_secs_f64());
+    }
+    times.sort_by(f64::total_cmp);
+    let median = times[1];
+    let ours = (b * l) as f64 / median;
+    println!(
+        "burn-rlhf ({}): smollm2_fwd_bwd_b4_l256 median {median:.3} s, {ours:.1} tokens/s",
+        "flex"
+    );
+    if let Some(peer) = peer_rate("fwd_bwd", "smollm2_fwd_bwd_b4_l256") {
+        println!(
+            "ratio burn-rlhf / transformers: {:.2}x ({ours:.1} vs {peer:.1} tokens/s)",
+            ours / peer
+        );
+    }
+}
