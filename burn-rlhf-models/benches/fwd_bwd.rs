@@ -17,41 +17,6 @@ use burn_rlhf_models::load_pretrained;
 
 type B = Autodiff<Flex>;
 
-/// Runs the peer benchmark and returns its `unit_per_s` for `case`, if it can run here.
-pub fn peer_rate(case_arg: &str, case_name: &str) -> Option<f64> {
-    if std::env::var("RLHF_BENCH_SKIP_PEER").is_ok_and(|v| v == "1") {
-        return None;
-    }
-    let python =
-        std::env::var("PEER_PYTHON").unwrap_or_else(|_| "/tmp/peer-venv/bin/python".into());
-    let script = burn_rlhf_test_assets::repo_root().join("../shared/bench/peer_bench.py");
-    if !std::path::Path::new(&python).exists() || !script.exists() {
-        println!(
-            "peer: not measured ({python} or {} missing; run ../shared/bench/setup_peers.sh)",
-            script.display()
-        );
-        return None;
-    }
-    let out = std::process::Command::new(&python)
-        .arg(&script)
-        .args(["--cases", case_arg])
-        .output()
-        .ok()?;
-    let text = String::from_utf8_lossy(&out.stdout);
-    for line in text.lines() {
-        let v: serde_json::Value = serde_json::from_str(line).ok()?;
-        if v["case"] == case_name {
-            println!("peer: {line}");
-            return v["unit_per_s"].as_f64();
-        }
-    }
-    println!(
-        "peer: no `{case_name}` line in its output:\n{text}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    None
-}
-
 /// mimalloc v2's `mi_option_purge_delay` (its `mimalloc.h` option enum).
 const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
 
@@ -107,7 +72,7 @@ fn main() {
         "burn-rlhf ({}): smollm2_fwd_bwd_b4_l256 median {median:.3} s, {ours:.1} tokens/s",
         "flex"
     );
-    if let Some(peer) = peer_rate("fwd_bwd", "smollm2_fwd_bwd_b4_l256") {
+    if let Some(peer) = burn_rlhf_test_assets::peer_rate("fwd_bwd", "smollm2_fwd_bwd_b4_l256") {
         println!(
             "ratio burn-rlhf / transformers: {:.2}x ({ours:.1} vs {peer:.1} tokens/s)",
             ours / peer

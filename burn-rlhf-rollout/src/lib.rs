@@ -1,1 +1,20 @@
-//! Rollout for burn-rlhf.
+//! Rollout for burn-rlhf: prompt datasets (GSM8K jsonl, verl parquet), prompt encoding, batched
+//! KV-cache generation with per-token log-probs, rewards, the typed [`RolloutBatch`], and
+//! validation metrics.
+
+#![warn(missing_docs)]
+
+pub mod batch;
+pub mod data;
+pub mod encode;
+mod error;
+pub mod generate;
+pub mod metrics;
+pub mod reward;
+
+pub use batch::RolloutBatch;
+pub use data::{PromptRecord, PromptSampler, SamplerState};
+pub use encode::Truncation;
+pub use error::RolloutError;
+pub use generate::{generate, generate_streaming, LogprobsMode, Sample, SamplingParams};
+pub use reward::{RewardFn, RewardInput, RewardRegistry};

@@ -26,6 +26,61 @@ enum Command {
     /// Inspect and check configuration files.
     #[command(subcommand)]
     Config(ConfigCommand),
+    /// Generate text from a model, streaming tokens to the terminal.
+    ///
+    /// Example: `burn-rlhf generate --model ../shared/models/smollm2-135m-instruct --prompt "The
+    /// capital of France is" --max-new-tokens 8 --greedy`
+    Generate(GenerateArgs),
+    /// Prepare datasets in verl's parquet layout.
+    #[command(subcommand)]
+    Data(DataCommand),
+}
+
+#[derive(clap::Args, Debug)]
+struct GenerateArgs {
+    /// A local HF folder, a .gguf file, or a hub id (`Qwen/Qwen2.5-0.5B-Instruct`).
+    #[arg(long)]
+    model: String,
+    /// The prompt text.
+    #[arg(long)]
+    prompt: String,
+    /// Tokens to generate at most.
+    #[arg(long, default_value_t = 64)]
+    max_new_tokens: usize,
+    /// Greedy decoding (overrides --temperature).
+    #[arg(long)]
+    greedy: bool,
+    /// Sampling temperature.
+    #[arg(long, default_value_t = 1.0)]
+    temperature: f64,
+    /// Nucleus sampling threshold.
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f64,
+    /// Keep only the k most likely tokens (-1: off).
+    #[arg(long, default_value_t = -1)]
+    top_k: i64,
+    /// Wrap the prompt in the model's chat template as a user message.
+    #[arg(long)]
+    chat: bool,
+    /// RNG seed.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+#[derive(Subcommand, Debug)]
+enum DataCommand {
+    /// GSM8K to verl's parquet (`data_source`, `prompt`, `ability`, `reward_model`, `extra_info`),
+    /// with verl's prompt: the question, a space, then its instruction.
+    ///
+    /// Example: `burn-rlhf data gsm8k --input ../shared/data/gsm8k --output /tmp/gsm8k`
+    Gsm8k {
+        /// A folder with train.jsonl and test.jsonl (OpenAI's layout), or the hub id `openai/gsm8k`.
+        #[arg(long)]
+        input: String,
+        /// Output folder for train.parquet and test.parquet.
+        #[arg(long)]
+        output: PathBuf,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -60,8 +115,91 @@ fn origin(config: &std::path::Path, overrides: &[String]) -> String {
     }
 }
 
+fn run_generate(args: GenerateArgs) -> anyhow::Result<()> {
+    use std::io::Write;
+
+    use burn_rlhf::backend::{default_device, InferenceBackend};
+    use burn_rlhf::models::{load_pretrained, ChatMessage};
+    use burn_rlhf::rollout::{generate_streaming, SamplingParams};
+
+    let device = default_device();
+    let pretrained = load_pretrained(&args.model)?;
+    let tokenizer = pretrained.tokenizer.clone().ok_or_else(|| {
+        anyhow::anyhow!(
+            "{}: the model has no tokenizer (tokenizer.json or GGUF metadata)",
+            args.model
+        )
+    })?;
+    let config = pretrained.config.clone();
+    let model = pretrained.causal_lm::<InferenceBackend>(&device)?;
+    let prompt = if args.chat {
+        tokenizer.encode_chat(&[ChatMessage::user(&args.prompt)], true)?
+    } else {
+        tokenizer.encode(&args.prompt, true)?
+    };
+    let params = SamplingParams {
+        greedy: args.greedy,
+        temperature: args.temperature,
+        top_p: args.top_p,
+        top_k: (args.top_k > 0).then_some(args.top_k as usize),
+        max_new_tokens: args.max_new_tokens,
+        stop_token_ids: tokenizer.eos_token_ids.clone(),
+        seed: args.seed,
+        ..Default::default()
+    };
+    print!("{}", args.prompt);
+    std::io::stdout().flush()?;
+    let mut tokens = Vec::new();
+    let mut printed = 0;
+    generate_streaming(
+        &model,
+        &config,
+        &[prompt],
+        tokenizer.pad_token_id,
+        &params,
+        &device,
+        &mut |_, t| {
+            tokens.push(t);
+            // Decode everything so far and print the new suffix: a character may span tokens.
+            if let Ok(text) = tokenizer.decode(&tokens, true) {
+                if text.len() > printed && text.is_char_boundary(printed) {
+                    print!("{}", &text[printed..]);
+                    let _ = std::io::stdout().flush();
+                    printed = text.len();
+                }
+            }
+        },
+    )?;
+    println!();
+    Ok(())
+}
+
+fn run_data_gsm8k(input: &str, output: &std::path::Path) -> anyhow::Result<()> {
+    use burn_rlhf::datasets::load_data_file;
+    use burn_rlhf::rollout::data::write_parquet;
+
+    let dir = std::path::Path::new(input);
+    for split in ["train", "test"] {
+        let records = if dir.is_dir() {
+            load_data_file(
+                &dir.join(format!("{split}.jsonl")).display().to_string(),
+                "prompt",
+                split,
+            )?
+        } else {
+            load_data_file(&format!("{input}:{split}"), "prompt", split)?
+        };
+        let path = output.join(format!("{split}.parquet"));
+        write_parquet(&path, &records)?;
+        println!("{}: {} rows", path.display(), records.len());
+    }
+    Ok(())
+}
+
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
+        Command::Generate(args) => run_generate(args)?,
+        Command::Data(DataCommand::Gsm8k { input, output }) => run_data_gsm8k(&input, &output)?,
         Command::Config(ConfigCommand::Show { config, overrides }) => {
             let resolved = load_config(&config, &overrides)?;
             println!("{}", config_to_ron(&resolved));

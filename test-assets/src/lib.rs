@@ -110,3 +110,49 @@ pub fn smollm2_dir(test: &str) -> Option<PathBuf> {
 pub fn gsm8k_dir(test: &str) -> Option<PathBuf> {
     optional_asset("RLHF_GSM8K_DIR", "../shared/data/gsm8k", "GSM8K", test)
 }
+
+/// Runs `../shared/bench/peer_bench.py --cases CASES` (HF transformers, verl's torch code) with the
+/// peer venv's Python (`PEER_PYTHON`, default `/tmp/peer-venv/bin/python`) and returns the
+/// `unit_per_s` of its `case` line, printing that line. `None` (with a line saying why) when the
+/// peers are not set up or `RLHF_BENCH_SKIP_PEER=1`; benchmarks then print only their own figure.
+pub fn peer_rate(cases: &str, case: &str) -> Option<f64> {
+    if std::env::var("RLHF_BENCH_SKIP_PEER").is_ok_and(|v| v == "1") {
+        println!("peer: skipped (RLHF_BENCH_SKIP_PEER=1)");
+        return None;
+    }
+    let python =
+        std::env::var("PEER_PYTHON").unwrap_or_else(|_| "/tmp/peer-venv/bin/python".into());
+    let script = repo_root().join("../shared/bench/peer_bench.py");
+    if !Path::new(&python).exists() || !script.exists() {
+        println!(
+            "peer: not measured ({python} or {} missing; run ../shared/bench/setup_peers.sh)",
+            script.display()
+        );
+        return None;
+    }
+    let out = match std::process::Command::new(&python)
+        .arg(&script)
+        .args(["--cases", cases])
+        .output()
+    {
+        Ok(out) => out,
+        Err(e) => {
+            println!("peer: cannot run {python}: {e}");
+            return None;
+        }
+    };
+    let text = String::from_utf8_lossy(&out.stdout);
+    for line in text.lines() {
+        if let Ok(v) = serde_json::from_str::<serde_json::Value>(line) {
+            if v["case"] == case {
+                println!("peer: {line}");
+                return v["unit_per_s"].as_f64();
+            }
+        }
+    }
+    println!(
+        "peer: no `{case}` line in its output:\n{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    None
+}

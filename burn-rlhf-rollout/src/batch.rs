@@ -1,0 +1,276 @@
+//! `RolloutBatch`: everything one rollout produced, typed, row-major on the host. Prompts are left
+//! padded to `prompt_len`, responses right padded to `response_len`; the learner turns the fields
+//! it needs into tensors.
+
+use crate::generate::Sample;
+use crate::RolloutError;
+
+/// One batch of responses and what the learner needs of them.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct RolloutBatch {
+    /// Padded prompt width.
+    pub prompt_len: usize,
+    /// Padded response width.
+    pub response_len: usize,
+    /// `[rows * prompt_len]`, left padded.
+    pub prompt_ids: Vec<u32>,
+    /// `[rows * prompt_len]`, 1 on prompt tokens.
+    pub prompt_mask: Vec<u8>,
+    /// `[rows * response_len]`, right padded with the pad id.
+    pub response_ids: Vec<u32>,
+    /// `[rows * response_len]`, 1 on generated tokens (the stop token included).
+    pub response_mask: Vec<f32>,
+    /// `[rows * response_len]`, the rollout policy's log-prob of each generated token.
+    pub rollout_log_probs: Vec<f32>,
+    /// The prompt (group) of each row: rows of one prompt share an id.
+    pub group_ids: Vec<u64>,
+    /// Each row's data source.
+    pub data_source: Vec<String>,
+    /// Each row's reference answer.
+    pub ground_truth: Vec<String>,
+    /// `[rows * response_len]` token-level scores, once rewarded.
+    pub token_level_scores: Option<Vec<f32>>,
+}
+
+impl RolloutBatch {
+    /// Builds a batch from generated samples; `prompts[s.prompt_index]` is each sample's prompt and
+    /// `group_ids`, `data_source`, `ground_truth` are per prompt.
+    pub fn from_samples(
+        prompts: &[Vec<u32>],
+        samples: &[Sample],
+        pad_id: u32,
+        group_ids: &[u64],
+        data_source: &[String],
+        ground_truth: &[String],
+    ) -> Self {
+        let prompt_len = prompts.iter().map(Vec::len).max().unwrap_or(0);
+        let response_len = samples.iter().map(|s| s.tokens.len()).max().unwrap_or(0);
+        let mut b = Self {
+            prompt_len,
+            response_len,
+            ..Default::default()
+        };
+        for s in samples {
+            let prompt = &prompts[s.prompt_index];
+            let pad = prompt_len - prompt.len();
+            b.prompt_ids.extend(
+                std::iter::repeat(pad_id)
+                    .take(pad)
+                    .chain(prompt.iter().cloned()),
+            );
+            b.prompt_mask.extend(
+                std::iter::repeat(0)
+                    .take(pad)
+                    .chain(std::iter::repeat(1).take(prompt.len())),
+            );
+            let rpad = response_len - s.tokens.len();
+            b.response_ids.extend(
+                s.tokens
+                    .iter()
+                    .cloned()
+                    .chain(std::iter::repeat(pad_id).take(rpad)),
+            );
+            b.response_mask.extend(
+                std::iter::repeat(1.0)
+                    .take(s.tokens.len())
+                    .chain(std::iter::repeat(0.0).take(rpad)),
+            );
+            b.rollout_log_probs.extend(
+                s.logprobs
+                    .iter()
+                    .cloned()
+                    .chain(std::iter::repeat(0.0).take(rpad)),
+            );
+            b.group_ids.push(group_ids[s.prompt_index]);
+            b.data_source.push(data_source[s.prompt_index].clone());
+            b.ground_truth.push(ground_truth[s.prompt_index].clone());
+        }
+        b
+    }
+
+    /// Rows in the batch.
+    pub fn rows(&self) -> usize {
+        self.group_ids.len()
+    }
+
+    /// Valid response tokens of each row.
+    pub fn response_lengths(&self) -> Vec<usize> {
+        self.response_mask
+            .chunks(self.response_len.max(1))
+            .map(|r| r.iter().filter(|&&m| m > 0.0).count())
+            .take(self.rows())
+            .collect()
+    }
+
+    /// Valid prompt tokens of each row.
+    pub fn prompt_lengths(&self) -> Vec<usize> {
+        self.prompt_mask
+            .chunks(self.prompt_len.max(1))
+            .map(|r| r.iter().filter(|&&m| m > 0).count())
+            .take(self.rows())
+            .collect()
+    }
+
+    /// The generated ids of row `r`, without padding.
+    pub fn response_tokens(&self, r: usize) -> &[u32] {
+        let len = self.response_lengths()[r];
+        &self.response_ids[r * self.response_len..r * self.response_len + len]
+    }
+
+    /// The rows `rows`, in that order.
+    pub fn select(&self, rows: &[usize]) -> Self {
+        let (p, r) = (self.prompt_len, self.response_len);
+        let pick = |v: &[f32], w: usize| {
+            rows.iter()
+                .flat_map(|&i| v[i * w..(i + 1) * w].iter().cloned())
+                .collect::<Vec<_>>()
+        };
+        Self {
+            prompt_len: p,
+            response_len: r,
+            prompt_ids: rows
+                .iter()
+                .flat_map(|&i| self.prompt_ids[i * p..(i + 1) * p].iter().cloned())
+                .collect(),
+            prompt_mask: rows
+                .iter()
+                .flat_map(|&i| self.prompt_mask[i * p..(i + 1) * p].iter().cloned())
+                .collect(),
+            response_ids: rows
+                .iter()
+                .flat_map(|&i| self.response_ids[i * r..(i + 1) * r].iter().cloned())
+                .collect(),
+            response_mask: pick(&self.response_mask, r),
+            rollout_log_probs: pick(&self.rollout_log_probs, r),
+            group_ids: rows.iter().map(|&i| self.group_ids[i]).collect(),
+            data_source: rows.iter().map(|&i| self.data_source[i].clone()).collect(),
+            ground_truth: rows.iter().map(|&i| self.ground_truth[i].clone()).collect(),
+            token_level_scores: self.token_level_scores.as_ref().map(|s| pick(s, r)),
+        }
+    }
+
+    /// Splits into consecutive chunks of `size` rows (the last may be smaller): mini-batches,
+    /// micro-batches, ranks. Padding widths are kept.
+    pub fn split(&self, size: usize) -> Result<Vec<Self>, RolloutError> {
+        if size == 0 {
+            return Err(RolloutError::Invalid(
+                "RolloutBatch::split: size must be >= 1".into(),
+            ));
+        }
+        let n = self.rows();
+        Ok((0..n)
+            .step_by(size)
+            .map(|start| self.select(&(start..(start + size).min(n)).collect::<Vec<_>>()))
+            .collect())
+    }
+
+    /// Concatenates batches, re-padding prompts (on the left) and responses (on the right) to the
+    /// widest. Scores are kept when every part has them.
+    pub fn concat(parts: &[Self], pad_id: u32) -> Self {
+        let p = parts.iter().map(|b| b.prompt_len).max().unwrap_or(0);
+        let r = parts.iter().map(|b| b.response_len).max().unwrap_or(0);
+        let with_scores = !parts.is_empty() && parts.iter().all(|b| b.token_level_scores.is_some());
+        let mut out = Self {
+            prompt_len: p,
+            response_len: r,
+            ..Default::default()
+        };
+        let mut scores = Vec::new();
+        for b in parts {
+            for row in 0..b.rows() {
+                let extra = p - b.prompt_len;
+                out.prompt_ids.extend(
+                    std::iter::repeat(pad_id).take(extra).chain(
+                        b.prompt_ids[row * b.prompt_len..(row + 1) * b.prompt_len]
+                            .iter()
+                            .cloned(),
+                    ),
+                );
+                out.prompt_mask.extend(
+                    std::iter::repeat(0).take(extra).chain(
+                        b.prompt_mask[row * b.prompt_len..(row + 1) * b.prompt_len]
+                            .iter()
+                            .cloned(),
+                    ),
+                );
+                let extra = r - b.response_len;
+                let seg = row * b.response_len..(row + 1) * b.response_len;
+                out.response_ids.extend(
+                    b.response_ids[seg.clone()]
+                        .iter()
+                        .cloned()
+                        .chain(std::iter::repeat(pad_id).take(extra)),
+                );
+                out.response_mask.extend(
+                    b.response_mask[seg.clone()]
+                        .iter()
+                        .cloned()
+                        .chain(std::iter::repeat(0.0).take(extra)),
+                );
+                out.rollout_log_probs.extend(
+                    b.rollout_log_probs[seg.clone()]
+                        .iter()
+                        .cloned()
+                        .chain(std::iter::repeat(0.0).take(extra)),
+                );
+                if with_scores {
+                    let s = b.token_level_scores.as_ref().expect("checked");
+                    scores.extend(
+                        s[seg]
+                            .iter()
+                            .cloned()
+                            .chain(std::iter::repeat(0.0).take(extra)),
+                    );
+                }
+            }
+            out.group_ids.extend(b.group_ids.iter().cloned());
+            out.data_source.extend(b.data_source.iter().cloned());
+            out.ground_truth.extend(b.ground_truth.iter().cloned());
+        }
+        out.token_level_scores = with_scores.then_some(scores);
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(prompt_index: usize, tokens: Vec<u32>) -> Sample {
+        let logprobs = tokens.iter().map(|&t| -(t as f32)).collect();
+        Sample {
+            prompt_index,
+            tokens,
+            logprobs,
+            stopped: true,
+        }
+    }
+
+    #[test]
+    fn split_then_concat_is_the_identity() {
+        let prompts = vec![vec![1, 2, 3], vec![4]];
+        let samples = vec![
+            sample(0, vec![5]),
+            sample(0, vec![6, 7, 8]),
+            sample(1, vec![9, 10]),
+        ];
+        let mut b = RolloutBatch::from_samples(
+            &prompts,
+            &samples,
+            0,
+            &[10, 11],
+            &["a".into(), "b".into()],
+            &["1".into(), "2".into()],
+        );
+        b.token_level_scores = Some(vec![1.0; 9]);
+        assert_eq!(b.response_lengths(), vec![1, 3, 2]);
+        assert_eq!(b.prompt_lengths(), vec![3, 3, 1]);
+        assert_eq!(b.group_ids, vec![10, 10, 11]);
+        assert_eq!(b.response_tokens(2), &[9, 10]);
+        for size in 1..=4 {
+            let parts = b.split(size).unwrap();
+            assert_eq!(RolloutBatch::concat(&parts, 0), b, "split({size})");
+        }
+        assert!(b.split(0).is_err());
+    }
+}

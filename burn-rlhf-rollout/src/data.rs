@@ -1,0 +1,480 @@
+//! Prompt datasets: GSM8K in OpenAI's jsonl and verl's parquet layout (read and written with
+//! polars), and a seeded, resumable sampler over epochs.
+
+use std::fs::File;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+
+use burn_rlhf_models::ChatMessage;
+use polars::prelude::*;
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use serde::{Deserialize, Serialize};
+
+use crate::RolloutError;
+
+/// verl's instruction appended to each GSM8K question.
+pub const GSM8K_INSTRUCTION: &str =
+    "Let's think step by step and output the final answer after \"####\".";
+
+/// One prompt in verl's layout.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PromptRecord {
+    /// Selects the reward function (`openai/gsm8k`).
+    pub data_source: String,
+    /// The chat messages sent to the model.
+    pub prompt: Vec<ChatMessage>,
+    /// A label (`math`).
+    pub ability: String,
+    /// `reward_model.style` (`rule`).
+    pub reward_style: String,
+    /// `reward_model.ground_truth`.
+    pub ground_truth: String,
+    /// `extra_info`: split, index, original answer and question.
+    pub extra_info: ExtraInfo,
+}
+
+/// verl's `extra_info` column for GSM8K.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct ExtraInfo {
+    /// `train` or `test`.
+    pub split: String,
+    /// Row index in the source.
+    pub index: i64,
+    /// The full reference solution.
+    pub answer: String,
+    /// The question without the instruction.
+    pub question: String,
+}
+
+/// verl's `extract_solution` for the reference: the first `#### N`, commas removed.
+pub fn gsm8k_ground_truth(answer: &str) -> Option<String> {
+    let re = regex::Regex::new(r"#### (\-?[0-9\.\,]+)").expect("valid regex");
+    re.captures(answer).map(|c| c[1].replace(',', ""))
+}
+
+#[derive(Deserialize)]
+struct Gsm8kLine {
+    question: String,
+    answer: String,
+}
+
+/// Reads OpenAI's GSM8K jsonl (`{question, answer}` per line) into verl's layout. A malformed line,
+/// or an answer without `#### N`, is an error naming the file and line.
+pub fn read_gsm8k_jsonl(path: &Path, split: &str) -> Result<Vec<PromptRecord>, RolloutError> {
+    let file = File::open(path).map_err(|e| RolloutError::Io {
+        path: path.into(),
+        source: e,
+    })?;
+    let mut out = Vec::new();
+    for (i, line) in BufReader::new(file).lines().enumerate() {
+        let line = line.map_err(|e| RolloutError::Io {
+            path: path.into(),
+            source: e,
+        })?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let row = i + 1;
+        let rec: Gsm8kLine = serde_json::from_str(&line).map_err(|e| RolloutError::Row {
+            path: path.into(),
+            row,
+            message: format!("not a {{question, answer}} object: {e}"),
+        })?;
+        let ground_truth = gsm8k_ground_truth(&rec.answer).ok_or_else(|| RolloutError::Row {
+            path: path.into(),
+            row,
+            message: "the answer has no `#### <number>` line".into(),
+        })?;
+        out.push(PromptRecord {
+            data_source: "openai/gsm8k".into(),
+            prompt: vec![ChatMessage::user(format!(
+                "{} {GSM8K_INSTRUCTION}",
+                rec.question
+            ))],
+            ability: "math".into(),
+            reward_style: "rule".into(),
+            ground_truth,
+            extra_info: ExtraInfo {
+                split: split.into(),
+                index: out.len() as i64,
+                answer: rec.answer,
+                question: rec.question,
+            },
+        });
+    }
+    if out.is_empty() {
+        return Err(RolloutError::Data {
+            path: path.into(),
+            message: "no rows".into(),
+        });
+    }
+    Ok(out)
+}
+
+/// Reads GSM8K's own parquet (the hub dataset `openai/gsm8k`, columns `question` and `answer`)
+/// into verl's layout.
+pub fn read_gsm8k_parquet(path: &Path, split: &str) -> Result<Vec<PromptRecord>, RolloutError> {
+    let err = polars_err(path);
+    let file = File::open(path).map_err(|e| RolloutError::Io {
+        path: path.into(),
+        source: e,
+    })?;
+    let df = ParquetReader::new(file).finish().map_err(&err)?;
+    let col = |name: &str| {
+        df.column(name)
+            .map(|c| c.as_materialized_series().clone())
+            .map_err(|_| RolloutError::Data {
+                path: path.into(),
+                message: format!("no `{name}` column"),
+            })
+    };
+    let (questions, answers) = (col("question")?, col("answer")?);
+    let mut out = Vec::with_capacity(df.height());
+    for row in 0..df.height() {
+        let (question, answer) = (
+            string_at(&questions, row, path, "question")?,
+            string_at(&answers, row, path, "answer")?,
+        );
+        let ground_truth = gsm8k_ground_truth(&answer).ok_or_else(|| RolloutError::Row {
+            path: path.into(),
+            row: row + 1,
+            message: "the answer has no `#### <number>` line".into(),
+        })?;
+        out.push(PromptRecord {
+            data_source: "openai/gsm8k".into(),
+            prompt: vec![ChatMessage::user(format!("{question} {GSM8K_INSTRUCTION}"))],
+            ability: "math".into(),
+            reward_style: "rule".into(),
+            ground_truth,
+            extra_info: ExtraInfo {
+                split: split.into(),
+                index: row as i64,
+                answer,
+                question,
+            },
+        });
+    }
+    Ok(out)
+}
+
+fn polars_err(path: &Path) -> impl Fn(PolarsError) -> RolloutError + '_ {
+    move |e| RolloutError::Data {
+        path: path.into(),
+        message: e.to_string(),
+    }
+}
+
+fn str_series(name: &str, values: impl Iterator<Item = String>) -> Series {
+    Series::new(name.into(), values.collect::<Vec<_>>())
+}
+
+/// Writes records as a parquet file with verl's columns: `data_source`, `prompt` (list of
+/// `{role, content}`), `ability`, `reward_model {style, ground_truth}`, `extra_info {split, index,
+/// answer, question}`.
+pub fn write_parquet(path: &Path, records: &[PromptRecord]) -> Result<(), RolloutError> {
+    let err = polars_err(path);
+    let n = records.len();
+    let prompts: Vec<Series> = records
+        .iter()
+        .map(|r| {
+            let role = str_series("role", r.prompt.iter().map(|m| m.role.clone()));
+            let content = str_series("content", r.prompt.iter().map(|m| m.content.clone()));
+            StructChunked::from_series("".into(), r.prompt.len(), [role, content].iter())
+                .map(|s| s.into_series())
+        })
+        .collect::<PolarsResult<_>>()
+        .map_err(&err)?;
+    let prompt = Series::new("prompt".into(), prompts);
+    let style = str_series("style", records.iter().map(|r| r.reward_style.clone()));
+    let truth = str_series(
+        "ground_truth",
+        records.iter().map(|r| r.ground_truth.clone()),
+    );
+    let reward_model = StructChunked::from_series("reward_model".into(), n, [style, truth].iter())
+        .map_err(&err)?
+        .into_series();
+    let extra = [
+        str_series("split", records.iter().map(|r| r.extra_info.split.clone())),
+        Series::new(
+            "index".into(),
+            records
+                .iter()
+                .map(|r| r.extra_info.index)
+                .collect::<Vec<_>>(),
+        ),
+        str_series(
+            "answer",
+            records.iter().map(|r| r.extra_info.answer.clone()),
+        ),
+        str_series(
+            "question",
+            records.iter().map(|r| r.extra_info.question.clone()),
+        ),
+    ];
+    let extra_info = StructChunked::from_series("extra_info".into(), n, extra.iter())
+        .map_err(&err)?
+        .into_series();
+    let columns = vec![
+        str_series("data_source", records.iter().map(|r| r.data_source.clone())).into_column(),
+        prompt.into_column(),
+        str_series("ability", records.iter().map(|r| r.ability.clone())).into_column(),
+        reward_model.into_column(),
+        extra_info.into_column(),
+    ];
+    let mut df = DataFrame::new(n, columns).map_err(&err)?;
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(|e| RolloutError::Io {
+            path: dir.into(),
+            source: e,
+        })?;
+    }
+    let tmp: PathBuf = path.with_extension("parquet.tmp");
+    let file = File::create(&tmp).map_err(|e| RolloutError::Io {
+        path: tmp.clone(),
+        source: e,
+    })?;
+    ParquetWriter::new(file).finish(&mut df).map_err(&err)?;
+    std::fs::rename(&tmp, path).map_err(|e| RolloutError::Io {
+        path: path.into(),
+        source: e,
+    })
+}
+
+fn string_at(s: &Series, row: usize, path: &Path, what: &str) -> Result<String, RolloutError> {
+    let ca = s.str().map_err(|e| RolloutError::Data {
+        path: path.into(),
+        message: format!("`{what}`: {e}"),
+    })?;
+    ca.get(row)
+        .map(str::to_string)
+        .ok_or_else(|| RolloutError::Row {
+            path: path.into(),
+            row: row + 1,
+            message: format!("`{what}` is null"),
+        })
+}
+
+/// Reads verl-layout parquet. `prompt_key` names the prompt column (verl's `data.prompt_key`).
+/// A missing column is an error naming it; a null or malformed cell names its row.
+pub fn read_parquet(path: &Path, prompt_key: &str) -> Result<Vec<PromptRecord>, RolloutError> {
+    let err = polars_err(path);
+    let file = File::open(path).map_err(|e| RolloutError::Io {
+        path: path.into(),
+        source: e,
+    })?;
+    let df = ParquetReader::new(file).finish().map_err(&err)?;
+    let col = |name: &str| {
+        df.column(name)
+            .map(|c| c.as_materialized_series().clone())
+            .map_err(|_| RolloutError::Data {
+                path: path.into(),
+                message: format!("no `{name}` column"),
+            })
+    };
+    let data_source = col("data_source")?;
+    let prompt = col(prompt_key)?;
+    let prompts = prompt.list().map_err(|e| RolloutError::Data {
+        path: path.into(),
+        message: format!("`{prompt_key}` is not a list of {{role, content}}: {e}"),
+    })?;
+    let reward = col("reward_model")?;
+    let reward = reward.struct_().map_err(|e| RolloutError::Data {
+        path: path.into(),
+        message: format!("`reward_model`: {e}"),
+    })?;
+    let truth = reward.field_by_name("ground_truth").map_err(&err)?;
+    let style = reward.field_by_name("style").ok();
+    let ability = col("ability").ok();
+    let extra = col("extra_info").ok();
+    let extra = extra.as_ref().and_then(|e| e.struct_().ok());
+    let extra_field = |name: &str| extra.and_then(|e| e.field_by_name(name).ok());
+    let (e_split, e_index, e_answer, e_question) = (
+        extra_field("split"),
+        extra_field("index"),
+        extra_field("answer"),
+        extra_field("question"),
+    );
+    let mut out = Vec::with_capacity(df.height());
+    for (row, messages) in prompts.into_iter().enumerate() {
+        let messages = messages.ok_or_else(|| RolloutError::Row {
+            path: path.into(),
+            row: row + 1,
+            message: format!("`{prompt_key}` is null"),
+        })?;
+        let st = messages.struct_().map_err(|e| RolloutError::Row {
+            path: path.into(),
+            row: row + 1,
+            message: format!("`{prompt_key}` items are not {{role, content}}: {e}"),
+        })?;
+        let (roles, contents) = (
+            st.field_by_name("role").map_err(&err)?,
+            st.field_by_name("content").map_err(&err)?,
+        );
+        let prompt = (0..messages.len())
+            .map(|i| {
+                Ok(ChatMessage {
+                    role: string_at(&roles, i, path, "role")?,
+                    content: string_at(&contents, i, path, "content")?,
+                })
+            })
+            .collect::<Result<Vec<_>, RolloutError>>()?;
+        let opt = |s: &Option<Series>, what: &str| {
+            s.as_ref()
+                .map(|s| string_at(s, row, path, what))
+                .transpose()
+                .map(Option::unwrap_or_default)
+        };
+        out.push(PromptRecord {
+            data_source: string_at(&data_source, row, path, "data_source")?,
+            prompt,
+            ability: opt(&ability, "ability")?,
+            reward_style: opt(&style, "reward_model.style")?,
+            ground_truth: string_at(&truth, row, path, "reward_model.ground_truth")?,
+            extra_info: ExtraInfo {
+                split: opt(&e_split, "extra_info.split")?,
+                index: e_index
+                    .as_ref()
+                    .and_then(|s| s.i64().ok().and_then(|c| c.get(row)))
+                    .unwrap_or(row as i64),
+                answer: opt(&e_answer, "extra_info.answer")?,
+                question: opt(&e_question, "extra_info.question")?,
+            },
+        });
+    }
+    Ok(out)
+}
+
+/// Reads a data file by its extension: `.parquet` (verl's layout) or `.jsonl` (GSM8K's layout).
+pub fn read_records(path: &Path, prompt_key: &str) -> Result<Vec<PromptRecord>, RolloutError> {
+    match path.extension().and_then(|e| e.to_str()) {
+        Some("parquet") => read_parquet(path, prompt_key),
+        Some("jsonl") | Some("json") => {
+            let split = if path
+                .file_stem()
+                .is_some_and(|s| s.to_string_lossy().contains("test"))
+            {
+                "test"
+            } else {
+                "train"
+            };
+            read_gsm8k_jsonl(path, split)
+        }
+        _ => Err(RolloutError::Data {
+            path: path.into(),
+            message: "unknown data format (expected .parquet or .jsonl)".into(),
+        }),
+    }
+}
+
+/// Where a sampler is: what a checkpoint saves to resume the data order exactly.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SamplerState {
+    /// Completed passes over the data.
+    pub epoch: usize,
+    /// Prompts consumed in the current epoch.
+    pub position: usize,
+}
+
+/// Draws batches of prompt indices: shuffled per epoch with a seed derived from `seed` and the
+/// epoch (so a restored state continues the same order), or in order when `shuffle` is off.
+#[derive(Debug, Clone)]
+pub struct PromptSampler {
+    len: usize,
+    seed: u64,
+    shuffle: bool,
+    state: SamplerState,
+    order: Vec<usize>,
+}
+
+impl PromptSampler {
+    /// A sampler over `len` prompts.
+    pub fn new(len: usize, seed: u64, shuffle: bool) -> Self {
+        let mut s = Self {
+            len,
+            seed,
+            shuffle,
+            state: SamplerState {
+                epoch: 0,
+                position: 0,
+            },
+            order: Vec::new(),
+        };
+        s.reorder();
+        s
+    }
+
+    fn reorder(&mut self) {
+        self.order = (0..self.len).collect();
+        if self.shuffle {
+            let mut rng =
+                rand::rngs::StdRng::seed_from_u64(self.seed.wrapping_add(self.state.epoch as u64));
+            self.order.shuffle(&mut rng);
+        }
+    }
+
+    /// The next `batch` indices; a batch never spans epochs (verl drops the last partial batch).
+    pub fn next_batch(&mut self, batch: usize) -> Vec<usize> {
+        if batch > self.len {
+            return (0..self.len).collect();
+        }
+        if self.state.position + batch > self.len {
+            self.state.epoch += 1;
+            self.state.position = 0;
+            self.reorder();
+        }
+        let out = self.order[self.state.position..self.state.position + batch].to_vec();
+        self.state.position += batch;
+        out
+    }
+
+    /// The state to checkpoint.
+    pub fn state(&self) -> SamplerState {
+        self.state
+    }
+
+    /// Restores a checkpointed state.
+    pub fn restore(&mut self, state: SamplerState) {
+        self.state = state;
+        self.reorder();
+    }
+
+    /// Full batches per epoch.
+    pub fn batches_per_epoch(&self, batch: usize) -> usize {
+        self.len / batch.max(1)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sampler_resumes_where_it_stopped() {
+        let mut a = PromptSampler::new(10, 3, true);
+        let first: Vec<Vec<usize>> = (0..3).map(|_| a.next_batch(4)).collect();
+        let saved = a.state();
+        let rest: Vec<Vec<usize>> = (0..4).map(|_| a.next_batch(4)).collect();
+        let mut b = PromptSampler::new(10, 3, true);
+        b.restore(saved);
+        let again: Vec<Vec<usize>> = (0..4).map(|_| b.next_batch(4)).collect();
+        assert_eq!(rest, again);
+        assert_ne!(first[0], first[2], "epochs are reshuffled");
+        assert_eq!(
+            saved,
+            SamplerState {
+                epoch: 1,
+                position: 4
+            }
+        );
+    }
+
+    #[test]
+    fn ground_truth_drops_commas() {
+        assert_eq!(
+            gsm8k_ground_truth("so\n#### 1,234").as_deref(),
+            Some("1234")
+        );
+        assert_eq!(gsm8k_ground_truth("no answer"), None);
+    }
+}

@@ -1,0 +1,107 @@
+//! Datasets: GSM8K jsonl to verl's parquet layout and back, and errors that name the row.
+
+use std::path::PathBuf;
+
+use burn_rlhf_models::ChatMessage;
+use burn_rlhf_rollout::data::{
+    read_gsm8k_jsonl, read_parquet, read_records, write_parquet, ExtraInfo, GSM8K_INSTRUCTION,
+};
+use burn_rlhf_rollout::PromptRecord;
+
+fn temp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("burn-rlhf-data-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+#[test]
+fn parquet_round_trips_every_field() {
+    let records = vec![
+        PromptRecord {
+            data_source: "openai/gsm8k".into(),
+            prompt: vec![ChatMessage::user("What is 2 + 2? ünïcödé")],
+            ability: "math".into(),
+            reward_style: "rule".into(),
+            ground_truth: "4".into(),
+            extra_info: ExtraInfo {
+                split: "train".into(),
+                index: 0,
+                answer: "2 + 2 = 4\n#### 4".into(),
+                question: "What is 2 + 2?".into(),
+            },
+        },
+        PromptRecord {
+            data_source: "custom".into(),
+            prompt: vec![
+                ChatMessage {
+                    role: "system".into(),
+                    content: "Be terse.".into(),
+                },
+                ChatMessage::user("1,000 - 1?"),
+            ],
+            ability: "math".into(),
+            reward_style: "rule".into(),
+            ground_truth: "999".into(),
+            extra_info: ExtraInfo {
+                split: "test".into(),
+                index: 7,
+                answer: String::new(),
+                question: String::new(),
+            },
+        },
+    ];
+    let dir = temp("roundtrip");
+    let path = dir.join("train.parquet");
+    write_parquet(&path, &records).unwrap();
+    assert_eq!(read_parquet(&path, "prompt").unwrap(), records);
+    let err = read_parquet(&path, "question").unwrap_err().to_string();
+    assert!(
+        err.contains("no `question` column") && err.contains("train.parquet"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(dir).ok();
+}
+
+#[test]
+fn a_gsm8k_row_without_an_answer_line_is_reported_with_its_line() {
+    let dir = temp("bad");
+    let path = dir.join("train.jsonl");
+    std::fs::write(&path, "{\"question\": \"q1\", \"answer\": \"a\\n#### 1\"}\n{\"question\": \"q2\", \"answer\": \"no marker\"}\n").unwrap();
+    let err = read_gsm8k_jsonl(&path, "train").unwrap_err().to_string();
+    assert!(
+        err.contains("train.jsonl") && err.contains("row 2") && err.contains("####"),
+        "{err}"
+    );
+    std::fs::write(
+        &path,
+        "{\"question\": \"q1\", \"answer\": \"a\\n#### 1\"}\nnot json\n",
+    )
+    .unwrap();
+    let err = read_gsm8k_jsonl(&path, "train").unwrap_err().to_string();
+    assert!(err.contains("row 2"), "{err}");
+    std::fs::remove_dir_all(dir).ok();
+}
+
+#[test]
+fn real_gsm8k_converts_with_verls_prompt() {
+    let Some(dir) = burn_rlhf_test_assets::gsm8k_dir("real_gsm8k_converts_with_verls_prompt")
+    else {
+        return;
+    };
+    let train = read_records(&dir.join("train.jsonl"), "prompt").unwrap();
+    let test = read_records(&dir.join("test.jsonl"), "prompt").unwrap();
+    assert_eq!((train.len(), test.len()), (7473, 1319));
+    let first = &train[0];
+    assert_eq!(first.ground_truth, "72");
+    assert!(first.prompt[0]
+        .content
+        .ends_with(&format!(" {GSM8K_INSTRUCTION}")));
+    assert_eq!(test[0].extra_info.split, "test");
+    let out = temp("gsm8k");
+    write_parquet(&out.join("test.parquet"), &test).unwrap();
+    assert_eq!(
+        read_parquet(&out.join("test.parquet"), "prompt").unwrap(),
+        test
+    );
+    std::fs::remove_dir_all(out).ok();
+}

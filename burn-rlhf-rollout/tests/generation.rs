@@ -1,0 +1,320 @@
+//! Generation through the rollout API: greedy equals HF's greedy tokens, recorded log-probs equal
+//! a full forward's, sampling is seeded, and top-k/top-p sample the renormalised distribution.
+
+use std::path::Path;
+
+use burn::backend::Flex;
+use burn::tensor::activation::log_softmax;
+use burn::tensor::{Int, Tensor, TensorData};
+use burn_rlhf_models::{load_pretrained, CausalLm, TransformerConfig};
+use burn_rlhf_rollout::generate::{left_pad, processed_distribution};
+use burn_rlhf_rollout::{generate, LogprobsMode, SamplingParams};
+use serde_json::Value;
+
+type B = Flex;
+
+fn load(dir: &Path) -> (CausalLm<B>, TransformerConfig) {
+    let pre = load_pretrained(dir.to_str().unwrap()).unwrap_or_else(|e| panic!("{e}"));
+    let config = pre.config.clone();
+    (pre.causal_lm(&Default::default()).unwrap(), config)
+}
+
+/// Unpadded prompts and the golden greedy sequences of every case in `golden.json`.
+fn golden_cases(dir: &Path) -> Vec<(Vec<Vec<u32>>, Vec<Vec<u32>>, usize)> {
+    let g: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap();
+    g["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            let shape: Vec<usize> = c["input_ids"]["shape"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_u64().unwrap() as usize)
+                .collect();
+            let ids: Vec<u32> = c["input_ids"]["data"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_u64().unwrap() as u32)
+                .collect();
+            let mask: Vec<u64> = c["attention_mask"]["data"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_u64().unwrap())
+                .collect();
+            let (b, l) = (shape[0], shape[1]);
+            let prompts = (0..b)
+                .map(|r| {
+                    (0..l)
+                        .filter(|&t| mask[r * l + t] != 0)
+                        .map(|t| ids[r * l + t])
+                        .collect()
+                })
+                .collect();
+            let greedy = c["greedy"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|row| {
+                    row.as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|x| x.as_u64().unwrap() as u32)
+                        .collect()
+                })
+                .collect();
+            (
+                prompts,
+                greedy,
+                c["max_new_tokens"].as_u64().unwrap() as usize,
+            )
+        })
+        .collect()
+}
+
+fn greedy_params(max_new_tokens: usize) -> SamplingParams {
+    SamplingParams {
+        greedy: true,
+        max_new_tokens,
+        ..Default::default()
+    }
+}
+
+fn check_greedy(dir: &Path) {
+    let (model, config) = load(dir);
+    for (prompts, want, steps) in golden_cases(dir) {
+        let samples = generate(
+            &model,
+            &config,
+            &prompts,
+            0,
+            &greedy_params(steps),
+            &Default::default(),
+        )
+        .unwrap();
+        for (s, want) in samples.iter().zip(&want) {
+            let ours: Vec<u32> = prompts[s.prompt_index]
+                .iter()
+                .chain(&s.tokens)
+                .cloned()
+                .collect();
+            assert_eq!(
+                &ours,
+                want,
+                "{}: greedy through the rollout API",
+                dir.display()
+            );
+        }
+    }
+}
+
+#[test]
+fn greedy_generation_equals_transformers_on_fixture_models() {
+    let root = burn_rlhf_test_assets::fixtures_subdir("models");
+    let mut n = 0;
+    for entry in std::fs::read_dir(&root).unwrap() {
+        let dir = entry.unwrap().path();
+        if dir.is_dir() {
+            check_greedy(&dir);
+            n += 1;
+        }
+    }
+    assert!(n > 0, "no fixture models in {}", root.display());
+}
+
+#[test]
+fn greedy_generation_equals_transformers_on_smollm2() {
+    let Some(dir) =
+        burn_rlhf_test_assets::smollm2_dir("greedy_generation_equals_transformers_on_smollm2")
+    else {
+        return;
+    };
+    check_greedy(&dir);
+}
+
+fn tiny() -> std::path::PathBuf {
+    burn_rlhf_test_assets::fixtures_subdir("models").join("tiny-qwen2")
+}
+
+#[test]
+fn rollout_logprobs_equal_a_full_forward() {
+    let (model, config) = load(&tiny());
+    let prompts = vec![vec![5, 17, 300, 41], vec![9, 2], vec![600, 601, 602]];
+    let params = SamplingParams {
+        n: 2,
+        temperature: 1.0,
+        max_new_tokens: 12,
+        seed: 7,
+        stop_token_ids: vec![3],
+        ..Default::default()
+    };
+    let samples = generate(&model, &config, &prompts, 0, &params, &Default::default()).unwrap();
+    assert_eq!(samples.len(), 6);
+    let device = Default::default();
+    for s in &samples {
+        let full: Vec<u32> = prompts[s.prompt_index]
+            .iter()
+            .chain(&s.tokens)
+            .cloned()
+            .collect();
+        let (ids, mask, pos) = left_pad(&[full.clone()], 0);
+        let t = |v: &Vec<Vec<i64>>| {
+            Tensor::<B, 2, Int>::from_data(TensorData::new(v.concat(), [1, full.len()]), &device)
+        };
+        let logits = model.forward(t(&ids), t(&mask), t(&pos), None);
+        let v = logits.dims()[2];
+        let lp: Vec<f32> = log_softmax(logits, 2).into_data().iter::<f32>().collect();
+        let p = prompts[s.prompt_index].len();
+        for (i, (&tok, &rec)) in s.tokens.iter().zip(&s.logprobs).enumerate() {
+            let want = lp[(p - 1 + i) * v + tok as usize];
+            assert!(
+                (want - rec).abs() < 1e-4,
+                "token {i}: recorded {rec}, full forward {want}"
+            );
+        }
+    }
+}
+
+#[test]
+fn seeded_sampling_reproduces_and_zero_temperature_is_greedy() {
+    let (model, config) = load(&tiny());
+    let prompts = vec![vec![5, 17, 300, 41], vec![9, 2]];
+    let params = SamplingParams {
+        n: 3,
+        temperature: 1.0,
+        top_p: 0.9,
+        top_k: Some(50),
+        max_new_tokens: 10,
+        seed: 11,
+        ..Default::default()
+    };
+    let d = Default::default();
+    let a = generate(&model, &config, &prompts, 0, &params, &d).unwrap();
+    let b = generate(&model, &config, &prompts, 0, &params, &d).unwrap();
+    assert_eq!(a, b, "same seed, same samples");
+    let c = generate(
+        &model,
+        &config,
+        &prompts,
+        0,
+        &SamplingParams {
+            seed: 12,
+            ..params.clone()
+        },
+        &d,
+    )
+    .unwrap();
+    assert_ne!(a, c, "another seed, other samples");
+    let greedy = generate(&model, &config, &prompts, 0, &greedy_params(10), &d).unwrap();
+    let cold = generate(
+        &model,
+        &config,
+        &prompts,
+        0,
+        &SamplingParams {
+            temperature: 1e-4,
+            max_new_tokens: 10,
+            seed: 3,
+            ..Default::default()
+        },
+        &d,
+    )
+    .unwrap();
+    let zero = generate(
+        &model,
+        &config,
+        &prompts,
+        0,
+        &SamplingParams {
+            temperature: 0.0,
+            max_new_tokens: 10,
+            ..Default::default()
+        },
+        &d,
+    )
+    .unwrap();
+    let toks =
+        |s: &Vec<burn_rlhf_rollout::Sample>| s.iter().map(|x| x.tokens.clone()).collect::<Vec<_>>();
+    assert_eq!(toks(&greedy), toks(&cold));
+    assert_eq!(toks(&greedy), toks(&zero));
+}
+
+/// Pearson's chi-square of observed counts against expected probabilities.
+fn chi_square(counts: &[usize], probs: &[f64], n: usize) -> f64 {
+    counts
+        .iter()
+        .zip(probs)
+        .map(|(&c, &p)| (c as f64 - n as f64 * p).powi(2) / (n as f64 * p))
+        .sum()
+}
+
+#[test]
+fn top_k_and_top_p_sample_the_renormalised_distribution() {
+    let (model, config) = load(&tiny());
+    let prompt = vec![vec![5, 17, 300, 41]];
+    let device = Default::default();
+    let (ids, mask, pos) = left_pad(&prompt, 0);
+    let t = |v: &Vec<Vec<i64>>| {
+        Tensor::<B, 2, Int>::from_data(TensorData::new(v.concat(), [1, 4]), &device)
+    };
+    let logits: Vec<f32> = model
+        .forward(t(&ids), t(&mask), t(&pos), None)
+        .slice([0..1, 3..4])
+        .into_data()
+        .iter::<f32>()
+        .collect();
+    let n = 4000;
+    // 99.9th percentiles of chi-square with k - 1 degrees of freedom, k = 2..=8.
+    let critical = [10.83, 13.82, 16.27, 18.47, 20.52, 22.46, 24.32];
+    // top_p just under the mass of the `m` most likely tokens at that temperature keeps exactly m.
+    let mass_of_top = |temperature: f64, m: usize| {
+        let all = processed_distribution(&logits, temperature, None, 1.0);
+        all.iter().take(m).map(|d| d.1).sum::<f64>() - 1e-9
+    };
+    for (top_k, top_p, temperature) in [
+        (Some(5), 1.0, 1.0),
+        (None, mass_of_top(0.5, 4), 0.5),
+        (Some(8), mass_of_top(2.0, 3), 2.0),
+    ] {
+        let dist = processed_distribution(&logits, temperature, top_k, top_p);
+        assert!(
+            dist.len() >= 2 && dist.len() <= 8,
+            "choose parameters that keep 2..=8 tokens, kept {}",
+            dist.len()
+        );
+        let params = SamplingParams {
+            n,
+            temperature,
+            top_k,
+            top_p,
+            max_new_tokens: 1,
+            seed: 5,
+            logprobs_mode: LogprobsMode::Processed,
+            ..Default::default()
+        };
+        let samples = generate(&model, &config, &prompt, 0, &params, &device).unwrap();
+        let mut counts = vec![0usize; dist.len()];
+        for s in &samples {
+            let tok = s.tokens[0] as usize;
+            let slot = dist
+                .iter()
+                .position(|&(i, _)| i == tok)
+                .unwrap_or_else(|| panic!("sampled token {tok} is outside the allowed set"));
+            counts[slot] += 1;
+            assert!(
+                (s.logprobs[0] as f64 - dist[slot].1.ln()).abs() < 1e-4,
+                "processed log-prob"
+            );
+        }
+        let probs: Vec<f64> = dist.iter().map(|d| d.1).collect();
+        let stat = chi_square(&counts, &probs, n);
+        assert!(
+            stat < critical[dist.len() - 2],
+            "chi-square {stat} for {counts:?} vs {probs:?}"
+        );
+    }
+}

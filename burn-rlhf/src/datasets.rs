@@ -1,0 +1,86 @@
+//! Where `data.train_files` / `val_files` entries point: a local `.parquet` or `.jsonl` file, or
+//! a hub dataset (`openai/gsm8k`, `openai/gsm8k:test`) fetched through hf-hub's cache.
+
+use std::path::{Path, PathBuf};
+
+use burn_rlhf_rollout::data::{read_gsm8k_parquet, read_records};
+use burn_rlhf_rollout::{PromptRecord, RolloutError};
+
+/// The hub datasets this knows how to read, with the parquet file of each split.
+fn hub_files(id: &str, split: &str) -> Option<String> {
+    match id {
+        "openai/gsm8k" | "gsm8k" => Some(format!("main/{split}-00000-of-00001.parquet")),
+        _ => None,
+    }
+}
+
+fn expand_home(path: &str) -> PathBuf {
+    match path.strip_prefix("~/") {
+        Some(rest) => std::env::var_os("HOME")
+            .map(|h| PathBuf::from(h).join(rest))
+            .unwrap_or_else(|| PathBuf::from(path)),
+        None => PathBuf::from(path),
+    }
+}
+
+/// Reads one data entry. `default_split` is used for a hub id without `:split`.
+pub fn load_data_file(
+    spec: &str,
+    prompt_key: &str,
+    default_split: &str,
+) -> Result<Vec<PromptRecord>, RolloutError> {
+    let path = expand_home(spec);
+    if path.exists() {
+        return read_records(&path, prompt_key);
+    }
+    let (id, split) = spec.split_once(':').unwrap_or((spec, default_split));
+    let file = hub_files(id, split).ok_or_else(|| RolloutError::Data {
+        path: path.clone(),
+        message: "no such file, and not a known hub dataset (openai/gsm8k[:train|:test])".into(),
+    })?;
+    let local = fetch_dataset_file(id, &file).map_err(|message| RolloutError::Data {
+        path: PathBuf::from(spec),
+        message,
+    })?;
+    read_gsm8k_parquet(&local, split)
+}
+
+fn fetch_dataset_file(id: &str, file: &str) -> Result<PathBuf, String> {
+    let repo = hf_hub::Repo::new(id.to_string(), hf_hub::RepoType::Dataset);
+    let offline = std::env::var("HF_HUB_OFFLINE")
+        .is_ok_and(|v| matches!(v.as_str(), "1" | "true" | "ON" | "yes"));
+    if let Some(p) = hf_hub::Cache::from_env().repo(repo.clone()).get(file) {
+        return Ok(p);
+    }
+    if offline {
+        return Err(format!(
+            "hub dataset `{id}` file `{file}` is not in the local cache and HF_HUB_OFFLINE=1"
+        ));
+    }
+    let api = hf_hub::api::sync::ApiBuilder::from_env()
+        .with_progress(false)
+        .build()
+        .map_err(|e| format!("cannot start the hub client: {e}"))?;
+    api.repo(repo)
+        .get(file)
+        .map_err(|e| format!("cannot download `{file}` of hub dataset `{id}`: {e}"))
+}
+
+/// Reads and concatenates every entry of `data.train_files` or `data.val_files`.
+pub fn load_data_files(
+    specs: &[String],
+    prompt_key: &str,
+    default_split: &str,
+) -> Result<Vec<PromptRecord>, RolloutError> {
+    let mut out = Vec::new();
+    for spec in specs {
+        out.extend(load_data_file(spec, prompt_key, default_split)?);
+    }
+    if out.is_empty() {
+        return Err(RolloutError::Data {
+            path: Path::new(&specs.join(",")).into(),
+            message: "no prompts".into(),
+        });
+    }
+    Ok(out)
+}
