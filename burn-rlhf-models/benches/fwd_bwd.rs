@@ -17,14 +17,8 @@ use burn_rlhf_models::load_pretrained;
 
 type B = Autodiff<Flex>;
 
-/// mimalloc v2's `mi_option_purge_delay` (its `mimalloc.h` option enum).
-const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
-
 fn main() {
-    // Autodiff keeps every activation of a step alive and frees them together; returning that
-    // memory to the OS after each step makes the next step fault every page in again (measured:
-    // 16 s -> 9.4 s per step on SmolLM2 here).
-    unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, -1) };
+    burn_rlhf_test_assets::tune_mimalloc();
     let Some(dir) = burn_rlhf_test_assets::smollm2_dir("bench fwd_bwd") else {
         return;
     };

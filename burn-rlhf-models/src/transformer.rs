@@ -132,19 +132,21 @@ impl<B: Backend> Attention<B> {
         };
         let s = k.dims()[2];
         let groups = h / kv;
-        let expand = |t: Tensor<B, 4>| {
-            if groups == 1 {
-                t
-            } else {
-                t.unsqueeze_dim::<5>(2)
-                    .expand([b, kv, groups, s, d])
-                    .reshape([b, h, s, d])
-            }
+        // Grouped-query attention without copying keys and values per query head: the `groups`
+        // query heads sharing a key/value head are stacked along the query axis instead.
+        let q = q.reshape([b, kv, groups * l, d]);
+        let mask = if groups == 1 {
+            mask
+        } else {
+            mask.repeat_dim(2, groups)
         };
-        let (k, v) = (expand(k), expand(v));
         let scores = q.matmul(k.swap_dims(2, 3)) / (d as f64).sqrt() + mask;
         let probs = softmax(scores, 3);
-        let out = probs.matmul(v).swap_dims(1, 2).reshape([b, l, h * d]);
+        let out = probs
+            .matmul(v)
+            .reshape([b, h, l, d])
+            .swap_dims(1, 2)
+            .reshape([b, l, h * d]);
         self.o_proj.forward(out)
     }
 }
@@ -312,7 +314,16 @@ impl<B: Backend> CausalLm<B> {
             Some(head) => head.forward(hidden),
             None => {
                 let w = self.model.embed_tokens.weight.val(); // [V, H]
-                hidden.matmul(w.transpose().unsqueeze::<3>())
+                let [b, l, h] = hidden.dims();
+                let v = w.dims()[0];
+                if b * l < h {
+                    // Few rows (decoding): `(W h^T)^T` reads W in its own layout; `h W^T` would
+                    // first copy the whole transposed [H, V] matrix, every step.
+                    let flat = hidden.reshape([b * l, h]);
+                    w.matmul(flat.transpose()).transpose().reshape([b, l, v])
+                } else {
+                    hidden.matmul(w.transpose().unsqueeze::<3>())
+                }
             }
         }
     }

@@ -12,6 +12,7 @@ use burn_rlhf_rollout::{generate, SamplingParams};
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() {
+    burn_rlhf_test_assets::tune_mimalloc();
     let Some(dir) = burn_rlhf_test_assets::smollm2_dir("bench generate") else {
         return;
     };

@@ -136,7 +136,8 @@ fn log_softmax_row(logits: &[f32]) -> Vec<f64> {
 }
 
 /// The sampling distribution of one row: indices and probabilities (renormalised) of the tokens
-/// that survive temperature, top-k and top-p, most likely first.
+/// that survive temperature, top-k and top-p, most likely first (in vocabulary order when neither
+/// top-k nor top-p cuts anything).
 pub fn processed_distribution(
     logits: &[f32],
     temperature: f64,
@@ -148,6 +149,10 @@ pub fn processed_distribution(
         .map(|&x| (x as f64 / temperature) as f32)
         .collect();
     let lp = log_softmax_row(&scaled);
+    if top_k.is_none() && top_p >= 1.0 {
+        // Nothing is cut: the full softmax, in vocabulary order (no sort of the whole vocabulary).
+        return lp.iter().enumerate().map(|(i, l)| (i, l.exp())).collect();
+    }
     let mut order: Vec<usize> = (0..logits.len()).collect();
     order.sort_by(|&a, &b| lp[b].total_cmp(&lp[a]).then(a.cmp(&b)));
     if let Some(k) = top_k {

@@ -272,8 +272,12 @@ fn top_k_and_top_p_sample_the_renormalised_distribution() {
     let critical = [10.83, 13.82, 16.27, 18.47, 20.52, 22.46, 24.32];
     // top_p just under the mass of the `m` most likely tokens at that temperature keeps exactly m.
     let mass_of_top = |temperature: f64, m: usize| {
-        let all = processed_distribution(&logits, temperature, None, 1.0);
-        all.iter().take(m).map(|d| d.1).sum::<f64>() - 1e-9
+        let mut probs: Vec<f64> = processed_distribution(&logits, temperature, None, 1.0)
+            .iter()
+            .map(|d| d.1)
+            .collect();
+        probs.sort_by(|a, b| b.total_cmp(a));
+        probs.iter().take(m).sum::<f64>() - 1e-9
     };
     for (top_k, top_p, temperature) in [
         (Some(5), 1.0, 1.0),

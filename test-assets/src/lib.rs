@@ -156,3 +156,14 @@ pub fn peer_rate(cases: &str, case: &str) -> Option<f64> {
     );
     None
 }
+
+/// Turns off mimalloc's purging (returning freed memory to the OS after a delay) for benchmarks
+/// that set mimalloc as their global allocator; the binaries do the same through
+/// `burn_rlhf::runtime::tune_allocator`. Each step frees and reallocates the same large buffers,
+/// and purging makes every step fault those pages in again.
+pub fn tune_mimalloc() {
+    // mimalloc v2's `mi_option_purge_delay` (the option enum in its `mimalloc.h`).
+    const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
+    // SAFETY: sets an allocator option; valid at any time.
+    unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, -1) };
+}
