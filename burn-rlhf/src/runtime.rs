@@ -5,7 +5,7 @@
 //! the next step faults every page in again: measured on SmolLM2-135M forward+backward here,
 //! 16.1 s per step with mimalloc's default purging against 9.0 s with purging off.
 //!
-//! ```ignore
+//! ```no_run
 //! #[global_allocator]
 //! static GLOBAL: burn_rlhf::runtime::MiMalloc = burn_rlhf::runtime::MiMalloc;
 //! fn main() {
