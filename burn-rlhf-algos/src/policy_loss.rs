@@ -99,6 +99,15 @@ fn metrics(entries: &[(&str, f64)]) -> BTreeMap<String, f64> {
     entries.iter().map(|(k, v)| (k.to_string(), *v)).collect()
 }
 
+/// The three metrics the clipped losses report, with verl's names.
+fn clip_metrics(pg_clipfrac: f64, ppo_kl: f64, pg_clipfrac_lower: f64) -> BTreeMap<String, f64> {
+    metrics(&[
+        ("actor/pg_clipfrac", pg_clipfrac),
+        ("actor/ppo_kl", ppo_kl),
+        ("actor/pg_clipfrac_lower", pg_clipfrac_lower),
+    ])
+}
+
 /// `masked_mean(indicator, mask)` of a boolean-valued float tensor, read to the host.
 fn fraction<B: Backend>(indicator: Tensor<B, 2>, mask: &Tensor<B, 2>) -> f64 {
     to_scalar(masked_mean(indicator, mask.clone()))
@@ -167,11 +176,7 @@ impl<B: Backend> PolicyLoss<B> for VanillaPpo {
         let loss = agg_loss(losses, mask.clone(), input.loss_agg_mode, &input.global)?;
         Ok(PolicyLossOutput {
             loss,
-            metrics: metrics(&[
-                ("actor/pg_clipfrac", clip_frac),
-                ("actor/ppo_kl", ppo_kl),
-                ("actor/pg_clipfrac_lower", clip_frac_lower),
-            ]),
+            metrics: clip_metrics(clip_frac, ppo_kl, clip_frac_lower),
         })
     }
 }
@@ -210,11 +215,7 @@ impl<B: Backend> PolicyLoss<B> for Gspo {
         let ppo_kl = to_scalar(masked_mean(neg_kl.neg(), mask.clone()));
         Ok(PolicyLossOutput {
             loss,
-            metrics: metrics(&[
-                ("actor/pg_clipfrac", clip_frac),
-                ("actor/ppo_kl", ppo_kl),
-                ("actor/pg_clipfrac_lower", 0.0),
-            ]),
+            metrics: clip_metrics(clip_frac, ppo_kl, 0.0),
         })
     }
 }
@@ -255,11 +256,7 @@ impl<B: Backend> PolicyLoss<B> for Sapo {
         let ppo_kl = to_scalar(masked_mean(neg_kl.neg(), mask.clone()));
         Ok(PolicyLossOutput {
             loss,
-            metrics: metrics(&[
-                ("actor/pg_clipfrac", 0.0),
-                ("actor/ppo_kl", ppo_kl),
-                ("actor/pg_clipfrac_lower", 0.0),
-            ]),
+            metrics: clip_metrics(0.0, ppo_kl, 0.0),
         })
     }
 }
@@ -319,11 +316,7 @@ impl<B: Backend> PolicyLoss<B> for Cispo {
         let loss = agg_loss(losses, mask.clone(), input.loss_agg_mode, &input.global)?;
         Ok(PolicyLossOutput {
             loss,
-            metrics: metrics(&[
-                ("actor/pg_clipfrac", clip_frac),
-                ("actor/ppo_kl", ppo_kl),
-                ("actor/pg_clipfrac_lower", 0.0),
-            ]),
+            metrics: clip_metrics(clip_frac, ppo_kl, 0.0),
         })
     }
 }
@@ -374,11 +367,7 @@ impl<B: Backend> PolicyLoss<B> for GeoMean {
         let clip_frac_lower = fraction(clipped * adv.lower_elem(0.0).float(), mask);
         Ok(PolicyLossOutput {
             loss,
-            metrics: metrics(&[
-                ("actor/pg_clipfrac", clip_frac),
-                ("actor/ppo_kl", ppo_kl),
-                ("actor/pg_clipfrac_lower", clip_frac_lower),
-            ]),
+            metrics: clip_metrics(clip_frac, ppo_kl, clip_frac_lower),
         })
     }
 }

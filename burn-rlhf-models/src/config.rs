@@ -64,7 +64,8 @@ fn usize_key(v: &Value, key: &str, path: &Path) -> Result<usize, ModelError> {
         .ok_or_else(|| ModelError::config(path, format!("`{key}` is missing or not an integer")))
 }
 
-fn token_ids(v: Option<&Value>) -> Vec<u32> {
+/// A token id field that a config may write as one id or a list of ids.
+pub(crate) fn token_ids(v: Option<&Value>) -> Vec<u32> {
     match v {
         Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
         Some(Value::Array(a)) => a

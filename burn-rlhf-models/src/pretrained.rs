@@ -228,15 +228,7 @@ fn generation_eos(dir: &Path) -> Vec<u32> {
     let Ok(v) = serde_json::from_str::<Value>(&text) else {
         return Vec::new();
     };
-    match v.get("eos_token_id") {
-        Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
-        Some(Value::Array(a)) => a
-            .iter()
-            .filter_map(Value::as_u64)
-            .map(|x| x as u32)
-            .collect(),
-        _ => Vec::new(),
-    }
+    crate::config::token_ids(v.get("eos_token_id"))
 }
 
 /// Locates and reads a model (see [`locate`]).

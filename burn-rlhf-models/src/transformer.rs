@@ -130,7 +130,6 @@ impl<B: Backend> Attention<B> {
             Some((cache, layer)) => cache.append(layer, k, v),
             None => (k, v),
         };
-        let s = k.dims()[2];
         let groups = h / kv;
         // Grouped-query attention without copying keys and values per query head: the `groups`
         // query heads sharing a key/value head are stacked along the query axis instead.

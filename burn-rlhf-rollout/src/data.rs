@@ -53,6 +53,35 @@ pub fn gsm8k_ground_truth(answer: &str) -> Option<String> {
     re.captures(answer).map(|c| c[1].replace(',', ""))
 }
 
+/// One GSM8K problem in verl's layout; `row` (1-based) names it when its answer has no `#### N`.
+fn gsm8k_record(
+    question: String,
+    answer: String,
+    split: &str,
+    index: usize,
+    path: &Path,
+    row: usize,
+) -> Result<PromptRecord, RolloutError> {
+    let ground_truth = gsm8k_ground_truth(&answer).ok_or_else(|| RolloutError::Row {
+        path: path.into(),
+        row,
+        message: "the answer has no `#### <number>` line".into(),
+    })?;
+    Ok(PromptRecord {
+        data_source: "openai/gsm8k".into(),
+        prompt: vec![ChatMessage::user(format!("{question} {GSM8K_INSTRUCTION}"))],
+        ability: "math".into(),
+        reward_style: "rule".into(),
+        ground_truth,
+        extra_info: ExtraInfo {
+            split: split.into(),
+            index: index as i64,
+            answer,
+            question,
+        },
+    })
+}
+
 #[derive(Deserialize)]
 struct Gsm8kLine {
     question: String,
@@ -81,27 +110,15 @@ pub fn read_gsm8k_jsonl(path: &Path, split: &str) -> Result<Vec<PromptRecord>, R
             row,
             message: format!("not a {{question, answer}} object: {e}"),
         })?;
-        let ground_truth = gsm8k_ground_truth(&rec.answer).ok_or_else(|| RolloutError::Row {
-            path: path.into(),
+        let index = out.len();
+        out.push(gsm8k_record(
+            rec.question,
+            rec.answer,
+            split,
+            index,
+            path,
             row,
-            message: "the answer has no `#### <number>` line".into(),
-        })?;
-        out.push(PromptRecord {
-            data_source: "openai/gsm8k".into(),
-            prompt: vec![ChatMessage::user(format!(
-                "{} {GSM8K_INSTRUCTION}",
-                rec.question
-            ))],
-            ability: "math".into(),
-            reward_style: "rule".into(),
-            ground_truth,
-            extra_info: ExtraInfo {
-                split: split.into(),
-                index: out.len() as i64,
-                answer: rec.answer,
-                question: rec.question,
-            },
-        });
+        )?);
     }
     if out.is_empty() {
         return Err(RolloutError::Data {
@@ -136,24 +153,7 @@ pub fn read_gsm8k_parquet(path: &Path, split: &str) -> Result<Vec<PromptRecord>,
             string_at(&questions, row, path, "question")?,
             string_at(&answers, row, path, "answer")?,
         );
-        let ground_truth = gsm8k_ground_truth(&answer).ok_or_else(|| RolloutError::Row {
-            path: path.into(),
-            row: row + 1,
-            message: "the answer has no `#### <number>` line".into(),
-        })?;
-        out.push(PromptRecord {
-            data_source: "openai/gsm8k".into(),
-            prompt: vec![ChatMessage::user(format!("{question} {GSM8K_INSTRUCTION}"))],
-            ability: "math".into(),
-            reward_style: "rule".into(),
-            ground_truth,
-            extra_info: ExtraInfo {
-                split: split.into(),
-                index: row as i64,
-                answer,
-                question,
-            },
-        });
+        out.push(gsm8k_record(question, answer, split, row, path, row + 1)?);
     }
     Ok(out)
 }
