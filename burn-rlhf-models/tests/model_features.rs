@@ -347,3 +347,42 @@ fn hub_ids_load_from_the_cache_when_offline() {
     );
     std::fs::remove_dir_all(home).ok();
 }
+
+#[test]
+fn gradient_checkpointing_gives_the_same_gradients() {
+    use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
+    type Ckpt = Autodiff<Flex, BalancedCheckpointing>;
+    let dir = tiny("tiny-llama");
+    let plain: CausalLm<AD> = load_pretrained(dir.to_str().unwrap())
+        .unwrap()
+        .causal_lm(&Default::default())
+        .unwrap();
+    let ckpt: CausalLm<Ckpt> = load_pretrained(dir.to_str().unwrap())
+        .unwrap()
+        .causal_lm(&Default::default())
+        .unwrap();
+    let (i, m, p) = batch::<AD>(512);
+    let g_plain = plain
+        .forward(i, m, p, None)
+        .powi_scalar(2)
+        .mean()
+        .backward();
+    let (i, m, p) = batch::<Ckpt>(512);
+    let g_ckpt = ckpt.forward(i, m, p, None).powi_scalar(2).mean().backward();
+    let a = plain.model.layers[0]
+        .mlp
+        .gate_proj
+        .base
+        .weight
+        .grad(&g_plain)
+        .unwrap();
+    let b = ckpt.model.layers[0]
+        .mlp
+        .gate_proj
+        .base
+        .weight
+        .grad(&g_ckpt)
+        .unwrap();
+    let d = max_abs_diff(a, b);
+    assert!(d < 1e-6, "checkpointed gradients differ by {d}");
+}

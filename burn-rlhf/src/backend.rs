@@ -53,6 +53,13 @@ compile_error!("burn-rlhf needs one backend feature: flex (default), ndarray, wg
 pub type InferenceBackend = selected::Inner;
 /// The training backend: the selected backend under autodiff.
 pub type TrainBackend = burn::backend::Autodiff<InferenceBackend>;
+/// The training backend with gradient checkpointing (`enable_gradient_checkpointing`): Burn
+/// recomputes cheap activations in the backward pass instead of keeping them. In Burn this is a
+/// property of the autodiff backend, so it applies to every model trained on it.
+pub type TrainBackendCheckpointed = burn::backend::Autodiff<
+    InferenceBackend,
+    burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing,
+>;
 /// The device type of the selected backend.
 pub type Device = burn::tensor::Device<InferenceBackend>;
 
