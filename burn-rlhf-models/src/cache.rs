@@ -71,8 +71,14 @@ impl<B: Backend> KvCache<B> {
             self.grow(end.max(self.capacity * 2));
         }
         let ranges = [0..b, 0..kv, self.len..end, 0..d];
-        let keys = self.keys[layer].clone().slice_assign(ranges.clone(), k);
-        let values = self.values[layer].clone().slice_assign(ranges, v);
+        // Take the buffers out so they are uniquely owned: the write can then happen in place
+        // instead of copying the whole buffer every step.
+        let device = k.device();
+        let placeholder = || Tensor::<B, 4>::empty([0, 0, 0, 0], &device);
+        let keys =
+            std::mem::replace(&mut self.keys[layer], placeholder()).slice_assign(ranges.clone(), k);
+        let values =
+            std::mem::replace(&mut self.values[layer], placeholder()).slice_assign(ranges, v);
         self.keys[layer] = keys.clone();
         self.values[layer] = values.clone();
         let upto = [0..b, 0..kv, 0..end, 0..d];
