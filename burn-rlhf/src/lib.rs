@@ -13,4 +13,5 @@ pub use burn_rlhf_rollout as rollout;
 pub mod backend;
 pub mod config;
 pub mod datasets;
+pub mod learner;
 pub mod runtime;

@@ -1,0 +1,119 @@
+//! Model inputs from a rollout batch, and per-response-token quantities from the models.
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{Int, Tensor, TensorData};
+use burn_rlhf_algos::functional::entropy_and_logprobs;
+use burn_rlhf_models::{CausalLm, ValueModel};
+use burn_rlhf_rollout::RolloutBatch;
+
+/// A rollout batch as model inputs: each row's prompt (left padded to `P`) followed by its response
+/// (right padded to `R`).
+#[derive(Debug, Clone)]
+pub struct SequenceTensors<B: Backend> {
+    /// `[B, P + R]`.
+    pub input_ids: Tensor<B, 2, Int>,
+    /// `[B, P + R]`, 1 on prompt and response tokens.
+    pub attention_mask: Tensor<B, 2, Int>,
+    /// `[B, P + R]`: `max(cumsum(mask) - 1, 0)`, as verl computes them.
+    pub position_ids: Tensor<B, 2, Int>,
+    /// `[B, R]`.
+    pub response_ids: Tensor<B, 2, Int>,
+    /// `[B, R]` of 0/1.
+    pub response_mask: Tensor<B, 2>,
+    /// `P`.
+    pub prompt_len: usize,
+}
+
+impl<B: Backend> SequenceTensors<B> {
+    /// Builds the tensors of `batch` on `device`.
+    pub fn from_batch(batch: &RolloutBatch, device: &B::Device) -> Self {
+        let (rows, p, r) = (batch.rows(), batch.prompt_len, batch.response_len);
+        let mut ids = Vec::with_capacity(rows * (p + r));
+        let mut mask = Vec::with_capacity(rows * (p + r));
+        let mut pos = Vec::with_capacity(rows * (p + r));
+        for row in 0..rows {
+            let prompt = (0..p).map(|t| {
+                (
+                    batch.prompt_ids[row * p + t] as i64,
+                    batch.prompt_mask[row * p + t] as i64,
+                )
+            });
+            let response = (0..r).map(|t| {
+                (
+                    batch.response_ids[row * r + t] as i64,
+                    (batch.response_mask[row * r + t] > 0.0) as i64,
+                )
+            });
+            let mut seen = 0i64;
+            for (id, m) in prompt.chain(response) {
+                seen += m;
+                ids.push(id);
+                mask.push(m);
+                pos.push((seen - 1).max(0));
+            }
+        }
+        let int = |v: Vec<i64>, cols: usize| {
+            Tensor::<B, 2, Int>::from_data(TensorData::new(v, [rows, cols]), device)
+        };
+        let response_ids = batch.response_ids.iter().map(|&t| t as i64).collect();
+        Self {
+            input_ids: int(ids, p + r),
+            attention_mask: int(mask, p + r),
+            position_ids: int(pos, p + r),
+            response_ids: int(response_ids, r),
+            response_mask: Tensor::from_data(
+                TensorData::new(batch.response_mask.clone(), [rows, r]),
+                device,
+            ),
+            prompt_len: p,
+        }
+    }
+
+    /// Response width `R`.
+    pub fn response_len(&self) -> usize {
+        self.response_ids.dims()[1]
+    }
+}
+
+/// Log-probs and entropies of every response token under `model`, read from the logits at the
+/// position before each token, divided by `temperature` (verl divides the actor's and reference's
+/// logits by the rollout temperature).
+///
+/// Shapes: → (log-probs `[B, R]`, entropies `[B, R]`).
+pub fn response_logprobs<B: Backend>(
+    model: &CausalLm<B>,
+    seq: &SequenceTensors<B>,
+    temperature: f64,
+) -> (Tensor<B, 2>, Tensor<B, 2>) {
+    let [b, l] = seq.input_ids.dims();
+    let (p, r) = (seq.prompt_len, seq.response_len());
+    let hidden = model.model.forward(
+        seq.input_ids.clone(),
+        seq.attention_mask.clone(),
+        seq.position_ids.clone(),
+        None,
+    );
+    // Only the positions that predict response tokens go through the LM head.
+    let hidden = hidden.slice([0..b, p - 1..l - 1]);
+    let logits = model.logits(hidden);
+    debug_assert_eq!(logits.dims()[1], r);
+    let (entropy, logprobs) = entropy_and_logprobs(logits, seq.response_ids.clone(), temperature);
+    (logprobs, entropy)
+}
+
+/// The critic's value of each response position: the value at the position before each response
+/// token (verl's `values[:, -R - 1 : -1]`).
+///
+/// Shapes: → `[B, R]`.
+pub fn response_values<B: Backend>(
+    critic: &ValueModel<B>,
+    seq: &SequenceTensors<B>,
+) -> Tensor<B, 2> {
+    let [b, l] = seq.input_ids.dims();
+    let values = critic.forward(
+        seq.input_ids.clone(),
+        seq.attention_mask.clone(),
+        seq.position_ids.clone(),
+    );
+    values.slice([0..b, seq.prompt_len - 1..l - 1])
+}
