@@ -175,6 +175,44 @@ fn greedy_with_cache(
     new_tokens
 }
 
+/// Greedy decoding from a golden case's prompts equals its `greedy` rows (prompt + new tokens);
+/// with `check_cache`, each cached step is also compared with a full forward.
+#[allow(clippy::too_many_arguments)]
+fn check_greedy(
+    model: &CausalLm<B>,
+    config: &TransformerConfig,
+    case: &Value,
+    ci: usize,
+    ids: &[f64],
+    mask: &[f64],
+    pos: &[f64],
+    b: usize,
+    l: usize,
+    check_cache: bool,
+) -> Result<(), String> {
+    let steps = case["max_new_tokens"]
+        .as_u64()
+        .ok_or("max_new_tokens missing")? as usize;
+    let greedy = greedy_with_cache(model, config, ids, mask, pos, b, l, steps, check_cache);
+    let want = case["greedy"].as_array().ok_or("greedy missing")?;
+    for r in 0..b {
+        let prompt = (0..l)
+            .filter(|&t| mask[r * l + t] != 0.0)
+            .map(|t| ids[r * l + t] as u32);
+        let ours: Vec<u32> = prompt.chain(greedy[r].iter().cloned()).collect();
+        let theirs: Vec<u32> = want[r]
+            .as_array()
+            .ok_or("greedy row is not a list")?
+            .iter()
+            .map(|x| x.as_u64().unwrap_or(u64::MAX) as u32)
+            .collect();
+        if ours != theirs {
+            return Err(format!("case {ci} row {r}: greedy {ours:?}, HF {theirs:?}"));
+        }
+    }
+    Ok(())
+}
+
 fn check_fixture_model(dir: &Path) -> Result<(), String> {
     let golden = read_golden(&dir.join("golden.json"));
     let pretrained = load_pretrained(dir.to_str().unwrap()).map_err(|e| e.to_string())?;
@@ -228,28 +266,7 @@ fn check_fixture_model(dir: &Path) -> Result<(), String> {
                 }
             }
         }
-        let steps = case["max_new_tokens"].as_u64().expect("max_new_tokens") as usize;
-        let greedy = greedy_with_cache(&model, &config, &ids, &mask, &pos, b, l, steps, true);
-        let want_greedy = case["greedy"].as_array().expect("greedy");
-        for r in 0..b {
-            let prompt: Vec<u32> = (0..l)
-                .filter(|&t| mask[r * l + t] != 0.0)
-                .map(|t| ids[r * l + t] as u32)
-                .collect();
-            let ours: Vec<u32> = prompt
-                .into_iter()
-                .chain(greedy[r].iter().cloned())
-                .collect();
-            let theirs: Vec<u32> = want_greedy[r]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|x| x.as_u64().unwrap() as u32)
-                .collect();
-            if ours != theirs {
-                return Err(format!("case {ci} row {r}: greedy {ours:?}, HF {theirs:?}"));
-            }
-        }
+        check_greedy(&model, &config, case, ci, &ids, &mask, &pos, b, l, true)?;
     }
     Ok(())
 }
@@ -378,26 +395,8 @@ fn smollm2_gguf_matches_transformers() {
                 );
             }
         }
-        let steps = case["max_new_tokens"].as_u64().expect("max_new_tokens") as usize;
-        let greedy = greedy_with_cache(&model, &config, &ids, &mask, &pos, b, l, steps, false);
-        let want_greedy = case["greedy"].as_array().expect("greedy");
-        for r in 0..b {
-            let prompt: Vec<u32> = (0..l)
-                .filter(|&t| mask[r * l + t] != 0.0)
-                .map(|t| ids[r * l + t] as u32)
-                .collect();
-            let ours: Vec<u32> = prompt
-                .into_iter()
-                .chain(greedy[r].iter().cloned())
-                .collect();
-            let theirs: Vec<u32> = want_greedy[r]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|x| x.as_u64().unwrap() as u32)
-                .collect();
-            assert_eq!(ours, theirs, "case {ci} row {r}: greedy tokens");
-        }
+        check_greedy(&model, &config, case, ci, &ids, &mask, &pos, b, l, false)
+            .unwrap_or_else(|e| panic!("{e}"));
     }
     println!("hf golden: SmolLM2-135M-Instruct passed");
 }

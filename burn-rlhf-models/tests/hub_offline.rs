@@ -12,13 +12,6 @@ fn tiny(name: &str) -> PathBuf {
     burn_rlhf_test_assets::fixtures_subdir("models").join(name)
 }
 
-fn temp_dir(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("burn-rlhf-models-{tag}-{}", std::process::id()));
-    std::fs::remove_dir_all(&d).ok();
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
 /// The hub cache layout hf-hub reads: `hub/models--org--name/{refs/main, snapshots/<rev>/...}`.
 fn fake_hub_cache(root: &Path, id: &str, files_from: &Path) {
     let repo = root
@@ -36,7 +29,7 @@ fn fake_hub_cache(root: &Path, id: &str, files_from: &Path) {
 
 #[test]
 fn hub_ids_load_from_the_cache_when_offline() {
-    let home = temp_dir("hf-home");
+    let home = burn_rlhf_test_assets::temp_dir("hf-home");
     fake_hub_cache(&home, "tiny-org/tiny-qwen2", &tiny("tiny-qwen2"));
     // SAFETY: the only test in this binary, so no other thread reads the environment meanwhile.
     unsafe {

@@ -18,13 +18,6 @@ fn tiny(name: &str) -> PathBuf {
     burn_rlhf_test_assets::fixtures_subdir("models").join(name)
 }
 
-fn temp_dir(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("burn-rlhf-models-{tag}-{}", std::process::id()));
-    std::fs::remove_dir_all(&d).ok();
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
 fn batch<BB: burn::tensor::backend::Backend>(
     vocab: usize,
 ) -> (Tensor<BB, 2, Int>, Tensor<BB, 2, Int>, Tensor<BB, 2, Int>) {
@@ -46,7 +39,7 @@ fn saved_model_loads_back_with_identical_logits_and_config() {
         let pre = load_pretrained(tiny(name).to_str().unwrap()).unwrap();
         let config = pre.config.clone();
         let model: CausalLm<B> = pre.causal_lm(&Default::default()).unwrap();
-        let out = temp_dir(name);
+        let out = burn_rlhf_test_assets::temp_dir(name);
         save_pretrained(&out, &config, &model.export(), None, None).unwrap();
         let again = load_pretrained(out.to_str().unwrap()).unwrap();
         assert_eq!(again.config, config, "{name}: config.json round trip");
@@ -65,7 +58,7 @@ fn saved_model_loads_back_with_identical_logits_and_config() {
 /// Copies a tiny model and rewrites its tensors with `edit`.
 fn corrupted(name: &str, tag: &str, edit: impl Fn(&mut BTreeMap<String, HostTensor>)) -> PathBuf {
     let src = tiny(name);
-    let dir = temp_dir(tag);
+    let dir = burn_rlhf_test_assets::temp_dir(tag);
     std::fs::copy(src.join("config.json"), dir.join("config.json")).unwrap();
     let mut map = WeightMap::new("src");
     map.read_safetensors(&src.join("model.safetensors"))
@@ -156,7 +149,7 @@ fn value_head_gradients_reach_head_and_backbone() {
         .expect("backbone gradient");
     assert!(g_head.abs().sum().into_scalar() > 0.0 && g_q.abs().sum().into_scalar() > 0.0);
     // Saved critics load back as critics (score.weight/score.bias), not as fresh heads.
-    let out = temp_dir("critic");
+    let out = burn_rlhf_test_assets::temp_dir("critic");
     save_pretrained(
         &out,
         &load_pretrained(tiny("tiny-qwen2").to_str().unwrap())
@@ -265,7 +258,7 @@ fn bare_gguf_carries_config_and_tokenizer() {
         .find(|p| p.extension().is_some_and(|x| x == "gguf"))
         .unwrap();
     // A folder with only the GGUF file: config and tokenizer come from its metadata.
-    let alone = temp_dir("gguf-alone");
+    let alone = burn_rlhf_test_assets::temp_dir("gguf-alone");
     let link = alone.join(gguf.file_name().unwrap());
     std::os::unix::fs::symlink(&gguf, &link).unwrap();
     let bare = load_pretrained(link.to_str().unwrap()).unwrap();

@@ -129,23 +129,30 @@ pub fn read_gsm8k_jsonl(path: &Path, split: &str) -> Result<Vec<PromptRecord>, R
     Ok(out)
 }
 
-/// Reads GSM8K's own parquet (the hub dataset `openai/gsm8k`, columns `question` and `answer`)
-/// into verl's layout.
-pub fn read_gsm8k_parquet(path: &Path, split: &str) -> Result<Vec<PromptRecord>, RolloutError> {
-    let err = polars_err(path);
+/// Reads a whole parquet file.
+fn read_frame(path: &Path) -> Result<DataFrame, RolloutError> {
     let file = File::open(path).map_err(|e| RolloutError::Io {
         path: path.into(),
         source: e,
     })?;
-    let df = ParquetReader::new(file).finish().map_err(&err)?;
-    let col = |name: &str| {
-        df.column(name)
-            .map(|c| c.as_materialized_series().clone())
-            .map_err(|_| RolloutError::Data {
-                path: path.into(),
-                message: format!("no `{name}` column"),
-            })
-    };
+    ParquetReader::new(file).finish().map_err(polars_err(path))
+}
+
+/// Column `name` of `df`; a missing column is an error naming it and the file.
+fn column(df: &DataFrame, path: &Path, name: &str) -> Result<Series, RolloutError> {
+    df.column(name)
+        .map(|c| c.as_materialized_series().clone())
+        .map_err(|_| RolloutError::Data {
+            path: path.into(),
+            message: format!("no `{name}` column"),
+        })
+}
+
+/// Reads GSM8K's own parquet (the hub dataset `openai/gsm8k`, columns `question` and `answer`)
+/// into verl's layout.
+pub fn read_gsm8k_parquet(path: &Path, split: &str) -> Result<Vec<PromptRecord>, RolloutError> {
+    let df = read_frame(path)?;
+    let col = |name: &str| column(&df, path, name);
     let (questions, answers) = (col("question")?, col("answer")?);
     let mut out = Vec::with_capacity(df.height());
     for row in 0..df.height() {
@@ -259,19 +266,8 @@ fn string_at(s: &Series, row: usize, path: &Path, what: &str) -> Result<String, 
 /// A missing column is an error naming it; a null or malformed cell names its row.
 pub fn read_parquet(path: &Path, prompt_key: &str) -> Result<Vec<PromptRecord>, RolloutError> {
     let err = polars_err(path);
-    let file = File::open(path).map_err(|e| RolloutError::Io {
-        path: path.into(),
-        source: e,
-    })?;
-    let df = ParquetReader::new(file).finish().map_err(&err)?;
-    let col = |name: &str| {
-        df.column(name)
-            .map(|c| c.as_materialized_series().clone())
-            .map_err(|_| RolloutError::Data {
-                path: path.into(),
-                message: format!("no `{name}` column"),
-            })
-    };
+    let df = read_frame(path)?;
+    let col = |name: &str| column(&df, path, name);
     let data_source = col("data_source")?;
     let prompt = col(prompt_key)?;
     let prompts = prompt.list().map_err(|e| RolloutError::Data {
