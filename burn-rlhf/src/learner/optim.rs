@@ -1,0 +1,226 @@
+//! verl's optimiser pieces that Burn does not have in the same form: the learning-rate schedules
+//! (constant or cosine, both with linear warm-up) and clipping by the *global* gradient norm, as
+//! torch's `clip_grad_norm_` does (Burn's `GradientClipping::Norm` clips each parameter alone).
+
+use burn::module::{AutodiffModule, ModuleVisitor, Param};
+use burn::optim::GradientsParams;
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::Tensor;
+
+use crate::config::OptimConfig;
+
+/// Which curve follows the warm-up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScheduleKind {
+    /// Flat at the base rate.
+    Constant,
+    /// Half a cosine (with `num_cycles = 0.5`) down to `min_lr_ratio` of the base rate.
+    Cosine,
+}
+
+/// The learning rate at each optimiser step (verl's `get_constant_schedule_with_warmup` and
+/// `get_cosine_schedule_with_warmup`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LrSchedule {
+    /// The base rate.
+    pub lr: f64,
+    /// Steps of linear warm-up from 0.
+    pub warmup_steps: usize,
+    /// Steps in the whole run (the cosine's length).
+    pub total_steps: usize,
+    /// Constant or cosine.
+    pub kind: ScheduleKind,
+    /// Cosine floor, as a fraction of `lr`.
+    pub min_lr_ratio: f64,
+    /// Cosine waves over the run.
+    pub num_cycles: f64,
+}
+
+impl LrSchedule {
+    /// From `optim.*` for a run of `total_steps` optimiser steps: `lr_warmup_steps` when positive,
+    /// else `int(lr_warmup_steps_ratio * total_steps)`, as verl.
+    pub fn from_config(optim: &OptimConfig, total_steps: usize) -> Self {
+        let warmup_steps = if optim.lr_warmup_steps > 0 {
+            optim.lr_warmup_steps as usize
+        } else {
+            (optim.lr_warmup_steps_ratio * total_steps as f64) as usize
+        };
+        let kind = if optim.lr_scheduler_type == "cosine" {
+            ScheduleKind::Cosine
+        } else {
+            ScheduleKind::Constant
+        };
+        Self {
+            lr: optim.lr,
+            warmup_steps,
+            total_steps,
+            kind,
+            min_lr_ratio: optim.min_lr_ratio,
+            num_cycles: optim.num_cycles,
+        }
+    }
+
+    /// The rate of optimiser step `step` (0-based).
+    pub fn lr(&self, step: usize) -> f64 {
+        let factor = if step < self.warmup_steps {
+            step as f64 / self.warmup_steps.max(1) as f64
+        } else {
+            match self.kind {
+                ScheduleKind::Constant => 1.0,
+                ScheduleKind::Cosine => {
+                    let progress = (step - self.warmup_steps) as f64
+                        / self.total_steps.saturating_sub(self.warmup_steps).max(1) as f64;
+                    let x = (std::f64::consts::PI * self.num_cycles * 2.0 * progress).cos();
+                    let (coef, intercept) = (
+                        (1.0 - self.min_lr_ratio) * 0.5,
+                        (1.0 + self.min_lr_ratio) * 0.5,
+                    );
+                    (x * coef + intercept).max(self.min_lr_ratio)
+                }
+            }
+        };
+        self.lr * factor
+    }
+}
+
+/// Sums the squares of every parameter's gradient.
+struct SquaredNorm<'a> {
+    grads: &'a GradientsParams,
+    sum: f64,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for SquaredNorm<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if let Some(g) = self.grads.get::<B::InnerBackend, D>(param.id) {
+            // f32 squares summed on the device, the per-tensor sums added in f64 here.
+            self.sum += g
+                .square()
+                .sum()
+                .into_data()
+                .iter::<f64>()
+                .next()
+                .unwrap_or(f64::NAN);
+        }
+    }
+}
+
+/// Multiplies every gradient by `scale`.
+struct Scale<'a> {
+    grads: &'a mut GradientsParams,
+    scale: f64,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for Scale<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if let Some(g) = self.grads.remove::<B::InnerBackend, D>(param.id) {
+            self.grads
+                .register::<B::InnerBackend, D>(param.id, g * self.scale);
+        }
+    }
+}
+
+/// torch's `clip_grad_norm_`: the L2 norm of all gradients together; when it exceeds `max_norm`
+/// every gradient is scaled by `max_norm / (norm + 1e-6)`. Returns the gradients and the norm
+/// before clipping (verl's `actor/grad_norm`). A non-finite norm is returned as is, with the
+/// gradients untouched: verl then skips the update.
+pub fn clip_grad_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
+    module: &M,
+    mut grads: GradientsParams,
+    max_norm: f64,
+) -> (GradientsParams, f64) {
+    let mut norm = SquaredNorm {
+        grads: &grads,
+        ids: Vec::new(),
+        sum: 0.0,
+    };
+    module.visit(&mut norm);
+    let total = norm.sum.sqrt();
+    if !total.is_finite() {
+        return (grads, total);
+    }
+    let coef = (max_norm / (total + 1e-6)).min(1.0);
+    if coef < 1.0 {
+        module.visit(&mut Scale {
+            grads: &mut grads,
+            scale: coef,
+        });
+    }
+    (grads, total)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::{Autodiff, Flex};
+    use burn::module::Module;
+    use burn::tensor::TensorData;
+
+    type B = Autodiff<Flex>;
+
+    #[derive(Module, Debug)]
+    struct Two<B: burn::tensor::backend::Backend> {
+        a: Param<Tensor<B, 1>>,
+        b: Param<Tensor<B, 2>>,
+    }
+
+    fn grads_of(m: &Two<B>) -> GradientsParams {
+        // loss = 3 * sum(a) + 4 * sum(b): gradients 3 and 4 everywhere.
+        let loss = m.a.val().sum() * 3.0 + m.b.val().sum() * 4.0;
+        GradientsParams::from_grads(loss.backward(), m)
+    }
+
+    #[test]
+    fn global_norm_clipping_matches_torch() {
+        let d = Default::default();
+        let m = Two::<B> {
+            a: Param::from_tensor(Tensor::from_data(TensorData::new(vec![1.0f32; 1], [1]), &d)),
+            b: Param::from_tensor(Tensor::from_data(
+                TensorData::new(vec![1.0f32; 1], [1, 1]),
+                &d,
+            )),
+        };
+        // Norm of (3, 4) is 5.
+        let (g, norm) = clip_grad_norm(&m, grads_of(&m), 1.0);
+        assert!((norm - 5.0).abs() < 1e-6);
+        let ga: f32 = g.get::<Flex, 1>(m.a.id).unwrap().into_scalar();
+        let gb: f32 = g.get::<Flex, 2>(m.b.id).unwrap().sum().into_scalar();
+        let scale = 1.0 / (5.0 + 1e-6);
+        assert!(
+            ((ga as f64) - 3.0 * scale).abs() < 1e-6 && ((gb as f64) - 4.0 * scale).abs() < 1e-6
+        );
+        // Below the limit nothing changes.
+        let (g, _) = clip_grad_norm(&m, grads_of(&m), 10.0);
+        assert_eq!(g.get::<Flex, 1>(m.a.id).unwrap().into_scalar(), 3.0);
+    }
+
+    #[test]
+    fn schedules_follow_verl() {
+        let mut optim = OptimConfig {
+            lr: 1.0,
+            lr_warmup_steps: 4,
+            ..OptimConfig::default()
+        };
+        let constant = LrSchedule::from_config(&optim, 20);
+        assert_eq!(
+            (
+                constant.lr(0),
+                constant.lr(2),
+                constant.lr(4),
+                constant.lr(19)
+            ),
+            (0.0, 0.5, 1.0, 1.0)
+        );
+        optim.lr_scheduler_type = "cosine".into();
+        optim.min_lr_ratio = 0.1;
+        let cosine = LrSchedule::from_config(&optim, 20);
+        assert_eq!(cosine.lr(4), 1.0);
+        assert!(
+            (cosine.lr(12) - 0.55).abs() < 1e-12,
+            "half way: (1 + 0.1) / 2"
+        );
+        assert!((cosine.lr(20) - 0.1).abs() < 1e-12);
+        optim.lr_warmup_steps = -1;
+        optim.lr_warmup_steps_ratio = 0.25;
+        assert_eq!(LrSchedule::from_config(&optim, 20).warmup_steps, 5);
+    }
+}
