@@ -130,7 +130,6 @@ pub fn clip_grad_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
 ) -> (GradientsParams, f64) {
     let mut norm = SquaredNorm {
         grads: &grads,
-        ids: Vec::new(),
         sum: 0.0,
     };
     module.visit(&mut norm);
