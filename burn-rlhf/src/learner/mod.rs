@@ -5,6 +5,8 @@
 
 mod optim;
 mod sequences;
+mod update;
 
 pub use optim::{clip_grad_norm, LrSchedule, ScheduleKind};
 pub use sequences::{response_logprobs, response_values, SequenceTensors};
+pub use update::{actor_update, ActorLossConfig, ActorTargets};
