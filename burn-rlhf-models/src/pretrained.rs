@@ -38,7 +38,8 @@ pub struct ModelFiles {
     pub name: String,
 }
 
-fn hub_offline() -> bool {
+/// Whether `HF_HUB_OFFLINE` asks for the local cache only.
+pub fn hub_offline() -> bool {
     std::env::var("HF_HUB_OFFLINE")
         .map(|v| matches!(v.as_str(), "1" | "true" | "TRUE" | "ON" | "on" | "yes"))
         .unwrap_or(false)
@@ -113,14 +114,19 @@ fn locate_dir(dir: &Path, name: &str) -> Result<ModelFiles, ModelError> {
     })
 }
 
-/// Finds a model's files: a local folder, a local `.gguf` file, or a hub id (`org/name`).
-pub fn locate(path_or_id: &str) -> Result<ModelFiles, ModelError> {
-    let expanded = match path_or_id.strip_prefix("~/") {
+/// `path` with a leading `~/` replaced by the home folder (as verl's configs write paths).
+pub fn expand_home(path: &str) -> PathBuf {
+    match path.strip_prefix("~/") {
         Some(rest) => std::env::var_os("HOME")
             .map(|h| PathBuf::from(h).join(rest))
-            .unwrap_or_else(|| PathBuf::from(path_or_id)),
-        None => PathBuf::from(path_or_id),
-    };
+            .unwrap_or_else(|| PathBuf::from(path)),
+        None => PathBuf::from(path),
+    }
+}
+
+/// Finds a model's files: a local folder, a local `.gguf` file, or a hub id (`org/name`).
+pub fn locate(path_or_id: &str) -> Result<ModelFiles, ModelError> {
+    let expanded = expand_home(path_or_id);
     if expanded.is_dir() {
         return locate_dir(&expanded, path_or_id);
     }

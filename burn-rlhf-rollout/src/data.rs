@@ -49,8 +49,9 @@ pub struct ExtraInfo {
 
 /// verl's `extract_solution` for the reference: the first `#### N`, commas removed.
 pub fn gsm8k_ground_truth(answer: &str) -> Option<String> {
-    let re = regex::Regex::new(r"#### (\-?[0-9\.\,]+)").expect("valid regex");
-    re.captures(answer).map(|c| c[1].replace(',', ""))
+    crate::reward::strict_re()
+        .captures(answer)
+        .map(|c| c[1].replace(',', ""))
 }
 
 /// One GSM8K problem in verl's layout; `row` (1-based) names it when its answer has no `#### N`.

@@ -41,7 +41,8 @@ pub enum Gsm8kMethod {
 /// Only the last 300 characters are searched, as verl does (answers come at the end).
 const SOLUTION_CLIP_CHARS: usize = 300;
 
-fn strict_re() -> &'static Regex {
+/// GSM8K's `#### <number>` answer marker (verl's strict pattern), compiled once.
+pub(crate) fn strict_re() -> &'static Regex {
     static RE: OnceLock<Regex> = OnceLock::new();
     RE.get_or_init(|| Regex::new(r"#### (\-?[0-9\.\,]+)").expect("valid regex"))
 }

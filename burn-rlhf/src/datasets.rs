@@ -3,6 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
+use burn_rlhf_models::pretrained::{expand_home, hub_offline};
 use burn_rlhf_rollout::data::{read_gsm8k_parquet, read_records};
 use burn_rlhf_rollout::{PromptRecord, RolloutError};
 
@@ -11,15 +12,6 @@ fn hub_files(id: &str, split: &str) -> Option<String> {
     match id {
         "openai/gsm8k" | "gsm8k" => Some(format!("main/{split}-00000-of-00001.parquet")),
         _ => None,
-    }
-}
-
-fn expand_home(path: &str) -> PathBuf {
-    match path.strip_prefix("~/") {
-        Some(rest) => std::env::var_os("HOME")
-            .map(|h| PathBuf::from(h).join(rest))
-            .unwrap_or_else(|| PathBuf::from(path)),
-        None => PathBuf::from(path),
     }
 }
 
@@ -47,8 +39,7 @@ pub fn load_data_file(
 
 fn fetch_dataset_file(id: &str, file: &str) -> Result<PathBuf, String> {
     let repo = hf_hub::Repo::new(id.to_string(), hf_hub::RepoType::Dataset);
-    let offline = std::env::var("HF_HUB_OFFLINE")
-        .is_ok_and(|v| matches!(v.as_str(), "1" | "true" | "ON" | "yes"));
+    let offline = hub_offline();
     if let Some(p) = hf_hub::Cache::from_env().repo(repo.clone()).get(file) {
         return Ok(p);
     }
