@@ -48,6 +48,13 @@ pub trait PolicyLoss<B: Backend>: Send + Sync {
     fn name(&self) -> &str;
     /// The loss and its metrics.
     fn compute(&self, input: &PolicyLossInput<B>) -> Result<PolicyLossOutput<B>, AlgoError>;
+    /// How far a loss that draws random numbers (Clip-Cov) is in its stream: a checkpoint saves
+    /// it so a resumed run draws what the uninterrupted run would have. 0 for deterministic losses.
+    fn stream_position(&self) -> u64 {
+        0
+    }
+    /// Restores [`PolicyLoss::stream_position`].
+    fn restore_stream_position(&self, _position: u64) {}
 }
 
 /// Parameters the built-in losses read (`actor.*` and `actor.policy_loss.*`).
@@ -509,6 +516,14 @@ impl ClipCov {
 impl<B: Backend> PolicyLoss<B> for ClipCov {
     fn name(&self) -> &str {
         "clip_cov"
+    }
+
+    fn stream_position(&self) -> u64 {
+        self.calls.load(Ordering::SeqCst)
+    }
+
+    fn restore_stream_position(&self, position: u64) {
+        self.calls.store(position, Ordering::SeqCst);
     }
 
     fn compute(&self, input: &PolicyLossInput<B>) -> Result<PolicyLossOutput<B>, AlgoError> {

@@ -6,6 +6,7 @@
 //! - [`models`]: the Burn-native Qwen2/Llama decoder, heads, loading and tokenizers;
 //! - [`rollout`]: datasets, batched generation, rewards and the `RolloutBatch`.
 
+pub use burn;
 pub use burn_rlhf_algos as algos;
 pub use burn_rlhf_models as models;
 pub use burn_rlhf_rollout as rollout;
@@ -15,3 +16,5 @@ pub mod config;
 pub mod datasets;
 pub mod learner;
 pub mod runtime;
+pub mod tasks;
+pub mod trainer;

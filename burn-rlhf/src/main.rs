@@ -31,6 +31,31 @@ enum Command {
     /// Example: `burn-rlhf generate --model ../shared/models/smollm2-135m-instruct --prompt "The
     /// capital of France is" --max-new-tokens 8 --greedy`
     Generate(GenerateArgs),
+    /// Train with a config (PPO, GRPO, RLOO, ... by `algorithm.adv_estimator`).
+    ///
+    /// Ctrl-C finishes the current step, saves a checkpoint and exits; `trainer.resume_mode=auto`
+    /// (the default) continues from the newest checkpoint in `trainer.default_local_dir`.
+    ///
+    /// Example: `burn-rlhf train configs/ppo_gsm8k.ron data.train_batch_size=8`
+    Train {
+        /// The RON config file.
+        config: PathBuf,
+        /// `key.path=value` overrides, applied in order after the file.
+        overrides: Vec<String>,
+    },
+    /// Validation only: generate for `data.val_files` with `rollout.val_kwargs` and print
+    /// mean@n, best@n, worst@n, maj@n and pass@k per data source.
+    ///
+    /// Example: `burn-rlhf eval configs/ppo_gsm8k.ron
+    /// actor_rollout_ref.model.path=checkpoints/x/global_step_10/actor
+    /// actor_rollout_ref.rollout.val_kwargs.n=4 actor_rollout_ref.rollout.val_kwargs.do_sample=true
+    /// actor_rollout_ref.rollout.val_kwargs.temperature=1.0`
+    Eval {
+        /// The RON config file.
+        config: PathBuf,
+        /// `key.path=value` overrides, applied in order after the file.
+        overrides: Vec<String>,
+    },
     /// Prepare datasets in verl's parquet layout.
     #[command(subcommand)]
     Data(DataCommand),
@@ -106,14 +131,7 @@ enum ConfigCommand {
     },
 }
 
-/// How a config is named in messages: the file, and whether overrides were applied.
-fn origin(config: &std::path::Path, overrides: &[String]) -> String {
-    if overrides.is_empty() {
-        config.display().to_string()
-    } else {
-        format!("{} with {}", config.display(), overrides.join(" "))
-    }
-}
+use burn_rlhf::trainer::run::config_origin as origin;
 
 fn run_generate(args: GenerateArgs) -> anyhow::Result<()> {
     use std::io::Write;
@@ -196,9 +214,36 @@ fn run_data_gsm8k(input: &str, output: &std::path::Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Where a run left its outputs.
+fn report(out: &burn_rlhf::trainer::RunOutputs) {
+    for (what, path) in [("metrics", &out.jsonl), ("plot", &out.plot)] {
+        if let Some(p) = path {
+            println!("{what}: {}", p.display());
+        }
+    }
+}
+
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Generate(args) => run_generate(args)?,
+        Command::Train { config, overrides } => {
+            use burn_rlhf::backend::{default_device, TrainBackend};
+            let out = burn_rlhf::trainer::run::train_from_file::<TrainBackend>(
+                &config,
+                &overrides,
+                &default_device(),
+            )?;
+            report(&out);
+        }
+        Command::Eval { config, overrides } => {
+            use burn_rlhf::backend::{default_device, TrainBackend};
+            let metrics = burn_rlhf::trainer::run::eval_from_file::<TrainBackend>(
+                &config,
+                &overrides,
+                &default_device(),
+            )?;
+            println!("{}", burn_rlhf::trainer::metrics::table(0, &metrics));
+        }
         Command::Data(DataCommand::Gsm8k { input, output }) => run_data_gsm8k(&input, &output)?,
         Command::Config(ConfigCommand::Show { config, overrides }) => {
             let resolved = load_config(&config, &overrides)?;

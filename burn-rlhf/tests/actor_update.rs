@@ -81,6 +81,7 @@ fn micro_batch_size_does_not_change_the_update() {
                 loss_scale_factor: None,
                 entropy_coeff: 0.01,
                 kl_loss: Some((KlPenalty::from_name("low_var_kl").unwrap(), 0.1)),
+                kl_metric: KlPenalty::from_name("low_var_kl").unwrap(),
                 micro_batch_size: micro,
                 grad_clip: 1.0,
             };

@@ -43,6 +43,8 @@ pub struct ActorLossConfig {
     pub entropy_coeff: f64,
     /// `Some((estimator, coef))` adds `coef * KL(π || ref)` to the loss (`use_kl_loss`).
     pub kl_loss: Option<(KlPenalty, f64)>,
+    /// The estimator `actor/kl_loss` is measured with when `kl_loss` is off (`kl_loss_type`).
+    pub kl_metric: KlPenalty,
     /// Sequences per forward/backward.
     pub micro_batch_size: usize,
     /// Global gradient-norm limit.
@@ -104,11 +106,17 @@ pub fn actor_update<B: AutodiffBackend, O: Optimizer<CausalLm<B>, B>>(
         let mut loss = out.loss.clone() - entropy_loss.clone() * config.entropy_coeff;
         *metrics.entry("actor/pg_loss".into()).or_default() += to_scalar(out.loss.detach());
         *metrics.entry("actor/entropy".into()).or_default() += to_scalar(entropy_loss.detach());
-        if let (Some((penalty, coef)), Some(reference)) = (config.kl_loss, &targets.ref_log_probs) {
+        if let Some(reference) = &targets.ref_log_probs {
+            // With a reference the KL to it is always measured; it joins the loss only with
+            // `use_kl_loss` (then with its own estimator and coefficient).
+            let (penalty, coef) = config.kl_loss.unwrap_or((config.kl_metric, 0.0));
             let kl = kl_penalty(log_prob, tensor2(&cut(reference), n, r, device), penalty);
             let kl_loss = agg_loss(kl, mask, config.loss_agg_mode, &global)?;
-            loss = loss + kl_loss.clone() * coef;
-            *metrics.entry("actor/kl_loss".into()).or_default() += to_scalar(kl_loss.detach());
+            *metrics.entry("actor/kl_loss".into()).or_default() +=
+                to_scalar(kl_loss.clone().detach());
+            if config.kl_loss.is_some() {
+                loss = loss + kl_loss * coef;
+            }
         }
         for (name, value) in out.metrics {
             *metrics.entry(name).or_default() += value / parts as f64;

@@ -1,0 +1,75 @@
+//! Supervised fine-tuning on prompt + response pairs: the negative log-likelihood of the response
+//! tokens only, token-mean over the whole mini-batch (verl's SFT trainer), accumulated over
+//! micro-batches so the update does not depend on their size.
+
+use std::collections::BTreeMap;
+
+use burn::optim::{GradientsAccumulator, GradientsParams, Optimizer};
+use burn::tensor::backend::AutodiffBackend;
+use burn_rlhf_algos::functional::{from_rows, to_scalar};
+use burn_rlhf_algos::{agg_loss, AlgoError, GlobalBatchInfo, LossAggMode};
+use burn_rlhf_models::CausalLm;
+use burn_rlhf_rollout::RolloutBatch;
+
+use super::{clip_grad_norm, response_logprobs, SequenceTensors};
+
+/// The mean NLL of `batch`'s response tokens under `model` (no update): validation loss.
+pub fn sft_loss<B: burn::tensor::backend::Backend>(
+    model: &CausalLm<B>,
+    batch: &RolloutBatch,
+    micro_batch_size: usize,
+    device: &B::Device,
+) -> f64 {
+    let tokens: f64 = batch.response_mask.iter().map(|&m| m as f64).sum();
+    let mut nll = 0.0;
+    for part in batch.split(micro_batch_size.max(1)).expect("size >= 1") {
+        let seq = SequenceTensors::<B>::from_batch(&part, device);
+        let (logp, _) = response_logprobs(model, &seq, 1.0);
+        nll -= to_scalar((logp * seq.response_mask).sum());
+    }
+    nll / tokens.max(1.0)
+}
+
+/// One SFT optimiser step on `batch` (responses are the targets; prompts are context only).
+/// Returns the model and `train/loss`, `train/grad_norm`, `train/lr`.
+pub fn sft_update<B: AutodiffBackend, O: Optimizer<CausalLm<B>, B>>(
+    model: CausalLm<B>,
+    optimizer: &mut O,
+    lr: f64,
+    batch: &RolloutBatch,
+    micro_batch_size: usize,
+    grad_clip: f64,
+    device: &B::Device,
+) -> Result<(CausalLm<B>, BTreeMap<String, f64>), AlgoError> {
+    let (rows, r) = (batch.rows(), batch.response_len);
+    let global = GlobalBatchInfo::from_mask(
+        &from_rows::<B>(batch.response_mask.clone(), rows, r, device),
+        1,
+    );
+    let mut accumulator = GradientsAccumulator::<CausalLm<B>>::new();
+    let mut loss_sum = 0.0;
+    for part in batch.split(micro_batch_size.max(1)).expect("size >= 1") {
+        let seq = SequenceTensors::<B>::from_batch(&part, device);
+        let (logp, _) = response_logprobs(&model, &seq, 1.0);
+        let loss = agg_loss(
+            logp.neg(),
+            seq.response_mask.clone(),
+            LossAggMode::TokenMean,
+            &global,
+        )?;
+        loss_sum += to_scalar(loss.clone().detach());
+        accumulator.accumulate(&model, GradientsParams::from_grads(loss.backward(), &model));
+    }
+    let (grads, grad_norm) = clip_grad_norm(&model, accumulator.grads(), grad_clip);
+    let model = if grad_norm.is_finite() {
+        optimizer.step(lr, model, grads)
+    } else {
+        model
+    };
+    let metrics = BTreeMap::from([
+        ("train/loss".to_string(), loss_sum),
+        ("train/grad_norm".to_string(), grad_norm),
+        ("train/lr".to_string(), lr),
+    ]);
+    Ok((model, metrics))
+}

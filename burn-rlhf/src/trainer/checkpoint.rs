@@ -1,0 +1,253 @@
+//! Checkpoints in verl's layout, written atomically, and resuming from them.
+//!
+//! `{default_local_dir}/global_step_{N}/actor/` (and `critic/`) is an HF model folder
+//! (`model.safetensors`, `config.json`, tokenizer files) that transformers loads, plus the AdamW
+//! state (`optimizer.bin`, Burn's full-precision record, and `optimizer_params.json`, the order of
+//! the parameters it belongs to). `trainer_state.json` holds the step, data position, KL
+//! controller, the loss's random-stream position and the schedules' positions. A step is written
+//! to a temporary folder and renamed into place, then `latest_checkpointed_iteration.txt` is
+//! replaced: a run killed while saving keeps its previous checkpoint.
+
+use std::path::{Path, PathBuf};
+
+use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
+use burn::optim::Optimizer;
+use burn::record::{BinFileRecorder, FullPrecisionSettings, Recorder};
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::Tensor;
+use burn_rlhf_algos::KlControllerState;
+use burn_rlhf_models::pretrained::{load_pretrained, save_pretrained};
+use burn_rlhf_models::{CausalLm, ValueModel};
+use burn_rlhf_rollout::SamplerState;
+use serde::{Deserialize, Serialize};
+
+use super::learner::AdamWOf;
+use super::{Learner, TrainError};
+
+/// The file naming the newest complete checkpoint (verl's name).
+pub const LATEST_FILE: &str = "latest_checkpointed_iteration.txt";
+
+/// Everything besides weights and optimiser moments that a resumed run needs.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrainerState {
+    /// Completed steps.
+    pub global_step: usize,
+    /// Where the prompt sampler is.
+    pub sampler: SamplerState,
+    /// The KL controller.
+    pub kl_ctrl: KlControllerState,
+    /// The policy loss's random-stream position (Clip-Cov).
+    pub policy_loss_stream: u64,
+    /// Actor optimiser steps (the schedule's position).
+    pub actor_updates: usize,
+    /// Critic optimiser steps.
+    pub critic_updates: usize,
+}
+
+/// Parameter ids in visiting order: the same model built twice visits the same order.
+struct ParamOrder(Vec<ParamId>);
+
+impl<B: burn::tensor::backend::Backend> ModuleVisitor<B> for ParamOrder {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        self.0.push(param.id);
+    }
+}
+
+fn param_order<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M) -> Vec<ParamId> {
+    let mut order = ParamOrder(Vec::new());
+    module.visit(&mut order);
+    order.0
+}
+
+fn io(path: &Path, e: impl std::fmt::Display) -> TrainError {
+    TrainError::checkpoint(path, e)
+}
+
+fn save_optimizer<B: AutodiffBackend, M: AutodiffModule<B>>(
+    dir: &Path,
+    module: &M,
+    optim: &AdamWOf<M, B>,
+) -> Result<(), TrainError> {
+    let ids: Vec<String> = param_order::<B, M>(module)
+        .into_iter()
+        .map(|id| id.serialize())
+        .collect();
+    let ids_path = dir.join("optimizer_params.json");
+    std::fs::write(&ids_path, serde_json::to_string(&ids).expect("JSON"))
+        .map_err(|e| io(&ids_path, e))?;
+    BinFileRecorder::<FullPrecisionSettings>::new()
+        .record(optim.to_record(), dir.join("optimizer"))
+        .map_err(|e| io(&dir.join("optimizer.bin"), e))?;
+    Ok(())
+}
+
+/// Loads the optimiser state saved beside a module into `optim` for `module` (a fresh load of the
+/// same weights, whose parameter ids differ from the saved ones).
+fn load_optimizer<B: AutodiffBackend, M: AutodiffModule<B>>(
+    dir: &Path,
+    module: &M,
+    optim: AdamWOf<M, B>,
+    device: &B::Device,
+) -> Result<AdamWOf<M, B>, TrainError> {
+    let ids_path = dir.join("optimizer_params.json");
+    let text = std::fs::read_to_string(&ids_path).map_err(|e| io(&ids_path, e))?;
+    let saved: Vec<String> = serde_json::from_str(&text).map_err(|e| io(&ids_path, e))?;
+    let current = param_order::<B, M>(module);
+    if saved.len() != current.len() {
+        return Err(io(
+            &ids_path,
+            format!(
+                "{} parameters saved, the model has {}",
+                saved.len(),
+                current.len()
+            ),
+        ));
+    }
+    let mut record: <AdamWOf<M, B> as Optimizer<M, B>>::Record =
+        BinFileRecorder::<FullPrecisionSettings>::new()
+            .load(dir.join("optimizer"), device)
+            .map_err(|e| io(&dir.join("optimizer.bin"), e))?;
+    let mut remapped: <AdamWOf<M, B> as Optimizer<M, B>>::Record = Default::default();
+    for (old, new) in saved.iter().zip(current) {
+        if let Some(state) = record.remove(&ParamId::deserialize(old)) {
+            remapped.insert(new, state);
+        }
+    }
+    Ok(optim.load_record(remapped))
+}
+
+/// `<arch prefix>ForTokenClassification`, the class transformers loads a critic with.
+fn critic_architecture(model_type: &str) -> &'static str {
+    match model_type {
+        "qwen2" => "Qwen2ForTokenClassification",
+        "mistral" => "MistralForTokenClassification",
+        _ => "LlamaForTokenClassification",
+    }
+}
+
+impl<B: AutodiffBackend> Learner<B> {
+    /// Where checkpoints go (`trainer.default_local_dir`).
+    pub fn checkpoint_root(&self) -> PathBuf {
+        burn_rlhf_models::pretrained::expand_home(
+            self.config
+                .trainer
+                .default_local_dir
+                .as_deref()
+                .unwrap_or("checkpoints"),
+        )
+    }
+
+    /// Saves the current step; returns the checkpoint folder.
+    pub fn save_checkpoint(&self) -> Result<PathBuf, TrainError> {
+        let root = self.checkpoint_root();
+        let name = format!("global_step_{}", self.global_step);
+        let done = root.join(&name);
+        let tmp = root.join(format!(".{name}.partial"));
+        if tmp.exists() {
+            std::fs::remove_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
+        }
+        let actor_dir = tmp.join("actor");
+        save_pretrained(
+            &actor_dir,
+            &self.model_config,
+            &self.actor.valid().export(),
+            None,
+            Some(&self.tokenizer),
+        )?;
+        save_optimizer(&actor_dir, &self.actor, &self.actor_optim)?;
+        if let Some(c) = &self.critic {
+            let dir = tmp.join("critic");
+            save_pretrained(
+                &dir,
+                &c.config,
+                &c.model.valid().export(),
+                Some(critic_architecture(&c.config.model_type)),
+                Some(&self.tokenizer),
+            )?;
+            save_optimizer(&dir, &c.model, &c.optim)?;
+        }
+        let state = TrainerState {
+            global_step: self.global_step,
+            sampler: self.sampler.state(),
+            kl_ctrl: self.kl_ctrl.state(),
+            policy_loss_stream: self.policy_loss.stream_position(),
+            actor_updates: self.actor_updates,
+            critic_updates: self.critic_updates,
+        };
+        let state_path = tmp.join("trainer_state.json");
+        std::fs::write(
+            &state_path,
+            serde_json::to_string_pretty(&state).expect("JSON"),
+        )
+        .map_err(|e| io(&state_path, e))?;
+        if done.exists() {
+            std::fs::remove_dir_all(&done).map_err(|e| io(&done, e))?;
+        }
+        std::fs::rename(&tmp, &done).map_err(|e| io(&done, e))?;
+        let latest = root.join(LATEST_FILE);
+        let latest_tmp = root.join(format!(".{LATEST_FILE}.partial"));
+        std::fs::write(&latest_tmp, self.global_step.to_string())
+            .map_err(|e| io(&latest_tmp, e))?;
+        std::fs::rename(&latest_tmp, &latest).map_err(|e| io(&latest, e))?;
+        Ok(done)
+    }
+
+    /// The checkpoint `trainer.resume_mode` points at: `auto` the newest under the checkpoint
+    /// root (none: a fresh start), `resume_path` `trainer.resume_from_path` (must exist),
+    /// `disable` none.
+    pub fn checkpoint_to_resume(&self) -> Result<Option<PathBuf>, TrainError> {
+        let t = &self.config.trainer;
+        match t.resume_mode.as_str() {
+            "disable" => Ok(None),
+            "auto" => {
+                let root = self.checkpoint_root();
+                let latest = root.join(LATEST_FILE);
+                match std::fs::read_to_string(&latest) {
+                    Ok(step) => Ok(Some(root.join(format!("global_step_{}", step.trim())))),
+                    Err(_) => Ok(None),
+                }
+            }
+            "resume_path" => {
+                let path = t.resume_from_path.as_deref().ok_or_else(|| {
+                    TrainError::config(
+                        "trainer.resume_from_path",
+                        "resume_mode is `resume_path` but no path is set",
+                    )
+                })?;
+                Ok(Some(burn_rlhf_models::pretrained::expand_home(path)))
+            }
+            other => Err(TrainError::config(
+                "trainer.resume_mode",
+                format!("unknown mode `{other}` (auto, disable, resume_path)"),
+            )),
+        }
+    }
+
+    /// Restores weights, optimiser states and trainer state from a checkpoint folder.
+    pub fn load_checkpoint(&mut self, dir: &Path) -> Result<(), TrainError> {
+        let state_path = dir.join("trainer_state.json");
+        let text = std::fs::read_to_string(&state_path).map_err(|e| io(&state_path, e))?;
+        let state: TrainerState = serde_json::from_str(&text).map_err(|e| io(&state_path, e))?;
+        let actor_dir = dir.join("actor");
+        let actor: CausalLm<B> =
+            load_pretrained(&actor_dir.display().to_string())?.causal_lm(&self.device)?;
+        let optim = self.actor_optim.clone();
+        self.actor_optim = load_optimizer(&actor_dir, &actor, optim, &self.device)?;
+        self.actor = actor;
+        if let Some(c) = self.critic.as_mut() {
+            let critic_dir = dir.join("critic");
+            let model: ValueModel<B> =
+                load_pretrained(&critic_dir.display().to_string())?.value_model(&self.device)?;
+            c.optim = load_optimizer(&critic_dir, &model, c.optim.clone(), &self.device)?;
+            c.model = model;
+        }
+        self.kl_ctrl.load_state(&state.kl_ctrl)?;
+        self.policy_loss
+            .restore_stream_position(state.policy_loss_stream);
+        self.sampler.restore(state.sampler);
+        self.global_step = state.global_step;
+        self.actor_updates = state.actor_updates;
+        self.critic_updates = state.critic_updates;
+        Ok(())
+    }
+}

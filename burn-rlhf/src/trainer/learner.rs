@@ -1,0 +1,844 @@
+//! The shared [`Learner`]: one PPO-family training step in verl's order, each phase a small method.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use burn::module::AutodiffModule;
+use burn::optim::adaptor::OptimizerAdaptor;
+use burn::optim::{AdamW, AdamWConfig};
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::Tensor;
+use burn_rlhf_algos::functional::{from_rows, to_vec};
+use burn_rlhf_algos::{
+    apply_kl_penalty, AdvantageEstimator, AdvantageInput, EstimatorParams, KlController,
+    KlControllerParams, KlPenalty, LossAggMode, PolicyLoss, PolicyLossParams, Registry,
+};
+use burn_rlhf_models::{CausalLm, Tokenizer, TransformerConfig, ValueModel};
+use burn_rlhf_rollout::encode::{encode_prompts, filter_overlong};
+use burn_rlhf_rollout::metrics::{validation_metrics, ValSample};
+use burn_rlhf_rollout::reward::{extract_gsm8k_answer, token_level_scores, Gsm8kMethod};
+use burn_rlhf_rollout::{
+    generate, LogprobsMode, PromptRecord, PromptSampler, RewardFn, RewardInput, RewardRegistry,
+    RolloutBatch, SamplingParams, Truncation,
+};
+
+use super::metrics::{data_metrics, Metrics, StepData, Timing};
+use super::TrainError;
+use crate::config::{OptimConfig, RlhfConfig};
+use crate::learner::{
+    actor_update, critic_update, response_logprobs, response_values, ActorLossConfig, ActorTargets,
+    CriticLossConfig, CriticTargets, LrSchedule, SequenceTensors,
+};
+
+/// The optimiser of a module: AdamW as torch's (`eps = 1e-8`).
+pub type AdamWOf<M, B> = OptimizerAdaptor<AdamW, M, B>;
+
+/// What a [`Learner`] is made of. Build it from a config with
+/// [`Learner::from_config`](super::Learner::from_config), or by hand for models built in code.
+pub struct LearnerParts<B: AutodiffBackend> {
+    /// The policy.
+    pub actor: CausalLm<B>,
+    /// The policy's shape.
+    pub model_config: TransformerConfig,
+    /// The policy's tokenizer.
+    pub tokenizer: Tokenizer,
+    /// The critic and its shape; required exactly when the estimator reads values.
+    pub critic: Option<(ValueModel<B>, TransformerConfig)>,
+    /// The frozen reference; `None`: a copy of the actor as given, when KL is used.
+    pub reference: Option<CausalLm<B::InnerBackend>>,
+    /// Estimators, losses and KL controllers by name.
+    pub registry: Registry<B>,
+    /// Reward functions by name.
+    pub rewards: RewardRegistry,
+    /// Training prompts.
+    pub train: Vec<PromptRecord>,
+    /// Validation prompts.
+    pub val: Vec<PromptRecord>,
+    /// `false`: validation only (no critic needed, no optimiser steps).
+    pub training: bool,
+}
+
+impl<B: AutodiffBackend> LearnerParts<B> {
+    /// Parts with the built-in registries, no critic or reference, and no data.
+    pub fn new(actor: CausalLm<B>, model_config: TransformerConfig, tokenizer: Tokenizer) -> Self {
+        Self {
+            actor,
+            model_config,
+            tokenizer,
+            critic: None,
+            reference: None,
+            registry: Registry::builtin(),
+            rewards: RewardRegistry::default(),
+            train: Vec::new(),
+            val: Vec::new(),
+            training: true,
+        }
+    }
+}
+
+/// The critic and what trains it.
+pub(crate) struct CriticState<B: AutodiffBackend> {
+    pub model: ValueModel<B>,
+    pub config: TransformerConfig,
+    pub optim: AdamWOf<ValueModel<B>, B>,
+    pub schedule: LrSchedule,
+}
+
+/// Owns the models, their optimisers and the algorithm objects, and runs training steps.
+pub struct Learner<B: AutodiffBackend> {
+    /// The resolved config.
+    pub config: RlhfConfig,
+    pub(crate) device: B::Device,
+    /// The policy's tokenizer.
+    pub tokenizer: Tokenizer,
+    /// The policy's shape.
+    pub model_config: TransformerConfig,
+    /// The policy.
+    pub actor: CausalLm<B>,
+    pub(crate) actor_optim: AdamWOf<CausalLm<B>, B>,
+    pub(crate) actor_schedule: LrSchedule,
+    pub(crate) critic: Option<CriticState<B>>,
+    /// The frozen reference policy (when KL is used).
+    pub reference: Option<CausalLm<B::InnerBackend>>,
+    pub(crate) estimator: Box<dyn AdvantageEstimator<B>>,
+    pub(crate) policy_loss: Box<dyn PolicyLoss<B>>,
+    pub(crate) kl_ctrl: Box<dyn KlController>,
+    reward: Arc<dyn RewardFn>,
+    train: Vec<PromptRecord>,
+    val: Vec<PromptRecord>,
+    pub(crate) sampler: PromptSampler,
+    /// Completed training steps.
+    pub global_step: usize,
+    /// Optimiser steps taken by the actor and the critic (the schedules' positions).
+    pub(crate) actor_updates: usize,
+    pub(crate) critic_updates: usize,
+    total_steps: usize,
+}
+
+/// One model's view of a batch: per-token values, row-major `[rows * response_len]`.
+type Rows = Vec<f32>;
+
+fn adamw<B: AutodiffBackend, M: AutodiffModule<B>>(o: &OptimConfig) -> AdamWOf<M, B> {
+    AdamWConfig::new()
+        .with_beta_1(o.betas[0] as f32)
+        .with_beta_2(o.betas[1] as f32)
+        .with_epsilon(1e-8)
+        .with_weight_decay(o.weight_decay as f32)
+        .init()
+}
+
+/// The rows `range` of a row-major per-token vector.
+fn rows_of(v: &[f32], rows: &[usize], width: usize) -> Vec<f32> {
+    rows.iter()
+        .flat_map(|&i| v[i * width..(i + 1) * width].iter().cloned())
+        .collect()
+}
+
+impl<B: AutodiffBackend> Learner<B> {
+    /// Builds a learner from parts and a resolved config; checks that the parts fit the config.
+    pub fn new(
+        config: RlhfConfig,
+        parts: LearnerParts<B>,
+        device: &B::Device,
+    ) -> Result<Self, TrainError> {
+        let mut config = config;
+        config.resolve();
+        let alg = &config.algorithm;
+        let actor_cfg = &config.actor_rollout_ref.actor;
+        let estimator = parts.registry.estimator(
+            &alg.adv_estimator,
+            &EstimatorParams {
+                gamma: alg.gamma,
+                lam: alg.lam,
+                norm_adv_by_std_in_grpo: alg.norm_adv_by_std_in_grpo,
+                ..EstimatorParams::default()
+            },
+        )?;
+        let policy_loss = parts.registry.policy_loss(
+            &actor_cfg.policy_loss.loss_mode,
+            &PolicyLossParams {
+                clip_ratio_low: actor_cfg.clip_ratio_low.unwrap_or(actor_cfg.clip_ratio),
+                clip_ratio_high: actor_cfg.clip_ratio_high.unwrap_or(actor_cfg.clip_ratio),
+                clip_ratio_c: actor_cfg.clip_ratio_c,
+                tau_pos: actor_cfg.tau_pos,
+                tau_neg: actor_cfg.tau_neg,
+                clip_cov_ratio: actor_cfg.policy_loss.clip_cov_ratio,
+                clip_cov_lb: actor_cfg.policy_loss.clip_cov_lb,
+                clip_cov_ub: actor_cfg.policy_loss.clip_cov_ub,
+                kl_cov_ratio: actor_cfg.policy_loss.kl_cov_ratio,
+                ppo_kl_coef: actor_cfg.policy_loss.ppo_kl_coef,
+                seed: config.trainer.seed,
+            },
+        )?;
+        let kl_ctrl = parts.registry.kl_controller(
+            &alg.kl_ctrl.r#type,
+            &KlControllerParams {
+                kl_coef: alg.kl_ctrl.kl_coef,
+                target_kl: alg.kl_ctrl.target_kl,
+                horizon: alg.kl_ctrl.horizon,
+            },
+        )?;
+        let needs_critic = estimator.needs_critic();
+        if parts.training && needs_critic && parts.critic.is_none() {
+            return Err(TrainError::config(
+                "algorithm.adv_estimator",
+                format!("`{}` needs a critic, and none was given", alg.adv_estimator),
+            ));
+        }
+        if parts.training && parts.train.is_empty() {
+            return Err(TrainError::config(
+                "data.train_files",
+                "no training prompts",
+            ));
+        }
+        if config.data.train_batch_size == 0 {
+            return Err(TrainError::config("data.train_batch_size", "must be >= 1"));
+        }
+        let uses_kl = parts.training && (alg.use_kl_in_reward || actor_cfg.use_kl_loss);
+        let reference = match parts.reference {
+            Some(r) => Some(r),
+            None if uses_kl => Some(parts.actor.valid()),
+            None => None,
+        };
+        let reward = match &config.custom_reward_function.name {
+            Some(name) => parts.rewards.get(name)?,
+            None => parts.rewards.get("default")?,
+        };
+        let p_max = config.data.max_prompt_length;
+        let (train, val) = if config.data.filter_overlong_prompts {
+            (
+                filter_overlong(&parts.tokenizer, parts.train, p_max)?,
+                filter_overlong(&parts.tokenizer, parts.val, p_max)?,
+            )
+        } else {
+            (parts.train, parts.val)
+        };
+        let bs = config.data.train_batch_size;
+        let sampler = PromptSampler::new(train.len(), config.data.seed, config.data.shuffle);
+        let total_steps = match config.trainer.total_training_steps {
+            Some(n) => n,
+            None => config.trainer.total_epochs * sampler.batches_per_epoch(bs),
+        };
+        let schedule = |o: &OptimConfig| {
+            let total = if o.total_training_steps > 0 {
+                o.total_training_steps as usize
+            } else {
+                total_steps
+            };
+            LrSchedule::from_config(o, total)
+        };
+        let critic = if needs_critic {
+            parts.critic.map(|(model, cfg)| CriticState {
+                model,
+                config: cfg,
+                optim: adamw(&config.critic.optim),
+                schedule: schedule(&config.critic.optim),
+            })
+        } else {
+            None
+        };
+        Ok(Self {
+            actor_optim: adamw(&actor_cfg.optim),
+            actor_schedule: schedule(&actor_cfg.optim),
+            device: device.clone(),
+            tokenizer: parts.tokenizer,
+            model_config: parts.model_config,
+            actor: parts.actor,
+            critic,
+            reference,
+            estimator,
+            policy_loss,
+            kl_ctrl,
+            reward,
+            train,
+            val,
+            sampler,
+            global_step: 0,
+            actor_updates: 0,
+            critic_updates: 0,
+            total_steps,
+            config,
+        })
+    }
+
+    /// Validation prompts.
+    pub(crate) fn validate_len(&self) -> usize {
+        self.val.len()
+    }
+
+    /// Steps in the whole run (`trainer.total_training_steps`, or epochs x batches per epoch).
+    pub fn total_steps(&self) -> usize {
+        self.total_steps
+    }
+
+    /// The critic, when the estimator uses one.
+    pub fn critic(&self) -> Option<&ValueModel<B>> {
+        self.critic.as_ref().map(|c| &c.model)
+    }
+
+    /// The critic's shape.
+    pub fn critic_config(&self) -> Option<&TransformerConfig> {
+        self.critic.as_ref().map(|c| &c.config)
+    }
+
+    /// The KL controller's current coefficient.
+    pub fn kl_coef(&self) -> f64 {
+        self.kl_ctrl.coef()
+    }
+
+    /// The seed of step `step`'s sampling: runs reproduce, and a resumed run draws what the
+    /// uninterrupted one would have.
+    fn step_seed(&self, step: usize, salt: u64) -> u64 {
+        self.config
+            .trainer
+            .seed
+            .wrapping_mul(1_000_003)
+            .wrapping_add(step as u64)
+            .wrapping_mul(31)
+            .wrapping_add(salt)
+    }
+
+    fn sampling(
+        &self,
+        validation: bool,
+        greedy: bool,
+        seed: u64,
+    ) -> Result<SamplingParams, TrainError> {
+        let r = &self.config.actor_rollout_ref.rollout;
+        let (n, temperature, top_k, top_p, do_sample) = if validation {
+            let v = &r.val_kwargs;
+            (v.n, v.temperature, v.top_k, v.top_p, v.do_sample)
+        } else {
+            (r.n, r.temperature, r.top_k, r.top_p, r.do_sample)
+        };
+        let mut stop = self.tokenizer.eos_token_ids.clone();
+        stop.extend(r.stop_token_ids.iter().cloned());
+        Ok(SamplingParams {
+            n: if greedy { 1 } else { n },
+            greedy: greedy || !do_sample || temperature == 0.0,
+            temperature,
+            top_k: (top_k > 0).then_some(top_k as usize),
+            top_p,
+            max_new_tokens: r
+                .response_length
+                .unwrap_or(self.config.data.max_response_length),
+            stop_token_ids: stop,
+            logprobs_mode: LogprobsMode::from_name(&r.logprobs_mode)?,
+            seed,
+        })
+    }
+
+    /// Encodes prompts `indices` of `records` and generates for them.
+    fn rollout(
+        &self,
+        records: &[PromptRecord],
+        indices: &[usize],
+        params: &SamplingParams,
+    ) -> Result<RolloutBatch, TrainError> {
+        let picked: Vec<&PromptRecord> = indices.iter().map(|&i| &records[i]).collect();
+        let prompts = encode_prompts(
+            &self.tokenizer,
+            &picked,
+            indices,
+            self.config.data.max_prompt_length,
+            Truncation::from_name(&self.config.data.truncation)?,
+        )?;
+        let policy = self.actor.valid();
+        let pad = self.tokenizer.pad_token_id;
+        let samples = generate(
+            &policy,
+            &self.model_config,
+            &prompts,
+            pad,
+            params,
+            &self.device,
+        )?;
+        let group_ids: Vec<u64> = indices.iter().map(|&i| i as u64).collect();
+        let sources: Vec<String> = picked.iter().map(|r| r.data_source.clone()).collect();
+        let truths: Vec<String> = picked.iter().map(|r| r.ground_truth.clone()).collect();
+        Ok(RolloutBatch::from_samples(
+            &prompts, &samples, pad, &group_ids, &sources, &truths,
+        ))
+    }
+
+    /// Generate: `rollout.n` responses for each of the training prompts `indices`.
+    pub fn generate(&self, indices: &[usize], step: usize) -> Result<RolloutBatch, TrainError> {
+        let params = self.sampling(false, false, self.step_seed(step, 0))?;
+        self.rollout(&self.train, indices, &params)
+    }
+
+    /// Reward: one score per row from the reward function, placed on the last valid token
+    /// (`batch.token_level_scores`). Returns the per-row scores.
+    pub fn reward(&self, batch: &mut RolloutBatch) -> Result<Vec<f64>, TrainError> {
+        let texts: Vec<String> = (0..batch.rows())
+            .map(|r| self.tokenizer.decode(batch.response_tokens(r), true))
+            .collect::<Result<_, _>>()?;
+        let inputs: Vec<RewardInput<'_>> = (0..batch.rows())
+            .map(|r| RewardInput {
+                data_source: &batch.data_source[r],
+                response: &texts[r],
+                ground_truth: &batch.ground_truth[r],
+            })
+            .collect();
+        let scores = self.reward.score(&inputs)?;
+        let overlong = &self.config.reward_model.overlong_buffer;
+        let max_len = self.config.data.max_response_length;
+        let shaping = |len: usize| {
+            burn_rlhf_algos::dapo::overlong_penalty(
+                len,
+                max_len,
+                overlong.len,
+                overlong.penalty_factor,
+            )
+        };
+        let (tokens, shaped) = token_level_scores(
+            &scores,
+            &batch.response_lengths(),
+            batch.response_len,
+            overlong.enable.then_some(&shaping as &dyn Fn(usize) -> f64),
+        );
+        batch.token_level_scores = Some(tokens);
+        Ok(shaped)
+    }
+
+    /// Per-token log-probs (and entropies) of `batch`'s responses under `model`, in micro-batches.
+    fn log_probs_of(
+        &self,
+        model: &CausalLm<B::InnerBackend>,
+        batch: &RolloutBatch,
+        micro: Option<usize>,
+    ) -> (Rows, Rows) {
+        let temperature = self.config.actor_rollout_ref.rollout.temperature;
+        let (mut logp, mut ent) = (Vec::new(), Vec::new());
+        let size = micro.unwrap_or(batch.rows()).max(1);
+        for part in batch.split(size).expect("size >= 1") {
+            let seq = SequenceTensors::from_batch(&part, &self.device);
+            let (l, e) = response_logprobs(model, &seq, temperature);
+            logp.extend(to_vec(l));
+            ent.extend(to_vec(e));
+        }
+        (logp, ent)
+    }
+
+    /// Old log-probs: the actor recomputes its own log-probs (and entropies) before updating.
+    pub fn old_log_probs(&self, batch: &RolloutBatch) -> (Rows, Rows) {
+        let micro = self
+            .config
+            .actor_rollout_ref
+            .rollout
+            .log_prob_micro_batch_size_per_gpu;
+        self.log_probs_of(&self.actor.valid(), batch, micro)
+    }
+
+    /// Reference log-probs, when there is a reference.
+    pub fn ref_log_probs(&self, batch: &RolloutBatch) -> Option<Rows> {
+        let micro = self
+            .config
+            .actor_rollout_ref
+            .reference
+            .log_prob_micro_batch_size_per_gpu;
+        self.reference
+            .as_ref()
+            .map(|r| self.log_probs_of(r, batch, micro).0)
+    }
+
+    /// Values: the critic's value at each response position, when there is a critic.
+    pub fn values(&self, batch: &RolloutBatch) -> Option<Rows> {
+        let critic = self.critic.as_ref()?;
+        let model = critic.model.valid();
+        let size = self
+            .config
+            .critic
+            .ppo_micro_batch_size_per_gpu
+            .unwrap_or(batch.rows())
+            .max(1);
+        let mut out = Vec::new();
+        for part in batch.split(size).expect("size >= 1") {
+            let seq = SequenceTensors::from_batch(&part, &self.device);
+            out.extend(to_vec(response_values(&model, &seq)));
+        }
+        Some(out)
+    }
+
+    /// ReMax's baseline: the reward of a greedy response to each row's prompt.
+    pub fn reward_baselines(&self, indices: &[usize], step: usize) -> Result<Vec<f64>, TrainError> {
+        let params = self.sampling(false, true, self.step_seed(step, 1))?;
+        let mut greedy = self.rollout(&self.train, indices, &params)?;
+        let scores = self.reward(&mut greedy)?;
+        let n = self.config.actor_rollout_ref.rollout.n;
+        Ok(scores
+            .iter()
+            .flat_map(|&s| std::iter::repeat_n(s, n))
+            .collect())
+    }
+
+    /// KL in reward (when `use_kl_in_reward`): `scores - beta * KL(old || ref)`, and the
+    /// controller's update. Returns the token-level rewards and `critic/kl`, `critic/kl_coeff`.
+    pub fn kl_in_reward(
+        &mut self,
+        batch: &RolloutBatch,
+        old_log_probs: &[f32],
+        ref_log_probs: Option<&[f32]>,
+    ) -> Result<(Rows, Metrics), TrainError> {
+        let scores = batch
+            .token_level_scores
+            .clone()
+            .ok_or_else(|| TrainError::config("reward", "the batch has not been rewarded"))?;
+        let alg = &self.config.algorithm;
+        if !alg.use_kl_in_reward {
+            return Ok((scores, Metrics::new()));
+        }
+        let reference = ref_log_probs.ok_or_else(|| {
+            TrainError::config("algorithm.use_kl_in_reward", "needs a reference policy")
+        })?;
+        let (rows, r) = (batch.rows(), batch.response_len);
+        let t = |v: Vec<f32>| from_rows::<B>(v, rows, r, &self.device);
+        let coef = self.kl_ctrl.coef();
+        let out = apply_kl_penalty(
+            t(scores),
+            t(old_log_probs.to_vec()),
+            t(reference.to_vec()),
+            t(batch.response_mask.clone()),
+            KlPenalty::from_name(&alg.kl_penalty)?,
+            coef,
+        );
+        self.kl_ctrl.update(out.current_kl, rows);
+        let metrics = Metrics::from([
+            ("critic/kl".to_string(), out.current_kl),
+            ("critic/kl_coeff".to_string(), coef),
+        ]);
+        Ok((to_vec(out.token_level_rewards), metrics))
+    }
+
+    /// Advantages and returns from the token-level rewards.
+    pub fn advantages(
+        &self,
+        batch: &RolloutBatch,
+        rewards: &[f32],
+        values: Option<&[f32]>,
+        baselines: Option<&[f64]>,
+    ) -> Result<(Rows, Rows), TrainError> {
+        let (rows, r) = (batch.rows(), batch.response_len);
+        let t = |v: Vec<f32>| from_rows::<B>(v, rows, r, &self.device);
+        let out = self.estimator.compute(&AdvantageInput {
+            token_level_rewards: t(rewards.to_vec()),
+            response_mask: t(batch.response_mask.clone()),
+            values: values.map(|v| t(v.to_vec())),
+            group_ids: batch.group_ids.clone(),
+            reward_baselines: baselines.map(|b| {
+                Tensor::<B, 1>::from_floats(
+                    b.iter().map(|&x| x as f32).collect::<Vec<_>>().as_slice(),
+                    &self.device,
+                )
+            }),
+        })?;
+        Ok((to_vec(out.advantages), to_vec(out.returns)))
+    }
+
+    /// Mini-batches of `prompts_per_mini_batch * rollout.n` rows, in order (verl's `split`).
+    fn mini_batches(&self, rows: usize, prompts_per_mini_batch: usize) -> Vec<Vec<usize>> {
+        let size = (prompts_per_mini_batch * self.config.actor_rollout_ref.rollout.n).max(1);
+        (0..rows)
+            .step_by(size)
+            .map(|s| (s..(s + size).min(rows)).collect())
+            .collect()
+    }
+
+    /// Critic update: `ppo_epochs` passes over the mini-batches, one optimiser step each.
+    pub fn update_critic(
+        &mut self,
+        batch: &RolloutBatch,
+        values: &[f32],
+        returns: &[f32],
+    ) -> Result<Metrics, TrainError> {
+        let c = &self.config.critic;
+        let mini = c
+            .ppo_mini_batch_size
+            .unwrap_or(self.config.actor_rollout_ref.actor.ppo_mini_batch_size);
+        let epochs = c.ppo_epochs.unwrap_or(1);
+        let mode = LossAggMode::from_name(c.loss_agg_mode.as_deref().unwrap_or("token-mean"))?;
+        let (cliprange_value, grad_clip, micro) = (
+            c.cliprange_value,
+            c.grad_clip,
+            c.ppo_micro_batch_size_per_gpu,
+        );
+        let minis = self.mini_batches(batch.rows(), mini);
+        let Some(state) = self.critic.as_mut() else {
+            return Ok(Metrics::new());
+        };
+        let lr = state.schedule.lr(self.critic_updates);
+        let r = batch.response_len;
+        let mut sums = Metrics::new();
+        let mut count = 0.0;
+        for _ in 0..epochs {
+            for rows in &minis {
+                let part = batch.select(rows);
+                let targets = CriticTargets {
+                    values: rows_of(values, rows, r),
+                    returns: rows_of(returns, rows, r),
+                };
+                let cfg = CriticLossConfig {
+                    cliprange_value,
+                    loss_agg_mode: mode,
+                    micro_batch_size: micro.unwrap_or(rows.len()),
+                    grad_clip,
+                };
+                let model = state.model.clone();
+                let (model, m) = critic_update(
+                    model,
+                    &mut state.optim,
+                    lr,
+                    &part,
+                    &targets,
+                    &cfg,
+                    &self.device,
+                )?;
+                state.model = model;
+                for (k, v) in m {
+                    *sums.entry(k).or_default() += v;
+                }
+                count += 1.0;
+            }
+        }
+        self.critic_updates += 1;
+        Ok(sums.into_iter().map(|(k, v)| (k, v / count)).collect())
+    }
+
+    /// Actor update: `ppo_epochs` passes over the mini-batches, one optimiser step each.
+    pub fn update_actor(
+        &mut self,
+        batch: &RolloutBatch,
+        old_log_probs: &[f32],
+        advantages: &[f32],
+        ref_log_probs: Option<&[f32]>,
+    ) -> Result<Metrics, TrainError> {
+        let a = &self.config.actor_rollout_ref.actor;
+        let mode = LossAggMode::from_name(&a.loss_agg_mode)?;
+        let cfg = |rows: usize| -> Result<ActorLossConfig, TrainError> {
+            Ok(ActorLossConfig {
+                temperature: self.config.actor_rollout_ref.rollout.temperature,
+                loss_agg_mode: mode,
+                loss_scale_factor: a.loss_scale_factor,
+                entropy_coeff: a.entropy_coeff,
+                kl_loss: if a.use_kl_loss {
+                    Some((KlPenalty::from_name(&a.kl_loss_type)?, a.kl_loss_coef))
+                } else {
+                    None
+                },
+                kl_metric: KlPenalty::from_name(&a.kl_loss_type)?,
+                micro_batch_size: a.ppo_micro_batch_size_per_gpu.unwrap_or(rows),
+                grad_clip: a.grad_clip,
+            })
+        };
+        let minis = self.mini_batches(batch.rows(), a.ppo_mini_batch_size);
+        let epochs = a.ppo_epochs;
+        let lr = self.actor_schedule.lr(self.actor_updates);
+        let r = batch.response_len;
+        let mut sums = Metrics::new();
+        let mut count = 0.0;
+        for _ in 0..epochs {
+            for rows in &minis {
+                let part = batch.select(rows);
+                let targets = ActorTargets {
+                    old_log_probs: rows_of(old_log_probs, rows, r),
+                    advantages: rows_of(advantages, rows, r),
+                    ref_log_probs: ref_log_probs.map(|v| rows_of(v, rows, r)),
+                };
+                let config = cfg(rows.len())?;
+                let (actor, m) = actor_update(
+                    self.actor.clone(),
+                    &mut self.actor_optim,
+                    lr,
+                    self.policy_loss.as_ref(),
+                    &part,
+                    &targets,
+                    &config,
+                    &self.device,
+                )?;
+                self.actor = actor;
+                for (k, v) in m {
+                    *sums.entry(k).or_default() += v;
+                }
+                count += 1.0;
+            }
+        }
+        self.actor_updates += 1;
+        Ok(sums.into_iter().map(|(k, v)| (k, v / count)).collect())
+    }
+
+    /// One training step in verl's order; returns its metrics. `global_step` counts from 1, and
+    /// the actor is updated from step `trainer.critic_warmup` on (verl's `critic_warmup <=
+    /// global_steps`).
+    pub fn step(&mut self) -> Result<Metrics, TrainError> {
+        let step = self.global_step + 1;
+        let start = Instant::now();
+        let mut timing = Timing::default();
+        let indices = self.sampler.next_batch(self.config.data.train_batch_size);
+        let mut batch = timing.time("gen", || self.generate(&indices, step))?;
+        let baselines = if self.estimator.needs_reward_baselines() {
+            Some(timing.time("gen_max", || self.reward_baselines(&indices, step))?)
+        } else {
+            None
+        };
+        timing.time("reward", || self.reward(&mut batch))?;
+        let (old_log_probs, entropy) = timing.time("old_log_prob", || self.old_log_probs(&batch));
+        let ref_log_probs = timing.time("ref", || self.ref_log_probs(&batch));
+        let values = timing.time("values", || self.values(&batch));
+        let (rewards, kl_metrics, advantages, returns) = timing.time("adv", || {
+            let (rewards, kl) =
+                self.kl_in_reward(&batch, &old_log_probs, ref_log_probs.as_deref())?;
+            let (adv, ret) =
+                self.advantages(&batch, &rewards, values.as_deref(), baselines.as_deref())?;
+            Ok::<_, TrainError>((rewards, kl, adv, ret))
+        })?;
+        let mut metrics = kl_metrics;
+        if let Some(v) = &values {
+            let m = timing.time("update_critic", || self.update_critic(&batch, v, &returns))?;
+            metrics.extend(m);
+        }
+        if self.config.trainer.critic_warmup <= step {
+            let m = timing.time("update_actor", || {
+                self.update_actor(
+                    &batch,
+                    &old_log_probs,
+                    &advantages,
+                    ref_log_probs.as_deref(),
+                )
+            })?;
+            metrics.extend(m);
+        }
+        // verl reports the entropy of the rollout policy, from the old-log-prob pass.
+        let mode = LossAggMode::from_name(&self.config.actor_rollout_ref.actor.loss_agg_mode)?;
+        metrics.insert(
+            "actor/entropy".into(),
+            masked_agg(&entropy, &batch.response_mask, batch.response_len, mode),
+        );
+        metrics.extend(data_metrics(&StepData {
+            batch: &batch,
+            scores: batch.token_level_scores.as_deref().unwrap_or(&[]),
+            rewards: &rewards,
+            advantages: &advantages,
+            returns: &returns,
+            values: values.as_deref(),
+            max_response_length: self.config.data.max_response_length,
+            max_prompt_length: self.config.data.max_prompt_length,
+        }));
+        metrics.extend(rollout_probs_diff(&batch, &old_log_probs));
+        let elapsed = start.elapsed().as_secs_f64();
+        timing.write(&mut metrics);
+        metrics.insert("timing_s/step".into(), elapsed);
+        let tokens = batch.prompt_mask.iter().map(|&m| m as f64).sum::<f64>()
+            + batch.response_mask.iter().map(|&m| m as f64).sum::<f64>();
+        metrics.insert("perf/total_num_tokens".into(), tokens);
+        metrics.insert("perf/time_per_step".into(), elapsed);
+        metrics.insert("perf/throughput".into(), tokens / elapsed.max(1e-9));
+        metrics.insert("training/global_step".into(), step as f64);
+        metrics.insert("training/epoch".into(), self.sampler.state().epoch as f64);
+        self.global_step = step;
+        Ok(metrics)
+    }
+
+    /// Validation: generates for the validation prompts with `rollout.val_kwargs` and returns
+    /// verl's `val-core/*` and `val-aux/*` metrics (mean@n, best@n, maj@n, pass@k, ...).
+    pub fn validate(&self) -> Result<Metrics, TrainError> {
+        if self.val.is_empty() {
+            return Err(TrainError::config(
+                "data.val_files",
+                "no validation prompts",
+            ));
+        }
+        let params = self.sampling(true, false, self.step_seed(self.global_step, 2))?;
+        let size = self
+            .config
+            .data
+            .val_batch_size
+            .unwrap_or(self.val.len())
+            .max(1);
+        let all: Vec<usize> = (0..self.val.len()).collect();
+        let mut rows: Vec<(String, u64, f64, Option<String>)> = Vec::new();
+        for chunk in all.chunks(size) {
+            let mut batch = self.rollout(&self.val, chunk, &params)?;
+            let scores = self.reward(&mut batch)?;
+            for (r, score) in scores.into_iter().enumerate() {
+                let text = self.tokenizer.decode(batch.response_tokens(r), true)?;
+                let answer = extract_gsm8k_answer(&text, Gsm8kMethod::Strict)
+                    .or_else(|| Some(text.trim().to_string()));
+                rows.push((
+                    batch.data_source[r].clone(),
+                    batch.group_ids[r],
+                    score,
+                    answer,
+                ));
+            }
+        }
+        let samples: Vec<ValSample<'_>> = rows
+            .iter()
+            .map(|(source, group, score, answer)| ValSample {
+                data_source: source,
+                group_id: *group,
+                score: *score,
+                answer: answer.clone(),
+            })
+            .collect();
+        Ok(validation_metrics(&samples))
+    }
+}
+
+/// verl's `training/rollout_probs_diff_{max,mean}`: how far the rollout's token probabilities
+/// are from the actor's recomputed ones (0 up to numerics when generation and training agree).
+fn rollout_probs_diff(batch: &RolloutBatch, old_log_probs: &[f32]) -> Metrics {
+    let diffs: Vec<f64> = batch
+        .rollout_log_probs
+        .iter()
+        .zip(old_log_probs)
+        .zip(&batch.response_mask)
+        .filter(|(_, &m)| m > 0.0)
+        .map(|((&a, &b), _)| ((a as f64).exp() - (b as f64).exp()).abs())
+        .collect();
+    let max = diffs.iter().cloned().fold(0.0, f64::max);
+    let mean = diffs.iter().sum::<f64>() / diffs.len().max(1) as f64;
+    Metrics::from([
+        ("training/rollout_probs_diff_max".to_string(), max),
+        ("training/rollout_probs_diff_mean".to_string(), mean),
+    ])
+}
+
+/// `agg_loss` of a host `[rows * width]` quantity over the response mask, in f64.
+fn masked_agg(values: &[f32], mask: &[f32], width: usize, mode: LossAggMode) -> f64 {
+    let width = width.max(1);
+    let per_row: Vec<(f64, f64)> = values
+        .chunks(width)
+        .zip(mask.chunks(width))
+        .map(|(v, m)| {
+            v.iter().zip(m).fold((0.0, 0.0), |(s, n), (&x, &w)| {
+                (s + (x * w) as f64, n + w as f64)
+            })
+        })
+        .collect();
+    let (sum, count): (f64, f64) = per_row
+        .iter()
+        .fold((0.0, 0.0), |(s, n), (a, b)| (s + a, n + b));
+    match mode {
+        LossAggMode::TokenMean => sum / count.max(1.0),
+        _ => {
+            let rows: Vec<f64> = per_row
+                .iter()
+                .filter(|(_, n)| *n > 0.0)
+                .map(|(s, n)| s / n)
+                .collect();
+            rows.iter().sum::<f64>() / rows.len().max(1) as f64
+        }
+    }
+}
+
+impl<B: AutodiffBackend> std::fmt::Debug for Learner<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Learner")
+            .field("global_step", &self.global_step)
+            .field("estimator", &self.estimator.name())
+            .field("policy_loss", &self.policy_loss.name())
+            .field("critic", &self.critic.is_some())
+            .field("reference", &self.reference.is_some())
+            .finish()
+    }
+}

@@ -1,0 +1,344 @@
+//! Step metrics with verl's names (`compute_data_metrics`, timing, throughput) and where they go:
+//! the console (a progress bar and a compact table), a JSONL file, and a PNG plot at the end.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use burn_rlhf_rollout::RolloutBatch;
+use indicatif::{ProgressBar, ProgressStyle};
+
+use super::TrainError;
+
+/// One step's metrics by name.
+pub type Metrics = BTreeMap<String, f64>;
+
+/// Wall-clock time of each phase of a step (`timing_s/<name>`).
+#[derive(Debug, Default)]
+pub struct Timing {
+    seconds: BTreeMap<String, f64>,
+}
+
+impl Timing {
+    /// Runs `f`, adding its duration to `timing_s/<name>`.
+    pub fn time<T>(&mut self, name: &str, f: impl FnOnce() -> T) -> T {
+        let start = Instant::now();
+        let out = f();
+        *self.seconds.entry(name.to_string()).or_default() += start.elapsed().as_secs_f64();
+        out
+    }
+
+    /// Writes `timing_s/*` into `metrics`.
+    pub fn write(&self, metrics: &mut Metrics) {
+        for (k, v) in &self.seconds {
+            metrics.insert(format!("timing_s/{k}"), *v);
+        }
+    }
+}
+
+fn mean_max_min(metrics: &mut Metrics, prefix: &str, values: &[f64]) {
+    if values.is_empty() {
+        return;
+    }
+    let mean = values.iter().sum::<f64>() / values.len() as f64;
+    let max = values.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    let min = values.iter().cloned().fold(f64::INFINITY, f64::min);
+    metrics.insert(format!("{prefix}/mean"), mean);
+    metrics.insert(format!("{prefix}/max"), max);
+    metrics.insert(format!("{prefix}/min"), min);
+}
+
+/// Per-token tensors of a step, `[rows * response_len]` row-major, for the data metrics.
+pub struct StepData<'a> {
+    /// The batch (masks and lengths).
+    pub batch: &'a RolloutBatch,
+    /// Token-level scores (before the KL penalty).
+    pub scores: &'a [f32],
+    /// Token-level rewards (after it).
+    pub rewards: &'a [f32],
+    /// Advantages.
+    pub advantages: &'a [f32],
+    /// Returns.
+    pub returns: &'a [f32],
+    /// The critic's values, when there is a critic.
+    pub values: Option<&'a [f32]>,
+    /// `data.max_response_length`, for `response_length/clip_ratio`.
+    pub max_response_length: usize,
+    /// `data.max_prompt_length`, for `prompt_length/clip_ratio`.
+    pub max_prompt_length: usize,
+}
+
+/// verl's `compute_data_metrics`: sequence score and reward statistics, advantages, returns and
+/// values over valid tokens, response and prompt lengths.
+pub fn data_metrics(d: &StepData<'_>) -> Metrics {
+    let b = d.batch;
+    let r = b.response_len.max(1);
+    let mut m = Metrics::new();
+    let row_sums = |v: &[f32]| -> Vec<f64> {
+        v.chunks(r)
+            .map(|c| c.iter().map(|&x| x as f64).sum())
+            .collect()
+    };
+    let valid = |v: &[f32]| -> Vec<f64> {
+        v.iter()
+            .zip(&b.response_mask)
+            .filter(|(_, &m)| m > 0.0)
+            .map(|(&x, _)| x as f64)
+            .collect()
+    };
+    mean_max_min(&mut m, "critic/score", &row_sums(d.scores));
+    mean_max_min(&mut m, "critic/rewards", &row_sums(d.rewards));
+    mean_max_min(&mut m, "critic/advantages", &valid(d.advantages));
+    mean_max_min(&mut m, "critic/returns", &valid(d.returns));
+    if let Some(values) = d.values {
+        mean_max_min(&mut m, "critic/values", &valid(values));
+    }
+    let lengths = |v: Vec<usize>, max: usize, prefix: &str, m: &mut Metrics| {
+        let as_f: Vec<f64> = v.iter().map(|&x| x as f64).collect();
+        mean_max_min(m, prefix, &as_f);
+        let clipped = v.iter().filter(|&&x| x >= max).count() as f64;
+        m.insert(
+            format!("{prefix}/clip_ratio"),
+            clipped / v.len().max(1) as f64,
+        );
+    };
+    lengths(
+        b.response_lengths(),
+        d.max_response_length,
+        "response_length",
+        &mut m,
+    );
+    lengths(
+        b.prompt_lengths(),
+        d.max_prompt_length,
+        "prompt_length",
+        &mut m,
+    );
+    m
+}
+
+/// The metrics a compact console line shows, when present.
+const HEADLINE: [(&str, &str); 4] = [
+    ("critic/score/mean", "score"),
+    ("critic/kl", "kl"),
+    ("response_length/mean", "len"),
+    ("actor/pg_loss", "pg"),
+];
+
+/// Where metrics go. Create with [`MetricsLogger::new`], call [`MetricsLogger::log`] every step
+/// and [`MetricsLogger::finish`] at the end (it writes the plot).
+pub struct MetricsLogger {
+    bar: Option<ProgressBar>,
+    table_every: usize,
+    jsonl: Option<(PathBuf, std::fs::File)>,
+    plot: Option<PathBuf>,
+    history: Vec<(usize, Metrics)>,
+    total_steps: usize,
+}
+
+impl MetricsLogger {
+    /// `console`: a progress bar over `total_steps` and a table of every metric at the first and
+    /// last step and every `table_every` steps; `jsonl`: one JSON object per step appended to that
+    /// file; `plot`: a PNG of score, KL and response length against step, written by `finish`.
+    pub fn new(
+        console: bool,
+        table_every: usize,
+        jsonl: Option<PathBuf>,
+        plot: Option<PathBuf>,
+        total_steps: usize,
+        first_step: usize,
+    ) -> Result<Self, TrainError> {
+        let bar = console.then(|| {
+            let bar = ProgressBar::new(total_steps as u64);
+            bar.set_style(
+                ProgressStyle::with_template(
+                    "{spinner} step {pos}/{len} [{elapsed_precise} < {eta_precise}] {msg}",
+                )
+                .expect("valid template"),
+            );
+            bar.set_position(first_step as u64);
+            bar
+        });
+        let jsonl = match jsonl {
+            Some(path) => {
+                if let Some(dir) = path.parent() {
+                    std::fs::create_dir_all(dir).map_err(|e| TrainError::Metrics {
+                        path: dir.into(),
+                        message: e.to_string(),
+                    })?;
+                }
+                let file = std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(&path)
+                    .map_err(|e| TrainError::Metrics {
+                        path: path.clone(),
+                        message: e.to_string(),
+                    })?;
+                Some((path, file))
+            }
+            None => None,
+        };
+        Ok(Self {
+            bar,
+            table_every: table_every.max(1),
+            jsonl,
+            plot,
+            history: Vec::new(),
+            total_steps,
+        })
+    }
+
+    /// Prints a line outside the progress bar.
+    pub fn println(&self, line: &str) {
+        match &self.bar {
+            Some(bar) if !bar.is_hidden() => bar.println(line),
+            _ => println!("{line}"),
+        }
+    }
+
+    /// Records one step.
+    pub fn log(&mut self, step: usize, metrics: &Metrics) -> Result<(), TrainError> {
+        if let Some((path, file)) = &mut self.jsonl {
+            let mut obj = serde_json::Map::new();
+            obj.insert("step".into(), step.into());
+            for (k, v) in metrics {
+                obj.insert(k.clone(), serde_json::json!(v));
+            }
+            writeln!(file, "{}", serde_json::Value::Object(obj)).map_err(|e| {
+                TrainError::Metrics {
+                    path: path.clone(),
+                    message: e.to_string(),
+                }
+            })?;
+        }
+        if let Some(bar) = &self.bar {
+            let msg: Vec<String> = HEADLINE
+                .iter()
+                .filter_map(|(k, short)| metrics.get(*k).map(|v| format!("{short} {v:.4}")))
+                .collect();
+            bar.set_position(step as u64);
+            let table_now = step == 1 || step % self.table_every == 0 || step >= self.total_steps;
+            // Without a terminal the bar is hidden (and so is its `println`): print a line a
+            // step instead, so logs show progress.
+            if bar.is_hidden() {
+                println!("step {step}/{}  {}", self.total_steps, msg.join("  "));
+                if table_now {
+                    println!("{}", table(step, metrics));
+                }
+            } else {
+                bar.set_message(msg.join("  "));
+                if table_now {
+                    bar.println(table(step, metrics));
+                }
+            }
+        }
+        self.history.push((step, metrics.clone()));
+        Ok(())
+    }
+
+    /// Closes the progress bar and writes the plot. Returns the plot's path when one was written.
+    pub fn finish(&mut self) -> Result<Option<PathBuf>, TrainError> {
+        if let Some(bar) = &self.bar {
+            bar.finish();
+        }
+        match &self.plot {
+            Some(path) if !self.history.is_empty() => {
+                super::plot::plot_history(path, &self.history)?;
+                Ok(Some(path.clone()))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// Every step logged so far.
+    pub fn history(&self) -> &[(usize, Metrics)] {
+        &self.history
+    }
+}
+
+/// Every metric of a step, grouped by prefix, two columns.
+pub fn table(step: usize, metrics: &Metrics) -> String {
+    let mut out = format!("── step {step} ──");
+    let cells: Vec<String> = metrics
+        .iter()
+        .map(|(k, v)| format!("{k:<34} {v:>12.5}"))
+        .collect();
+    for pair in cells.chunks(2) {
+        out.push('\n');
+        out.push_str(&pair.join("   "));
+    }
+    out
+}
+
+/// Reads a JSONL metrics file back (one object per line with a `step`).
+pub fn read_jsonl(path: &Path) -> Result<Vec<(usize, Metrics)>, TrainError> {
+    let text = std::fs::read_to_string(path).map_err(|e| TrainError::Metrics {
+        path: path.into(),
+        message: e.to_string(),
+    })?;
+    text.lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+        .map(|(i, line)| {
+            let bad = |m: String| TrainError::Metrics {
+                path: path.into(),
+                message: format!("line {}: {m}", i + 1),
+            };
+            let v: serde_json::Map<String, serde_json::Value> =
+                serde_json::from_str(line).map_err(|e| bad(e.to_string()))?;
+            let step = v
+                .get("step")
+                .and_then(|s| s.as_u64())
+                .ok_or_else(|| bad("no `step`".into()))? as usize;
+            let metrics = v
+                .iter()
+                .filter(|(k, _)| k.as_str() != "step")
+                .filter_map(|(k, v)| v.as_f64().map(|x| (k.clone(), x)))
+                .collect();
+            Ok((step, metrics))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn data_metrics_use_valid_tokens_and_lengths() {
+        let batch = RolloutBatch {
+            prompt_len: 2,
+            response_len: 3,
+            prompt_ids: vec![0, 1, 1, 1],
+            prompt_mask: vec![0, 1, 1, 1],
+            response_ids: vec![5, 6, 0, 5, 6, 7],
+            response_mask: vec![1.0, 1.0, 0.0, 1.0, 1.0, 1.0],
+            rollout_log_probs: vec![0.0; 6],
+            group_ids: vec![0, 1],
+            data_source: vec!["a".into(); 2],
+            ground_truth: vec!["1".into(); 2],
+            token_level_scores: None,
+        };
+        let scores = [0.0, 1.0, 0.0, 0.0, 0.0, 0.0];
+        let adv = [1.0, 2.0, 100.0, 3.0, 4.0, 5.0];
+        let m = data_metrics(&StepData {
+            batch: &batch,
+            scores: &scores,
+            rewards: &scores,
+            advantages: &adv,
+            returns: &adv,
+            values: None,
+            max_response_length: 3,
+            max_prompt_length: 2,
+        });
+        assert_eq!(m["critic/score/mean"], 0.5);
+        assert_eq!(m["critic/advantages/max"], 5.0, "the padded 100 is ignored");
+        assert_eq!(m["critic/advantages/mean"], 3.0);
+        assert_eq!(m["response_length/mean"], 2.5);
+        assert_eq!(m["response_length/clip_ratio"], 0.5);
+        assert_eq!(m["prompt_length/min"], 1.0);
+        assert!(!m.contains_key("critic/values/mean"));
+    }
+}

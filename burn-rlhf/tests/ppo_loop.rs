@@ -1,0 +1,482 @@
+//! The shared Learner end to end on a tiny model and the built-in arithmetic task: PPO with a
+//! critic and every critic-free estimator through the same loop, micro-batch invariance, critic
+//! warm-up, the KL penalty and its adaptive controller, checkpoints that load back, and resuming
+//! in a new process.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::AtomicBool;
+
+use burn::backend::{Autodiff, Flex};
+use burn::module::{AutodiffModule, Module};
+use burn::tensor::{Int, Tensor, TensorData};
+use burn_rlhf::config::RlhfConfig;
+use burn_rlhf::models::pretrained::{load_pretrained, save_pretrained};
+use burn_rlhf::models::weights::WeightMap;
+use burn_rlhf::models::{CausalLm, ValueModel};
+use burn_rlhf::rollout::data::write_parquet;
+use burn_rlhf::tasks;
+use burn_rlhf::trainer::metrics::read_jsonl;
+use burn_rlhf::trainer::{Learner, LearnerParts, Metrics};
+use burn_rlhf_test_assets::temp_dir;
+
+type B = Autodiff<Flex>;
+
+/// A tiny actor and a critic that starts from its backbone.
+fn tiny_models() -> (CausalLm<B>, ValueModel<B>) {
+    let c = tasks::model_config(32, 1);
+    let actor: CausalLm<B> = c.init_causal_lm(&Default::default());
+    let mut w = WeightMap::new("tiny actor");
+    for (k, v) in actor.valid().export() {
+        w.insert(k, v);
+    }
+    let critic = ValueModel::from_weights(&c, w, &Default::default()).unwrap();
+    (actor, critic)
+}
+
+fn tiny_config(estimator: &str, dir: &Path) -> RlhfConfig {
+    let mut c = RlhfConfig::default();
+    c.data.train_batch_size = 4;
+    c.data.max_prompt_length = 8;
+    c.data.max_response_length = 4;
+    c.custom_reward_function.name = Some(tasks::DATA_SOURCE.into());
+    let a = &mut c.actor_rollout_ref.actor;
+    a.optim.lr = 1e-3;
+    a.ppo_mini_batch_size = 2;
+    c.critic.optim.lr = 1e-3;
+    c.actor_rollout_ref.rollout.n = if estimator == "gae" { 1 } else { 4 };
+    c.algorithm.adv_estimator = estimator.into();
+    c.trainer.total_training_steps = Some(2);
+    c.trainer.logger = vec![];
+    c.trainer.test_freq = -1;
+    c.trainer.val_before_train = false;
+    c.trainer.resume_mode = "disable".into();
+    c.trainer.default_local_dir = Some(dir.display().to_string());
+    c
+}
+
+fn learner(config: RlhfConfig, actor: CausalLm<B>, critic: ValueModel<B>) -> Learner<B> {
+    let mc = tasks::model_config(32, 1);
+    let (train, val) = tasks::split_problems(10, 20, 1);
+    let mut parts = LearnerParts::new(actor, mc.clone(), tasks::tokenizer());
+    parts.critic = Some((critic, mc));
+    parts
+        .rewards
+        .register(std::sync::Arc::new(tasks::ExactAnswer));
+    parts.train = train;
+    parts.val = val;
+    Learner::new(config, parts, &Default::default()).unwrap()
+}
+
+/// Every parameter of a module, flattened in visiting order.
+fn params<M: Module<Flex>>(m: &M) -> Vec<f32> {
+    struct Collect(Vec<f32>);
+    impl burn::module::ModuleVisitor<Flex> for Collect {
+        fn visit_float<const D: usize>(&mut self, p: &burn::module::Param<Tensor<Flex, D>>) {
+            self.0
+                .extend(p.val().into_data().iter::<f32>().collect::<Vec<_>>());
+        }
+    }
+    let mut c = Collect(Vec::new());
+    m.visit(&mut c);
+    c.0
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+/// The metrics issue 6 lists for a PPO step with a critic and a KL penalty in the reward.
+const PPO_METRICS: &[&str] = &[
+    "actor/pg_loss",
+    "actor/pg_clipfrac",
+    "actor/pg_clipfrac_lower",
+    "actor/ppo_kl",
+    "actor/entropy",
+    "actor/kl_loss",
+    "actor/grad_norm",
+    "actor/lr",
+    "critic/vf_loss",
+    "critic/vf_clipfrac",
+    "critic/grad_norm",
+    "critic/score/mean",
+    "critic/score/max",
+    "critic/score/min",
+    "critic/rewards/mean",
+    "critic/rewards/max",
+    "critic/rewards/min",
+    "critic/advantages/mean",
+    "critic/advantages/max",
+    "critic/advantages/min",
+    "critic/returns/mean",
+    "critic/returns/max",
+    "critic/returns/min",
+    "critic/values/mean",
+    "critic/values/max",
+    "critic/values/min",
+    "critic/kl",
+    "critic/kl_coeff",
+    "response_length/mean",
+    "response_length/max",
+    "response_length/min",
+    "response_length/clip_ratio",
+    "prompt_length/mean",
+    "prompt_length/max",
+    "prompt_length/min",
+    "timing_s/gen",
+    "timing_s/reward",
+    "timing_s/old_log_prob",
+    "timing_s/ref",
+    "timing_s/values",
+    "timing_s/adv",
+    "timing_s/update_critic",
+    "timing_s/update_actor",
+    "timing_s/step",
+    "perf/throughput",
+    "perf/total_num_tokens",
+];
+
+#[test]
+fn ppo_with_critic_runs_and_reports_every_metric() {
+    let dir = temp_dir("ppo_run");
+    let (actor, critic) = tiny_models();
+    let mut config = tiny_config("gae", &dir);
+    config.algorithm.use_kl_in_reward = true;
+    config.trainer.logger = vec!["jsonl".into()];
+    let mut l = learner(config, actor, critic);
+    let before = params(&l.actor.valid());
+    let out = l.fit(&AtomicBool::new(false)).unwrap();
+    assert_eq!(l.global_step, 2);
+    assert!(
+        max_diff(&before, &params(&l.actor.valid())) > 0.0,
+        "the actor trained"
+    );
+    let logged = read_jsonl(out.jsonl.as_ref().unwrap()).unwrap();
+    assert_eq!(logged.len(), 2);
+    for (step, m) in &logged {
+        for key in PPO_METRICS {
+            let v = m
+                .get(*key)
+                .unwrap_or_else(|| panic!("step {step}: no `{key}`"));
+            assert!(v.is_finite(), "step {step}: {key} = {v}");
+        }
+    }
+    let plot = out.plot.unwrap();
+    let png = std::fs::read(&plot).unwrap();
+    assert_eq!(&png[1..4], b"PNG", "{} is a PNG", plot.display());
+    assert!(out
+        .checkpoint
+        .unwrap()
+        .join("critic/model.safetensors")
+        .exists());
+    std::fs::remove_dir_all(dir).ok();
+}
+
+#[test]
+fn every_critic_free_estimator_runs_without_a_critic() {
+    for estimator in [
+        "grpo",
+        "grpo_passk",
+        "rloo",
+        "remax",
+        "reinforce_plus_plus",
+        "reinforce_plus_plus_baseline",
+        "opo",
+        "gpg",
+    ] {
+        let dir = temp_dir(&format!("est_{estimator}"));
+        let (actor, critic) = tiny_models();
+        let mut config = tiny_config(estimator, &dir);
+        config.trainer.total_training_steps = Some(1);
+        let mut l = learner(config, actor, critic);
+        assert!(l.critic().is_none(), "{estimator} builds no critic");
+        let m = l.step().unwrap();
+        for key in [
+            "actor/pg_loss",
+            "critic/advantages/mean",
+            "critic/score/mean",
+        ] {
+            assert!(m[key].is_finite(), "{estimator}: {key}");
+        }
+        assert!(
+            !m.contains_key("critic/vf_loss"),
+            "{estimator} trains no critic"
+        );
+        assert_eq!(m.contains_key("timing_s/gen_max"), estimator == "remax");
+        std::fs::remove_dir_all(dir).ok();
+    }
+}
+
+#[test]
+fn step_does_not_depend_on_micro_batch_size() {
+    let dir = temp_dir("micro");
+    let (actor, critic) = tiny_models();
+    let run = |micro: Option<usize>| {
+        let mut config = tiny_config("gae", &dir);
+        config.actor_rollout_ref.actor.ppo_mini_batch_size = 4;
+        config.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu = micro;
+        config.critic.ppo_micro_batch_size_per_gpu = micro;
+        config.actor_rollout_ref.actor.loss_agg_mode = "seq-mean-token-mean".into();
+        let mut l = learner(config, actor.clone(), critic.clone());
+        let m = l.step().unwrap();
+        (
+            params(&l.actor.valid()),
+            params(&l.critic().unwrap().valid()),
+            m,
+        )
+    };
+    let (a1, c1, m1) = run(Some(1));
+    let (a4, c4, m4) = run(None);
+    assert!(max_diff(&a1, &a4) < 1e-5, "actor {}", max_diff(&a1, &a4));
+    assert!(max_diff(&c1, &c4) < 1e-5, "critic {}", max_diff(&c1, &c4));
+    for key in ["actor/pg_loss", "critic/vf_loss", "actor/grad_norm"] {
+        assert!(
+            (m1[key] - m4[key]).abs() < 1e-5,
+            "{key}: {} vs {}",
+            m1[key],
+            m4[key]
+        );
+    }
+    std::fs::remove_dir_all(dir).ok();
+}
+
+#[test]
+fn critic_warmup_trains_only_the_critic() {
+    let dir = temp_dir("warmup");
+    let (actor, critic) = tiny_models();
+    let mut config = tiny_config("gae", &dir);
+    config.trainer.critic_warmup = 3;
+    let mut l = learner(config, actor, critic);
+    let actor0 = params(&l.actor.valid());
+    for step in 1..=2 {
+        let critic_before = params(&l.critic().unwrap().valid());
+        let m = l.step().unwrap();
+        assert_eq!(
+            max_diff(&actor0, &params(&l.actor.valid())),
+            0.0,
+            "step {step}"
+        );
+        assert!(!m.contains_key("actor/pg_loss"));
+        assert!(max_diff(&critic_before, &params(&l.critic().unwrap().valid())) > 0.0);
+    }
+    // verl updates the actor from `global_steps >= critic_warmup` on.
+    l.step().unwrap();
+    assert!(max_diff(&actor0, &params(&l.actor.valid())) > 0.0);
+    std::fs::remove_dir_all(dir).ok();
+}
+
+#[test]
+fn kl_in_reward_subtracts_beta_kl_and_the_adaptive_controller_moves_as_verl() {
+    let dir = temp_dir("kl");
+    let (actor, critic) = tiny_models();
+    let (other, _) = tiny_models();
+    let mut config = tiny_config("grpo", &dir);
+    config.algorithm.use_kl_in_reward = true;
+    config.algorithm.kl_penalty = "kl".into();
+    config.algorithm.kl_ctrl.r#type = "adaptive".into();
+    config.algorithm.kl_ctrl.kl_coef = 0.2;
+    config.algorithm.kl_ctrl.target_kl = 0.05;
+    config.algorithm.kl_ctrl.horizon = 100.0;
+    let mc = tasks::model_config(32, 1);
+    let (train, _) = tasks::split_problems(10, 20, 1);
+    let mut parts = LearnerParts::new(actor, mc.clone(), tasks::tokenizer());
+    parts.critic = Some((critic, mc));
+    parts.reference = Some(other.valid());
+    parts
+        .rewards
+        .register(std::sync::Arc::new(tasks::ExactAnswer));
+    parts.train = train;
+    let mut l = Learner::new(config, parts, &Default::default()).unwrap();
+    let mut batch = l.generate(&[0, 1, 2, 3], 1).unwrap();
+    l.reward(&mut batch).unwrap();
+    let (old, _) = l.old_log_probs(&batch);
+    let reference = l.ref_log_probs(&batch).unwrap();
+    let beta = l.kl_coef();
+    let (rewards, m) = l.kl_in_reward(&batch, &old, Some(&reference)).unwrap();
+    let scores = batch.token_level_scores.as_ref().unwrap();
+    let mut per_row = Vec::new();
+    for row in 0..batch.rows() {
+        let (mut sum, mut n) = (0.0f64, 0.0f64);
+        for t in 0..batch.response_len {
+            let i = row * batch.response_len + t;
+            let mask = batch.response_mask[i];
+            let kl = (old[i] - reference[i]) * mask;
+            let want = scores[i] - beta as f32 * kl;
+            assert!((rewards[i] - want).abs() < 1e-6, "row {row} token {t}");
+            sum += kl as f64;
+            n += mask as f64;
+        }
+        per_row.push(sum / n.max(1.0));
+    }
+    let current_kl = per_row.iter().sum::<f64>() / per_row.len() as f64;
+    assert!((m["critic/kl"] - current_kl).abs() < 1e-5);
+    assert!(current_kl.abs() > 1e-4, "a different reference gives a KL");
+    // verl's AdaptiveKLController: error = clip(kl / target - 1, ±0.2), coef *= 1 + error * n / horizon.
+    let error = (current_kl / 0.05 - 1.0).clamp(-0.2, 0.2);
+    let want = beta * (1.0 + error * batch.rows() as f64 / 100.0);
+    assert!(
+        (l.kl_coef() - want).abs() < 1e-9,
+        "{} vs {want}",
+        l.kl_coef()
+    );
+    std::fs::remove_dir_all(dir).ok();
+}
+
+#[test]
+fn a_checkpointed_actor_loads_back_with_the_same_logits() {
+    let dir = temp_dir("ckpt");
+    let (actor, critic) = tiny_models();
+    let mut l = learner(tiny_config("gae", &dir), actor, critic);
+    l.step().unwrap();
+    let ckpt = l.save_checkpoint().unwrap();
+    assert!(dir.join(burn_rlhf::trainer::LATEST_FILE).exists());
+    let loaded: CausalLm<Flex> = load_pretrained(ckpt.join("actor").to_str().unwrap())
+        .unwrap()
+        .causal_lm(&Default::default())
+        .unwrap();
+    let ids = Tensor::<Flex, 2, Int>::from_data(
+        TensorData::new(vec![3i64, 12, 4, 13], [1, 4]),
+        &Default::default(),
+    );
+    let mask = Tensor::<Flex, 2, Int>::ones([1, 4], &Default::default());
+    let pos = Tensor::<Flex, 2, Int>::from_data(
+        TensorData::new(vec![0i64, 1, 2, 3], [1, 4]),
+        &Default::default(),
+    );
+    let a: Vec<f32> = l
+        .actor
+        .valid()
+        .forward(ids.clone(), mask.clone(), pos.clone(), None)
+        .into_data()
+        .to_vec()
+        .unwrap();
+    let b: Vec<f32> = loaded
+        .forward(ids, mask, pos, None)
+        .into_data()
+        .to_vec()
+        .unwrap();
+    assert_eq!(max_diff(&a, &b), 0.0);
+    // The tokenizer is saved beside the weights.
+    let tok = load_pretrained(ckpt.join("actor").to_str().unwrap())
+        .unwrap()
+        .tokenizer
+        .unwrap();
+    assert_eq!(tok.encode("12+3=", false).unwrap(), vec![3, 4, 12, 5, 13]);
+    std::fs::remove_dir_all(dir).ok();
+}
+
+/// Writes the tiny model (with its tokenizer) and the task's data where the CLI can read them.
+fn cli_assets(dir: &Path) -> (PathBuf, PathBuf) {
+    let (actor, _) = tiny_models();
+    let model = dir.join("model");
+    save_pretrained(
+        &model,
+        &tasks::model_config(32, 1),
+        &actor.valid().export(),
+        None,
+        Some(&tasks::tokenizer()),
+    )
+    .unwrap();
+    let (train, _) = tasks::split_problems(10, 20, 1);
+    let data = dir.join("train.parquet");
+    write_parquet(&data, &train).unwrap();
+    (model, data)
+}
+
+fn train_cli(model: &Path, data: &Path, out: &Path, steps: usize) {
+    let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/ppo_gsm8k.ron");
+    let path = |p: &Path| p.display().to_string();
+    let args = [
+        format!("actor_rollout_ref.model.path={}", path(model)),
+        format!("critic.model.path={}", path(model)),
+        format!("data.train_files=[{}]", path(data)),
+        "data.max_prompt_length=8".into(),
+        "data.max_response_length=4".into(),
+        "data.train_batch_size=4".into(),
+        "data.filter_overlong_prompts=false".into(),
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2".into(),
+        "actor_rollout_ref.actor.optim.lr=0.001".into(),
+        "critic.optim.lr=0.001".into(),
+        "custom_reward_function.name=arithmetic".into(),
+        format!("trainer.total_training_steps={steps}"),
+        "trainer.test_freq=-1".into(),
+        "trainer.save_freq=-1".into(),
+        "trainer.logger=[jsonl]".into(),
+        "trainer.resume_mode=auto".into(),
+        format!("trainer.default_local_dir={}", path(out)),
+    ];
+    let status = Command::new(env!("CARGO_BIN_EXE_burn-rlhf"))
+        .arg("train")
+        .arg(&config)
+        .args(&args)
+        .status()
+        .unwrap();
+    assert!(
+        status.success(),
+        "burn-rlhf train {steps} steps into {}",
+        out.display()
+    );
+}
+
+fn tensors(path: &Path) -> Vec<(String, Vec<f32>)> {
+    let mut w = WeightMap::new(path.display().to_string());
+    w.read_safetensors(path).unwrap();
+    let mut names = w.remaining();
+    names.sort();
+    names
+        .into_iter()
+        .map(|n| {
+            let t = w.take_any(&n).unwrap();
+            (n, t.data)
+        })
+        .collect()
+}
+
+/// Metrics that measure the machine, not the run.
+fn deterministic(m: &Metrics) -> Vec<(String, f64)> {
+    m.iter()
+        .filter(|(k, _)| !k.starts_with("timing_s/") && !k.starts_with("perf/t"))
+        .map(|(k, v)| (k.clone(), *v))
+        .collect()
+}
+
+#[test]
+fn resuming_in_a_new_process_continues_as_if_never_stopped() {
+    let dir = temp_dir("resume");
+    let (model, data) = cli_assets(&dir);
+    let straight = dir.join("straight");
+    let resumed = dir.join("resumed");
+    train_cli(&model, &data, &straight, 4);
+    train_cli(&model, &data, &resumed, 2);
+    train_cli(&model, &data, &resumed, 4);
+    for part in ["actor", "critic"] {
+        let file = |root: &Path| root.join(format!("global_step_4/{part}/model.safetensors"));
+        let (a, b) = (tensors(&file(&straight)), tensors(&file(&resumed)));
+        assert_eq!(a.len(), b.len());
+        for ((name, x), (_, y)) in a.iter().zip(&b) {
+            assert!(max_diff(x, y) <= 1e-6, "{part} {name}: {}", max_diff(x, y));
+        }
+    }
+    let a = read_jsonl(&straight.join("metrics.jsonl")).unwrap();
+    let b = read_jsonl(&resumed.join("metrics.jsonl")).unwrap();
+    assert_eq!(a.len(), 4);
+    assert_eq!(
+        b.iter().map(|(s, _)| *s).collect::<Vec<_>>(),
+        vec![1, 2, 3, 4]
+    );
+    for ((s, x), (_, y)) in a.iter().zip(&b) {
+        let (x, y) = (deterministic(x), deterministic(y));
+        assert_eq!(x.len(), y.len(), "step {s}");
+        for ((k, u), (_, v)) in x.iter().zip(&y) {
+            assert!(
+                (u - v).abs() <= 1e-6 * u.abs().max(1.0),
+                "step {s} {k}: {u} vs {v}"
+            );
+        }
+    }
+    std::fs::remove_dir_all(dir).ok();
+}
