@@ -32,11 +32,7 @@ fn main() -> anyhow::Result<()> {
     };
     eprintln!("backend: {}; config: {}", backend_name(), config.display());
     let out = train_from_file::<TrainBackend>(&config, &args, &default_device())?;
-    for (what, path) in [
-        ("metrics", &out.jsonl),
-        ("plot", &out.plot),
-        ("checkpoint", &out.checkpoint),
-    ] {
+    for (what, path) in [("metrics", &out.jsonl), ("plot", &out.plot)] {
         if let Some(p) = path {
             println!("{what}: {}", p.display());
         }

@@ -4,7 +4,8 @@
 //! 1. A 2-layer Llama-shaped model (this repo's transformer) is initialised from scratch, with a
 //!    character tokenizer built in code, for 2-digit addition (`"37+48="` → `"85"`).
 //! 2. A short SFT warm-up teaches it the format and part of the task.
-//! 3. PPO with a critic (GAE), an exact-match reward and the shared `Learner` trains it further.
+//! 3. PPO with a critic (GAE), an exact-match reward, a small KL penalty to the SFT model in the
+//!    reward (verl's reference setup) and the shared `Learner` trains it further.
 //! 4. Held-out accuracy (greedy, on problems never trained on) is printed before and after RL;
 //!    metrics go to `<out>/metrics.jsonl`, the plot to `<out>/metrics.png`, checkpoints beside.
 //!
@@ -41,11 +42,20 @@ struct Args {
     #[arg(long, default_value = "runs/quickstart")]
     out: PathBuf,
     /// SFT steps (64 problems each).
-    #[arg(long, default_value_t = 300)]
+    #[arg(long, default_value_t = 600)]
     sft_steps: usize,
-    /// PPO steps (64 problems each).
-    #[arg(long, default_value_t = 300)]
+    /// PPO steps.
+    #[arg(long, default_value_t = 400)]
     ppo_steps: usize,
+    /// PPO's actor learning rate (AdamW).
+    #[arg(long, default_value_t = 4e-5)]
+    actor_lr: f64,
+    /// PPO prompts per step.
+    #[arg(long, default_value_t = 128)]
+    batch_size: usize,
+    /// PPO optimisation epochs over each batch.
+    #[arg(long, default_value_t = 1)]
+    ppo_epochs: usize,
     /// Seed of the initialisation, the data order and sampling.
     #[arg(long, default_value_t = 7)]
     seed: u64,
@@ -54,16 +64,16 @@ struct Args {
 /// verl's PPO config for the task (every other key is verl's default).
 fn ppo_config(args: &Args) -> RlhfConfig {
     let mut c = RlhfConfig::default();
-    c.data.train_batch_size = 64;
+    c.data.train_batch_size = args.batch_size;
     c.data.max_prompt_length = 8;
     c.data.max_response_length = 4;
     c.data.seed = args.seed;
     c.custom_reward_function.name = Some(tasks::DATA_SOURCE.into());
     let actor = &mut c.actor_rollout_ref.actor;
-    actor.optim.lr = 2e-4;
+    actor.optim.lr = args.actor_lr;
     actor.optim.weight_decay = 0.0;
-    actor.ppo_mini_batch_size = 32;
-    actor.ppo_epochs = 2;
+    actor.ppo_mini_batch_size = (args.batch_size / 2).max(1);
+    actor.ppo_epochs = args.ppo_epochs;
     actor.entropy_coeff = 0.0;
     c.actor_rollout_ref.rollout.n = 1;
     c.critic.optim.lr = 1e-3;
@@ -71,6 +81,9 @@ fn ppo_config(args: &Args) -> RlhfConfig {
     c.algorithm.adv_estimator = "gae".into();
     c.algorithm.gamma = 1.0;
     c.algorithm.lam = 1.0;
+    // verl's reference PPO: a small fixed KL penalty to the SFT model in the reward.
+    c.algorithm.use_kl_in_reward = true;
+    c.algorithm.kl_ctrl.kl_coef = 0.001;
     c.trainer.total_training_steps = Some(args.ppo_steps);
     c.trainer.logger = vec!["console".into(), "jsonl".into()];
     c.trainer.val_before_train = false;
@@ -150,11 +163,7 @@ fn main() -> anyhow::Result<()> {
         (after - before) * 100.0,
         start.elapsed().as_secs_f64()
     );
-    for (what, path) in [
-        ("metrics", &out.jsonl),
-        ("plot", &out.plot),
-        ("checkpoint", &out.checkpoint),
-    ] {
+    for (what, path) in [("metrics", &out.jsonl), ("plot", &out.plot)] {
         if let Some(p) = path {
             println!("{what}: {}", p.display());
         }

@@ -263,13 +263,24 @@ pub fn table(step: usize, metrics: &Metrics) -> String {
     let mut out = format!("── step {step} ──");
     let cells: Vec<String> = metrics
         .iter()
-        .map(|(k, v)| format!("{k:<34} {v:>12.5}"))
+        .map(|(k, v)| format!("{k:<34} {:>12}", number(*v)))
         .collect();
     for pair in cells.chunks(2) {
         out.push('\n');
         out.push_str(&pair.join("   "));
     }
     out
+}
+
+/// A number for the table: fixed point in the usual range, scientific for tiny or huge values
+/// (learning rates such as 1e-6 would print as 0.00000).
+fn number(v: f64) -> String {
+    let a = v.abs();
+    if v == 0.0 || (1e-3..1e6).contains(&a) || !v.is_finite() {
+        format!("{v:.5}")
+    } else {
+        format!("{v:.4e}")
+    }
 }
 
 /// Reads a JSONL metrics file back (one object per line with a `step`).

@@ -58,10 +58,20 @@ pub fn plot_history(path: &Path, history: &[(usize, Metrics)]) -> Result<(), Tra
         std::fs::create_dir_all(dir).map_err(|e| err(e.to_string()))?;
     }
     let text = font_available();
-    let root = BitMapBackend::new(path, (1500, 450)).into_drawing_area();
+    let mut panels: Vec<(String, &str)> = PANELS.iter().map(|(k, t)| (k.to_string(), *t)).collect();
+    // Held-out score, when validation ran: the first `val-core` metric.
+    if let Some(key) = history
+        .iter()
+        .flat_map(|(_, m)| m.keys())
+        .find(|k| k.starts_with("val-core/"))
+    {
+        panels.push((key.clone(), "validation"));
+    }
+    let root = BitMapBackend::new(path, (500 * panels.len() as u32, 450)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
-    let panels = root.split_evenly((1, PANELS.len()));
-    for (area, (key, title)) in panels.iter().zip(PANELS) {
+    let areas = root.split_evenly((1, panels.len()));
+    for (area, (key, title)) in areas.iter().zip(&panels) {
+        let key = key.as_str();
         // `critic/kl` only exists with a KL penalty in the reward; fall back to the KL loss.
         let key = if key == "critic/kl" && !history.iter().any(|(_, m)| m.contains_key(key)) {
             "actor/kl_loss"
