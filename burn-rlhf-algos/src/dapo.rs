@@ -21,7 +21,7 @@ pub fn overlong_penalty(
 
 /// Dynamic sampling's filter: keeps the rows of groups whose metric varies (standard deviation
 /// > 0), and of groups with one row, as verl's DAPO trainer does; groups where every response got
-/// the same value carry no learning signal under group-normalised advantages.
+/// > the same value carry no learning signal under group-normalised advantages.
 ///
 /// Returns one flag per row. `group_ids` and `metric` have one entry per row.
 pub fn keep_groups_with_spread(group_ids: &[u64], metric: &[f64]) -> Vec<bool> {

@@ -455,7 +455,7 @@ fn compare(what: &str, theirs: &Fx, ours: &[f64], atol: f64, rtol: f64) -> Resul
     let mut worst: Option<(usize, f64, f64)> = None;
     for (i, (&r, &o)) in theirs.data.iter().zip(ours).enumerate() {
         let bad = !((o - r).abs() <= atol + rtol * r.abs());
-        if bad && worst.map_or(true, |(_, wr, wo)| (o - r).abs() > (wo - wr).abs()) {
+        if bad && worst.is_none_or(|(_, wr, wo)| (o - r).abs() > (wo - wr).abs()) {
             worst = Some((i, r, o));
         }
     }
@@ -473,24 +473,26 @@ fn check(path: &Path) -> Result<(), String> {
     let ours = compute(&case)?;
     let mut problems = Vec::new();
     for (name, theirs) in &case.outputs {
-        match ours.outputs.get(name) {
+        if let Some(p) = match ours.outputs.get(name) {
             Some(o) => compare(&format!("output {name}"), theirs, o, case.atol, case.rtol).err(),
             None => Some(format!(
                 "output `{name}` is not computed by {} `{}`",
                 case.kind, case.name
             )),
+        } {
+            problems.push(p)
         }
-        .map(|p| problems.push(p));
     }
     for (name, theirs) in &case.grads {
-        match ours.grads.get(name) {
+        if let Some(p) = match ours.grads.get(name) {
             Some(o) => compare(&format!("grad {name}"), theirs, o, case.atol, case.rtol).err(),
             None => Some(format!(
                 "gradient for `{name}` is not computed by {} `{}`",
                 case.kind, case.name
             )),
+        } {
+            problems.push(p)
         }
-        .map(|p| problems.push(p));
     }
     if case.outputs.is_empty() {
         problems.push("the fixture has no outputs".into());

@@ -62,10 +62,7 @@ fn main() {
     times.sort_by(f64::total_cmp);
     let median = times[1];
     let ours = (b * l) as f64 / median;
-    println!(
-        "burn-rlhf ({}): smollm2_fwd_bwd_b4_l256 median {median:.3} s, {ours:.1} tokens/s",
-        "flex"
-    );
+    println!("burn-rlhf (flex): smollm2_fwd_bwd_b4_l256 median {median:.3} s, {ours:.1} tokens/s");
     if let Some(peer) = burn_rlhf_test_assets::peer_rate("fwd_bwd", "smollm2_fwd_bwd_b4_l256") {
         println!(
             "ratio burn-rlhf / transformers: {:.2}x ({ours:.1} vs {peer:.1} tokens/s)",

@@ -540,7 +540,7 @@ mod tests {
         assert_eq!((v[0], v[15], v[16], v[31]), (-2.0, 13.0, 13.0, -2.0));
         // Q4_0: d = 2; nibble 8 is zero.
         let mut b = half::f16::from_f32(2.0).to_le_bytes().to_vec();
-        b.extend(std::iter::repeat(0x98u8).take(16));
+        b.extend(std::iter::repeat_n(0x98u8, 16));
         let v = dequantize(Q4_0, &b, 32).unwrap();
         assert_eq!((v[0], v[16]), (0.0, 2.0));
         assert!(dequantize(12, &b, 32)

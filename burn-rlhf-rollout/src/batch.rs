@@ -53,33 +53,25 @@ impl RolloutBatch {
         for s in samples {
             let prompt = &prompts[s.prompt_index];
             let pad = prompt_len - prompt.len();
-            b.prompt_ids.extend(
-                std::iter::repeat(pad_id)
-                    .take(pad)
-                    .chain(prompt.iter().cloned()),
-            );
-            b.prompt_mask.extend(
-                std::iter::repeat(0)
-                    .take(pad)
-                    .chain(std::iter::repeat(1).take(prompt.len())),
-            );
+            b.prompt_ids
+                .extend(std::iter::repeat_n(pad_id, pad).chain(prompt.iter().cloned()));
+            b.prompt_mask
+                .extend(std::iter::repeat_n(0, pad).chain(std::iter::repeat_n(1, prompt.len())));
             let rpad = response_len - s.tokens.len();
             b.response_ids.extend(
                 s.tokens
                     .iter()
                     .cloned()
-                    .chain(std::iter::repeat(pad_id).take(rpad)),
+                    .chain(std::iter::repeat_n(pad_id, rpad)),
             );
             b.response_mask.extend(
-                std::iter::repeat(1.0)
-                    .take(s.tokens.len())
-                    .chain(std::iter::repeat(0.0).take(rpad)),
+                std::iter::repeat_n(1.0, s.tokens.len()).chain(std::iter::repeat_n(0.0, rpad)),
             );
             b.rollout_log_probs.extend(
                 s.logprobs
                     .iter()
                     .cloned()
-                    .chain(std::iter::repeat(0.0).take(rpad)),
+                    .chain(std::iter::repeat_n(0.0, rpad)),
             );
             b.group_ids.push(group_ids[s.prompt_index]);
             b.data_source.push(data_source[s.prompt_index].clone());
@@ -180,14 +172,14 @@ impl RolloutBatch {
             for row in 0..b.rows() {
                 let extra = p - b.prompt_len;
                 out.prompt_ids.extend(
-                    std::iter::repeat(pad_id).take(extra).chain(
+                    std::iter::repeat_n(pad_id, extra).chain(
                         b.prompt_ids[row * b.prompt_len..(row + 1) * b.prompt_len]
                             .iter()
                             .cloned(),
                     ),
                 );
                 out.prompt_mask.extend(
-                    std::iter::repeat(0).take(extra).chain(
+                    std::iter::repeat_n(0, extra).chain(
                         b.prompt_mask[row * b.prompt_len..(row + 1) * b.prompt_len]
                             .iter()
                             .cloned(),
@@ -199,19 +191,19 @@ impl RolloutBatch {
                     b.response_ids[seg.clone()]
                         .iter()
                         .cloned()
-                        .chain(std::iter::repeat(pad_id).take(extra)),
+                        .chain(std::iter::repeat_n(pad_id, extra)),
                 );
                 out.response_mask.extend(
                     b.response_mask[seg.clone()]
                         .iter()
                         .cloned()
-                        .chain(std::iter::repeat(0.0).take(extra)),
+                        .chain(std::iter::repeat_n(0.0, extra)),
                 );
                 out.rollout_log_probs.extend(
                     b.rollout_log_probs[seg.clone()]
                         .iter()
                         .cloned()
-                        .chain(std::iter::repeat(0.0).take(extra)),
+                        .chain(std::iter::repeat_n(0.0, extra)),
                 );
                 if with_scores {
                     let s = b.token_level_scores.as_ref().expect("checked");
@@ -219,7 +211,7 @@ impl RolloutBatch {
                         s[seg]
                             .iter()
                             .cloned()
-                            .chain(std::iter::repeat(0.0).take(extra)),
+                            .chain(std::iter::repeat_n(0.0, extra)),
                     );
                 }
             }

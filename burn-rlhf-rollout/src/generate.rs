@@ -97,20 +97,17 @@ pub fn left_pad(
     for prompt in prompts {
         let pad = p - prompt.len();
         ids.push(
-            std::iter::repeat(pad_id as i64)
-                .take(pad)
+            std::iter::repeat_n(pad_id as i64, pad)
                 .chain(prompt.iter().map(|&t| t as i64))
                 .collect(),
         );
         mask.push(
-            std::iter::repeat(0)
-                .take(pad)
-                .chain(std::iter::repeat(1).take(prompt.len()))
+            std::iter::repeat_n(0, pad)
+                .chain(std::iter::repeat_n(1, prompt.len()))
                 .collect(),
         );
         pos.push(
-            std::iter::repeat(0)
-                .take(pad)
+            std::iter::repeat_n(0, pad)
                 .chain(0..prompt.len() as i64)
                 .collect(),
         );
@@ -264,7 +261,7 @@ pub fn generate_streaming<B: Backend>(
 
     // Fan each prompt out to its n samples, sharing the prefill.
     let rows: Vec<usize> = (0..prompts.len())
-        .flat_map(|i| std::iter::repeat(i).take(params.n))
+        .flat_map(|i| std::iter::repeat_n(i, params.n))
         .collect();
     if params.n > 1 {
         cache.select_rows(&rows);

@@ -197,7 +197,7 @@ impl RlhfConfig {
         });
         if mini >= 1 && n >= 1 {
             let sequences = data.train_batch_size * n;
-            p.check(sequences % (mini * n) == 0, || {
+            p.check(sequences.is_multiple_of(mini * n), || {
                 format!(
                     "`data.train_batch_size` * `actor_rollout_ref.rollout.n` ({} * {n} = {sequences} \
                      sequences) must be divisible by `actor_rollout_ref.actor.ppo_mini_batch_size` * \
@@ -207,7 +207,7 @@ impl RlhfConfig {
                 )
             });
             if let Some(micro) = actor.ppo_micro_batch_size_per_gpu {
-                p.check(micro >= 1 && (mini * n) % micro == 0, || {
+                p.check(micro >= 1 && (mini * n).is_multiple_of(micro), || {
                     format!(
                         "`actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu` ({micro}) must divide \
                          the mini-batch of `ppo_mini_batch_size` * `rollout.n` = {} sequences",
@@ -220,7 +220,7 @@ impl RlhfConfig {
             critic.ppo_mini_batch_size,
             critic.ppo_micro_batch_size_per_gpu,
         ) {
-            p.check(cmicro >= 1 && (cmini * n) % cmicro == 0, || {
+            p.check(cmicro >= 1 && (cmini * n).is_multiple_of(cmicro), || {
                 format!(
                     "`critic.ppo_micro_batch_size_per_gpu` ({cmicro}) must divide the critic's mini-batch \
                      of `critic.ppo_mini_batch_size` * `rollout.n` = {} sequences",

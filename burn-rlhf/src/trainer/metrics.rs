@@ -219,7 +219,8 @@ impl MetricsLogger {
                 .filter_map(|(k, short)| metrics.get(*k).map(|v| format!("{short} {v:.4}")))
                 .collect();
             bar.set_position(step as u64);
-            let table_now = step == 1 || step % self.table_every == 0 || step >= self.total_steps;
+            let table_now =
+                step == 1 || step.is_multiple_of(self.table_every) || step >= self.total_steps;
             // Without a terminal the bar is hidden (and so is its `println`): print a line a
             // step instead, so logs show progress.
             if bar.is_hidden() {
