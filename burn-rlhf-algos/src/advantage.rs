@@ -9,7 +9,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 
 use crate::functional::{from_rows, masked_whiten, to_vec};
-use crate::AlgoError;
+use crate::{AlgoError, RlBackend};
 
 /// Everything an estimator may read. Rows are responses; `T` is the padded response length.
 #[derive(Debug, Clone)]
@@ -228,7 +228,7 @@ pub fn gae_scan(
     (advantages, returns)
 }
 
-impl<B: Backend> AdvantageEstimator<B> for Gae {
+impl<B: RlBackend> AdvantageEstimator<B> for Gae {
     fn name(&self) -> &str {
         "gae"
     }
@@ -238,35 +238,40 @@ impl<B: Backend> AdvantageEstimator<B> for Gae {
     }
 
     fn compute(&self, input: &AdvantageInput<B>) -> Result<AdvantageOutput<B>, AlgoError> {
-        let host = HostBatch::read("gae", input)?;
+        let [rows, cols] = input.token_level_rewards.dims();
+        check_dims(
+            "gae",
+            "response_mask",
+            input.response_mask.dims(),
+            [rows, cols],
+        )?;
         let values = input.values.clone().ok_or(AlgoError::MissingInput {
             what: "gae".into(),
             input: "values",
         })?;
-        if values.dims() != [host.rows, host.cols] {
-            return Err(AlgoError::Shape {
-                what: "gae".into(),
-                detail: format!(
-                    "values is {:?}, rewards {:?}",
-                    values.dims(),
-                    [host.rows, host.cols]
-                ),
-            });
-        }
-        let values: Vec<f64> = to_vec(values).into_iter().map(f64::from).collect();
-        let (adv, ret) = gae_scan(
-            &host.rewards,
-            &values,
-            &host.mask,
-            host.cols,
+        check_dims("gae", "values", values.dims(), [rows, cols])?;
+        let (adv, returns) = crate::kernels::gae_scan(
+            input.token_level_rewards.clone(),
+            values,
+            input.response_mask.clone(),
             self.gamma,
             self.lam,
         );
-        let device = input.token_level_rewards.device();
-        let advantages = whiten(host.tensor::<B>(&adv, &device), input.response_mask.clone())?;
+        let advantages = whiten(adv, input.response_mask.clone())?;
         Ok(AdvantageOutput {
             advantages,
-            returns: host.tensor(&ret, &device),
+            returns,
+        })
+    }
+}
+
+fn check_dims(what: &str, name: &str, got: [usize; 2], want: [usize; 2]) -> Result<(), AlgoError> {
+    if got == want {
+        Ok(())
+    } else {
+        Err(AlgoError::Shape {
+            what: what.to_string(),
+            detail: format!("{name} is {got:?}, token_level_rewards {want:?}"),
         })
     }
 }
@@ -528,17 +533,25 @@ pub struct ReinforcePlusPlus {
     pub gamma: f64,
 }
 
-impl<B: Backend> AdvantageEstimator<B> for ReinforcePlusPlus {
+impl<B: RlBackend> AdvantageEstimator<B> for ReinforcePlusPlus {
     fn name(&self) -> &str {
         "reinforce_plus_plus"
     }
 
     fn compute(&self, input: &AdvantageInput<B>) -> Result<AdvantageOutput<B>, AlgoError> {
-        let host = HostBatch::read("reinforce_plus_plus", input)?;
-        let ret = discounted_returns(&host.rewards, &host.mask, host.cols, self.gamma);
-        let device = input.token_level_rewards.device();
-        let returns = host.tensor::<B>(&ret, &device);
+        let [rows, cols] = input.token_level_rewards.dims();
+        check_dims(
+            "reinforce_plus_plus",
+            "response_mask",
+            input.response_mask.dims(),
+            [rows, cols],
+        )?;
         let mask = input.response_mask.clone();
+        let returns = crate::kernels::discounted_return_scan(
+            input.token_level_rewards.clone(),
+            mask.clone(),
+            self.gamma,
+        );
         let advantages = whiten(returns.clone(), mask.clone())? * mask;
         Ok(AdvantageOutput {
             advantages,

@@ -14,7 +14,7 @@ use rand::SeedableRng;
 
 use crate::agg::{agg_loss, GlobalBatchInfo, LossAggMode};
 use crate::functional::{from_rows, masked_mean, masked_sum_rows, to_scalar, to_vec};
-use crate::AlgoError;
+use crate::{AlgoError, RlBackend};
 
 /// The inputs of a policy loss for one micro-batch.
 #[derive(Debug, Clone)]
@@ -150,7 +150,7 @@ pub struct VanillaPpo {
     pub clip_ratio_c: f64,
 }
 
-impl<B: Backend> PolicyLoss<B> for VanillaPpo {
+impl<B: RlBackend> PolicyLoss<B> for VanillaPpo {
     fn name(&self) -> &str {
         "vanilla"
     }
@@ -163,23 +163,21 @@ impl<B: Backend> PolicyLoss<B> for VanillaPpo {
                 format!("clip_ratio_c must be > 1, got {}", self.clip_ratio_c),
             ));
         }
-        let (adv, mask) = (input.advantages.clone(), &input.response_mask);
+        let mask = &input.response_mask;
         let neg_kl = (input.log_prob.clone() - input.old_log_prob.clone()).clamp(-20.0, 20.0);
-        let ratio = neg_kl.clone().exp();
-        let ppo_kl = to_scalar(masked_mean(neg_kl.neg(), mask.clone()));
-        let losses1 = adv.clone().neg() * ratio.clone();
-        let losses2 =
-            adv.clone().neg() * ratio.clamp(1.0 - self.clip_ratio_low, 1.0 + self.clip_ratio_high);
-        let clip_frac = fraction(losses2.clone().greater(losses1.clone()).float(), mask);
-        let clipped1 = losses1.max_pair(losses2);
-        let losses3 = adv.clone().neg() * self.clip_ratio_c;
-        let negative = adv.lower_elem(0.0);
-        let clip_frac_lower = fraction(
-            clipped1.clone().greater(losses3.clone()).float() * negative.clone().float(),
-            mask,
+        let ppo_kl = to_scalar(masked_mean(neg_kl.detach().neg(), mask.clone()));
+        let (losses, clipped, dual_clipped) = crate::kernels::ppo_clip_token_loss(
+            input.log_prob.clone(),
+            input.old_log_prob.clone(),
+            input.advantages.clone(),
+            crate::kernels::PpoClip {
+                low: self.clip_ratio_low as f32,
+                high: self.clip_ratio_high as f32,
+                c: self.clip_ratio_c as f32,
+            },
         );
-        let clipped2 = losses3.min_pair(clipped1.clone());
-        let losses = clipped1.mask_where(negative, clipped2);
+        let clip_frac = fraction(clipped, mask);
+        let clip_frac_lower = fraction(dual_clipped, mask);
         let loss = agg_loss(losses, mask.clone(), input.loss_agg_mode, &input.global)?;
         Ok(PolicyLossOutput {
             loss,

@@ -100,7 +100,9 @@ impl<B: Backend> Registry<B> {
             kl_controllers: BTreeMap::new(),
         }
     }
+}
 
+impl<B: crate::RlBackend> Registry<B> {
     /// Every built-in algorithm under verl's names.
     pub fn builtin() -> Self {
         let mut r = Self::empty();
@@ -191,7 +193,9 @@ impl<B: Backend> Registry<B> {
         });
         r
     }
+}
 
+impl<B: Backend> Registry<B> {
     /// Adds (or replaces) an estimator under `name`.
     pub fn register_estimator<F>(&mut self, name: &str, factory: F)
     where

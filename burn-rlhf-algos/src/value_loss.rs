@@ -4,8 +4,8 @@ use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 
 use crate::agg::{agg_loss, GlobalBatchInfo, LossAggMode};
-use crate::functional::{clip_by_value, masked_mean, to_scalar};
-use crate::AlgoError;
+use crate::functional::{masked_mean, to_scalar};
+use crate::{AlgoError, RlBackend};
 
 /// The value loss and its clip fraction.
 #[derive(Debug, Clone)]
@@ -19,7 +19,7 @@ pub struct ValueLossOutput<B: Backend> {
 /// `0.5 * agg(max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2))`.
 ///
 /// Shapes: vpreds (new values), values (old), returns, response_mask `[B, T]`.
-pub fn value_loss<B: Backend>(
+pub fn value_loss<B: RlBackend>(
     vpreds: Tensor<B, 2>,
     values: Tensor<B, 2>,
     returns: Tensor<B, 2>,
@@ -28,18 +28,9 @@ pub fn value_loss<B: Backend>(
     loss_agg_mode: LossAggMode,
     global: &GlobalBatchInfo,
 ) -> Result<ValueLossOutput<B>, AlgoError> {
-    let clipped_pred = clip_by_value(
-        vpreds.clone(),
-        values.clone() - cliprange_value,
-        values + cliprange_value,
-    );
-    let losses1 = (vpreds - returns.clone()).square();
-    let losses2 = (clipped_pred - returns).square();
-    let vf_clipfrac = to_scalar(masked_mean(
-        losses2.clone().greater(losses1.clone()).float(),
-        response_mask.clone(),
-    ));
-    let losses = losses1.max_pair(losses2);
+    let (losses, clipped) =
+        crate::kernels::value_clip_token_loss(vpreds, values, returns, cliprange_value);
+    let vf_clipfrac = to_scalar(masked_mean(clipped, response_mask.clone()));
     let vf_loss = agg_loss(losses, response_mask, loss_agg_mode, global)? * 0.5;
     Ok(ValueLossOutput {
         vf_loss,

@@ -8,7 +8,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use burn::backend::{Autodiff, Flex};
+use burn::backend::Autodiff;
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_rlhf_algos::functional::{entropy_and_logprobs, masked_whiten, to_vec};
 use burn_rlhf_algos::kl::{kl_penalty, AdaptiveKlController, KlController};
@@ -19,7 +19,13 @@ use burn_rlhf_algos::{
 };
 use serde_json::Value;
 
-type B = Autodiff<Flex>;
+/// The CPU default; with `--features wgpu`, the non-fused CubeCL backend, so the fixtures also
+/// check the fused kernels (GAE, the PPO and value losses) on wgpu.
+#[cfg(not(feature = "wgpu"))]
+type Inner = burn::backend::Flex;
+#[cfg(feature = "wgpu")]
+type Inner = burn::backend::wgpu::CubeBackend<burn::backend::wgpu::WgpuRuntime, f32, i32, u32>;
+type B = Autodiff<Inner>;
 
 /// A fixture tensor: shape and row-major data.
 struct Fx {

@@ -2,17 +2,24 @@
 //! the examples use. Library code stays generic over `B: Backend` / `B: AutodiffBackend`.
 //!
 //! Priority when several are enabled: `cuda` > `wgpu` > `tch` > `flex` > `ndarray`.
+//!
+//! On cuda and wgpu the backend is CubeCL without Burn's fusion: the RL kernels
+//! ([`burn_rlhf_algos::kernels`]) are written for the plain CubeCL backend, and a fused backend would
+//! run their reference ops instead.
 
 #[cfg(feature = "cuda")]
 mod selected {
-    /// The compute backend chosen by features.
-    pub type Inner = burn::backend::Cuda<f32, i32>;
+    /// The compute backend chosen by features: CubeCL on CUDA without fusion, so the RL kernels
+    /// (`burn_rlhf::algos::kernels`) run.
+    pub type Inner =
+        burn_rlhf_algos::kernels::CubeBackend<burn_rlhf_algos::kernels::CudaRuntime, f32, i32, u8>;
     pub const NAME: &str = "cuda";
 }
 
 #[cfg(all(feature = "wgpu", not(feature = "cuda")))]
 mod selected {
-    pub type Inner = burn::backend::Wgpu<f32, i32>;
+    pub type Inner =
+        burn::backend::wgpu::CubeBackend<burn::backend::wgpu::WgpuRuntime, f32, i32, u32>;
     pub const NAME: &str = "wgpu";
 }
 

@@ -92,6 +92,9 @@ pub struct ModelConfig {
     /// Compute dtype: `float32` (CPU) or `bfloat16`/`float16` where the backend has them.
     pub dtype: String,
     pub enable_gradient_checkpointing: bool,
+    /// The fused RL kernels on CubeCL backends (log-probs and entropy, the PPO and value losses,
+    /// the GAE scan); off runs their reference tensor ops. burn-rlhf's default is on.
+    pub use_fused_kernels: bool,
     /// SFT (verl's `model.partial_pretrain`): the model SFT starts from; `None`: `path`.
     pub partial_pretrain: Option<String>,
     pub lora_rank: usize,
@@ -107,6 +110,7 @@ impl Default for ModelConfig {
             tokenizer_path: None,
             dtype: "float32".into(),
             enable_gradient_checkpointing: true,
+            use_fused_kernels: true,
             partial_pretrain: None,
             lora_rank: 0,
             lora_alpha: 16.0,

@@ -5,8 +5,8 @@
 use std::collections::BTreeMap;
 
 use burn::optim::{GradientsAccumulator, GradientsParams, Optimizer};
-use burn::tensor::backend::AutodiffBackend;
 use burn_rlhf_algos::functional::{from_rows, to_scalar};
+use burn_rlhf_algos::RlAutodiffBackend;
 use burn_rlhf_algos::{value_loss, AlgoError, GlobalBatchInfo, LossAggMode};
 use burn_rlhf_models::ValueModel;
 use burn_rlhf_rollout::RolloutBatch;
@@ -38,7 +38,7 @@ pub struct CriticLossConfig {
 /// Updates `critic` once on `batch` and returns it with `critic/vf_loss`, `critic/vf_clipfrac`,
 /// `critic/grad_norm` and `critic/lr`.
 #[allow(clippy::too_many_arguments)]
-pub fn critic_update<B: AutodiffBackend, O: Optimizer<ValueModel<B>, B>>(
+pub fn critic_update<B: RlAutodiffBackend, O: Optimizer<ValueModel<B>, B>>(
     critic: ValueModel<B>,
     optimizer: &mut O,
     lr: f64,

@@ -2,7 +2,8 @@
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
-use burn_rlhf_algos::functional::entropy_and_logprobs;
+use burn_rlhf_algos::kernels::logprobs_and_entropy;
+use burn_rlhf_algos::RlBackend;
 use burn_rlhf_models::{CausalLm, ValueModel};
 use burn_rlhf_rollout::RolloutBatch;
 
@@ -80,7 +81,7 @@ impl<B: Backend> SequenceTensors<B> {
 /// logits by the rollout temperature).
 ///
 /// Shapes: → (log-probs `[B, R]`, entropies `[B, R]`).
-pub fn response_logprobs<B: Backend>(
+pub fn response_logprobs<B: RlBackend>(
     model: &CausalLm<B>,
     seq: &SequenceTensors<B>,
     temperature: f64,
@@ -97,7 +98,7 @@ pub fn response_logprobs<B: Backend>(
     let hidden = hidden.slice([0..b, p - 1..l - 1]);
     let logits = model.logits(hidden);
     debug_assert_eq!(logits.dims()[1], r);
-    let (entropy, logprobs) = entropy_and_logprobs(logits, seq.response_ids.clone(), temperature);
+    let (entropy, logprobs) = logprobs_and_entropy(logits, seq.response_ids.clone(), temperature);
     (logprobs, entropy)
 }
 

@@ -5,8 +5,8 @@
 use std::collections::BTreeMap;
 
 use burn::optim::{GradientsAccumulator, GradientsParams, Optimizer};
-use burn::tensor::backend::AutodiffBackend;
 use burn_rlhf_algos::functional::{from_rows, to_scalar};
+use burn_rlhf_algos::RlAutodiffBackend;
 use burn_rlhf_algos::{agg_loss, AlgoError, GlobalBatchInfo, LossAggMode};
 use burn_rlhf_models::CausalLm;
 use burn_rlhf_rollout::RolloutBatch;
@@ -14,7 +14,7 @@ use burn_rlhf_rollout::RolloutBatch;
 use super::{clip_grad_norm, response_logprobs, SequenceTensors};
 
 /// The mean NLL of `batch`'s response tokens under `model` (no update): validation loss.
-pub fn sft_loss<B: burn::tensor::backend::Backend>(
+pub fn sft_loss<B: burn_rlhf_algos::RlBackend>(
     model: &CausalLm<B>,
     batch: &RolloutBatch,
     micro_batch_size: usize,
@@ -32,7 +32,7 @@ pub fn sft_loss<B: burn::tensor::backend::Backend>(
 
 /// One SFT optimiser step on `batch` (responses are the targets; prompts are context only).
 /// Returns the model and `train/loss`, `train/grad_norm`, `train/lr`.
-pub fn sft_update<B: AutodiffBackend, O: Optimizer<CausalLm<B>, B>>(
+pub fn sft_update<B: RlAutodiffBackend, O: Optimizer<CausalLm<B>, B>>(
     model: CausalLm<B>,
     optimizer: &mut O,
     lr: f64,

@@ -6,9 +6,9 @@
 use std::collections::BTreeMap;
 
 use burn::optim::{GradientsAccumulator, Optimizer};
-use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Tensor, TensorData};
 use burn_rlhf_algos::functional::to_scalar;
+use burn_rlhf_algos::RlAutodiffBackend;
 use burn_rlhf_algos::{
     agg_loss, kl_penalty, AlgoError, GlobalBatchInfo, KlPenalty, LossAggMode, PolicyLoss,
     PolicyLossInput,
@@ -51,7 +51,7 @@ pub struct ActorLossConfig {
     pub grad_clip: f64,
 }
 
-fn tensor2<B: AutodiffBackend>(
+fn tensor2<B: RlAutodiffBackend>(
     values: &[f32],
     rows: usize,
     cols: usize,
@@ -65,7 +65,7 @@ fn tensor2<B: AutodiffBackend>(
 /// own, each summed over micro-batches where they are parts of the mini-batch's loss and averaged
 /// where they are ratios).
 #[allow(clippy::too_many_arguments)]
-pub fn actor_update<B: AutodiffBackend, O: Optimizer<CausalLm<B>, B>>(
+pub fn actor_update<B: RlAutodiffBackend, O: Optimizer<CausalLm<B>, B>>(
     actor: CausalLm<B>,
     optimizer: &mut O,
     lr: f64,

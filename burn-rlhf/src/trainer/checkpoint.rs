@@ -13,9 +13,9 @@ use std::path::{Path, PathBuf};
 use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
 use burn::optim::Optimizer;
 use burn::record::{BinFileRecorder, FullPrecisionSettings, Recorder};
-use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::Tensor;
 use burn_rlhf_algos::KlControllerState;
+use burn_rlhf_algos::RlAutodiffBackend;
 use burn_rlhf_models::pretrained::{load_pretrained, save_pretrained};
 use burn_rlhf_models::{CausalLm, ValueModel};
 use burn_rlhf_rollout::SamplerState;
@@ -53,7 +53,7 @@ impl<B: burn::tensor::backend::Backend> ModuleVisitor<B> for ParamOrder {
     }
 }
 
-fn param_order<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M) -> Vec<ParamId> {
+fn param_order<B: RlAutodiffBackend, M: AutodiffModule<B>>(module: &M) -> Vec<ParamId> {
     let mut order = ParamOrder(Vec::new());
     module.visit(&mut order);
     order.0
@@ -63,7 +63,7 @@ fn io(path: &Path, e: impl std::fmt::Display) -> TrainError {
     TrainError::checkpoint(path, e)
 }
 
-fn save_optimizer<B: AutodiffBackend, M: AutodiffModule<B>>(
+fn save_optimizer<B: RlAutodiffBackend, M: AutodiffModule<B>>(
     dir: &Path,
     module: &M,
     optim: &AdamWOf<M, B>,
@@ -83,7 +83,7 @@ fn save_optimizer<B: AutodiffBackend, M: AutodiffModule<B>>(
 
 /// Loads the optimiser state saved beside a module into `optim` for `module` (a fresh load of the
 /// same weights, whose parameter ids differ from the saved ones).
-fn load_optimizer<B: AutodiffBackend, M: AutodiffModule<B>>(
+fn load_optimizer<B: RlAutodiffBackend, M: AutodiffModule<B>>(
     dir: &Path,
     module: &M,
     optim: AdamWOf<M, B>,
@@ -125,7 +125,7 @@ fn critic_architecture(model_type: &str) -> &'static str {
     }
 }
 
-impl<B: AutodiffBackend> Learner<B> {
+impl<B: RlAutodiffBackend> Learner<B> {
     /// Where checkpoints go (`trainer.default_local_dir`).
     pub fn checkpoint_root(&self) -> PathBuf {
         burn_rlhf_models::pretrained::expand_home(

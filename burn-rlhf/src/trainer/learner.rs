@@ -6,9 +6,9 @@ use std::time::Instant;
 use burn::module::AutodiffModule;
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{AdamW, AdamWConfig};
-use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::Tensor;
 use burn_rlhf_algos::functional::{from_rows, to_vec};
+use burn_rlhf_algos::RlAutodiffBackend;
 use burn_rlhf_algos::{
     apply_kl_penalty, AdvantageEstimator, AdvantageInput, EstimatorParams, KlController,
     KlControllerParams, KlPenalty, LossAggMode, PolicyLoss, PolicyLossParams, Registry,
@@ -35,7 +35,7 @@ pub type AdamWOf<M, B> = OptimizerAdaptor<AdamW, M, B>;
 
 /// What a [`Learner`] is made of. Build it from a config with
 /// [`Learner::from_config`](super::Learner::from_config), or by hand for models built in code.
-pub struct LearnerParts<B: AutodiffBackend> {
+pub struct LearnerParts<B: RlAutodiffBackend> {
     /// The policy.
     pub actor: CausalLm<B>,
     /// The policy's shape.
@@ -58,7 +58,7 @@ pub struct LearnerParts<B: AutodiffBackend> {
     pub training: bool,
 }
 
-impl<B: AutodiffBackend> LearnerParts<B> {
+impl<B: RlAutodiffBackend> LearnerParts<B> {
     /// Parts with the built-in registries, no critic or reference, and no data.
     pub fn new(actor: CausalLm<B>, model_config: TransformerConfig, tokenizer: Tokenizer) -> Self {
         Self {
@@ -77,7 +77,7 @@ impl<B: AutodiffBackend> LearnerParts<B> {
 }
 
 /// The critic and what trains it.
-pub(crate) struct CriticState<B: AutodiffBackend> {
+pub(crate) struct CriticState<B: RlAutodiffBackend> {
     pub model: ValueModel<B>,
     pub config: TransformerConfig,
     pub optim: AdamWOf<ValueModel<B>, B>,
@@ -85,7 +85,7 @@ pub(crate) struct CriticState<B: AutodiffBackend> {
 }
 
 /// Owns the models, their optimisers and the algorithm objects, and runs training steps.
-pub struct Learner<B: AutodiffBackend> {
+pub struct Learner<B: RlAutodiffBackend> {
     /// The resolved config.
     pub config: RlhfConfig,
     pub(crate) device: B::Device,
@@ -118,7 +118,7 @@ pub struct Learner<B: AutodiffBackend> {
 /// One model's view of a batch: per-token values, row-major `[rows * response_len]`.
 type Rows = Vec<f32>;
 
-fn adamw<B: AutodiffBackend, M: AutodiffModule<B>>(o: &OptimConfig) -> AdamWOf<M, B> {
+fn adamw<B: RlAutodiffBackend, M: AutodiffModule<B>>(o: &OptimConfig) -> AdamWOf<M, B> {
     AdamWConfig::new()
         .with_beta_1(o.betas[0] as f32)
         .with_beta_2(o.betas[1] as f32)
@@ -134,7 +134,7 @@ fn rows_of(v: &[f32], rows: &[usize], width: usize) -> Vec<f32> {
         .collect()
 }
 
-impl<B: AutodiffBackend> Learner<B> {
+impl<B: RlAutodiffBackend> Learner<B> {
     /// Builds a learner from parts and a resolved config; checks that the parts fit the config.
     pub fn new(
         config: RlhfConfig,
@@ -143,6 +143,9 @@ impl<B: AutodiffBackend> Learner<B> {
     ) -> Result<Self, TrainError> {
         let mut config = config;
         config.resolve();
+        burn_rlhf_algos::kernels::set_kernels_enabled(
+            config.actor_rollout_ref.model.use_fused_kernels,
+        );
         let alg = &config.algorithm;
         let actor_cfg = &config.actor_rollout_ref.actor;
         let estimator = parts.registry.estimator(
@@ -831,7 +834,7 @@ fn masked_agg(values: &[f32], mask: &[f32], width: usize, mode: LossAggMode) -> 
     }
 }
 
-impl<B: AutodiffBackend> std::fmt::Debug for Learner<B> {
+impl<B: RlAutodiffBackend> std::fmt::Debug for Learner<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Learner")
             .field("global_step", &self.global_step)

@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use burn::tensor::backend::AutodiffBackend;
+use burn_rlhf_algos::RlAutodiffBackend;
 use burn_rlhf_models::pretrained::{expand_home, load_pretrained};
 use burn_rlhf_models::{CausalLm, LoraConfig, Tokenizer, ValueModel};
 
@@ -28,7 +28,7 @@ pub struct RunOutputs {
     pub interrupted: bool,
 }
 
-impl<B: AutodiffBackend> Learner<B> {
+impl<B: RlAutodiffBackend> Learner<B> {
     /// Loads the actor (and critic) from `actor_rollout_ref.model.path` (`critic.model.path`): a
     /// local HF folder, a `.gguf` file or a hub id; the data from `data.train_files` and, when
     /// validation runs, `data.val_files`.
@@ -212,7 +212,7 @@ pub fn checked_config(config: &Path, overrides: &[String]) -> Result<RlhfConfig,
 
 /// `burn-rlhf train`: loads models and data from the config and trains; Ctrl-C stops after the
 /// current step with a checkpoint.
-pub fn train_from_file<B: AutodiffBackend>(
+pub fn train_from_file<B: RlAutodiffBackend>(
     config: &Path,
     overrides: &[String],
     device: &B::Device,
@@ -236,7 +236,7 @@ pub fn train_from_file<B: AutodiffBackend>(
 
 /// `burn-rlhf eval`: validation only (the actor at `actor_rollout_ref.model.path`, the prompts of
 /// `data.val_files`, `rollout.val_kwargs`): mean@n, best@n, maj@n, pass@k per data source.
-pub fn eval_from_file<B: AutodiffBackend>(
+pub fn eval_from_file<B: RlAutodiffBackend>(
     config: &Path,
     overrides: &[String],
     device: &B::Device,

@@ -1,0 +1,162 @@
+//! [`RlBackend`] under autodiff: the forward runs on the inner backend (kernel or reference), and
+//! the backward is registered as one node whose gradient is the inner backend's `*_backward`.
+//! Scans and indicators carry no gradient.
+
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::Autodiff;
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::ops::{FloatTensor, IntTensor};
+
+use super::{PpoClip, RlBackend};
+
+type Ad<B, C> = Autodiff<B, C>;
+
+fn inner<B: RlBackend, C: CheckpointStrategy>(t: FloatTensor<Ad<B, C>>) -> FloatTensor<B> {
+    <Ad<B, C> as AutodiffBackend>::inner(t)
+}
+
+fn outer<B: RlBackend, C: CheckpointStrategy>(t: FloatTensor<B>) -> FloatTensor<Ad<B, C>> {
+    <Ad<B, C> as AutodiffBackend>::from_inner(t)
+}
+
+#[derive(Debug)]
+struct PpoBackward(PpoClip);
+
+impl<B: RlBackend> Backward<B, 1> for PpoBackward {
+    type State = (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [parent] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let (log_prob, old, adv) = ops.state;
+        if let Some(node) = parent {
+            let g = B::ppo_clip_loss_backward(grad, log_prob, old, adv, self.0);
+            grads.register::<B>(node.id, g);
+        }
+    }
+}
+
+#[derive(Debug)]
+struct LogprobEntropyBackward(f32);
+
+impl<B: RlBackend> Backward<B, 1> for LogprobEntropyBackward {
+    type State = (FloatTensor<B>, IntTensor<B>);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [parent] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let (logits, labels) = ops.state;
+        if let Some(node) = parent {
+            let g = B::logprob_entropy_backward(grad, logits, labels, self.0);
+            grads.register::<B>(node.id, g);
+        }
+    }
+}
+
+#[derive(Debug)]
+struct ValueBackward(f32);
+
+impl<B: RlBackend> Backward<B, 1> for ValueBackward {
+    type State = (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [parent] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let (vpreds, values, returns) = ops.state;
+        if let Some(node) = parent {
+            let g = B::value_clip_loss_backward(grad, vpreds, values, returns, self.0);
+            grads.register::<B>(node.id, g);
+        }
+    }
+}
+
+impl<B: RlBackend, C: CheckpointStrategy> RlBackend for Autodiff<B, C> {
+    fn gae_scan(
+        rewards: FloatTensor<Self>,
+        values: FloatTensor<Self>,
+        mask: FloatTensor<Self>,
+        gamma: f32,
+        lam: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (a, r) = B::gae_scan(
+            inner::<B, C>(rewards),
+            inner::<B, C>(values),
+            inner::<B, C>(mask),
+            gamma,
+            lam,
+        );
+        (outer::<B, C>(a), outer::<B, C>(r))
+    }
+
+    fn discounted_return_scan(
+        rewards: FloatTensor<Self>,
+        mask: FloatTensor<Self>,
+        gamma: f32,
+    ) -> FloatTensor<Self> {
+        outer::<B, C>(B::discounted_return_scan(
+            inner::<B, C>(rewards),
+            inner::<B, C>(mask),
+            gamma,
+        ))
+    }
+
+    fn ppo_clip_loss(
+        log_prob: FloatTensor<Self>,
+        old_log_prob: FloatTensor<Self>,
+        advantages: FloatTensor<Self>,
+        clip: PpoClip,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (old, adv) = (inner::<B, C>(old_log_prob), inner::<B, C>(advantages));
+        let lp = log_prob.primitive.clone();
+        let (loss, clipped, dual) = B::ppo_clip_loss(lp.clone(), old.clone(), adv.clone(), clip);
+        let loss = match PpoBackward(clip)
+            .prepare::<C>([log_prob.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish((lp, old, adv), loss),
+            OpsKind::UnTracked(prep) => prep.finish(loss),
+        };
+        (loss, outer::<B, C>(clipped), outer::<B, C>(dual))
+    }
+
+    fn logprob_entropy(
+        logits: FloatTensor<Self>,
+        labels: IntTensor<Self>,
+        temperature: f32,
+    ) -> FloatTensor<Self> {
+        let z = logits.primitive.clone();
+        let out = B::logprob_entropy(z.clone(), labels.clone(), temperature);
+        match LogprobEntropyBackward(temperature)
+            .prepare::<C>([logits.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish((z, labels), out),
+            OpsKind::UnTracked(prep) => prep.finish(out),
+        }
+    }
+
+    fn value_clip_loss(
+        vpreds: FloatTensor<Self>,
+        values: FloatTensor<Self>,
+        returns: FloatTensor<Self>,
+        cliprange: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (old, ret) = (inner::<B, C>(values), inner::<B, C>(returns));
+        let v = vpreds.primitive.clone();
+        let (loss, clipped) = B::value_clip_loss(v.clone(), old.clone(), ret.clone(), cliprange);
+        let loss = match ValueBackward(cliprange)
+            .prepare::<C>([vpreds.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish((v, old, ret), loss),
+            OpsKind::UnTracked(prep) => prep.finish(loss),
+        };
+        (loss, outer::<B, C>(clipped))
+    }
+}

@@ -1,0 +1,258 @@
+//! Fused kernels where RL training spends launches and memory, as a Burn backend extension
+//! ([`RlBackend`]): every method has a plain-tensor (or host) reference implementation, used by
+//! default on every backend; CubeCL backends (wgpu, cuda) override them with `#[cube]` kernels, and
+//! `Autodiff<B>` registers their backward passes. Parity tests compare the two
+//! (`tests/kernels.rs`, run on wgpu through lavapipe in CI).
+//!
+//! - [`gae_scan`]: verl's GAE reverse scan with carry-forward masking, one thread per row.
+//! - [`discounted_return_scan`]: REINFORCE++'s discounted return scan.
+//! - [`ppo_clip_token_loss`]: PPO's clipped surrogate (clip-higher, dual-clip) per token, forward
+//!   and backward, with the clip indicators.
+//! - [`logprobs_and_entropy`]: log-probs of the labels and entropies from logits without
+//!   materialising log-softmax over the vocabulary, forward and backward.
+//! - [`value_clip_token_loss`]: the clipped value loss per token, forward and backward.
+
+mod autodiff;
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+mod cube;
+pub mod reference;
+
+/// The CubeCL backend the kernels are written for (re-exported so the top crate can name it).
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+pub use burn_cubecl::CubeBackend;
+/// CUDA's CubeCL runtime (burn-cuda does not export it).
+#[cfg(feature = "cuda")]
+pub use cubecl::cuda::CudaRuntime;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::{FloatTensor, IntTensor};
+use burn::tensor::{Int, Tensor, TensorPrimitive};
+
+static KERNELS_ENABLED: AtomicBool = AtomicBool::new(true);
+
+/// Turns the fused kernels on or off for the whole process (`actor_rollout_ref.model.
+/// use_fused_kernels`); off, CubeCL backends run the reference implementations too.
+pub fn set_kernels_enabled(enabled: bool) {
+    KERNELS_ENABLED.store(enabled, Ordering::SeqCst);
+}
+
+/// Whether CubeCL backends use the fused kernels (on by default).
+pub fn kernels_enabled() -> bool {
+    KERNELS_ENABLED.load(Ordering::SeqCst)
+}
+
+/// PPO's clip settings.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PpoClip {
+    /// Ratios below `1 - low` are clipped.
+    pub low: f32,
+    /// Ratios above `1 + high` are clipped.
+    pub high: f32,
+    /// Dual-clip bound on the loss of negative advantages (> 1).
+    pub c: f32,
+}
+
+/// The RL kernels as backend operations. Default methods are the reference implementations; a
+/// backend with kernels overrides them. Tensors are row-major `[rows, cols]` unless noted.
+pub trait RlBackend: Backend {
+    /// GAE: (advantages before whitening, returns) from rewards, values and mask.
+    fn gae_scan(
+        rewards: FloatTensor<Self>,
+        values: FloatTensor<Self>,
+        mask: FloatTensor<Self>,
+        gamma: f32,
+        lam: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        reference::gae_scan::<Self>(rewards, values, mask, gamma, lam)
+    }
+
+    /// Discounted returns `G_t = r_t + gamma * G_{t+1}`, reset after masked positions (verl's
+    /// REINFORCE++ carry).
+    fn discounted_return_scan(
+        rewards: FloatTensor<Self>,
+        mask: FloatTensor<Self>,
+        gamma: f32,
+    ) -> FloatTensor<Self> {
+        reference::discounted_return_scan::<Self>(rewards, mask, gamma)
+    }
+
+    /// PPO's per-token loss and its indicators: (loss, clipped, dual-clipped), `[rows, cols]`.
+    fn ppo_clip_loss(
+        log_prob: FloatTensor<Self>,
+        old_log_prob: FloatTensor<Self>,
+        advantages: FloatTensor<Self>,
+        clip: PpoClip,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        reference::ppo_clip_loss::<Self>(log_prob, old_log_prob, advantages, clip)
+    }
+
+    /// `grad * d loss / d log_prob` of [`RlBackend::ppo_clip_loss`].
+    fn ppo_clip_loss_backward(
+        grad: FloatTensor<Self>,
+        log_prob: FloatTensor<Self>,
+        old_log_prob: FloatTensor<Self>,
+        advantages: FloatTensor<Self>,
+        clip: PpoClip,
+    ) -> FloatTensor<Self> {
+        reference::ppo_clip_loss_backward::<Self>(grad, log_prob, old_log_prob, advantages, clip)
+    }
+
+    /// Log-prob of each row's label and the row's entropy, from `logits / temperature`:
+    /// logits `[rows, vocab]`, labels `[rows]` → `[rows, 2]` (log-prob, entropy).
+    fn logprob_entropy(
+        logits: FloatTensor<Self>,
+        labels: IntTensor<Self>,
+        temperature: f32,
+    ) -> FloatTensor<Self> {
+        reference::logprob_entropy::<Self>(logits, labels, temperature)
+    }
+
+    /// The gradient with respect to the logits of [`RlBackend::logprob_entropy`], given the
+    /// output's gradient `[rows, 2]`.
+    fn logprob_entropy_backward(
+        grad: FloatTensor<Self>,
+        logits: FloatTensor<Self>,
+        labels: IntTensor<Self>,
+        temperature: f32,
+    ) -> FloatTensor<Self> {
+        reference::logprob_entropy_backward::<Self>(grad, logits, labels, temperature)
+    }
+
+    /// The clipped value loss per token, `max((V - R)^2, (clip(V, V_old ± c) - R)^2)`, and where
+    /// the clipped term is the larger: (loss, clipped).
+    fn value_clip_loss(
+        vpreds: FloatTensor<Self>,
+        values: FloatTensor<Self>,
+        returns: FloatTensor<Self>,
+        cliprange: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        reference::value_clip_loss::<Self>(vpreds, values, returns, cliprange)
+    }
+
+    /// `grad * d loss / d vpreds` of [`RlBackend::value_clip_loss`].
+    fn value_clip_loss_backward(
+        grad: FloatTensor<Self>,
+        vpreds: FloatTensor<Self>,
+        values: FloatTensor<Self>,
+        returns: FloatTensor<Self>,
+        cliprange: f32,
+    ) -> FloatTensor<Self> {
+        reference::value_clip_loss_backward::<Self>(grad, vpreds, values, returns, cliprange)
+    }
+}
+
+fn prim<B: Backend, const D: usize>(t: Tensor<B, D>) -> FloatTensor<B> {
+    t.into_primitive().tensor()
+}
+
+fn wrap<B: Backend, const D: usize>(t: FloatTensor<B>) -> Tensor<B, D> {
+    Tensor::from_primitive(TensorPrimitive::Float(t))
+}
+
+/// GAE's scan. Shapes: `[B, T]` each → (advantages before whitening, returns).
+pub fn gae_scan<B: RlBackend>(
+    rewards: Tensor<B, 2>,
+    values: Tensor<B, 2>,
+    mask: Tensor<B, 2>,
+    gamma: f64,
+    lam: f64,
+) -> (Tensor<B, 2>, Tensor<B, 2>) {
+    let (a, r) = B::gae_scan(
+        prim(rewards),
+        prim(values),
+        prim(mask),
+        gamma as f32,
+        lam as f32,
+    );
+    (wrap(a), wrap(r))
+}
+
+/// REINFORCE++'s discounted returns. Shapes: `[B, T]` each → `[B, T]`.
+pub fn discounted_return_scan<B: RlBackend>(
+    rewards: Tensor<B, 2>,
+    mask: Tensor<B, 2>,
+    gamma: f64,
+) -> Tensor<B, 2> {
+    wrap(B::discounted_return_scan(
+        prim(rewards),
+        prim(mask),
+        gamma as f32,
+    ))
+}
+
+/// PPO's clipped per-token loss, differentiable in `log_prob`, with the clip indicators.
+///
+/// Shapes: `[B, T]` each → (loss, clipped, dual-clipped) `[B, T]`.
+pub fn ppo_clip_token_loss<B: RlBackend>(
+    log_prob: Tensor<B, 2>,
+    old_log_prob: Tensor<B, 2>,
+    advantages: Tensor<B, 2>,
+    clip: PpoClip,
+) -> (Tensor<B, 2>, Tensor<B, 2>, Tensor<B, 2>) {
+    let (l, c, d) = B::ppo_clip_loss(prim(log_prob), prim(old_log_prob), prim(advantages), clip);
+    (wrap(l), wrap(c), wrap(d))
+}
+
+/// Log-probs of `labels` and entropies under `logits / temperature`, differentiable in `logits`.
+///
+/// Shapes: logits `[B, T, V]`, labels `[B, T]` → (entropy `[B, T]`, log-probs `[B, T]`), the order
+/// of [`crate::functional::entropy_and_logprobs`].
+pub fn logprobs_and_entropy<B: RlBackend>(
+    logits: Tensor<B, 3>,
+    labels: Tensor<B, 2, Int>,
+    temperature: f64,
+) -> (Tensor<B, 2>, Tensor<B, 2>) {
+    let [b, t, v] = logits.dims();
+    let flat = logits.reshape([b * t, v]);
+    let out: Tensor<B, 2> = wrap(B::logprob_entropy(
+        prim(flat),
+        labels.reshape([b * t]).into_primitive(),
+        temperature as f32,
+    ));
+    let logp = out.clone().slice([0..b * t, 0..1]).reshape([b, t]);
+    let entropy = out.slice([0..b * t, 1..2]).reshape([b, t]);
+    (entropy, logp)
+}
+
+/// The clipped value loss per token, differentiable in `vpreds`, and where clipping wins.
+///
+/// Shapes: `[B, T]` each → (loss, clipped) `[B, T]`.
+pub fn value_clip_token_loss<B: RlBackend>(
+    vpreds: Tensor<B, 2>,
+    values: Tensor<B, 2>,
+    returns: Tensor<B, 2>,
+    cliprange: f64,
+) -> (Tensor<B, 2>, Tensor<B, 2>) {
+    let (l, c) = B::value_clip_loss(prim(vpreds), prim(values), prim(returns), cliprange as f32);
+    (wrap(l), wrap(c))
+}
+
+#[cfg(feature = "flex")]
+impl RlBackend for burn::backend::Flex {}
+
+#[cfg(feature = "ndarray")]
+impl RlBackend for burn::backend::NdArray<f32> {}
+
+#[cfg(feature = "tch")]
+impl RlBackend for burn::backend::LibTorch<f32> {}
+
+// Fused backends run the reference ops (which fusion then fuses); the kernels run on the
+// non-fused CubeCL backends (`burn_rlhf::backend` selects those).
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+impl<B: burn_fusion::FusionBackend> RlBackend for burn_fusion::Fusion<B> {}
+
+/// A training backend whose autodiff and inner backends both have the RL kernels: what the
+/// learner needs (updates run under autodiff, rollout and log-prob passes on the inner backend).
+pub trait RlAutodiffBackend:
+    burn::tensor::backend::AutodiffBackend<InnerBackend: RlBackend> + RlBackend
+{
+}
+
+impl<B> RlAutodiffBackend for B
+where
+    B: burn::tensor::backend::AutodiffBackend + RlBackend,
+    B::InnerBackend: RlBackend,
+{
+}

@@ -1,0 +1,382 @@
+//! The reference implementations of [`super::RlBackend`]: plain tensor ops (host loops for the
+//! scans, which would otherwise launch one small op per time step), the default on every backend
+//! and what the kernels are tested against.
+
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::{FloatTensor, IntTensor};
+use burn::tensor::{IndexingUpdateOp, Int, Tensor, TensorPrimitive};
+
+use super::PpoClip;
+use crate::functional::{from_rows, to_vec};
+
+fn t<B: Backend, const D: usize>(x: FloatTensor<B>) -> Tensor<B, D> {
+    Tensor::from_primitive(TensorPrimitive::Float(x))
+}
+
+fn p<B: Backend, const D: usize>(x: Tensor<B, D>) -> FloatTensor<B> {
+    x.into_primitive().tensor()
+}
+
+fn host<B: Backend>(x: FloatTensor<B>) -> (Vec<f64>, usize, usize, B::Device) {
+    let x: Tensor<B, 2> = t(x);
+    let [rows, cols] = x.dims();
+    let device = x.device();
+    let v = to_vec(x).into_iter().map(f64::from).collect();
+    (v, rows, cols, device)
+}
+
+fn device_rows<B: Backend>(v: &[f64], rows: usize, cols: usize, d: &B::Device) -> FloatTensor<B> {
+    p(from_rows::<B>(
+        v.iter().map(|&x| x as f32).collect(),
+        rows,
+        cols,
+        d,
+    ))
+}
+
+/// GAE on the host in f64 (verl's loop, one pass per row).
+pub fn gae_scan<B: Backend>(
+    rewards: FloatTensor<B>,
+    values: FloatTensor<B>,
+    mask: FloatTensor<B>,
+    gamma: f32,
+    lam: f32,
+) -> (FloatTensor<B>, FloatTensor<B>) {
+    let (r, rows, cols, device) = host::<B>(rewards);
+    let (v, ..) = host::<B>(values);
+    let (m, ..) = host::<B>(mask);
+    let (adv, ret) = crate::advantage::gae_scan(&r, &v, &m, cols, gamma as f64, lam as f64);
+    (
+        device_rows::<B>(&adv, rows, cols, &device),
+        device_rows::<B>(&ret, rows, cols, &device),
+    )
+}
+
+/// REINFORCE++'s discounted return scan on the host.
+pub fn discounted_return_scan<B: Backend>(
+    rewards: FloatTensor<B>,
+    mask: FloatTensor<B>,
+    gamma: f32,
+) -> FloatTensor<B> {
+    let (r, rows, cols, device) = host::<B>(rewards);
+    let (m, ..) = host::<B>(mask);
+    let ret = crate::advantage::discounted_returns(&r, &m, cols, gamma as f64);
+    device_rows::<B>(&ret, rows, cols, &device)
+}
+
+/// The pieces of PPO's loss both passes need.
+struct PpoTerms<B: Backend> {
+    ratio: Tensor<B, 2>,
+    log_ratio_in_range: Tensor<B, 2>,
+    losses1: Tensor<B, 2>,
+    losses2: Tensor<B, 2>,
+    clipped1: Tensor<B, 2>,
+    losses3: Tensor<B, 2>,
+    negative: Tensor<B, 2, burn::tensor::Bool>,
+}
+
+fn ppo_terms<B: Backend>(
+    log_prob: FloatTensor<B>,
+    old_log_prob: FloatTensor<B>,
+    advantages: FloatTensor<B>,
+    clip: PpoClip,
+) -> PpoTerms<B> {
+    let adv: Tensor<B, 2> = t(advantages);
+    let log_ratio = t::<B, 2>(log_prob) - t::<B, 2>(old_log_prob);
+    let log_ratio_in_range = log_ratio
+        .clone()
+        .greater_equal_elem(-20.0)
+        .float()
+        .mul(log_ratio.clone().lower_equal_elem(20.0).float());
+    let ratio = log_ratio.clamp(-20.0, 20.0).exp();
+    let losses1 = adv.clone().neg() * ratio.clone();
+    let losses2 = adv.clone().neg()
+        * ratio
+            .clone()
+            .clamp(1.0 - clip.low as f64, 1.0 + clip.high as f64);
+    let clipped1 = losses1.clone().max_pair(losses2.clone());
+    let losses3 = adv.clone().neg() * clip.c as f64;
+    PpoTerms {
+        ratio,
+        log_ratio_in_range,
+        losses1,
+        losses2,
+        clipped1,
+        losses3,
+        negative: adv.lower_elem(0.0),
+    }
+}
+
+/// PPO's clipped surrogate per token, as verl's `compute_policy_loss_vanilla` computes it.
+pub fn ppo_clip_loss<B: Backend>(
+    log_prob: FloatTensor<B>,
+    old_log_prob: FloatTensor<B>,
+    advantages: FloatTensor<B>,
+    clip: PpoClip,
+) -> (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>) {
+    let s = ppo_terms::<B>(log_prob, old_log_prob, advantages, clip);
+    let clipped = s.losses2.greater(s.losses1).float();
+    let dual = s
+        .clipped1
+        .clone()
+        .greater(s.losses3.clone())
+        .float()
+        .mul(s.negative.clone().float());
+    let clipped2 = s.losses3.min_pair(s.clipped1.clone());
+    let loss = s.clipped1.mask_where(s.negative, clipped2);
+    (p(loss), p(clipped), p(dual))
+}
+
+/// `grad * d loss / d log_prob`: the branch that won the max/min carries `-A * ratio`, the
+/// clamped branches carry nothing.
+pub fn ppo_clip_loss_backward<B: Backend>(
+    grad: FloatTensor<B>,
+    log_prob: FloatTensor<B>,
+    old_log_prob: FloatTensor<B>,
+    advantages: FloatTensor<B>,
+    clip: PpoClip,
+) -> FloatTensor<B> {
+    let adv: Tensor<B, 2> = t(advantages.clone());
+    let s = ppo_terms::<B>(log_prob, old_log_prob, advantages, clip);
+    let d_ratio = s.ratio.clone() * s.log_ratio_in_range;
+    let d1 = adv.neg() * d_ratio;
+    let in_clip_range = s
+        .ratio
+        .clone()
+        .greater_equal_elem(1.0 - clip.low as f64)
+        .float()
+        .mul(s.ratio.lower_equal_elem(1.0 + clip.high as f64).float());
+    let d2 = d1.clone() * in_clip_range;
+    // max_pair keeps losses1 unless it is lower.
+    let d_clipped1 = d1.mask_where(s.losses1.lower(s.losses2), d2);
+    // min_pair(losses3, clipped1) keeps clipped1 where it is lower.
+    let d_clipped2 = d_clipped1.clone() * s.clipped1.lower(s.losses3).float();
+    let d = d_clipped1.mask_where(s.negative, d_clipped2);
+    p(t::<B, 2>(grad) * d)
+}
+
+/// Log-softmax statistics of `logits / temperature` per row: (z, lse, p, E_p[z]).
+fn softmax_terms<B: Backend>(
+    logits: FloatTensor<B>,
+    temperature: f32,
+) -> (Tensor<B, 2>, Tensor<B, 2>, Tensor<B, 2>, Tensor<B, 2>) {
+    let z = t::<B, 2>(logits) / temperature as f64;
+    let max = z.clone().max_dim(1);
+    let lse = (z.clone() - max.clone()).exp().sum_dim(1).log() + max;
+    let probs = (z.clone() - lse.clone()).exp();
+    let mean_z = (probs.clone() * z.clone()).sum_dim(1);
+    (z, lse, probs, mean_z)
+}
+
+/// `[rows, 2]`: (log-prob of the label, entropy) of each row.
+pub fn logprob_entropy<B: Backend>(
+    logits: FloatTensor<B>,
+    labels: IntTensor<B>,
+    temperature: f32,
+) -> FloatTensor<B> {
+    let (z, lse, _, mean_z) = softmax_terms::<B>(logits, temperature);
+    let labels: Tensor<B, 1, Int> = Tensor::from_primitive(labels);
+    let picked = z.gather(1, labels.unsqueeze_dim(1));
+    let logp = picked - lse.clone();
+    let entropy = lse - mean_z;
+    p(Tensor::cat(vec![logp, entropy], 1))
+}
+
+/// `d/d logits`: `(g_lp * (onehot - p) - g_h * p * (z - E_p[z])) / temperature`.
+pub fn logprob_entropy_backward<B: Backend>(
+    grad: FloatTensor<B>,
+    logits: FloatTensor<B>,
+    labels: IntTensor<B>,
+    temperature: f32,
+) -> FloatTensor<B> {
+    let grad: Tensor<B, 2> = t(grad);
+    let [rows, _] = grad.dims();
+    let g_lp = grad.clone().slice([0..rows, 0..1]);
+    let g_h = grad.slice([0..rows, 1..2]);
+    let (z, _, probs, mean_z) = softmax_terms::<B>(logits, temperature);
+    let d = probs.neg() * (g_lp.clone() + g_h * (z - mean_z));
+    let labels: Tensor<B, 1, Int> = Tensor::from_primitive(labels);
+    let d = d.scatter(1, labels.unsqueeze_dim(1), g_lp, IndexingUpdateOp::Add);
+    p(d / temperature as f64)
+}
+
+/// The clipped value loss per token and where the clipped term is the larger.
+pub fn value_clip_loss<B: Backend>(
+    vpreds: FloatTensor<B>,
+    values: FloatTensor<B>,
+    returns: FloatTensor<B>,
+    cliprange: f32,
+) -> (FloatTensor<B>, FloatTensor<B>) {
+    let v: Tensor<B, 2> = t(vpreds);
+    let old: Tensor<B, 2> = t(values);
+    let r: Tensor<B, 2> = t(returns);
+    let c = cliprange as f64;
+    let clipped_pred = v.clone().min_pair(old.clone() + c).max_pair(old - c);
+    let losses1 = (v - r.clone()).square();
+    let losses2 = (clipped_pred - r).square();
+    let clipped = losses2.clone().greater(losses1.clone()).float();
+    (p(losses1.max_pair(losses2)), p(clipped))
+}
+
+/// `grad * d loss / d vpreds`.
+pub fn value_clip_loss_backward<B: Backend>(
+    grad: FloatTensor<B>,
+    vpreds: FloatTensor<B>,
+    values: FloatTensor<B>,
+    returns: FloatTensor<B>,
+    cliprange: f32,
+) -> FloatTensor<B> {
+    let v: Tensor<B, 2> = t(vpreds);
+    let old: Tensor<B, 2> = t(values);
+    let r: Tensor<B, 2> = t(returns);
+    let c = cliprange as f64;
+    let (lo, hi) = (old.clone() - c, old + c);
+    let clipped_pred = v.clone().min_pair(hi.clone()).max_pair(lo.clone());
+    let inside = v
+        .clone()
+        .greater_equal(lo)
+        .float()
+        .mul(v.clone().lower_equal(hi).float());
+    let losses1 = (v.clone() - r.clone()).square();
+    let losses2 = (clipped_pred.clone() - r.clone()).square();
+    let d1 = (v - r.clone()) * 2.0;
+    let d2 = (clipped_pred - r) * 2.0 * inside;
+    let d = d1.mask_where(losses1.lower(losses2), d2);
+    p(t::<B, 2>(grad) * d)
+}
+
+#[cfg(test)]
+mod tests {
+    //! The explicit backward formulas against autodiff through the same reference ops.
+    use super::*;
+    use crate::kernels::{self, RlBackend};
+    use burn::backend::{Autodiff, Flex};
+
+    type A = Autodiff<Flex>;
+
+    /// Deterministic values in `[lo, hi)`.
+    fn values(n: usize, seed: u64, lo: f32, hi: f32) -> Vec<f32> {
+        let mut s = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (0..n)
+            .map(|_| {
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                lo + (hi - lo) * ((s >> 40) as f32 / (1u64 << 24) as f32)
+            })
+            .collect()
+    }
+
+    fn tensor(v: Vec<f32>, rows: usize, cols: usize) -> Tensor<A, 2> {
+        from_rows::<A>(v, rows, cols, &Default::default())
+    }
+
+    fn close(a: Tensor<A, 2>, b: Tensor<A, 2>, what: &str) {
+        let (a, b) = (to_vec(a), to_vec(b));
+        for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+            assert!(
+                (x - y).abs() <= 1e-5 * (1.0 + y.abs()),
+                "{what}[{i}]: {x} vs {y}"
+            );
+        }
+    }
+
+    /// Gradient of `sum(f(x) * w)` with respect to `x`, through `f`.
+    fn grad_of(
+        x: &[f32],
+        rows: usize,
+        cols: usize,
+        w: &Tensor<A, 2>,
+        f: impl Fn(Tensor<A, 2>) -> Tensor<A, 2>,
+    ) -> (Tensor<A, 2>, Tensor<A, 2>) {
+        let x = tensor(x.to_vec(), rows, cols).require_grad();
+        let y = f(x.clone());
+        let g = (y.clone() * w.clone()).sum().backward();
+        let gx = Tensor::<A, 2>::from_inner(x.grad(&g).unwrap());
+        (y.detach(), gx)
+    }
+
+    #[test]
+    fn ppo_backward_matches_autodiff() {
+        let (rows, cols) = (6, 9);
+        let n = rows * cols;
+        // Log-ratios from -25 to 25 reach both the ±20 clamp and the clip range.
+        let old = values(n, 1, -3.0, 0.0);
+        let logp: Vec<f32> = old
+            .iter()
+            .zip(values(n, 2, -1.0, 1.0))
+            .enumerate()
+            .map(|(i, (o, d))| o + if i % 11 == 0 { d * 25.0 } else { d * 0.5 })
+            .collect();
+        let adv = tensor(values(n, 3, -2.0, 2.0), rows, cols);
+        let w = tensor(values(n, 4, 0.1, 1.0), rows, cols);
+        let old = tensor(old, rows, cols);
+        let clip = PpoClip {
+            low: 0.2,
+            high: 0.28,
+            c: 3.0,
+        };
+        let (y1, g1) = grad_of(&logp, rows, cols, &w, |x| {
+            kernels::ppo_clip_token_loss(x, old.clone(), adv.clone(), clip).0
+        });
+        let (y2, g2) = grad_of(&logp, rows, cols, &w, |x| {
+            t(ppo_clip_loss::<A>(p(x), p(old.clone()), p(adv.clone()), clip).0)
+        });
+        close(y1, y2, "loss");
+        close(g1, g2, "grad");
+    }
+
+    #[test]
+    fn value_backward_matches_autodiff() {
+        let (rows, cols) = (5, 7);
+        let n = rows * cols;
+        let v = values(n, 5, -2.0, 2.0);
+        let old = tensor(values(n, 6, -2.0, 2.0), rows, cols);
+        let ret = tensor(values(n, 7, -2.0, 2.0), rows, cols);
+        let w = tensor(values(n, 8, 0.1, 1.0), rows, cols);
+        let (y1, g1) = grad_of(&v, rows, cols, &w, |x| {
+            kernels::value_clip_token_loss(x, old.clone(), ret.clone(), 0.5).0
+        });
+        let (y2, g2) = grad_of(&v, rows, cols, &w, |x| {
+            t(value_clip_loss::<A>(p(x), p(old.clone()), p(ret.clone()), 0.5).0)
+        });
+        close(y1, y2, "loss");
+        close(g1, g2, "grad");
+    }
+
+    #[test]
+    fn logprob_entropy_backward_matches_autodiff_of_log_softmax() {
+        let (rows, vocab) = (7, 13);
+        let logits = values(rows * vocab, 9, -4.0, 4.0);
+        let labels: Vec<i64> = (0..rows as i64).map(|r| (r * 5) % vocab as i64).collect();
+        let w = tensor(values(rows * 2, 10, 0.1, 1.0), rows, 2);
+        for temperature in [1.0f32, 0.7] {
+            let lab = || {
+                Tensor::<A, 1, Int>::from_data(
+                    burn::tensor::TensorData::new(labels.clone(), [rows]),
+                    &Default::default(),
+                )
+            };
+            let (y1, g1) = grad_of(&logits, rows, vocab, &w, |x| {
+                t(<A as RlBackend>::logprob_entropy(
+                    p(x),
+                    lab().into_primitive(),
+                    temperature,
+                ))
+            });
+            // The plain path: log_softmax, gather, -sum p log p.
+            let (y2, g2) = grad_of(&logits, rows, vocab, &w, |x| {
+                let (entropy, logp) = crate::functional::entropy_and_logprobs(
+                    x.reshape([1, rows, vocab]),
+                    lab().reshape([1, rows]),
+                    temperature as f64,
+                );
+                Tensor::cat(vec![logp.reshape([rows, 1]), entropy.reshape([rows, 1])], 1)
+            });
+            close(y1, y2, "log-prob/entropy");
+            close(g1, g2, "grad");
+        }
+    }
+}

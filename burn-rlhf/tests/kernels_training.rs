@@ -1,0 +1,71 @@
+//! The same tiny PPO run (GAE with a critic, KL in the reward) on wgpu with the fused kernels on
+//! and off gives the same metrics: `cargo test --release -p burn-rlhf --features wgpu --test
+//! kernels_training` (lavapipe on a CPU machine).
+
+use burn::backend::wgpu::{CubeBackend, WgpuRuntime};
+use burn::backend::Autodiff;
+use burn::module::AutodiffModule;
+use burn::tensor::backend::Backend;
+use burn_rlhf::config::RlhfConfig;
+use burn_rlhf::models::weights::WeightMap;
+use burn_rlhf::models::{CausalLm, ValueModel};
+use burn_rlhf::tasks;
+use burn_rlhf::trainer::{Learner, LearnerParts, Metrics};
+
+type B = Autodiff<CubeBackend<WgpuRuntime, f32, i32, u32>>;
+
+fn run(kernels: bool, actor: CausalLm<B>, critic: ValueModel<B>) -> Vec<Metrics> {
+    let mut c = RlhfConfig::default();
+    c.data.train_batch_size = 4;
+    c.data.max_prompt_length = 8;
+    c.data.max_response_length = 4;
+    c.custom_reward_function.name = Some(tasks::DATA_SOURCE.into());
+    c.actor_rollout_ref.model.use_fused_kernels = kernels;
+    c.actor_rollout_ref.actor.optim.lr = 1e-3;
+    c.actor_rollout_ref.actor.ppo_mini_batch_size = 2;
+    c.actor_rollout_ref.actor.entropy_coeff = 0.01;
+    c.critic.optim.lr = 1e-3;
+    c.algorithm.use_kl_in_reward = true;
+    c.trainer.total_training_steps = Some(2);
+    let mc = tasks::model_config(32, 1);
+    let (train, _) = tasks::split_problems(10, 20, 1);
+    let mut parts = LearnerParts::new(actor, mc.clone(), tasks::tokenizer());
+    parts.critic = Some((critic, mc));
+    parts
+        .rewards
+        .register(std::sync::Arc::new(tasks::ExactAnswer));
+    parts.train = train;
+    let mut l = Learner::new(c, parts, &Default::default()).unwrap();
+    (0..2).map(|_| l.step().unwrap()).collect()
+}
+
+#[test]
+fn kernels_on_and_off_give_the_same_ppo_run() {
+    let device = Default::default();
+    B::seed(&device, 3);
+    let mc = tasks::model_config(32, 1);
+    let actor: CausalLm<B> = mc.init_causal_lm(&device);
+    let mut w = WeightMap::new("tiny actor");
+    for (k, v) in actor.valid().export() {
+        w.insert(k, v);
+    }
+    let critic = ValueModel::from_weights(&mc, w, &device).unwrap();
+    let on = run(true, actor.clone(), critic.clone());
+    let off = run(false, actor, critic);
+    for (step, (a, b)) in on.iter().zip(&off).enumerate() {
+        let mut compared = 0;
+        for (k, x) in a {
+            if k.starts_with("timing_s/") || k.starts_with("perf/t") {
+                continue;
+            }
+            let y = b[k];
+            assert!(
+                (x - y).abs() <= 1e-4 * (1.0 + y.abs()),
+                "step {}: {k} {x} vs {y}",
+                step + 1
+            );
+            compared += 1;
+        }
+        assert!(compared > 40, "step {}: {compared} metrics", step + 1);
+    }
+}
