@@ -250,14 +250,27 @@ impl<B: RlBackend> AdvantageEstimator<B> for Gae {
             input: "values",
         })?;
         check_dims("gae", "values", values.dims(), [rows, cols])?;
-        let (adv, returns) = crate::kernels::gae_scan(
+        let whitened = crate::kernels::gae_whitened(
             input.token_level_rewards.clone(),
-            values,
+            values.clone(),
             input.response_mask.clone(),
             self.gamma,
             self.lam,
         );
-        let advantages = whiten(adv, input.response_mask.clone())?;
+        let (advantages, returns) = match whitened {
+            Some(out) => out,
+            // Fewer than two valid tokens: the whitening's own error says so.
+            None => {
+                let (adv, returns) = crate::kernels::gae_scan(
+                    input.token_level_rewards.clone(),
+                    values,
+                    input.response_mask.clone(),
+                    self.gamma,
+                    self.lam,
+                );
+                (whiten(adv, input.response_mask.clone())?, returns)
+            }
+        };
         Ok(AdvantageOutput {
             advantages,
             returns,

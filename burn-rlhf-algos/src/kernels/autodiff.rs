@@ -91,6 +91,23 @@ impl<B: RlBackend, C: CheckpointStrategy> RlBackend for Autodiff<B, C> {
         (outer::<B, C>(a), outer::<B, C>(r))
     }
 
+    fn gae_whitened(
+        rewards: FloatTensor<Self>,
+        values: FloatTensor<Self>,
+        mask: FloatTensor<Self>,
+        gamma: f32,
+        lam: f32,
+    ) -> Option<(FloatTensor<Self>, FloatTensor<Self>)> {
+        B::gae_whitened(
+            inner::<B, C>(rewards),
+            inner::<B, C>(values),
+            inner::<B, C>(mask),
+            gamma,
+            lam,
+        )
+        .map(|(a, r)| (outer::<B, C>(a), outer::<B, C>(r)))
+    }
+
     fn discounted_return_scan(
         rewards: FloatTensor<Self>,
         mask: FloatTensor<Self>,

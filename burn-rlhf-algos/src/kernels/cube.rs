@@ -354,6 +354,27 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> RlBackend
         (adv, ret)
     }
 
+    fn gae_whitened(
+        rewards: FloatTensor<Self>,
+        values: FloatTensor<Self>,
+        mask: FloatTensor<Self>,
+        gamma: f32,
+        lam: f32,
+    ) -> Option<(FloatTensor<Self>, FloatTensor<Self>)> {
+        if !super::kernels_enabled() {
+            return super::reference::gae_whitened::<Self>(rewards, values, mask, gamma, lam);
+        }
+        // The scan on the device; the whitening stays there too (tensor ops), no host round trip.
+        let (adv, returns) = Self::gae_scan(rewards, values, mask.clone(), gamma, lam);
+        let whitened = crate::functional::masked_whiten::<Self>(
+            burn::tensor::Tensor::from_primitive(burn::tensor::TensorPrimitive::Float(adv)),
+            burn::tensor::Tensor::from_primitive(burn::tensor::TensorPrimitive::Float(mask)),
+            true,
+        )
+        .ok()?;
+        Some((whitened.into_primitive().tensor(), returns))
+    }
+
     fn discounted_return_scan(
         rewards: FloatTensor<Self>,
         mask: FloatTensor<Self>,

@@ -68,6 +68,20 @@ pub trait RlBackend: Backend {
         reference::gae_scan::<Self>(rewards, values, mask, gamma, lam)
     }
 
+    /// GAE with the advantages whitened over the mask (verl's `compute_gae_advantage_return`):
+    /// (advantages, returns). `None` when the mask selects fewer than two tokens (the caller's
+    /// whitening reports that). The default is one host pass for the scan and the statistics; a
+    /// kernel backend scans on the device and whitens with tensor ops.
+    fn gae_whitened(
+        rewards: FloatTensor<Self>,
+        values: FloatTensor<Self>,
+        mask: FloatTensor<Self>,
+        gamma: f32,
+        lam: f32,
+    ) -> Option<(FloatTensor<Self>, FloatTensor<Self>)> {
+        reference::gae_whitened::<Self>(rewards, values, mask, gamma, lam)
+    }
+
     /// Discounted returns `G_t = r_t + gamma * G_{t+1}`, reset after masked positions (verl's
     /// REINFORCE++ carry).
     fn discounted_return_scan(
@@ -167,6 +181,26 @@ pub fn gae_scan<B: RlBackend>(
         lam as f32,
     );
     (wrap(a), wrap(r))
+}
+
+/// GAE with whitened advantages (`None` when the mask selects fewer than two tokens).
+///
+/// Shapes: `[B, T]` each → (advantages, returns).
+pub fn gae_whitened<B: RlBackend>(
+    rewards: Tensor<B, 2>,
+    values: Tensor<B, 2>,
+    mask: Tensor<B, 2>,
+    gamma: f64,
+    lam: f64,
+) -> Option<(Tensor<B, 2>, Tensor<B, 2>)> {
+    B::gae_whitened(
+        prim(rewards),
+        prim(values),
+        prim(mask),
+        gamma as f32,
+        lam as f32,
+    )
+    .map(|(a, r)| (wrap(a), wrap(r)))
 }
 
 /// REINFORCE++'s discounted returns. Shapes: `[B, T]` each → `[B, T]`.

@@ -52,6 +52,86 @@ pub fn gae_scan<B: Backend>(
     )
 }
 
+fn host_f32<B: Backend>(x: FloatTensor<B>) -> (Vec<f32>, usize, usize, B::Device) {
+    let x: Tensor<B, 2> = t(x);
+    let [rows, cols] = x.dims();
+    let device = x.device();
+    (to_vec(x), rows, cols, device)
+}
+
+/// GAE and whitening in one host pass over f32 data (f64 accumulators): the scan per row, then
+/// the masked mean and unbiased variance, then `(A - mean) / sqrt(var + 1e-8)` everywhere, as
+/// verl's `masked_whiten`.
+pub fn gae_whitened<B: Backend>(
+    rewards: FloatTensor<B>,
+    values: FloatTensor<B>,
+    mask: FloatTensor<B>,
+    gamma: f32,
+    lam: f32,
+) -> Option<(FloatTensor<B>, FloatTensor<B>)> {
+    let (r, rows, cols, device) = host_f32::<B>(rewards);
+    let (v, ..) = host_f32::<B>(values);
+    let (m, ..) = host_f32::<B>(mask);
+    let (gamma, lam) = (gamma as f64, lam as f64);
+    let mut adv = vec![0.0f64; r.len()];
+    let mut returns = vec![0.0f32; r.len()];
+    // Rows are independent: scan them on every core, each chunk also summing its valid advantages.
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(rows.max(1));
+    let rows_per = rows.div_ceil(threads).max(1);
+    let (sum, count) = std::thread::scope(|scope| {
+        let chunk = rows_per * cols.max(1);
+        let jobs: Vec<_> = adv
+            .chunks_mut(chunk)
+            .zip(returns.chunks_mut(chunk))
+            .enumerate()
+            .map(|(j, (adv, returns))| {
+                let start = j * chunk;
+                let (r, v, m) = (&r[start..], &v[start..], &m[start..]);
+                scope.spawn(move || {
+                    let (mut sum, mut count) = (0.0f64, 0.0f64);
+                    for base in (0..adv.len()).step_by(cols.max(1)) {
+                        let (mut next_value, mut last_gae) = (0.0f64, 0.0f64);
+                        for i in (base..base + cols).rev() {
+                            let (mi, vi) = (m[i] as f64, v[i] as f64);
+                            let delta = r[i] as f64 + gamma * next_value - vi;
+                            let gae = delta + gamma * lam * last_gae;
+                            next_value = vi * mi + (1.0 - mi) * next_value;
+                            last_gae = gae * mi + (1.0 - mi) * last_gae;
+                            adv[i] = last_gae;
+                            returns[i] = (last_gae + vi) as f32;
+                            sum += last_gae * mi;
+                            count += mi;
+                        }
+                    }
+                    (sum, count)
+                })
+            })
+            .collect();
+        jobs.into_iter()
+            .map(|j| j.join().expect("GAE scan thread"))
+            .fold((0.0, 0.0), |(s, c), (a, b)| (s + a, c + b))
+    });
+    if count < 2.0 {
+        return None;
+    }
+    let mean = sum / count;
+    let var = adv
+        .iter()
+        .zip(&m)
+        .map(|(a, &mi)| (a - mean) * (a - mean) * mi as f64)
+        .sum::<f64>()
+        / count
+        * (count / (count - 1.0));
+    let inv_std = 1.0 / (var + 1e-8).sqrt();
+    let whitened: Vec<f32> = adv.iter().map(|a| ((a - mean) * inv_std) as f32).collect();
+    Some((
+        p(from_rows::<B>(whitened, rows, cols, &device)),
+        p(from_rows::<B>(returns, rows, cols, &device)),
+    ))
+}
+
 /// REINFORCE++'s discounted return scan on the host.
 pub fn discounted_return_scan<B: Backend>(
     rewards: FloatTensor<B>,
