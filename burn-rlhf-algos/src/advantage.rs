@@ -211,21 +211,40 @@ pub fn gae_scan(
     lam: f64,
 ) -> (Vec<f64>, Vec<f64>) {
     let mut advantages = vec![0.0; rewards.len()];
-    for row in 0..rewards.len() / cols.max(1) {
-        let base = row * cols;
-        let (mut next_value, mut last_gae) = (0.0, 0.0);
-        for t in (0..cols).rev() {
-            let i = base + t;
-            let delta = rewards[i] + gamma * next_value - values[i];
-            let gae = delta + gamma * lam * last_gae;
-            let m = mask[i];
-            next_value = values[i] * m + (1.0 - m) * next_value;
-            last_gae = gae * m + (1.0 - m) * last_gae;
-            advantages[i] = last_gae;
-        }
+    for (row, out) in advantages.chunks_mut(cols.max(1)).enumerate() {
+        let at = row * cols..(row + 1) * cols;
+        gae_row(
+            &rewards[at.clone()],
+            &values[at.clone()],
+            &mask[at],
+            gamma,
+            lam,
+            out,
+        );
     }
     let returns = advantages.iter().zip(values).map(|(a, v)| a + v).collect();
     (advantages, returns)
+}
+
+/// One row of verl's GAE scan (reverse, masked positions carry the next value and the running
+/// advantage through), written into `advantages`. Inputs may be `f32` or `f64`; sums are f64.
+pub fn gae_row<T: Copy + Into<f64>>(
+    rewards: &[T],
+    values: &[T],
+    mask: &[T],
+    gamma: f64,
+    lam: f64,
+    advantages: &mut [f64],
+) {
+    let (mut next_value, mut last_gae) = (0.0, 0.0);
+    for t in (0..advantages.len()).rev() {
+        let (r, v, m) = (rewards[t].into(), values[t].into(), mask[t].into());
+        let delta = r + gamma * next_value - v;
+        let gae = delta + gamma * lam * last_gae;
+        next_value = v * m + (1.0 - m) * next_value;
+        last_gae = gae * m + (1.0 - m) * last_gae;
+        advantages[t] = last_gae;
+    }
 }
 
 impl<B: RlBackend> AdvantageEstimator<B> for Gae {

@@ -92,17 +92,19 @@ pub fn gae_whitened<B: Backend>(
                 scope.spawn(move || {
                     let (mut sum, mut count) = (0.0f64, 0.0f64);
                     for base in (0..adv.len()).step_by(cols.max(1)) {
-                        let (mut next_value, mut last_gae) = (0.0f64, 0.0f64);
-                        for i in (base..base + cols).rev() {
-                            let (mi, vi) = (m[i] as f64, v[i] as f64);
-                            let delta = r[i] as f64 + gamma * next_value - vi;
-                            let gae = delta + gamma * lam * last_gae;
-                            next_value = vi * mi + (1.0 - mi) * next_value;
-                            last_gae = gae * mi + (1.0 - mi) * last_gae;
-                            adv[i] = last_gae;
-                            returns[i] = (last_gae + vi) as f32;
-                            sum += last_gae * mi;
-                            count += mi;
+                        let at = base..base + cols;
+                        crate::advantage::gae_row(
+                            &r[at.clone()],
+                            &v[at.clone()],
+                            &m[at.clone()],
+                            gamma,
+                            lam,
+                            &mut adv[at.clone()],
+                        );
+                        for i in at {
+                            returns[i] = (adv[i] + v[i] as f64) as f32;
+                            sum += adv[i] * m[i] as f64;
+                            count += m[i] as f64;
                         }
                     }
                     (sum, count)

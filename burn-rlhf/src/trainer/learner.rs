@@ -22,7 +22,7 @@ use burn_rlhf_rollout::{
     RolloutBatch, SamplingParams, Truncation,
 };
 
-use super::metrics::{data_metrics, Metrics, StepData, Timing};
+use super::metrics::{data_metrics, MeanMetrics, Metrics, StepData, Timing};
 use super::TrainError;
 use crate::config::{OptimConfig, RlhfConfig};
 use crate::learner::{
@@ -571,8 +571,7 @@ impl<B: RlAutodiffBackend> Learner<B> {
         };
         let lr = state.schedule.lr(self.critic_updates);
         let r = batch.response_len;
-        let mut sums = Metrics::new();
-        let mut count = 0.0;
+        let mut means = MeanMetrics::default();
         for _ in 0..epochs {
             for rows in &minis {
                 let part = batch.select(rows);
@@ -597,14 +596,11 @@ impl<B: RlAutodiffBackend> Learner<B> {
                     &self.device,
                 )?;
                 state.model = model;
-                for (k, v) in m {
-                    *sums.entry(k).or_default() += v;
-                }
-                count += 1.0;
+                means.add(m);
             }
         }
         self.critic_updates += 1;
-        Ok(sums.into_iter().map(|(k, v)| (k, v / count)).collect())
+        Ok(means.finish())
     }
 
     /// Actor update: `ppo_epochs` passes over the mini-batches, one optimiser step each.
@@ -637,8 +633,7 @@ impl<B: RlAutodiffBackend> Learner<B> {
         let epochs = a.ppo_epochs;
         let lr = self.actor_schedule.lr(self.actor_updates);
         let r = batch.response_len;
-        let mut sums = Metrics::new();
-        let mut count = 0.0;
+        let mut means = MeanMetrics::default();
         for _ in 0..epochs {
             for rows in &minis {
                 let part = batch.select(rows);
@@ -659,14 +654,11 @@ impl<B: RlAutodiffBackend> Learner<B> {
                     &self.device,
                 )?;
                 self.actor = actor;
-                for (k, v) in m {
-                    *sums.entry(k).or_default() += v;
-                }
-                count += 1.0;
+                means.add(m);
             }
         }
         self.actor_updates += 1;
-        Ok(sums.into_iter().map(|(k, v)| (k, v / count)).collect())
+        Ok(means.finish())
     }
 
     /// One training step in verl's order; returns its metrics. `global_step` counts from 1, and
@@ -685,8 +677,15 @@ impl<B: RlAutodiffBackend> Learner<B> {
         };
         timing.time("reward", || self.reward(&mut batch))?;
         let (old_log_probs, entropy) = timing.time("old_log_prob", || self.old_log_probs(&batch));
-        let ref_log_probs = timing.time("ref", || self.ref_log_probs(&batch));
-        let values = timing.time("values", || self.values(&batch));
+        // A phase that does not run leaves no timing.
+        let ref_log_probs = match self.reference {
+            Some(_) => timing.time("ref", || self.ref_log_probs(&batch)),
+            None => None,
+        };
+        let values = match self.critic {
+            Some(_) => timing.time("values", || self.values(&batch)),
+            None => None,
+        };
         let (rewards, kl_metrics, advantages, returns) = timing.time("adv", || {
             let (rewards, kl) =
                 self.kl_in_reward(&batch, &old_log_probs, ref_log_probs.as_deref())?;

@@ -37,6 +37,30 @@ impl Timing {
     }
 }
 
+/// The mean of each metric over several updates (verl reduces an update's mini-batch metrics by
+/// their mean).
+#[derive(Debug, Default)]
+pub struct MeanMetrics {
+    sums: Metrics,
+    count: f64,
+}
+
+impl MeanMetrics {
+    /// Adds one update's metrics.
+    pub fn add(&mut self, metrics: Metrics) {
+        for (k, v) in metrics {
+            *self.sums.entry(k).or_default() += v;
+        }
+        self.count += 1.0;
+    }
+
+    /// The means.
+    pub fn finish(self) -> Metrics {
+        let n = self.count.max(1.0);
+        self.sums.into_iter().map(|(k, v)| (k, v / n)).collect()
+    }
+}
+
 fn mean_max_min(metrics: &mut Metrics, prefix: &str, values: &[f64]) {
     if values.is_empty() {
         return;
