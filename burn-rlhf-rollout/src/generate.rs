@@ -1,6 +1,8 @@
 //! Batched sampling with the KV cache: each prompt is prefilled once and its `n` samples share
 //! that prefill; finished rows leave the batch (the cache drops their rows), so they stop costing
-//! compute. Seeded: the same prompts, parameters and seed give the same tokens.
+//! compute. Seeded per row: each response draws from its own stream, keyed by the seed, its
+//! prompt's key and its sample index, so a response does not depend on which other prompts share
+//! its batch (data-parallel ranks each generate a part and get the tokens one device would).
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
@@ -210,15 +212,41 @@ pub fn generate<B: Backend>(
     params: &SamplingParams,
     device: &B::Device,
 ) -> Result<Vec<Sample>, RolloutError> {
-    generate_streaming(
+    let keys: Vec<u64> = (0..prompts.len() as u64).collect();
+    generate_keyed(model, config, prompts, &keys, pad_id, params, device)
+}
+
+/// [`generate`] with each prompt's random stream keyed by `prompt_keys[i]` instead of its position:
+/// a prompt generated alone or within any batch gets the same tokens for the same key.
+pub fn generate_keyed<B: Backend>(
+    model: &CausalLm<B>,
+    config: &TransformerConfig,
+    prompts: &[Vec<u32>],
+    prompt_keys: &[u64],
+    pad_id: u32,
+    params: &SamplingParams,
+    device: &B::Device,
+) -> Result<Vec<Sample>, RolloutError> {
+    generate_rows(
         model,
         config,
         prompts,
+        prompt_keys,
         pad_id,
         params,
         device,
         &mut |_, _| {},
     )
+}
+
+/// The random stream of sample `j` of the prompt keyed `key` (splitmix64 of the three).
+fn row_rng(seed: u64, key: u64, j: usize) -> rand::rngs::StdRng {
+    let mut z = seed
+        ^ key.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        ^ (j as u64).wrapping_mul(0xD1B5_4A32_D192_ED03);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    rand::rngs::StdRng::seed_from_u64(z ^ (z >> 31))
 }
 
 /// [`generate`], calling `on_token(row, token)` as each token is chosen (for streaming output).
@@ -231,6 +259,30 @@ pub fn generate_streaming<B: Backend>(
     device: &B::Device,
     on_token: &mut dyn FnMut(usize, u32),
 ) -> Result<Vec<Sample>, RolloutError> {
+    let keys: Vec<u64> = (0..prompts.len() as u64).collect();
+    generate_rows(
+        model, config, prompts, &keys, pad_id, params, device, on_token,
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+fn generate_rows<B: Backend>(
+    model: &CausalLm<B>,
+    config: &TransformerConfig,
+    prompts: &[Vec<u32>],
+    prompt_keys: &[u64],
+    pad_id: u32,
+    params: &SamplingParams,
+    device: &B::Device,
+    on_token: &mut dyn FnMut(usize, u32),
+) -> Result<Vec<Sample>, RolloutError> {
+    if prompt_keys.len() != prompts.len() {
+        return Err(RolloutError::Invalid(format!(
+            "{} prompt keys for {} prompts",
+            prompt_keys.len(),
+            prompts.len()
+        )));
+    }
     if prompts.is_empty() {
         return Ok(Vec::new());
     }
@@ -242,7 +294,6 @@ pub fn generate_streaming<B: Backend>(
     if params.n == 0 {
         return Err(RolloutError::Invalid("rollout.n must be >= 1".into()));
     }
-    let mut rng = rand::rngs::StdRng::seed_from_u64(params.seed);
     let (ids, mask, pos) = left_pad(prompts, pad_id);
     let p = ids[0].len();
     let mut cache = KvCache::<B>::new(config, prompts.len(), p + params.max_new_tokens, device);
@@ -275,6 +326,11 @@ pub fn generate_streaming<B: Backend>(
             stopped: false,
         })
         .collect();
+    let mut rngs: Vec<rand::rngs::StdRng> = rows
+        .iter()
+        .enumerate()
+        .map(|(s, &i)| row_rng(params.seed, prompt_keys[i], s % params.n))
+        .collect();
     let mut active: Vec<usize> = (0..rows.len()).collect();
     let mut row_logits: Vec<Vec<f32>> = rows
         .iter()
@@ -287,7 +343,7 @@ pub fn generate_streaming<B: Backend>(
         let mut still = Vec::with_capacity(active.len());
         let mut step_tokens = Vec::with_capacity(active.len());
         for (slot, &s) in active.iter().enumerate() {
-            let (token, lp) = pick(&row_logits[slot], params, &mut rng);
+            let (token, lp) = pick(&row_logits[slot], params, &mut rngs[s]);
             on_token(s, token);
             let sample = &mut samples[s];
             sample.tokens.push(token);

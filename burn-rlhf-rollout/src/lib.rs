@@ -16,5 +16,7 @@ pub use batch::RolloutBatch;
 pub use data::{PromptRecord, PromptSampler, SamplerState};
 pub use encode::Truncation;
 pub use error::RolloutError;
-pub use generate::{generate, generate_streaming, LogprobsMode, Sample, SamplingParams};
+pub use generate::{
+    generate, generate_keyed, generate_streaming, LogprobsMode, Sample, SamplingParams,
+};
 pub use reward::{RewardFn, RewardInput, RewardRegistry};
