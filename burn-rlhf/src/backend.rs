@@ -79,3 +79,14 @@ pub fn backend_name() -> &'static str {
 pub fn default_device() -> Device {
     Device::default()
 }
+
+/// The selected backend's first `n` devices, for data-parallel ranks (`trainer.n_gpus_per_node`):
+/// GPUs 0..n on cuda/wgpu. A CPU backend has one device, which every rank then shares.
+pub fn devices(n: usize) -> Vec<Device> {
+    use burn::tensor::backend::{Device as _, DeviceId, DeviceOps};
+    let first = default_device();
+    let kind = first.id().type_id;
+    (0..n.max(1))
+        .map(|i| Device::from_id(DeviceId::new(kind, i as u16)))
+        .collect()
+}

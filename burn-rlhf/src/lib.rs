@@ -14,6 +14,7 @@ pub use burn_rlhf_rollout as rollout;
 pub mod backend;
 pub mod config;
 pub mod datasets;
+pub mod distributed;
 pub mod learner;
 pub mod runtime;
 pub mod tasks;

@@ -37,11 +37,23 @@ enum Command {
     /// (the default) continues from the newest checkpoint in `trainer.default_local_dir`.
     ///
     /// Example: `burn-rlhf train configs/ppo_gsm8k.ron data.train_batch_size=8`
+    ///
+    /// Several devices: `trainer.n_gpus_per_node=N`. Several hosts: start the same command on each
+    /// with `--nnodes`, its own `--node-rank` and rank 0's `--master-addr` (see README).
     Train {
         /// The RON config file.
         config: PathBuf,
         /// `key.path=value` overrides, applied in order after the file.
         overrides: Vec<String>,
+        /// Processes in the run (overrides `trainer.nnodes`).
+        #[arg(long)]
+        nnodes: Option<usize>,
+        /// This process's place, 0..nnodes; node 0 holds rank 0.
+        #[arg(long, default_value_t = 0)]
+        node_rank: usize,
+        /// Rank 0's HOST:PORT: node 0 listens on exactly this address, the others connect to it.
+        #[arg(long)]
+        master_addr: Option<String>,
     },
     /// Validation only: generate for `data.val_files` with `rollout.val_kwargs` and print
     /// mean@n, best@n, worst@n, maj@n and pass@k per data source.
@@ -223,15 +235,49 @@ fn report(out: &burn_rlhf::trainer::RunOutputs) {
     }
 }
 
+/// `HOST:PORT` to one socket address (the first the name resolves to).
+fn resolve_addr(addr: &str) -> anyhow::Result<std::net::SocketAddr> {
+    use std::net::ToSocketAddrs;
+    addr.to_socket_addrs()
+        .map_err(|e| anyhow::anyhow!("--master-addr `{addr}`: {e} (expected HOST:PORT)"))?
+        .next()
+        .ok_or_else(|| anyhow::anyhow!("--master-addr `{addr}` resolves to no address"))
+}
+
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Generate(args) => run_generate(args)?,
-        Command::Train { config, overrides } => {
-            use burn_rlhf::backend::{default_device, TrainBackend};
+        Command::Train {
+            config,
+            overrides,
+            nnodes,
+            node_rank,
+            master_addr,
+        } => {
+            use burn_rlhf::backend::{devices, TrainBackend};
+            let node = match (nnodes, master_addr) {
+                (None, None) if node_rank == 0 => None,
+                (nnodes, addr) => {
+                    let resolved = load_config(&config, &overrides)?;
+                    let master_addr = match addr {
+                        Some(a) => Some(resolve_addr(&a)?),
+                        None => None,
+                    };
+                    Some(burn_rlhf::distributed::NodeLaunch {
+                        nnodes: nnodes.unwrap_or(resolved.trainer.nnodes),
+                        node_rank,
+                        master_addr,
+                        timeout: std::time::Duration::from_secs(
+                            resolved.trainer.collective_timeout_s,
+                        ),
+                    })
+                }
+            };
             let out = burn_rlhf::trainer::run::train_from_file::<TrainBackend>(
                 &config,
                 &overrides,
-                &default_device(),
+                &devices,
+                node.as_ref(),
             )?;
             report(&out);
         }

@@ -6,7 +6,7 @@ use burn::module::AutodiffModule;
 use burn::optim::SgdConfig;
 use burn_rlhf::algos::{KlPenalty, LossAggMode, PolicyLossParams, Registry};
 use burn_rlhf::learner::{
-    actor_update, response_logprobs, ActorLossConfig, ActorTargets, SequenceTensors,
+    actor_update, response_logprobs, ActorLossConfig, ActorTargets, ReplicaSync, SequenceTensors,
 };
 use burn_rlhf::models::{load_pretrained, CausalLm};
 use burn_rlhf::rollout::{generate, RolloutBatch, SamplingParams};
@@ -94,6 +94,7 @@ fn micro_batch_size_does_not_change_the_update() {
                 &batch,
                 &targets,
                 &cfg,
+                &ReplicaSync::default(),
                 &device,
             )
             .unwrap();

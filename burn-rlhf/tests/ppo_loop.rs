@@ -293,8 +293,8 @@ fn kl_in_reward_subtracts_beta_kl_and_the_adaptive_controller_moves_as_verl() {
     let mut l = Learner::new(config, parts, &Default::default()).unwrap();
     let mut batch = l.generate(&[0, 1, 2, 3], 1).unwrap();
     l.reward(&mut batch).unwrap();
-    let (old, _) = l.old_log_probs(&batch);
-    let reference = l.ref_log_probs(&batch).unwrap();
+    let (old, _) = l.old_log_probs(&batch).unwrap();
+    let reference = l.ref_log_probs(&batch).unwrap().unwrap();
     let beta = l.kl_coef();
     let (rewards, m) = l.kl_in_reward(&batch, &old, Some(&reference)).unwrap();
     let scores = batch.token_level_scores.as_ref().unwrap();

@@ -493,9 +493,21 @@ pub struct TrainerConfig {
     pub experiment_name: String,
     /// Any of `console`, `jsonl`.
     pub logger: Vec<String>,
+    /// Processes (hosts) in the run; more than one needs `burn-rlhf train --nnodes N --node-rank
+    /// R --master-addr HOST:PORT` on each.
     pub nnodes: usize,
+    /// Devices (ranks) per process, one worker thread each. verl's default is 8 GPUs; here 1, so
+    /// a config without the key runs on one device (a CPU backend has one device; several ranks
+    /// on it only share its cores).
     pub n_gpus_per_node: usize,
+    /// Split rows across ranks by token count (verl's `balance_batch`).
     pub balance_batch: bool,
+    /// 0: every rank keeps the whole optimiser state; 1: ZeRO-1, each keeps the AdamW moments of
+    /// its 1/world of the parameters.
+    pub zero_stage: u8,
+    /// Seconds a rank waits for another (a step's slowest phase must fit) before reporting it;
+    /// a rank whose process exits is reported at once.
+    pub collective_timeout_s: u64,
     /// Steps between checkpoints; `-1`: only at the end.
     pub save_freq: i64,
     /// Steps between validations; `-1`: never.
@@ -520,8 +532,10 @@ impl Default for TrainerConfig {
             experiment_name: "gsm8k".into(),
             logger: vec!["console".into()],
             nnodes: 1,
-            n_gpus_per_node: 8,
+            n_gpus_per_node: 1,
             balance_batch: true,
+            zero_stage: 0,
+            collective_timeout_s: 1800,
             save_freq: -1,
             test_freq: -1,
             val_before_train: true,

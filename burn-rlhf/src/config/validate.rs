@@ -310,6 +310,12 @@ impl RlhfConfig {
         p.check(trainer.n_gpus_per_node >= 1, || {
             "`trainer.n_gpus_per_node` must be >= 1".into()
         });
+        p.check(trainer.zero_stage <= 1, || {
+            "`trainer.zero_stage` must be 0 (off) or 1 (sharded optimiser state)".into()
+        });
+        p.check(trainer.collective_timeout_s >= 1, || {
+            "`trainer.collective_timeout_s` must be >= 1".into()
+        });
         p.check(
             trainer.resume_mode != "resume_path" || trainer.resume_from_path.is_some(),
             || "`trainer.resume_mode` = `resume_path` needs `trainer.resume_from_path`".into(),

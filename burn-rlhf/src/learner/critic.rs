@@ -7,11 +7,12 @@ use std::collections::BTreeMap;
 use burn::optim::{GradientsAccumulator, GradientsParams, Optimizer};
 use burn_rlhf_algos::functional::{from_rows, to_scalar};
 use burn_rlhf_algos::RlAutodiffBackend;
-use burn_rlhf_algos::{value_loss, AlgoError, GlobalBatchInfo, LossAggMode};
+use burn_rlhf_algos::{value_loss, GlobalBatchInfo, LossAggMode};
 use burn_rlhf_models::ValueModel;
 use burn_rlhf_rollout::RolloutBatch;
 
-use super::{clip_grad_norm, response_values, SequenceTensors};
+use super::{response_values, synced_step, ReplicaSync, SequenceTensors};
+use crate::trainer::TrainError;
 
 /// Per-token targets of a mini-batch, `[rows * response_len]` row-major.
 #[derive(Debug, Clone, PartialEq)]
@@ -35,8 +36,10 @@ pub struct CriticLossConfig {
     pub grad_clip: f64,
 }
 
-/// Updates `critic` once on `batch` and returns it with `critic/vf_loss`, `critic/vf_clipfrac`,
-/// `critic/grad_norm` and `critic/lr`.
+/// Updates `critic` once on `batch` and returns it with `critic/vf_loss`, `critic/vf_clipfrac`
+/// (weighted by each micro-batch's token share, as the actor's ratio metrics), `critic/grad_norm`
+/// and `critic/lr`. With several ranks each runs its balanced share of the rows and the gradients
+/// are averaged before the step, as in [`actor_update`](super::actor_update).
 #[allow(clippy::too_many_arguments)]
 pub fn critic_update<B: RlAutodiffBackend, O: Optimizer<ValueModel<B>, B>>(
     critic: ValueModel<B>,
@@ -45,50 +48,65 @@ pub fn critic_update<B: RlAutodiffBackend, O: Optimizer<ValueModel<B>, B>>(
     batch: &RolloutBatch,
     targets: &CriticTargets,
     config: &CriticLossConfig,
+    sync: &ReplicaSync,
     device: &B::Device,
-) -> Result<(ValueModel<B>, BTreeMap<String, f64>), AlgoError> {
+) -> Result<(ValueModel<B>, BTreeMap<String, f64>), TrainError> {
+    let dp = &sync.dp;
     let (rows, r) = (batch.rows(), batch.response_len);
     let global = GlobalBatchInfo::from_mask(
         &from_rows::<B>(batch.response_mask.clone(), rows, r, device),
-        1,
+        dp.world(),
     );
+    let total_tokens = global.batch_num_tokens.unwrap_or(0.0).max(1.0);
+    let mine = dp.my_rows(batch, "critic.ppo_mini_batch_size")?;
+    let local = batch.select(&mine);
+    let pick = |v: &[f32]| -> Vec<f32> {
+        mine.iter()
+            .flat_map(|&i| v[i * r..(i + 1) * r].iter().cloned())
+            .collect()
+    };
+    let (values_all, returns_all) = (pick(&targets.values), pick(&targets.returns));
     let mut accumulator = GradientsAccumulator::<ValueModel<B>>::new();
     let (mut vf_loss, mut vf_clipfrac) = (0.0, 0.0);
     let micro = config.micro_batch_size.max(1);
-    let parts = rows.div_ceil(micro);
-    for start in (0..rows).step_by(micro) {
-        let n = micro.min(rows - start);
-        let part = batch.select(&(start..start + n).collect::<Vec<_>>());
-        let cut = |v: &[f32]| from_rows::<B>(v[start * r..(start + n) * r].to_vec(), n, r, device);
+    let n_local = local.rows();
+    for start in (0..n_local).step_by(micro) {
+        let n = micro.min(n_local - start);
+        let part = local.select(&(start..start + n).collect::<Vec<_>>());
+        let slice = |v: &[f32]| v[start * r..(start + n) * r].to_vec();
+        let cut = |v: &[f32]| from_rows::<B>(slice(v), n, r, device);
         let seq = SequenceTensors::<B>::from_batch(&part, device);
         let vpreds = response_values(&critic, &seq);
         let out = value_loss(
             vpreds,
-            cut(&targets.values),
-            cut(&targets.returns),
+            cut(&values_all),
+            cut(&returns_all),
             seq.response_mask.clone(),
             config.cliprange_value,
             config.loss_agg_mode,
             &global,
         )?;
+        let tokens: f64 = slice(&local.response_mask).iter().map(|&m| m as f64).sum();
         vf_loss += to_scalar(out.vf_loss.clone().detach());
-        vf_clipfrac += out.vf_clipfrac / parts as f64;
+        vf_clipfrac += out.vf_clipfrac * tokens / total_tokens * dp.world() as f64;
         accumulator.accumulate(
             &critic,
             GradientsParams::from_grads(out.vf_loss.backward(), &critic),
         );
     }
-    let (grads, grad_norm) = clip_grad_norm(&critic, accumulator.grads(), config.grad_clip);
-    let metrics = BTreeMap::from([
+    let mut metrics = dp.mean_metrics(BTreeMap::from([
         ("critic/vf_loss".to_string(), vf_loss),
         ("critic/vf_clipfrac".to_string(), vf_clipfrac),
-        ("critic/grad_norm".to_string(), grad_norm),
-        ("critic/lr".to_string(), lr),
-    ]);
-    let critic = if grad_norm.is_finite() {
-        optimizer.step(lr, critic, grads)
-    } else {
-        critic
-    };
+    ]))?;
+    let (critic, grad_norm) = synced_step(
+        critic,
+        optimizer,
+        lr,
+        accumulator.grads(),
+        config.grad_clip,
+        sync,
+    )?;
+    metrics.insert("critic/grad_norm".to_string(), grad_norm);
+    metrics.insert("critic/lr".to_string(), lr);
     Ok((critic, metrics))
 }

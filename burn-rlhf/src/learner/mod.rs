@@ -10,7 +10,7 @@ mod sft;
 mod update;
 
 pub use critic::{critic_update, CriticLossConfig, CriticTargets};
-pub use optim::{clip_grad_norm, LrSchedule, ScheduleKind};
+pub use optim::{clip_grad_norm, synced_step, LrSchedule, ReplicaSync, ScheduleKind};
 pub use sequences::{response_logprobs, response_values, SequenceTensors};
 pub use sft::{sft_loss, sft_update};
 pub use update::{actor_update, ActorLossConfig, ActorTargets};

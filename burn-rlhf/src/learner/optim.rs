@@ -8,6 +8,7 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::Tensor;
 
 use crate::config::OptimConfig;
+use crate::distributed::{all_reduce_grads, sync_params, DataParallel, ShardPlan};
 
 /// Which curve follows the warm-up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -145,6 +146,48 @@ pub fn clip_grad_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
         });
     }
     (grads, total)
+}
+
+/// How a module's optimiser step is shared by the data-parallel ranks.
+#[derive(Debug, Clone, Default)]
+pub struct ReplicaSync {
+    /// The ranks.
+    pub dp: DataParallel,
+    /// ZeRO-1: which rank keeps each parameter's optimiser state (`None`: every rank keeps all).
+    pub shards: Option<std::sync::Arc<ShardPlan>>,
+}
+
+/// One optimiser step of a replicated module: the gradients are averaged over the ranks, clipped
+/// by their global norm (verl skips the step when it is not finite), and applied. With ZeRO-1
+/// each rank steps only the parameters it owns and then takes the others from their owners.
+/// Returns the module and the gradient norm (the same on every rank).
+pub fn synced_step<B, M, O>(
+    module: M,
+    optimizer: &mut O,
+    lr: f64,
+    grads: GradientsParams,
+    grad_clip: f64,
+    sync: &ReplicaSync,
+) -> Result<(M, f64), crate::distributed::DistributedError>
+where
+    B: AutodiffBackend,
+    M: AutodiffModule<B>,
+    O: burn::optim::Optimizer<M, B>,
+{
+    let grads = all_reduce_grads(&module, grads, &sync.dp)?;
+    let (grads, grad_norm) = clip_grad_norm(&module, grads, grad_clip);
+    if !grad_norm.is_finite() {
+        return Ok((module, grad_norm));
+    }
+    let module = match &sync.shards {
+        Some(plan) if sync.dp.world() > 1 => {
+            let owned = plan.keep_owned(&module, grads, sync.dp.rank());
+            let module = optimizer.step(lr, module, owned);
+            sync_params(module, &|i| plan.owner(i), &sync.dp)?
+        }
+        _ => optimizer.step(lr, module, grads),
+    };
+    Ok((module, grad_norm))
 }
 
 #[cfg(test)]

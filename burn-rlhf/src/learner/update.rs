@@ -10,13 +10,13 @@ use burn::tensor::{Tensor, TensorData};
 use burn_rlhf_algos::functional::to_scalar;
 use burn_rlhf_algos::RlAutodiffBackend;
 use burn_rlhf_algos::{
-    agg_loss, kl_penalty, AlgoError, GlobalBatchInfo, KlPenalty, LossAggMode, PolicyLoss,
-    PolicyLossInput,
+    agg_loss, kl_penalty, GlobalBatchInfo, KlPenalty, LossAggMode, PolicyLoss, PolicyLossInput,
 };
 use burn_rlhf_models::CausalLm;
 use burn_rlhf_rollout::RolloutBatch;
 
-use super::{clip_grad_norm, response_logprobs, SequenceTensors};
+use super::{response_logprobs, synced_step, ReplicaSync, SequenceTensors};
+use crate::trainer::TrainError;
 
 /// Per-token targets of a mini-batch, `[rows * response_len]` row-major like the batch's
 /// response fields.
@@ -62,8 +62,15 @@ fn tensor2<B: RlAutodiffBackend>(
 
 /// Updates `actor` once on `batch` (one mini-batch) and returns it with verl's metrics
 /// (`actor/pg_loss`, `actor/entropy`, `actor/kl_loss`, `actor/grad_norm`, `actor/lr` and the loss's
-/// own, each summed over micro-batches where they are parts of the mini-batch's loss and averaged
-/// where they are ratios).
+/// own). Loss terms are summed over micro-batches (each is normalised by the whole mini-batch's
+/// counts); the loss's ratio metrics (clip fractions, `ppo_kl`) are weighted by each
+/// micro-batch's share of the tokens, so they are the mini-batch's own whatever the micro-batch
+/// size or the number of ranks (verl averages micro-batches equally: the same when they hold
+/// equal token counts).
+///
+/// With several ranks (`sync.dp`) each rank runs its balanced share of the rows, the gradients
+/// are averaged before the step, and the metrics are the ranks' mean: every rank returns the
+/// same model and metrics as one device would.
 #[allow(clippy::too_many_arguments)]
 pub fn actor_update<B: RlAutodiffBackend, O: Optimizer<CausalLm<B>, B>>(
     actor: CausalLm<B>,
@@ -73,30 +80,42 @@ pub fn actor_update<B: RlAutodiffBackend, O: Optimizer<CausalLm<B>, B>>(
     batch: &RolloutBatch,
     targets: &ActorTargets,
     config: &ActorLossConfig,
+    sync: &ReplicaSync,
     device: &B::Device,
-) -> Result<(CausalLm<B>, BTreeMap<String, f64>), AlgoError> {
+) -> Result<(CausalLm<B>, BTreeMap<String, f64>), TrainError> {
+    let dp = &sync.dp;
     let (rows, r) = (batch.rows(), batch.response_len);
     let mask_all = tensor2::<B>(&batch.response_mask, rows, r, device);
     let global = GlobalBatchInfo {
         loss_scale_factor: config.loss_scale_factor,
-        ..GlobalBatchInfo::from_mask(&mask_all, 1)
+        ..GlobalBatchInfo::from_mask(&mask_all, dp.world())
     };
+    let total_tokens = global.batch_num_tokens.unwrap_or(0.0).max(1.0);
+    let mine = dp.my_rows(batch, "actor_rollout_ref.actor.ppo_mini_batch_size")?;
+    let local = batch.select(&mine);
+    let pick = |v: &[f32]| -> Vec<f32> {
+        mine.iter()
+            .flat_map(|&i| v[i * r..(i + 1) * r].iter().cloned())
+            .collect()
+    };
+    let (old_all, adv_all) = (pick(&targets.old_log_probs), pick(&targets.advantages));
+    let ref_all = targets.ref_log_probs.as_deref().map(pick);
     let mut accumulator = GradientsAccumulator::<CausalLm<B>>::new();
     let mut metrics: BTreeMap<String, f64> = BTreeMap::new();
     let micro = config.micro_batch_size.max(1);
-    let parts = rows.div_ceil(micro);
-    for start in (0..rows).step_by(micro) {
-        let range: Vec<usize> = (start..(start + micro).min(rows)).collect();
-        let part = batch.select(&range);
+    let n_local = local.rows();
+    for start in (0..n_local).step_by(micro) {
+        let range: Vec<usize> = (start..(start + micro).min(n_local)).collect();
+        let part = local.select(&range);
         let n = range.len();
         let cut = |v: &[f32]| v[start * r..(start + n) * r].to_vec();
         let seq = SequenceTensors::<B>::from_batch(&part, device);
         let mask = seq.response_mask.clone();
         let (log_prob, entropy) = response_logprobs(&actor, &seq, config.temperature);
         let input = PolicyLossInput {
-            old_log_prob: tensor2(&cut(&targets.old_log_probs), n, r, device),
+            old_log_prob: tensor2(&cut(&old_all), n, r, device),
             log_prob: log_prob.clone(),
-            advantages: tensor2(&cut(&targets.advantages), n, r, device),
+            advantages: tensor2(&cut(&adv_all), n, r, device),
             response_mask: mask.clone(),
             loss_agg_mode: config.loss_agg_mode,
             global,
@@ -106,7 +125,7 @@ pub fn actor_update<B: RlAutodiffBackend, O: Optimizer<CausalLm<B>, B>>(
         let mut loss = out.loss.clone() - entropy_loss.clone() * config.entropy_coeff;
         *metrics.entry("actor/pg_loss".into()).or_default() += to_scalar(out.loss.detach());
         *metrics.entry("actor/entropy".into()).or_default() += to_scalar(entropy_loss.detach());
-        if let Some(reference) = &targets.ref_log_probs {
+        if let Some(reference) = &ref_all {
             // With a reference the KL to it is always measured; it joins the loss only with
             // `use_kl_loss` (then with its own estimator and coefficient).
             let (penalty, coef) = config.kl_loss.unwrap_or((config.kl_metric, 0.0));
@@ -118,22 +137,26 @@ pub fn actor_update<B: RlAutodiffBackend, O: Optimizer<CausalLm<B>, B>>(
                 loss = loss + kl_loss * coef;
             }
         }
+        let tokens: f64 = cut(&local.response_mask).iter().map(|&m| m as f64).sum();
+        let share = tokens / total_tokens * dp.world() as f64;
         for (name, value) in out.metrics {
-            *metrics.entry(name).or_default() += value / parts as f64;
+            *metrics.entry(name).or_default() += value * share;
         }
         accumulator.accumulate(
             &actor,
             burn::optim::GradientsParams::from_grads(loss.backward(), &actor),
         );
     }
-    let (grads, grad_norm) = clip_grad_norm(&actor, accumulator.grads(), config.grad_clip);
+    let mut metrics = dp.mean_metrics(metrics)?;
+    let (actor, grad_norm) = synced_step(
+        actor,
+        optimizer,
+        lr,
+        accumulator.grads(),
+        config.grad_clip,
+        sync,
+    )?;
     metrics.insert("actor/grad_norm".into(), grad_norm);
     metrics.insert("actor/lr".into(), lr);
-    // verl skips the step when the norm is not finite.
-    let actor = if grad_norm.is_finite() {
-        optimizer.step(lr, actor, grads)
-    } else {
-        actor
-    };
     Ok((actor, metrics))
 }

@@ -23,6 +23,7 @@ use serde::{Deserialize, Serialize};
 
 use super::learner::AdamWOf;
 use super::{Learner, TrainError};
+use crate::learner::ReplicaSync;
 
 /// The file naming the newest complete checkpoint (verl's name).
 pub const LATEST_FILE: &str = "latest_checkpointed_iteration.txt";
@@ -63,10 +64,20 @@ fn io(path: &Path, e: impl std::fmt::Display) -> TrainError {
     TrainError::checkpoint(path, e)
 }
 
-fn save_optimizer<B: RlAutodiffBackend, M: AutodiffModule<B>>(
+/// The optimiser file's stem: `optimizer`, or with ZeRO-1 each rank's own
+/// `optimizer_rank{r}_of_{world}`.
+fn optimizer_stem(sync: &ReplicaSync) -> String {
+    if sync.shards.is_some() {
+        format!("optimizer_rank{}_of_{}", sync.dp.rank(), sync.dp.world())
+    } else {
+        "optimizer".into()
+    }
+}
+
+/// The parameter order the optimiser state belongs to (written once, by rank 0).
+fn save_param_order<B: RlAutodiffBackend, M: AutodiffModule<B>>(
     dir: &Path,
     module: &M,
-    optim: &AdamWOf<M, B>,
 ) -> Result<(), TrainError> {
     let ids: Vec<String> = param_order::<B, M>(module)
         .into_iter()
@@ -74,10 +85,17 @@ fn save_optimizer<B: RlAutodiffBackend, M: AutodiffModule<B>>(
         .collect();
     let ids_path = dir.join("optimizer_params.json");
     std::fs::write(&ids_path, serde_json::to_string(&ids).expect("JSON"))
-        .map_err(|e| io(&ids_path, e))?;
+        .map_err(|e| io(&ids_path, e))
+}
+
+fn save_optimizer<B: RlAutodiffBackend, M: AutodiffModule<B>>(
+    dir: &Path,
+    optim: &AdamWOf<M, B>,
+    stem: &str,
+) -> Result<(), TrainError> {
     BinFileRecorder::<FullPrecisionSettings>::new()
-        .record(optim.to_record(), dir.join("optimizer"))
-        .map_err(|e| io(&dir.join("optimizer.bin"), e))?;
+        .record(optim.to_record(), dir.join(stem))
+        .map_err(|e| io(&dir.join(format!("{stem}.bin")), e))?;
     Ok(())
 }
 
@@ -87,8 +105,16 @@ fn load_optimizer<B: RlAutodiffBackend, M: AutodiffModule<B>>(
     dir: &Path,
     module: &M,
     optim: AdamWOf<M, B>,
+    stem: &str,
     device: &B::Device,
 ) -> Result<AdamWOf<M, B>, TrainError> {
+    let file = dir.join(format!("{stem}.bin"));
+    if !file.exists() {
+        return Err(io(
+            &file,
+            "missing: a sharded optimiser state (trainer.zero_stage=1) is resumed with the same number of ranks, and an unsharded one without sharding",
+        ));
+    }
     let ids_path = dir.join("optimizer_params.json");
     let text = std::fs::read_to_string(&ids_path).map_err(|e| io(&ids_path, e))?;
     let saved: Vec<String> = serde_json::from_str(&text).map_err(|e| io(&ids_path, e))?;
@@ -105,8 +131,8 @@ fn load_optimizer<B: RlAutodiffBackend, M: AutodiffModule<B>>(
     }
     let mut record: <AdamWOf<M, B> as Optimizer<M, B>>::Record =
         BinFileRecorder::<FullPrecisionSettings>::new()
-            .load(dir.join("optimizer"), device)
-            .map_err(|e| io(&dir.join("optimizer.bin"), e))?;
+            .load(dir.join(stem), device)
+            .map_err(|e| io(&file, e))?;
     let mut remapped: <AdamWOf<M, B> as Optimizer<M, B>>::Record = Default::default();
     for (old, new) in saved.iter().zip(current) {
         if let Some(state) = record.remove(&ParamId::deserialize(old)) {
@@ -137,58 +163,81 @@ impl<B: RlAutodiffBackend> Learner<B> {
         )
     }
 
-    /// Saves the current step; returns the checkpoint folder.
+    /// Saves the current step; returns the checkpoint folder. Rank 0 writes the weights and the
+    /// trainer state; with ZeRO-1 every rank writes its own optimiser shard. Every rank returns
+    /// once the checkpoint is in place.
     pub fn save_checkpoint(&self) -> Result<PathBuf, TrainError> {
+        let main = self.dp.is_main();
         let root = self.checkpoint_root();
         let name = format!("global_step_{}", self.global_step);
         let done = root.join(&name);
         let tmp = root.join(format!(".{name}.partial"));
-        if tmp.exists() {
-            std::fs::remove_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
-        }
         let actor_dir = tmp.join("actor");
-        save_pretrained(
-            &actor_dir,
-            &self.model_config,
-            &self.actor.valid().export(),
-            None,
-            Some(&self.tokenizer),
-        )?;
-        save_optimizer(&actor_dir, &self.actor, &self.actor_optim)?;
-        if let Some(c) = &self.critic {
-            let dir = tmp.join("critic");
+        let critic_dir = tmp.join("critic");
+        if main {
+            if tmp.exists() {
+                std::fs::remove_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
+            }
             save_pretrained(
-                &dir,
-                &c.config,
-                &c.model.valid().export(),
-                Some(critic_architecture(&c.config.model_type)),
+                &actor_dir,
+                &self.model_config,
+                &self.actor.valid().export(),
+                None,
                 Some(&self.tokenizer),
             )?;
-            save_optimizer(&dir, &c.model, &c.optim)?;
+            save_param_order::<B, _>(&actor_dir, &self.actor)?;
+            if let Some(c) = &self.critic {
+                save_pretrained(
+                    &critic_dir,
+                    &c.config,
+                    &c.model.valid().export(),
+                    Some(critic_architecture(&c.config.model_type)),
+                    Some(&self.tokenizer),
+                )?;
+                save_param_order::<B, _>(&critic_dir, &c.model)?;
+            }
+            let state = TrainerState {
+                global_step: self.global_step,
+                sampler: self.sampler.state(),
+                kl_ctrl: self.kl_ctrl.state(),
+                policy_loss_stream: self.policy_loss.stream_position(),
+                actor_updates: self.actor_updates,
+                critic_updates: self.critic_updates,
+            };
+            let state_path = tmp.join("trainer_state.json");
+            std::fs::write(
+                &state_path,
+                serde_json::to_string_pretty(&state).expect("JSON"),
+            )
+            .map_err(|e| io(&state_path, e))?;
         }
-        let state = TrainerState {
-            global_step: self.global_step,
-            sampler: self.sampler.state(),
-            kl_ctrl: self.kl_ctrl.state(),
-            policy_loss_stream: self.policy_loss.stream_position(),
-            actor_updates: self.actor_updates,
-            critic_updates: self.critic_updates,
-        };
-        let state_path = tmp.join("trainer_state.json");
-        std::fs::write(
-            &state_path,
-            serde_json::to_string_pretty(&state).expect("JSON"),
-        )
-        .map_err(|e| io(&state_path, e))?;
-        if done.exists() {
-            std::fs::remove_dir_all(&done).map_err(|e| io(&done, e))?;
+        // The folders exist now; optimiser states are written by their holders.
+        self.dp.barrier()?;
+        if main || self.actor_sync.shards.is_some() {
+            save_optimizer(
+                &actor_dir,
+                &self.actor_optim,
+                &optimizer_stem(&self.actor_sync),
+            )?;
         }
-        std::fs::rename(&tmp, &done).map_err(|e| io(&done, e))?;
-        let latest = root.join(LATEST_FILE);
-        let latest_tmp = root.join(format!(".{LATEST_FILE}.partial"));
-        std::fs::write(&latest_tmp, self.global_step.to_string())
-            .map_err(|e| io(&latest_tmp, e))?;
-        std::fs::rename(&latest_tmp, &latest).map_err(|e| io(&latest, e))?;
+        if let Some(c) = &self.critic {
+            if main || c.sync.shards.is_some() {
+                save_optimizer(&critic_dir, &c.optim, &optimizer_stem(&c.sync))?;
+            }
+        }
+        self.dp.barrier()?;
+        if main {
+            if done.exists() {
+                std::fs::remove_dir_all(&done).map_err(|e| io(&done, e))?;
+            }
+            std::fs::rename(&tmp, &done).map_err(|e| io(&done, e))?;
+            let latest = root.join(LATEST_FILE);
+            let latest_tmp = root.join(format!(".{LATEST_FILE}.partial"));
+            std::fs::write(&latest_tmp, self.global_step.to_string())
+                .map_err(|e| io(&latest_tmp, e))?;
+            std::fs::rename(&latest_tmp, &latest).map_err(|e| io(&latest, e))?;
+        }
+        self.dp.barrier()?;
         Ok(done)
     }
 
@@ -232,13 +281,15 @@ impl<B: RlAutodiffBackend> Learner<B> {
         let actor: CausalLm<B> =
             load_pretrained(&actor_dir.display().to_string())?.causal_lm(&self.device)?;
         let optim = self.actor_optim.clone();
-        self.actor_optim = load_optimizer(&actor_dir, &actor, optim, &self.device)?;
+        let stem = optimizer_stem(&self.actor_sync);
+        self.actor_optim = load_optimizer(&actor_dir, &actor, optim, &stem, &self.device)?;
         self.actor = actor;
         if let Some(c) = self.critic.as_mut() {
             let critic_dir = dir.join("critic");
             let model: ValueModel<B> =
                 load_pretrained(&critic_dir.display().to_string())?.value_model(&self.device)?;
-            c.optim = load_optimizer(&critic_dir, &model, c.optim.clone(), &self.device)?;
+            let stem = optimizer_stem(&c.sync);
+            c.optim = load_optimizer(&critic_dir, &model, c.optim.clone(), &stem, &self.device)?;
             c.model = model;
         }
         self.kl_ctrl.load_state(&state.kl_ctrl)?;

@@ -17,6 +17,9 @@ pub enum TrainError {
     /// The config file or an override is wrong.
     #[error(transparent)]
     ConfigFile(#[from] crate::config::ConfigError),
+    /// Another rank failed, or the ranks could not exchange data.
+    #[error(transparent)]
+    Distributed(#[from] crate::distributed::DistributedError),
     /// A setting that cannot work, named by its key.
     #[error("{key}: {message}")]
     Config {

@@ -15,19 +15,21 @@ use burn_rlhf_algos::{
 };
 use burn_rlhf_models::{CausalLm, Tokenizer, TransformerConfig, ValueModel};
 use burn_rlhf_rollout::encode::{encode_prompts, filter_overlong};
+use burn_rlhf_rollout::generate::Sample;
 use burn_rlhf_rollout::metrics::{validation_metrics, ValSample};
 use burn_rlhf_rollout::reward::{extract_gsm8k_answer, token_level_scores, Gsm8kMethod};
 use burn_rlhf_rollout::{
-    generate, LogprobsMode, PromptRecord, PromptSampler, RewardFn, RewardInput, RewardRegistry,
-    RolloutBatch, SamplingParams, Truncation,
+    generate_keyed, LogprobsMode, PromptRecord, PromptSampler, RewardFn, RewardInput,
+    RewardRegistry, RolloutBatch, SamplingParams, Truncation,
 };
 
 use super::metrics::{data_metrics, MeanMetrics, Metrics, StepData, Timing};
 use super::TrainError;
 use crate::config::{OptimConfig, RlhfConfig};
+use crate::distributed::{chunk, sync_params, DataParallel, ShardPlan};
 use crate::learner::{
     actor_update, critic_update, response_logprobs, response_values, ActorLossConfig, ActorTargets,
-    CriticLossConfig, CriticTargets, LrSchedule, SequenceTensors,
+    CriticLossConfig, CriticTargets, LrSchedule, ReplicaSync, SequenceTensors,
 };
 
 /// The optimiser of a module: AdamW as torch's (`eps = 1e-8`).
@@ -82,6 +84,7 @@ pub(crate) struct CriticState<B: RlAutodiffBackend> {
     pub config: TransformerConfig,
     pub optim: AdamWOf<ValueModel<B>, B>,
     pub schedule: LrSchedule,
+    pub sync: ReplicaSync,
 }
 
 /// Owns the models, their optimisers and the algorithm objects, and runs training steps.
@@ -97,6 +100,7 @@ pub struct Learner<B: RlAutodiffBackend> {
     pub actor: CausalLm<B>,
     pub(crate) actor_optim: AdamWOf<CausalLm<B>, B>,
     pub(crate) actor_schedule: LrSchedule,
+    pub(crate) actor_sync: ReplicaSync,
     pub(crate) critic: Option<CriticState<B>>,
     /// The frozen reference policy (when KL is used).
     pub reference: Option<CausalLm<B::InnerBackend>>,
@@ -107,6 +111,7 @@ pub struct Learner<B: RlAutodiffBackend> {
     train: Vec<PromptRecord>,
     val: Vec<PromptRecord>,
     pub(crate) sampler: PromptSampler,
+    pub(crate) dp: DataParallel,
     /// Completed training steps.
     pub global_step: usize,
     /// Optimiser steps taken by the actor and the critic (the schedules' positions).
@@ -236,6 +241,7 @@ impl<B: RlAutodiffBackend> Learner<B> {
                 config: cfg,
                 optim: adamw(&config.critic.optim),
                 schedule: schedule(&config.critic.optim),
+                sync: ReplicaSync::default(),
             })
         } else {
             None
@@ -243,6 +249,7 @@ impl<B: RlAutodiffBackend> Learner<B> {
         Ok(Self {
             actor_optim: adamw(&actor_cfg.optim),
             actor_schedule: schedule(&actor_cfg.optim),
+            actor_sync: ReplicaSync::default(),
             device: device.clone(),
             tokenizer: parts.tokenizer,
             model_config: parts.model_config,
@@ -256,12 +263,90 @@ impl<B: RlAutodiffBackend> Learner<B> {
             train,
             val,
             sampler,
+            dp: DataParallel::solo(),
             global_step: 0,
             actor_updates: 0,
             critic_updates: 0,
             total_steps,
             config,
         })
+    }
+
+    /// Makes this learner rank `dp.rank()` of a data-parallel run: checks that every mini-batch
+    /// has a row for each rank, gives every rank rank 0's weights (fresh heads are drawn per
+    /// process), and with `dp.shard_optimizer` deals the optimiser state out (ZeRO-1).
+    pub fn with_data_parallel(mut self, dp: DataParallel) -> Result<Self, TrainError> {
+        let world = dp.world();
+        let n = self.config.actor_rollout_ref.rollout.n;
+        let rows = self.config.data.train_batch_size * n;
+        let a = &self.config.actor_rollout_ref.actor;
+        let mut minis = vec![(
+            "actor_rollout_ref.actor.ppo_mini_batch_size",
+            a.ppo_mini_batch_size,
+        )];
+        if self.critic.is_some() {
+            minis.push((
+                "critic.ppo_mini_batch_size",
+                self.config
+                    .critic
+                    .ppo_mini_batch_size
+                    .unwrap_or(a.ppo_mini_batch_size),
+            ));
+        }
+        for (key, prompts) in minis {
+            let size = (prompts * n).max(1);
+            let last = rows % size;
+            if size.min(rows) < world || (last > 0 && last < world) {
+                return Err(TrainError::config(
+                    key,
+                    format!(
+                        "mini-batches of {size} rows (the last of {}) from {rows} rows cannot give each of {world} ranks a row",
+                        if last > 0 { last } else { size.min(rows) }
+                    ),
+                ));
+            }
+        }
+        let rank0 = |_: usize| 0;
+        self.actor = sync_params(self.actor, &rank0, &dp)?;
+        let shards =
+            |m: &dyn Fn() -> ShardPlan| (dp.shard_optimizer && world > 1).then(|| Arc::new(m()));
+        let actor_plan = shards(&|| ShardPlan::new::<B, _>(&self.actor, world));
+        self.actor_sync = ReplicaSync {
+            dp: dp.clone(),
+            shards: actor_plan,
+        };
+        if let Some(c) = self.critic.take() {
+            let model = sync_params(c.model, &rank0, &dp)?;
+            let plan = shards(&|| ShardPlan::new::<B, _>(&model, world));
+            self.critic = Some(CriticState {
+                model,
+                sync: ReplicaSync {
+                    dp: dp.clone(),
+                    shards: plan,
+                },
+                ..c
+            });
+        }
+        self.dp = dp;
+        Ok(self)
+    }
+
+    /// This learner's place in a data-parallel run.
+    pub fn data_parallel(&self) -> &DataParallel {
+        &self.dp
+    }
+
+    /// Bytes of the actor's and the critic's optimiser state held by this rank (ZeRO-1 divides
+    /// them by the world size).
+    pub fn optimizer_state_bytes(&self) -> (usize, usize) {
+        use crate::distributed::optimizer_state_bytes;
+        (
+            optimizer_state_bytes::<CausalLm<B>, B, _>(&self.actor_optim),
+            self.critic
+                .as_ref()
+                .map(|c| optimizer_state_bytes::<ValueModel<B>, B, _>(&c.optim))
+                .unwrap_or(0),
+        )
     }
 
     /// Validation prompts.
@@ -331,7 +416,9 @@ impl<B: RlAutodiffBackend> Learner<B> {
         })
     }
 
-    /// Encodes prompts `indices` of `records` and generates for them.
+    /// Encodes prompts `indices` of `records` and generates for them: each rank generates for
+    /// its consecutive share of the prompts, each prompt's random stream keyed by its record
+    /// index, and the samples are gathered, so every rank gets what one device would.
     fn rollout(
         &self,
         records: &[PromptRecord],
@@ -346,22 +433,92 @@ impl<B: RlAutodiffBackend> Learner<B> {
             self.config.data.max_prompt_length,
             Truncation::from_name(&self.config.data.truncation)?,
         )?;
+        let share = chunk(prompts.len(), self.dp.world(), self.dp.rank());
+        let keys: Vec<u64> = indices[share.clone()].iter().map(|&i| i as u64).collect();
         let policy = self.actor.valid();
         let pad = self.tokenizer.pad_token_id;
-        let samples = generate(
+        let mine = generate_keyed(
             &policy,
             &self.model_config,
-            &prompts,
+            &prompts[share.clone()],
+            &keys,
             pad,
             params,
             &self.device,
         )?;
+        let samples = self.gather_samples(mine, share.start, prompts.len(), params)?;
         let group_ids: Vec<u64> = indices.iter().map(|&i| i as u64).collect();
         let sources: Vec<String> = picked.iter().map(|r| r.data_source.clone()).collect();
         let truths: Vec<String> = picked.iter().map(|r| r.ground_truth.clone()).collect();
         Ok(RolloutBatch::from_samples(
             &prompts, &samples, pad, &group_ids, &sources, &truths,
         ))
+    }
+
+    /// Every rank's samples, in prompt order: `mine` are the samples of prompts `first..` of
+    /// `total`. Each row travels as `[length, stopped, tokens.., log-probs..]` (token ids are
+    /// exact in f32 below 2^24).
+    fn gather_samples(
+        &self,
+        mine: Vec<Sample>,
+        first: usize,
+        total: usize,
+        params: &SamplingParams,
+    ) -> Result<Vec<Sample>, TrainError> {
+        if self.dp.world() == 1 {
+            return Ok(mine);
+        }
+        let (n, w) = (params.n, params.max_new_tokens);
+        let width = 2 + 2 * w;
+        let rows: Vec<usize> = mine
+            .iter()
+            .enumerate()
+            .map(|(k, s)| (first + s.prompt_index) * n + k % n)
+            .collect();
+        let mut packed = Vec::with_capacity(mine.len() * width);
+        for s in &mine {
+            let mut row = vec![0.0f32; width];
+            row[0] = s.tokens.len() as f32;
+            row[1] = s.stopped as u8 as f32;
+            for (i, (&t, &lp)) in s.tokens.iter().zip(&s.logprobs).enumerate() {
+                row[2 + i] = t as f32;
+                row[2 + w + i] = lp;
+            }
+            packed.extend(row);
+        }
+        let all = self.dp.gather_rows(&packed, &rows, total * n, width)?;
+        Ok(all
+            .chunks(width)
+            .enumerate()
+            .map(|(row, v)| {
+                let len = v[0] as usize;
+                Sample {
+                    prompt_index: row / n,
+                    tokens: v[2..2 + len].iter().map(|&t| t as u32).collect(),
+                    logprobs: v[2 + w..2 + w + len].to_vec(),
+                    stopped: v[1] > 0.5,
+                }
+            })
+            .collect())
+    }
+
+    /// Runs `pass` on this rank's rows of `batch` and gathers its per-token outputs from every
+    /// rank (verl's `balance_batch` split). Each output is `[rows * response_len]`.
+    fn sharded_pass(
+        &self,
+        batch: &RolloutBatch,
+        pass: impl FnOnce(&RolloutBatch) -> Vec<Rows>,
+    ) -> Result<Vec<Rows>, TrainError> {
+        let rows = self.dp.rows_of_rank(batch);
+        let outputs = pass(&batch.select(&rows));
+        outputs
+            .iter()
+            .map(|o| {
+                self.dp
+                    .gather_rows(o, &rows, batch.rows(), batch.response_len)
+                    .map_err(TrainError::from)
+            })
+            .collect()
     }
 
     /// Generate: `rollout.n` responses for each of the training prompts `indices`.
@@ -404,27 +561,32 @@ impl<B: RlAutodiffBackend> Learner<B> {
         Ok(shaped)
     }
 
-    /// Per-token log-probs (and entropies) of `batch`'s responses under `model`, in micro-batches.
+    /// Per-token log-probs (and entropies) of `batch`'s responses under `model`, in micro-batches
+    /// of this rank's rows, gathered from every rank.
     fn log_probs_of(
         &self,
         model: &CausalLm<B::InnerBackend>,
         batch: &RolloutBatch,
         micro: Option<usize>,
-    ) -> (Rows, Rows) {
+    ) -> Result<(Rows, Rows), TrainError> {
         let temperature = self.config.actor_rollout_ref.rollout.temperature;
-        let (mut logp, mut ent) = (Vec::new(), Vec::new());
-        let size = micro.unwrap_or(batch.rows()).max(1);
-        for part in batch.split(size).expect("size >= 1") {
-            let seq = SequenceTensors::from_batch(&part, &self.device);
-            let (l, e) = response_logprobs(model, &seq, temperature);
-            logp.extend(to_vec(l));
-            ent.extend(to_vec(e));
-        }
-        (logp, ent)
+        let mut out = self.sharded_pass(batch, |mine| {
+            let (mut logp, mut ent) = (Vec::new(), Vec::new());
+            let size = micro.unwrap_or(mine.rows()).max(1);
+            for part in mine.split(size).expect("size >= 1") {
+                let seq = SequenceTensors::from_batch(&part, &self.device);
+                let (l, e) = response_logprobs(model, &seq, temperature);
+                logp.extend(to_vec(l));
+                ent.extend(to_vec(e));
+            }
+            vec![logp, ent]
+        })?;
+        let ent = out.pop().expect("two outputs");
+        Ok((out.pop().expect("two outputs"), ent))
     }
 
     /// Old log-probs: the actor recomputes its own log-probs (and entropies) before updating.
-    pub fn old_log_probs(&self, batch: &RolloutBatch) -> (Rows, Rows) {
+    pub fn old_log_probs(&self, batch: &RolloutBatch) -> Result<(Rows, Rows), TrainError> {
         let micro = self
             .config
             .actor_rollout_ref
@@ -434,33 +596,35 @@ impl<B: RlAutodiffBackend> Learner<B> {
     }
 
     /// Reference log-probs, when there is a reference.
-    pub fn ref_log_probs(&self, batch: &RolloutBatch) -> Option<Rows> {
+    pub fn ref_log_probs(&self, batch: &RolloutBatch) -> Result<Option<Rows>, TrainError> {
         let micro = self
             .config
             .actor_rollout_ref
             .reference
             .log_prob_micro_batch_size_per_gpu;
-        self.reference
-            .as_ref()
-            .map(|r| self.log_probs_of(r, batch, micro).0)
+        match &self.reference {
+            Some(r) => Ok(Some(self.log_probs_of(r, batch, micro)?.0)),
+            None => Ok(None),
+        }
     }
 
     /// Values: the critic's value at each response position, when there is a critic.
-    pub fn values(&self, batch: &RolloutBatch) -> Option<Rows> {
-        let critic = self.critic.as_ref()?;
+    pub fn values(&self, batch: &RolloutBatch) -> Result<Option<Rows>, TrainError> {
+        let Some(critic) = self.critic.as_ref() else {
+            return Ok(None);
+        };
         let model = critic.model.valid();
-        let size = self
-            .config
-            .critic
-            .ppo_micro_batch_size_per_gpu
-            .unwrap_or(batch.rows())
-            .max(1);
-        let mut out = Vec::new();
-        for part in batch.split(size).expect("size >= 1") {
-            let seq = SequenceTensors::from_batch(&part, &self.device);
-            out.extend(to_vec(response_values(&model, &seq)));
-        }
-        Some(out)
+        let micro = self.config.critic.ppo_micro_batch_size_per_gpu;
+        let mut out = self.sharded_pass(batch, |mine| {
+            let size = micro.unwrap_or(mine.rows()).max(1);
+            let mut values = Vec::new();
+            for part in mine.split(size).expect("size >= 1") {
+                let seq = SequenceTensors::from_batch(&part, &self.device);
+                values.extend(to_vec(response_values(&model, &seq)));
+            }
+            vec![values]
+        })?;
+        Ok(out.pop())
     }
 
     /// ReMax's baseline: the reward of a greedy response to each row's prompt.
@@ -593,6 +757,7 @@ impl<B: RlAutodiffBackend> Learner<B> {
                     &part,
                     &targets,
                     &cfg,
+                    &state.sync,
                     &self.device,
                 )?;
                 state.model = model;
@@ -651,6 +816,7 @@ impl<B: RlAutodiffBackend> Learner<B> {
                     &part,
                     &targets,
                     &config,
+                    &self.actor_sync,
                     &self.device,
                 )?;
                 self.actor = actor;
@@ -676,14 +842,15 @@ impl<B: RlAutodiffBackend> Learner<B> {
             None
         };
         timing.time("reward", || self.reward(&mut batch))?;
-        let (old_log_probs, entropy) = timing.time("old_log_prob", || self.old_log_probs(&batch));
+        let (old_log_probs, entropy) =
+            timing.time("old_log_prob", || self.old_log_probs(&batch))?;
         // A phase that does not run leaves no timing.
         let ref_log_probs = match self.reference {
-            Some(_) => timing.time("ref", || self.ref_log_probs(&batch)),
+            Some(_) => timing.time("ref", || self.ref_log_probs(&batch))?,
             None => None,
         };
         let values = match self.critic {
-            Some(_) => timing.time("values", || self.values(&batch)),
+            Some(_) => timing.time("values", || self.values(&batch))?,
             None => None,
         };
         let (rewards, kl_metrics, advantages, returns) = timing.time("adv", || {

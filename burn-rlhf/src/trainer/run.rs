@@ -13,6 +13,7 @@ use super::metrics::{Metrics, MetricsLogger};
 use super::{Learner, TrainError};
 use crate::config::RlhfConfig;
 use crate::datasets::load_data_files;
+use crate::distributed::{fit_data_parallel, NodeLaunch};
 
 /// Where a run's metrics go: `{default_local_dir}/metrics.jsonl` and `metrics.png`.
 pub struct RunOutputs {
@@ -42,6 +43,19 @@ impl<B: RlAutodiffBackend> Learner<B> {
         device: &B::Device,
         training: bool,
     ) -> Result<Self, TrainError> {
+        let (config, parts) = LearnerParts::from_config(config, device, training)?;
+        Self::new(config, parts, device)
+    }
+}
+
+impl<B: RlAutodiffBackend> LearnerParts<B> {
+    /// The models and data a config names (see [`Learner::from_config`]), with the resolved
+    /// config.
+    pub fn from_config(
+        config: RlhfConfig,
+        device: &B::Device,
+        training: bool,
+    ) -> Result<(RlhfConfig, Self), TrainError> {
         let mut config = config;
         config.resolve();
         // Fresh heads (the critic's value head, LoRA adapters) are drawn from Burn's RNG: seed it
@@ -115,9 +129,11 @@ impl<B: RlAutodiffBackend> Learner<B> {
         if t.test_freq > 0 || t.val_before_train {
             parts.val = load_data_files(&data.val_files, &data.prompt_key, "test")?;
         }
-        Self::new(config, parts, device)
+        Ok((config, parts))
     }
+}
 
+impl<B: RlAutodiffBackend> Learner<B> {
     /// Trains to `total_steps`: resumes per `trainer.resume_mode`, validates before training
     /// (`val_before_train`) and every `test_freq` steps, checkpoints every `save_freq` steps and at
     /// the end, and stops after the current step (with a checkpoint) once `stop` is set.
@@ -130,29 +146,38 @@ impl<B: RlAutodiffBackend> Learner<B> {
                 ));
             }
             self.load_checkpoint(&dir)?;
-            eprintln!("resumed from {} (step {})", dir.display(), self.global_step);
+            if self.dp.is_main() {
+                eprintln!("resumed from {} (step {})", dir.display(), self.global_step);
+            }
         }
         let root = self.checkpoint_root();
         let t = self.config.trainer.clone();
+        // Only rank 0 logs; every rank runs the same steps and holds the same metrics.
+        let main = self.dp.is_main();
         let jsonl = t
             .logger
             .iter()
-            .any(|l| l == "jsonl")
+            .any(|l| l == "jsonl" && main)
             .then(|| root.join("metrics.jsonl"));
-        let console = t.logger.iter().any(|l| l == "console");
+        let console = main && t.logger.iter().any(|l| l == "console");
         let total = self.total_steps();
         let mut logger = MetricsLogger::new(
             console,
             10,
             jsonl.clone(),
-            Some(root.join("metrics.png")),
+            main.then(|| root.join("metrics.png")),
             total,
             self.global_step,
         )?;
+        let say = |logger: &MetricsLogger, line: &str| {
+            if main {
+                logger.println(line)
+            }
+        };
         let mut validation = None;
         if t.val_before_train && self.global_step == 0 && !self.val_is_empty() {
             let m = self.validate()?;
-            logger.println(&super::metrics::table(0, &m));
+            say(&logger, &super::metrics::table(0, &m));
             validation = Some(m);
         }
         let mut checkpoint = None;
@@ -167,15 +192,16 @@ impl<B: RlAutodiffBackend> Learner<B> {
                 validation = Some(m);
             }
             logger.log(step, &metrics)?;
-            interrupted = stop.load(Ordering::SeqCst);
+            // Every rank stops after the same step when any saw the request.
+            interrupted = self.dp.any(stop.load(Ordering::SeqCst))?;
             let periodic = t.save_freq > 0 && step as i64 % t.save_freq == 0;
             if periodic || last || interrupted {
                 let dir = self.save_checkpoint()?;
-                logger.println(&format!("checkpoint: {}", dir.display()));
+                say(&logger, &format!("checkpoint: {}", dir.display()));
                 checkpoint = Some(dir);
             }
             if interrupted {
-                logger.println(&format!("stopped on request after step {step}"));
+                say(&logger, &format!("stopped on request after step {step}"));
                 break;
             }
         }
@@ -211,14 +237,45 @@ pub fn checked_config(config: &Path, overrides: &[String]) -> Result<RlhfConfig,
 }
 
 /// `burn-rlhf train`: loads models and data from the config and trains; Ctrl-C stops after the
-/// current step with a checkpoint.
+/// current step with a checkpoint. With `trainer.n_gpus_per_node > 1` or several nodes, trains
+/// data-parallel on `devices(n)` (the backend's first n devices) and the processes of `node`.
 pub fn train_from_file<B: RlAutodiffBackend>(
     config: &Path,
     overrides: &[String],
-    device: &B::Device,
+    devices: &dyn Fn(usize) -> Vec<B::Device>,
+    node: Option<&NodeLaunch>,
 ) -> Result<RunOutputs, TrainError> {
-    let config = checked_config(config, overrides)?;
-    let mut learner = Learner::<B>::from_config(config, device)?;
+    let mut config = checked_config(config, overrides)?;
+    let t = &config.trainer;
+    let timeout = std::time::Duration::from_secs(t.collective_timeout_s);
+    let node = match node {
+        Some(n) => n.clone(),
+        None => NodeLaunch {
+            nnodes: t.nnodes,
+            ..NodeLaunch::single(timeout)
+        },
+    };
+    config.trainer.nnodes = node.nnodes;
+    let devices = devices(config.trainer.n_gpus_per_node);
+    if node.nnodes > 1 || devices.len() > 1 {
+        let (config, parts) = LearnerParts::<B>::from_config(config, &devices[0], true)?;
+        if node.node_rank == 0 {
+            eprintln!(
+                "training {} x {} ranks (nodes x devices){}: {} with `{}` advantages",
+                node.nnodes,
+                devices.len(),
+                if config.trainer.zero_stage >= 1 {
+                    ", optimiser state sharded"
+                } else {
+                    ""
+                },
+                config.actor_rollout_ref.model.path,
+                config.algorithm.adv_estimator,
+            );
+        }
+        return fit_data_parallel(config, parts, &devices, &node, stop_on_ctrl_c());
+    }
+    let mut learner = Learner::<B>::from_config(config, &devices[0])?;
     eprintln!(
         "training {} steps: {} with `{}` advantages and the `{}` loss{}",
         learner.total_steps(),

@@ -1,0 +1,324 @@
+//! Data parallelism: several ranks (devices in one process, processes on several hosts) train one
+//! model with identical weights.
+//!
+//! Each step, every rank generates for its share of the prompts and computes log-probs and values
+//! for its share of the rows (balanced by token count, verl's `balance_batch`); the results are
+//! gathered so every rank holds the whole batch, and the cheap host work (rewards, KL in reward,
+//! advantages) runs on it identically everywhere. Each mini-batch is split across the ranks; their
+//! gradients, normalised by the mini-batch's global token and sequence counts (`agg_loss`'s
+//! `dp_size`), are averaged before every optimiser step, so every rank takes the same step.
+//!
+//! Transports ([`Collective`]):
+//! - [`Solo`]: one rank, nothing to exchange.
+//! - [`BurnCollective`]: devices of one process, through burn-collective's all-reduce.
+//! - [`TcpGroup`]: ranks in several processes, over TCP to rank 0 on the address it is given.
+//!   burn-collective 0.21's multi-process mode hangs on its second all-reduce and its servers
+//!   listen on every interface; `docs/distributed.md` has the cause and a reproduction.
+
+mod balance;
+mod launch;
+mod local;
+mod params;
+mod tcp;
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use burn_rlhf_rollout::RolloutBatch;
+
+use crate::trainer::TrainError;
+
+pub use balance::balanced_partitions;
+pub use launch::{fit_data_parallel, NodeLaunch};
+pub use local::BurnCollective;
+pub use params::{all_reduce_grads, optimizer_state_bytes, sync_params, ShardPlan};
+pub use tcp::TcpGroup;
+
+/// Why a collective operation failed.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum DistributedError {
+    /// Another rank failed or left; this one stops too.
+    #[error("rank {rank}: stopping because {reason}")]
+    PeerFailed {
+        /// This rank.
+        rank: usize,
+        /// What happened to the other rank.
+        reason: String,
+    },
+    /// A peer sent nothing within the timeout.
+    #[error(
+        "rank {rank}: no message from {peer} within {seconds} s (trainer.collective_timeout_s)"
+    )]
+    Timeout {
+        /// This rank.
+        rank: usize,
+        /// Who was waited for.
+        peer: String,
+        /// The timeout.
+        seconds: u64,
+    },
+    /// Setting up the group or exchanging data failed.
+    #[error("rank {rank}: {message}")]
+    Transport {
+        /// This rank.
+        rank: usize,
+        /// What failed.
+        message: String,
+    },
+}
+
+/// How the ranks of one run exchange data. Every rank calls the same operations in the same
+/// order; a rank that fails calls [`Collective::abort`] so the others stop instead of waiting.
+pub trait Collective: Send + Sync {
+    /// This rank, `0..world()`.
+    fn rank(&self) -> usize;
+    /// The number of ranks.
+    fn world(&self) -> usize;
+    /// Element-wise sum of `data` over all ranks; every rank gets the same bits. Shapes: `[n]` on
+    /// every rank → `[n]`.
+    fn all_reduce_sum(&self, data: Vec<f32>) -> Result<Vec<f32>, DistributedError>;
+    /// Tells the other ranks that this one failed (`reason`), so their pending and next
+    /// operations fail with it.
+    fn abort(&self, reason: &str);
+    /// For a transport with a faster path for device tensors ([`BurnCollective`]).
+    fn as_any(&self) -> &dyn std::any::Any;
+}
+
+/// One rank alone.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Solo;
+
+impl Collective for Solo {
+    fn rank(&self) -> usize {
+        0
+    }
+    fn world(&self) -> usize {
+        1
+    }
+    fn all_reduce_sum(&self, data: Vec<f32>) -> Result<Vec<f32>, DistributedError> {
+        Ok(data)
+    }
+    fn abort(&self, _reason: &str) {}
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+/// A learner's place in a data-parallel run: its transport and whether the optimiser state is
+/// sharded (ZeRO-1, `trainer.zero_stage = 1`).
+#[derive(Clone)]
+pub struct DataParallel {
+    /// The transport.
+    pub collective: Arc<dyn Collective>,
+    /// Each rank keeps the AdamW moments of its own 1/world of the parameters.
+    pub shard_optimizer: bool,
+    /// Rows go to ranks balanced by token count (`trainer.balance_batch`), else in equal
+    /// consecutive chunks.
+    pub balance_batch: bool,
+}
+
+impl Default for DataParallel {
+    fn default() -> Self {
+        Self::solo()
+    }
+}
+
+impl std::fmt::Debug for DataParallel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DataParallel")
+            .field("rank", &self.rank())
+            .field("world", &self.world())
+            .field("shard_optimizer", &self.shard_optimizer)
+            .finish()
+    }
+}
+
+impl DataParallel {
+    /// One rank.
+    pub fn solo() -> Self {
+        Self {
+            collective: Arc::new(Solo),
+            shard_optimizer: false,
+            balance_batch: true,
+        }
+    }
+
+    /// This rank's rows of `batch` for the log-prob, value and update passes: a balanced share
+    /// (verl's `balance_batch`) or an equal consecutive chunk; all rows, in order, on one rank.
+    pub fn rows_of_rank(&self, batch: &RolloutBatch) -> Vec<usize> {
+        let (world, rank, rows) = (self.world(), self.rank(), batch.rows());
+        if world == 1 {
+            return (0..rows).collect();
+        }
+        if self.balance_batch {
+            let lengths: Vec<usize> = batch
+                .prompt_lengths()
+                .iter()
+                .zip(batch.response_lengths())
+                .map(|(p, r)| p + r)
+                .collect();
+            balanced_partitions(&lengths, world).swap_remove(rank)
+        } else {
+            let range = chunk(rows, world, rank);
+            range.collect()
+        }
+    }
+
+    /// [`rows_of_rank`](Self::rows_of_rank) of a mini-batch that every rank must get rows of (an
+    /// update step needs every rank's gradients); `key` names the setting to change otherwise.
+    pub fn my_rows(&self, batch: &RolloutBatch, key: &str) -> Result<Vec<usize>, TrainError> {
+        if batch.rows() < self.world() {
+            return Err(TrainError::config(
+                key,
+                format!(
+                    "a mini-batch of {} rows cannot be split over {} ranks: make mini-batches of at least one row per rank",
+                    batch.rows(),
+                    self.world()
+                ),
+            ));
+        }
+        Ok(self.rows_of_rank(batch))
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.collective.rank()
+    }
+
+    /// The number of ranks.
+    pub fn world(&self) -> usize {
+        self.collective.world()
+    }
+
+    /// Whether this rank writes logs and checkpoints.
+    pub fn is_main(&self) -> bool {
+        self.rank() == 0
+    }
+
+    /// Sum over ranks of `f64` values, to about f64 precision: each value travels as an f32 and
+    /// the f32 remainder. Shapes: `[n]` → `[n]`.
+    pub fn all_reduce_f64(&self, values: &[f64]) -> Result<Vec<f64>, DistributedError> {
+        if self.world() == 1 {
+            return Ok(values.to_vec());
+        }
+        let mut packed = Vec::with_capacity(values.len() * 2);
+        for &v in values {
+            let hi = v as f32;
+            packed.push(hi);
+            packed.push((v - hi as f64) as f32);
+        }
+        let sum = self.collective.all_reduce_sum(packed)?;
+        Ok(sum.chunks(2).map(|p| p[0] as f64 + p[1] as f64).collect())
+    }
+
+    /// Gathers rows computed by their owners: `mine` holds this rank's rows `rows` (each `width`
+    /// values, in `rows` order); returns all `total` rows. Exact: every other rank adds zeros.
+    /// Shapes: `[rows.len() * width]` → `[total * width]`.
+    pub fn gather_rows(
+        &self,
+        mine: &[f32],
+        rows: &[usize],
+        total: usize,
+        width: usize,
+    ) -> Result<Vec<f32>, DistributedError> {
+        if self.world() == 1 && rows.len() == total && rows.iter().enumerate().all(|(i, &r)| i == r)
+        {
+            return Ok(mine.to_vec());
+        }
+        let mut full = vec![0.0f32; total * width];
+        for (k, &r) in rows.iter().enumerate() {
+            full[r * width..(r + 1) * width].copy_from_slice(&mine[k * width..(k + 1) * width]);
+        }
+        if self.world() == 1 {
+            return Ok(full);
+        }
+        self.collective.all_reduce_sum(full)
+    }
+
+    /// The mean over ranks of each metric (every rank has the same keys, as they run the same
+    /// code). Shapes: host map → host map.
+    pub fn mean_metrics(
+        &self,
+        metrics: BTreeMap<String, f64>,
+    ) -> Result<BTreeMap<String, f64>, DistributedError> {
+        if self.world() == 1 {
+            return Ok(metrics);
+        }
+        let values: Vec<f64> = metrics.values().cloned().collect();
+        let sums = self.all_reduce_f64(&values)?;
+        let world = self.world() as f64;
+        Ok(metrics
+            .into_keys()
+            .zip(sums)
+            .map(|(k, s)| (k, s / world))
+            .collect())
+    }
+
+    /// Whether any rank has `flag` set (a stop request seen by one rank stops all at one step).
+    pub fn any(&self, flag: bool) -> Result<bool, DistributedError> {
+        Ok(self.all_reduce_f64(&[flag as u8 as f64])?[0] > 0.0)
+    }
+
+    /// Waits until every rank gets here.
+    pub fn barrier(&self) -> Result<(), DistributedError> {
+        self.all_reduce_f64(&[0.0]).map(|_| ())
+    }
+}
+
+/// Rank `rank`'s equal consecutive share of `0..n` (the first `n % world` ranks get one more).
+pub fn chunk(n: usize, world: usize, rank: usize) -> std::ops::Range<usize> {
+    let (base, extra) = (n / world, n % world);
+    let start = rank * base + rank.min(extra);
+    start..start + base + usize::from(rank < extra)
+}
+
+/// Set by the first failing rank of a process: its other ranks stop at their next operation.
+#[derive(Debug, Default)]
+pub(crate) struct AbortFlag {
+    set: AtomicBool,
+    reason: std::sync::Mutex<String>,
+}
+
+impl AbortFlag {
+    pub(crate) fn raise(&self, reason: &str) {
+        let mut r = self.reason.lock().unwrap_or_else(|e| e.into_inner());
+        if !self.set.swap(true, Ordering::SeqCst) {
+            *r = reason.to_string();
+        }
+    }
+
+    pub(crate) fn reason(&self) -> Option<String> {
+        self.set.load(Ordering::SeqCst).then(|| {
+            self.reason
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone()
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunks_cover_the_range() {
+        let parts: Vec<_> = (0..3).map(|r| chunk(7, 3, r)).collect();
+        assert_eq!(parts, vec![0..3, 3..5, 5..7]);
+        assert_eq!(chunk(2, 3, 2), 2..2);
+    }
+
+    #[test]
+    fn solo_gather_and_metrics_are_identity() {
+        let dp = DataParallel::solo();
+        let rows = dp
+            .gather_rows(&[1.0, 2.0, 3.0, 4.0], &[1, 0], 2, 2)
+            .unwrap();
+        assert_eq!(rows, vec![3.0, 4.0, 1.0, 2.0]);
+        let m = BTreeMap::from([("a".to_string(), 0.1f64)]);
+        assert_eq!(dp.mean_metrics(m.clone()).unwrap(), m);
+        assert!(!dp.any(false).unwrap());
+        assert!(dp.any(true).unwrap());
+    }
+}

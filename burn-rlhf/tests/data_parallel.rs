@@ -1,0 +1,424 @@
+//! Data parallelism on CPU devices and loopback: two devices in one process and two processes
+//! reproduce one device with the same global batch; ZeRO-1 gives the same parameters with about
+//! half the optimiser state per rank; a rank that dies stops the others with a clear error.
+
+use std::io::Read;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use burn::backend::{Autodiff, Flex};
+use burn::module::AutodiffModule;
+use burn_rlhf::config::RlhfConfig;
+use burn_rlhf::distributed::{fit_data_parallel, NodeLaunch};
+use burn_rlhf::models::pretrained::save_pretrained;
+use burn_rlhf::models::weights::WeightMap;
+use burn_rlhf::models::{CausalLm, ValueModel};
+use burn_rlhf::rollout::data::write_parquet;
+use burn_rlhf::rollout::{RewardFn, RewardInput, RolloutError};
+use burn_rlhf::tasks;
+use burn_rlhf::trainer::metrics::read_jsonl;
+use burn_rlhf::trainer::{Learner, LearnerParts, Metrics};
+use burn_rlhf_test_assets::temp_dir;
+
+type B = Autodiff<Flex>;
+
+/// burn-collective has one in-process group per backend: runs in this file take turns.
+static ONE_GROUP_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+const STEPS: usize = 3;
+
+/// Burn's RNG is shared by the process: tests that seed it and draw from it take turns.
+static RNG: Mutex<()> = Mutex::new(());
+
+fn tiny_models() -> (CausalLm<B>, ValueModel<B>) {
+    let _rng = RNG.lock().unwrap_or_else(|e| e.into_inner());
+    <B as burn::tensor::backend::Backend>::seed(&Default::default(), 7);
+    let c = tasks::model_config(32, 1);
+    let actor: CausalLm<B> = c.init_causal_lm(&Default::default());
+    let mut w = WeightMap::new("tiny actor");
+    for (k, v) in actor.valid().export() {
+        w.insert(k, v);
+    }
+    let critic = ValueModel::from_weights(&c, w, &Default::default()).unwrap();
+    (actor, critic)
+}
+
+/// PPO with a critic, KL in the reward, 8 prompts x 2 samples, mini-batches of 4 prompts,
+/// micro-batches of 2 rows.
+fn config(dir: &Path) -> RlhfConfig {
+    let mut c = RlhfConfig::default();
+    c.data.train_batch_size = 8;
+    c.data.max_prompt_length = 8;
+    c.data.max_response_length = 4;
+    c.custom_reward_function.name = Some(tasks::DATA_SOURCE.into());
+    c.algorithm.adv_estimator = "gae".into();
+    c.algorithm.use_kl_in_reward = true;
+    let a = &mut c.actor_rollout_ref.actor;
+    a.optim.lr = 1e-3;
+    a.ppo_mini_batch_size = 4;
+    a.ppo_micro_batch_size_per_gpu = Some(2);
+    c.critic.optim.lr = 1e-3;
+    c.critic.ppo_micro_batch_size_per_gpu = Some(2);
+    c.actor_rollout_ref.rollout.n = 2;
+    c.trainer.total_training_steps = Some(STEPS);
+    c.trainer.logger = vec!["jsonl".into()];
+    c.trainer.test_freq = -1;
+    c.trainer.val_before_train = false;
+    c.trainer.resume_mode = "disable".into();
+    c.trainer.collective_timeout_s = 60;
+    c.trainer.default_local_dir = Some(dir.display().to_string());
+    c
+}
+
+fn parts(reward: Arc<dyn RewardFn>) -> LearnerParts<B> {
+    let (actor, critic) = tiny_models();
+    let mc = tasks::model_config(32, 1);
+    let (train, val) = tasks::split_problems(16, 20, 1);
+    let mut parts = LearnerParts::new(actor, mc.clone(), tasks::tokenizer());
+    parts.critic = Some((critic, mc));
+    parts.rewards.register(reward);
+    parts.train = train;
+    parts.val = val;
+    parts
+}
+
+fn stop_flag() -> &'static AtomicBool {
+    Box::leak(Box::new(AtomicBool::new(false)))
+}
+
+fn one_device(dir: &Path) -> PathBuf {
+    let mut l = Learner::new(
+        config(dir),
+        parts(Arc::new(tasks::ExactAnswer)),
+        &Default::default(),
+    )
+    .unwrap();
+    l.fit(stop_flag()).unwrap().checkpoint.unwrap()
+}
+
+fn two_devices(config: RlhfConfig, reward: Arc<dyn RewardFn>) -> Result<PathBuf, String> {
+    let node = NodeLaunch::single(Duration::from_secs(60));
+    let devices = vec![Default::default(); 2];
+    fit_data_parallel(config, parts(reward), &devices, &node, stop_flag())
+        .map(|out| out.checkpoint.unwrap())
+        .map_err(|e| e.to_string())
+}
+
+fn tensors(path: &Path) -> Vec<(String, Vec<f32>)> {
+    let mut w = WeightMap::new(path.display().to_string());
+    w.read_safetensors(path).unwrap();
+    let mut names = w.remaining();
+    names.sort();
+    names
+        .into_iter()
+        .map(|n| {
+            let t = w.take_any(&n).unwrap();
+            (n, t.data)
+        })
+        .collect()
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+/// Actor and critic weights of two checkpoints agree within 1e-5, and they moved.
+fn assert_same_weights(a: &Path, b: &Path, what: &str) {
+    for part in ["actor", "critic"] {
+        let file = |root: &Path| root.join(format!("{part}/model.safetensors"));
+        let (x, y) = (tensors(&file(a)), tensors(&file(b)));
+        assert_eq!(x.len(), y.len());
+        let worst = x
+            .iter()
+            .zip(&y)
+            .map(|((n, p), (m, q))| {
+                assert_eq!(n, m);
+                max_diff(p, q)
+            })
+            .fold(0.0, f32::max);
+        println!("{what}: {part} parameters differ by at most {worst:.2e}");
+        assert!(worst <= 1e-5, "{what}: {part} differs by {worst}");
+    }
+}
+
+/// Metrics that describe the run (not the machine's speed) agree.
+fn assert_same_metrics(a: &Path, b: &Path, what: &str) {
+    let read = |dir: &Path| -> Vec<(usize, Metrics)> {
+        read_jsonl(&dir.parent().unwrap().join("metrics.jsonl")).unwrap()
+    };
+    let (x, y) = (read(a), read(b));
+    assert_eq!(x.len(), STEPS, "{what}: steps logged");
+    assert_eq!(y.len(), STEPS, "{what}: steps logged");
+    let mut compared = 0;
+    for ((s, m), (t, n)) in x.iter().zip(&y) {
+        assert_eq!(s, t);
+        for (k, v) in m {
+            if k.starts_with("timing_s/") || k.starts_with("perf/t") {
+                continue;
+            }
+            let w = n
+                .get(k)
+                .unwrap_or_else(|| panic!("{what}: step {s} lacks {k}"));
+            let tol = 1e-5 * (1.0 + v.abs());
+            assert!((v - w).abs() <= tol, "{what}: step {s} {k}: {v} vs {w}");
+            compared += 1;
+        }
+        assert_eq!(m.len(), n.len(), "{what}: step {s} metric count");
+    }
+    println!("{what}: {compared} metric values equal");
+}
+
+#[test]
+fn two_devices_in_one_process_reproduce_one_device() {
+    let _turn = ONE_GROUP_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    let dir = temp_dir("dp-devices");
+    let single = one_device(&dir.join("single"));
+    let dp = two_devices(config(&dir.join("dp")), Arc::new(tasks::ExactAnswer)).unwrap();
+    assert!(single.ends_with(format!("global_step_{STEPS}")));
+    assert_same_weights(&single, &dp, "2 devices vs 1");
+    assert_same_metrics(&single, &dp, "2 devices vs 1");
+}
+
+#[test]
+fn sharded_optimizer_state_gives_the_same_parameters_with_half_the_state_per_rank() {
+    let _turn = ONE_GROUP_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    let dir = temp_dir("dp-zero");
+    let full = two_devices(config(&dir.join("full")), Arc::new(tasks::ExactAnswer)).unwrap();
+    let mut c = config(&dir.join("zero"));
+    c.trainer.zero_stage = 1;
+    let zero = two_devices(c, Arc::new(tasks::ExactAnswer)).unwrap();
+    assert_same_weights(&full, &zero, "ZeRO-1 vs unsharded");
+    assert_same_metrics(&full, &zero, "ZeRO-1 vs unsharded");
+    for part in ["actor", "critic"] {
+        let size = |p: PathBuf| {
+            std::fs::metadata(&p)
+                .unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+                .len()
+        };
+        let whole = size(full.join(format!("{part}/optimizer.bin")));
+        let shards: Vec<u64> = (0..2)
+            .map(|r| size(zero.join(format!("{part}/optimizer_rank{r}_of_2.bin"))))
+            .collect();
+        let ratios: Vec<f64> = shards.iter().map(|&s| s as f64 / whole as f64).collect();
+        println!(
+            "{part} optimiser state per rank: unsharded {whole} bytes, ZeRO-1 {shards:?} bytes ({:.3}, {:.3} of it)",
+            ratios[0], ratios[1]
+        );
+        for r in ratios {
+            assert!(
+                (0.4..0.6).contains(&r),
+                "{part}: a shard holds {r} of the state"
+            );
+        }
+    }
+}
+
+/// The arithmetic reward, except that on rank 1 its second batch fails.
+struct FailsOnRank1 {
+    calls: Mutex<usize>,
+}
+
+impl RewardFn for FailsOnRank1 {
+    fn name(&self) -> &str {
+        tasks::DATA_SOURCE
+    }
+    fn score(&self, batch: &[RewardInput<'_>]) -> Result<Vec<f64>, RolloutError> {
+        if std::thread::current().name() == Some("burn-rlhf-rank-1") {
+            let mut calls = self.calls.lock().unwrap();
+            *calls += 1;
+            if *calls == 2 {
+                return Err(RolloutError::Invalid("the reward server went away".into()));
+            }
+        }
+        tasks::ExactAnswer.score(batch)
+    }
+}
+
+#[test]
+fn a_failing_device_rank_stops_the_other_with_its_error() {
+    let _turn = ONE_GROUP_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    let dir = temp_dir("dp-fail");
+    let start = Instant::now();
+    let err = two_devices(
+        config(&dir),
+        Arc::new(FailsOnRank1 {
+            calls: Mutex::new(0),
+        }),
+    )
+    .unwrap_err();
+    println!("stopped after {:?}: {err}", start.elapsed());
+    assert!(err.contains("the reward server went away"), "{err}");
+    assert!(start.elapsed() < Duration::from_secs(60));
+    // The next group in this process starts cleanly.
+    let ok = two_devices(config(&dir.join("after")), Arc::new(tasks::ExactAnswer));
+    assert!(ok.is_ok(), "{ok:?}");
+}
+
+/// The tiny model and the task's data as files, for the CLI.
+fn cli_assets(dir: &Path) -> (PathBuf, PathBuf) {
+    let (actor, _) = tiny_models();
+    let model = dir.join("model");
+    save_pretrained(
+        &model,
+        &tasks::model_config(32, 1),
+        &actor.valid().export(),
+        None,
+        Some(&tasks::tokenizer()),
+    )
+    .unwrap();
+    let (train, _) = tasks::split_problems(16, 20, 1);
+    let data = dir.join("train.parquet");
+    write_parquet(&data, &train).unwrap();
+    (model, data)
+}
+
+fn cli_args(model: &Path, data: &Path, out: &Path, steps: usize) -> Vec<String> {
+    let path = |p: &Path| p.display().to_string();
+    let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/ppo_gsm8k.ron");
+    vec![
+        "train".into(),
+        path(&config),
+        format!("actor_rollout_ref.model.path={}", path(model)),
+        format!("critic.model.path={}", path(model)),
+        format!("data.train_files=[{}]", path(data)),
+        "data.max_prompt_length=8".into(),
+        "data.max_response_length=4".into(),
+        "data.train_batch_size=8".into(),
+        "data.filter_overlong_prompts=false".into(),
+        "actor_rollout_ref.rollout.n=2".into(),
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4".into(),
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2".into(),
+        "critic.ppo_micro_batch_size_per_gpu=2".into(),
+        "actor_rollout_ref.actor.optim.lr=0.001".into(),
+        "critic.optim.lr=0.001".into(),
+        "algorithm.use_kl_in_reward=true".into(),
+        "custom_reward_function.name=arithmetic".into(),
+        format!("trainer.total_training_steps={steps}"),
+        "trainer.test_freq=-1".into(),
+        "trainer.save_freq=-1".into(),
+        "trainer.logger=[jsonl]".into(),
+        "trainer.resume_mode=disable".into(),
+        "trainer.collective_timeout_s=60".into(),
+        format!("trainer.default_local_dir={}", path(out)),
+    ]
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn spawn_rank(args: &[String], rank: usize, port: u16) -> Child {
+    Command::new(env!("CARGO_BIN_EXE_burn-rlhf"))
+        .args(args)
+        .args([
+            "--nnodes".to_string(),
+            "2".into(),
+            "--node-rank".into(),
+            rank.to_string(),
+            "--master-addr".into(),
+            format!("127.0.0.1:{port}"),
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+/// Waits for a child at most `limit`; kills it past that. Returns its success and stderr.
+fn wait_bounded(mut child: Child, limit: Duration) -> (bool, String) {
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break Some(s);
+        }
+        if start.elapsed() > limit {
+            child.kill().ok();
+            child.wait().ok();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut err = String::new();
+    if let Some(mut e) = child.stderr.take() {
+        e.read_to_string(&mut err).ok();
+    }
+    (status.is_some_and(|s| s.success()), err)
+}
+
+#[test]
+fn two_processes_on_loopback_reproduce_one_process() {
+    let dir = temp_dir("dp-processes");
+    let (model, data) = cli_assets(&dir);
+    let single = dir.join("single");
+    let status = Command::new(env!("CARGO_BIN_EXE_burn-rlhf"))
+        .args(cli_args(&model, &data, &single, STEPS))
+        .stdout(Stdio::null())
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let multi = dir.join("multi");
+    let args = cli_args(&model, &data, &multi, STEPS);
+    let port = free_port();
+    let ranks: Vec<Child> = (0..2).map(|r| spawn_rank(&args, r, port)).collect();
+    for (r, child) in ranks.into_iter().enumerate() {
+        let (ok, err) = wait_bounded(child, Duration::from_secs(300));
+        assert!(ok, "rank {r} failed or ran past 300 s:\n{err}");
+    }
+    let step = format!("global_step_{STEPS}");
+    assert_same_weights(&single.join(&step), &multi.join(&step), "2 processes vs 1");
+    assert_same_metrics(&single.join(&step), &multi.join(&step), "2 processes vs 1");
+}
+
+#[test]
+fn a_killed_process_stops_the_other_with_a_clear_error() {
+    let dir = temp_dir("dp-kill");
+    let (model, data) = cli_assets(&dir);
+    let out = dir.join("run");
+    let args = cli_args(&model, &data, &out, 10_000);
+    let port = free_port();
+    let rank0 = spawn_rank(&args, 0, port);
+    let mut rank1 = spawn_rank(&args, 1, port);
+    // Kill rank 1 once the run is under way (rank 0 has logged a step).
+    let log = out.join("metrics.jsonl");
+    let start = Instant::now();
+    while !std::fs::read_to_string(&log).is_ok_and(|s| s.lines().count() >= 1) {
+        assert!(
+            start.elapsed() < Duration::from_secs(120),
+            "no step logged in 120 s"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    rank1.kill().unwrap();
+    rank1.wait().unwrap();
+    let killed = Instant::now();
+    let (ok, err) = wait_bounded(rank0, Duration::from_secs(60));
+    println!(
+        "rank 0 stopped {:?} after rank 1 was killed: {}",
+        killed.elapsed(),
+        err.lines().last().unwrap_or("")
+    );
+    assert!(!ok, "rank 0 should fail when rank 1 dies");
+    assert!(
+        killed.elapsed() < Duration::from_secs(60),
+        "rank 0 did not stop within 60 s"
+    );
+    assert!(err.contains("rank 1 disconnected"), "{err}");
+}
