@@ -1,6 +1,6 @@
 //! Data parallelism on CPU devices and loopback: two devices in one process and two processes
 //! reproduce one device with the same global batch; ZeRO-1 gives the same parameters with about
-//! half the optimiser state per rank; a rank that dies stops the others with a clear error.
+//! half the optimiser state per rank and resumes from its shards; a rank that dies stops the others with a clear error.
 
 use std::io::Read;
 use std::net::TcpListener;
@@ -223,6 +223,19 @@ fn sharded_optimizer_state_gives_the_same_parameters_with_half_the_state_per_ran
             );
         }
     }
+    // Every rank restores from the checkpoint (rank 0's weights, its own optimiser shard): two
+    // steps, then a resumed run to three, equal three straight.
+    let resumed_dir = dir.join("resumed");
+    let mut c = config(&resumed_dir);
+    c.trainer.zero_stage = 1;
+    c.trainer.total_training_steps = Some(STEPS - 1);
+    two_devices(c, Arc::new(tasks::ExactAnswer)).unwrap();
+    let mut c = config(&resumed_dir);
+    c.trainer.zero_stage = 1;
+    c.trainer.resume_mode = "auto".into();
+    let resumed = two_devices(c, Arc::new(tasks::ExactAnswer)).unwrap();
+    assert_same_weights(&zero, &resumed, "ZeRO-1 resumed vs straight");
+    assert_same_metrics(&zero, &resumed, "ZeRO-1 resumed vs straight");
 }
 
 /// The arithmetic reward, except that on rank 1 its second batch fails.
