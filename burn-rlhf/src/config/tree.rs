@@ -356,6 +356,9 @@ pub struct CriticConfig {
     /// `None`: the actor's.
     pub loss_agg_mode: Option<String>,
     pub grad_clip: f64,
+    /// Multiplies the value loss before its gradient (NeMo-RL's value-loss scale); the reported
+    /// `critic/vf_loss` is unscaled.
+    pub value_loss_scale: f64,
 }
 
 impl Default for CriticConfig {
@@ -371,6 +374,7 @@ impl Default for CriticConfig {
             cliprange_value: 0.5,
             loss_agg_mode: None,
             grad_clip: 1.0,
+            value_loss_scale: 1.0,
         }
     }
 }
@@ -465,6 +469,10 @@ pub struct AlgorithmConfig {
     pub kl_penalty: String,
     pub kl_ctrl: KlCtrlConfig,
     pub filter_groups: FilterGroupsConfig,
+    /// GAE's lambda for the policy's advantages (VAPO's decoupled GAE); `None`: `lam`.
+    pub gae_lambda_policy: Option<f64>,
+    /// GAE's lambda for the critic's returns; `None`: `lam`.
+    pub gae_lambda_value: Option<f64>,
 }
 
 impl Default for AlgorithmConfig {
@@ -478,6 +486,8 @@ impl Default for AlgorithmConfig {
             kl_penalty: "kl".into(),
             kl_ctrl: KlCtrlConfig::default(),
             filter_groups: FilterGroupsConfig::default(),
+            gae_lambda_policy: None,
+            gae_lambda_value: None,
         }
     }
 }
@@ -515,6 +525,9 @@ pub struct TrainerConfig {
     pub val_before_train: bool,
     /// Steps during which only the critic is trained.
     pub critic_warmup: usize,
+    /// NeMo-RL's name for the step the policy starts training at: `critic_warmup` when set (the
+    /// actor is updated from step `max(critic_warmup, this)`).
+    pub policy_training_start_step: Option<usize>,
     /// `None`: `checkpoints/{project_name}/{experiment_name}`.
     pub default_local_dir: Option<String>,
     /// `auto`, `disable` or `resume_path`.
@@ -540,6 +553,7 @@ impl Default for TrainerConfig {
             test_freq: -1,
             val_before_train: true,
             critic_warmup: 0,
+            policy_training_start_step: None,
             default_local_dir: None,
             resume_mode: "auto".into(),
             resume_from_path: None,

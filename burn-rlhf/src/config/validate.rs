@@ -310,6 +310,17 @@ impl RlhfConfig {
         p.check(trainer.n_gpus_per_node >= 1, || {
             "`trainer.n_gpus_per_node` must be >= 1".into()
         });
+        p.check(self.critic.value_loss_scale > 0.0, || {
+            "`critic.value_loss_scale` must be > 0".into()
+        });
+        for (key, lam) in [
+            ("gae_lambda_policy", self.algorithm.gae_lambda_policy),
+            ("gae_lambda_value", self.algorithm.gae_lambda_value),
+        ] {
+            p.check(lam.is_none_or(|l| (0.0..=1.0).contains(&l)), || {
+                format!("`algorithm.{key}` must be in [0, 1]")
+            });
+        }
         p.check(trainer.zero_stage <= 1, || {
             "`trainer.zero_stage` must be 0 (off) or 1 (sharded optimiser state)".into()
         });

@@ -34,6 +34,8 @@ pub struct CriticLossConfig {
     pub micro_batch_size: usize,
     /// Global gradient-norm limit.
     pub grad_clip: f64,
+    /// Multiplies the loss before its gradient (`critic.value_loss_scale`).
+    pub value_loss_scale: f64,
 }
 
 /// Updates `critic` once on `batch` and returns it with `critic/vf_loss`, `critic/vf_clipfrac`
@@ -91,7 +93,10 @@ pub fn critic_update<B: RlAutodiffBackend, O: Optimizer<ValueModel<B>, B>>(
         vf_clipfrac += out.vf_clipfrac * tokens / total_tokens * dp.world() as f64;
         accumulator.accumulate(
             &critic,
-            GradientsParams::from_grads(out.vf_loss.backward(), &critic),
+            GradientsParams::from_grads(
+                (out.vf_loss * config.value_loss_scale).backward(),
+                &critic,
+            ),
         );
     }
     let mut metrics = dp.mean_metrics(BTreeMap::from([

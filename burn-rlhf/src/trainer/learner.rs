@@ -105,6 +105,8 @@ pub struct Learner<B: RlAutodiffBackend> {
     /// The frozen reference policy (when KL is used).
     pub reference: Option<CausalLm<B::InnerBackend>>,
     pub(crate) estimator: Box<dyn AdvantageEstimator<B>>,
+    /// The returns' estimator when its lambda differs from the advantages' (VAPO).
+    pub(crate) value_estimator: Option<Box<dyn AdvantageEstimator<B>>>,
     pub(crate) policy_loss: Box<dyn PolicyLoss<B>>,
     pub(crate) kl_ctrl: Box<dyn KlController>,
     reward: Arc<dyn RewardFn>,
@@ -153,15 +155,39 @@ impl<B: RlAutodiffBackend> Learner<B> {
         );
         let alg = &config.algorithm;
         let actor_cfg = &config.actor_rollout_ref.actor;
-        let estimator = parts.registry.estimator(
-            &alg.adv_estimator,
-            &EstimatorParams {
-                gamma: alg.gamma,
-                lam: alg.lam,
-                norm_adv_by_std_in_grpo: alg.norm_adv_by_std_in_grpo,
-                ..EstimatorParams::default()
-            },
-        )?;
+        let with_lam = |lam: f64| EstimatorParams {
+            gamma: alg.gamma,
+            lam,
+            norm_adv_by_std_in_grpo: alg.norm_adv_by_std_in_grpo,
+            ..EstimatorParams::default()
+        };
+        let (lam_policy, lam_value) = (
+            alg.gae_lambda_policy.unwrap_or(alg.lam),
+            alg.gae_lambda_value.unwrap_or(alg.lam),
+        );
+        let estimator = parts
+            .registry
+            .estimator(&alg.adv_estimator, &with_lam(lam_policy))?;
+        let decoupled = alg.gae_lambda_policy.is_some() || alg.gae_lambda_value.is_some();
+        if decoupled && !estimator.needs_critic() {
+            return Err(TrainError::config(
+                "algorithm.gae_lambda_policy",
+                format!(
+                    "decoupled GAE lambdas need a critic's values; `{}` has none",
+                    alg.adv_estimator
+                ),
+            ));
+        }
+        // VAPO: the critic's returns from GAE with their own lambda.
+        let value_estimator = if decoupled && lam_value != lam_policy {
+            Some(
+                parts
+                    .registry
+                    .estimator(&alg.adv_estimator, &with_lam(lam_value))?,
+            )
+        } else {
+            None
+        };
         let policy_loss = parts.registry.policy_loss(
             &actor_cfg.policy_loss.loss_mode,
             &PolicyLossParams {
@@ -257,6 +283,7 @@ impl<B: RlAutodiffBackend> Learner<B> {
             critic,
             reference,
             estimator,
+            value_estimator,
             policy_loss,
             kl_ctrl,
             reward,
@@ -523,13 +550,105 @@ impl<B: RlAutodiffBackend> Learner<B> {
 
     /// Generate: `rollout.n` responses for each of the training prompts `indices`.
     pub fn generate(&self, indices: &[usize], step: usize) -> Result<RolloutBatch, TrainError> {
-        let params = self.sampling(false, false, self.step_seed(step, 0))?;
+        self.generate_round(indices, step, 1)
+    }
+
+    /// [`generate`](Self::generate) for dynamic sampling's `round` (from 1) of a step: each round
+    /// draws from its own streams.
+    fn generate_round(
+        &self,
+        indices: &[usize],
+        step: usize,
+        round: usize,
+    ) -> Result<RolloutBatch, TrainError> {
+        let salt = if round <= 1 { 0 } else { 100 + round as u64 };
+        let params = self.sampling(false, false, self.step_seed(step, salt))?;
         self.rollout(&self.train, indices, &params)
     }
 
+    /// Generate and reward one step's batch. Without dynamic sampling: `data.train_batch_size`
+    /// prompts. With DAPO's dynamic sampling (`algorithm.filter_groups.enable`): batches of
+    /// `data.gen_batch_size` prompts, keeping the groups whose `filter_groups.metric` varies
+    /// (`acc`: score > 0, `score`: the reward function's score, `seq_reward`: the score with the
+    /// overlong penalty), until `train_batch_size` prompts are kept (the surplus is dropped, as
+    /// verl does); more than `max_num_gen_batches` batches (when > 0) is an error, as in verl.
+    /// Returns the batch, its prompts and `train/num_gen_batches`, `train/kept_prompt_fraction`.
+    pub fn sample_batch(
+        &mut self,
+        step: usize,
+        timing: &mut Timing,
+    ) -> Result<(RolloutBatch, Vec<usize>, Metrics), TrainError> {
+        let bs = self.config.data.train_batch_size;
+        let fg = self.config.algorithm.filter_groups.clone();
+        if !fg.enable {
+            let indices = self.sampler.next_batch(bs);
+            let mut batch = timing.time("gen", || self.generate(&indices, step))?;
+            timing.time("reward", || self.reward(&mut batch))?;
+            return Ok((batch, indices, Metrics::new()));
+        }
+        let gen_bs = self.config.data.gen_batch_size.unwrap_or(bs).max(1);
+        let n = self.config.actor_rollout_ref.rollout.n.max(1);
+        let (mut kept, mut kept_prompts) = (Vec::new(), Vec::new());
+        let (mut rounds, mut generated) = (0usize, 0usize);
+        while kept_prompts.len() < bs {
+            if fg.max_num_gen_batches > 0 && rounds >= fg.max_num_gen_batches {
+                return Err(TrainError::config(
+                    "algorithm.filter_groups.max_num_gen_batches",
+                    format!(
+                        "{rounds} generation batches kept {} of the {bs} prompts a step needs: the data may be too hard or too easy for the model (every response scores the same); raise the limit, or set it to 0 for no limit",
+                        kept_prompts.len()
+                    ),
+                ));
+            }
+            rounds += 1;
+            let indices = self.sampler.next_batch(gen_bs);
+            let mut batch = timing.time("gen", || self.generate_round(&indices, step, rounds))?;
+            let (raw, shaped) = timing.time("reward", || self.reward_rows(&mut batch))?;
+            let metric: Vec<f64> = match fg.metric.as_str() {
+                "acc" => raw.iter().map(|&s| f64::from(u8::from(s > 0.0))).collect(),
+                "score" => raw,
+                "seq_reward" => shaped,
+                other => {
+                    return Err(TrainError::config(
+                        "algorithm.filter_groups.metric",
+                        format!("unknown metric `{other}` (acc, score, seq_reward)"),
+                    ))
+                }
+            };
+            let keep = burn_rlhf_algos::dapo::keep_groups_with_spread(&batch.group_ids, &metric);
+            let rows: Vec<usize> = (0..batch.rows()).filter(|&r| keep[r]).collect();
+            generated += indices.len();
+            kept_prompts.extend(
+                indices
+                    .iter()
+                    .enumerate()
+                    .filter(|(p, _)| keep[p * n])
+                    .map(|(_, &i)| i),
+            );
+            kept.push(batch.select(&rows));
+        }
+        let all = RolloutBatch::concat(&kept, self.tokenizer.pad_token_id);
+        let batch = all.select(&(0..bs * n).collect::<Vec<_>>());
+        // The share of generated prompts whose groups had spread (before the surplus is dropped).
+        let kept_fraction = kept_prompts.len() as f64 / generated.max(1) as f64;
+        kept_prompts.truncate(bs);
+        let metrics = Metrics::from([
+            ("train/num_gen_batches".to_string(), rounds as f64),
+            ("train/kept_prompt_fraction".to_string(), kept_fraction),
+        ]);
+        Ok((batch, kept_prompts, metrics))
+    }
+
     /// Reward: one score per row from the reward function, placed on the last valid token
-    /// (`batch.token_level_scores`). Returns the per-row scores.
+    /// (`batch.token_level_scores`) with the overlong penalty when enabled. Returns the per-row
+    /// scores with the penalty.
     pub fn reward(&self, batch: &mut RolloutBatch) -> Result<Vec<f64>, TrainError> {
+        Ok(self.reward_rows(batch)?.1)
+    }
+
+    /// [`reward`](Self::reward), returning the reward function's scores and the scores with the
+    /// overlong penalty.
+    fn reward_rows(&self, batch: &mut RolloutBatch) -> Result<(Vec<f64>, Vec<f64>), TrainError> {
         let texts: Vec<String> = (0..batch.rows())
             .map(|r| self.tokenizer.decode(batch.response_tokens(r), true))
             .collect::<Result<_, _>>()?;
@@ -558,7 +677,7 @@ impl<B: RlAutodiffBackend> Learner<B> {
             overlong.enable.then_some(&shaping as &dyn Fn(usize) -> f64),
         );
         batch.token_level_scores = Some(tokens);
-        Ok(shaped)
+        Ok((scores, shaped))
     }
 
     /// Per-token log-probs (and entropies) of `batch`'s responses under `model`, in micro-batches
@@ -687,7 +806,7 @@ impl<B: RlAutodiffBackend> Learner<B> {
     ) -> Result<(Rows, Rows), TrainError> {
         let (rows, r) = (batch.rows(), batch.response_len);
         let t = |v: Vec<f32>| from_rows::<B>(v, rows, r, &self.device);
-        let out = self.estimator.compute(&AdvantageInput {
+        let input = || AdvantageInput {
             token_level_rewards: t(rewards.to_vec()),
             response_mask: t(batch.response_mask.clone()),
             values: values.map(|v| t(v.to_vec())),
@@ -698,8 +817,13 @@ impl<B: RlAutodiffBackend> Learner<B> {
                     &self.device,
                 )
             }),
-        })?;
-        Ok((to_vec(out.advantages), to_vec(out.returns)))
+        };
+        let out = self.estimator.compute(&input())?;
+        let returns = match &self.value_estimator {
+            Some(v) => v.compute(&input())?.returns,
+            None => out.returns,
+        };
+        Ok((to_vec(out.advantages), to_vec(returns)))
     }
 
     /// Mini-batches of `prompts_per_mini_batch * rollout.n` rows, in order (verl's `split`).
@@ -724,6 +848,7 @@ impl<B: RlAutodiffBackend> Learner<B> {
             .unwrap_or(self.config.actor_rollout_ref.actor.ppo_mini_batch_size);
         let epochs = c.ppo_epochs.unwrap_or(1);
         let mode = LossAggMode::from_name(c.loss_agg_mode.as_deref().unwrap_or("token-mean"))?;
+        let value_loss_scale = c.value_loss_scale;
         let (cliprange_value, grad_clip, micro) = (
             c.cliprange_value,
             c.grad_clip,
@@ -744,6 +869,7 @@ impl<B: RlAutodiffBackend> Learner<B> {
                     returns: rows_of(returns, rows, r),
                 };
                 let cfg = CriticLossConfig {
+                    value_loss_scale,
                     cliprange_value,
                     loss_agg_mode: mode,
                     micro_batch_size: micro.unwrap_or(rows.len()),
@@ -834,14 +960,12 @@ impl<B: RlAutodiffBackend> Learner<B> {
         let step = self.global_step + 1;
         let start = Instant::now();
         let mut timing = Timing::default();
-        let indices = self.sampler.next_batch(self.config.data.train_batch_size);
-        let mut batch = timing.time("gen", || self.generate(&indices, step))?;
+        let (batch, indices, sampling_metrics) = self.sample_batch(step, &mut timing)?;
         let baselines = if self.estimator.needs_reward_baselines() {
             Some(timing.time("gen_max", || self.reward_baselines(&indices, step))?)
         } else {
             None
         };
-        timing.time("reward", || self.reward(&mut batch))?;
         let (old_log_probs, entropy) =
             timing.time("old_log_prob", || self.old_log_probs(&batch))?;
         // A phase that does not run leaves no timing.
@@ -861,11 +985,16 @@ impl<B: RlAutodiffBackend> Learner<B> {
             Ok::<_, TrainError>((rewards, kl, adv, ret))
         })?;
         let mut metrics = kl_metrics;
+        metrics.extend(sampling_metrics);
         if let Some(v) = &values {
             let m = timing.time("update_critic", || self.update_critic(&batch, v, &returns))?;
             metrics.extend(m);
         }
-        if self.config.trainer.critic_warmup <= step {
+        let t = &self.config.trainer;
+        if t.critic_warmup
+            .max(t.policy_training_start_step.unwrap_or(0))
+            <= step
+        {
             let m = timing.time("update_actor", || {
                 self.update_actor(
                     &batch,
