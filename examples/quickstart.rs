@@ -7,7 +7,9 @@
 //! 3. PPO with a critic (GAE), an exact-match reward, a small KL penalty to the SFT model in the
 //!    reward (verl's reference setup) and the shared `Learner` trains it further.
 //! 4. Held-out accuracy (greedy, on problems never trained on) is printed before and after RL;
-//!    metrics go to `<out>/metrics.jsonl`, the plot to `<out>/metrics.png`, checkpoints beside.
+//!    metrics go to `<out>/metrics.jsonl`, the plot to `<out>/metrics.png`, checkpoints beside;
+//!    the SFT model (`<out>/sft_model`) and the data (`<out>/data/{train,test}.parquet`) are kept
+//!    for the CLI recipes in docs/recipes.md.
 //!
 //! ```text
 //! cargo run --release --example quickstart [-- --out runs/quickstart --ppo-steps 200]
@@ -24,8 +26,10 @@ use burn_rlhf::burn::optim::AdamWConfig;
 use burn_rlhf::burn::tensor::backend::Backend;
 use burn_rlhf::config::RlhfConfig;
 use burn_rlhf::learner::sft_update;
+use burn_rlhf::models::pretrained::save_pretrained;
 use burn_rlhf::models::weights::WeightMap;
 use burn_rlhf::models::{CausalLm, ValueModel};
+use burn_rlhf::rollout::data::write_parquet;
 use burn_rlhf::rollout::{PromptRecord, PromptSampler, RewardRegistry};
 use burn_rlhf::tasks;
 use burn_rlhf::trainer::run::stop_on_ctrl_c;
@@ -131,6 +135,19 @@ fn main() -> anyhow::Result<()> {
         if step % 50 == 0 || step == args.sft_steps {
             println!("sft step {step}: loss {:.4}", m["train/loss"]);
         }
+    }
+
+    // The SFT model and the task's data as files: the starting point of the CLI recipes
+    // (docs/recipes.md).
+    save_pretrained(
+        &args.out.join("sft_model"),
+        &model_config,
+        &actor.valid().export(),
+        None,
+        Some(&tokenizer),
+    )?;
+    for (split, records) in [("train", &train), ("test", &test)] {
+        write_parquet(&args.out.join(format!("data/{split}.parquet")), records)?;
     }
 
     // PPO: the critic starts from the SFT model's backbone with a fresh value head (as verl's).

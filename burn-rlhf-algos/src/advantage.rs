@@ -63,6 +63,8 @@ pub struct EstimatorParams {
     pub epsilon: f64,
     /// GRPO divides by the group std; `false` is Dr.GRPO.
     pub norm_adv_by_std_in_grpo: bool,
+    /// SPPO's soft-mean temperature for centring rewards (`algorithm.sppo_beta`).
+    pub sppo_beta: f64,
 }
 
 impl Default for EstimatorParams {
@@ -72,6 +74,7 @@ impl Default for EstimatorParams {
             lam: 1.0,
             epsilon: 1e-6,
             norm_adv_by_std_in_grpo: true,
+            sppo_beta: 1.0,
         }
     }
 }
@@ -502,6 +505,33 @@ impl<B: Backend> AdvantageEstimator<B> for Opo {
             }
         }
         let a = host.broadcast::<B>(&adv, &input.token_level_rewards.device());
+        Ok(AdvantageOutput {
+            advantages: a.clone(),
+            returns: a,
+        })
+    }
+}
+
+/// SPPO's centred rewards: each row's score minus the soft mean of the batch's scores
+/// (`(1/β) log mean exp(β s)`, [`crate::preference::softmean`]), on every valid token; the
+/// [`SppoLoss`](crate::preference::SppoLoss) reads it back per row.
+#[derive(Debug, Clone, Copy)]
+pub struct Sppo {
+    /// The soft-mean temperature.
+    pub beta: f64,
+}
+
+impl<B: Backend> AdvantageEstimator<B> for Sppo {
+    fn name(&self) -> &str {
+        "sppo"
+    }
+
+    fn compute(&self, input: &AdvantageInput<B>) -> Result<AdvantageOutput<B>, AlgoError> {
+        let host = HostBatch::read("sppo", input)?;
+        let scores = host.scores();
+        let center = crate::preference::softmean(&scores, self.beta);
+        let centred: Vec<f64> = scores.iter().map(|s| s - center).collect();
+        let a = host.broadcast::<B>(&centred, &input.token_level_rewards.device());
         Ok(AdvantageOutput {
             advantages: a.clone(),
             returns: a,

@@ -12,11 +12,12 @@ pub const ADVANTAGE_ESTIMATORS: &[&str] = &[
     "remax",
     "opo",
     "gpg",
+    "sppo",
 ];
 
 /// `actor_rollout_ref.actor.policy_loss.loss_mode`.
 pub const POLICY_LOSSES: &[&str] = &[
-    "vanilla", "gspo", "gpg", "cispo", "sapo", "geo_mean", "kl_cov", "clip_cov",
+    "vanilla", "gspo", "gpg", "cispo", "sapo", "geo_mean", "kl_cov", "clip_cov", "sppo",
 ];
 
 /// `loss_agg_mode` for the actor and the critic.

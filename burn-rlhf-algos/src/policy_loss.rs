@@ -80,6 +80,8 @@ pub struct PolicyLossParams {
     pub kl_cov_ratio: f64,
     /// Coefficient of the `|log r|` penalty.
     pub ppo_kl_coef: f64,
+    /// SPPO's step size: the log-ratio is pulled towards `eta` times the centred reward.
+    pub sppo_eta: f64,
     /// Seeds Clip-Cov's random choice of tokens, so runs reproduce.
     pub seed: u64,
 }
@@ -97,6 +99,7 @@ impl Default for PolicyLossParams {
             clip_cov_ub: 5.0,
             kl_cov_ratio: 0.0002,
             ppo_kl_coef: 0.1,
+            sppo_eta: 1.0,
             seed: 1,
         }
     }

@@ -4,7 +4,11 @@ use burn::tensor::activation::log_sigmoid;
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 
+use std::collections::BTreeMap;
+
+use crate::agg::{agg_loss, LossAggMode};
 use crate::functional::{from_vec, masked_sum_rows, to_vec};
+use crate::policy_loss::{PolicyLoss, PolicyLossInput, PolicyLossOutput};
 use crate::AlgoError;
 
 /// The DPO loss variants.
@@ -92,4 +96,95 @@ pub fn sppo_loss<B: Backend>(
 ) -> Tensor<B, 1> {
     let seq_log_ratio = masked_sum_rows(log_prob - old_log_prob, response_mask).squeeze_dim::<1>(1);
     (seq_log_ratio - centered_rewards * eta).square().mean()
+}
+/// SPPO as a policy loss for the shared learner: the `sppo` estimator's advantages carry each
+/// row's centred reward `c_i`; the loss is [`sppo_loss`]'s `(sum_t M (log π - log π_old) - η c_i)^2`
+/// averaged over the mini-batch's sequences with their global count (`seq-mean-token-sum` of a
+/// one-column loss), so micro-batches and ranks add up to the mini-batch.
+#[derive(Debug, Clone, Copy)]
+pub struct SppoLoss {
+    /// The step size `η`.
+    pub eta: f64,
+}
+
+impl<B: Backend> PolicyLoss<B> for SppoLoss {
+    fn name(&self) -> &str {
+        "sppo"
+    }
+
+    fn compute(&self, input: &PolicyLossInput<B>) -> Result<PolicyLossOutput<B>, AlgoError> {
+        let mask = input.response_mask.clone();
+        let tokens = mask.clone().sum_dim(1).clamp_min(1.0);
+        // The centred reward is constant over a row's valid tokens.
+        let centred = masked_sum_rows(input.advantages.clone(), mask.clone()) / tokens;
+        let log_ratio = masked_sum_rows(
+            input.log_prob.clone() - input.old_log_prob.clone(),
+            mask.clone(),
+        );
+        // [B, 1]: one loss per sequence, counted when the sequence has a valid token.
+        let per_seq = (log_ratio - centred * self.eta).square();
+        let seq_mask = mask.sum_dim(1).greater_elem(0.0).float();
+        let loss = agg_loss(
+            per_seq,
+            seq_mask,
+            LossAggMode::SeqMeanTokenSum,
+            &input.global,
+        )?;
+        Ok(PolicyLossOutput {
+            loss,
+            metrics: BTreeMap::new(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sppo_loss_object_equals_the_function_and_splits_over_micro_batches() {
+        use crate::agg::GlobalBatchInfo;
+        use crate::policy_loss::{PolicyLoss, PolicyLossInput};
+        type T = burn::backend::Flex;
+        let d = Default::default();
+        let t2 =
+            |v: Vec<f32>| Tensor::<T, 2>::from_data(burn::tensor::TensorData::new(v, [4, 3]), &d);
+        let old = t2(vec![
+            -1.0, -0.5, -2.0, -0.3, -0.7, -1.1, -0.2, -0.9, -1.5, -0.4, -0.6, -0.8,
+        ]);
+        let new = t2(vec![
+            -0.9, -0.6, -1.8, -0.2, -0.9, -1.0, -0.1, -1.0, -1.2, -0.5, -0.6, -0.7,
+        ]);
+        let mask = t2(vec![1., 1., 0., 1., 1., 1., 1., 0., 0., 1., 1., 1.]);
+        let centred = [0.5f32, -0.25, 1.0, -1.25];
+        let adv = t2(centred.iter().flat_map(|&c| [c; 3]).collect());
+        let want = sppo_loss(
+            old.clone(),
+            new.clone(),
+            Tensor::<T, 1>::from_floats(centred, &d),
+            mask.clone(),
+            0.5,
+        );
+        let loss = SppoLoss { eta: 0.5 };
+        let input = |rows: std::ops::Range<usize>, global: GlobalBatchInfo| PolicyLossInput {
+            old_log_prob: old.clone().slice([rows.clone(), 0..3]),
+            log_prob: new.clone().slice([rows.clone(), 0..3]),
+            advantages: adv.clone().slice([rows.clone(), 0..3]),
+            response_mask: mask.clone().slice([rows, 0..3]),
+            loss_agg_mode: LossAggMode::TokenMean,
+            global,
+        };
+        let whole = PolicyLoss::<T>::compute(&loss, &input(0..4, GlobalBatchInfo::local()))
+            .unwrap()
+            .loss;
+        let global = GlobalBatchInfo::from_mask(&mask, 1);
+        let halves = PolicyLoss::<T>::compute(&loss, &input(0..2, global))
+            .unwrap()
+            .loss
+            + PolicyLoss::<T>::compute(&loss, &input(2..4, global))
+                .unwrap()
+                .loss;
+        let (w, a, b) = (to_vec(want)[0], to_vec(whole)[0], to_vec(halves)[0]);
+        assert!((w - a).abs() < 1e-6 && (w - b).abs() < 1e-6, "{w} {a} {b}");
+    }
 }

@@ -134,6 +134,7 @@ impl<B: crate::RlBackend> Registry<B> {
         r.register_estimator("remax", |_| Ok(Box::new(Remax)));
         r.register_estimator("opo", |_| Ok(Box::new(Opo)));
         r.register_estimator("gpg", |_| Ok(Box::new(Gpg)));
+        r.register_estimator("sppo", |p| Ok(Box::new(Sppo { beta: p.sppo_beta })));
 
         r.register_policy_loss("vanilla", |p| {
             if p.clip_ratio_c <= 1.0 {
@@ -180,6 +181,9 @@ impl<B: crate::RlBackend> Registry<B> {
             }))
         });
         r.register_policy_loss("clip_cov", |p| Ok(Box::new(ClipCov::new(p))));
+        r.register_policy_loss("sppo", |p| {
+            Ok(Box::new(crate::preference::SppoLoss { eta: p.sppo_eta }))
+        });
 
         r.register_kl_controller("fixed", |p| {
             Ok(Box::new(FixedKlController { value: p.kl_coef }))

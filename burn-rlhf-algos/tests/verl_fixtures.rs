@@ -242,6 +242,7 @@ fn compute(case: &Case) -> Result<Ours, String> {
     match case.kind.as_str() {
         "advantage" => {
             let params = EstimatorParams {
+                sppo_beta: case.f("beta").unwrap_or(1.0),
                 gamma: case.f("gamma").unwrap_or(1.0),
                 lam: case.f("lam").unwrap_or(1.0),
                 epsilon: case.f("epsilon").unwrap_or(1e-6),
@@ -339,6 +340,7 @@ fn compute(case: &Case) -> Result<Ours, String> {
                 clip_cov_ub: case.f("clip_cov_ub").unwrap_or(d.clip_cov_ub),
                 kl_cov_ratio: case.f("kl_cov_ratio").unwrap_or(d.kl_cov_ratio),
                 ppo_kl_coef: case.f("ppo_kl_coef").unwrap_or(d.ppo_kl_coef),
+                sppo_eta: case.f("eta").unwrap_or(d.sppo_eta),
                 seed: d.seed,
             };
             let loss_fn = registry

@@ -293,3 +293,34 @@ fn policy_training_start_step_holds_the_actor_and_value_loss_scale_scales_the_gr
     let ratio = two["critic/grad_norm"] / one["critic/grad_norm"];
     assert!((ratio - 2.0).abs() < 1e-4, "grad norm ratio {ratio}");
 }
+
+#[test]
+fn sppo_centres_rewards_by_the_soft_mean_and_pulls_the_log_ratio_towards_them() {
+    let dir = temp_dir("recipe-sppo");
+    let mut c = config("sppo", &dir);
+    c.algorithm.sppo_beta = 2.0;
+    c.actor_rollout_ref.actor.policy_loss.loss_mode = "sppo".into();
+    c.actor_rollout_ref.actor.policy_loss.sppo_eta = 0.5;
+    let reward = || Arc::new(Recipe(|row, _: &RewardInput<'_>| (row % 3) as f64));
+    let mut l = learner(c, reward());
+    let mut batch = l.generate(&[0, 1, 2, 3], 1).unwrap();
+    let scores = l.reward(&mut batch).unwrap();
+    let rewards = batch.token_level_scores.clone().unwrap();
+    let (adv, _) = l.advantages(&batch, &rewards, None, None).unwrap();
+    // The formula: c_i = s_i - (1/beta) log mean_j exp(beta s_j).
+    let n = scores.len() as f64;
+    let soft = (scores.iter().map(|s| (2.0 * s).exp()).sum::<f64>() / n).ln() / 2.0;
+    for (row, &len) in batch.response_lengths().iter().enumerate() {
+        for t in 0..len {
+            let got = adv[row * batch.response_len + t] as f64;
+            assert!(
+                (got - (scores[row] - soft)).abs() < 1e-5,
+                "row {row} token {t}"
+            );
+        }
+    }
+    for _ in 0..2 {
+        let m = l.step().unwrap();
+        assert!(m["actor/pg_loss"].is_finite() && m["actor/pg_loss"] >= 0.0);
+    }
+}

@@ -169,6 +169,8 @@ pub struct PolicyLossConfig {
     pub clip_cov_ub: f64,
     pub kl_cov_ratio: f64,
     pub ppo_kl_coef: f64,
+    /// SPPO's step size (`loss_mode: "sppo"`).
+    pub sppo_eta: f64,
 }
 
 impl Default for PolicyLossConfig {
@@ -180,6 +182,7 @@ impl Default for PolicyLossConfig {
             clip_cov_ub: 5.0,
             kl_cov_ratio: 0.0002,
             ppo_kl_coef: 0.1,
+            sppo_eta: 1.0,
         }
     }
 }
@@ -469,6 +472,8 @@ pub struct AlgorithmConfig {
     pub kl_penalty: String,
     pub kl_ctrl: KlCtrlConfig,
     pub filter_groups: FilterGroupsConfig,
+    /// SPPO's soft-mean temperature for centring rewards (`adv_estimator: "sppo"`).
+    pub sppo_beta: f64,
     /// GAE's lambda for the policy's advantages (VAPO's decoupled GAE); `None`: `lam`.
     pub gae_lambda_policy: Option<f64>,
     /// GAE's lambda for the critic's returns; `None`: `lam`.
@@ -488,6 +493,7 @@ impl Default for AlgorithmConfig {
             filter_groups: FilterGroupsConfig::default(),
             gae_lambda_policy: None,
             gae_lambda_value: None,
+            sppo_beta: 1.0,
         }
     }
 }

@@ -159,6 +159,7 @@ impl<B: RlAutodiffBackend> Learner<B> {
             gamma: alg.gamma,
             lam,
             norm_adv_by_std_in_grpo: alg.norm_adv_by_std_in_grpo,
+            sppo_beta: alg.sppo_beta,
             ..EstimatorParams::default()
         };
         let (lam_policy, lam_value) = (
@@ -201,6 +202,7 @@ impl<B: RlAutodiffBackend> Learner<B> {
                 clip_cov_ub: actor_cfg.policy_loss.clip_cov_ub,
                 kl_cov_ratio: actor_cfg.policy_loss.kl_cov_ratio,
                 ppo_kl_coef: actor_cfg.policy_loss.ppo_kl_coef,
+                sppo_eta: actor_cfg.policy_loss.sppo_eta,
                 seed: config.trainer.seed,
             },
         )?;
