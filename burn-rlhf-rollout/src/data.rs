@@ -364,6 +364,116 @@ pub fn read_records(path: &Path, prompt_key: &str) -> Result<Vec<PromptRecord>, 
     }
 }
 
+/// One supervised example: the prompt text and the response text.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TextPair {
+    /// The prompt (a user message).
+    pub prompt: String,
+    /// The target response.
+    pub response: String,
+}
+
+/// The string at `key` of a JSON object; `a.b` reads field `b` of object `a` (verl's
+/// `prompt_dict_keys`, e.g. `extra_info.question`).
+fn json_string(value: &serde_json::Value, key: &str) -> Option<String> {
+    let mut node = value;
+    for part in key.split('.') {
+        node = node.get(part)?;
+    }
+    match node {
+        serde_json::Value::String(s) => Some(s.clone()),
+        serde_json::Value::Number(n) => Some(n.to_string()),
+        _ => None,
+    }
+}
+
+/// Column `key` of a parquet frame as strings; `a.b` is field `b` of struct column `a`.
+fn string_column(df: &DataFrame, path: &Path, key: &str) -> Result<Series, RolloutError> {
+    let mut parts = key.split('.');
+    let first = parts.next().unwrap_or(key);
+    let mut series = column(df, path, first)?;
+    for part in parts {
+        series = series
+            .struct_()
+            .and_then(|st| st.field_by_name(part))
+            .map_err(|_| RolloutError::Data {
+                path: path.into(),
+                message: format!("no `{key}` field (column `{first}` has no struct field `{part}`)"),
+            })?;
+    }
+    Ok(series)
+}
+
+/// Reads supervised pairs from a `.jsonl` or `.parquet` file: the strings under `prompt_key` and
+/// `response_key` of each row (verl's SFT `data.prompt_key` / `response_key`). A row without
+/// them is an error naming the file, row and key.
+pub fn read_pairs(
+    path: &Path,
+    prompt_key: &str,
+    response_key: &str,
+) -> Result<Vec<TextPair>, RolloutError> {
+    let mut out = Vec::new();
+    match path.extension().and_then(|e| e.to_str()) {
+        Some("jsonl") | Some("json") => {
+            let file = File::open(path).map_err(|e| RolloutError::Io {
+                path: path.into(),
+                source: e,
+            })?;
+            for (i, line) in BufReader::new(file).lines().enumerate() {
+                let line = line.map_err(|e| RolloutError::Io {
+                    path: path.into(),
+                    source: e,
+                })?;
+                if line.trim().is_empty() {
+                    continue;
+                }
+                let row = i + 1;
+                let value: serde_json::Value =
+                    serde_json::from_str(&line).map_err(|e| RolloutError::Row {
+                        path: path.into(),
+                        row,
+                        message: format!("not a JSON object: {e}"),
+                    })?;
+                let get = |key: &str| {
+                    json_string(&value, key).ok_or_else(|| RolloutError::Row {
+                        path: path.into(),
+                        row,
+                        message: format!("no string `{key}`"),
+                    })
+                };
+                out.push(TextPair {
+                    prompt: get(prompt_key)?,
+                    response: get(response_key)?,
+                });
+            }
+        }
+        Some("parquet") => {
+            let df = read_frame(path)?;
+            let prompts = string_column(&df, path, prompt_key)?;
+            let responses = string_column(&df, path, response_key)?;
+            for row in 0..df.height() {
+                out.push(TextPair {
+                    prompt: string_at(&prompts, row, path, prompt_key)?,
+                    response: string_at(&responses, row, path, response_key)?,
+                });
+            }
+        }
+        _ => {
+            return Err(RolloutError::Data {
+                path: path.into(),
+                message: "unknown data format (expected .parquet or .jsonl)".into(),
+            })
+        }
+    }
+    if out.is_empty() {
+        return Err(RolloutError::Data {
+            path: path.into(),
+            message: "no rows".into(),
+        });
+    }
+    Ok(out)
+}
+
 /// Where a sampler is: what a checkpoint saves to resume the data order exactly.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SamplerState {

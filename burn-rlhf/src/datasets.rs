@@ -15,6 +15,25 @@ fn hub_files(id: &str, split: &str) -> Option<String> {
     }
 }
 
+/// The local file of a data entry: the path itself when it exists, else the hub dataset's
+/// parquet for the split (`openai/gsm8k:test`; `default_split` without `:split`), fetched into
+/// hf-hub's cache.
+pub fn data_file_path(spec: &str, default_split: &str) -> Result<PathBuf, RolloutError> {
+    let path = expand_home(spec);
+    if path.exists() {
+        return Ok(path);
+    }
+    let (id, split) = spec.split_once(':').unwrap_or((spec, default_split));
+    let file = hub_files(id, split).ok_or_else(|| RolloutError::Data {
+        path: path.clone(),
+        message: "no such file, and not a known hub dataset (openai/gsm8k[:train|:test])".into(),
+    })?;
+    fetch_dataset_file(id, &file).map_err(|message| RolloutError::Data {
+        path: PathBuf::from(spec),
+        message,
+    })
+}
+
 /// Reads one data entry. `default_split` is used for a hub id without `:split`.
 pub fn load_data_file(
     spec: &str,

@@ -17,5 +17,6 @@ pub mod datasets;
 pub mod distributed;
 pub mod learner;
 pub mod runtime;
+pub mod sft;
 pub mod tasks;
 pub mod trainer;

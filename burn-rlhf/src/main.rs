@@ -55,6 +55,18 @@ enum Command {
         #[arg(long)]
         master_addr: Option<String>,
     },
+    /// Supervised fine-tuning with verl's SFT trainer keys (`data.prompt_key`, `response_key`,
+    /// `max_length`, `truncation`, `micro_batch_size_per_gpu`, `model.partial_pretrain`, `optim.*`,
+    /// `trainer.total_epochs`): loss on response tokens only; checkpoints are HF folders that start
+    /// a PPO run.
+    ///
+    /// Example: `burn-rlhf sft configs/sft_gsm8k.ron data.train_batch_size=8`
+    Sft {
+        /// The RON config file.
+        config: PathBuf,
+        /// `key.path=value` overrides, applied in order after the file.
+        overrides: Vec<String>,
+    },
     /// Validation only: generate for `data.val_files` with `rollout.val_kwargs` and print
     /// mean@n, best@n, worst@n, maj@n and pass@k per data source.
     ///
@@ -280,6 +292,23 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 node.as_ref(),
             )?;
             report(&out);
+        }
+        Command::Sft { config, overrides } => {
+            use burn_rlhf::backend::{default_device, TrainBackend};
+            use burn_rlhf::sft::{fit_sft, SftConfig};
+            let cfg = SftConfig::load(&config, &overrides)?;
+            let out = fit_sft::<TrainBackend>(
+                &cfg,
+                &default_device(),
+                burn_rlhf::trainer::run::stop_on_ctrl_c(),
+            )?;
+            if let Some(v) = out.val_loss {
+                println!("validation loss: {v:.4}");
+            }
+            println!("checkpoint: {}", out.checkpoint.display());
+            if let Some(p) = &out.jsonl {
+                println!("metrics: {}", p.display());
+            }
         }
         Command::Eval { config, overrides } => {
             use burn_rlhf::backend::{default_device, TrainBackend};

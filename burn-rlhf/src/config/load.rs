@@ -53,6 +53,17 @@ fn suggestion_text(suggestion: &Option<String>) -> String {
 /// and returns the typed tree. Cross-field rules are checked separately by
 /// [`RlhfConfig::validate`](super::RlhfConfig::validate).
 pub fn load_config(path: &Path, overrides: &[String]) -> Result<RlhfConfig, ConfigError> {
+    let mut config: RlhfConfig = load_typed(path, overrides)?;
+    config.resolve();
+    Ok(config)
+}
+
+/// [`load_config`] for any config tree whose `Default` holds every key (the SFT trainer's):
+/// unknown keys are errors with a suggestion, overrides are `a.b.c=value`.
+pub fn load_typed<T>(path: &Path, overrides: &[String]) -> Result<T, ConfigError>
+where
+    T: Default + serde::Serialize + serde::de::DeserializeOwned,
+{
     let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
         path: path.to_path_buf(),
         source,
@@ -62,7 +73,7 @@ pub fn load_config(path: &Path, overrides: &[String]) -> Result<RlhfConfig, Conf
         path: path.to_path_buf(),
         message,
     })?;
-    let schema = schema();
+    let schema = serde_json::to_value(T::default()).expect("the config tree serialises to JSON");
     check_known_keys(&tree, &schema, &schema, "", &origin)?;
     for arg in overrides {
         apply_override(&mut tree, &schema, arg)?;
@@ -72,9 +83,7 @@ pub fn load_config(path: &Path, overrides: &[String]) -> Result<RlhfConfig, Conf
     } else {
         format!("{origin} (with overrides)")
     };
-    let mut config = from_tree(tree, &origin)?;
-    config.resolve();
-    Ok(config)
+    from_tree(tree, &origin)
 }
 
 /// The tree of known keys with their default values (`null` where the default is `None`).
@@ -99,7 +108,7 @@ fn parse_ron_tree(text: &str) -> Result<Value, String> {
 }
 
 /// Deserialises the checked tree into the typed config; a type error names the key's full path.
-fn from_tree(tree: Value, origin: &str) -> Result<RlhfConfig, ConfigError> {
+fn from_tree<T: serde::de::DeserializeOwned>(tree: Value, origin: &str) -> Result<T, ConfigError> {
     serde_path_to_error::deserialize(tree).map_err(|e| {
         let key = e.path().to_string();
         let message = e.into_inner().to_string();
@@ -301,7 +310,7 @@ pub fn config_from_ron_str(text: &str, origin: &str) -> Result<RlhfConfig, Confi
     })?;
     let schema = schema();
     check_known_keys(&tree, &schema, &schema, "", origin)?;
-    let mut config = from_tree(tree, origin)?;
+    let mut config: RlhfConfig = from_tree(tree, origin)?;
     config.resolve();
     Ok(config)
 }

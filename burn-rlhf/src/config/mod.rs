@@ -16,6 +16,6 @@ mod load;
 mod tree;
 mod validate;
 
-pub use load::{config_from_ron_str, config_to_ron, load_config, ConfigError};
+pub use load::{config_from_ron_str, config_to_ron, load_config, load_typed, ConfigError};
 pub use tree::*;
 pub use validate::KnownNames;

@@ -1,0 +1,515 @@
+//! Supervised fine-tuning with verl's SFT trainer keys (`burn-rlhf sft CONFIG`): prompt and
+//! response pairs from jsonl or parquet, the prompt rendered with the chat template as a user turn
+//! (when the tokenizer has one) and the response followed by EOS; the loss covers response tokens
+//! only, token-mean over the global batch, accumulated over micro-batches; validation loss every
+//! `test_freq` steps; checkpoints as HF model folders that start a PPO run
+//! (`actor_rollout_ref.model.path=.../global_step_N`).
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use burn::module::AutodiffModule;
+use burn::optim::AdamWConfig;
+use burn_rlhf_algos::RlAutodiffBackend;
+use burn_rlhf_models::pretrained::{expand_home, load_pretrained, save_pretrained};
+use burn_rlhf_models::{CausalLm, ChatMessage, LoraConfig, Tokenizer, TransformerConfig};
+use burn_rlhf_rollout::data::{read_pairs, TextPair};
+use burn_rlhf_rollout::{PromptSampler, RolloutBatch, RolloutError, Sample};
+use serde::{Deserialize, Serialize};
+
+use crate::config::{load_typed, ConfigError};
+use crate::learner::{sft_loss, sft_update, LrSchedule, ScheduleKind};
+use crate::trainer::metrics::{Metrics, MetricsLogger};
+use crate::trainer::TrainError;
+
+/// `data.*` (verl's `sft_trainer.yaml`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SftDataConfig {
+    /// Examples per optimiser step.
+    pub train_batch_size: usize,
+    /// Examples per forward/backward.
+    pub micro_batch_size_per_gpu: usize,
+    /// `.jsonl` / `.parquet` files.
+    pub train_files: Vec<String>,
+    pub val_files: Vec<String>,
+    /// The prompt's key (`a.b` reads field `b` of `a`).
+    pub prompt_key: String,
+    /// The response's key.
+    pub response_key: String,
+    /// Prompt plus response tokens at most.
+    pub max_length: usize,
+    /// Longer examples: `error`, `left` (drop the start) or `right` (drop the end).
+    pub truncation: String,
+}
+
+impl Default for SftDataConfig {
+    fn default() -> Self {
+        Self {
+            train_batch_size: 256,
+            micro_batch_size_per_gpu: 4,
+            train_files: vec!["~/data/gsm8k/train.parquet".into()],
+            val_files: vec!["~/data/gsm8k/test.parquet".into()],
+            prompt_key: "question".into(),
+            response_key: "answer".into(),
+            max_length: 1024,
+            truncation: "error".into(),
+        }
+    }
+}
+
+/// `model.*`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SftModelConfig {
+    /// The model to fine-tune: an HF folder, a `.gguf` file or a hub id.
+    pub partial_pretrain: String,
+    /// `None`: the model's own tokenizer.
+    pub tokenizer_path: Option<String>,
+    /// LoRA rank; 0 trains every weight.
+    pub lora_rank: usize,
+    pub lora_alpha: f64,
+    pub target_modules: Vec<String>,
+}
+
+impl Default for SftModelConfig {
+    fn default() -> Self {
+        Self {
+            partial_pretrain: "Qwen/Qwen2.5-0.5B-Instruct".into(),
+            tokenizer_path: None,
+            lora_rank: 0,
+            lora_alpha: 16.0,
+            target_modules: vec!["all-linear".into()],
+        }
+    }
+}
+
+/// `optim.*`: AdamW with linear warm-up and a cosine or constant schedule.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SftOptimConfig {
+    pub lr: f64,
+    pub betas: [f64; 2],
+    pub weight_decay: f64,
+    /// Warm-up steps as a fraction of all steps.
+    pub warmup_steps_ratio: f64,
+    /// Global gradient-norm limit.
+    pub clip_grad: f64,
+    /// `cosine` or `constant`.
+    pub lr_scheduler: String,
+}
+
+impl Default for SftOptimConfig {
+    fn default() -> Self {
+        Self {
+            lr: 1e-5,
+            betas: [0.9, 0.95],
+            weight_decay: 0.01,
+            warmup_steps_ratio: 0.1,
+            clip_grad: 1.0,
+            lr_scheduler: "cosine".into(),
+        }
+    }
+}
+
+/// `trainer.*`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SftTrainerConfig {
+    /// Checkpoints (`global_step_N/`) and `metrics.jsonl` go here.
+    pub default_local_dir: String,
+    pub project_name: String,
+    pub experiment_name: String,
+    pub total_epochs: usize,
+    /// `None`: epochs x full batches per epoch.
+    pub total_training_steps: Option<usize>,
+    /// Any of `console`, `jsonl`.
+    pub logger: Vec<String>,
+    pub seed: u64,
+    /// Steps between checkpoints; `-1`: only at the end.
+    pub save_freq: i64,
+    /// Steps between validations; `-1`: only at the end.
+    pub test_freq: i64,
+    pub nnodes: usize,
+    pub n_gpus_per_node: usize,
+}
+
+impl Default for SftTrainerConfig {
+    fn default() -> Self {
+        Self {
+            default_local_dir: "checkpoints/sft".into(),
+            project_name: "gsm8k-sft".into(),
+            experiment_name: "test".into(),
+            total_epochs: 4,
+            total_training_steps: None,
+            logger: vec!["console".into()],
+            seed: 1,
+            save_freq: -1,
+            test_freq: -1,
+            nnodes: 1,
+            n_gpus_per_node: 1,
+        }
+    }
+}
+
+/// The SFT trainer's config tree (verl's `sft_trainer.yaml` keys).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(default, deny_unknown_fields)]
+pub struct SftConfig {
+    pub data: SftDataConfig,
+    pub model: SftModelConfig,
+    pub optim: SftOptimConfig,
+    pub trainer: SftTrainerConfig,
+}
+
+impl SftConfig {
+    /// Reads a RON file with `key.path=value` overrides.
+    pub fn load(path: &Path, overrides: &[String]) -> Result<Self, ConfigError> {
+        load_typed(path, overrides)
+    }
+
+    /// Checks values that cannot work, naming the key.
+    pub fn validate(&self) -> Result<(), TrainError> {
+        let bad = |key: &str, msg: &str| Err(TrainError::config(key, msg));
+        let d = &self.data;
+        if d.train_batch_size == 0 {
+            return bad("data.train_batch_size", "must be >= 1");
+        }
+        if d.micro_batch_size_per_gpu == 0 {
+            return bad("data.micro_batch_size_per_gpu", "must be >= 1");
+        }
+        if d.max_length < 2 {
+            return bad("data.max_length", "must be >= 2 (a prompt token and a target)");
+        }
+        if !["error", "left", "right"].contains(&d.truncation.as_str()) {
+            return bad("data.truncation", "must be error, left or right");
+        }
+        if d.train_files.is_empty() {
+            return bad("data.train_files", "no files");
+        }
+        if !(self.optim.lr > 0.0) {
+            return bad("optim.lr", "must be > 0");
+        }
+        if !["cosine", "constant"].contains(&self.optim.lr_scheduler.as_str()) {
+            return bad("optim.lr_scheduler", "must be cosine or constant");
+        }
+        if !(0.0..1.0).contains(&self.optim.warmup_steps_ratio) {
+            return bad("optim.warmup_steps_ratio", "must be in [0, 1)");
+        }
+        if self.trainer.nnodes * self.trainer.n_gpus_per_node != 1 {
+            return bad(
+                "trainer.n_gpus_per_node",
+                "the SFT trainer runs on one device (data parallelism is for `train`)",
+            );
+        }
+        Ok(())
+    }
+}
+
+/// One tokenized example: prompt ids (context) and response ids (targets, EOS last).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SftExample {
+    pub prompt: Vec<u32>,
+    pub response: Vec<u32>,
+}
+
+/// Tokenizes a pair as verl's `SFTDataset`: the prompt as a user turn through the chat template
+/// with the generation prompt (the raw text when the tokenizer has no template), the response
+/// followed by EOS; longer than `max_length`: an error, or cut on the `left` or `right`.
+pub fn encode_pair(
+    tokenizer: &Tokenizer,
+    pair: &TextPair,
+    max_length: usize,
+    truncation: &str,
+) -> Result<SftExample, String> {
+    let mut prompt = if tokenizer.has_chat_template() {
+        tokenizer.encode_chat(&[ChatMessage::user(&pair.prompt)], true)
+    } else {
+        tokenizer.encode(&pair.prompt, false)
+    }
+    .map_err(|e| e.to_string())?;
+    let mut response = tokenizer
+        .encode(&pair.response, false)
+        .map_err(|e| e.to_string())?;
+    if let Some(&eos) = tokenizer.eos_token_ids.first() {
+        response.push(eos);
+    }
+    let total = prompt.len() + response.len();
+    if total > max_length {
+        match truncation {
+            "left" => {
+                let cut = total - max_length;
+                if cut >= prompt.len() {
+                    // Keep at least one prompt token as context.
+                    let keep_prompt = 1.min(prompt.len());
+                    prompt.drain(..prompt.len() - keep_prompt);
+                    let extra = prompt.len() + response.len() - max_length;
+                    response.drain(..extra);
+                } else {
+                    prompt.drain(..cut);
+                }
+            }
+            "right" => {
+                if prompt.len() >= max_length {
+                    return Err(format!(
+                        "the prompt alone has {} tokens, data.max_length is {max_length}",
+                        prompt.len()
+                    ));
+                }
+                response.truncate(max_length - prompt.len());
+            }
+            _ => {
+                return Err(format!(
+                    "{total} tokens > data.max_length {max_length} (data.truncation=error)"
+                ))
+            }
+        }
+    }
+    if response.is_empty() {
+        return Err("no response tokens".into());
+    }
+    Ok(SftExample { prompt, response })
+}
+
+/// A batch of examples in the rollout layout (prompts left padded, responses right padded, the
+/// response mask marking the targets), so the SFT loss shares the actor's log-prob path.
+pub fn sft_rollout_batch(examples: &[&SftExample], pad_id: u32) -> RolloutBatch {
+    let prompts: Vec<Vec<u32>> = examples.iter().map(|e| e.prompt.clone()).collect();
+    let samples: Vec<Sample> = examples
+        .iter()
+        .enumerate()
+        .map(|(i, e)| Sample {
+            prompt_index: i,
+            tokens: e.response.clone(),
+            logprobs: vec![0.0; e.response.len()],
+            stopped: true,
+        })
+        .collect();
+    let n = examples.len();
+    RolloutBatch::from_samples(
+        &prompts,
+        &samples,
+        pad_id,
+        &(0..n as u64).collect::<Vec<_>>(),
+        &vec![String::new(); n],
+        &vec![String::new(); n],
+    )
+}
+
+/// The examples of `specs` (files, or hub ids read as `default_split`).
+fn load_examples(
+    specs: &[String],
+    default_split: &str,
+    data: &SftDataConfig,
+    tokenizer: &Tokenizer,
+) -> Result<Vec<SftExample>, TrainError> {
+    let mut out = Vec::new();
+    for spec in specs {
+        let path = crate::datasets::data_file_path(spec, default_split)?;
+        let pairs = read_pairs(&path, &data.prompt_key, &data.response_key)?;
+        for (row, pair) in pairs.iter().enumerate() {
+            let example = encode_pair(tokenizer, pair, data.max_length, &data.truncation)
+                .map_err(|message| RolloutError::Row {
+                    path: path.clone(),
+                    row: row + 1,
+                    message,
+                })?;
+            out.push(example);
+        }
+    }
+    Ok(out)
+}
+
+/// What an SFT run left.
+#[derive(Debug, Clone)]
+pub struct SftOutputs {
+    /// The last checkpoint (an HF model folder).
+    pub checkpoint: PathBuf,
+    /// `metrics.jsonl`, when `trainer.logger` has `jsonl`.
+    pub jsonl: Option<PathBuf>,
+    /// The last validation loss.
+    pub val_loss: Option<f64>,
+}
+
+/// Fine-tunes `config.model.partial_pretrain` on the pairs of `config.data`; stops after the
+/// current step (with a checkpoint) once `stop` is set.
+pub fn fit_sft<B: RlAutodiffBackend>(
+    config: &SftConfig,
+    device: &B::Device,
+    stop: &AtomicBool,
+) -> Result<SftOutputs, TrainError> {
+    config.validate()?;
+    B::seed(device, config.trainer.seed);
+    let m = &config.model;
+    let pre = load_pretrained(&m.partial_pretrain)?;
+    let model_config: TransformerConfig = pre.config.clone();
+    let tokenizer = match &m.tokenizer_path {
+        Some(p) if expand_home(p).is_dir() => Tokenizer::from_dir(
+            &expand_home(p),
+            &model_config.eos_token_ids,
+            model_config.pad_token_id,
+        )?,
+        Some(p) => load_pretrained(p)?.tokenizer.ok_or_else(|| {
+            TrainError::config("model.tokenizer_path", format!("`{p}` has no tokenizer"))
+        })?,
+        None => pre.tokenizer.clone().ok_or_else(|| {
+            TrainError::config(
+                "model.partial_pretrain",
+                format!("`{}` has no tokenizer", m.partial_pretrain),
+            )
+        })?,
+    };
+    let mut model: CausalLm<B> = pre.causal_lm(device)?;
+    if m.lora_rank > 0 {
+        model = model.with_lora(
+            &LoraConfig {
+                rank: m.lora_rank,
+                alpha: m.lora_alpha,
+                target_modules: m.target_modules.clone(),
+            },
+            device,
+        );
+    }
+    let d = &config.data;
+    let train = load_examples(&d.train_files, "train", d, &tokenizer)?;
+    let val = if d.val_files.is_empty() {
+        Vec::new()
+    } else {
+        load_examples(&d.val_files, "test", d, &tokenizer)?
+    };
+    let bs = d.train_batch_size.min(train.len());
+    let t = &config.trainer;
+    let mut sampler = PromptSampler::new(train.len(), t.seed, true);
+    let total = t
+        .total_training_steps
+        .unwrap_or(t.total_epochs * sampler.batches_per_epoch(bs))
+        .max(1);
+    let o = &config.optim;
+    let schedule = LrSchedule {
+        lr: o.lr,
+        warmup_steps: (o.warmup_steps_ratio * total as f64) as usize,
+        total_steps: total,
+        kind: if o.lr_scheduler == "cosine" {
+            ScheduleKind::Cosine
+        } else {
+            ScheduleKind::Constant
+        },
+        min_lr_ratio: 0.0,
+        num_cycles: 0.5,
+    };
+    let mut optim = AdamWConfig::new()
+        .with_beta_1(o.betas[0] as f32)
+        .with_beta_2(o.betas[1] as f32)
+        .with_epsilon(1e-8)
+        .with_weight_decay(o.weight_decay as f32)
+        .init();
+    let root = expand_home(&t.default_local_dir);
+    let jsonl = t
+        .logger
+        .iter()
+        .any(|l| l == "jsonl")
+        .then(|| root.join("metrics.jsonl"));
+    let console = t.logger.iter().any(|l| l == "console");
+    let mut logger = MetricsLogger::new(console, 10, jsonl.clone(), None, total, 0)?;
+    let pad = tokenizer.pad_token_id;
+    let micro = d.micro_batch_size_per_gpu;
+    let val_loss = |model: &CausalLm<B>| -> Option<f64> {
+        if val.is_empty() {
+            return None;
+        }
+        let inner = model.valid();
+        let (mut nll, mut tokens) = (0.0, 0.0);
+        for chunk in val.chunks(bs.max(1)) {
+            let refs: Vec<&SftExample> = chunk.iter().collect();
+            let batch = sft_rollout_batch(&refs, pad);
+            let n: f64 = batch.response_mask.iter().map(|&m| m as f64).sum();
+            nll += sft_loss(&inner, &batch, micro, device) * n;
+            tokens += n;
+        }
+        Some(nll / tokens.max(1.0))
+    };
+    let mut last_val = None;
+    let mut checkpoint = None;
+    for step in 1..=total {
+        let picked: Vec<&SftExample> = sampler.next_batch(bs).iter().map(|&i| &train[i]).collect();
+        let batch = sft_rollout_batch(&picked, pad);
+        let lr = schedule.lr(step - 1);
+        let (updated, m) = sft_update(model, &mut optim, lr, &batch, micro, o.clip_grad, device)?;
+        model = updated;
+        let mut metrics: Metrics = m.into_iter().collect();
+        metrics.insert("train/epoch".into(), sampler.state().epoch as f64);
+        let last = step == total;
+        if (t.test_freq > 0 && step as i64 % t.test_freq == 0) || last {
+            if let Some(v) = val_loss(&model) {
+                metrics.insert("val/loss".into(), v);
+                last_val = Some(v);
+            }
+        }
+        logger.log(step, &metrics)?;
+        let stopping = stop.load(Ordering::SeqCst);
+        if (t.save_freq > 0 && step as i64 % t.save_freq == 0) || last || stopping {
+            let dir = root.join(format!("global_step_{step}"));
+            save_pretrained(
+                &dir,
+                &model_config,
+                &model.valid().export(),
+                None,
+                Some(&tokenizer),
+            )?;
+            checkpoint = Some(dir);
+        }
+        if stopping {
+            logger.println(&format!("stopped on request after step {step}"));
+            break;
+        }
+    }
+    logger.finish()?;
+    Ok(SftOutputs {
+        checkpoint: checkpoint.expect("the last step saves"),
+        jsonl,
+        val_loss: last_val,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tokenizer() -> Tokenizer {
+        crate::tasks::tokenizer()
+    }
+
+    fn pair(p: &str, r: &str) -> TextPair {
+        TextPair {
+            prompt: p.into(),
+            response: r.into(),
+        }
+    }
+
+    #[test]
+    fn pairs_encode_with_eos_and_truncate_as_asked() {
+        let t = tokenizer();
+        let eos = t.eos_token_ids[0];
+        let e = encode_pair(&t, &pair("12+34=", "46"), 16, "error").unwrap();
+        assert_eq!(e.prompt.len(), 6);
+        assert_eq!(e.response.len(), 3);
+        assert_eq!(*e.response.last().unwrap(), eos);
+        assert!(encode_pair(&t, &pair("12+34=", "46"), 8, "error")
+            .unwrap_err()
+            .contains("data.max_length"));
+        let left = encode_pair(&t, &pair("12+34=", "46"), 8, "left").unwrap();
+        assert_eq!((left.prompt.len(), left.response.len()), (5, 3));
+        let right = encode_pair(&t, &pair("12+34=", "46"), 8, "right").unwrap();
+        assert_eq!((right.prompt.len(), right.response.len()), (6, 2));
+    }
+
+    #[test]
+    fn bad_settings_name_their_key() {
+        let mut c = SftConfig::default();
+        c.data.truncation = "middle".into();
+        assert!(c.validate().unwrap_err().to_string().contains("data.truncation"));
+        let mut c = SftConfig::default();
+        c.trainer.n_gpus_per_node = 2;
+        assert!(c.validate().unwrap_err().to_string().contains("n_gpus_per_node"));
+    }
+}

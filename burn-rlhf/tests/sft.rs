@@ -1,0 +1,163 @@
+//! The SFT recipe: `burn-rlhf sft` with verl's SFT keys on a tiny model. Its loss counts response
+//! tokens only, it decreases over 20 steps, and its checkpoint starts a PPO run.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use burn::backend::{Autodiff, Flex};
+use burn::module::AutodiffModule;
+use burn::tensor::activation::log_softmax;
+use burn::tensor::{Int, Tensor, TensorData};
+use burn_rlhf::learner::sft_loss;
+use burn_rlhf::models::pretrained::{load_pretrained, save_pretrained};
+use burn_rlhf::models::CausalLm;
+use burn_rlhf::rollout::data::{write_parquet, TextPair};
+use burn_rlhf::sft::{encode_pair, sft_rollout_batch};
+use burn_rlhf::tasks;
+use burn_rlhf::trainer::metrics::read_jsonl;
+use burn_rlhf_test_assets::temp_dir;
+
+type B = Flex;
+
+/// A tiny random model and the arithmetic task as `{question, answer}` jsonl.
+fn assets(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
+    let c = tasks::model_config(32, 1);
+    let model: CausalLm<Autodiff<B>> = c.init_causal_lm(&Default::default());
+    let path = dir.join("model");
+    save_pretrained(
+        &path,
+        &c,
+        &model.valid().export(),
+        None,
+        Some(&tasks::tokenizer()),
+    )
+    .unwrap();
+    let (train, test) = tasks::split_problems(40, 16, 3);
+    let write = |name: &str, records: &[burn_rlhf::rollout::PromptRecord]| {
+        let file = dir.join(name);
+        let lines: Vec<String> = records
+            .iter()
+            .map(|r| {
+                serde_json::json!({"question": r.prompt[0].content, "answer": r.ground_truth})
+                    .to_string()
+            })
+            .collect();
+        std::fs::write(&file, lines.join("\n")).unwrap();
+        file
+    };
+    (path, write("train.jsonl", &train), write("test.jsonl", &test))
+}
+
+#[test]
+fn loss_counts_only_response_tokens() {
+    let dir = temp_dir("sft-loss");
+    let (model_dir, _, _) = assets(&dir);
+    let pre = load_pretrained(&model_dir.display().to_string()).unwrap();
+    let model: CausalLm<B> = pre.causal_lm(&Default::default()).unwrap();
+    let t = tasks::tokenizer();
+    let example = encode_pair(
+        &t,
+        &TextPair {
+            prompt: "37+48=".into(),
+            response: "85".into(),
+        },
+        32,
+        "error",
+    )
+    .unwrap();
+    let batch = sft_rollout_batch(&[&example], t.pad_token_id);
+    let loss = sft_loss(&model, &batch, 1, &Default::default());
+    // By hand: log-softmax over the whole sequence, then the next-token log-prob at every place.
+    let ids: Vec<i64> = example
+        .prompt
+        .iter()
+        .chain(&example.response)
+        .map(|&x| x as i64)
+        .collect();
+    let l = ids.len();
+    let int = |v: Vec<i64>| Tensor::<B, 2, Int>::from_data(TensorData::new(v, [1, l]), &Default::default());
+    let logits = model.forward(
+        int(ids.clone()),
+        int(vec![1; l]),
+        int((0..l as i64).collect()),
+        None,
+    );
+    let logp: Vec<f32> = log_softmax(logits, 2).into_data().to_vec().unwrap();
+    let v = logp.len() / l;
+    let next = |t: usize| -(logp[(t - 1) * v + ids[t] as usize] as f64);
+    let p = example.prompt.len();
+    let response_nll = (p..l).map(next).sum::<f64>() / (l - p) as f64;
+    let all_nll = (1..l).map(next).sum::<f64>() / (l - 1) as f64;
+    assert!((loss - response_nll).abs() < 1e-4, "{loss} vs {response_nll}");
+    assert!((loss - all_nll).abs() > 1e-3, "the prompt tokens must not count");
+}
+
+fn ron_list(p: &Path) -> String {
+    format!("[\"{}\"]", p.display())
+}
+
+#[test]
+fn sft_command_lowers_the_loss_and_its_checkpoint_starts_ppo() {
+    let dir = temp_dir("sft-run");
+    let (model_dir, train, test) = assets(&dir);
+    let out = dir.join("out");
+    let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/sft_gsm8k.ron");
+    let status = Command::new(env!("CARGO_BIN_EXE_burn-rlhf"))
+        .arg("sft")
+        .arg(&config)
+        .args([
+            format!("model.partial_pretrain={}", model_dir.display()),
+            format!("data.train_files={}", ron_list(&train)),
+            format!("data.val_files={}", ron_list(&test)),
+            "data.max_length=16".into(),
+            "data.train_batch_size=8".into(),
+            "data.micro_batch_size_per_gpu=3".into(),
+            "optim.lr=0.003".into(),
+            "optim.warmup_steps_ratio=0".into(),
+            "optim.lr_scheduler=constant".into(),
+            "trainer.total_training_steps=20".into(),
+            "trainer.test_freq=10".into(),
+            "trainer.logger=[jsonl]".into(),
+            format!("trainer.default_local_dir={}", out.display()),
+        ])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let log = read_jsonl(&out.join("metrics.jsonl")).unwrap();
+    assert_eq!(log.len(), 20);
+    let loss = |s: usize| log[s - 1].1["train/loss"];
+    let first = (loss(1) + loss(2)) / 2.0;
+    let last = (loss(19) + loss(20)) / 2.0;
+    println!("train/loss {first:.3} -> {last:.3}; val/loss {:.3} -> {:.3}", log[9].1["val/loss"], log[19].1["val/loss"]);
+    assert!(last < first * 0.8, "loss {first} -> {last}");
+    assert!(log[19].1["val/loss"] < log[9].1["val/loss"] + 1.0);
+
+    // The checkpoint is an HF folder a PPO run starts from.
+    let ckpt = out.join("global_step_20");
+    let records = tasks::split_problems(40, 16, 3).0;
+    let data = dir.join("train.parquet");
+    write_parquet(&data, &records).unwrap();
+    let ppo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/ppo_gsm8k.ron");
+    let status = Command::new(env!("CARGO_BIN_EXE_burn-rlhf"))
+        .arg("train")
+        .arg(&ppo)
+        .args([
+            format!("actor_rollout_ref.model.path={}", ckpt.display()),
+            format!("critic.model.path={}", ckpt.display()),
+            format!("data.train_files={}", ron_list(&data)),
+            "data.max_prompt_length=8".into(),
+            "data.max_response_length=4".into(),
+            "data.train_batch_size=4".into(),
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4".into(),
+            "custom_reward_function.name=arithmetic".into(),
+            "trainer.total_training_steps=1".into(),
+            "trainer.test_freq=-1".into(),
+            "trainer.val_before_train=false".into(),
+            "trainer.logger=[jsonl]".into(),
+            format!("trainer.default_local_dir={}", dir.join("ppo").display()),
+        ])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    assert!(dir.join("ppo/global_step_1/actor/model.safetensors").exists());
+}
