@@ -539,6 +539,48 @@ impl<B: Backend> AdvantageEstimator<B> for Sppo {
     }
 }
 
+/// SPIN's pairs: each prompt's two responses, the higher-scored one (the first on a tie) marked
+/// `+1` on its valid tokens and the other `-1`, for the [`SpinDpo`](crate::preference::SpinDpo)
+/// loss. A group of another size is an error (`rollout.n` must be 2).
+#[derive(Debug, Clone, Copy)]
+pub struct SpinPairs;
+
+impl<B: Backend> AdvantageEstimator<B> for SpinPairs {
+    fn name(&self) -> &str {
+        "spin"
+    }
+
+    fn compute(&self, input: &AdvantageInput<B>) -> Result<AdvantageOutput<B>, AlgoError> {
+        let host = HostBatch::read("spin", input)?;
+        let groups = groups("spin", &input.group_ids, host.rows)?;
+        let scores = host.scores();
+        let mut sign = vec![0.0; host.rows];
+        for rows in &groups {
+            let [a, b] = rows[..] else {
+                return Err(AlgoError::invalid(
+                    "spin",
+                    format!(
+                        "a prompt has {} responses; SPIN pairs two (actor_rollout_ref.rollout.n = 2)",
+                        rows.len()
+                    ),
+                ));
+            };
+            let (chosen, rejected) = if scores[b] > scores[a] {
+                (b, a)
+            } else {
+                (a, b)
+            };
+            sign[chosen] = 1.0;
+            sign[rejected] = -1.0;
+        }
+        let a = host.broadcast::<B>(&sign, &input.token_level_rewards.device());
+        Ok(AdvantageOutput {
+            advantages: a.clone(),
+            returns: a,
+        })
+    }
+}
+
 /// GPG (Chu et al. 2025): `alpha * (s - group mean)` with `alpha = B / max(#nonzero scores, 1)`;
 /// a one-row group has mean 0.
 #[derive(Debug, Clone, Copy)]

@@ -13,11 +13,12 @@ pub const ADVANTAGE_ESTIMATORS: &[&str] = &[
     "opo",
     "gpg",
     "sppo",
+    "spin",
 ];
 
 /// `actor_rollout_ref.actor.policy_loss.loss_mode`.
 pub const POLICY_LOSSES: &[&str] = &[
-    "vanilla", "gspo", "gpg", "cispo", "sapo", "geo_mean", "kl_cov", "clip_cov", "sppo",
+    "vanilla", "gspo", "gpg", "cispo", "sapo", "geo_mean", "kl_cov", "clip_cov", "sppo", "spin",
 ];
 
 /// `loss_agg_mode` for the actor and the critic.

@@ -31,6 +31,8 @@ pub struct PolicyLossInput<B: Backend> {
     pub loss_agg_mode: LossAggMode,
     /// Global counts, so the loss does not depend on how the mini-batch is split.
     pub global: GlobalBatchInfo,
+    /// The reference policy's log-probs, `[B, T]`, for losses that compare to it (SPIN's DPO).
+    pub ref_log_prob: Option<Tensor<B, 2>>,
 }
 
 /// A policy loss's result.
@@ -55,6 +57,15 @@ pub trait PolicyLoss<B: Backend>: Send + Sync {
     }
     /// Restores [`PolicyLoss::stream_position`].
     fn restore_stream_position(&self, _position: u64) {}
+    /// Whether the loss reads [`PolicyLossInput::ref_log_prob`] (a reference must exist).
+    fn needs_reference(&self) -> bool {
+        false
+    }
+    /// Consecutive rows the loss must see together (2: SPIN's pairs); micro-batches and ranks get
+    /// whole units.
+    fn rows_per_unit(&self) -> usize {
+        1
+    }
 }
 
 /// Parameters the built-in losses read (`actor.*` and `actor.policy_loss.*`).
@@ -82,6 +93,12 @@ pub struct PolicyLossParams {
     pub ppo_kl_coef: f64,
     /// SPPO's step size: the log-ratio is pulled towards `eta` times the centred reward.
     pub sppo_eta: f64,
+    /// SPIN's DPO temperature `β`.
+    pub dpo_beta: f64,
+    /// SPIN's DPO label smoothing `ε` (sigmoid loss).
+    pub dpo_label_smoothing: f64,
+    /// SPIN's DPO loss: sigmoid or IPO.
+    pub dpo_loss_type: crate::preference::DpoLossType,
     /// Seeds Clip-Cov's random choice of tokens, so runs reproduce.
     pub seed: u64,
 }
@@ -100,6 +117,9 @@ impl Default for PolicyLossParams {
             kl_cov_ratio: 0.0002,
             ppo_kl_coef: 0.1,
             sppo_eta: 1.0,
+            dpo_beta: 0.1,
+            dpo_label_smoothing: 0.0,
+            dpo_loss_type: crate::preference::DpoLossType::Sigmoid,
             seed: 1,
         }
     }

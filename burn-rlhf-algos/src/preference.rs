@@ -50,14 +50,25 @@ pub fn online_dpo_loss<B: Backend>(
 ) -> Tensor<B, 1> {
     let logits = (policy_chosen_logps - policy_rejected_logps)
         - (reference_chosen_logps - reference_rejected_logps);
-    let losses = match loss_type {
+    dpo_pair_losses(logits, beta, label_smoothing, loss_type).mean()
+}
+
+/// The DPO loss of each pair from its margin `h` (see [`online_dpo_loss`]).
+///
+/// Shapes: `[N]` → `[N]`.
+pub fn dpo_pair_losses<B: Backend>(
+    logits: Tensor<B, 1>,
+    beta: f64,
+    label_smoothing: f64,
+    loss_type: DpoLossType,
+) -> Tensor<B, 1> {
+    match loss_type {
         DpoLossType::Sigmoid => {
             log_sigmoid(logits.clone() * beta).neg() * (1.0 - label_smoothing)
                 - log_sigmoid(logits.neg() * beta) * label_smoothing
         }
         DpoLossType::Ipo => (logits - 1.0 / (2.0 * beta)).square(),
-    };
-    losses.mean()
+    }
 }
 
 /// The soft mean `(1/β) log mean exp(β x)`; the plain mean at `β = 0`. Computed on the host in f64
@@ -137,6 +148,99 @@ impl<B: Backend> PolicyLoss<B> for SppoLoss {
     }
 }
 
+/// SPIN (online DPO) as a policy loss for the shared learner. Rows come in pairs (rows `2k` and
+/// `2k+1`, the two responses to one prompt); the `spin` estimator marks the chosen one `+1` and
+/// the rejected one `-1`. Each pair's margin is `h = Σ_rows s (Σ_t M (log π - log π_ref))`; the loss
+/// is [`dpo_pair_losses`] summed over the micro-batch's pairs and divided by the mini-batch's global
+/// pair count (times `dp_size`, as `agg_loss`), so micro-batches and ranks add up to the mean.
+#[derive(Debug, Clone, Copy)]
+pub struct SpinDpo {
+    /// `β`.
+    pub beta: f64,
+    /// `ε` (sigmoid).
+    pub label_smoothing: f64,
+    /// Sigmoid or IPO.
+    pub loss_type: DpoLossType,
+}
+
+impl<B: Backend> PolicyLoss<B> for SpinDpo {
+    fn name(&self) -> &str {
+        "spin"
+    }
+
+    fn needs_reference(&self) -> bool {
+        true
+    }
+
+    fn rows_per_unit(&self) -> usize {
+        2
+    }
+
+    fn compute(&self, input: &PolicyLossInput<B>) -> Result<PolicyLossOutput<B>, AlgoError> {
+        let reference = input
+            .ref_log_prob
+            .clone()
+            .ok_or_else(|| AlgoError::invalid("spin", "needs the reference policy's log-probs"))?;
+        let mask = input.response_mask.clone();
+        let [rows, _] = mask.dims();
+        if rows % 2 != 0 {
+            return Err(AlgoError::invalid(
+                "spin",
+                format!(
+                    "{rows} rows: pairs must stay together (rollout.n = 2, even micro-batches)"
+                ),
+            ));
+        }
+        let row_tokens = mask.clone().sum_dim(1);
+        // +1 chosen, -1 rejected (constant over a row's valid tokens).
+        let sign = masked_sum_rows(input.advantages.clone(), mask.clone())
+            / row_tokens.clone().clamp_min(1.0);
+        let log_ratio = masked_sum_rows(input.log_prob.clone() - reference, mask);
+        let margin = (log_ratio * sign)
+            .reshape([rows / 2, 2])
+            .sum_dim(1)
+            .reshape([rows / 2]);
+        let losses = dpo_pair_losses(
+            margin.clone(),
+            self.beta,
+            self.label_smoothing,
+            self.loss_type,
+        );
+        let pairs = match input.global.global_batch_size {
+            Some(seqs) => seqs / 2.0,
+            None => (rows / 2) as f64,
+        }
+        .max(1.0);
+        let loss = losses.sum() / pairs * input.global.dp_size.max(1) as f64;
+        // Metrics weight each pair by its tokens, like the other losses' token means, so the
+        // learner's token-share weighting makes them the mini-batch's whatever the split.
+        let h = to_vec(margin);
+        let pair_tokens: Vec<f64> = to_vec(row_tokens)
+            .chunks(2)
+            .map(|p| p.iter().map(|&t| t as f64).sum())
+            .collect();
+        let total: f64 = pair_tokens.iter().sum::<f64>().max(1.0);
+        let weighted = |f: &dyn Fn(f32) -> f64| {
+            h.iter()
+                .zip(&pair_tokens)
+                .map(|(&x, &w)| f(x) * w)
+                .sum::<f64>()
+                / total
+        };
+        let metrics = BTreeMap::from([
+            (
+                "actor/dpo_reward_acc".to_string(),
+                weighted(&|x| f64::from(u8::from(x > 0.0))),
+            ),
+            (
+                "actor/dpo_margin".to_string(),
+                weighted(&|x| x as f64 * self.beta),
+            ),
+        ]);
+        Ok(PolicyLossOutput { loss, metrics })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -173,6 +277,7 @@ mod tests {
             response_mask: mask.clone().slice([rows, 0..3]),
             loss_agg_mode: LossAggMode::TokenMean,
             global,
+            ref_log_prob: None,
         };
         let whole = PolicyLoss::<T>::compute(&loss, &input(0..4, GlobalBatchInfo::local()))
             .unwrap()

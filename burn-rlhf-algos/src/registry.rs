@@ -135,6 +135,7 @@ impl<B: crate::RlBackend> Registry<B> {
         r.register_estimator("opo", |_| Ok(Box::new(Opo)));
         r.register_estimator("gpg", |_| Ok(Box::new(Gpg)));
         r.register_estimator("sppo", |p| Ok(Box::new(Sppo { beta: p.sppo_beta })));
+        r.register_estimator("spin", |_| Ok(Box::new(SpinPairs)));
 
         r.register_policy_loss("vanilla", |p| {
             if p.clip_ratio_c <= 1.0 {
@@ -181,6 +182,13 @@ impl<B: crate::RlBackend> Registry<B> {
             }))
         });
         r.register_policy_loss("clip_cov", |p| Ok(Box::new(ClipCov::new(p))));
+        r.register_policy_loss("spin", |p| {
+            Ok(Box::new(crate::preference::SpinDpo {
+                beta: p.dpo_beta,
+                label_smoothing: p.dpo_label_smoothing,
+                loss_type: p.dpo_loss_type,
+            }))
+        });
         r.register_policy_loss("sppo", |p| {
             Ok(Box::new(crate::preference::SppoLoss { eta: p.sppo_eta }))
         });

@@ -237,6 +237,7 @@ fn policy_losses_do_not_depend_on_micro_batch_or_rank_split() {
                         loss_scale_factor: Some(cols as f64),
                         ..*info
                     },
+                    ref_log_prob: None,
                 };
                 (loss_fn.compute(&input).unwrap().loss, log_prob)
             };
@@ -364,6 +365,7 @@ fn clip_cov_drops_a_seeded_fraction_of_in_window_tokens() {
             response_mask: t2(m.clone(), rows, cols),
             loss_agg_mode: LossAggMode::TokenMean,
             global: GlobalBatchInfo::local(),
+            ref_log_prob: None,
         };
         let out = loss.compute(&input).unwrap();
         (to_scalar(out.loss), out.metrics["actor/pg_clipfrac"])

@@ -341,6 +341,9 @@ fn compute(case: &Case) -> Result<Ours, String> {
                 kl_cov_ratio: case.f("kl_cov_ratio").unwrap_or(d.kl_cov_ratio),
                 ppo_kl_coef: case.f("ppo_kl_coef").unwrap_or(d.ppo_kl_coef),
                 sppo_eta: case.f("eta").unwrap_or(d.sppo_eta),
+                dpo_beta: d.dpo_beta,
+                dpo_label_smoothing: d.dpo_label_smoothing,
+                dpo_loss_type: d.dpo_loss_type,
                 seed: d.seed,
             };
             let loss_fn = registry
@@ -354,6 +357,7 @@ fn compute(case: &Case) -> Result<Ours, String> {
                 response_mask: case.input("response_mask")?.t2()?,
                 loss_agg_mode: case.agg_mode()?,
                 global: GlobalBatchInfo::local(),
+                ref_log_prob: None,
             };
             let out = loss_fn.compute(&input).map_err(|e| e.to_string())?;
             let grads = out.loss.backward();

@@ -398,7 +398,9 @@ fn string_column(df: &DataFrame, path: &Path, key: &str) -> Result<Series, Rollo
             .and_then(|st| st.field_by_name(part))
             .map_err(|_| RolloutError::Data {
                 path: path.into(),
-                message: format!("no `{key}` field (column `{first}` has no struct field `{part}`)"),
+                message: format!(
+                    "no `{key}` field (column `{first}` has no struct field `{part}`)"
+                ),
             })?;
     }
     Ok(series)

@@ -179,7 +179,10 @@ impl SftConfig {
             return bad("data.micro_batch_size_per_gpu", "must be >= 1");
         }
         if d.max_length < 2 {
-            return bad("data.max_length", "must be >= 2 (a prompt token and a target)");
+            return bad(
+                "data.max_length",
+                "must be >= 2 (a prompt token and a target)",
+            );
         }
         if !["error", "left", "right"].contains(&d.truncation.as_str()) {
             return bad("data.truncation", "must be error, left or right");
@@ -187,7 +190,7 @@ impl SftConfig {
         if d.train_files.is_empty() {
             return bad("data.train_files", "no files");
         }
-        if !(self.optim.lr > 0.0) {
+        if self.optim.lr.is_nan() || self.optim.lr <= 0.0 {
             return bad("optim.lr", "must be > 0");
         }
         if !["cosine", "constant"].contains(&self.optim.lr_scheduler.as_str()) {
@@ -308,12 +311,13 @@ fn load_examples(
         let path = crate::datasets::data_file_path(spec, default_split)?;
         let pairs = read_pairs(&path, &data.prompt_key, &data.response_key)?;
         for (row, pair) in pairs.iter().enumerate() {
-            let example = encode_pair(tokenizer, pair, data.max_length, &data.truncation)
-                .map_err(|message| RolloutError::Row {
+            let example = encode_pair(tokenizer, pair, data.max_length, &data.truncation).map_err(
+                |message| RolloutError::Row {
                     path: path.clone(),
                     row: row + 1,
                     message,
-                })?;
+                },
+            )?;
             out.push(example);
         }
     }
@@ -507,9 +511,17 @@ mod tests {
     fn bad_settings_name_their_key() {
         let mut c = SftConfig::default();
         c.data.truncation = "middle".into();
-        assert!(c.validate().unwrap_err().to_string().contains("data.truncation"));
+        assert!(c
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("data.truncation"));
         let mut c = SftConfig::default();
         c.trainer.n_gpus_per_node = 2;
-        assert!(c.validate().unwrap_err().to_string().contains("n_gpus_per_node"));
+        assert!(c
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("n_gpus_per_node"));
     }
 }

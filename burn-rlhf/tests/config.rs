@@ -27,10 +27,14 @@ fn every_shipped_config_validates_and_round_trips() {
         files.len()
     );
     for file in files {
-        if file.file_name().is_some_and(|n| n.to_string_lossy().starts_with("sft")) {
+        if file
+            .file_name()
+            .is_some_and(|n| n.to_string_lossy().starts_with("sft"))
+        {
             // The SFT trainer's own tree (verl's sft_trainer keys).
             let sft = burn_rlhf::sft::SftConfig::load(&file, &[]).unwrap_or_else(|e| panic!("{e}"));
-            sft.validate().unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+            sft.validate()
+                .unwrap_or_else(|e| panic!("{}: {e}", file.display()));
             continue;
         }
         let config = load_config(&file, &[]).unwrap_or_else(|e| panic!("{e}"));

@@ -324,3 +324,64 @@ fn sppo_centres_rewards_by_the_soft_mean_and_pulls_the_log_ratio_towards_them() 
         assert!(m["actor/pg_loss"].is_finite() && m["actor/pg_loss"] >= 0.0);
     }
 }
+
+fn flat<M: burn::module::Module<Flex>>(m: &M) -> Vec<f32> {
+    struct Collect(Vec<f32>);
+    impl burn::module::ModuleVisitor<Flex> for Collect {
+        fn visit_float<const D: usize>(
+            &mut self,
+            p: &burn::module::Param<burn::tensor::Tensor<Flex, D>>,
+        ) {
+            self.0.extend(p.val().into_data().iter::<f32>());
+        }
+    }
+    let mut c = Collect(Vec::new());
+    m.visit(&mut c);
+    c.0
+}
+
+#[test]
+fn spin_refreshes_its_reference_every_ref_update_freq_steps() {
+    let dir = temp_dir("recipe-spin");
+    let mut c = config("spin", &dir);
+    c.actor_rollout_ref.actor.policy_loss.loss_mode = "spin".into();
+    c.actor_rollout_ref.actor.policy_loss.dpo_beta = 0.5;
+    c.actor_rollout_ref.actor.ppo_mini_batch_size = 4;
+    c.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu = Some(3);
+    c.trainer.ref_update_freq = 2;
+    let reward = || Arc::new(Recipe(|_, r: &RewardInput<'_>| r.response.len() as f64));
+    let mut l = learner(c.clone(), reward());
+    let start = flat(l.reference.as_ref().unwrap());
+    let mut refs = vec![start.clone()];
+    for step in 1..=4 {
+        let m = l.step().unwrap();
+        if step == 1 {
+            // The reference is the policy itself: every pair's margin is 0, the loss is ln 2.
+            assert!(
+                (m["actor/pg_loss"] - std::f64::consts::LN_2).abs() < 1e-5,
+                "{m:?}"
+            );
+        }
+        assert!(m["actor/dpo_reward_acc"].is_finite());
+        let now = flat(l.reference.as_ref().unwrap());
+        let actor = flat(&l.actor.valid());
+        if step % 2 == 0 {
+            assert_eq!(now, actor, "step {step}: the reference is the actor");
+        } else {
+            assert_eq!(
+                &now,
+                refs.last().unwrap(),
+                "step {step}: the reference is unchanged"
+            );
+            assert_ne!(now, actor);
+        }
+        refs.push(now);
+    }
+    assert_ne!(refs[2], start);
+    assert_ne!(refs[4], refs[2]);
+    // A checkpoint keeps the refreshed reference.
+    let saved = l.save_checkpoint().unwrap();
+    let mut again = learner(c, reward());
+    again.load_checkpoint(&saved).unwrap();
+    assert_eq!(flat(again.reference.as_ref().unwrap()), refs[4]);
+}

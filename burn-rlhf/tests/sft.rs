@@ -45,7 +45,11 @@ fn assets(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
         std::fs::write(&file, lines.join("\n")).unwrap();
         file
     };
-    (path, write("train.jsonl", &train), write("test.jsonl", &test))
+    (
+        path,
+        write("train.jsonl", &train),
+        write("test.jsonl", &test),
+    )
 }
 
 #[test]
@@ -75,7 +79,9 @@ fn loss_counts_only_response_tokens() {
         .map(|&x| x as i64)
         .collect();
     let l = ids.len();
-    let int = |v: Vec<i64>| Tensor::<B, 2, Int>::from_data(TensorData::new(v, [1, l]), &Default::default());
+    let int = |v: Vec<i64>| {
+        Tensor::<B, 2, Int>::from_data(TensorData::new(v, [1, l]), &Default::default())
+    };
     let logits = model.forward(
         int(ids.clone()),
         int(vec![1; l]),
@@ -88,8 +94,14 @@ fn loss_counts_only_response_tokens() {
     let p = example.prompt.len();
     let response_nll = (p..l).map(next).sum::<f64>() / (l - p) as f64;
     let all_nll = (1..l).map(next).sum::<f64>() / (l - 1) as f64;
-    assert!((loss - response_nll).abs() < 1e-4, "{loss} vs {response_nll}");
-    assert!((loss - all_nll).abs() > 1e-3, "the prompt tokens must not count");
+    assert!(
+        (loss - response_nll).abs() < 1e-4,
+        "{loss} vs {response_nll}"
+    );
+    assert!(
+        (loss - all_nll).abs() > 1e-3,
+        "the prompt tokens must not count"
+    );
 }
 
 fn ron_list(p: &Path) -> String {
@@ -128,7 +140,10 @@ fn sft_command_lowers_the_loss_and_its_checkpoint_starts_ppo() {
     let loss = |s: usize| log[s - 1].1["train/loss"];
     let first = (loss(1) + loss(2)) / 2.0;
     let last = (loss(19) + loss(20)) / 2.0;
-    println!("train/loss {first:.3} -> {last:.3}; val/loss {:.3} -> {:.3}", log[9].1["val/loss"], log[19].1["val/loss"]);
+    println!(
+        "train/loss {first:.3} -> {last:.3}; val/loss {:.3} -> {:.3}",
+        log[9].1["val/loss"], log[19].1["val/loss"]
+    );
     assert!(last < first * 0.8, "loss {first} -> {last}");
     assert!(log[19].1["val/loss"] < log[9].1["val/loss"] + 1.0);
 
@@ -159,5 +174,7 @@ fn sft_command_lowers_the_loss_and_its_checkpoint_starts_ppo() {
         .status()
         .unwrap();
     assert!(status.success());
-    assert!(dir.join("ppo/global_step_1/actor/model.safetensors").exists());
+    assert!(dir
+        .join("ppo/global_step_1/actor/model.safetensors")
+        .exists());
 }

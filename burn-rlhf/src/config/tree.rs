@@ -171,6 +171,12 @@ pub struct PolicyLossConfig {
     pub ppo_kl_coef: f64,
     /// SPPO's step size (`loss_mode: "sppo"`).
     pub sppo_eta: f64,
+    /// SPIN's DPO temperature (`loss_mode: "spin"`).
+    pub dpo_beta: f64,
+    /// SPIN's DPO label smoothing.
+    pub dpo_label_smoothing: f64,
+    /// SPIN's DPO loss: `sigmoid` or `ipo`.
+    pub dpo_loss_type: String,
 }
 
 impl Default for PolicyLossConfig {
@@ -183,6 +189,9 @@ impl Default for PolicyLossConfig {
             kl_cov_ratio: 0.0002,
             ppo_kl_coef: 0.1,
             sppo_eta: 1.0,
+            dpo_beta: 0.1,
+            dpo_label_smoothing: 0.0,
+            dpo_loss_type: "sigmoid".into(),
         }
     }
 }
@@ -534,6 +543,8 @@ pub struct TrainerConfig {
     /// NeMo-RL's name for the step the policy starts training at: `critic_warmup` when set (the
     /// actor is updated from step `max(critic_warmup, this)`).
     pub policy_training_start_step: Option<usize>,
+    /// SPIN: the reference becomes a copy of the actor every this many steps (0: never).
+    pub ref_update_freq: usize,
     /// `None`: `checkpoints/{project_name}/{experiment_name}`.
     pub default_local_dir: Option<String>,
     /// `auto`, `disable` or `resume_path`.
@@ -560,6 +571,7 @@ impl Default for TrainerConfig {
             val_before_train: true,
             critic_warmup: 0,
             policy_training_start_step: None,
+            ref_update_freq: 0,
             default_local_dir: None,
             resume_mode: "auto".into(),
             resume_from_path: None,

@@ -147,28 +147,40 @@ impl DataParallel {
     /// This rank's rows of `batch` for the log-prob, value and update passes: a balanced share
     /// (verl's `balance_batch`) or an equal consecutive chunk; all rows, in order, on one rank.
     pub fn rows_of_rank(&self, batch: &RolloutBatch) -> Vec<usize> {
+        self.units_of_rank(batch, 1)
+    }
+
+    /// [`rows_of_rank`](Self::rows_of_rank) in units of `unit` consecutive rows that stay together
+    /// (a loss that pairs rows, SPIN's).
+    pub fn units_of_rank(&self, batch: &RolloutBatch, unit: usize) -> Vec<usize> {
         let (world, rank, rows) = (self.world(), self.rank(), batch.rows());
         if world == 1 {
             return (0..rows).collect();
         }
-        if self.balance_batch {
-            let lengths: Vec<usize> = batch
-                .prompt_lengths()
-                .iter()
-                .zip(batch.response_lengths())
-                .map(|(p, r)| p + r)
+        let unit = unit.max(1);
+        let units = rows.div_ceil(unit);
+        let rows_of = |u: usize| (u * unit)..((u + 1) * unit).min(rows);
+        let mine: Vec<usize> = if self.balance_batch {
+            let (prompts, responses) = (batch.prompt_lengths(), batch.response_lengths());
+            let lengths: Vec<usize> = (0..units)
+                .map(|u| rows_of(u).map(|r| prompts[r] + responses[r]).sum())
                 .collect();
             balanced_partitions(&lengths, world).swap_remove(rank)
         } else {
-            let range = chunk(rows, world, rank);
-            range.collect()
-        }
+            chunk(units, world, rank).collect()
+        };
+        mine.into_iter().flat_map(rows_of).collect()
     }
 
-    /// [`rows_of_rank`](Self::rows_of_rank) of a mini-batch that every rank must get rows of (an
-    /// update step needs every rank's gradients); `key` names the setting to change otherwise.
-    pub fn my_rows(&self, batch: &RolloutBatch, key: &str) -> Result<Vec<usize>, TrainError> {
-        if batch.rows() < self.world() {
+    /// [`units_of_rank`](Self::units_of_rank) of a mini-batch that every rank must get rows of
+    /// (an update step needs every rank's gradients); `key` names the setting to change otherwise.
+    pub fn my_rows(
+        &self,
+        batch: &RolloutBatch,
+        unit: usize,
+        key: &str,
+    ) -> Result<Vec<usize>, TrainError> {
+        if batch.rows().div_ceil(unit.max(1)) < self.world() {
             return Err(TrainError::config(
                 key,
                 format!(
@@ -178,7 +190,7 @@ impl DataParallel {
                 ),
             ));
         }
-        Ok(self.rows_of_rank(batch))
+        Ok(self.units_of_rank(batch, unit))
     }
 
     /// This rank.

@@ -60,7 +60,7 @@ pub fn critic_update<B: RlAutodiffBackend, O: Optimizer<ValueModel<B>, B>>(
         dp.world(),
     );
     let total_tokens = global.batch_num_tokens.unwrap_or(0.0).max(1.0);
-    let mine = dp.my_rows(batch, "critic.ppo_mini_batch_size")?;
+    let mine = dp.my_rows(batch, 1, "critic.ppo_mini_batch_size")?;
     let local = batch.select(&mine);
     let pick = |v: &[f32]| -> Vec<f32> {
         mine.iter()

@@ -91,7 +91,9 @@ pub fn actor_update<B: RlAutodiffBackend, O: Optimizer<CausalLm<B>, B>>(
         ..GlobalBatchInfo::from_mask(&mask_all, dp.world())
     };
     let total_tokens = global.batch_num_tokens.unwrap_or(0.0).max(1.0);
-    let mine = dp.my_rows(batch, "actor_rollout_ref.actor.ppo_mini_batch_size")?;
+    // Rows a loss must see together (SPIN's pairs) stay in one micro-batch on one rank.
+    let unit = policy_loss.rows_per_unit().max(1);
+    let mine = dp.my_rows(batch, unit, "actor_rollout_ref.actor.ppo_mini_batch_size")?;
     let local = batch.select(&mine);
     let pick = |v: &[f32]| -> Vec<f32> {
         mine.iter()
@@ -102,7 +104,7 @@ pub fn actor_update<B: RlAutodiffBackend, O: Optimizer<CausalLm<B>, B>>(
     let ref_all = targets.ref_log_probs.as_deref().map(pick);
     let mut accumulator = GradientsAccumulator::<CausalLm<B>>::new();
     let mut metrics: BTreeMap<String, f64> = BTreeMap::new();
-    let micro = config.micro_batch_size.max(1);
+    let micro = config.micro_batch_size.max(1).div_ceil(unit) * unit;
     let n_local = local.rows();
     for start in (0..n_local).step_by(micro) {
         let range: Vec<usize> = (start..(start + micro).min(n_local)).collect();
@@ -119,6 +121,7 @@ pub fn actor_update<B: RlAutodiffBackend, O: Optimizer<CausalLm<B>, B>>(
             response_mask: mask.clone(),
             loss_agg_mode: config.loss_agg_mode,
             global,
+            ref_log_prob: ref_all.as_ref().map(|v| tensor2(&cut(v), n, r, device)),
         };
         let out = policy_loss.compute(&input)?;
         let entropy_loss = agg_loss(entropy, mask.clone(), config.loss_agg_mode, &global)?;

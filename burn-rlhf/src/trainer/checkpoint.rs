@@ -43,6 +43,9 @@ pub struct TrainerState {
     pub actor_updates: usize,
     /// Critic optimiser steps.
     pub critic_updates: usize,
+    /// The step SPIN's reference was last replaced by the actor; its weights are in `ref/`.
+    #[serde(default)]
+    pub reference_refreshed_at: Option<usize>,
 }
 
 /// Parameter ids in visiting order: the same model built twice visits the same order.
@@ -203,7 +206,18 @@ impl<B: RlAutodiffBackend> Learner<B> {
                 policy_loss_stream: self.policy_loss.stream_position(),
                 actor_updates: self.actor_updates,
                 critic_updates: self.critic_updates,
+                reference_refreshed_at: self.reference_refreshed_at,
             };
+            // A reference that is no longer the starting model (SPIN) is part of the state.
+            if let (Some(_), Some(r)) = (self.reference_refreshed_at, &self.reference) {
+                save_pretrained(
+                    &tmp.join("ref"),
+                    &self.model_config,
+                    &r.export(),
+                    None,
+                    Some(&self.tokenizer),
+                )?;
+            }
             let state_path = tmp.join("trainer_state.json");
             std::fs::write(
                 &state_path,
@@ -292,6 +306,14 @@ impl<B: RlAutodiffBackend> Learner<B> {
             c.optim = load_optimizer(&critic_dir, &model, c.optim.clone(), &stem, &self.device)?;
             c.model = model;
         }
+        if state.reference_refreshed_at.is_some() {
+            let ref_dir = dir.join("ref");
+            self.reference = Some(
+                load_pretrained(&ref_dir.display().to_string())?
+                    .causal_lm::<B::InnerBackend>(&self.device)?,
+            );
+        }
+        self.reference_refreshed_at = state.reference_refreshed_at;
         self.kl_ctrl.load_state(&state.kl_ctrl)?;
         self.policy_loss
             .restore_stream_position(state.policy_loss_stream);

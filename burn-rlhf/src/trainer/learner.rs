@@ -104,6 +104,8 @@ pub struct Learner<B: RlAutodiffBackend> {
     pub(crate) critic: Option<CriticState<B>>,
     /// The frozen reference policy (when KL is used).
     pub reference: Option<CausalLm<B::InnerBackend>>,
+    /// The step the reference was last replaced by the actor (`trainer.ref_update_freq`).
+    pub(crate) reference_refreshed_at: Option<usize>,
     pub(crate) estimator: Box<dyn AdvantageEstimator<B>>,
     /// The returns' estimator when its lambda differs from the advantages' (VAPO).
     pub(crate) value_estimator: Option<Box<dyn AdvantageEstimator<B>>>,
@@ -203,6 +205,11 @@ impl<B: RlAutodiffBackend> Learner<B> {
                 kl_cov_ratio: actor_cfg.policy_loss.kl_cov_ratio,
                 ppo_kl_coef: actor_cfg.policy_loss.ppo_kl_coef,
                 sppo_eta: actor_cfg.policy_loss.sppo_eta,
+                dpo_beta: actor_cfg.policy_loss.dpo_beta,
+                dpo_label_smoothing: actor_cfg.policy_loss.dpo_label_smoothing,
+                dpo_loss_type: burn_rlhf_algos::preference::DpoLossType::from_name(
+                    &actor_cfg.policy_loss.dpo_loss_type,
+                )?,
                 seed: config.trainer.seed,
             },
         )?;
@@ -230,7 +237,8 @@ impl<B: RlAutodiffBackend> Learner<B> {
         if config.data.train_batch_size == 0 {
             return Err(TrainError::config("data.train_batch_size", "must be >= 1"));
         }
-        let uses_kl = parts.training && (alg.use_kl_in_reward || actor_cfg.use_kl_loss);
+        let uses_kl = parts.training
+            && (alg.use_kl_in_reward || actor_cfg.use_kl_loss || policy_loss.needs_reference());
         let reference = match parts.reference {
             Some(r) => Some(r),
             None if uses_kl => Some(parts.actor.valid()),
@@ -284,6 +292,7 @@ impl<B: RlAutodiffBackend> Learner<B> {
             actor: parts.actor,
             critic,
             reference,
+            reference_refreshed_at: None,
             estimator,
             value_estimator,
             policy_loss,
@@ -1006,6 +1015,12 @@ impl<B: RlAutodiffBackend> Learner<B> {
                 )
             })?;
             metrics.extend(m);
+            // SPIN's self-play: the opponent (the reference) becomes the current policy.
+            let freq = self.config.trainer.ref_update_freq;
+            if freq > 0 && step.is_multiple_of(freq) && self.reference.is_some() {
+                self.reference = Some(self.actor.valid());
+                self.reference_refreshed_at = Some(step);
+            }
         }
         // verl reports the entropy of the rollout policy, from the old-log-prob pass.
         let mode = LossAggMode::from_name(&self.config.actor_rollout_ref.actor.loss_agg_mode)?;
