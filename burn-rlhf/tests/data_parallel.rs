@@ -423,9 +423,10 @@ fn wait_bounded(mut child: Child, limit: Duration) -> (bool, String) {
     (status.is_some_and(|s| s.success()), err)
 }
 
-#[test]
-fn two_processes_on_loopback_reproduce_one_process() {
-    let dir = temp_dir("dp-processes");
+/// `burn-rlhf train` as one process with one device, then as 2 processes on 127.0.0.1 with
+/// `devices` devices each: same weights and metrics.
+fn processes_reproduce_one_process(name: &str, devices: usize) {
+    let dir = temp_dir(name);
     let (model, data) = cli_assets(&dir);
     let single = dir.join("single");
     let status = Command::new(env!("CARGO_BIN_EXE_burn-rlhf"))
@@ -435,16 +436,29 @@ fn two_processes_on_loopback_reproduce_one_process() {
         .unwrap();
     assert!(status.success());
     let multi = dir.join("multi");
-    let args = cli_args(&model, &data, &multi, STEPS);
+    let mut args = cli_args(&model, &data, &multi, STEPS);
+    args.push(format!("trainer.n_gpus_per_node={devices}"));
     let port = free_port();
     let ranks: Vec<Child> = (0..2).map(|r| spawn_rank(&args, r, port)).collect();
     for (r, child) in ranks.into_iter().enumerate() {
         let (ok, err) = wait_bounded(child, Duration::from_secs(300));
-        assert!(ok, "rank {r} failed or ran past 300 s:\n{err}");
+        assert!(ok, "process {r} failed or ran past 300 s:\n{err}");
     }
     let step = format!("global_step_{STEPS}");
-    assert_same_weights(&single.join(&step), &multi.join(&step), "2 processes vs 1");
-    assert_same_metrics(&single.join(&step), &multi.join(&step), "2 processes vs 1");
+    let what = format!("2 processes x {devices} device(s) vs 1");
+    assert_same_weights(&single.join(&step), &multi.join(&step), &what);
+    assert_same_metrics(&single.join(&step), &multi.join(&step), &what);
+}
+
+#[test]
+fn two_processes_on_loopback_reproduce_one_process() {
+    processes_reproduce_one_process("dp-processes", 1);
+}
+
+#[test]
+fn two_processes_of_two_devices_reproduce_one_process() {
+    // World 4: every device thread of both processes is a rank of the TCP group.
+    processes_reproduce_one_process("dp-processes-devices", 2);
 }
 
 #[test]
