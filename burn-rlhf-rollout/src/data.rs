@@ -89,28 +89,40 @@ struct Gsm8kLine {
     answer: String,
 }
 
-/// Reads OpenAI's GSM8K jsonl (`{question, answer}` per line) into verl's layout. A malformed line,
-/// or an answer without `#### N`, is an error naming the file and line.
-pub fn read_gsm8k_jsonl(path: &Path, split: &str) -> Result<Vec<PromptRecord>, RolloutError> {
-    let file = File::open(path).map_err(|e| RolloutError::Io {
+/// The non-empty lines of a jsonl file parsed as `T`, with their 1-based line numbers; a line
+/// that does not parse is an error naming the file and line (`what` says what was expected).
+fn json_lines<T: serde::de::DeserializeOwned>(
+    path: &Path,
+    what: &str,
+) -> Result<Vec<(usize, T)>, RolloutError> {
+    let io = |e| RolloutError::Io {
         path: path.into(),
         source: e,
-    })?;
+    };
     let mut out = Vec::new();
-    for (i, line) in BufReader::new(file).lines().enumerate() {
-        let line = line.map_err(|e| RolloutError::Io {
-            path: path.into(),
-            source: e,
-        })?;
+    for (i, line) in BufReader::new(File::open(path).map_err(io)?)
+        .lines()
+        .enumerate()
+    {
+        let line = line.map_err(io)?;
         if line.trim().is_empty() {
             continue;
         }
-        let row = i + 1;
-        let rec: Gsm8kLine = serde_json::from_str(&line).map_err(|e| RolloutError::Row {
+        let value = serde_json::from_str(&line).map_err(|e| RolloutError::Row {
             path: path.into(),
-            row,
-            message: format!("not a {{question, answer}} object: {e}"),
+            row: i + 1,
+            message: format!("not a {what}: {e}"),
         })?;
+        out.push((i + 1, value));
+    }
+    Ok(out)
+}
+
+/// Reads OpenAI's GSM8K jsonl (`{question, answer}` per line) into verl's layout. A malformed line,
+/// or an answer without `#### N`, is an error naming the file and line.
+pub fn read_gsm8k_jsonl(path: &Path, split: &str) -> Result<Vec<PromptRecord>, RolloutError> {
+    let mut out = Vec::new();
+    for (row, rec) in json_lines::<Gsm8kLine>(path, "{question, answer} object")? {
         let index = out.len();
         out.push(gsm8k_record(
             rec.question,
@@ -417,25 +429,7 @@ pub fn read_pairs(
     let mut out = Vec::new();
     match path.extension().and_then(|e| e.to_str()) {
         Some("jsonl") | Some("json") => {
-            let file = File::open(path).map_err(|e| RolloutError::Io {
-                path: path.into(),
-                source: e,
-            })?;
-            for (i, line) in BufReader::new(file).lines().enumerate() {
-                let line = line.map_err(|e| RolloutError::Io {
-                    path: path.into(),
-                    source: e,
-                })?;
-                if line.trim().is_empty() {
-                    continue;
-                }
-                let row = i + 1;
-                let value: serde_json::Value =
-                    serde_json::from_str(&line).map_err(|e| RolloutError::Row {
-                        path: path.into(),
-                        row,
-                        message: format!("not a JSON object: {e}"),
-                    })?;
+            for (row, value) in json_lines::<serde_json::Value>(path, "JSON object")? {
                 let get = |key: &str| {
                     json_string(&value, key).ok_or_else(|| RolloutError::Row {
                         path: path.into(),

@@ -4,7 +4,8 @@ use std::path::PathBuf;
 
 use burn_rlhf_models::ChatMessage;
 use burn_rlhf_rollout::data::{
-    read_gsm8k_jsonl, read_parquet, read_records, write_parquet, ExtraInfo, GSM8K_INSTRUCTION,
+    read_gsm8k_jsonl, read_pairs, read_parquet, read_records, write_parquet, ExtraInfo,
+    GSM8K_INSTRUCTION,
 };
 use burn_rlhf_rollout::PromptRecord;
 
@@ -79,6 +80,34 @@ fn a_gsm8k_row_without_an_answer_line_is_reported_with_its_line() {
     .unwrap();
     let err = read_gsm8k_jsonl(&path, "train").unwrap_err().to_string();
     assert!(err.contains("row 2"), "{err}");
+    std::fs::remove_dir_all(dir).ok();
+}
+
+#[test]
+fn sft_pairs_read_nested_keys_and_report_bad_rows_by_line() {
+    let dir = temp("pairs");
+    let path = dir.join("sft.jsonl");
+    std::fs::write(
+        &path,
+        "{\"q\": \"1+1=\", \"extra\": {\"a\": \"2\"}}\n\n{\"q\": \"2+2=\", \"extra\": {\"a\": 4}}\n",
+    )
+    .unwrap();
+    let pairs = read_pairs(&path, "q", "extra.a").unwrap();
+    assert_eq!(pairs.len(), 2);
+    assert_eq!(
+        (pairs[1].prompt.as_str(), pairs[1].response.as_str()),
+        ("2+2=", "4")
+    );
+    // Line numbers count the blank line: the bad rows are on line 3.
+    std::fs::write(&path, "{\"q\": \"a\", \"r\": \"b\"}\n\n{\"q\": \"c\"}\n").unwrap();
+    let err = read_pairs(&path, "q", "r").unwrap_err().to_string();
+    assert!(
+        err.contains("sft.jsonl") && err.contains("row 3") && err.contains("`r`"),
+        "{err}"
+    );
+    std::fs::write(&path, "{\"q\": \"a\", \"r\": \"b\"}\n\n{broken\n").unwrap();
+    let err = read_pairs(&path, "q", "r").unwrap_err().to_string();
+    assert!(err.contains("row 3") && err.contains("JSON"), "{err}");
     std::fs::remove_dir_all(dir).ok();
 }
 
