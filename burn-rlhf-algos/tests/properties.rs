@@ -97,10 +97,7 @@ fn vectorized_and_looped_grpo_agree() {
             .map(|_| rng.random_range(0..n_groups) as u64 * 37)
             .collect();
         for r in 0..rows {
-            let last = (0..cols)
-                .filter(|&t| m[r * cols + t] > 0.0)
-                .next_back()
-                .unwrap();
+            let last = (0..cols).rfind(|&t| m[r * cols + t] > 0.0).unwrap();
             rewards[r * cols + last] = if rng.random_bool(0.5) {
                 1.0
             } else {

@@ -466,7 +466,9 @@ fn compare(what: &str, theirs: &Fx, ours: &[f64], atol: f64, rtol: f64) -> Resul
     }
     let mut worst: Option<(usize, f64, f64)> = None;
     for (i, (&r, &o)) in theirs.data.iter().zip(ours).enumerate() {
-        let bad = !((o - r).abs() <= atol + rtol * r.abs());
+        // Written so that NaN on either side counts as a mismatch.
+        let within = (o - r).abs() <= atol + rtol * r.abs();
+        let bad = !within;
         if bad && worst.is_none_or(|(_, wr, wo)| (o - r).abs() > (wo - wr).abs()) {
             worst = Some((i, r, o));
         }

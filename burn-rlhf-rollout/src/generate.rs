@@ -86,12 +86,12 @@ pub struct Sample {
     pub stopped: bool,
 }
 
+/// Integer rows, `[B][P]`.
+pub type IntRows = Vec<Vec<i64>>;
+
 /// Left-pads `prompts` to the longest: (ids, attention mask, position ids), each `[B][P]`; padding
 /// positions get id `pad_id`, mask 0 and position 0.
-pub fn left_pad(
-    prompts: &[Vec<u32>],
-    pad_id: u32,
-) -> (Vec<Vec<i64>>, Vec<Vec<i64>>, Vec<Vec<i64>>) {
+pub fn left_pad(prompts: &[Vec<u32>], pad_id: u32) -> (IntRows, IntRows, IntRows) {
     let p = prompts.iter().map(Vec::len).max().unwrap_or(0);
     let mut ids = Vec::with_capacity(prompts.len());
     let mut mask = Vec::with_capacity(prompts.len());

@@ -19,8 +19,11 @@ fn load(dir: &Path) -> (CausalLm<B>, TransformerConfig) {
     (pre.causal_lm(&Default::default()).unwrap(), config)
 }
 
+/// One golden case: unpadded prompts, HF's greedy sequences, new tokens.
+type GoldenCase = (Vec<Vec<u32>>, Vec<Vec<u32>>, usize);
+
 /// Unpadded prompts and the golden greedy sequences of every case in `golden.json`.
-fn golden_cases(dir: &Path) -> Vec<(Vec<Vec<u32>>, Vec<Vec<u32>>, usize)> {
+fn golden_cases(dir: &Path) -> Vec<GoldenCase> {
     let g: Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap();
     g["cases"]
@@ -161,7 +164,7 @@ fn rollout_logprobs_equal_a_full_forward() {
             .chain(&s.tokens)
             .cloned()
             .collect();
-        let (ids, mask, pos) = left_pad(&[full.clone()], 0);
+        let (ids, mask, pos) = left_pad(std::slice::from_ref(&full), 0);
         let t = |v: &Vec<Vec<i64>>| {
             Tensor::<B, 2, Int>::from_data(TensorData::new(v.concat(), [1, full.len()]), &device)
         };
