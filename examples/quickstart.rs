@@ -25,7 +25,7 @@ use burn_rlhf::burn::module::AutodiffModule;
 use burn_rlhf::burn::optim::AdamWConfig;
 use burn_rlhf::burn::tensor::backend::Backend;
 use burn_rlhf::config::RlhfConfig;
-use burn_rlhf::learner::sft_update;
+use burn_rlhf::minibatch::sft_update;
 use burn_rlhf::models::pretrained::save_pretrained;
 use burn_rlhf::models::weights::WeightMap;
 use burn_rlhf::models::{CausalLm, ValueModel};

@@ -176,7 +176,7 @@ mod wgpu {
             .collect();
         let x = t::<Autodiff<K>>(&logits, rows, vocab, device).require_grad();
         let l = Tensor::<Autodiff<K>, 1, Int>::from_data(TensorData::new(labels, [rows]), device);
-        let (entropy, logp) = kernels::logprobs_and_entropy(
+        let (entropy, logp) = kernels::entropy_and_logprobs(
             x.clone().reshape([1, rows, vocab]),
             l.reshape([1, rows]),
             1.0,

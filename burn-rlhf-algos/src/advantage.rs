@@ -4,6 +4,7 @@
 //! and a time-step loop of tensor ops would launch `T` small kernels (verl's Python loop does).
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
@@ -50,6 +51,22 @@ pub trait AdvantageEstimator<B: Backend>: Send + Sync {
     }
     /// Computes advantages and returns.
     fn compute(&self, input: &AdvantageInput<B>) -> Result<AdvantageOutput<B>, AlgoError>;
+}
+
+/// Builds an advantage estimator from `algorithm.*` parameters (what a registry holds).
+pub type EstimatorFactory<B> = Arc<
+    dyn Fn(&EstimatorParams) -> Result<Box<dyn AdvantageEstimator<B>>, AlgoError> + Send + Sync,
+>;
+
+/// An [`EstimatorFactory`] from a closure.
+pub fn estimator_factory<B: Backend, F>(f: F) -> EstimatorFactory<B>
+where
+    F: Fn(&EstimatorParams) -> Result<Box<dyn AdvantageEstimator<B>>, AlgoError>
+        + Send
+        + Sync
+        + 'static,
+{
+    Arc::new(f)
 }
 
 /// Parameters the built-in estimators read (`algorithm.*`).
@@ -200,54 +217,6 @@ pub struct Gae {
     pub gamma: f64,
     /// GAE's lambda.
     pub lam: f64,
-}
-
-/// The GAE scan on host rows: returns (advantages before whitening, returns).
-///
-/// Shapes: rewards, values, mask are `rows * cols`, row-major.
-pub fn gae_scan(
-    rewards: &[f64],
-    values: &[f64],
-    mask: &[f64],
-    cols: usize,
-    gamma: f64,
-    lam: f64,
-) -> (Vec<f64>, Vec<f64>) {
-    let mut advantages = vec![0.0; rewards.len()];
-    for (row, out) in advantages.chunks_mut(cols.max(1)).enumerate() {
-        let at = row * cols..(row + 1) * cols;
-        gae_row(
-            &rewards[at.clone()],
-            &values[at.clone()],
-            &mask[at],
-            gamma,
-            lam,
-            out,
-        );
-    }
-    let returns = advantages.iter().zip(values).map(|(a, v)| a + v).collect();
-    (advantages, returns)
-}
-
-/// One row of verl's GAE scan (reverse, masked positions carry the next value and the running
-/// advantage through), written into `advantages`. Inputs may be `f32` or `f64`; sums are f64.
-pub fn gae_row<T: Copy + Into<f64>>(
-    rewards: &[T],
-    values: &[T],
-    mask: &[T],
-    gamma: f64,
-    lam: f64,
-    advantages: &mut [f64],
-) {
-    let (mut next_value, mut last_gae) = (0.0, 0.0);
-    for t in (0..advantages.len()).rev() {
-        let (r, v, m) = (rewards[t].into(), values[t].into(), mask[t].into());
-        let delta = r + gamma * next_value - v;
-        let gae = delta + gamma * lam * last_gae;
-        next_value = v * m + (1.0 - m) * next_value;
-        last_gae = gae * m + (1.0 - m) * last_gae;
-        advantages[t] = last_gae;
-    }
 }
 
 impl<B: RlBackend> AdvantageEstimator<B> for Gae {
@@ -612,24 +581,6 @@ impl<B: Backend> AdvantageEstimator<B> for Gpg {
     }
 }
 
-/// The discounted return scan of REINFORCE++ (verl 0.9.1): `G_t = r_t + γ G_{t+1}` on valid tokens;
-/// a masked position writes 0 and carries the running return through unchanged (multi-turn).
-///
-/// Shapes: rewards, mask are `rows * cols`, row-major.
-pub fn discounted_returns(rewards: &[f64], mask: &[f64], cols: usize, gamma: f64) -> Vec<f64> {
-    let mut returns = vec![0.0; rewards.len()];
-    for row in 0..rewards.len() / cols.max(1) {
-        let mut running = 0.0;
-        for t in (0..cols).rev() {
-            let i = row * cols + t;
-            let new_running = rewards[i] + gamma * running;
-            returns[i] = new_running * mask[i];
-            running = new_running * mask[i] + running * (1.0 - mask[i]);
-        }
-    }
-    returns
-}
-
 /// REINFORCE++ (Hu 2025): discounted token returns, whitened over the batch's valid tokens.
 #[derive(Debug, Clone, Copy)]
 pub struct ReinforcePlusPlus {
@@ -756,6 +707,57 @@ impl<B: Backend> AdvantageEstimator<B> for Remax {
             returns: host.tensor(&ret, &device),
         })
     }
+}
+
+/// Every estimator of this file under verl's name; [`Registry::builtin`](crate::Registry::builtin)
+/// collects them.
+pub(crate) fn builtin<B: RlBackend>() -> Vec<(&'static str, EstimatorFactory<B>)> {
+    vec![
+        (
+            "gae",
+            estimator_factory(|p| {
+                Ok(Box::new(Gae {
+                    gamma: p.gamma,
+                    lam: p.lam,
+                }))
+            }),
+        ),
+        (
+            "grpo",
+            estimator_factory(|p| {
+                Ok(Box::new(Grpo {
+                    epsilon: p.epsilon,
+                    norm_adv_by_std: p.norm_adv_by_std_in_grpo,
+                }))
+            }),
+        ),
+        (
+            "grpo_passk",
+            estimator_factory(|p| {
+                Ok(Box::new(GrpoPassK {
+                    epsilon: p.epsilon,
+                    norm_adv_by_std: p.norm_adv_by_std_in_grpo,
+                }))
+            }),
+        ),
+        ("rloo", estimator_factory(|_| Ok(Box::new(Rloo)))),
+        (
+            "reinforce_plus_plus",
+            estimator_factory(|p| Ok(Box::new(ReinforcePlusPlus { gamma: p.gamma }))),
+        ),
+        (
+            "reinforce_plus_plus_baseline",
+            estimator_factory(|_| Ok(Box::new(ReinforcePlusPlusBaseline))),
+        ),
+        ("remax", estimator_factory(|_| Ok(Box::new(Remax)))),
+        ("opo", estimator_factory(|_| Ok(Box::new(Opo)))),
+        ("gpg", estimator_factory(|_| Ok(Box::new(Gpg)))),
+        (
+            "sppo",
+            estimator_factory(|p| Ok(Box::new(Sppo { beta: p.sppo_beta }))),
+        ),
+        ("spin", estimator_factory(|_| Ok(Box::new(SpinPairs)))),
+    ]
 }
 
 #[cfg(test)]

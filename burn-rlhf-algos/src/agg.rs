@@ -47,6 +47,11 @@ impl LossAggMode {
         }
     }
 
+    /// verl's names of every mode.
+    pub fn names() -> Vec<String> {
+        Self::ALL.iter().map(|m| m.name().to_string()).collect()
+    }
+
     /// Parses verl's name; an unknown name lists the valid ones.
     pub fn from_name(name: &str) -> Result<Self, AlgoError> {
         Self::ALL
@@ -55,7 +60,7 @@ impl LossAggMode {
             .ok_or_else(|| AlgoError::UnknownName {
                 kind: "loss_agg_mode",
                 name: name.to_string(),
-                valid: Self::ALL.iter().map(|m| m.name().to_string()).collect(),
+                valid: Self::names(),
             })
     }
 

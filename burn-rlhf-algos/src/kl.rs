@@ -4,6 +4,7 @@
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 use serde::{Deserialize, Serialize};
+use std::sync::Arc;
 
 use crate::functional::{masked_mean_rows, to_vec};
 use crate::AlgoError;
@@ -32,6 +33,25 @@ pub enum KlEstimator {
 }
 
 impl KlPenalty {
+    /// verl's names (`algorithm.kl_penalty`, `actor.kl_loss_type`): each base estimator, and its
+    /// `+` form (the base value with the k2 gradient, a straight-through estimator).
+    pub const NAMES: &'static [&'static str] = &[
+        "kl",
+        "k1",
+        "abs",
+        "mse",
+        "k2",
+        "low_var_kl",
+        "k3",
+        "kl+",
+        "k1+",
+        "abs+",
+        "mse+",
+        "k2+",
+        "low_var_kl+",
+        "k3+",
+    ];
+
     /// Parses verl's names: `kl`, `k1`, `abs`, `mse`, `k2`, `low_var_kl`, `k3`, each optionally
     /// followed by `+`.
     pub fn from_name(name: &str) -> Result<Self, AlgoError> {
@@ -48,10 +68,7 @@ impl KlPenalty {
                 return Err(AlgoError::UnknownName {
                     kind: "kl_penalty",
                     name: name.to_string(),
-                    valid: crate::names::KL_PENALTIES
-                        .iter()
-                        .map(|s| s.to_string())
-                        .collect(),
+                    valid: Self::NAMES.iter().map(|s| s.to_string()).collect(),
                 })
             }
         };
@@ -139,6 +156,40 @@ pub struct KlControllerState {
     pub kind: String,
     /// The current coefficient.
     pub value: f64,
+}
+
+/// `algorithm.kl_ctrl.*`: what the built-in controllers read.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct KlControllerParams {
+    /// The initial (or fixed) coefficient.
+    pub kl_coef: f64,
+    /// The adaptive controller's target KL.
+    pub target_kl: f64,
+    /// Steps over which a full correction is applied.
+    pub horizon: f64,
+}
+
+impl Default for KlControllerParams {
+    /// verl's defaults.
+    fn default() -> Self {
+        Self {
+            kl_coef: 0.001,
+            target_kl: 0.1,
+            horizon: 10000.0,
+        }
+    }
+}
+
+/// Builds a KL controller from `algorithm.kl_ctrl.*` parameters (what a registry holds).
+pub type KlControllerFactory =
+    Arc<dyn Fn(&KlControllerParams) -> Result<Box<dyn KlController>, AlgoError> + Send + Sync>;
+
+/// A [`KlControllerFactory`] from a closure.
+pub fn kl_controller_factory<F>(f: F) -> KlControllerFactory
+where
+    F: Fn(&KlControllerParams) -> Result<Box<dyn KlController>, AlgoError> + Send + Sync + 'static,
+{
+    Arc::new(f)
 }
 
 /// Sets the KL coefficient, step by step.
@@ -254,6 +305,27 @@ impl KlController for AdaptiveKlController {
     }
 }
 
+/// The controllers of this file under verl's names; [`Registry::builtin`](crate::Registry::builtin)
+/// collects them.
+pub(crate) fn builtin() -> Vec<(&'static str, KlControllerFactory)> {
+    vec![
+        (
+            "adaptive",
+            kl_controller_factory(|p| {
+                Ok(Box::new(AdaptiveKlController::new(
+                    p.kl_coef,
+                    p.target_kl,
+                    p.horizon,
+                )?))
+            }),
+        ),
+        (
+            "fixed",
+            kl_controller_factory(|p| Ok(Box::new(FixedKlController { value: p.kl_coef }))),
+        ),
+    ]
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -267,7 +339,7 @@ mod tests {
         let st = KlPenalty::from_name("k3+").unwrap();
         assert!(st.straight_through && st.base == KlEstimator::K3);
         assert!(!KlPenalty::from_name("k2+").unwrap().straight_through);
-        for name in crate::names::KL_PENALTIES {
+        for name in KlPenalty::NAMES {
             KlPenalty::from_name(name).unwrap();
         }
         let err = KlPenalty::from_name("k4").unwrap_err().to_string();

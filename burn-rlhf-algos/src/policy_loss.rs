@@ -5,6 +5,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use burn::tensor::activation::sigmoid;
 use burn::tensor::backend::Backend;
@@ -68,6 +69,50 @@ pub trait PolicyLoss<B: Backend>: Send + Sync {
     }
 }
 
+/// The DPO loss variants.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DpoLossType {
+    /// `-(1-ε) log σ(β h) - ε log σ(-β h)` (Rafailov et al. 2023, with label smoothing).
+    Sigmoid,
+    /// `(h - 1/(2β))^2` (Azar et al. 2023).
+    Ipo,
+}
+
+impl DpoLossType {
+    /// verl's name: `sigmoid` or `ipo`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Sigmoid => "sigmoid",
+            Self::Ipo => "ipo",
+        }
+    }
+
+    /// `sigmoid` or `ipo`.
+    pub fn from_name(name: &str) -> Result<Self, AlgoError> {
+        match name {
+            "sigmoid" => Ok(Self::Sigmoid),
+            "ipo" => Ok(Self::Ipo),
+            _ => Err(AlgoError::UnknownName {
+                kind: "dpo loss_type",
+                name: name.into(),
+                valid: vec!["sigmoid".into(), "ipo".into()],
+            }),
+        }
+    }
+}
+
+/// Builds a policy loss from `actor.*` parameters (what a registry holds).
+pub type PolicyLossFactory<B> =
+    Arc<dyn Fn(&PolicyLossParams) -> Result<Box<dyn PolicyLoss<B>>, AlgoError> + Send + Sync>;
+
+/// A [`PolicyLossFactory`] from a closure.
+pub fn policy_loss_factory<B: Backend, F>(f: F) -> PolicyLossFactory<B>
+where
+    F: Fn(&PolicyLossParams) -> Result<Box<dyn PolicyLoss<B>>, AlgoError> + Send + Sync + 'static,
+{
+    Arc::new(f)
+}
+
 /// Parameters the built-in losses read (`actor.*` and `actor.policy_loss.*`).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct PolicyLossParams {
@@ -98,7 +143,7 @@ pub struct PolicyLossParams {
     /// SPIN's DPO label smoothing `ε` (sigmoid loss).
     pub dpo_label_smoothing: f64,
     /// SPIN's DPO loss: sigmoid or IPO.
-    pub dpo_loss_type: crate::preference::DpoLossType,
+    pub dpo_loss_type: DpoLossType,
     /// Seeds Clip-Cov's random choice of tokens, so runs reproduce.
     pub seed: u64,
 }
@@ -119,7 +164,7 @@ impl Default for PolicyLossParams {
             sppo_eta: 1.0,
             dpo_beta: 0.1,
             dpo_label_smoothing: 0.0,
-            dpo_loss_type: crate::preference::DpoLossType::Sigmoid,
+            dpo_loss_type: DpoLossType::Sigmoid,
             seed: 1,
         }
     }
@@ -173,6 +218,23 @@ pub struct VanillaPpo {
     pub clip_ratio_c: f64,
 }
 
+impl VanillaPpo {
+    /// The dual-clip bound caps the loss of a negative advantage at `-A c`, above the clipped
+    /// surrogate only when `c > 1`: the one home of that rule (the config validator calls it).
+    pub fn check_clip_ratio_c(clip_ratio_c: f64) -> Result<(), AlgoError> {
+        if clip_ratio_c > 1.0 {
+            Ok(())
+        } else {
+            Err(AlgoError::invalid(
+                "clip_ratio_c",
+                format!(
+                    "must be > 1 (the dual-clip lower bound on negative advantages), got {clip_ratio_c}"
+                ),
+            ))
+        }
+    }
+}
+
 impl<B: RlBackend> PolicyLoss<B> for VanillaPpo {
     fn name(&self) -> &str {
         "vanilla"
@@ -180,12 +242,7 @@ impl<B: RlBackend> PolicyLoss<B> for VanillaPpo {
 
     fn compute(&self, input: &PolicyLossInput<B>) -> Result<PolicyLossOutput<B>, AlgoError> {
         check_shapes("vanilla", input)?;
-        if self.clip_ratio_c <= 1.0 {
-            return Err(AlgoError::invalid(
-                "vanilla",
-                format!("clip_ratio_c must be > 1, got {}", self.clip_ratio_c),
-            ));
-        }
+        Self::check_clip_ratio_c(self.clip_ratio_c)?;
         let mask = &input.response_mask;
         let neg_kl = (input.log_prob.clone() - input.old_log_prob.clone()).clamp(-20.0, 20.0);
         let ppo_kl = to_scalar(masked_mean(neg_kl.detach().neg(), mask.clone()));
@@ -590,4 +647,72 @@ impl<B: Backend> PolicyLoss<B> for ClipCov {
             metrics: metrics(&[("actor/pg_clipfrac", clip_frac), ("actor/ppo_kl", ppo_kl)]),
         })
     }
+}
+
+/// Every loss of this file under verl's name; [`Registry::builtin`](crate::Registry::builtin)
+/// collects them.
+pub(crate) fn builtin<B: RlBackend>() -> Vec<(&'static str, PolicyLossFactory<B>)> {
+    vec![
+        (
+            "vanilla",
+            policy_loss_factory(|p| {
+                VanillaPpo::check_clip_ratio_c(p.clip_ratio_c)?;
+                Ok(Box::new(VanillaPpo {
+                    clip_ratio_low: p.clip_ratio_low,
+                    clip_ratio_high: p.clip_ratio_high,
+                    clip_ratio_c: p.clip_ratio_c,
+                }))
+            }),
+        ),
+        (
+            "gspo",
+            policy_loss_factory(|p| {
+                Ok(Box::new(Gspo {
+                    clip_ratio_low: p.clip_ratio_low,
+                    clip_ratio_high: p.clip_ratio_high,
+                }))
+            }),
+        ),
+        ("gpg", policy_loss_factory(|_| Ok(Box::new(GpgLoss)))),
+        (
+            "cispo",
+            policy_loss_factory(|p| {
+                Ok(Box::new(Cispo {
+                    clip_ratio_low: p.clip_ratio_low,
+                    clip_ratio_high: p.clip_ratio_high,
+                }))
+            }),
+        ),
+        (
+            "sapo",
+            policy_loss_factory(|p| {
+                Ok(Box::new(Sapo {
+                    tau_pos: p.tau_pos,
+                    tau_neg: p.tau_neg,
+                }))
+            }),
+        ),
+        (
+            "geo_mean",
+            policy_loss_factory(|p| {
+                Ok(Box::new(GeoMean {
+                    clip_ratio_low: p.clip_ratio_low,
+                    clip_ratio_high: p.clip_ratio_high,
+                }))
+            }),
+        ),
+        (
+            "kl_cov",
+            policy_loss_factory(|p| {
+                Ok(Box::new(KlCov {
+                    kl_cov_ratio: p.kl_cov_ratio,
+                    ppo_kl_coef: p.ppo_kl_coef,
+                }))
+            }),
+        ),
+        (
+            "clip_cov",
+            policy_loss_factory(|p| Ok(Box::new(ClipCov::new(p)))),
+        ),
+    ]
 }

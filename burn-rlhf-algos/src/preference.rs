@@ -8,32 +8,11 @@ use std::collections::BTreeMap;
 
 use crate::agg::{agg_loss, LossAggMode};
 use crate::functional::{from_vec, masked_sum_rows, to_vec};
-use crate::policy_loss::{PolicyLoss, PolicyLossInput, PolicyLossOutput};
+pub use crate::policy_loss::DpoLossType;
+use crate::policy_loss::{
+    policy_loss_factory, PolicyLoss, PolicyLossFactory, PolicyLossInput, PolicyLossOutput,
+};
 use crate::AlgoError;
-
-/// The DPO loss variants.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DpoLossType {
-    /// `-(1-ε) log σ(β h) - ε log σ(-β h)` (Rafailov et al. 2023, with label smoothing).
-    Sigmoid,
-    /// `(h - 1/(2β))^2` (Azar et al. 2023).
-    Ipo,
-}
-
-impl DpoLossType {
-    /// `sigmoid` or `ipo`.
-    pub fn from_name(name: &str) -> Result<Self, AlgoError> {
-        match name {
-            "sigmoid" => Ok(Self::Sigmoid),
-            "ipo" => Ok(Self::Ipo),
-            _ => Err(AlgoError::UnknownName {
-                kind: "dpo loss_type",
-                name: name.into(),
-                valid: vec!["sigmoid".into(), "ipo".into()],
-            }),
-        }
-    }
-}
 
 /// SPIN's online DPO loss over pairs, averaged:
 /// `h = (π_c - π_r) - (ref_c - ref_r)` on sequence log-probs.
@@ -239,6 +218,27 @@ impl<B: Backend> PolicyLoss<B> for SpinDpo {
         ]);
         Ok(PolicyLossOutput { loss, metrics })
     }
+}
+
+/// SPIN's and SPPO's losses under verl's recipe names; [`Registry::builtin`](crate::Registry::builtin)
+/// collects them.
+pub(crate) fn builtin<B: Backend>() -> Vec<(&'static str, PolicyLossFactory<B>)> {
+    vec![
+        (
+            "spin",
+            policy_loss_factory(|p| {
+                Ok(Box::new(SpinDpo {
+                    beta: p.dpo_beta,
+                    label_smoothing: p.dpo_label_smoothing,
+                    loss_type: p.dpo_loss_type,
+                }))
+            }),
+        ),
+        (
+            "sppo",
+            policy_loss_factory(|p| Ok(Box::new(SppoLoss { eta: p.sppo_eta }))),
+        ),
+    ]
 }
 
 #[cfg(test)]

@@ -24,53 +24,46 @@
 //! assert!(registry.estimator("raw_rewards", &EstimatorParams::default()).is_err());
 //! ```
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use burn::tensor::backend::Backend;
 
-use crate::advantage::*;
-use crate::kl::{AdaptiveKlController, FixedKlController, KlController};
-use crate::policy_loss::*;
+pub use crate::advantage::EstimatorFactory;
+use crate::advantage::{AdvantageEstimator, EstimatorParams};
+use crate::kl::KlController;
+pub use crate::kl::{KlControllerFactory, KlControllerParams};
+pub use crate::policy_loss::PolicyLossFactory;
+use crate::policy_loss::{PolicyLoss, PolicyLossParams};
 use crate::AlgoError;
 
-/// Builds an advantage estimator from `algorithm.*` parameters.
-pub type EstimatorFactory<B> = Arc<
-    dyn Fn(&EstimatorParams) -> Result<Box<dyn AdvantageEstimator<B>>, AlgoError> + Send + Sync,
->;
-/// Builds a policy loss from `actor.*` parameters.
-pub type PolicyLossFactory<B> =
-    Arc<dyn Fn(&PolicyLossParams) -> Result<Box<dyn PolicyLoss<B>>, AlgoError> + Send + Sync>;
-/// Builds a KL controller from `algorithm.kl_ctrl.*` parameters.
-pub type KlControllerFactory =
-    Arc<dyn Fn(&KlControllerParams) -> Result<Box<dyn KlController>, AlgoError> + Send + Sync>;
+/// Factories by name, in registration order (the built-ins in verl's order), so listed names read
+/// as verl lists them.
+#[derive(Clone)]
+struct Named<F>(Vec<(String, F)>);
 
-/// `algorithm.kl_ctrl.*`.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct KlControllerParams {
-    /// The initial (or fixed) coefficient.
-    pub kl_coef: f64,
-    /// The adaptive controller's target KL.
-    pub target_kl: f64,
-    /// Steps over which a full correction is applied.
-    pub horizon: f64,
-}
-
-impl Default for KlControllerParams {
-    fn default() -> Self {
-        Self {
-            kl_coef: 0.001,
-            target_kl: 0.1,
-            horizon: 10000.0,
+impl<F> Named<F> {
+    /// Adds `factory` under `name`, replacing (in place) one of the same name.
+    fn insert(&mut self, name: &str, factory: F) {
+        match self.0.iter_mut().find(|(n, _)| n == name) {
+            Some(entry) => entry.1 = factory,
+            None => self.0.push((name.to_string(), factory)),
         }
+    }
+
+    fn get(&self, name: &str) -> Option<&F> {
+        self.0.iter().find(|(n, _)| n == name).map(|(_, f)| f)
+    }
+
+    fn names(&self) -> Vec<String> {
+        self.0.iter().map(|(n, _)| n.clone()).collect()
     }
 }
 
 /// Name → factory maps for estimators, policy losses and KL controllers.
 pub struct Registry<B: Backend> {
-    estimators: BTreeMap<String, EstimatorFactory<B>>,
-    policy_losses: BTreeMap<String, PolicyLossFactory<B>>,
-    kl_controllers: BTreeMap<String, KlControllerFactory>,
+    estimators: Named<EstimatorFactory<B>>,
+    policy_losses: Named<PolicyLossFactory<B>>,
+    kl_controllers: Named<KlControllerFactory>,
 }
 
 impl<B: Backend> Clone for Registry<B> {
@@ -95,114 +88,27 @@ impl<B: Backend> Registry<B> {
     /// An empty registry.
     pub fn empty() -> Self {
         Self {
-            estimators: BTreeMap::new(),
-            policy_losses: BTreeMap::new(),
-            kl_controllers: BTreeMap::new(),
+            estimators: Named(Vec::new()),
+            policy_losses: Named(Vec::new()),
+            kl_controllers: Named(Vec::new()),
         }
     }
 }
 
 impl<B: crate::RlBackend> Registry<B> {
-    /// Every built-in algorithm under verl's names.
+    /// Every built-in algorithm under verl's names; each file registers what it defines.
     pub fn builtin() -> Self {
         let mut r = Self::empty();
-        r.register_estimator("gae", |p| {
-            Ok(Box::new(Gae {
-                gamma: p.gamma,
-                lam: p.lam,
-            }))
-        });
-        r.register_estimator("grpo", |p| {
-            Ok(Box::new(Grpo {
-                epsilon: p.epsilon,
-                norm_adv_by_std: p.norm_adv_by_std_in_grpo,
-            }))
-        });
-        r.register_estimator("grpo_passk", |p| {
-            Ok(Box::new(GrpoPassK {
-                epsilon: p.epsilon,
-                norm_adv_by_std: p.norm_adv_by_std_in_grpo,
-            }))
-        });
-        r.register_estimator("rloo", |_| Ok(Box::new(Rloo)));
-        r.register_estimator("reinforce_plus_plus", |p| {
-            Ok(Box::new(ReinforcePlusPlus { gamma: p.gamma }))
-        });
-        r.register_estimator("reinforce_plus_plus_baseline", |_| {
-            Ok(Box::new(ReinforcePlusPlusBaseline))
-        });
-        r.register_estimator("remax", |_| Ok(Box::new(Remax)));
-        r.register_estimator("opo", |_| Ok(Box::new(Opo)));
-        r.register_estimator("gpg", |_| Ok(Box::new(Gpg)));
-        r.register_estimator("sppo", |p| Ok(Box::new(Sppo { beta: p.sppo_beta })));
-        r.register_estimator("spin", |_| Ok(Box::new(SpinPairs)));
-
-        r.register_policy_loss("vanilla", |p| {
-            if p.clip_ratio_c <= 1.0 {
-                return Err(AlgoError::invalid(
-                    "vanilla",
-                    format!("clip_ratio_c must be > 1, got {}", p.clip_ratio_c),
-                ));
-            }
-            Ok(Box::new(VanillaPpo {
-                clip_ratio_low: p.clip_ratio_low,
-                clip_ratio_high: p.clip_ratio_high,
-                clip_ratio_c: p.clip_ratio_c,
-            }))
-        });
-        r.register_policy_loss("gspo", |p| {
-            Ok(Box::new(Gspo {
-                clip_ratio_low: p.clip_ratio_low,
-                clip_ratio_high: p.clip_ratio_high,
-            }))
-        });
-        r.register_policy_loss("gpg", |_| Ok(Box::new(GpgLoss)));
-        r.register_policy_loss("cispo", |p| {
-            Ok(Box::new(Cispo {
-                clip_ratio_low: p.clip_ratio_low,
-                clip_ratio_high: p.clip_ratio_high,
-            }))
-        });
-        r.register_policy_loss("sapo", |p| {
-            Ok(Box::new(Sapo {
-                tau_pos: p.tau_pos,
-                tau_neg: p.tau_neg,
-            }))
-        });
-        r.register_policy_loss("geo_mean", |p| {
-            Ok(Box::new(GeoMean {
-                clip_ratio_low: p.clip_ratio_low,
-                clip_ratio_high: p.clip_ratio_high,
-            }))
-        });
-        r.register_policy_loss("kl_cov", |p| {
-            Ok(Box::new(KlCov {
-                kl_cov_ratio: p.kl_cov_ratio,
-                ppo_kl_coef: p.ppo_kl_coef,
-            }))
-        });
-        r.register_policy_loss("clip_cov", |p| Ok(Box::new(ClipCov::new(p))));
-        r.register_policy_loss("spin", |p| {
-            Ok(Box::new(crate::preference::SpinDpo {
-                beta: p.dpo_beta,
-                label_smoothing: p.dpo_label_smoothing,
-                loss_type: p.dpo_loss_type,
-            }))
-        });
-        r.register_policy_loss("sppo", |p| {
-            Ok(Box::new(crate::preference::SppoLoss { eta: p.sppo_eta }))
-        });
-
-        r.register_kl_controller("fixed", |p| {
-            Ok(Box::new(FixedKlController { value: p.kl_coef }))
-        });
-        r.register_kl_controller("adaptive", |p| {
-            Ok(Box::new(AdaptiveKlController::new(
-                p.kl_coef,
-                p.target_kl,
-                p.horizon,
-            )?))
-        });
+        for (name, factory) in crate::advantage::builtin() {
+            r.estimators.insert(name, factory);
+        }
+        let losses = crate::policy_loss::builtin().into_iter();
+        for (name, factory) in losses.chain(crate::preference::builtin()) {
+            r.policy_losses.insert(name, factory);
+        }
+        for (name, factory) in crate::kl::builtin() {
+            r.kl_controllers.insert(name, factory);
+        }
         r
     }
 }
@@ -216,7 +122,7 @@ impl<B: Backend> Registry<B> {
             + Sync
             + 'static,
     {
-        self.estimators.insert(name.to_string(), Arc::new(factory));
+        self.estimators.insert(name, Arc::new(factory));
     }
 
     /// Adds (or replaces) a policy loss under `name`.
@@ -227,8 +133,7 @@ impl<B: Backend> Registry<B> {
             + Sync
             + 'static,
     {
-        self.policy_losses
-            .insert(name.to_string(), Arc::new(factory));
+        self.policy_losses.insert(name, Arc::new(factory));
     }
 
     /// Adds (or replaces) a KL controller under `name`.
@@ -239,8 +144,7 @@ impl<B: Backend> Registry<B> {
             + Sync
             + 'static,
     {
-        self.kl_controllers
-            .insert(name.to_string(), Arc::new(factory));
+        self.kl_controllers.insert(name, Arc::new(factory));
     }
 
     /// Builds the estimator registered as `name`.
@@ -288,19 +192,46 @@ impl<B: Backend> Registry<B> {
         factory(params)
     }
 
-    /// The registered estimator names, sorted.
+    /// The registered estimator names, in registration order.
     pub fn estimator_names(&self) -> Vec<String> {
-        self.estimators.keys().cloned().collect()
+        self.estimators.names()
     }
 
-    /// The registered policy loss names, sorted.
+    /// The registered policy loss names, in registration order.
     pub fn policy_loss_names(&self) -> Vec<String> {
-        self.policy_losses.keys().cloned().collect()
+        self.policy_losses.names()
     }
 
-    /// The registered KL controller names, sorted.
+    /// Each registered policy loss with the consecutive rows it must see together
+    /// ([`PolicyLoss::rows_per_unit`], built with default parameters and asked), when more than
+    /// one: micro-batches are rounded up to whole units.
+    pub fn policy_loss_units(&self) -> Vec<(String, usize)> {
+        self.policy_losses
+            .0
+            .iter()
+            .filter_map(|(name, factory)| {
+                let unit = factory(&PolicyLossParams::default()).ok()?.rows_per_unit();
+                (unit > 1).then(|| (name.clone(), unit))
+            })
+            .collect()
+    }
+
+    /// The registered estimators that read a critic's values (built with default parameters
+    /// and asked: it is a property of the estimator).
+    pub fn critic_estimator_names(&self) -> Vec<String> {
+        self.estimators
+            .0
+            .iter()
+            .filter(|(_, factory)| {
+                factory(&EstimatorParams::default()).is_ok_and(|e| e.needs_critic())
+            })
+            .map(|(name, _)| name.clone())
+            .collect()
+    }
+
+    /// The registered KL controller names, in registration order.
     pub fn kl_controller_names(&self) -> Vec<String> {
-        self.kl_controllers.keys().cloned().collect()
+        self.kl_controllers.names()
     }
 }
 
@@ -309,35 +240,39 @@ mod tests {
     use super::*;
     use burn::backend::Flex;
 
+    fn owned(names: &[&str]) -> Vec<String> {
+        names.iter().map(|s| s.to_string()).collect()
+    }
+
     #[test]
     fn builtin_names_are_verls_names() {
         let r = Registry::<Flex>::builtin();
-        let mut want: Vec<String> = crate::names::ADVANTAGE_ESTIMATORS
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
-        want.sort();
-        assert_eq!(r.estimator_names(), want);
-        let mut want: Vec<String> = crate::names::POLICY_LOSSES
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
-        want.sort();
-        assert_eq!(r.policy_loss_names(), want);
-        let mut want: Vec<String> = crate::names::KL_CONTROLLERS
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
-        want.sort();
-        assert_eq!(r.kl_controller_names(), want);
+        // verl 0.9.1's registries, plus its former SPIN/SPPO recipes.
+        let estimators = [
+            "gae",
+            "grpo",
+            "grpo_passk",
+            "rloo",
+            "reinforce_plus_plus",
+            "reinforce_plus_plus_baseline",
+            "remax",
+            "opo",
+            "gpg",
+            "sppo",
+            "spin",
+        ];
+        assert_eq!(r.estimator_names(), owned(&estimators));
+        let losses = [
+            "vanilla", "gspo", "gpg", "cispo", "sapo", "geo_mean", "kl_cov", "clip_cov", "spin",
+            "sppo",
+        ];
+        assert_eq!(r.policy_loss_names(), owned(&losses));
+        assert_eq!(r.policy_loss_units(), [("spin".to_string(), 2)]);
+        assert_eq!(r.kl_controller_names(), owned(&["adaptive", "fixed"]));
+        assert_eq!(r.critic_estimator_names(), ["gae"]);
         for name in r.estimator_names() {
             let e = r.estimator(&name, &EstimatorParams::default()).unwrap();
             assert_eq!(e.name(), name);
-            assert_eq!(
-                e.needs_critic(),
-                crate::names::CRITIC_ESTIMATORS.contains(&name.as_str()),
-                "{name}"
-            );
         }
         for name in r.policy_loss_names() {
             assert_eq!(

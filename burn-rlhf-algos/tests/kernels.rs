@@ -216,7 +216,7 @@ fn logprobs_and_entropy_forward_and_backward() {
                     &Default::default(),
                 );
                 Tensor::from_primitive(burn::tensor::TensorPrimitive::Float(
-                    <AK as RlBackend>::logprob_entropy(
+                    <AK as RlBackend>::rl_logprob_entropy(
                         x.into_primitive().tensor(),
                         labels.into_primitive(),
                         temperature,
@@ -229,7 +229,7 @@ fn logprobs_and_entropy_forward_and_backward() {
                     &Default::default(),
                 );
                 Tensor::from_primitive(burn::tensor::TensorPrimitive::Float(
-                    <AF as RlBackend>::logprob_entropy(
+                    <AF as RlBackend>::rl_logprob_entropy(
                         x.into_primitive().tensor(),
                         labels.into_primitive(),
                         temperature,

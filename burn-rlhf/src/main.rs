@@ -155,7 +155,7 @@ enum ConfigCommand {
     },
 }
 
-use burn_rlhf::trainer::run::config_origin as origin;
+use burn_rlhf::trainer::run::{checked_config, config_origin as origin};
 
 fn run_generate(args: GenerateArgs) -> anyhow::Result<()> {
     use std::io::Write;
@@ -267,35 +267,29 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             master_addr,
         } => {
             use burn_rlhf::backend::{devices, TrainBackend};
+            let settings = checked_config(&config, &overrides)?;
             let node = match (nnodes, master_addr) {
                 (None, None) if node_rank == 0 => None,
                 (nnodes, addr) => {
-                    let resolved = load_config(&config, &overrides)?;
                     let master_addr = match addr {
                         Some(a) => Some(resolve_addr(&a)?),
                         None => None,
                     };
-                    Some(burn_rlhf::distributed::NodeLaunch {
-                        nnodes: nnodes.unwrap_or(resolved.trainer.nnodes),
+                    Some(burn_rlhf::trainer::NodeLaunch {
+                        nnodes: nnodes.unwrap_or(settings.trainer.nnodes),
                         node_rank,
                         master_addr,
-                        timeout: std::time::Duration::from_secs(
-                            resolved.trainer.collective_timeout_s,
-                        ),
+                        timeout: settings.trainer.collective_timeout,
                     })
                 }
             };
-            let out = burn_rlhf::trainer::run::train_from_file::<TrainBackend>(
-                &config,
-                &overrides,
-                &devices,
-                node.as_ref(),
-            )?;
+            let out =
+                burn_rlhf::trainer::run::train::<TrainBackend>(settings, &devices, node.as_ref())?;
             report(&out);
         }
         Command::Sft { config, overrides } => {
             use burn_rlhf::backend::{default_device, TrainBackend};
-            use burn_rlhf::sft::{fit_sft, SftConfig};
+            use burn_rlhf::trainer::sft::{fit_sft, SftConfig};
             let cfg = SftConfig::load(&config, &overrides)?;
             let out = fit_sft::<TrainBackend>(
                 &cfg,
@@ -329,8 +323,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             }
         }
         Command::Config(ConfigCommand::Validate { config, overrides }) => {
-            let resolved = load_config(&config, &overrides)?;
-            resolved.validate(&origin(&config, &overrides))?;
+            checked_config(&config, &overrides)?;
             println!("{}: ok", origin(&config, &overrides));
         }
     }

@@ -5,10 +5,10 @@ use burn::backend::{Autodiff, Flex};
 use burn::module::AutodiffModule;
 use burn::optim::SgdConfig;
 use burn_rlhf::algos::{KlPenalty, LossAggMode, PolicyLossParams, Registry};
-use burn_rlhf::learner::{
-    actor_update, response_logprobs, ActorLossConfig, ActorTargets, ReplicaSync, SequenceTensors,
-};
+use burn_rlhf::forward::{response_logprobs, SequenceTensors};
+use burn_rlhf::minibatch::{actor_update, ActorLossConfig, ActorTargets};
 use burn_rlhf::models::{load_pretrained, CausalLm};
+use burn_rlhf::optim::ReplicaSync;
 use burn_rlhf::rollout::{generate, RolloutBatch, SamplingParams};
 
 type B = Autodiff<Flex>;

@@ -13,7 +13,6 @@ use std::time::{Duration, Instant};
 use burn::backend::{Autodiff, Flex};
 use burn::module::AutodiffModule;
 use burn_rlhf::config::RlhfConfig;
-use burn_rlhf::distributed::{fit_data_parallel, NodeLaunch};
 use burn_rlhf::models::pretrained::save_pretrained;
 use burn_rlhf::models::weights::WeightMap;
 use burn_rlhf::models::{CausalLm, ValueModel};
@@ -21,6 +20,7 @@ use burn_rlhf::rollout::data::write_parquet;
 use burn_rlhf::rollout::{RewardFn, RewardInput, RolloutError};
 use burn_rlhf::tasks;
 use burn_rlhf::trainer::metrics::read_jsonl;
+use burn_rlhf::trainer::{fit_data_parallel, NodeLaunch};
 use burn_rlhf::trainer::{Learner, LearnerParts, Metrics};
 use burn_rlhf_test_assets::temp_dir;
 

@@ -2,7 +2,7 @@
 //! log-probs carry gradients.
 
 use burn::backend::{Autodiff, Flex};
-use burn_rlhf::learner::{response_logprobs, response_values, SequenceTensors};
+use burn_rlhf::forward::{response_logprobs, response_values, SequenceTensors};
 use burn_rlhf::models::load_pretrained;
 use burn_rlhf::rollout::{generate, RolloutBatch, SamplingParams};
 

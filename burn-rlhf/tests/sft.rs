@@ -8,13 +8,13 @@ use burn::backend::{Autodiff, Flex};
 use burn::module::AutodiffModule;
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{Int, Tensor, TensorData};
-use burn_rlhf::learner::sft_loss;
+use burn_rlhf::minibatch::sft_loss;
 use burn_rlhf::models::pretrained::{load_pretrained, save_pretrained};
 use burn_rlhf::models::CausalLm;
 use burn_rlhf::rollout::data::{write_parquet, TextPair};
-use burn_rlhf::sft::{encode_pair, sft_rollout_batch};
 use burn_rlhf::tasks;
 use burn_rlhf::trainer::metrics::read_jsonl;
+use burn_rlhf::trainer::sft::{encode_pair, sft_rollout_batch};
 use burn_rlhf_test_assets::temp_dir;
 
 type B = Flex;

@@ -33,7 +33,7 @@ impl<B: RlBackend> Backward<B, 1> for PpoBackward {
         let grad = grads.consume::<B>(&ops.node);
         let (log_prob, old, adv) = ops.state;
         if let Some(node) = parent {
-            let g = B::ppo_clip_loss_backward(grad, log_prob, old, adv, self.0);
+            let g = B::rl_ppo_clip_loss_backward(grad, log_prob, old, adv, self.0);
             grads.register::<B>(node.id, g);
         }
     }
@@ -50,7 +50,7 @@ impl<B: RlBackend> Backward<B, 1> for LogprobEntropyBackward {
         let grad = grads.consume::<B>(&ops.node);
         let (logits, labels) = ops.state;
         if let Some(node) = parent {
-            let g = B::logprob_entropy_backward(grad, logits, labels, self.0);
+            let g = B::rl_logprob_entropy_backward(grad, logits, labels, self.0);
             grads.register::<B>(node.id, g);
         }
     }
@@ -67,21 +67,21 @@ impl<B: RlBackend> Backward<B, 1> for ValueBackward {
         let grad = grads.consume::<B>(&ops.node);
         let (vpreds, values, returns) = ops.state;
         if let Some(node) = parent {
-            let g = B::value_clip_loss_backward(grad, vpreds, values, returns, self.0);
+            let g = B::rl_value_clip_loss_backward(grad, vpreds, values, returns, self.0);
             grads.register::<B>(node.id, g);
         }
     }
 }
 
 impl<B: RlBackend, C: CheckpointStrategy> RlBackend for Autodiff<B, C> {
-    fn gae_scan(
+    fn rl_gae_scan(
         rewards: FloatTensor<Self>,
         values: FloatTensor<Self>,
         mask: FloatTensor<Self>,
         gamma: f32,
         lam: f32,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        let (a, r) = B::gae_scan(
+        let (a, r) = B::rl_gae_scan(
             inner::<B, C>(rewards),
             inner::<B, C>(values),
             inner::<B, C>(mask),
@@ -91,14 +91,14 @@ impl<B: RlBackend, C: CheckpointStrategy> RlBackend for Autodiff<B, C> {
         (outer::<B, C>(a), outer::<B, C>(r))
     }
 
-    fn gae_whitened(
+    fn rl_gae_whitened(
         rewards: FloatTensor<Self>,
         values: FloatTensor<Self>,
         mask: FloatTensor<Self>,
         gamma: f32,
         lam: f32,
     ) -> Option<(FloatTensor<Self>, FloatTensor<Self>)> {
-        B::gae_whitened(
+        B::rl_gae_whitened(
             inner::<B, C>(rewards),
             inner::<B, C>(values),
             inner::<B, C>(mask),
@@ -108,19 +108,19 @@ impl<B: RlBackend, C: CheckpointStrategy> RlBackend for Autodiff<B, C> {
         .map(|(a, r)| (outer::<B, C>(a), outer::<B, C>(r)))
     }
 
-    fn discounted_return_scan(
+    fn rl_discounted_return_scan(
         rewards: FloatTensor<Self>,
         mask: FloatTensor<Self>,
         gamma: f32,
     ) -> FloatTensor<Self> {
-        outer::<B, C>(B::discounted_return_scan(
+        outer::<B, C>(B::rl_discounted_return_scan(
             inner::<B, C>(rewards),
             inner::<B, C>(mask),
             gamma,
         ))
     }
 
-    fn ppo_clip_loss(
+    fn rl_ppo_clip_loss(
         log_prob: FloatTensor<Self>,
         old_log_prob: FloatTensor<Self>,
         advantages: FloatTensor<Self>,
@@ -128,7 +128,7 @@ impl<B: RlBackend, C: CheckpointStrategy> RlBackend for Autodiff<B, C> {
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
         let (old, adv) = (inner::<B, C>(old_log_prob), inner::<B, C>(advantages));
         let lp = log_prob.primitive.clone();
-        let (loss, clipped, dual) = B::ppo_clip_loss(lp.clone(), old.clone(), adv.clone(), clip);
+        let (loss, clipped, dual) = B::rl_ppo_clip_loss(lp.clone(), old.clone(), adv.clone(), clip);
         let loss = match PpoBackward(clip)
             .prepare::<C>([log_prob.node.clone()])
             .compute_bound()
@@ -140,13 +140,13 @@ impl<B: RlBackend, C: CheckpointStrategy> RlBackend for Autodiff<B, C> {
         (loss, outer::<B, C>(clipped), outer::<B, C>(dual))
     }
 
-    fn logprob_entropy(
+    fn rl_logprob_entropy(
         logits: FloatTensor<Self>,
         labels: IntTensor<Self>,
         temperature: f32,
     ) -> FloatTensor<Self> {
         let z = logits.primitive.clone();
-        let out = B::logprob_entropy(z.clone(), labels.clone(), temperature);
+        let out = B::rl_logprob_entropy(z.clone(), labels.clone(), temperature);
         match LogprobEntropyBackward(temperature)
             .prepare::<C>([logits.node.clone()])
             .compute_bound()
@@ -157,7 +157,7 @@ impl<B: RlBackend, C: CheckpointStrategy> RlBackend for Autodiff<B, C> {
         }
     }
 
-    fn value_clip_loss(
+    fn rl_value_clip_loss(
         vpreds: FloatTensor<Self>,
         values: FloatTensor<Self>,
         returns: FloatTensor<Self>,
@@ -165,7 +165,7 @@ impl<B: RlBackend, C: CheckpointStrategy> RlBackend for Autodiff<B, C> {
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         let (old, ret) = (inner::<B, C>(values), inner::<B, C>(returns));
         let v = vpreds.primitive.clone();
-        let (loss, clipped) = B::value_clip_loss(v.clone(), old.clone(), ret.clone(), cliprange);
+        let (loss, clipped) = B::rl_value_clip_loss(v.clone(), old.clone(), ret.clone(), cliprange);
         let loss = match ValueBackward(cliprange)
             .prepare::<C>([vpreds.node.clone()])
             .compute_bound()

@@ -321,7 +321,7 @@ fn rows_of<R: CubeRuntime>(t: &CubeTensor<R>) -> usize {
 impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> RlBackend
     for CubeBackend<R, F, I, BT>
 {
-    fn gae_scan(
+    fn rl_gae_scan(
         rewards: FloatTensor<Self>,
         values: FloatTensor<Self>,
         mask: FloatTensor<Self>,
@@ -354,7 +354,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> RlBackend
         (adv, ret)
     }
 
-    fn gae_whitened(
+    fn rl_gae_whitened(
         rewards: FloatTensor<Self>,
         values: FloatTensor<Self>,
         mask: FloatTensor<Self>,
@@ -365,7 +365,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> RlBackend
             return super::reference::gae_whitened::<Self>(rewards, values, mask, gamma, lam);
         }
         // The scan on the device; the whitening stays there too (tensor ops), no host round trip.
-        let (adv, returns) = Self::gae_scan(rewards, values, mask.clone(), gamma, lam);
+        let (adv, returns) = Self::rl_gae_scan(rewards, values, mask.clone(), gamma, lam);
         let whitened = crate::functional::masked_whiten::<Self>(
             burn::tensor::Tensor::from_primitive(burn::tensor::TensorPrimitive::Float(adv)),
             burn::tensor::Tensor::from_primitive(burn::tensor::TensorPrimitive::Float(mask)),
@@ -375,7 +375,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> RlBackend
         Some((whitened.into_primitive().tensor(), returns))
     }
 
-    fn discounted_return_scan(
+    fn rl_discounted_return_scan(
         rewards: FloatTensor<Self>,
         mask: FloatTensor<Self>,
         gamma: f32,
@@ -398,7 +398,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> RlBackend
         out
     }
 
-    fn ppo_clip_loss(
+    fn rl_ppo_clip_loss(
         log_prob: FloatTensor<Self>,
         old_log_prob: FloatTensor<Self>,
         advantages: FloatTensor<Self>,
@@ -440,7 +440,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> RlBackend
         (loss, clipped, dual)
     }
 
-    fn ppo_clip_loss_backward(
+    fn rl_ppo_clip_loss_backward(
         grad: FloatTensor<Self>,
         log_prob: FloatTensor<Self>,
         old_log_prob: FloatTensor<Self>,
@@ -480,7 +480,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> RlBackend
         out
     }
 
-    fn logprob_entropy(
+    fn rl_logprob_entropy(
         logits: FloatTensor<Self>,
         labels: IntTensor<Self>,
         temperature: f32,
@@ -504,7 +504,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> RlBackend
         out
     }
 
-    fn logprob_entropy_backward(
+    fn rl_logprob_entropy_backward(
         grad: FloatTensor<Self>,
         logits: FloatTensor<Self>,
         labels: IntTensor<Self>,
@@ -539,7 +539,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> RlBackend
         out
     }
 
-    fn value_clip_loss(
+    fn rl_value_clip_loss(
         vpreds: FloatTensor<Self>,
         values: FloatTensor<Self>,
         returns: FloatTensor<Self>,
@@ -571,7 +571,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> RlBackend
         (loss, clipped)
     }
 
-    fn value_clip_loss_backward(
+    fn rl_value_clip_loss_backward(
         grad: FloatTensor<Self>,
         vpreds: FloatTensor<Self>,
         values: FloatTensor<Self>,

@@ -8,9 +8,13 @@
 //! - [`discounted_return_scan`]: REINFORCE++'s discounted return scan.
 //! - [`ppo_clip_token_loss`]: PPO's clipped surrogate (clip-higher, dual-clip) per token, forward
 //!   and backward, with the clip indicators.
-//! - [`logprobs_and_entropy`]: log-probs of the labels and entropies from logits without
+//! - [`entropy_and_logprobs`]: log-probs of the labels and entropies from logits without
 //!   materialising log-softmax over the vocabulary, forward and backward.
 //! - [`value_clip_token_loss`]: the clipped value loss per token, forward and backward.
+//!
+//! Names by layer: the functions above take and return tensors; each calls a backend operation
+//! `RlBackend::rl_*` on primitives, whose default body is the function of the same name in
+//! [`reference`] and which `cube` overrides with a kernel.
 
 mod autodiff;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
@@ -58,7 +62,7 @@ pub struct PpoClip {
 /// backend with kernels overrides them. Tensors are row-major `[rows, cols]` unless noted.
 pub trait RlBackend: Backend {
     /// GAE: (advantages before whitening, returns) from rewards, values and mask.
-    fn gae_scan(
+    fn rl_gae_scan(
         rewards: FloatTensor<Self>,
         values: FloatTensor<Self>,
         mask: FloatTensor<Self>,
@@ -72,7 +76,7 @@ pub trait RlBackend: Backend {
     /// (advantages, returns). `None` when the mask selects fewer than two tokens (the caller's
     /// whitening reports that). The default is one host pass for the scan and the statistics; a
     /// kernel backend scans on the device and whitens with tensor ops.
-    fn gae_whitened(
+    fn rl_gae_whitened(
         rewards: FloatTensor<Self>,
         values: FloatTensor<Self>,
         mask: FloatTensor<Self>,
@@ -84,7 +88,7 @@ pub trait RlBackend: Backend {
 
     /// Discounted returns `G_t = r_t + gamma * G_{t+1}`, reset after masked positions (verl's
     /// REINFORCE++ carry).
-    fn discounted_return_scan(
+    fn rl_discounted_return_scan(
         rewards: FloatTensor<Self>,
         mask: FloatTensor<Self>,
         gamma: f32,
@@ -93,7 +97,7 @@ pub trait RlBackend: Backend {
     }
 
     /// PPO's per-token loss and its indicators: (loss, clipped, dual-clipped), `[rows, cols]`.
-    fn ppo_clip_loss(
+    fn rl_ppo_clip_loss(
         log_prob: FloatTensor<Self>,
         old_log_prob: FloatTensor<Self>,
         advantages: FloatTensor<Self>,
@@ -102,8 +106,8 @@ pub trait RlBackend: Backend {
         reference::ppo_clip_loss::<Self>(log_prob, old_log_prob, advantages, clip)
     }
 
-    /// `grad * d loss / d log_prob` of [`RlBackend::ppo_clip_loss`].
-    fn ppo_clip_loss_backward(
+    /// `grad * d loss / d log_prob` of [`RlBackend::rl_ppo_clip_loss`].
+    fn rl_ppo_clip_loss_backward(
         grad: FloatTensor<Self>,
         log_prob: FloatTensor<Self>,
         old_log_prob: FloatTensor<Self>,
@@ -115,7 +119,7 @@ pub trait RlBackend: Backend {
 
     /// Log-prob of each row's label and the row's entropy, from `logits / temperature`:
     /// logits `[rows, vocab]`, labels `[rows]` → `[rows, 2]` (log-prob, entropy).
-    fn logprob_entropy(
+    fn rl_logprob_entropy(
         logits: FloatTensor<Self>,
         labels: IntTensor<Self>,
         temperature: f32,
@@ -123,9 +127,9 @@ pub trait RlBackend: Backend {
         reference::logprob_entropy::<Self>(logits, labels, temperature)
     }
 
-    /// The gradient with respect to the logits of [`RlBackend::logprob_entropy`], given the
+    /// The gradient with respect to the logits of [`RlBackend::rl_logprob_entropy`], given the
     /// output's gradient `[rows, 2]`.
-    fn logprob_entropy_backward(
+    fn rl_logprob_entropy_backward(
         grad: FloatTensor<Self>,
         logits: FloatTensor<Self>,
         labels: IntTensor<Self>,
@@ -136,7 +140,7 @@ pub trait RlBackend: Backend {
 
     /// The clipped value loss per token, `max((V - R)^2, (clip(V, V_old ± c) - R)^2)`, and where
     /// the clipped term is the larger: (loss, clipped).
-    fn value_clip_loss(
+    fn rl_value_clip_loss(
         vpreds: FloatTensor<Self>,
         values: FloatTensor<Self>,
         returns: FloatTensor<Self>,
@@ -145,8 +149,8 @@ pub trait RlBackend: Backend {
         reference::value_clip_loss::<Self>(vpreds, values, returns, cliprange)
     }
 
-    /// `grad * d loss / d vpreds` of [`RlBackend::value_clip_loss`].
-    fn value_clip_loss_backward(
+    /// `grad * d loss / d vpreds` of [`RlBackend::rl_value_clip_loss`].
+    fn rl_value_clip_loss_backward(
         grad: FloatTensor<Self>,
         vpreds: FloatTensor<Self>,
         values: FloatTensor<Self>,
@@ -173,7 +177,7 @@ pub fn gae_scan<B: RlBackend>(
     gamma: f64,
     lam: f64,
 ) -> (Tensor<B, 2>, Tensor<B, 2>) {
-    let (a, r) = B::gae_scan(
+    let (a, r) = B::rl_gae_scan(
         prim(rewards),
         prim(values),
         prim(mask),
@@ -193,7 +197,7 @@ pub fn gae_whitened<B: RlBackend>(
     gamma: f64,
     lam: f64,
 ) -> Option<(Tensor<B, 2>, Tensor<B, 2>)> {
-    B::gae_whitened(
+    B::rl_gae_whitened(
         prim(rewards),
         prim(values),
         prim(mask),
@@ -209,7 +213,7 @@ pub fn discounted_return_scan<B: RlBackend>(
     mask: Tensor<B, 2>,
     gamma: f64,
 ) -> Tensor<B, 2> {
-    wrap(B::discounted_return_scan(
+    wrap(B::rl_discounted_return_scan(
         prim(rewards),
         prim(mask),
         gamma as f32,
@@ -225,7 +229,7 @@ pub fn ppo_clip_token_loss<B: RlBackend>(
     advantages: Tensor<B, 2>,
     clip: PpoClip,
 ) -> (Tensor<B, 2>, Tensor<B, 2>, Tensor<B, 2>) {
-    let (l, c, d) = B::ppo_clip_loss(prim(log_prob), prim(old_log_prob), prim(advantages), clip);
+    let (l, c, d) = B::rl_ppo_clip_loss(prim(log_prob), prim(old_log_prob), prim(advantages), clip);
     (wrap(l), wrap(c), wrap(d))
 }
 
@@ -233,14 +237,14 @@ pub fn ppo_clip_token_loss<B: RlBackend>(
 ///
 /// Shapes: logits `[B, T, V]`, labels `[B, T]` → (entropy `[B, T]`, log-probs `[B, T]`), the order
 /// of [`crate::functional::entropy_and_logprobs`].
-pub fn logprobs_and_entropy<B: RlBackend>(
+pub fn entropy_and_logprobs<B: RlBackend>(
     logits: Tensor<B, 3>,
     labels: Tensor<B, 2, Int>,
     temperature: f64,
 ) -> (Tensor<B, 2>, Tensor<B, 2>) {
     let [b, t, v] = logits.dims();
     let flat = logits.reshape([b * t, v]);
-    let out: Tensor<B, 2> = wrap(B::logprob_entropy(
+    let out: Tensor<B, 2> = wrap(B::rl_logprob_entropy(
         prim(flat),
         labels.reshape([b * t]).into_primitive(),
         temperature as f32,
@@ -259,7 +263,7 @@ pub fn value_clip_token_loss<B: RlBackend>(
     returns: Tensor<B, 2>,
     cliprange: f64,
 ) -> (Tensor<B, 2>, Tensor<B, 2>) {
-    let (l, c) = B::value_clip_loss(prim(vpreds), prim(values), prim(returns), cliprange as f32);
+    let (l, c) = B::rl_value_clip_loss(prim(vpreds), prim(values), prim(returns), cliprange as f32);
     (wrap(l), wrap(c))
 }
 

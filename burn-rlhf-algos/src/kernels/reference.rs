@@ -34,6 +34,72 @@ fn device_rows<B: Backend>(v: &[f64], rows: usize, cols: usize, d: &B::Device) -
     ))
 }
 
+/// The GAE scan on host rows: returns (advantages before whitening, returns).
+///
+/// Shapes: rewards, values, mask are `rows * cols`, row-major.
+pub fn gae_rows(
+    rewards: &[f64],
+    values: &[f64],
+    mask: &[f64],
+    cols: usize,
+    gamma: f64,
+    lam: f64,
+) -> (Vec<f64>, Vec<f64>) {
+    let mut advantages = vec![0.0; rewards.len()];
+    for (row, out) in advantages.chunks_mut(cols.max(1)).enumerate() {
+        let at = row * cols..(row + 1) * cols;
+        gae_row(
+            &rewards[at.clone()],
+            &values[at.clone()],
+            &mask[at],
+            gamma,
+            lam,
+            out,
+        );
+    }
+    let returns = advantages.iter().zip(values).map(|(a, v)| a + v).collect();
+    (advantages, returns)
+}
+
+/// One row of verl's GAE scan (reverse, masked positions carry the next value and the running
+/// advantage through), written into `advantages`. Inputs may be `f32` or `f64`; sums are f64.
+pub fn gae_row<T: Copy + Into<f64>>(
+    rewards: &[T],
+    values: &[T],
+    mask: &[T],
+    gamma: f64,
+    lam: f64,
+    advantages: &mut [f64],
+) {
+    let (mut next_value, mut last_gae) = (0.0, 0.0);
+    for t in (0..advantages.len()).rev() {
+        let (r, v, m) = (rewards[t].into(), values[t].into(), mask[t].into());
+        let delta = r + gamma * next_value - v;
+        let gae = delta + gamma * lam * last_gae;
+        next_value = v * m + (1.0 - m) * next_value;
+        last_gae = gae * m + (1.0 - m) * last_gae;
+        advantages[t] = last_gae;
+    }
+}
+
+/// The discounted return scan of REINFORCE++ (verl 0.9.1): `G_t = r_t + γ G_{t+1}` on valid tokens;
+/// a masked position writes 0 and carries the running return through unchanged (multi-turn).
+///
+/// Shapes: rewards, mask are `rows * cols`, row-major.
+pub fn discounted_return_rows(rewards: &[f64], mask: &[f64], cols: usize, gamma: f64) -> Vec<f64> {
+    let mut returns = vec![0.0; rewards.len()];
+    for row in 0..rewards.len() / cols.max(1) {
+        let mut running = 0.0;
+        for t in (0..cols).rev() {
+            let i = row * cols + t;
+            let new_running = rewards[i] + gamma * running;
+            returns[i] = new_running * mask[i];
+            running = new_running * mask[i] + running * (1.0 - mask[i]);
+        }
+    }
+    returns
+}
+
 /// GAE on the host in f64 (verl's loop, one pass per row).
 pub fn gae_scan<B: Backend>(
     rewards: FloatTensor<B>,
@@ -45,7 +111,7 @@ pub fn gae_scan<B: Backend>(
     let (r, rows, cols, device) = host::<B>(rewards);
     let (v, ..) = host::<B>(values);
     let (m, ..) = host::<B>(mask);
-    let (adv, ret) = crate::advantage::gae_scan(&r, &v, &m, cols, gamma as f64, lam as f64);
+    let (adv, ret) = gae_rows(&r, &v, &m, cols, gamma as f64, lam as f64);
     (
         device_rows::<B>(&adv, rows, cols, &device),
         device_rows::<B>(&ret, rows, cols, &device),
@@ -93,7 +159,7 @@ pub fn gae_whitened<B: Backend>(
                     let (mut sum, mut count) = (0.0f64, 0.0f64);
                     for base in (0..adv.len()).step_by(cols.max(1)) {
                         let at = base..base + cols;
-                        crate::advantage::gae_row(
+                        gae_row(
                             &r[at.clone()],
                             &v[at.clone()],
                             &m[at.clone()],
@@ -142,7 +208,7 @@ pub fn discounted_return_scan<B: Backend>(
 ) -> FloatTensor<B> {
     let (r, rows, cols, device) = host::<B>(rewards);
     let (m, ..) = host::<B>(mask);
-    let ret = crate::advantage::discounted_returns(&r, &m, cols, gamma as f64);
+    let ret = discounted_return_rows(&r, &m, cols, gamma as f64);
     device_rows::<B>(&ret, rows, cols, &device)
 }
 
@@ -442,7 +508,7 @@ mod tests {
                 )
             };
             let (y1, g1) = grad_of(&logits, rows, vocab, &w, |x| {
-                t(<A as RlBackend>::logprob_entropy(
+                t(<A as RlBackend>::rl_logprob_entropy(
                     p(x),
                     lab().into_primitive(),
                     temperature,

@@ -1,5 +1,6 @@
-//! One typed configuration tree with verl's key names and defaults, loaded from RON with
-//! `key.path=value` overrides.
+//! One configuration tree with verl's key names and defaults, loaded from RON with
+//! `key.path=value` overrides, checked ([`validate`](RlhfConfig::validate)) and decoded once into
+//! typed [`Settings`], which is all the rest of the crate reads.
 //!
 //! ```no_run
 //! use burn_rlhf::config::load_config;
@@ -13,9 +14,11 @@
 //! ```
 
 mod load;
+pub mod settings;
 mod tree;
 mod validate;
 
 pub use load::{config_from_ron_str, config_to_ron, load_config, load_typed, ConfigError};
+pub use settings::Settings;
 pub use tree::*;
 pub use validate::KnownNames;

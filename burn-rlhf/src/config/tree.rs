@@ -3,6 +3,7 @@
 //! Keys that verl fills by interpolation (`${data.max_response_length}` and friends) are `Option`s
 //! here; [`RlhfConfig::resolve`] fills them in the same way, so `config show` prints what a run uses.
 
+use burn_rlhf_algos::{EstimatorParams, KlControllerParams, PolicyLossParams};
 use serde::{Deserialize, Serialize};
 
 /// The whole tree. Every struct has `#[serde(default)]`, so a file names only what it changes.
@@ -180,18 +181,20 @@ pub struct PolicyLossConfig {
 }
 
 impl Default for PolicyLossConfig {
+    /// The losses' own defaults ([`PolicyLossParams`], verl's values).
     fn default() -> Self {
+        let p = PolicyLossParams::default();
         Self {
             loss_mode: "vanilla".into(),
-            clip_cov_ratio: 0.0002,
-            clip_cov_lb: 1.0,
-            clip_cov_ub: 5.0,
-            kl_cov_ratio: 0.0002,
-            ppo_kl_coef: 0.1,
-            sppo_eta: 1.0,
-            dpo_beta: 0.1,
-            dpo_label_smoothing: 0.0,
-            dpo_loss_type: "sigmoid".into(),
+            clip_cov_ratio: p.clip_cov_ratio,
+            clip_cov_lb: p.clip_cov_lb,
+            clip_cov_ub: p.clip_cov_ub,
+            kl_cov_ratio: p.kl_cov_ratio,
+            ppo_kl_coef: p.ppo_kl_coef,
+            sppo_eta: p.sppo_eta,
+            dpo_beta: p.dpo_beta,
+            dpo_label_smoothing: p.dpo_label_smoothing,
+            dpo_loss_type: p.dpo_loss_type.name().into(),
         }
     }
 }
@@ -232,6 +235,7 @@ pub struct ActorConfig {
 
 impl Default for ActorConfig {
     fn default() -> Self {
+        let p = PolicyLossParams::default();
         Self {
             optim: OptimConfig::default(),
             ppo_mini_batch_size: 256,
@@ -240,13 +244,13 @@ impl Default for ActorConfig {
             ppo_max_token_len_per_gpu: 16384,
             ppo_epochs: 1,
             shuffle: false,
-            clip_ratio: 0.2,
+            clip_ratio: p.clip_ratio_low,
             clip_ratio_low: None,
             clip_ratio_high: None,
-            clip_ratio_c: 3.0,
+            clip_ratio_c: p.clip_ratio_c,
             policy_loss: PolicyLossConfig::default(),
-            tau_pos: 1.0,
-            tau_neg: 1.05,
+            tau_pos: p.tau_pos,
+            tau_neg: p.tau_neg,
             loss_agg_mode: "token-mean".into(),
             loss_scale_factor: None,
             entropy_coeff: 0.0,
@@ -438,12 +442,14 @@ pub struct KlCtrlConfig {
 }
 
 impl Default for KlCtrlConfig {
+    /// The controllers' own defaults ([`KlControllerParams`], verl's values).
     fn default() -> Self {
+        let p = KlControllerParams::default();
         Self {
             r#type: "fixed".into(),
-            kl_coef: 0.001,
-            horizon: 10000.0,
-            target_kl: 0.1,
+            kl_coef: p.kl_coef,
+            horizon: p.horizon,
+            target_kl: p.target_kl,
         }
     }
 }
@@ -490,19 +496,21 @@ pub struct AlgorithmConfig {
 }
 
 impl Default for AlgorithmConfig {
+    /// The estimators' own defaults ([`EstimatorParams`], verl's values).
     fn default() -> Self {
+        let p = EstimatorParams::default();
         Self {
-            gamma: 1.0,
-            lam: 1.0,
+            gamma: p.gamma,
+            lam: p.lam,
             adv_estimator: "gae".into(),
-            norm_adv_by_std_in_grpo: true,
+            norm_adv_by_std_in_grpo: p.norm_adv_by_std_in_grpo,
             use_kl_in_reward: false,
             kl_penalty: "kl".into(),
             kl_ctrl: KlCtrlConfig::default(),
             filter_groups: FilterGroupsConfig::default(),
             gae_lambda_policy: None,
             gae_lambda_value: None,
-            sppo_beta: 1.0,
+            sppo_beta: p.sppo_beta,
         }
     }
 }

@@ -1,49 +1,50 @@
-//! Cross-field rules, checked after loading. Each failure is a sentence naming the keys and the rule.
+//! Cross-field rules, checked after loading, one function per config section. Each failure is a
+//! sentence naming the keys and the rule; one run reports all of them.
 
-use burn_rlhf_algos::names;
+use burn_rlhf_algos::policy_loss::VanillaPpo;
+use burn_rlhf_algos::{AlgoError, KlPenalty, LossAggMode, Registry};
 
 use super::load::ConfigError;
-use super::tree::RlhfConfig;
+use super::tree::{OptimConfig, RlhfConfig};
 
-/// The names a config may use for each registry-selected key. The built-in names by default; a
-/// program that registers its own estimator or loss adds the name here too.
+/// The names a config may use for each registry-selected key, and which estimators need a critic.
+/// [`KnownNames::default`] lists the built-ins; a program that registers its own estimator, loss
+/// or controller builds this with [`KnownNames::from_registry`].
 #[derive(Debug, Clone)]
 pub struct KnownNames {
+    /// `algorithm.adv_estimator`.
     pub adv_estimators: Vec<String>,
+    /// The estimators that read a critic's values (a property of each estimator).
+    pub critic_estimators: Vec<String>,
+    /// `actor.policy_loss.loss_mode`.
     pub policy_losses: Vec<String>,
-    pub loss_agg_modes: Vec<String>,
-    pub kl_penalties: Vec<String>,
+    /// The losses that see consecutive rows together (SPIN's pairs), with the unit: micro-batches
+    /// are rounded up to whole units.
+    pub policy_loss_units: Vec<(String, usize)>,
+    /// `algorithm.kl_ctrl.type`.
     pub kl_controllers: Vec<String>,
+    /// `custom_reward_function.name`; empty: not checked here (the reward registry is the
+    /// learner's).
     pub reward_functions: Vec<String>,
 }
 
-fn owned(names: &[&str]) -> Vec<String> {
-    names.iter().map(|s| s.to_string()).collect()
-}
-
 impl Default for KnownNames {
+    /// The built-in registry's names.
     fn default() -> Self {
-        Self {
-            adv_estimators: owned(names::ADVANTAGE_ESTIMATORS),
-            policy_losses: owned(names::POLICY_LOSSES),
-            loss_agg_modes: owned(names::LOSS_AGG_MODES),
-            kl_penalties: owned(names::KL_PENALTIES),
-            kl_controllers: owned(names::KL_CONTROLLERS),
-            reward_functions: Vec::new(),
-        }
+        Self::from_registry(&Registry::<crate::backend::InferenceBackend>::builtin())
     }
 }
 
 impl KnownNames {
     /// The names `registry` can build (the built-ins plus whatever a program registered).
-    pub fn from_registry<B: burn::tensor::backend::Backend>(
-        registry: &burn_rlhf_algos::Registry<B>,
-    ) -> Self {
+    pub fn from_registry<B: burn::tensor::backend::Backend>(registry: &Registry<B>) -> Self {
         Self {
             adv_estimators: registry.estimator_names(),
+            critic_estimators: registry.critic_estimator_names(),
             policy_losses: registry.policy_loss_names(),
+            policy_loss_units: registry.policy_loss_units(),
             kl_controllers: registry.kl_controller_names(),
-            ..Self::default()
+            reward_functions: Vec::new(),
         }
     }
 }
@@ -68,7 +69,19 @@ impl Problems {
     }
 
     fn one_of_str(&mut self, key: &str, value: &str, valid: &[&str]) {
-        self.one_of(key, value, &owned(valid));
+        let valid: Vec<String> = valid.iter().map(|s| s.to_string()).collect();
+        self.one_of(key, value, &valid);
+    }
+
+    /// A rule an algorithm owns, reported under the config key that sets its parameter.
+    fn algo_rule(&mut self, key: &str, rule: Result<(), AlgoError>) {
+        if let Err(e) = rule {
+            let detail = match e {
+                AlgoError::Invalid { detail, .. } => detail,
+                other => other.to_string(),
+            };
+            self.0.push(format!("`{key}` {detail}"));
+        }
     }
 }
 
@@ -78,22 +91,50 @@ impl RlhfConfig {
         self.validate_with(&KnownNames::default(), origin)
     }
 
-    /// Checks the rules that involve more than one key; `names` lists what each name key may be.
+    /// Checks the rules that involve more than one key; `known` lists what each name key may be.
     pub fn validate_with(&self, known: &KnownNames, origin: &str) -> Result<(), ConfigError> {
         let mut p = Problems(Vec::new());
-        let data = &self.data;
-        let actor = &self.actor_rollout_ref.actor;
-        let rollout = &self.actor_rollout_ref.rollout;
-        let critic = &self.critic;
-        let alg = &self.algorithm;
-        let trainer = &self.trainer;
+        self.check_data(&mut p);
+        self.check_actor(&mut p, known);
+        self.check_rollout(&mut p);
+        self.check_critic(&mut p, known);
+        self.check_reward(&mut p, known);
+        self.check_algorithm(&mut p, known);
+        self.check_trainer(&mut p);
+        if p.0.is_empty() {
+            Ok(())
+        } else {
+            Err(ConfigError::Invalid {
+                origin: origin.to_string(),
+                problems: p.0,
+            })
+        }
+    }
 
-        // Names.
-        p.one_of(
-            "algorithm.adv_estimator",
-            &alg.adv_estimator,
-            &known.adv_estimators,
+    fn check_data(&self, p: &mut Problems) {
+        let data = &self.data;
+        p.one_of_str(
+            "data.truncation",
+            &data.truncation,
+            &["error", "left", "right"],
         );
+        p.check(data.train_batch_size >= 1, || {
+            "`data.train_batch_size` must be >= 1".into()
+        });
+        if let Some(gen) = data.gen_batch_size {
+            p.check(gen >= 1, || "`data.gen_batch_size` must be >= 1".into());
+        }
+        p.check(data.max_response_length >= 1, || {
+            "`data.max_response_length` must be >= 1".into()
+        });
+    }
+
+    /// `actor_rollout_ref.actor.*` and `model.*`, with the batch arithmetic in verl's units: batch
+    /// sizes count prompts, each with `rollout.n` responses; micro-batches count sequences.
+    fn check_actor(&self, p: &mut Problems, known: &KnownNames) {
+        let arr = &self.actor_rollout_ref;
+        let actor = &arr.actor;
+        let n = arr.rollout.n;
         p.one_of(
             "actor_rollout_ref.actor.policy_loss.loss_mode",
             &actor.policy_loss.loss_mode,
@@ -102,147 +143,68 @@ impl RlhfConfig {
         p.one_of(
             "actor_rollout_ref.actor.loss_agg_mode",
             &actor.loss_agg_mode,
-            &known.loss_agg_modes,
+            &LossAggMode::names(),
         );
-        if let Some(mode) = &critic.loss_agg_mode {
-            p.one_of("critic.loss_agg_mode", mode, &known.loss_agg_modes);
-        }
-        p.one_of("algorithm.kl_penalty", &alg.kl_penalty, &known.kl_penalties);
         p.one_of(
             "actor_rollout_ref.actor.kl_loss_type",
             &actor.kl_loss_type,
-            &known.kl_penalties,
-        );
-        p.one_of(
-            "algorithm.kl_ctrl.type",
-            &alg.kl_ctrl.r#type,
-            &known.kl_controllers,
+            &kl_penalty_names(),
         );
         p.one_of_str(
-            "data.truncation",
-            &data.truncation,
-            &["error", "left", "right"],
-        );
-        p.one_of_str(
-            "reward_model.reward_manager",
-            &self.reward_model.reward_manager,
-            &["naive", "dapo"],
-        );
-        p.one_of_str(
-            "actor_rollout_ref.rollout.logprobs_mode",
-            &rollout.logprobs_mode,
-            &["raw_logprobs", "processed_logprobs"],
-        );
-        for (key, optim) in [
-            ("actor_rollout_ref.actor.optim", &actor.optim),
-            ("critic.optim", &critic.optim),
-        ] {
-            p.one_of_str(
-                &format!("{key}.lr_scheduler_type"),
-                &optim.lr_scheduler_type,
-                &["constant", "cosine"],
-            );
-            p.check(optim.lr >= 0.0, || {
-                format!("`{key}.lr` must be >= 0, got {}", optim.lr)
-            });
-            p.check(optim.betas.iter().all(|b| (0.0..1.0).contains(b)), || {
-                format!(
-                    "`{key}.betas` must both be in [0, 1), got {:?}",
-                    optim.betas
-                )
-            });
-            p.check((0.0..=1.0).contains(&optim.lr_warmup_steps_ratio), || {
-                format!(
-                    "`{key}.lr_warmup_steps_ratio` must be in [0, 1], got {}",
-                    optim.lr_warmup_steps_ratio
-                )
-            });
-        }
-        p.one_of_str(
-            "trainer.resume_mode",
-            &trainer.resume_mode,
-            &["auto", "disable", "resume_path"],
-        );
-        p.one_of_str(
-            "algorithm.filter_groups.metric",
-            &alg.filter_groups.metric,
-            &["acc", "score", "seq_reward"],
+            "actor_rollout_ref.actor.policy_loss.dpo_loss_type",
+            &actor.policy_loss.dpo_loss_type,
+            &["sigmoid", "ipo"],
         );
         p.one_of_str(
             "actor_rollout_ref.model.dtype",
-            &self.actor_rollout_ref.model.dtype,
+            &arr.model.dtype,
             &["float32", "fp32", "bfloat16", "bf16", "float16", "fp16"],
         );
-        for logger in &trainer.logger {
-            p.one_of_str("trainer.logger", logger, &["console", "jsonl"]);
-        }
-        if let Some(name) = &self.custom_reward_function.name {
-            if !known.reward_functions.is_empty() {
-                p.one_of("custom_reward_function.name", name, &known.reward_functions);
-            }
-        }
-
-        // Batch arithmetic, in verl's units: batch sizes count prompts, each with `rollout.n`
-        // responses; micro-batches count sequences.
-        let n = rollout.n;
-        p.check(n >= 1, || {
-            "`actor_rollout_ref.rollout.n` must be >= 1".into()
-        });
-        p.check(data.train_batch_size >= 1, || {
-            "`data.train_batch_size` must be >= 1".into()
-        });
+        check_optim(p, "actor_rollout_ref.actor.optim", &actor.optim);
         let mini = actor.ppo_mini_batch_size;
         p.check(mini >= 1, || {
             "`actor_rollout_ref.actor.ppo_mini_batch_size` must be >= 1".into()
         });
         if mini >= 1 && n >= 1 {
-            let sequences = data.train_batch_size * n;
+            let sequences = self.data.train_batch_size * n;
             p.check(sequences.is_multiple_of(mini * n), || {
                 format!(
                     "`data.train_batch_size` * `actor_rollout_ref.rollout.n` ({} * {n} = {sequences} \
                      sequences) must be divisible by `actor_rollout_ref.actor.ppo_mini_batch_size` * \
                      `rollout.n` ({mini} * {n} = {} sequences per mini-batch)",
-                    data.train_batch_size,
+                    self.data.train_batch_size,
                     mini * n
                 )
             });
             if let Some(micro) = actor.ppo_micro_batch_size_per_gpu {
-                p.check(micro >= 1 && (mini * n).is_multiple_of(micro), || {
+                // The actor rounds a micro-batch up to whole units of its loss (SPIN's pairs).
+                let unit = known
+                    .policy_loss_units
+                    .iter()
+                    .find(|(name, _)| *name == actor.policy_loss.loss_mode)
+                    .map_or(1, |(_, unit)| *unit);
+                let runs = micro.div_ceil(unit) * unit;
+                p.check(micro >= 1 && (mini * n).is_multiple_of(runs), || {
+                    let rounded = if runs == micro {
+                        String::new()
+                    } else {
+                        format!(", rounded up to {runs} to keep the loss's rows together,")
+                    };
                     format!(
-                        "`actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu` ({micro}) must divide \
+                        "`actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu` ({micro}){rounded} must divide \
                          the mini-batch of `ppo_mini_batch_size` * `rollout.n` = {} sequences",
                         mini * n
                     )
                 });
             }
         }
-        if let (Some(cmini), Some(cmicro)) = (
-            critic.ppo_mini_batch_size,
-            critic.ppo_micro_batch_size_per_gpu,
-        ) {
-            p.check(cmicro >= 1 && (cmini * n).is_multiple_of(cmicro), || {
-                format!(
-                    "`critic.ppo_micro_batch_size_per_gpu` ({cmicro}) must divide the critic's mini-batch \
-                     of `critic.ppo_mini_batch_size` * `rollout.n` = {} sequences",
-                    cmini * n
-                )
-            });
-        }
-        if let Some(gen) = data.gen_batch_size {
-            p.check(gen >= 1, || "`data.gen_batch_size` must be >= 1".into());
-        }
         p.check(actor.ppo_epochs >= 1, || {
             "`actor_rollout_ref.actor.ppo_epochs` must be >= 1".into()
         });
-
-        // Losses.
-        p.check(actor.clip_ratio_c > 1.0, || {
-            format!(
-                "`actor_rollout_ref.actor.clip_ratio_c` must be > 1 (the dual-clip lower bound on \
-                 negative advantages), got {}",
-                actor.clip_ratio_c
-            )
-        });
+        p.algo_rule(
+            "actor_rollout_ref.actor.clip_ratio_c",
+            VanillaPpo::check_clip_ratio_c(actor.clip_ratio_c),
+        );
         for (key, v) in [
             ("clip_ratio", Some(actor.clip_ratio)),
             ("clip_ratio_low", actor.clip_ratio_low),
@@ -254,33 +216,18 @@ impl RlhfConfig {
                 });
             }
         }
-        p.check(critic.cliprange_value >= 0.0, || {
-            format!(
-                "`critic.cliprange_value` must be >= 0, got {}",
-                critic.cliprange_value
-            )
-        });
-        p.check(!(alg.use_kl_in_reward && actor.use_kl_loss), || {
-            "`algorithm.use_kl_in_reward` and `actor_rollout_ref.actor.use_kl_loss` are both on: \
-             apply the KL penalty either in the reward or in the loss, not both"
-                .into()
-        });
-        if names::CRITIC_ESTIMATORS.contains(&alg.adv_estimator.as_str()) {
-            p.check(critic.enable != Some(false), || {
-                format!(
-                    "`algorithm.adv_estimator` = `{}` needs a critic, but `critic.enable` is false",
-                    alg.adv_estimator
-                )
-            });
-            p.check(!critic.model.path.trim().is_empty(), || {
-                format!(
-                    "`algorithm.adv_estimator` = `{}` needs a critic: set `critic.model.path`",
-                    alg.adv_estimator
-                )
-            });
-        }
+    }
 
-        // Sampling.
+    fn check_rollout(&self, p: &mut Problems) {
+        let rollout = &self.actor_rollout_ref.rollout;
+        p.one_of_str(
+            "actor_rollout_ref.rollout.logprobs_mode",
+            &rollout.logprobs_mode,
+            &["raw_logprobs", "processed_logprobs"],
+        );
+        p.check(rollout.n >= 1, || {
+            "`actor_rollout_ref.rollout.n` must be >= 1".into()
+        });
         p.check(rollout.temperature >= 0.0, || {
             "`actor_rollout_ref.rollout.temperature` must be >= 0".into()
         });
@@ -299,28 +246,133 @@ impl RlhfConfig {
         p.check(rollout.val_kwargs.n >= 1, || {
             "`actor_rollout_ref.rollout.val_kwargs.n` must be >= 1".into()
         });
-        p.check(data.max_response_length >= 1, || {
-            "`data.max_response_length` must be >= 1".into()
-        });
+    }
 
-        // Run.
+    fn check_critic(&self, p: &mut Problems, known: &KnownNames) {
+        let critic = &self.critic;
+        let n = self.actor_rollout_ref.rollout.n;
+        if let Some(mode) = &critic.loss_agg_mode {
+            p.one_of("critic.loss_agg_mode", mode, &LossAggMode::names());
+        }
+        check_optim(p, "critic.optim", &critic.optim);
+        if let (Some(cmini), Some(cmicro)) = (
+            critic.ppo_mini_batch_size,
+            critic.ppo_micro_batch_size_per_gpu,
+        ) {
+            p.check(cmicro >= 1 && (cmini * n).is_multiple_of(cmicro), || {
+                format!(
+                    "`critic.ppo_micro_batch_size_per_gpu` ({cmicro}) must divide the critic's mini-batch \
+                     of `critic.ppo_mini_batch_size` * `rollout.n` = {} sequences",
+                    cmini * n
+                )
+            });
+        }
+        p.check(critic.cliprange_value >= 0.0, || {
+            format!(
+                "`critic.cliprange_value` must be >= 0, got {}",
+                critic.cliprange_value
+            )
+        });
+        p.check(critic.value_loss_scale > 0.0, || {
+            "`critic.value_loss_scale` must be > 0".into()
+        });
+        let estimator = &self.algorithm.adv_estimator;
+        if known.critic_estimators.contains(estimator) {
+            p.check(critic.enable != Some(false), || {
+                format!("`algorithm.adv_estimator` = `{estimator}` needs a critic, but `critic.enable` is false")
+            });
+            p.check(!critic.model.path.trim().is_empty(), || {
+                format!(
+                    "`algorithm.adv_estimator` = `{estimator}` needs a critic: set `critic.model.path`"
+                )
+            });
+        }
+    }
+
+    fn check_reward(&self, p: &mut Problems, known: &KnownNames) {
+        p.one_of_str(
+            "reward_model.reward_manager",
+            &self.reward_model.reward_manager,
+            &["naive", "dapo"],
+        );
+        if let Some(name) = &self.custom_reward_function.name {
+            if !known.reward_functions.is_empty() {
+                p.one_of("custom_reward_function.name", name, &known.reward_functions);
+            }
+        }
+        let ob = &self.reward_model.overlong_buffer;
+        let max = self.data.max_response_length;
+        p.check(!ob.enable || (ob.len >= 1 && ob.len <= max), || {
+            format!(
+                "`reward_model.overlong_buffer.len` ({}) must be in 1..=`data.max_response_length` ({max}) \
+                 when the overlong buffer is enabled",
+                ob.len
+            )
+        });
+    }
+
+    fn check_algorithm(&self, p: &mut Problems, known: &KnownNames) {
+        let alg = &self.algorithm;
+        p.one_of(
+            "algorithm.adv_estimator",
+            &alg.adv_estimator,
+            &known.adv_estimators,
+        );
+        p.one_of("algorithm.kl_penalty", &alg.kl_penalty, &kl_penalty_names());
+        p.one_of(
+            "algorithm.kl_ctrl.type",
+            &alg.kl_ctrl.r#type,
+            &known.kl_controllers,
+        );
+        p.one_of_str(
+            "algorithm.filter_groups.metric",
+            &alg.filter_groups.metric,
+            &["acc", "score", "seq_reward"],
+        );
+        p.check(
+            !(alg.use_kl_in_reward && self.actor_rollout_ref.actor.use_kl_loss),
+            || {
+                "`algorithm.use_kl_in_reward` and `actor_rollout_ref.actor.use_kl_loss` are both on: \
+                 apply the KL penalty either in the reward or in the loss, not both"
+                    .into()
+            },
+        );
+        for (key, lam) in [
+            ("gae_lambda_policy", alg.gae_lambda_policy),
+            ("gae_lambda_value", alg.gae_lambda_value),
+        ] {
+            p.check(lam.is_none_or(|l| (0.0..=1.0).contains(&l)), || {
+                format!("`algorithm.{key}` must be in [0, 1]")
+            });
+        }
+        let decoupled = alg.gae_lambda_policy.is_some() || alg.gae_lambda_value.is_some();
+        if decoupled && known.adv_estimators.contains(&alg.adv_estimator) {
+            p.check(known.critic_estimators.contains(&alg.adv_estimator), || {
+                format!(
+                    "`algorithm.gae_lambda_policy`/`gae_lambda_value`: decoupled GAE lambdas need a \
+                     critic's values; `{}` has none",
+                    alg.adv_estimator
+                )
+            });
+        }
+    }
+
+    fn check_trainer(&self, p: &mut Problems) {
+        let trainer = &self.trainer;
+        p.one_of_str(
+            "trainer.resume_mode",
+            &trainer.resume_mode,
+            &["auto", "disable", "resume_path"],
+        );
+        for logger in &trainer.logger {
+            p.one_of_str("trainer.logger", logger, &["console", "jsonl"]);
+        }
         p.check(trainer.nnodes >= 1, || {
             "`trainer.nnodes` must be >= 1".into()
         });
         p.check(trainer.n_gpus_per_node >= 1, || {
             "`trainer.n_gpus_per_node` must be >= 1".into()
         });
-        p.check(self.critic.value_loss_scale > 0.0, || {
-            "`critic.value_loss_scale` must be > 0".into()
-        });
-        for (key, lam) in [
-            ("gae_lambda_policy", self.algorithm.gae_lambda_policy),
-            ("gae_lambda_value", self.algorithm.gae_lambda_value),
-        ] {
-            p.check(lam.is_none_or(|l| (0.0..=1.0).contains(&l)), || {
-                format!("`algorithm.{key}` must be in [0, 1]")
-            });
-        }
         p.check(trainer.zero_stage <= 1, || {
             "`trainer.zero_stage` must be 0 (off) or 1 (sharded optimiser state)".into()
         });
@@ -343,22 +395,32 @@ impl RlhfConfig {
                 trainer.test_freq
             )
         });
-        let ob = &self.reward_model.overlong_buffer;
-        p.check(!ob.enable || (ob.len >= 1 && ob.len <= data.max_response_length), || {
-            format!(
-                "`reward_model.overlong_buffer.len` ({}) must be in 1..=`data.max_response_length` ({}) \
-                 when the overlong buffer is enabled",
-                ob.len, data.max_response_length
-            )
-        });
-
-        if p.0.is_empty() {
-            Ok(())
-        } else {
-            Err(ConfigError::Invalid {
-                origin: origin.to_string(),
-                problems: p.0,
-            })
-        }
     }
+}
+
+fn kl_penalty_names() -> Vec<String> {
+    KlPenalty::NAMES.iter().map(|s| s.to_string()).collect()
+}
+
+fn check_optim(p: &mut Problems, key: &str, optim: &OptimConfig) {
+    p.one_of_str(
+        &format!("{key}.lr_scheduler_type"),
+        &optim.lr_scheduler_type,
+        &["constant", "cosine"],
+    );
+    p.check(optim.lr >= 0.0, || {
+        format!("`{key}.lr` must be >= 0, got {}", optim.lr)
+    });
+    p.check(optim.betas.iter().all(|b| (0.0..1.0).contains(b)), || {
+        format!(
+            "`{key}.betas` must both be in [0, 1), got {:?}",
+            optim.betas
+        )
+    });
+    p.check((0.0..=1.0).contains(&optim.lr_warmup_steps_ratio), || {
+        format!(
+            "`{key}.lr_warmup_steps_ratio` must be in [0, 1], got {}",
+            optim.lr_warmup_steps_ratio
+        )
+    });
 }

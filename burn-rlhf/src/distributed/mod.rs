@@ -16,7 +16,6 @@
 //!   listen on every interface; `docs/distributed.md` has the cause and a reproduction.
 
 mod balance;
-mod launch;
 mod local;
 mod params;
 mod tcp;
@@ -27,46 +26,13 @@ use std::sync::Arc;
 
 use burn_rlhf_rollout::RolloutBatch;
 
-use crate::trainer::TrainError;
+pub use crate::error::DistributedError;
+use crate::error::TrainError;
 
 pub use balance::balanced_partitions;
-pub use launch::{fit_data_parallel, NodeLaunch};
 pub use local::BurnCollective;
 pub use params::{all_reduce_grads, optimizer_state_bytes, sync_params, ShardPlan};
 pub use tcp::TcpGroup;
-
-/// Why a collective operation failed.
-#[derive(Debug, Clone, thiserror::Error)]
-pub enum DistributedError {
-    /// Another rank failed or left; this one stops too.
-    #[error("rank {rank}: stopping because {reason}")]
-    PeerFailed {
-        /// This rank.
-        rank: usize,
-        /// What happened to the other rank.
-        reason: String,
-    },
-    /// A peer sent nothing within the timeout.
-    #[error(
-        "rank {rank}: no message from {peer} within {seconds} s (trainer.collective_timeout_s)"
-    )]
-    Timeout {
-        /// This rank.
-        rank: usize,
-        /// Who was waited for.
-        peer: String,
-        /// The timeout.
-        seconds: u64,
-    },
-    /// Setting up the group or exchanging data failed.
-    #[error("rank {rank}: {message}")]
-    Transport {
-        /// This rank.
-        rank: usize,
-        /// What failed.
-        message: String,
-    },
-}
 
 /// How the ranks of one run exchange data. Every rank calls the same operations in the same
 /// order; a rank that fails calls [`Collective::abort`] so the others stop instead of waiting.

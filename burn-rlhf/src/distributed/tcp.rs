@@ -72,6 +72,148 @@ fn bytes_to_floats(b: &[u8]) -> Vec<f32> {
         .collect()
 }
 
+/// One rank's side of joining the group.
+#[derive(Debug, Clone, Copy)]
+struct Handshake {
+    rank: usize,
+    world: usize,
+    addr: SocketAddr,
+    timeout: Duration,
+    deadline: Instant,
+    fingerprint: u64,
+}
+
+impl Handshake {
+    fn err(&self, message: String) -> DistributedError {
+        DistributedError::Transport {
+            rank: self.rank,
+            message,
+        }
+    }
+
+    /// Rank 0: listens on `addr` until every other rank has introduced itself with the same world
+    /// size and config fingerprint, then welcomes them all.
+    fn accept_ranks(&self) -> Result<Links, DistributedError> {
+        let Handshake {
+            rank,
+            world,
+            addr,
+            timeout,
+            deadline,
+            fingerprint,
+        } = *self;
+        let err = |m: String| self.err(m);
+        let listener =
+            TcpListener::bind(addr).map_err(|e| err(format!("cannot listen on {addr}: {e}")))?;
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| err(e.to_string()))?;
+        let mut peers: Vec<Option<TcpStream>> = (1..world).map(|_| None).collect();
+        while peers.iter().any(Option::is_none) {
+            match listener.accept() {
+                Ok((stream, from)) => {
+                    stream
+                        .set_nonblocking(false)
+                        .map_err(|e| err(e.to_string()))?;
+                    stream
+                        .set_read_timeout(Some(timeout))
+                        .map_err(|e| err(e.to_string()))?;
+                    let _ = stream.set_nodelay(true);
+                    let (tag, hello) = read_frame(&stream)
+                        .map_err(|e| err(format!("handshake from {from}: {e}")))?;
+                    if tag != HELLO || hello.len() != 16 {
+                        return Err(err(format!("{from} did not introduce itself as a rank")));
+                    }
+                    let r = u32::from_le_bytes(hello[0..4].try_into().expect("4")) as usize;
+                    let w = u32::from_le_bytes(hello[4..8].try_into().expect("4")) as usize;
+                    let f = u64::from_le_bytes(hello[8..16].try_into().expect("8"));
+                    let refuse = if w != world {
+                        Some(format!("rank {r} expects {w} ranks, rank 0 has {world}"))
+                    } else if f != fingerprint {
+                        Some(format!(
+                            "rank {r} was started with a different config than rank 0"
+                        ))
+                    } else if r == 0 || r >= world || peers[r - 1].is_some() {
+                        Some(format!("rank {r} is invalid or joined twice"))
+                    } else {
+                        None
+                    };
+                    if let Some(reason) = refuse {
+                        let _ = write_frame(&stream, ERROR, reason.as_bytes());
+                        return Err(err(reason));
+                    }
+                    peers[r - 1] = Some(stream);
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                    if Instant::now() > deadline {
+                        let missing: Vec<String> = peers
+                            .iter()
+                            .enumerate()
+                            .filter(|(_, p)| p.is_none())
+                            .map(|(i, _)| (i + 1).to_string())
+                            .collect();
+                        return Err(DistributedError::Timeout {
+                            rank,
+                            peer: format!("ranks {} joining at {addr}", missing.join(", ")),
+                            seconds: timeout.as_secs(),
+                        });
+                    }
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                Err(e) => return Err(err(format!("accepting on {addr}: {e}"))),
+            }
+        }
+        let peers: Vec<TcpStream> = peers.into_iter().map(|p| p.expect("all joined")).collect();
+        for p in &peers {
+            write_frame(p, WELCOME, &[]).map_err(|e| err(e.to_string()))?;
+        }
+        Ok(Links::Hub(peers))
+    }
+
+    /// Any other rank: connects to rank 0 (retrying until the deadline) and introduces itself.
+    fn join_rank0(&self) -> Result<Links, DistributedError> {
+        let Handshake {
+            rank,
+            world,
+            addr,
+            timeout,
+            deadline,
+            fingerprint,
+        } = *self;
+        let err = |m: String| self.err(m);
+        let stream = loop {
+            match TcpStream::connect_timeout(&addr, Duration::from_secs(2)) {
+                Ok(s) => break s,
+                Err(e) if Instant::now() > deadline => {
+                    return Err(err(format!("cannot reach rank 0 at {addr}: {e}")))
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(100)),
+            }
+        };
+        stream
+            .set_read_timeout(Some(timeout))
+            .map_err(|e| err(e.to_string()))?;
+        let _ = stream.set_nodelay(true);
+        let mut hello = Vec::with_capacity(16);
+        hello.extend((rank as u32).to_le_bytes());
+        hello.extend((world as u32).to_le_bytes());
+        hello.extend(fingerprint.to_le_bytes());
+        write_frame(&stream, HELLO, &hello).map_err(|e| err(e.to_string()))?;
+        match read_frame(&stream) {
+            Ok((WELCOME, _)) => {}
+            Ok((ERROR, reason)) => {
+                return Err(err(format!(
+                    "rank 0 refused: {}",
+                    String::from_utf8_lossy(&reason)
+                )))
+            }
+            Ok(_) => return Err(err("unexpected handshake reply".into())),
+            Err(e) => return Err(err(format!("handshake with rank 0 at {addr}: {e}"))),
+        }
+        Ok(Links::Member(stream))
+    }
+}
+
 impl TcpGroup {
     /// Joins the group of `world` ranks as `rank`. Rank 0 listens on `addr` and waits for the
     /// others; the others connect to it, retrying until `timeout`. `fingerprint` (of the config)
@@ -88,103 +230,18 @@ impl TcpGroup {
             return Err(err(format!("rank {rank} is outside a world of {world}")));
         }
         let deadline = Instant::now() + timeout;
+        let handshake = Handshake {
+            rank,
+            world,
+            addr,
+            timeout,
+            deadline,
+            fingerprint,
+        };
         let links = if rank == 0 {
-            let listener = TcpListener::bind(addr)
-                .map_err(|e| err(format!("cannot listen on {addr}: {e}")))?;
-            listener
-                .set_nonblocking(true)
-                .map_err(|e| err(e.to_string()))?;
-            let mut peers: Vec<Option<TcpStream>> = (1..world).map(|_| None).collect();
-            while peers.iter().any(Option::is_none) {
-                match listener.accept() {
-                    Ok((stream, from)) => {
-                        stream
-                            .set_nonblocking(false)
-                            .map_err(|e| err(e.to_string()))?;
-                        stream
-                            .set_read_timeout(Some(timeout))
-                            .map_err(|e| err(e.to_string()))?;
-                        let _ = stream.set_nodelay(true);
-                        let (tag, hello) = read_frame(&stream)
-                            .map_err(|e| err(format!("handshake from {from}: {e}")))?;
-                        if tag != HELLO || hello.len() != 16 {
-                            return Err(err(format!("{from} did not introduce itself as a rank")));
-                        }
-                        let r = u32::from_le_bytes(hello[0..4].try_into().expect("4")) as usize;
-                        let w = u32::from_le_bytes(hello[4..8].try_into().expect("4")) as usize;
-                        let f = u64::from_le_bytes(hello[8..16].try_into().expect("8"));
-                        let refuse = if w != world {
-                            Some(format!("rank {r} expects {w} ranks, rank 0 has {world}"))
-                        } else if f != fingerprint {
-                            Some(format!(
-                                "rank {r} was started with a different config than rank 0"
-                            ))
-                        } else if r == 0 || r >= world || peers[r - 1].is_some() {
-                            Some(format!("rank {r} is invalid or joined twice"))
-                        } else {
-                            None
-                        };
-                        if let Some(reason) = refuse {
-                            let _ = write_frame(&stream, ERROR, reason.as_bytes());
-                            return Err(err(reason));
-                        }
-                        peers[r - 1] = Some(stream);
-                    }
-                    Err(e) if e.kind() == ErrorKind::WouldBlock => {
-                        if Instant::now() > deadline {
-                            let missing: Vec<String> = peers
-                                .iter()
-                                .enumerate()
-                                .filter(|(_, p)| p.is_none())
-                                .map(|(i, _)| (i + 1).to_string())
-                                .collect();
-                            return Err(DistributedError::Timeout {
-                                rank,
-                                peer: format!("ranks {} joining at {addr}", missing.join(", ")),
-                                seconds: timeout.as_secs(),
-                            });
-                        }
-                        std::thread::sleep(Duration::from_millis(20));
-                    }
-                    Err(e) => return Err(err(format!("accepting on {addr}: {e}"))),
-                }
-            }
-            let peers: Vec<TcpStream> = peers.into_iter().map(|p| p.expect("all joined")).collect();
-            for p in &peers {
-                write_frame(p, WELCOME, &[]).map_err(|e| err(e.to_string()))?;
-            }
-            Links::Hub(peers)
+            handshake.accept_ranks()?
         } else {
-            let stream = loop {
-                match TcpStream::connect_timeout(&addr, Duration::from_secs(2)) {
-                    Ok(s) => break s,
-                    Err(e) if Instant::now() > deadline => {
-                        return Err(err(format!("cannot reach rank 0 at {addr}: {e}")))
-                    }
-                    Err(_) => std::thread::sleep(Duration::from_millis(100)),
-                }
-            };
-            stream
-                .set_read_timeout(Some(timeout))
-                .map_err(|e| err(e.to_string()))?;
-            let _ = stream.set_nodelay(true);
-            let mut hello = Vec::with_capacity(16);
-            hello.extend((rank as u32).to_le_bytes());
-            hello.extend((world as u32).to_le_bytes());
-            hello.extend(fingerprint.to_le_bytes());
-            write_frame(&stream, HELLO, &hello).map_err(|e| err(e.to_string()))?;
-            match read_frame(&stream) {
-                Ok((WELCOME, _)) => {}
-                Ok((ERROR, reason)) => {
-                    return Err(err(format!(
-                        "rank 0 refused: {}",
-                        String::from_utf8_lossy(&reason)
-                    )))
-                }
-                Ok(_) => return Err(err("unexpected handshake reply".into())),
-                Err(e) => return Err(err(format!("handshake with rank 0 at {addr}: {e}"))),
-            }
-            Links::Member(stream)
+            handshake.join_rank0()?
         };
         Ok(Self {
             rank,

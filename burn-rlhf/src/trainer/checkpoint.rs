@@ -21,9 +21,10 @@ use burn_rlhf_models::{CausalLm, ValueModel};
 use burn_rlhf_rollout::SamplerState;
 use serde::{Deserialize, Serialize};
 
-use super::learner::AdamWOf;
-use super::{Learner, TrainError};
-use crate::learner::ReplicaSync;
+use super::learner::Learner;
+use crate::config::settings::ResumeMode;
+use crate::error::TrainError;
+use crate::optim::{AdamWOf, ReplicaSync};
 
 /// The file naming the newest complete checkpoint (verl's name).
 pub const LATEST_FILE: &str = "latest_checkpointed_iteration.txt";
@@ -157,13 +158,7 @@ fn critic_architecture(model_type: &str) -> &'static str {
 impl<B: RlAutodiffBackend> Learner<B> {
     /// Where checkpoints go (`trainer.default_local_dir`).
     pub fn checkpoint_root(&self) -> PathBuf {
-        burn_rlhf_models::pretrained::expand_home(
-            self.config
-                .trainer
-                .default_local_dir
-                .as_deref()
-                .unwrap_or("checkpoints"),
-        )
+        self.settings.trainer.checkpoint_dir.clone()
     }
 
     /// Saves the current step; returns the checkpoint folder. Rank 0 writes the weights and the
@@ -202,8 +197,8 @@ impl<B: RlAutodiffBackend> Learner<B> {
             let state = TrainerState {
                 global_step: self.global_step,
                 sampler: self.sampler.state(),
-                kl_ctrl: self.kl_ctrl.state(),
-                policy_loss_stream: self.policy_loss.stream_position(),
+                kl_ctrl: self.algorithms.kl_ctrl.state(),
+                policy_loss_stream: self.algorithms.policy_loss.stream_position(),
                 actor_updates: self.actor_updates,
                 critic_updates: self.critic_updates,
                 reference_refreshed_at: self.reference_refreshed_at,
@@ -259,30 +254,16 @@ impl<B: RlAutodiffBackend> Learner<B> {
     /// root (none: a fresh start), `resume_path` `trainer.resume_from_path` (must exist),
     /// `disable` none.
     pub fn checkpoint_to_resume(&self) -> Result<Option<PathBuf>, TrainError> {
-        let t = &self.config.trainer;
-        match t.resume_mode.as_str() {
-            "disable" => Ok(None),
-            "auto" => {
+        match &self.settings.trainer.resume {
+            ResumeMode::Disable => Ok(None),
+            ResumeMode::Auto => {
                 let root = self.checkpoint_root();
-                let latest = root.join(LATEST_FILE);
-                match std::fs::read_to_string(&latest) {
+                match std::fs::read_to_string(root.join(LATEST_FILE)) {
                     Ok(step) => Ok(Some(root.join(format!("global_step_{}", step.trim())))),
                     Err(_) => Ok(None),
                 }
             }
-            "resume_path" => {
-                let path = t.resume_from_path.as_deref().ok_or_else(|| {
-                    TrainError::config(
-                        "trainer.resume_from_path",
-                        "resume_mode is `resume_path` but no path is set",
-                    )
-                })?;
-                Ok(Some(burn_rlhf_models::pretrained::expand_home(path)))
-            }
-            other => Err(TrainError::config(
-                "trainer.resume_mode",
-                format!("unknown mode `{other}` (auto, disable, resume_path)"),
-            )),
+            ResumeMode::Path(path) => Ok(Some(path.clone())),
         }
     }
 
@@ -314,8 +295,9 @@ impl<B: RlAutodiffBackend> Learner<B> {
             );
         }
         self.reference_refreshed_at = state.reference_refreshed_at;
-        self.kl_ctrl.load_state(&state.kl_ctrl)?;
-        self.policy_loss
+        self.algorithms.kl_ctrl.load_state(&state.kl_ctrl)?;
+        self.algorithms
+            .policy_loss
             .restore_stream_position(state.policy_loss_stream);
         self.sampler.restore(state.sampler);
         self.global_step = state.global_step;

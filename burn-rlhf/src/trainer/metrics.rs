@@ -6,10 +6,11 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use burn_rlhf_algos::LossAggMode;
 use burn_rlhf_rollout::RolloutBatch;
 use indicatif::{ProgressBar, ProgressStyle};
 
-use super::TrainError;
+use crate::error::TrainError;
 
 /// One step's metrics by name.
 pub type Metrics = BTreeMap<String, f64>;
@@ -336,6 +337,53 @@ pub fn read_jsonl(path: &Path) -> Result<Vec<(usize, Metrics)>, TrainError> {
             Ok((step, metrics))
         })
         .collect()
+}
+
+/// verl's `training/rollout_probs_diff_{max,mean}`: how far the rollout's token probabilities
+/// are from the actor's recomputed ones (0 up to numerics when generation and training agree).
+pub fn rollout_probs_diff(batch: &RolloutBatch, old_log_probs: &[f32]) -> Metrics {
+    let diffs: Vec<f64> = batch
+        .rollout_log_probs
+        .iter()
+        .zip(old_log_probs)
+        .zip(&batch.response_mask)
+        .filter(|(_, &m)| m > 0.0)
+        .map(|((&a, &b), _)| ((a as f64).exp() - (b as f64).exp()).abs())
+        .collect();
+    let max = diffs.iter().cloned().fold(0.0, f64::max);
+    let mean = diffs.iter().sum::<f64>() / diffs.len().max(1) as f64;
+    Metrics::from([
+        ("training/rollout_probs_diff_max".to_string(), max),
+        ("training/rollout_probs_diff_mean".to_string(), mean),
+    ])
+}
+
+/// `agg_loss` of a host `[rows * width]` quantity over the response mask, in f64.
+pub fn masked_agg(values: &[f32], mask: &[f32], width: usize, mode: LossAggMode) -> f64 {
+    let width = width.max(1);
+    let per_row: Vec<(f64, f64)> = values
+        .chunks(width)
+        .zip(mask.chunks(width))
+        .map(|(v, m)| {
+            v.iter().zip(m).fold((0.0, 0.0), |(s, n), (&x, &w)| {
+                (s + (x * w) as f64, n + w as f64)
+            })
+        })
+        .collect();
+    let (sum, count): (f64, f64) = per_row
+        .iter()
+        .fold((0.0, 0.0), |(s, n), (a, b)| (s + a, n + b));
+    match mode {
+        LossAggMode::TokenMean => sum / count.max(1.0),
+        _ => {
+            let rows: Vec<f64> = per_row
+                .iter()
+                .filter(|(_, n)| *n > 0.0)
+                .map(|(s, n)| s / n)
+                .collect();
+            rows.iter().sum::<f64>() / rows.len().max(1) as f64
+        }
+    }
 }
 
 #[cfg(test)]

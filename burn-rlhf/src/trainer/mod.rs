@@ -1,16 +1,30 @@
-//! Training: the shared [`Learner`] (verl's PPO step and the critic-free family through the same
-//! loop), its metrics and sinks, checkpoints, and the run loop.
+//! Training. The shared [`Learner`] runs verl's PPO step (and the critic-free family through the
+//! same loop), one file per phase: `build`, `rollout` (generation, rewards), `scoring` (log-probs,
+//! values, KL, advantages), `update`, `step`, `validation`; with its metrics and sinks,
+//! checkpoints, the run loop, data-parallel launching, and the SFT trainer.
 
+mod build;
 mod checkpoint;
-mod error;
+mod data_parallel;
+mod fit;
 mod learner;
 pub mod metrics;
 mod plot;
+mod rollout;
 pub mod run;
+mod scoring;
+pub mod sft;
+mod step;
+mod update;
+mod validation;
 
+pub use crate::error::TrainError;
+pub use build::LearnerParts;
 pub use checkpoint::{TrainerState, LATEST_FILE};
-pub use error::TrainError;
-pub use learner::{AdamWOf, Learner, LearnerParts};
+pub use data_parallel::{fit_data_parallel, fit_data_parallel_with, NodeLaunch};
+pub use fit::RunOutputs;
+pub use learner::Learner;
 pub use metrics::{Metrics, MetricsLogger};
 pub use plot::plot_history;
-pub use run::{stop_on_ctrl_c, RunOutputs};
+pub use run::stop_on_ctrl_c;
+pub use scoring::Rows;

@@ -9,8 +9,10 @@ use std::sync::OnceLock;
 
 use plotters::prelude::*;
 
-use super::metrics::Metrics;
-use super::TrainError;
+use crate::error::TrainError;
+
+/// One step's metrics by name (the metrics module's `Metrics`).
+type Metrics = std::collections::BTreeMap<String, f64>;
 
 const FONT_CANDIDATES: [&str; 7] = [
     "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",

@@ -1,4 +1,5 @@
-//! What can stop a training run, with the file, key or row it concerns.
+//! What can stop a training run, with the file, key or row it concerns: the crate's one error
+//! type, below every module that returns it.
 
 use std::path::PathBuf;
 
@@ -19,7 +20,7 @@ pub enum TrainError {
     ConfigFile(#[from] crate::config::ConfigError),
     /// Another rank failed, or the ranks could not exchange data.
     #[error(transparent)]
-    Distributed(#[from] crate::distributed::DistributedError),
+    Distributed(#[from] DistributedError),
     /// A setting that cannot work, named by its key.
     #[error("{key}: {message}")]
     Config {
@@ -60,4 +61,37 @@ impl TrainError {
             message: message.to_string(),
         }
     }
+}
+
+/// Why a collective operation failed.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum DistributedError {
+    /// Another rank failed or left; this one stops too.
+    #[error("rank {rank}: stopping because {reason}")]
+    PeerFailed {
+        /// This rank.
+        rank: usize,
+        /// What happened to the other rank.
+        reason: String,
+    },
+    /// A peer sent nothing within the timeout.
+    #[error(
+        "rank {rank}: no message from {peer} within {seconds} s (trainer.collective_timeout_s)"
+    )]
+    Timeout {
+        /// This rank.
+        rank: usize,
+        /// Who was waited for.
+        peer: String,
+        /// The timeout.
+        seconds: u64,
+    },
+    /// Setting up the group or exchanging data failed.
+    #[error("rank {rank}: {message}")]
+    Transport {
+        /// This rank.
+        rank: usize,
+        /// What failed.
+        message: String,
+    },
 }

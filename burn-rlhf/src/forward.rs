@@ -1,8 +1,9 @@
-//! Model inputs from a rollout batch, and per-response-token quantities from the models.
+//! Model inputs from a rollout batch, and the forward passes that read per-response-token
+//! quantities from the models (verl's `compute_log_prob` and `compute_values`).
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
-use burn_rlhf_algos::kernels::logprobs_and_entropy;
+use burn_rlhf_algos::kernels::entropy_and_logprobs;
 use burn_rlhf_algos::RlBackend;
 use burn_rlhf_models::{CausalLm, ValueModel};
 use burn_rlhf_rollout::RolloutBatch;
@@ -98,7 +99,7 @@ pub fn response_logprobs<B: RlBackend>(
     let hidden = hidden.slice([0..b, p - 1..l - 1]);
     let logits = model.logits(hidden);
     debug_assert_eq!(logits.dims()[1], r);
-    let (entropy, logprobs) = logprobs_and_entropy(logits, seq.response_ids.clone(), temperature);
+    let (entropy, logprobs) = entropy_and_logprobs(logits, seq.response_ids.clone(), temperature);
     (logprobs, entropy)
 }
 

@@ -1,22 +1,33 @@
-//! verl's optimiser pieces that Burn does not have in the same form: the learning-rate schedules
-//! (constant or cosine, both with linear warm-up) and clipping by the *global* gradient norm, as
-//! torch's `clip_grad_norm_` does (Burn's `GradientClipping::Norm` clips each parameter alone).
+//! verl's optimiser pieces that Burn does not have in the same form: AdamW as torch's, the
+//! learning-rate schedules (constant or cosine, both with linear warm-up), clipping by the
+//! *global* gradient norm, as torch's `clip_grad_norm_` does (Burn's `GradientClipping::Norm` clips
+//! each parameter alone), and the optimiser step shared by data-parallel replicas.
 
 use burn::module::{AutodiffModule, ModuleVisitor, Param};
-use burn::optim::GradientsParams;
+use burn::optim::adaptor::OptimizerAdaptor;
+use burn::optim::{AdamW, AdamWConfig, GradientsParams};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::Tensor;
 
-use crate::config::OptimConfig;
+pub use crate::config::settings::ScheduleKind;
+use crate::config::settings::{OptimSettings, Warmup};
 use crate::distributed::{all_reduce_grads, sync_params, DataParallel, ShardPlan};
 
-/// Which curve follows the warm-up.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ScheduleKind {
-    /// Flat at the base rate.
-    Constant,
-    /// Half a cosine (with `num_cycles = 0.5`) down to `min_lr_ratio` of the base rate.
-    Cosine,
+/// The optimiser of a module: AdamW as torch's (`eps = 1e-8`).
+pub type AdamWOf<M, B> = OptimizerAdaptor<AdamW, M, B>;
+
+/// AdamW with `betas` and decoupled `weight_decay`, `eps = 1e-8` (torch's default), for the
+/// actor, the critic and SFT.
+pub fn adamw<B: AutodiffBackend, M: AutodiffModule<B>>(
+    betas: [f64; 2],
+    weight_decay: f64,
+) -> AdamWOf<M, B> {
+    AdamWConfig::new()
+        .with_beta_1(betas[0] as f32)
+        .with_beta_2(betas[1] as f32)
+        .with_epsilon(1e-8)
+        .with_weight_decay(weight_decay as f32)
+        .init()
 }
 
 /// The learning rate at each optimiser step (verl's `get_constant_schedule_with_warmup` and
@@ -38,24 +49,20 @@ pub struct LrSchedule {
 }
 
 impl LrSchedule {
-    /// From `optim.*` for a run of `total_steps` optimiser steps: `lr_warmup_steps` when positive,
-    /// else `int(lr_warmup_steps_ratio * total_steps)`, as verl.
-    pub fn from_config(optim: &OptimConfig, total_steps: usize) -> Self {
-        let warmup_steps = if optim.lr_warmup_steps > 0 {
-            optim.lr_warmup_steps as usize
-        } else {
-            (optim.lr_warmup_steps_ratio * total_steps as f64) as usize
-        };
-        let kind = if optim.lr_scheduler_type == "cosine" {
-            ScheduleKind::Cosine
-        } else {
-            ScheduleKind::Constant
+    /// From `optim.*` for a run of `run_steps` steps (the schedule's length unless `optim`
+    /// sets its own): `lr_warmup_steps` when positive, else `int(lr_warmup_steps_ratio *
+    /// total_steps)`, as verl.
+    pub fn new(optim: &OptimSettings, run_steps: usize) -> Self {
+        let total_steps = optim.total_steps.unwrap_or(run_steps);
+        let warmup_steps = match optim.warmup {
+            Warmup::Steps(n) => n,
+            Warmup::Ratio(r) => (r * total_steps as f64) as usize,
         };
         Self {
             lr: optim.lr,
             warmup_steps,
             total_steps,
-            kind,
+            kind: optim.schedule,
             min_lr_ratio: optim.min_lr_ratio,
             num_cycles: optim.num_cycles,
         }
@@ -237,12 +244,17 @@ mod tests {
 
     #[test]
     fn schedules_follow_verl() {
-        let mut optim = OptimConfig {
+        let mut optim = OptimSettings {
             lr: 1.0,
-            lr_warmup_steps: 4,
-            ..OptimConfig::default()
+            betas: [0.9, 0.999],
+            weight_decay: 0.01,
+            warmup: Warmup::Steps(4),
+            schedule: ScheduleKind::Constant,
+            min_lr_ratio: 0.0,
+            num_cycles: 0.5,
+            total_steps: None,
         };
-        let constant = LrSchedule::from_config(&optim, 20);
+        let constant = LrSchedule::new(&optim, 20);
         assert_eq!(
             (
                 constant.lr(0),
@@ -252,17 +264,18 @@ mod tests {
             ),
             (0.0, 0.5, 1.0, 1.0)
         );
-        optim.lr_scheduler_type = "cosine".into();
+        optim.schedule = ScheduleKind::Cosine;
         optim.min_lr_ratio = 0.1;
-        let cosine = LrSchedule::from_config(&optim, 20);
+        let cosine = LrSchedule::new(&optim, 20);
         assert_eq!(cosine.lr(4), 1.0);
         assert!(
             (cosine.lr(12) - 0.55).abs() < 1e-12,
             "half way: (1 + 0.1) / 2"
         );
         assert!((cosine.lr(20) - 0.1).abs() < 1e-12);
-        optim.lr_warmup_steps = -1;
-        optim.lr_warmup_steps_ratio = 0.25;
-        assert_eq!(LrSchedule::from_config(&optim, 20).warmup_steps, 5);
+        optim.warmup = Warmup::Ratio(0.25);
+        assert_eq!(LrSchedule::new(&optim, 20).warmup_steps, 5);
+        optim.total_steps = Some(40);
+        assert_eq!(LrSchedule::new(&optim, 20).warmup_steps, 10);
     }
 }

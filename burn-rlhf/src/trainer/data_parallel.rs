@@ -11,11 +11,14 @@ use std::time::{Duration, Instant};
 use burn::module::Module;
 use burn_rlhf_algos::RlAutodiffBackend;
 
-use super::{
+use super::build::LearnerParts;
+use super::fit::RunOutputs;
+use super::learner::Learner;
+use crate::config::{RlhfConfig, Settings};
+use crate::distributed::{
     AbortFlag, BurnCollective, Collective, DataParallel, DistributedError, Solo, TcpGroup,
 };
-use crate::config::RlhfConfig;
-use crate::trainer::{Learner, LearnerParts, RunOutputs, TrainError};
+use crate::error::TrainError;
 
 /// Where this process sits in a multi-process run.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -64,11 +67,11 @@ impl<B: RlAutodiffBackend> LearnerParts<B> {
     }
 }
 
-/// A fingerprint of the config every rank must share (the same file and overrides).
-fn fingerprint(config: &RlhfConfig) -> u64 {
+/// A fingerprint of the settings every rank must share (the same file and overrides).
+fn fingerprint(settings: &Settings) -> u64 {
     use std::hash::{Hash, Hasher};
     let mut h = std::collections::hash_map::DefaultHasher::new();
-    crate::config::config_to_ron(config).hash(&mut h);
+    format!("{settings:?}").hash(&mut h);
     h.finish()
 }
 
@@ -84,35 +87,20 @@ pub fn fit_data_parallel<B: RlAutodiffBackend>(
     node: &NodeLaunch,
     stop: &'static AtomicBool,
 ) -> Result<RunOutputs, TrainError> {
+    let settings = Settings::from_config(&config, &parts.known_names(), "the config")?;
+    fit_data_parallel_with(settings, parts, devices, node, stop)
+}
+
+/// [`fit_data_parallel`] with decoded settings.
+pub fn fit_data_parallel_with<B: RlAutodiffBackend>(
+    settings: Settings,
+    parts: LearnerParts<B>,
+    devices: &[B::Device],
+    node: &NodeLaunch,
+    stop: &'static AtomicBool,
+) -> Result<RunOutputs, TrainError> {
     let local = devices.len();
-    if local == 0 {
-        return Err(TrainError::config(
-            "trainer.n_gpus_per_node",
-            "no devices to train on",
-        ));
-    }
-    if node.nnodes == 0 || node.node_rank >= node.nnodes {
-        return Err(TrainError::config(
-            "trainer.nnodes",
-            format!(
-                "node rank {} is outside {} node(s)",
-                node.node_rank, node.nnodes
-            ),
-        ));
-    }
-    let world = local * node.nnodes;
-    let master = match (node.nnodes > 1, node.master_addr) {
-        (true, None) => {
-            return Err(TrainError::config(
-                "--master-addr",
-                "several nodes need rank 0's address (HOST:PORT)",
-            ))
-        }
-        (_, addr) => addr,
-    };
-    let shard_optimizer = config.trainer.zero_stage >= 1;
-    let balance_batch = config.trainer.balance_batch;
-    let print = fingerprint(&config);
+    let group = GroupPlan::new(&settings, local, node)?;
     let abort = Arc::new(AbortFlag::default());
     if node.nnodes == 1 && local > 1 {
         BurnCollective::<B::InnerBackend>::reset_group();
@@ -122,74 +110,33 @@ pub fn fit_data_parallel<B: RlAutodiffBackend>(
     for (i, device) in devices.iter().enumerate() {
         let rank = node.node_rank * local + i;
         let parts = parts.replicate(device);
-        let device = device.clone();
-        let config = config.clone();
-        let abort = abort.clone();
-        let tx = tx.clone();
-        let timeout = node.timeout;
-        let nnodes = node.nnodes;
+        let (device, settings, group, abort, tx) = (
+            device.clone(),
+            settings.clone(),
+            group.clone(),
+            abort.clone(),
+            tx.clone(),
+        );
         let handle = std::thread::Builder::new()
             .name(format!("burn-rlhf-rank-{rank}"))
             .spawn(move || {
                 let mut joined: Option<Arc<dyn Collective>> = None;
                 let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                     // Config errors surface before joining, identically on every rank.
-                    let learner = Learner::new(config, parts, &device)?;
-                    let collective: Arc<dyn Collective> = if world == 1 {
-                        Arc::new(Solo)
-                    } else if nnodes > 1 {
-                        Arc::new(TcpGroup::connect(
-                            rank,
-                            world,
-                            master.expect("checked"),
-                            timeout,
-                            print,
-                        )?)
-                    } else {
-                        Arc::new(BurnCollective::<B::InnerBackend>::register(
-                            rank,
-                            world,
-                            device.clone(),
-                            abort.clone(),
-                        )?)
-                    };
+                    let learner = Learner::from_settings(settings, parts, &device)?;
+                    let collective = group.join::<B>(rank, &device, &abort)?;
                     joined = Some(collective.clone());
-                    let dp = DataParallel {
-                        collective,
-                        shard_optimizer,
-                        balance_batch,
-                    };
-                    let mut learner = learner.with_data_parallel(dp)?;
+                    let mut learner =
+                        learner.with_data_parallel(group.data_parallel(collective))?;
                     learner.fit(stop)
                 }));
-                let result = match run {
-                    Ok(r) => r,
-                    Err(panic) => {
-                        let msg = panic
-                            .downcast_ref::<String>()
-                            .cloned()
-                            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                            .unwrap_or_else(|| "unknown panic".into());
-                        Err(TrainError::Distributed(DistributedError::Transport {
-                            rank,
-                            message: format!("panicked: {msg}"),
-                        }))
-                    }
-                };
-                if let Err(e) = &result {
-                    match &joined {
-                        Some(c) => c.abort(&e.to_string()),
-                        None => abort.raise(&format!("rank {rank} failed: {e}")),
-                    }
-                }
-                if let Some(c) = joined
-                    .as_ref()
-                    .and_then(|c| c.as_any().downcast_ref::<BurnCollective<B::InnerBackend>>())
-                {
-                    if result.is_ok() {
-                        c.finish();
-                    }
-                }
+                let result = run.unwrap_or_else(|panic| {
+                    Err(TrainError::Distributed(DistributedError::Transport {
+                        rank,
+                        message: format!("panicked: {}", panic_message(panic.as_ref())),
+                    }))
+                });
+                finish_rank::<B>(rank, &result, joined.as_ref(), &abort);
                 let _ = tx.send((rank, result));
             })
             .map_err(|e| {
@@ -202,6 +149,117 @@ pub fn fit_data_parallel<B: RlAutodiffBackend>(
     }
     drop(tx);
     collect(rx, handles, local, node.timeout, &abort)
+}
+
+/// What every rank of this process needs to join the group.
+#[derive(Debug, Clone)]
+struct GroupPlan {
+    world: usize,
+    nnodes: usize,
+    master: Option<SocketAddr>,
+    timeout: Duration,
+    fingerprint: u64,
+    shard_optimizer: bool,
+    balance_batch: bool,
+}
+
+impl GroupPlan {
+    /// Checks the launch (`local` devices here, `node`'s place) and plans the group.
+    fn new(settings: &Settings, local: usize, node: &NodeLaunch) -> Result<Self, TrainError> {
+        if local == 0 {
+            return Err(TrainError::config(
+                "trainer.n_gpus_per_node",
+                "no devices to train on",
+            ));
+        }
+        if node.nnodes == 0 || node.node_rank >= node.nnodes {
+            return Err(TrainError::config(
+                "trainer.nnodes",
+                format!(
+                    "node rank {} is outside {} node(s)",
+                    node.node_rank, node.nnodes
+                ),
+            ));
+        }
+        if node.nnodes > 1 && node.master_addr.is_none() {
+            return Err(TrainError::config(
+                "--master-addr",
+                "several nodes need rank 0's address (HOST:PORT)",
+            ));
+        }
+        Ok(Self {
+            world: local * node.nnodes,
+            nnodes: node.nnodes,
+            master: node.master_addr,
+            timeout: node.timeout,
+            fingerprint: fingerprint(settings),
+            shard_optimizer: settings.trainer.shard_optimizer,
+            balance_batch: settings.trainer.balance_batch,
+        })
+    }
+
+    /// Rank `rank`'s transport: none alone, TCP across processes, burn-collective across the
+    /// devices of one process.
+    fn join<B: RlAutodiffBackend>(
+        &self,
+        rank: usize,
+        device: &B::Device,
+        abort: &Arc<AbortFlag>,
+    ) -> Result<Arc<dyn Collective>, TrainError> {
+        Ok(match (self.world, self.master) {
+            (1, _) => Arc::new(Solo),
+            (_, Some(master)) if self.nnodes > 1 => Arc::new(TcpGroup::connect(
+                rank,
+                self.world,
+                master,
+                self.timeout,
+                self.fingerprint,
+            )?),
+            _ => Arc::new(BurnCollective::<B::InnerBackend>::register(
+                rank,
+                self.world,
+                device.clone(),
+                abort.clone(),
+            )?),
+        })
+    }
+
+    fn data_parallel(&self, collective: Arc<dyn Collective>) -> DataParallel {
+        DataParallel {
+            collective,
+            shard_optimizer: self.shard_optimizer,
+            balance_batch: self.balance_batch,
+        }
+    }
+}
+
+/// A panic's message.
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_else(|| "unknown panic".into())
+}
+
+/// After a rank's run: a failure stops the other ranks (through the group when joined, else
+/// through this process's flag); a successful in-process rank leaves burn-collective's group.
+fn finish_rank<B: RlAutodiffBackend>(
+    rank: usize,
+    result: &Result<RunOutputs, TrainError>,
+    joined: Option<&Arc<dyn Collective>>,
+    abort: &AbortFlag,
+) {
+    if let Err(e) = result {
+        match joined {
+            Some(c) => c.abort(&e.to_string()),
+            None => abort.raise(&format!("rank {rank} failed: {e}")),
+        }
+    }
+    let local = joined.and_then(|c| c.as_any().downcast_ref::<BurnCollective<B::InnerBackend>>());
+    if let (Some(c), true) = (local, result.is_ok()) {
+        c.finish();
+    }
 }
 
 /// Waits for every rank of this process; after a failure, waits for the others at most

@@ -11,8 +11,10 @@ use burn_rlhf_algos::{value_loss, GlobalBatchInfo, LossAggMode};
 use burn_rlhf_models::ValueModel;
 use burn_rlhf_rollout::RolloutBatch;
 
-use super::{response_values, synced_step, ReplicaSync, SequenceTensors};
-use crate::trainer::TrainError;
+use crate::config::settings::CriticSettings;
+use crate::error::TrainError;
+use crate::forward::{response_values, SequenceTensors};
+use crate::optim::{synced_step, ReplicaSync};
 
 /// Per-token targets of a mini-batch, `[rows * response_len]` row-major.
 #[derive(Debug, Clone, PartialEq)]
@@ -36,6 +38,19 @@ pub struct CriticLossConfig {
     pub grad_clip: f64,
     /// Multiplies the loss before its gradient (`critic.value_loss_scale`).
     pub value_loss_scale: f64,
+}
+
+impl CriticLossConfig {
+    /// The settings of `critic.*` for a mini-batch of `rows` sequences.
+    pub fn from_settings(critic: &CriticSettings, rows: usize) -> Self {
+        Self {
+            cliprange_value: critic.cliprange_value,
+            loss_agg_mode: critic.loss_agg_mode,
+            micro_batch_size: critic.micro_batch_size.unwrap_or(rows),
+            grad_clip: critic.grad_clip,
+            value_loss_scale: critic.value_loss_scale,
+        }
+    }
 }
 
 /// Updates `critic` once on `batch` and returns it with `critic/vf_loss`, `critic/vf_clipfrac`

@@ -11,7 +11,8 @@ use burn_rlhf_algos::{agg_loss, AlgoError, GlobalBatchInfo, LossAggMode};
 use burn_rlhf_models::CausalLm;
 use burn_rlhf_rollout::RolloutBatch;
 
-use super::{clip_grad_norm, response_logprobs, SequenceTensors};
+use crate::forward::{response_logprobs, SequenceTensors};
+use crate::optim::clip_grad_norm;
 
 /// The mean NLL of `batch`'s response tokens under `model` (no update): validation loss.
 pub fn sft_loss<B: burn_rlhf_algos::RlBackend>(

@@ -15,8 +15,10 @@ use burn_rlhf_algos::{
 use burn_rlhf_models::CausalLm;
 use burn_rlhf_rollout::RolloutBatch;
 
-use super::{response_logprobs, synced_step, ReplicaSync, SequenceTensors};
-use crate::trainer::TrainError;
+use crate::config::settings::ActorSettings;
+use crate::error::TrainError;
+use crate::forward::{response_logprobs, SequenceTensors};
+use crate::optim::{synced_step, ReplicaSync};
 
 /// Per-token targets of a mini-batch, `[rows * response_len]` row-major like the batch's
 /// response fields.
@@ -49,6 +51,23 @@ pub struct ActorLossConfig {
     pub micro_batch_size: usize,
     /// Global gradient-norm limit.
     pub grad_clip: f64,
+}
+
+impl ActorLossConfig {
+    /// The settings of `actor_rollout_ref.actor.*` for a mini-batch of `rows` sequences;
+    /// `temperature` is the rollout's.
+    pub fn from_settings(actor: &ActorSettings, temperature: f64, rows: usize) -> Self {
+        Self {
+            temperature,
+            loss_agg_mode: actor.loss_agg_mode,
+            loss_scale_factor: actor.loss_scale_factor,
+            entropy_coeff: actor.entropy_coeff,
+            kl_loss: actor.kl_loss_coef.map(|coef| (actor.kl_loss_type, coef)),
+            kl_metric: actor.kl_loss_type,
+            micro_batch_size: actor.micro_batch_size.unwrap_or(rows),
+            grad_clip: actor.grad_clip,
+        }
+    }
 }
 
 fn tensor2<B: RlAutodiffBackend>(

@@ -9,18 +9,19 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use burn::module::AutodiffModule;
-use burn::optim::AdamWConfig;
 use burn_rlhf_algos::RlAutodiffBackend;
-use burn_rlhf_models::pretrained::{expand_home, load_pretrained, save_pretrained};
-use burn_rlhf_models::{CausalLm, ChatMessage, LoraConfig, Tokenizer, TransformerConfig};
+use burn_rlhf_models::pretrained::{expand_home, save_pretrained};
+use burn_rlhf_models::{CausalLm, ChatMessage, LoraConfig, Tokenizer};
 use burn_rlhf_rollout::data::{read_pairs, TextPair};
 use burn_rlhf_rollout::{PromptSampler, RolloutBatch, RolloutError, Sample};
 use serde::{Deserialize, Serialize};
 
+use super::metrics::{Metrics, MetricsLogger};
 use crate::config::{load_typed, ConfigError};
-use crate::learner::{sft_loss, sft_update, LrSchedule, ScheduleKind};
-use crate::trainer::metrics::{Metrics, MetricsLogger};
-use crate::trainer::TrainError;
+use crate::error::TrainError;
+use crate::loading::{load_policy, with_lora};
+use crate::minibatch::{sft_loss, sft_update};
+use crate::optim::{adamw, LrSchedule, ScheduleKind};
 
 /// `data.*` (verl's `sft_trainer.yaml`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -324,6 +325,49 @@ fn load_examples(
     Ok(out)
 }
 
+impl SftOptimConfig {
+    /// The learning rate per step of a run of `total` steps: linear warm-up over
+    /// `warmup_steps_ratio`, then `lr_scheduler` down to 0 (verl's SFT trainer).
+    fn schedule(&self, total: usize) -> LrSchedule {
+        LrSchedule {
+            lr: self.lr,
+            warmup_steps: (self.warmup_steps_ratio * total as f64) as usize,
+            total_steps: total,
+            kind: if self.lr_scheduler == "cosine" {
+                ScheduleKind::Cosine
+            } else {
+                ScheduleKind::Constant
+            },
+            min_lr_ratio: 0.0,
+            num_cycles: 0.5,
+        }
+    }
+}
+
+/// The token-mean NLL of the validation examples, in batches of `batch_size`; `None` without
+/// validation data.
+fn val_loss<B: burn_rlhf_algos::RlBackend>(
+    model: &CausalLm<B>,
+    val: &[SftExample],
+    batch_size: usize,
+    pad: u32,
+    micro: usize,
+    device: &B::Device,
+) -> Option<f64> {
+    if val.is_empty() {
+        return None;
+    }
+    let (mut nll, mut tokens) = (0.0, 0.0);
+    for chunk in val.chunks(batch_size.max(1)) {
+        let refs: Vec<&SftExample> = chunk.iter().collect();
+        let batch = sft_rollout_batch(&refs, pad);
+        let n: f64 = batch.response_mask.iter().map(|&m| m as f64).sum();
+        nll += sft_loss(model, &batch, micro, device) * n;
+        tokens += n;
+    }
+    Some(nll / tokens.max(1.0))
+}
+
 /// What an SFT run left.
 #[derive(Debug, Clone)]
 pub struct SftOutputs {
@@ -345,35 +389,19 @@ pub fn fit_sft<B: RlAutodiffBackend>(
     config.validate()?;
     B::seed(device, config.trainer.seed);
     let m = &config.model;
-    let pre = load_pretrained(&m.partial_pretrain)?;
-    let model_config: TransformerConfig = pre.config.clone();
-    let tokenizer = match &m.tokenizer_path {
-        Some(p) if expand_home(p).is_dir() => Tokenizer::from_dir(
-            &expand_home(p),
-            &model_config.eos_token_ids,
-            model_config.pad_token_id,
-        )?,
-        Some(p) => load_pretrained(p)?.tokenizer.ok_or_else(|| {
-            TrainError::config("model.tokenizer_path", format!("`{p}` has no tokenizer"))
-        })?,
-        None => pre.tokenizer.clone().ok_or_else(|| {
-            TrainError::config(
-                "model.partial_pretrain",
-                format!("`{}` has no tokenizer", m.partial_pretrain),
-            )
-        })?,
-    };
-    let mut model: CausalLm<B> = pre.causal_lm(device)?;
-    if m.lora_rank > 0 {
-        model = model.with_lora(
-            &LoraConfig {
-                rank: m.lora_rank,
-                alpha: m.lora_alpha,
-                target_modules: m.target_modules.clone(),
-            },
-            device,
-        );
-    }
+    let policy = load_policy::<B>(
+        &m.partial_pretrain,
+        m.tokenizer_path.as_deref(),
+        ("model.partial_pretrain", "model.tokenizer_path"),
+        device,
+    )?;
+    let (model_config, tokenizer) = (policy.config, policy.tokenizer);
+    let lora = (m.lora_rank > 0).then(|| LoraConfig {
+        rank: m.lora_rank,
+        alpha: m.lora_alpha,
+        target_modules: m.target_modules.clone(),
+    });
+    let mut model: CausalLm<B> = with_lora(policy.model, lora.as_ref(), device);
     let d = &config.data;
     let train = load_examples(&d.train_files, "train", d, &tokenizer)?;
     let val = if d.val_files.is_empty() {
@@ -389,24 +417,8 @@ pub fn fit_sft<B: RlAutodiffBackend>(
         .unwrap_or(t.total_epochs * sampler.batches_per_epoch(bs))
         .max(1);
     let o = &config.optim;
-    let schedule = LrSchedule {
-        lr: o.lr,
-        warmup_steps: (o.warmup_steps_ratio * total as f64) as usize,
-        total_steps: total,
-        kind: if o.lr_scheduler == "cosine" {
-            ScheduleKind::Cosine
-        } else {
-            ScheduleKind::Constant
-        },
-        min_lr_ratio: 0.0,
-        num_cycles: 0.5,
-    };
-    let mut optim = AdamWConfig::new()
-        .with_beta_1(o.betas[0] as f32)
-        .with_beta_2(o.betas[1] as f32)
-        .with_epsilon(1e-8)
-        .with_weight_decay(o.weight_decay as f32)
-        .init();
+    let schedule = o.schedule(total);
+    let mut optim = adamw(o.betas, o.weight_decay);
     let root = expand_home(&t.default_local_dir);
     let jsonl = t
         .logger
@@ -417,21 +429,6 @@ pub fn fit_sft<B: RlAutodiffBackend>(
     let mut logger = MetricsLogger::new(console, 10, jsonl.clone(), None, total, 0)?;
     let pad = tokenizer.pad_token_id;
     let micro = d.micro_batch_size_per_gpu;
-    let val_loss = |model: &CausalLm<B>| -> Option<f64> {
-        if val.is_empty() {
-            return None;
-        }
-        let inner = model.valid();
-        let (mut nll, mut tokens) = (0.0, 0.0);
-        for chunk in val.chunks(bs.max(1)) {
-            let refs: Vec<&SftExample> = chunk.iter().collect();
-            let batch = sft_rollout_batch(&refs, pad);
-            let n: f64 = batch.response_mask.iter().map(|&m| m as f64).sum();
-            nll += sft_loss(&inner, &batch, micro, device) * n;
-            tokens += n;
-        }
-        Some(nll / tokens.max(1.0))
-    };
     let mut last_val = None;
     let mut checkpoint = None;
     for step in 1..=total {
@@ -444,7 +441,7 @@ pub fn fit_sft<B: RlAutodiffBackend>(
         metrics.insert("train/epoch".into(), sampler.state().epoch as f64);
         let last = step == total;
         if (t.test_freq > 0 && step as i64 % t.test_freq == 0) || last {
-            if let Some(v) = val_loss(&model) {
+            if let Some(v) = val_loss(&model.valid(), &val, bs, pad, micro, device) {
                 metrics.insert("val/loss".into(), v);
                 last_val = Some(v);
             }

@@ -1,0 +1,306 @@
+//! Building a [`Learner`]: from a config (models and data loaded from its paths) or from parts
+//! built in code; the config is decoded into [`Settings`] once, here.
+
+use std::sync::Arc;
+
+use burn::module::AutodiffModule;
+use burn_rlhf_algos::{Registry, RlAutodiffBackend};
+use burn_rlhf_models::{CausalLm, Tokenizer, TransformerConfig, ValueModel};
+use burn_rlhf_rollout::encode::filter_overlong;
+use burn_rlhf_rollout::{PromptRecord, PromptSampler, RewardRegistry};
+
+use super::learner::{Algorithms, CriticState, Learner};
+use crate::config::{KnownNames, RlhfConfig, Settings};
+use crate::datasets::load_data_files;
+use crate::distributed::{sync_params, DataParallel, ShardPlan};
+use crate::error::TrainError;
+use crate::loading::{load_policy, load_value_model, with_lora};
+use crate::optim::{adamw, LrSchedule, ReplicaSync};
+
+/// What a [`Learner`] is made of. Build it from a config with
+/// [`Learner::from_config`], or by hand for models built in code.
+pub struct LearnerParts<B: RlAutodiffBackend> {
+    /// The policy.
+    pub actor: CausalLm<B>,
+    /// The policy's shape.
+    pub model_config: TransformerConfig,
+    /// The policy's tokenizer.
+    pub tokenizer: Tokenizer,
+    /// The critic and its shape; required exactly when the estimator reads values.
+    pub critic: Option<(ValueModel<B>, TransformerConfig)>,
+    /// The frozen reference; `None`: a copy of the actor as given, when KL is used.
+    pub reference: Option<CausalLm<B::InnerBackend>>,
+    /// Estimators, losses and KL controllers by name.
+    pub registry: Registry<B>,
+    /// Reward functions by name.
+    pub rewards: RewardRegistry,
+    /// Training prompts.
+    pub train: Vec<PromptRecord>,
+    /// Validation prompts.
+    pub val: Vec<PromptRecord>,
+    /// `false`: validation only (no critic needed, no optimiser steps).
+    pub training: bool,
+}
+
+impl<B: RlAutodiffBackend> LearnerParts<B> {
+    /// Parts with the built-in registries, no critic or reference, and no data.
+    pub fn new(actor: CausalLm<B>, model_config: TransformerConfig, tokenizer: Tokenizer) -> Self {
+        Self {
+            actor,
+            model_config,
+            tokenizer,
+            critic: None,
+            reference: None,
+            registry: Registry::builtin(),
+            rewards: RewardRegistry::default(),
+            train: Vec::new(),
+            val: Vec::new(),
+            training: true,
+        }
+    }
+
+    /// The models and data `settings` name (see [`Learner::from_config`]).
+    pub fn load(
+        settings: &Settings,
+        device: &B::Device,
+        training: bool,
+    ) -> Result<Self, TrainError> {
+        // Fresh heads (the critic's value head, LoRA adapters) are drawn from Burn's RNG: seed it
+        // so runs, and a run and its resumption, start from the same weights.
+        B::seed(device, settings.trainer.seed);
+        let m = &settings.model;
+        let policy = load_policy::<B>(
+            &m.path,
+            Some(&m.tokenizer_path),
+            (
+                "actor_rollout_ref.model.path",
+                "actor_rollout_ref.model.tokenizer_path",
+            ),
+            device,
+        )?;
+        let uses_kl =
+            settings.algorithm.kl_in_reward.is_some() || settings.actor.kl_loss_coef.is_some();
+        let reference = (training && uses_kl).then(|| policy.model.valid());
+        let actor = with_lora(policy.model, m.lora.as_ref(), device);
+        let mut parts = LearnerParts::new(actor, policy.config, policy.tokenizer);
+        // The built-in task's reward, so a config can train on `burn_rlhf::tasks` data.
+        parts.rewards.register(Arc::new(crate::tasks::ExactAnswer));
+        parts.reference = reference;
+        parts.training = training;
+        if let (true, Some(critic)) = (training, &settings.critic) {
+            parts.critic = Some(load_value_model(&critic.model_path, device)?);
+        }
+        let data = &settings.data;
+        if training {
+            parts.train = load_data_files(&data.train_files, &data.prompt_key, "train")?;
+        }
+        let t = &settings.trainer;
+        if t.test_freq.is_some() || t.val_before_train {
+            parts.val = load_data_files(&data.val_files, &data.prompt_key, "test")?;
+        }
+        Ok(parts)
+    }
+
+    /// The names this learner's registries can build, for decoding a config against them.
+    pub fn known_names(&self) -> KnownNames {
+        KnownNames {
+            reward_functions: self.rewards.names(),
+            ..KnownNames::from_registry(&self.registry)
+        }
+    }
+}
+
+impl<B: RlAutodiffBackend> Learner<B> {
+    /// Loads the actor (and critic) from `actor_rollout_ref.model.path` (`critic.model.path`): a
+    /// local HF folder, a `.gguf` file or a hub id; the data from `data.train_files` and, when
+    /// validation runs, `data.val_files`.
+    pub fn from_config(config: RlhfConfig, device: &B::Device) -> Result<Self, TrainError> {
+        Self::from_config_with(config, device, true)
+    }
+
+    /// [`Learner::from_config`]; `training: false` loads only the actor and the validation data.
+    pub fn from_config_with(
+        config: RlhfConfig,
+        device: &B::Device,
+        training: bool,
+    ) -> Result<Self, TrainError> {
+        let settings = Settings::from_config(&config, &KnownNames::default(), "the config")?;
+        let parts = LearnerParts::load(&settings, device, training)?;
+        Self::from_settings(settings, parts, device)
+    }
+
+    /// Builds a learner from parts and a config; the config is checked against the parts'
+    /// registries and decoded.
+    pub fn new(
+        config: RlhfConfig,
+        parts: LearnerParts<B>,
+        device: &B::Device,
+    ) -> Result<Self, TrainError> {
+        let settings = Settings::from_config(&config, &parts.known_names(), "the config")?;
+        Self::from_settings(settings, parts, device)
+    }
+
+    /// Builds a learner from parts and decoded settings; checks that the parts fit them.
+    pub fn from_settings(
+        settings: Settings,
+        parts: LearnerParts<B>,
+        device: &B::Device,
+    ) -> Result<Self, TrainError> {
+        burn_rlhf_algos::kernels::set_kernels_enabled(settings.model.use_fused_kernels);
+        let algorithms = build_algorithms(&settings, &parts.registry, &parts.rewards)?;
+        if parts.training && settings.critic.is_some() && parts.critic.is_none() {
+            return Err(TrainError::config(
+                "algorithm.adv_estimator",
+                format!(
+                    "`{}` needs a critic, and none was given",
+                    settings.algorithm.adv_estimator
+                ),
+            ));
+        }
+        if parts.training && parts.train.is_empty() {
+            return Err(TrainError::config(
+                "data.train_files",
+                "no training prompts",
+            ));
+        }
+        let uses_kl = parts.training
+            && (settings.algorithm.kl_in_reward.is_some()
+                || settings.actor.kl_loss_coef.is_some()
+                || algorithms.policy_loss.needs_reference());
+        let reference = match parts.reference {
+            Some(r) => Some(r),
+            None if uses_kl => Some(parts.actor.valid()),
+            None => None,
+        };
+        let (train, val) = if settings.data.filter_overlong_prompts {
+            let max = settings.data.max_prompt_length;
+            (
+                filter_overlong(&parts.tokenizer, parts.train, max)?,
+                filter_overlong(&parts.tokenizer, parts.val, max)?,
+            )
+        } else {
+            (parts.train, parts.val)
+        };
+        let data = &settings.data;
+        let sampler = PromptSampler::new(train.len(), data.seed, data.shuffle);
+        let total_steps = settings.trainer.total_training_steps.unwrap_or_else(|| {
+            settings.trainer.total_epochs * sampler.batches_per_epoch(data.train_batch_size)
+        });
+        let critic = match (&settings.critic, parts.critic) {
+            (Some(cs), Some((model, config))) => Some(CriticState {
+                model,
+                config,
+                optim: adamw(cs.optim.betas, cs.optim.weight_decay),
+                schedule: LrSchedule::new(&cs.optim, total_steps),
+                sync: ReplicaSync::default(),
+            }),
+            _ => None,
+        };
+        let optim = &settings.actor.optim;
+        Ok(Self {
+            actor_optim: adamw(optim.betas, optim.weight_decay),
+            actor_schedule: LrSchedule::new(optim, total_steps),
+            actor_sync: ReplicaSync::default(),
+            device: device.clone(),
+            tokenizer: parts.tokenizer,
+            model_config: parts.model_config,
+            actor: parts.actor,
+            critic,
+            reference,
+            reference_refreshed_at: None,
+            algorithms,
+            train,
+            val,
+            sampler,
+            dp: DataParallel::solo(),
+            global_step: 0,
+            actor_updates: 0,
+            critic_updates: 0,
+            total_steps,
+            settings,
+        })
+    }
+
+    /// Makes this learner rank `dp.rank()` of a data-parallel run: checks that every mini-batch
+    /// has a row for each rank, gives every rank rank 0's weights (fresh heads are drawn per
+    /// process), and with `dp.shard_optimizer` deals the optimiser state out (ZeRO-1).
+    pub fn with_data_parallel(mut self, dp: DataParallel) -> Result<Self, TrainError> {
+        let world = dp.world();
+        let n = self.settings.n();
+        let rows = self.settings.data.train_batch_size * n;
+        let mut minis = vec![(
+            "actor_rollout_ref.actor.ppo_mini_batch_size",
+            self.settings.actor.ppo_mini_batch_size,
+        )];
+        if let (Some(_), Some(c)) = (&self.critic, &self.settings.critic) {
+            minis.push(("critic.ppo_mini_batch_size", c.ppo_mini_batch_size));
+        }
+        for (key, prompts) in minis {
+            let size = (prompts * n).max(1);
+            let last = rows % size;
+            if size.min(rows) < world || (last > 0 && last < world) {
+                return Err(TrainError::config(
+                    key,
+                    format!(
+                        "mini-batches of {size} rows (the last of {}) from {rows} rows cannot give each of {world} ranks a row",
+                        if last > 0 { last } else { size.min(rows) }
+                    ),
+                ));
+            }
+        }
+        let rank0 = |_: usize| 0;
+        self.actor = sync_params(self.actor, &rank0, &dp)?;
+        let shards =
+            |m: &dyn Fn() -> ShardPlan| (dp.shard_optimizer && world > 1).then(|| Arc::new(m()));
+        let actor_plan = shards(&|| ShardPlan::new::<B, _>(&self.actor, world));
+        self.actor_sync = ReplicaSync {
+            dp: dp.clone(),
+            shards: actor_plan,
+        };
+        if let Some(c) = self.critic.take() {
+            let model = sync_params(c.model, &rank0, &dp)?;
+            let plan = shards(&|| ShardPlan::new::<B, _>(&model, world));
+            self.critic = Some(CriticState {
+                model,
+                sync: ReplicaSync {
+                    dp: dp.clone(),
+                    shards: plan,
+                },
+                ..c
+            });
+        }
+        self.dp = dp;
+        Ok(self)
+    }
+}
+
+/// The estimator, the returns' estimator (VAPO), the policy loss, the KL controller and the reward
+/// function that `settings` name, built from the registries.
+fn build_algorithms<B: RlAutodiffBackend>(
+    settings: &Settings,
+    registry: &Registry<B>,
+    rewards: &RewardRegistry,
+) -> Result<Algorithms<B>, TrainError> {
+    let alg = &settings.algorithm;
+    let estimator = registry.estimator(&alg.adv_estimator, &alg.estimator)?;
+    let value_estimator = match alg.value_lambda {
+        Some(lam) => Some(registry.estimator(
+            &alg.adv_estimator,
+            &burn_rlhf_algos::EstimatorParams {
+                lam,
+                ..alg.estimator
+            },
+        )?),
+        None => None,
+    };
+    let policy_loss = registry.policy_loss(&settings.actor.loss_mode, &settings.actor.loss)?;
+    let kl_ctrl = registry.kl_controller(&alg.kl_ctrl, &alg.kl_ctrl_params)?;
+    let reward = rewards.get(settings.reward.function.as_deref().unwrap_or("default"))?;
+    Ok(Algorithms {
+        estimator,
+        value_estimator,
+        policy_loss,
+        kl_ctrl,
+        reward,
+    })
+}

@@ -1,0 +1,103 @@
+//! The run loop: resume, validation, steps, metrics, checkpoints, and a clean stop on request.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use burn_rlhf_algos::RlAutodiffBackend;
+
+use super::learner::Learner;
+use super::metrics::{Metrics, MetricsLogger};
+use crate::error::TrainError;
+
+/// Where a run's metrics go: `{default_local_dir}/metrics.jsonl` and `metrics.png`.
+pub struct RunOutputs {
+    /// The JSONL file, when `trainer.logger` has `jsonl`.
+    pub jsonl: Option<PathBuf>,
+    /// The plot, when one was written.
+    pub plot: Option<PathBuf>,
+    /// The last checkpoint written.
+    pub checkpoint: Option<PathBuf>,
+    /// The last validation's metrics.
+    pub validation: Option<Metrics>,
+    /// Whether the run stopped early on request.
+    pub interrupted: bool,
+}
+
+impl<B: RlAutodiffBackend> Learner<B> {
+    /// Trains to `total_steps`: resumes per `trainer.resume_mode`, validates before training
+    /// (`val_before_train`) and every `test_freq` steps, checkpoints every `save_freq` steps and at
+    /// the end, and stops after the current step (with a checkpoint) once `stop` is set.
+    pub fn fit(&mut self, stop: &AtomicBool) -> Result<RunOutputs, TrainError> {
+        if let Some(dir) = self.checkpoint_to_resume()? {
+            if !dir.join("trainer_state.json").exists() {
+                return Err(TrainError::checkpoint(
+                    &dir,
+                    "no trainer_state.json: not a checkpoint",
+                ));
+            }
+            self.load_checkpoint(&dir)?;
+            if self.dp.is_main() {
+                eprintln!("resumed from {} (step {})", dir.display(), self.global_step);
+            }
+        }
+        let root = self.checkpoint_root();
+        let t = self.settings.trainer.clone();
+        // Only rank 0 logs; every rank runs the same steps and holds the same metrics.
+        let main = self.dp.is_main();
+        let jsonl = (t.jsonl && main).then(|| root.join("metrics.jsonl"));
+        let console = main && t.console;
+        let total = self.total_steps();
+        let mut logger = MetricsLogger::new(
+            console,
+            10,
+            jsonl.clone(),
+            main.then(|| root.join("metrics.png")),
+            total,
+            self.global_step,
+        )?;
+        let say = |logger: &MetricsLogger, line: &str| {
+            if main {
+                logger.println(line)
+            }
+        };
+        let mut validation = None;
+        if t.val_before_train && self.global_step == 0 && self.has_validation_data() {
+            let m = self.validate()?;
+            say(&logger, &super::metrics::table(0, &m));
+            validation = Some(m);
+        }
+        let mut checkpoint = None;
+        let mut interrupted = false;
+        while self.global_step < total {
+            let mut metrics = self.step()?;
+            let step = self.global_step;
+            let last = step >= total;
+            if t.test_freq.is_some_and(|f| step.is_multiple_of(f) || last) {
+                let m = self.validate()?;
+                metrics.extend(m.clone());
+                validation = Some(m);
+            }
+            logger.log(step, &metrics)?;
+            // Every rank stops after the same step when any saw the request.
+            interrupted = self.dp.any(stop.load(Ordering::SeqCst))?;
+            let periodic = t.save_freq.is_some_and(|f| step.is_multiple_of(f));
+            if periodic || last || interrupted {
+                let dir = self.save_checkpoint()?;
+                say(&logger, &format!("checkpoint: {}", dir.display()));
+                checkpoint = Some(dir);
+            }
+            if interrupted {
+                say(&logger, &format!("stopped on request after step {step}"));
+                break;
+            }
+        }
+        let plot = logger.finish()?;
+        Ok(RunOutputs {
+            jsonl,
+            plot,
+            checkpoint,
+            validation,
+            interrupted,
+        })
+    }
+}

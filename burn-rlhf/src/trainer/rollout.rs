@@ -1,0 +1,303 @@
+//! The rollout phases of a step: generation (`rollout.n` responses per prompt, split across the
+//! ranks and gathered), DAPO's dynamic sampling, ReMax's greedy baseline rollout, and rewards.
+
+use burn::module::AutodiffModule;
+use burn_rlhf_algos::dapo::{keep_groups_with_spread, overlong_penalty};
+use burn_rlhf_algos::RlAutodiffBackend;
+use burn_rlhf_rollout::encode::encode_prompts;
+use burn_rlhf_rollout::generate::Sample;
+use burn_rlhf_rollout::reward::token_level_scores;
+use burn_rlhf_rollout::{generate_keyed, PromptRecord, RewardInput, RolloutBatch, SamplingParams};
+
+use super::learner::Learner;
+use super::metrics::{Metrics, Timing};
+use crate::config::settings::{FilterGroups, FilterMetric, SamplingSettings};
+use crate::distributed::chunk;
+use crate::error::TrainError;
+
+/// Which generation of a step a random stream belongs to (its salt in [`Learner::step_seed`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Stream {
+    /// Dynamic sampling's round `r` (from 1; round 1 is the plain rollout).
+    Round(usize),
+    /// ReMax's greedy baseline.
+    Greedy,
+    /// Validation.
+    Validation,
+}
+
+impl<B: RlAutodiffBackend> Learner<B> {
+    /// The seed of step `step`'s `stream`: runs reproduce, and a resumed run draws what the
+    /// uninterrupted one would have.
+    pub(crate) fn step_seed(&self, step: usize, stream: Stream) -> u64 {
+        let salt = match stream {
+            Stream::Round(r) if r <= 1 => 0,
+            Stream::Round(r) => 100 + r as u64,
+            Stream::Greedy => 1,
+            Stream::Validation => 2,
+        };
+        self.settings
+            .trainer
+            .seed
+            .wrapping_mul(1_000_003)
+            .wrapping_add(step as u64)
+            .wrapping_mul(31)
+            .wrapping_add(salt)
+    }
+
+    /// Generation parameters from `sampling`; `greedy` forces one greedy response per prompt.
+    pub(crate) fn sampling_params(
+        &self,
+        sampling: &SamplingSettings,
+        greedy: bool,
+        seed: u64,
+    ) -> SamplingParams {
+        let r = &self.settings.rollout;
+        let mut stop = self.tokenizer.eos_token_ids.clone();
+        stop.extend(r.stop_token_ids.iter().cloned());
+        SamplingParams {
+            n: if greedy { 1 } else { sampling.n },
+            greedy: greedy || sampling.greedy(),
+            temperature: sampling.temperature,
+            top_k: sampling.top_k,
+            top_p: sampling.top_p,
+            max_new_tokens: r.response_length,
+            stop_token_ids: stop,
+            logprobs_mode: r.logprobs_mode,
+            seed,
+        }
+    }
+
+    /// Encodes prompts `indices` of `records` and generates for them: each rank generates for
+    /// its consecutive share of the prompts, each prompt's random stream keyed by its record
+    /// index, and the samples are gathered, so every rank gets what one device would.
+    pub(crate) fn rollout(
+        &self,
+        records: &[PromptRecord],
+        indices: &[usize],
+        params: &SamplingParams,
+    ) -> Result<RolloutBatch, TrainError> {
+        let picked: Vec<&PromptRecord> = indices.iter().map(|&i| &records[i]).collect();
+        let data = &self.settings.data;
+        let prompts = encode_prompts(
+            &self.tokenizer,
+            &picked,
+            indices,
+            data.max_prompt_length,
+            data.truncation,
+        )?;
+        let share = chunk(prompts.len(), self.dp.world(), self.dp.rank());
+        let keys: Vec<u64> = indices[share.clone()].iter().map(|&i| i as u64).collect();
+        let policy = self.actor.valid();
+        let pad = self.tokenizer.pad_token_id;
+        let mine = generate_keyed(
+            &policy,
+            &self.model_config,
+            &prompts[share.clone()],
+            &keys,
+            pad,
+            params,
+            &self.device,
+        )?;
+        let samples = self.gather_samples(mine, share.start, prompts.len(), params)?;
+        let group_ids: Vec<u64> = indices.iter().map(|&i| i as u64).collect();
+        let sources: Vec<String> = picked.iter().map(|r| r.data_source.clone()).collect();
+        let truths: Vec<String> = picked.iter().map(|r| r.ground_truth.clone()).collect();
+        Ok(RolloutBatch::from_samples(
+            &prompts, &samples, pad, &group_ids, &sources, &truths,
+        ))
+    }
+
+    /// Every rank's samples, in prompt order: `mine` are the samples of prompts `first..` of
+    /// `total`. Each row travels as `[length, stopped, tokens.., log-probs..]` (token ids are
+    /// exact in f32 below 2^24).
+    fn gather_samples(
+        &self,
+        mine: Vec<Sample>,
+        first: usize,
+        total: usize,
+        params: &SamplingParams,
+    ) -> Result<Vec<Sample>, TrainError> {
+        if self.dp.world() == 1 {
+            return Ok(mine);
+        }
+        let (n, w) = (params.n, params.max_new_tokens);
+        let width = 2 + 2 * w;
+        let rows: Vec<usize> = mine
+            .iter()
+            .enumerate()
+            .map(|(k, s)| (first + s.prompt_index) * n + k % n)
+            .collect();
+        let mut packed = Vec::with_capacity(mine.len() * width);
+        for s in &mine {
+            let mut row = vec![0.0f32; width];
+            row[0] = s.tokens.len() as f32;
+            row[1] = s.stopped as u8 as f32;
+            for (i, (&t, &lp)) in s.tokens.iter().zip(&s.logprobs).enumerate() {
+                row[2 + i] = t as f32;
+                row[2 + w + i] = lp;
+            }
+            packed.extend(row);
+        }
+        let all = self.dp.gather_rows(&packed, &rows, total * n, width)?;
+        Ok(all
+            .chunks(width)
+            .enumerate()
+            .map(|(row, v)| {
+                let len = v[0] as usize;
+                Sample {
+                    prompt_index: row / n,
+                    tokens: v[2..2 + len].iter().map(|&t| t as u32).collect(),
+                    logprobs: v[2 + w..2 + w + len].to_vec(),
+                    stopped: v[1] > 0.5,
+                }
+            })
+            .collect())
+    }
+
+    /// Generate: `rollout.n` responses for each of the training prompts `indices`.
+    pub fn generate(&self, indices: &[usize], step: usize) -> Result<RolloutBatch, TrainError> {
+        self.generate_round(indices, step, 1)
+    }
+
+    /// [`generate`](Self::generate) for dynamic sampling's `round` (from 1) of a step: each round
+    /// draws from its own streams.
+    fn generate_round(
+        &self,
+        indices: &[usize],
+        step: usize,
+        round: usize,
+    ) -> Result<RolloutBatch, TrainError> {
+        let seed = self.step_seed(step, Stream::Round(round));
+        let params = self.sampling_params(&self.settings.rollout.train, false, seed);
+        self.rollout(&self.train, indices, &params)
+    }
+
+    /// Generate and reward one step's batch: `data.train_batch_size` prompts, or with DAPO's
+    /// dynamic sampling ([`sample_filtered_batch`](Self::sample_filtered_batch)) as many rounds
+    /// as it takes. Returns the batch, its prompts and dynamic sampling's metrics.
+    pub fn sample_batch(
+        &mut self,
+        step: usize,
+        timing: &mut Timing,
+    ) -> Result<(RolloutBatch, Vec<usize>, Metrics), TrainError> {
+        if let Some(filter) = self.settings.algorithm.filter_groups {
+            return self.sample_filtered_batch(step, filter, timing);
+        }
+        let indices = self.sampler.next_batch(self.settings.data.train_batch_size);
+        let mut batch = timing.time("gen", || self.generate(&indices, step))?;
+        timing.time("reward", || self.reward(&mut batch))?;
+        Ok((batch, indices, Metrics::new()))
+    }
+
+    /// DAPO's dynamic sampling: batches of `data.gen_batch_size` prompts, keeping the groups whose
+    /// `filter_groups.metric` varies (`acc`: score > 0, `score`: the reward function's score,
+    /// `seq_reward`: the score with the overlong penalty), until `train_batch_size` prompts are
+    /// kept (the surplus is dropped, as verl does); more than `max_num_gen_batches` batches is an
+    /// error, as in verl. Metrics: `train/num_gen_batches`, `train/kept_prompt_fraction`.
+    fn sample_filtered_batch(
+        &mut self,
+        step: usize,
+        filter: FilterGroups,
+        timing: &mut Timing,
+    ) -> Result<(RolloutBatch, Vec<usize>, Metrics), TrainError> {
+        let (bs, gen_bs) = (
+            self.settings.data.train_batch_size,
+            self.settings.data.gen_batch_size,
+        );
+        let n = self.settings.n();
+        let (mut kept, mut kept_prompts) = (Vec::new(), Vec::new());
+        let (mut rounds, mut generated) = (0usize, 0usize);
+        while kept_prompts.len() < bs {
+            if filter.max_num_gen_batches.is_some_and(|max| rounds >= max) {
+                return Err(TrainError::config(
+                    "algorithm.filter_groups.max_num_gen_batches",
+                    format!(
+                        "{rounds} generation batches kept {} of the {bs} prompts a step needs: the data may be too hard or too easy for the model (every response scores the same); raise the limit, or set it to 0 for no limit",
+                        kept_prompts.len()
+                    ),
+                ));
+            }
+            rounds += 1;
+            let indices = self.sampler.next_batch(gen_bs);
+            let mut batch = timing.time("gen", || self.generate_round(&indices, step, rounds))?;
+            let (raw, shaped) = timing.time("reward", || self.reward_rows(&mut batch))?;
+            let metric: Vec<f64> = match filter.metric {
+                FilterMetric::Acc => raw.iter().map(|&s| f64::from(u8::from(s > 0.0))).collect(),
+                FilterMetric::Score => raw,
+                FilterMetric::SeqReward => shaped,
+            };
+            let keep = keep_groups_with_spread(&batch.group_ids, &metric);
+            let rows: Vec<usize> = (0..batch.rows()).filter(|&r| keep[r]).collect();
+            generated += indices.len();
+            kept_prompts.extend(
+                indices
+                    .iter()
+                    .enumerate()
+                    .filter(|(p, _)| keep[p * n])
+                    .map(|(_, &i)| i),
+            );
+            kept.push(batch.select(&rows));
+        }
+        let all = RolloutBatch::concat(&kept, self.tokenizer.pad_token_id);
+        let batch = all.select(&(0..bs * n).collect::<Vec<_>>());
+        // The share of generated prompts whose groups had spread (before the surplus is dropped).
+        let kept_fraction = kept_prompts.len() as f64 / generated.max(1) as f64;
+        kept_prompts.truncate(bs);
+        let metrics = Metrics::from([
+            ("train/num_gen_batches".to_string(), rounds as f64),
+            ("train/kept_prompt_fraction".to_string(), kept_fraction),
+        ]);
+        Ok((batch, kept_prompts, metrics))
+    }
+
+    /// Reward: one score per row from the reward function, placed on the last valid token
+    /// (`batch.token_level_scores`) with the overlong penalty when enabled. Returns the per-row
+    /// scores with the penalty.
+    pub fn reward(&self, batch: &mut RolloutBatch) -> Result<Vec<f64>, TrainError> {
+        Ok(self.reward_rows(batch)?.1)
+    }
+
+    /// [`reward`](Self::reward), returning the reward function's scores and the scores with the
+    /// overlong penalty.
+    fn reward_rows(&self, batch: &mut RolloutBatch) -> Result<(Vec<f64>, Vec<f64>), TrainError> {
+        let texts: Vec<String> = (0..batch.rows())
+            .map(|r| self.tokenizer.decode(batch.response_tokens(r), true))
+            .collect::<Result<_, _>>()?;
+        let inputs: Vec<RewardInput<'_>> = (0..batch.rows())
+            .map(|r| RewardInput {
+                data_source: &batch.data_source[r],
+                response: &texts[r],
+                ground_truth: &batch.ground_truth[r],
+            })
+            .collect();
+        let scores = self.algorithms.reward.score(&inputs)?;
+        let max_len = self.settings.data.max_response_length;
+        let shaping = self
+            .settings
+            .reward
+            .overlong
+            .map(|o| move |len: usize| overlong_penalty(len, max_len, o.len, o.penalty_factor));
+        let (tokens, shaped) = token_level_scores(
+            &scores,
+            &batch.response_lengths(),
+            batch.response_len,
+            shaping.as_ref().map(|f| f as &dyn Fn(usize) -> f64),
+        );
+        batch.token_level_scores = Some(tokens);
+        Ok((scores, shaped))
+    }
+
+    /// ReMax's baseline: the reward of a greedy response to each row's prompt.
+    pub fn reward_baselines(&self, indices: &[usize], step: usize) -> Result<Vec<f64>, TrainError> {
+        let seed = self.step_seed(step, Stream::Greedy);
+        let params = self.sampling_params(&self.settings.rollout.train, true, seed);
+        let mut greedy = self.rollout(&self.train, indices, &params)?;
+        let scores = self.reward(&mut greedy)?;
+        let n = self.settings.n();
+        Ok(scores
+            .iter()
+            .flat_map(|&s| std::iter::repeat_n(s, n))
+            .collect())
+    }
+}

@@ -1,0 +1,167 @@
+//! The scoring phases of a step, on a generated batch: the actor's old log-probs, the reference's
+//! log-probs and the critic's values (each rank its balanced share of the rows, gathered), the KL
+//! penalty in the reward with its controller's update, and the advantages and returns.
+
+use burn::module::AutodiffModule;
+use burn::tensor::Tensor;
+use burn_rlhf_algos::functional::{from_rows, to_vec};
+use burn_rlhf_algos::{apply_kl_penalty, AdvantageInput, RlAutodiffBackend};
+use burn_rlhf_models::CausalLm;
+use burn_rlhf_rollout::RolloutBatch;
+
+use super::learner::Learner;
+use super::metrics::Metrics;
+use crate::error::TrainError;
+use crate::forward::{response_logprobs, response_values, SequenceTensors};
+
+/// One model's view of a batch: per-token values, row-major `[rows * response_len]`.
+pub type Rows = Vec<f32>;
+
+impl<B: RlAutodiffBackend> Learner<B> {
+    /// Runs `pass` on this rank's rows of `batch` and gathers its per-token outputs from every
+    /// rank (verl's `balance_batch` split). Each output is `[rows * response_len]`.
+    fn sharded_pass(
+        &self,
+        batch: &RolloutBatch,
+        pass: impl FnOnce(&RolloutBatch) -> Vec<Rows>,
+    ) -> Result<Vec<Rows>, TrainError> {
+        let rows = self.dp.rows_of_rank(batch);
+        let outputs = pass(&batch.select(&rows));
+        outputs
+            .iter()
+            .map(|o| {
+                self.dp
+                    .gather_rows(o, &rows, batch.rows(), batch.response_len)
+                    .map_err(TrainError::from)
+            })
+            .collect()
+    }
+
+    /// Per-token log-probs and entropies of `batch`'s responses under `model`, in micro-batches
+    /// of this rank's rows, gathered from every rank.
+    fn log_probs_of(
+        &self,
+        model: &CausalLm<B::InnerBackend>,
+        batch: &RolloutBatch,
+        micro: Option<usize>,
+    ) -> Result<(Rows, Rows), TrainError> {
+        let temperature = self.settings.rollout.train.temperature;
+        let mut out = self.sharded_pass(batch, |mine| {
+            let (mut logp, mut ent) = (Vec::new(), Vec::new());
+            let size = micro.unwrap_or(mine.rows()).max(1);
+            for part in mine.split(size).expect("size >= 1") {
+                let seq = SequenceTensors::from_batch(&part, &self.device);
+                let (l, e) = response_logprobs(model, &seq, temperature);
+                logp.extend(to_vec(l));
+                ent.extend(to_vec(e));
+            }
+            vec![logp, ent]
+        })?;
+        let ent = out.pop().expect("two outputs");
+        Ok((out.pop().expect("two outputs"), ent))
+    }
+
+    /// Old log-probs: the actor recomputes its own log-probs (and entropies) before updating.
+    pub fn old_log_probs(&self, batch: &RolloutBatch) -> Result<(Rows, Rows), TrainError> {
+        let micro = self.settings.rollout.log_prob_micro_batch_size;
+        self.log_probs_of(&self.actor.valid(), batch, micro)
+    }
+
+    /// Reference log-probs, when there is a reference.
+    pub fn ref_log_probs(&self, batch: &RolloutBatch) -> Result<Option<Rows>, TrainError> {
+        match &self.reference {
+            Some(r) => Ok(Some(
+                self.log_probs_of(r, batch, self.settings.ref_micro_batch_size)?
+                    .0,
+            )),
+            None => Ok(None),
+        }
+    }
+
+    /// Values: the critic's value at each response position, when there is a critic.
+    pub fn values(&self, batch: &RolloutBatch) -> Result<Option<Rows>, TrainError> {
+        let (Some(critic), Some(settings)) = (self.critic.as_ref(), &self.settings.critic) else {
+            return Ok(None);
+        };
+        let model = critic.model.valid();
+        let micro = settings.micro_batch_size;
+        let mut out = self.sharded_pass(batch, |mine| {
+            let size = micro.unwrap_or(mine.rows()).max(1);
+            let mut values = Vec::new();
+            for part in mine.split(size).expect("size >= 1") {
+                let seq = SequenceTensors::from_batch(&part, &self.device);
+                values.extend(to_vec(response_values(&model, &seq)));
+            }
+            vec![values]
+        })?;
+        Ok(out.pop())
+    }
+
+    /// KL in reward (when `use_kl_in_reward`): `scores - beta * KL(old || ref)`, and the
+    /// controller's update. Returns the token-level rewards and `critic/kl`, `critic/kl_coeff`.
+    pub fn kl_in_reward(
+        &mut self,
+        batch: &RolloutBatch,
+        old_log_probs: &[f32],
+        ref_log_probs: Option<&[f32]>,
+    ) -> Result<(Rows, Metrics), TrainError> {
+        let scores = batch
+            .token_level_scores
+            .clone()
+            .ok_or_else(|| TrainError::config("reward", "the batch has not been rewarded"))?;
+        let Some(kl) = self.settings.algorithm.kl_in_reward else {
+            return Ok((scores, Metrics::new()));
+        };
+        let reference = ref_log_probs.ok_or_else(|| {
+            TrainError::config("algorithm.use_kl_in_reward", "needs a reference policy")
+        })?;
+        let (rows, r) = (batch.rows(), batch.response_len);
+        let t = |v: Vec<f32>| from_rows::<B>(v, rows, r, &self.device);
+        let kl_ctrl = &mut self.algorithms.kl_ctrl;
+        let coef = kl_ctrl.coef();
+        let out = apply_kl_penalty(
+            t(scores),
+            t(old_log_probs.to_vec()),
+            t(reference.to_vec()),
+            t(batch.response_mask.clone()),
+            kl.penalty,
+            coef,
+        );
+        kl_ctrl.update(out.current_kl, rows);
+        let metrics = Metrics::from([
+            ("critic/kl".to_string(), out.current_kl),
+            ("critic/kl_coeff".to_string(), coef),
+        ]);
+        Ok((to_vec(out.token_level_rewards), metrics))
+    }
+
+    /// Advantages and returns from the token-level rewards.
+    pub fn advantages(
+        &self,
+        batch: &RolloutBatch,
+        rewards: &[f32],
+        values: Option<&[f32]>,
+        baselines: Option<&[f64]>,
+    ) -> Result<(Rows, Rows), TrainError> {
+        let (rows, r) = (batch.rows(), batch.response_len);
+        let t = |v: Vec<f32>| from_rows::<B>(v, rows, r, &self.device);
+        let input = || AdvantageInput {
+            token_level_rewards: t(rewards.to_vec()),
+            response_mask: t(batch.response_mask.clone()),
+            values: values.map(|v| t(v.to_vec())),
+            group_ids: batch.group_ids.clone(),
+            reward_baselines: baselines.map(|b| {
+                Tensor::<B, 1>::from_floats(
+                    b.iter().map(|&x| x as f32).collect::<Vec<_>>().as_slice(),
+                    &self.device,
+                )
+            }),
+        };
+        let out = self.algorithms.estimator.compute(&input())?;
+        let returns = match &self.algorithms.value_estimator {
+            Some(v) => v.compute(&input())?.returns,
+            None => out.returns,
+        };
+        Ok((to_vec(out.advantages), to_vec(returns)))
+    }
+}
