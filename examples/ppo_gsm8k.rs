@@ -24,6 +24,7 @@ static GLOBAL: burn_rlhf::runtime::MiMalloc = burn_rlhf::runtime::MiMalloc;
 
 fn main() -> anyhow::Result<()> {
     burn_rlhf::runtime::tune_allocator();
+    burn_rlhf::runtime::configure_kernels();
     let mut args: Vec<String> = std::env::args().skip(1).collect();
     let config = if args.first().is_some_and(|a| a.ends_with(".ron")) {
         PathBuf::from(args.remove(0))

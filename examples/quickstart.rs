@@ -101,6 +101,7 @@ fn ppo_config(args: &Args) -> RlhfConfig {
 
 fn main() -> anyhow::Result<()> {
     burn_rlhf::runtime::tune_allocator();
+    burn_rlhf::runtime::configure_kernels();
     let args = Args::parse();
     let device = default_device();
     TrainBackend::seed(&device, args.seed);

@@ -1,18 +1,21 @@
 //! Every fused kernel against its reference, forward and gradients, on wgpu (lavapipe on a CPU
-//! machine): `cargo test --release -p burn-rlhf-algos --features wgpu --test kernels`.
+//! machine): `cargo test --release -p burn-rlhf-algos --features wgpu --test kernels`; with
+//! `--features cuda`, on CUDA (`../shared/gpu/pack.sh test:burn-rlhf-algos:kernels`, then
+//! `bash .gpu/run.sh kernels` on the GPU host). Without either feature there is nothing to test.
 //!
 //! The kernels run on the non-fused CubeCL backend; the references run on the CPU default (flex),
 //! the plain-tensor path every other backend takes. Shapes include odd lengths, a fully masked row
 //! and multi-turn masks (gaps inside a response). Shapes repeat across tests so compiled kernels are
 //! shared.
 
-use burn::backend::wgpu::{CubeBackend, WgpuRuntime};
+#![cfg(any(feature = "wgpu", feature = "cuda"))]
+
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_rlhf_algos::kernels::{self, PpoClip, RlBackend};
 
-type K = CubeBackend<WgpuRuntime, f32, i32, u32>;
+type K = kernels::KernelBackend;
 
 /// The kernel switch is process-wide: every test holds this while it runs, so the switch test
 /// cannot turn kernels off under another test.

@@ -19,12 +19,12 @@ use burn_rlhf_algos::{
 };
 use serde_json::Value;
 
-/// The CPU default; with `--features wgpu`, the non-fused CubeCL backend, so the fixtures also
-/// check the fused kernels (GAE, the PPO and value losses) on wgpu.
-#[cfg(not(feature = "wgpu"))]
+/// The CPU default; with `--features wgpu` (or `cuda`), the non-fused CubeCL backend, so the
+/// fixtures also check the fused kernels (GAE, the PPO and value losses) there.
+#[cfg(not(any(feature = "wgpu", feature = "cuda")))]
 type Inner = burn::backend::Flex;
-#[cfg(feature = "wgpu")]
-type Inner = burn::backend::wgpu::CubeBackend<burn::backend::wgpu::WgpuRuntime, f32, i32, u32>;
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+type Inner = burn_rlhf_algos::kernels::KernelBackend;
 type B = Autodiff<Inner>;
 
 /// A fixture tensor: shape and row-major data.

@@ -2,6 +2,10 @@
 //! preallocated for the longest sequence the call will produce, shared time axis for every row
 //! (left padding and the attention mask say which positions are real), rows selectable so finished
 //! sequences stop costing compute.
+//!
+//! A [fixed](KvCache::fixed) cache hands attention every slot of its capacity (the mask hides the
+//! ones not written yet) instead of the slots written so far: every decode step then has the same
+//! shapes, which GPU backends need to compile and tune their kernels once, not once per length.
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
@@ -15,6 +19,7 @@ pub struct KvCache<B: Backend> {
     values: Vec<Tensor<B, 4>>,
     len: usize,
     capacity: usize,
+    fixed: bool,
 }
 
 impl<B: Backend> KvCache<B> {
@@ -38,7 +43,27 @@ impl<B: Backend> KvCache<B> {
             values: zeros(),
             len: 0,
             capacity,
+            fixed: false,
         }
+    }
+
+    /// [`KvCache::new`] whose [`append`](KvCache::append) returns every slot of the capacity: the
+    /// caller's attention mask covers all `capacity` key positions.
+    pub fn fixed(
+        config: &TransformerConfig,
+        batch: usize,
+        capacity: usize,
+        device: &B::Device,
+    ) -> Self {
+        Self {
+            fixed: true,
+            ..Self::new(config, batch, capacity, device)
+        }
+    }
+
+    /// Key positions attention sees: the capacity for a fixed cache, else what is written.
+    pub fn capacity(&self) -> usize {
+        self.capacity
     }
 
     /// Positions filled so far.
@@ -57,8 +82,9 @@ impl<B: Backend> KvCache<B> {
     }
 
     /// Writes `k`, `v` (`[B, kv_heads, L, head_dim]`) of `layer` after the cached positions and
-    /// returns every position so far (`[B, kv_heads, len + L, head_dim]`). The length advances
-    /// once all layers are written ([`KvCache::advance`]).
+    /// returns every position so far (`[B, kv_heads, len + L, head_dim]`), or for a fixed cache
+    /// every slot (`[B, kv_heads, capacity, head_dim]`). The length advances once all layers are
+    /// written ([`KvCache::advance`]).
     pub fn append(
         &mut self,
         layer: usize,
@@ -81,6 +107,9 @@ impl<B: Backend> KvCache<B> {
             std::mem::replace(&mut self.values[layer], placeholder()).slice_assign(ranges, v);
         self.keys[layer] = keys.clone();
         self.values[layer] = values.clone();
+        if self.fixed {
+            return (keys, values);
+        }
         let upto = [0..b, 0..kv, 0..end, 0..d];
         (keys.slice(upto.clone()), values.slice(upto))
     }

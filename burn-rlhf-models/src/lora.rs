@@ -58,6 +58,11 @@ impl<B: Backend> LoraLinear<B> {
         Self::new(LinearConfig::new(d_in, d_out).with_bias(bias).init(device))
     }
 
+    /// Output features.
+    pub fn out_features(&self) -> usize {
+        self.base.weight.dims()[1]
+    }
+
     /// Shapes: `[.., in]` → `[.., out]`.
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
         let y = self.base.forward(x.clone());

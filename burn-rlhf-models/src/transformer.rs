@@ -258,18 +258,35 @@ impl<B: Backend> Transformer<B> {
         input_ids: Tensor<B, 2, Int>,
         attention_mask: Tensor<B, 2, Int>,
         position_ids: Tensor<B, 2, Int>,
+        cache: Option<&mut KvCache<B>>,
+    ) -> Tensor<B, 3> {
+        self.forward_rows(
+            input_ids,
+            &rows_i64(&attention_mask),
+            &rows_i64(&position_ids),
+            cache,
+        )
+    }
+
+    /// [`Transformer::forward`] with the attention mask (`[B][past + L]`, 0/1) and the positions
+    /// (`[B][L]`) as host rows: the mask and the rotary tables are built on the host from them, so
+    /// a caller that has them there (generation, the training passes) reads nothing back from the
+    /// device. With a fixed-capacity cache ([`KvCache::fixed`]) the mask covers every slot of the
+    /// cache (`[B][capacity]`), zeros past what is written.
+    ///
+    /// Shapes: input_ids `[B, L]` → `[B, L, H]`.
+    pub fn forward_rows(
+        &self,
+        input_ids: Tensor<B, 2, Int>,
+        attention_mask: &[Vec<i64>],
+        position_ids: &[Vec<i64>],
         mut cache: Option<&mut KvCache<B>>,
     ) -> Tensor<B, 3> {
         let device = input_ids.device();
         let [_, l] = input_ids.dims();
         let past = cache.as_ref().map_or(0, |c| c.len());
-        let rope = Rope::new(
-            &rows_i64(&position_ids),
-            self.head_dim,
-            self.rope_theta,
-            &device,
-        );
-        let mask = causal_padding_mask::<B>(&rows_i64(&attention_mask), past, l, &device);
+        let rope = Rope::new(position_ids, self.head_dim, self.rope_theta, &device);
+        let mask = causal_padding_mask::<B>(attention_mask, past, l, &device);
         let mut x = self.embed_tokens.forward(input_ids);
         for (i, layer) in self.layers.iter().enumerate() {
             let layer_cache = cache.as_deref_mut().map(|c| (c, i));
@@ -305,6 +322,23 @@ impl<B: Backend> CausalLm<B> {
             .model
             .forward(input_ids, attention_mask, position_ids, cache);
         self.logits(hidden)
+    }
+
+    /// Logits at the last position only, as generation's prefill needs (the `[B, L, V]` logits of
+    /// a long prompt would dwarf everything else). Shapes: `[B, L, H]` → `[B, V]`.
+    pub fn last_logits(&self, hidden: Tensor<B, 3>) -> Tensor<B, 2> {
+        let [b, l, h] = hidden.dims();
+        let last = hidden.slice([0..b, l - 1..l, 0..h]);
+        let v = self.vocab_size();
+        self.logits(last).reshape([b, v])
+    }
+
+    /// The vocabulary size (the LM head's output width).
+    pub fn vocab_size(&self) -> usize {
+        match &self.lm_head {
+            Some(head) => head.out_features(),
+            None => self.model.embed_tokens.weight.dims()[0],
+        }
     }
 
     /// The LM head on hidden states. Shapes: `[B, L, H]` → `[B, L, V]`.
@@ -346,9 +380,24 @@ impl<B: Backend> ValueModel<B> {
         attention_mask: Tensor<B, 2, Int>,
         position_ids: Tensor<B, 2, Int>,
     ) -> Tensor<B, 2> {
+        self.forward_rows(
+            input_ids,
+            &rows_i64(&attention_mask),
+            &rows_i64(&position_ids),
+        )
+    }
+
+    /// [`ValueModel::forward`] with the mask and positions as host rows (see
+    /// [`Transformer::forward_rows`]). Shapes: input_ids `[B, L]` → `[B, L]`.
+    pub fn forward_rows(
+        &self,
+        input_ids: Tensor<B, 2, Int>,
+        attention_mask: &[Vec<i64>],
+        position_ids: &[Vec<i64>],
+    ) -> Tensor<B, 2> {
         let hidden = self
             .model
-            .forward(input_ids, attention_mask, position_ids, None);
+            .forward_rows(input_ids, attention_mask, position_ids, None);
         self.score.forward(hidden).squeeze_dim::<2>(2)
     }
 }

@@ -156,6 +156,18 @@ impl RolloutBatch {
             .collect())
     }
 
+    /// The batch with prompts left padded to at least `prompt_len` and responses right padded to
+    /// at least `response_len` (fixed shapes for GPU kernels); the masks mark the padding.
+    pub fn padded_to(&self, prompt_len: usize, response_len: usize, pad_id: u32) -> Self {
+        let frame = Self {
+            prompt_len,
+            response_len,
+            token_level_scores: self.token_level_scores.as_ref().map(|_| Vec::new()),
+            ..Default::default()
+        };
+        Self::concat(&[self.clone(), frame], pad_id)
+    }
+
     /// Concatenates batches, re-padding prompts (on the left) and responses (on the right) to the
     /// widest. Scores are kept when every part has them.
     pub fn concat(parts: &[Self], pad_id: u32) -> Self {
@@ -264,5 +276,12 @@ mod tests {
             assert_eq!(RolloutBatch::concat(&parts, 0), b, "split({size})");
         }
         assert!(b.split(0).is_err());
+        let wide = b.padded_to(5, 4, 0);
+        assert_eq!((wide.prompt_len, wide.response_len), (5, 4));
+        assert_eq!(wide.response_lengths(), b.response_lengths());
+        assert_eq!(wide.prompt_lengths(), b.prompt_lengths());
+        assert_eq!(wide.response_tokens(1), b.response_tokens(1));
+        assert_eq!(wide.token_level_scores.as_ref().map(Vec::len), Some(12));
+        assert_eq!(b.padded_to(1, 1, 0), b, "never narrower");
     }
 }

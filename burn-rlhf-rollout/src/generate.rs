@@ -1,77 +1,31 @@
-//! Batched sampling with the KV cache: each prompt is prefilled once and its `n` samples share
-//! that prefill; finished rows leave the batch (the cache drops their rows), so they stop costing
-//! compute. Seeded per row: each response draws from its own stream, keyed by the seed, its
-//! prompt's key and its sample index, so a response does not depend on which other prompts share
-//! its batch (data-parallel ranks each generate a part and get the tokens one device would).
+//! Batched sampling with the KV cache. Each prompt is prefilled once (logits of its last position
+//! only) and its `n` samples share that prefill. Prompts go in chunks of at most `max_num_seqs`
+//! responses and `max_num_batched_tokens` prompt tokens (vLLM's limits, which verl passes
+//! through), so memory does not grow with the number of prompts.
+//!
+//! Two ways to shape the decode steps ([`DecodeShapes`]):
+//! - [`DecodeShapes::Exact`]: the cache hands attention the positions written so far, finished
+//!   rows leave the batch and tokens are picked on the host. The least work: best on a CPU.
+//! - [`DecodeShapes::Bucketed`]: prompt and cache lengths are padded up to a bucket, attention
+//!   spans the whole cache under a mask, finished rows stay in the batch (fed padding, outputs
+//!   ignored), the last chunk is padded to the others' size, and tokens are picked on the device
+//!   ([`sample_on_device`]): every decode step of a run has the same shapes, so a GPU backend
+//!   compiles and tunes its kernels once, and per step only the chosen ids and log-probs are read
+//!   back.
+//!
+//! Seeded per row: each response draws from its own stream, keyed by the seed, its prompt's key
+//! and its sample index, so a response does not depend on which other prompts share its batch or
+//! chunk (data-parallel ranks each generate a part and get the tokens one device would).
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_rlhf_models::{CausalLm, KvCache, TransformerConfig};
 use rand::{Rng, SeedableRng};
 
+pub use crate::params::{DecodeShapes, LogprobsMode, SamplingParams};
+pub use crate::sample::processed_distribution;
+use crate::sample::{draws, is_greedy, pick, sample_on_device};
 use crate::RolloutError;
-
-/// Which log-probs the rollout records (verl's `rollout.logprobs_mode`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LogprobsMode {
-    /// `log_softmax` of the model's raw logits.
-    Raw,
-    /// Under the distribution actually sampled from (temperature, top-k, top-p applied).
-    Processed,
-}
-
-impl LogprobsMode {
-    /// `raw_logprobs` or `processed_logprobs`.
-    pub fn from_name(name: &str) -> Result<Self, RolloutError> {
-        match name {
-            "raw_logprobs" => Ok(Self::Raw),
-            "processed_logprobs" => Ok(Self::Processed),
-            other => Err(RolloutError::Invalid(format!(
-                "unknown logprobs_mode `{other}` (raw_logprobs, processed_logprobs)"
-            ))),
-        }
-    }
-}
-
-/// How to sample.
-#[derive(Debug, Clone, PartialEq)]
-pub struct SamplingParams {
-    /// Samples per prompt.
-    pub n: usize,
-    /// Greedy decoding (argmax) instead of sampling.
-    pub greedy: bool,
-    /// Softmax temperature; 0 means greedy.
-    pub temperature: f64,
-    /// Keep only the `k` most likely tokens (`None`: all).
-    pub top_k: Option<usize>,
-    /// Keep the smallest set of most likely tokens whose probability reaches `top_p`.
-    pub top_p: f64,
-    /// Tokens generated at most per response.
-    pub max_new_tokens: usize,
-    /// Ids that end a response (the model's EOS ids and any configured stop ids); the stop token
-    /// is part of the response.
-    pub stop_token_ids: Vec<u32>,
-    /// Log-probs recorded per token.
-    pub logprobs_mode: LogprobsMode,
-    /// RNG seed.
-    pub seed: u64,
-}
-
-impl Default for SamplingParams {
-    fn default() -> Self {
-        Self {
-            n: 1,
-            greedy: false,
-            temperature: 1.0,
-            top_k: None,
-            top_p: 1.0,
-            max_new_tokens: 128,
-            stop_token_ids: Vec::new(),
-            logprobs_mode: LogprobsMode::Raw,
-            seed: 0,
-        }
-    }
-}
 
 /// One generated response.
 #[derive(Debug, Clone, PartialEq)]
@@ -86,6 +40,19 @@ pub struct Sample {
     pub stopped: bool,
 }
 
+/// What a generation call did, for tests and benchmarks.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct GenerationProfile {
+    /// Chunks generated one after the other.
+    pub chunks: usize,
+    /// Rows of the largest chunk (padding rows included).
+    pub max_chunk_rows: usize,
+    /// Decode steps over all chunks.
+    pub decode_steps: usize,
+    /// The most values read back from the device in one decode step, per row of the chunk.
+    pub max_values_read_per_row: usize,
+}
+
 /// Integer rows, `[B][P]`.
 pub type IntRows = Vec<Vec<i64>>;
 
@@ -93,6 +60,11 @@ pub type IntRows = Vec<Vec<i64>>;
 /// positions get id `pad_id`, mask 0 and position 0.
 pub fn left_pad(prompts: &[Vec<u32>], pad_id: u32) -> (IntRows, IntRows, IntRows) {
     let p = prompts.iter().map(Vec::len).max().unwrap_or(0);
+    left_pad_to(prompts, pad_id, p)
+}
+
+/// [`left_pad`] to width `p` (at least the longest prompt).
+fn left_pad_to(prompts: &[Vec<u32>], pad_id: u32, p: usize) -> (IntRows, IntRows, IntRows) {
     let mut ids = Vec::with_capacity(prompts.len());
     let mut mask = Vec::with_capacity(prompts.len());
     let mut pos = Vec::with_capacity(prompts.len());
@@ -122,84 +94,9 @@ fn int_tensor<B: Backend>(rows: &[Vec<i64>], device: &B::Device) -> Tensor<B, 2,
     Tensor::from_data(TensorData::new(rows.concat(), [b, l]), device)
 }
 
-/// `log_softmax` of one row of logits, in f64.
-fn log_softmax_row(logits: &[f32]) -> Vec<f64> {
-    let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let lse = max
-        + logits
-            .iter()
-            .map(|&x| (x as f64 - max).exp())
-            .sum::<f64>()
-            .ln();
-    logits.iter().map(|&x| x as f64 - lse).collect()
-}
-
-/// The sampling distribution of one row: indices and probabilities (renormalised) of the tokens
-/// that survive temperature, top-k and top-p, most likely first (in vocabulary order when neither
-/// top-k nor top-p cuts anything).
-pub fn processed_distribution(
-    logits: &[f32],
-    temperature: f64,
-    top_k: Option<usize>,
-    top_p: f64,
-) -> Vec<(usize, f64)> {
-    let scaled: Vec<f32> = logits
-        .iter()
-        .map(|&x| (x as f64 / temperature) as f32)
-        .collect();
-    let lp = log_softmax_row(&scaled);
-    if top_k.is_none() && top_p >= 1.0 {
-        // Nothing is cut: the full softmax, in vocabulary order (no sort of the whole vocabulary).
-        return lp.iter().enumerate().map(|(i, l)| (i, l.exp())).collect();
-    }
-    let mut order: Vec<usize> = (0..logits.len()).collect();
-    order.sort_by(|&a, &b| lp[b].total_cmp(&lp[a]).then(a.cmp(&b)));
-    if let Some(k) = top_k {
-        order.truncate(k.max(1));
-    }
-    let mut kept = Vec::with_capacity(order.len());
-    let mut cum = 0.0;
-    for &i in &order {
-        let p = lp[i].exp();
-        kept.push((i, p));
-        cum += p;
-        // Keep tokens until their mass reaches top_p (the token that crosses it stays).
-        if top_p < 1.0 && cum >= top_p {
-            break;
-        }
-    }
-    let total: f64 = kept.iter().map(|(_, p)| p).sum();
-    kept.into_iter().map(|(i, p)| (i, p / total)).collect()
-}
-
-/// Picks the next token of one row and its log-prob under `mode`.
-fn pick(logits: &[f32], params: &SamplingParams, rng: &mut impl Rng) -> (u32, f32) {
-    let greedy = params.greedy || params.temperature <= 0.0;
-    if greedy {
-        let mut best = 0;
-        for (i, &x) in logits.iter().enumerate() {
-            if x > logits[best] {
-                best = i;
-            }
-        }
-        return (best as u32, log_softmax_row(logits)[best] as f32);
-    }
-    let dist = processed_distribution(logits, params.temperature, params.top_k, params.top_p);
-    let u: f64 = rng.random::<f64>();
-    let mut cum = 0.0;
-    let mut chosen = dist.last().map_or((0, 1.0), |&(i, p)| (i, p));
-    for &(i, p) in &dist {
-        cum += p;
-        if u < cum {
-            chosen = (i, p);
-            break;
-        }
-    }
-    let logprob = match params.logprobs_mode {
-        LogprobsMode::Raw => log_softmax_row(logits)[chosen.0],
-        LogprobsMode::Processed => chosen.1.ln(),
-    };
-    (chosen.0 as u32, logprob as f32)
+/// `x` rounded up to a multiple of `bucket`.
+fn round_up(x: usize, bucket: usize) -> usize {
+    x.div_ceil(bucket.max(1)) * bucket.max(1)
 }
 
 /// Generates `params.n` responses for each prompt (rows ordered prompt by prompt: prompt 0's `n`
@@ -227,26 +124,34 @@ pub fn generate_keyed<B: Backend>(
     params: &SamplingParams,
     device: &B::Device,
 ) -> Result<Vec<Sample>, RolloutError> {
-    generate_rows(
+    let request = Request {
         model,
         config,
-        prompts,
-        prompt_keys,
         pad_id,
         params,
         device,
-        &mut |_, _| {},
-    )
+    };
+    Ok(request.run(prompts, prompt_keys, &mut |_, _| {})?.0)
 }
 
-/// The random stream of sample `j` of the prompt keyed `key` (splitmix64 of the three).
-fn row_rng(seed: u64, key: u64, j: usize) -> rand::rngs::StdRng {
-    let mut z = seed
-        ^ key.wrapping_mul(0x9E37_79B9_7F4A_7C15)
-        ^ (j as u64).wrapping_mul(0xD1B5_4A32_D192_ED03);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    rand::rngs::StdRng::seed_from_u64(z ^ (z >> 31))
+/// [`generate_keyed`], also returning what the call did.
+pub fn generate_profiled<B: Backend>(
+    model: &CausalLm<B>,
+    config: &TransformerConfig,
+    prompts: &[Vec<u32>],
+    prompt_keys: &[u64],
+    pad_id: u32,
+    params: &SamplingParams,
+    device: &B::Device,
+) -> Result<(Vec<Sample>, GenerationProfile), RolloutError> {
+    let request = Request {
+        model,
+        config,
+        pad_id,
+        params,
+        device,
+    };
+    request.run(prompts, prompt_keys, &mut |_, _| {})
 }
 
 /// [`generate`], calling `on_token(row, token)` as each token is chosen (for streaming output).
@@ -260,129 +165,334 @@ pub fn generate_streaming<B: Backend>(
     on_token: &mut dyn FnMut(usize, u32),
 ) -> Result<Vec<Sample>, RolloutError> {
     let keys: Vec<u64> = (0..prompts.len() as u64).collect();
-    generate_rows(
-        model, config, prompts, &keys, pad_id, params, device, on_token,
-    )
+    let request = Request {
+        model,
+        config,
+        pad_id,
+        params,
+        device,
+    };
+    Ok(request.run(prompts, &keys, on_token)?.0)
 }
 
-#[allow(clippy::too_many_arguments)]
-fn generate_rows<B: Backend>(
-    model: &CausalLm<B>,
-    config: &TransformerConfig,
-    prompts: &[Vec<u32>],
-    prompt_keys: &[u64],
+/// The random stream of sample `j` of the prompt keyed `key` (splitmix64 of the three).
+fn row_rng(seed: u64, key: u64, j: usize) -> rand::rngs::StdRng {
+    let mut z = seed
+        ^ key.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        ^ (j as u64).wrapping_mul(0xD1B5_4A32_D192_ED03);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    rand::rngs::StdRng::seed_from_u64(z ^ (z >> 31))
+}
+
+/// One generation call's fixed inputs.
+struct Request<'a, B: Backend> {
+    model: &'a CausalLm<B>,
+    config: &'a TransformerConfig,
     pad_id: u32,
-    params: &SamplingParams,
-    device: &B::Device,
-    on_token: &mut dyn FnMut(usize, u32),
-) -> Result<Vec<Sample>, RolloutError> {
-    if prompt_keys.len() != prompts.len() {
-        return Err(RolloutError::Invalid(format!(
-            "{} prompt keys for {} prompts",
-            prompt_keys.len(),
-            prompts.len()
-        )));
-    }
-    if prompts.is_empty() {
-        return Ok(Vec::new());
-    }
-    if prompts.iter().any(Vec::is_empty) {
-        return Err(RolloutError::Invalid(
-            "an empty prompt cannot be generated from".into(),
-        ));
-    }
-    if params.n == 0 {
-        return Err(RolloutError::Invalid("rollout.n must be >= 1".into()));
-    }
-    let (ids, mask, pos) = left_pad(prompts, pad_id);
-    let p = ids[0].len();
-    let mut cache = KvCache::<B>::new(config, prompts.len(), p + params.max_new_tokens, device);
-    let logits = model.forward(
-        int_tensor(&ids, device),
-        int_tensor(&mask, device),
-        int_tensor(&pos, device),
-        Some(&mut cache),
-    );
-    let [np, l, v] = logits.dims();
-    let last: Vec<f32> = logits
-        .slice([0..np, l - 1..l])
-        .into_data()
-        .iter::<f32>()
-        .collect();
+    params: &'a SamplingParams,
+    device: &'a B::Device,
+}
 
-    // Fan each prompt out to its n samples, sharing the prefill.
-    let rows: Vec<usize> = (0..prompts.len())
-        .flat_map(|i| std::iter::repeat_n(i, params.n))
-        .collect();
-    if params.n > 1 {
+/// The rows of one chunk as they decode.
+struct Rows {
+    /// Each row's response so far (`prompt_index` relative to the chunk).
+    samples: Vec<Sample>,
+    /// Each row's random stream.
+    rngs: Vec<rand::rngs::StdRng>,
+    /// The chunk's slot of each row still in the batch.
+    active: Vec<usize>,
+}
+
+impl<B: Backend> Request<'_, B> {
+    /// Checks the inputs, then generates chunk by chunk; `on_token(row, token)` sees rows
+    /// numbered over the whole call.
+    fn run(
+        &self,
+        prompts: &[Vec<u32>],
+        keys: &[u64],
+        on_token: &mut dyn FnMut(usize, u32),
+    ) -> Result<(Vec<Sample>, GenerationProfile), RolloutError> {
+        let params = self.params;
+        if keys.len() != prompts.len() {
+            return Err(RolloutError::Invalid(format!(
+                "{} prompt keys for {} prompts",
+                keys.len(),
+                prompts.len()
+            )));
+        }
+        if prompts.iter().any(Vec::is_empty) {
+            return Err(RolloutError::Invalid(
+                "an empty prompt cannot be generated from".into(),
+            ));
+        }
+        if params.n == 0 {
+            return Err(RolloutError::Invalid("rollout.n must be >= 1".into()));
+        }
+        let mut profile = GenerationProfile::default();
+        let mut samples = Vec::with_capacity(prompts.len() * params.n);
+        let per_chunk = prompts_per_chunk(params, prompts);
+        for (c, chunk) in prompts.chunks(per_chunk).enumerate() {
+            let first = c * per_chunk;
+            let chunk_keys = &keys[first..first + chunk.len()];
+            let offset = samples.len();
+            let mut on_chunk_token = |row: usize, token: u32| on_token(offset + row, token);
+            let out = match params.shapes {
+                DecodeShapes::Exact => {
+                    self.decode_exact(chunk, chunk_keys, &mut on_chunk_token, &mut profile)
+                }
+                DecodeShapes::Bucketed { bucket } => self.decode_bucketed(
+                    chunk,
+                    chunk_keys,
+                    per_chunk,
+                    bucket,
+                    &mut on_chunk_token,
+                    &mut profile,
+                ),
+            };
+            samples.extend(out.into_iter().map(|mut s| {
+                s.prompt_index += first;
+                s
+            }));
+            profile.chunks += 1;
+        }
+        Ok((samples, profile))
+    }
+
+    /// Each row's sample and random stream: row `s` is sample `s % n` of prompt `s / n`.
+    fn rows(&self, prompts: usize, keys: &[u64]) -> Rows {
+        let n = self.params.n;
+        let rows = prompts * n;
+        Rows {
+            samples: (0..rows)
+                .map(|s| Sample {
+                    prompt_index: s / n,
+                    tokens: Vec::new(),
+                    logprobs: Vec::new(),
+                    stopped: false,
+                })
+                .collect(),
+            rngs: (0..rows)
+                .map(|s| row_rng(self.params.seed, keys[s / n], s % n))
+                .collect(),
+            active: (0..rows).collect(),
+        }
+    }
+
+    /// Prefills `ids` (mask, positions as host rows) into `cache` and fans each prompt out to its
+    /// `n` rows. Shapes: → logits of the last position `[prompts * n, V]`.
+    fn prefill(
+        &self,
+        ids: &[Vec<i64>],
+        mask: &[Vec<i64>],
+        pos: &[Vec<i64>],
+        cache: &mut KvCache<B>,
+    ) -> Tensor<B, 2> {
+        let hidden =
+            self.model
+                .model
+                .forward_rows(int_tensor(ids, self.device), mask, pos, Some(cache));
+        let logits = self.model.last_logits(hidden);
+        let n = self.params.n;
+        if n == 1 {
+            return logits;
+        }
+        let rows: Vec<usize> = (0..ids.len())
+            .flat_map(|i| std::iter::repeat_n(i, n))
+            .collect();
         cache.select_rows(&rows);
+        let idx: Vec<i64> = rows.iter().map(|&r| r as i64).collect();
+        let idx = Tensor::<B, 1, Int>::from_data(TensorData::new(idx, [rows.len()]), self.device);
+        logits.select(0, idx)
     }
-    let mut samples: Vec<Sample> = rows
-        .iter()
-        .map(|&i| Sample {
-            prompt_index: i,
-            tokens: Vec::new(),
-            logprobs: Vec::new(),
-            stopped: false,
-        })
-        .collect();
-    let mut rngs: Vec<rand::rngs::StdRng> = rows
-        .iter()
-        .enumerate()
-        .map(|(s, &i)| row_rng(params.seed, prompt_keys[i], s % params.n))
-        .collect();
-    let mut active: Vec<usize> = (0..rows.len()).collect();
-    let mut row_logits: Vec<Vec<f32>> = rows
-        .iter()
-        .map(|&i| last[i * v..(i + 1) * v].to_vec())
-        .collect();
-    let mut masks: Vec<Vec<i64>> = rows.iter().map(|&i| mask[i].clone()).collect();
-    let mut next_pos: Vec<i64> = rows.iter().map(|&i| prompts[i].len() as i64).collect();
 
-    for step in 0..params.max_new_tokens {
-        let mut still = Vec::with_capacity(active.len());
-        let mut step_tokens = Vec::with_capacity(active.len());
-        for (slot, &s) in active.iter().enumerate() {
-            let (token, lp) = pick(&row_logits[slot], params, &mut rngs[s]);
-            on_token(s, token);
-            let sample = &mut samples[s];
-            sample.tokens.push(token);
-            sample.logprobs.push(lp);
-            if params.stop_token_ids.contains(&token) {
-                sample.stopped = true;
-            } else {
-                still.push(slot);
-                step_tokens.push(token as i64);
+    /// Exact shapes (see [`DecodeShapes::Exact`]): the rows of one chunk, picked on the host.
+    fn decode_exact(
+        &self,
+        prompts: &[Vec<u32>],
+        keys: &[u64],
+        on_token: &mut dyn FnMut(usize, u32),
+        profile: &mut GenerationProfile,
+    ) -> Vec<Sample> {
+        let params = self.params;
+        let (ids, mask, pos) = left_pad(prompts, self.pad_id);
+        let p = ids[0].len();
+        let mut cache = KvCache::<B>::new(
+            self.config,
+            prompts.len(),
+            p + params.max_new_tokens,
+            self.device,
+        );
+        let mut logits = self.prefill(&ids, &mask, &pos, &mut cache);
+        let mut rows = self.rows(prompts.len(), keys);
+        profile.max_chunk_rows = profile.max_chunk_rows.max(rows.samples.len());
+        let n = params.n;
+        let mut masks: Vec<Vec<i64>> = (0..rows.samples.len())
+            .map(|s| mask[s / n].clone())
+            .collect();
+        let mut next_pos: Vec<i64> = (0..rows.samples.len())
+            .map(|s| prompts[s / n].len() as i64)
+            .collect();
+        let greedy = is_greedy(params);
+        for step in 0..params.max_new_tokens {
+            let [b, v] = logits.dims();
+            let flat: Vec<f32> = logits.into_data().iter::<f32>().collect();
+            profile.max_values_read_per_row = profile.max_values_read_per_row.max(v);
+            profile.decode_steps += 1;
+            let mut still = Vec::with_capacity(b);
+            let mut step_tokens = Vec::with_capacity(b);
+            for (slot, &s) in rows.active.iter().enumerate() {
+                let u = if greedy {
+                    0.0
+                } else {
+                    rows.rngs[s].random::<f64>()
+                };
+                let (token, lp) = pick(&flat[slot * v..(slot + 1) * v], params, u);
+                on_token(s, token);
+                if push_token(&mut rows.samples[s], token, lp, params) {
+                    still.push(slot);
+                    step_tokens.push(vec![token as i64]);
+                }
+            }
+            if still.is_empty() || step + 1 == params.max_new_tokens {
+                break;
+            }
+            if still.len() < rows.active.len() {
+                cache.select_rows(&still);
+                masks = still.iter().map(|&slot| masks[slot].clone()).collect();
+                next_pos = still.iter().map(|&slot| next_pos[slot]).collect();
+                rows.active = still.iter().map(|&slot| rows.active[slot]).collect();
+            }
+            for m in masks.iter_mut() {
+                m.push(1);
+            }
+            let step_pos: Vec<Vec<i64>> = next_pos.iter().map(|&q| vec![q]).collect();
+            let hidden = self.model.model.forward_rows(
+                int_tensor(&step_tokens, self.device),
+                &masks,
+                &step_pos,
+                Some(&mut cache),
+            );
+            logits = self.model.last_logits(hidden);
+            for q in next_pos.iter_mut() {
+                *q += 1;
             }
         }
-        if still.is_empty() || step + 1 == params.max_new_tokens {
-            break;
-        }
-        if still.len() < active.len() {
-            cache.select_rows(&still);
-            masks = still.iter().map(|&slot| masks[slot].clone()).collect();
-            next_pos = still.iter().map(|&slot| next_pos[slot]).collect();
-            active = still.iter().map(|&slot| active[slot]).collect();
-        }
-        for m in masks.iter_mut() {
-            m.push(1);
-        }
-        let b = active.len();
-        let step_ids: Vec<Vec<i64>> = step_tokens.iter().map(|&t| vec![t]).collect();
-        let step_pos: Vec<Vec<i64>> = next_pos.iter().map(|&q| vec![q]).collect();
-        let out = model.forward(
-            int_tensor(&step_ids, device),
-            int_tensor(&masks, device),
-            int_tensor(&step_pos, device),
-            Some(&mut cache),
-        );
-        let flat: Vec<f32> = out.into_data().iter::<f32>().collect();
-        row_logits = (0..b).map(|r| flat[r * v..(r + 1) * v].to_vec()).collect();
-        for q in next_pos.iter_mut() {
-            *q += 1;
-        }
+        rows.samples
     }
-    Ok(samples)
+
+    /// Bucketed shapes (see [`DecodeShapes::Bucketed`]): the chunk is padded to `chunk_prompts`
+    /// prompts (copies of its first, dropped after), the prompts to a bucket of `bucket` tokens
+    /// and the cache to a bucket holding prompt and response; tokens are picked on the device.
+    fn decode_bucketed(
+        &self,
+        prompts: &[Vec<u32>],
+        keys: &[u64],
+        chunk_prompts: usize,
+        bucket: usize,
+        on_token: &mut dyn FnMut(usize, u32),
+        profile: &mut GenerationProfile,
+    ) -> Vec<Sample> {
+        let params = self.params;
+        let real = prompts.len();
+        let mut padded = prompts.to_vec();
+        padded.resize(chunk_prompts.max(real), prompts[0].clone());
+        let mut padded_keys = keys.to_vec();
+        padded_keys.resize(padded.len(), keys[0]);
+        let longest = padded.iter().map(Vec::len).max().unwrap_or(1);
+        let p = round_up(longest, bucket);
+        let capacity = round_up(p + params.max_new_tokens, bucket);
+        let (ids, mut mask, pos) = left_pad_to(&padded, self.pad_id, p);
+        // A fixed cache shows attention every slot: the mask spans them all, zeros past the prompt.
+        for m in mask.iter_mut() {
+            m.resize(capacity, 0);
+        }
+        let mut cache = KvCache::<B>::fixed(self.config, padded.len(), capacity, self.device);
+        let mut logits = self.prefill(&ids, &mask, &pos, &mut cache);
+        let mut rows = self.rows(padded.len(), &padded_keys);
+        let total = rows.samples.len();
+        profile.max_chunk_rows = profile.max_chunk_rows.max(total);
+        let n = params.n;
+        // Every row keeps its slot; a finished row is fed padding and its outputs are ignored.
+        let mut masks: Vec<Vec<i64>> = (0..total).map(|s| mask[s / n].clone()).collect();
+        let mut next_pos: Vec<i64> = (0..total).map(|s| padded[s / n].len() as i64).collect();
+        let mut live = vec![true; total];
+        let greedy = is_greedy(params);
+        for step in 0..params.max_new_tokens {
+            let u: Vec<f64> = (0..total)
+                .map(|s| {
+                    if greedy || !live[s] {
+                        0.0
+                    } else {
+                        rows.rngs[s].random::<f64>()
+                    }
+                })
+                .collect();
+            let (ids, lps) = sample_on_device(logits, draws::<B>(&u, self.device), params);
+            // Only the chosen ids and their log-probs leave the device: 2 values per row.
+            let chosen: Vec<f32> = Tensor::cat(vec![ids.float(), lps], 0)
+                .into_data()
+                .iter::<f32>()
+                .collect();
+            profile.max_values_read_per_row = profile.max_values_read_per_row.max(2);
+            profile.decode_steps += 1;
+            let mut step_tokens = vec![vec![self.pad_id as i64]; total];
+            for s in 0..total {
+                if !live[s] {
+                    continue;
+                }
+                let (token, lp) = (chosen[s] as u32, chosen[total + s]);
+                if s < real * n {
+                    on_token(s, token);
+                }
+                live[s] = push_token(&mut rows.samples[s], token, lp, params);
+                if live[s] {
+                    step_tokens[s][0] = token as i64;
+                }
+            }
+            if !live.iter().take(real * n).any(|&l| l) || step + 1 == params.max_new_tokens {
+                break;
+            }
+            let at = p + step;
+            for m in masks.iter_mut() {
+                m[at] = 1;
+            }
+            let step_pos: Vec<Vec<i64>> = next_pos.iter().map(|&q| vec![q]).collect();
+            let hidden = self.model.model.forward_rows(
+                int_tensor(&step_tokens, self.device),
+                &masks,
+                &step_pos,
+                Some(&mut cache),
+            );
+            logits = self.model.last_logits(hidden);
+            for q in next_pos.iter_mut() {
+                *q += 1;
+            }
+        }
+        rows.samples.truncate(real * n);
+        rows.samples
+    }
+}
+
+/// Prompts per chunk: at most `max_num_seqs` responses and `max_num_batched_tokens` prompt tokens
+/// (at the padded prompt width), at least one prompt.
+fn prompts_per_chunk(params: &SamplingParams, prompts: &[Vec<u32>]) -> usize {
+    let longest = prompts.iter().map(Vec::len).max().unwrap_or(1);
+    let width = match params.shapes {
+        DecodeShapes::Exact => longest,
+        DecodeShapes::Bucketed { bucket } => round_up(longest, bucket),
+    };
+    let by_rows = params.max_num_seqs / params.n.max(1);
+    let by_tokens = params.max_num_batched_tokens / width.max(1);
+    by_rows.min(by_tokens).clamp(1, prompts.len().max(1))
+}
+
+/// Records `token` in `sample`; returns whether the response goes on (it did not stop).
+fn push_token(sample: &mut Sample, token: u32, logprob: f32, params: &SamplingParams) -> bool {
+    sample.tokens.push(token);
+    sample.logprobs.push(logprob);
+    sample.stopped = params.stop_token_ids.contains(&token);
+    !sample.stopped
 }
 
 #[cfg(test)]
@@ -390,23 +500,40 @@ mod tests {
     use super::*;
 
     #[test]
-    fn top_k_and_top_p_keep_the_right_tokens() {
-        let logits = [0.0f32, 1.0, 2.0, 3.0];
-        let d = processed_distribution(&logits, 1.0, Some(2), 1.0);
-        assert_eq!(d.iter().map(|x| x.0).collect::<Vec<_>>(), vec![3, 2]);
-        assert!((d.iter().map(|x| x.1).sum::<f64>() - 1.0).abs() < 1e-12);
-        // Probabilities ~ [0.032, 0.087, 0.237, 0.644]: top_p 0.7 keeps 3 and 2.
-        let d = processed_distribution(&logits, 1.0, None, 0.7);
-        assert_eq!(d.iter().map(|x| x.0).collect::<Vec<_>>(), vec![3, 2]);
-        let d = processed_distribution(&logits, 1.0, None, 0.5);
-        assert_eq!(d.iter().map(|x| x.0).collect::<Vec<_>>(), vec![3]);
-    }
-
-    #[test]
     fn left_pad_pads_on_the_left() {
         let (ids, mask, pos) = left_pad(&[vec![5, 6, 7], vec![9]], 0);
         assert_eq!(ids, vec![vec![5, 6, 7], vec![0, 0, 9]]);
         assert_eq!(mask, vec![vec![1, 1, 1], vec![0, 0, 1]]);
         assert_eq!(pos, vec![vec![0, 1, 2], vec![0, 0, 0]]);
+    }
+
+    #[test]
+    fn chunks_respect_both_limits() {
+        let params = SamplingParams {
+            n: 4,
+            max_num_seqs: 10,
+            max_num_batched_tokens: 1000,
+            ..Default::default()
+        };
+        let prompts = vec![vec![1u32; 100]; 7];
+        // 10 rows / 4 per prompt = 2 prompts; 1000 tokens / 100 = 10 prompts.
+        assert_eq!(prompts_per_chunk(&params, &prompts), 2);
+        let by_tokens = SamplingParams {
+            max_num_batched_tokens: 150,
+            ..params.clone()
+        };
+        assert_eq!(prompts_per_chunk(&by_tokens, &prompts), 1);
+        // Bucketed widths count: 100 tokens pad to 128, 1000 / 128 = 7 prompts.
+        let bucketed = SamplingParams {
+            max_num_seqs: 1000,
+            shapes: DecodeShapes::Bucketed { bucket: 64 },
+            ..params
+        };
+        assert_eq!(prompts_per_chunk(&bucketed, &prompts), 7);
+        let bucketed = SamplingParams {
+            max_num_batched_tokens: 700,
+            ..bucketed
+        };
+        assert_eq!(prompts_per_chunk(&bucketed, &prompts), 5);
     }
 }

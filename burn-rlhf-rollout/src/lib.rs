@@ -10,13 +10,16 @@ pub mod encode;
 mod error;
 pub mod generate;
 pub mod metrics;
+pub mod params;
 pub mod reward;
+pub mod sample;
 
 pub use batch::RolloutBatch;
 pub use data::{PromptRecord, PromptSampler, SamplerState};
 pub use encode::Truncation;
 pub use error::RolloutError;
 pub use generate::{
-    generate, generate_keyed, generate_streaming, LogprobsMode, Sample, SamplingParams,
+    generate, generate_keyed, generate_profiled, generate_streaming, DecodeShapes,
+    GenerationProfile, LogprobsMode, Sample, SamplingParams,
 };
 pub use reward::{RewardFn, RewardInput, RewardRegistry};

@@ -8,7 +8,9 @@ use burn::tensor::activation::log_softmax;
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_rlhf_models::{load_pretrained, CausalLm, TransformerConfig};
 use burn_rlhf_rollout::generate::{left_pad, processed_distribution};
-use burn_rlhf_rollout::{generate, LogprobsMode, SamplingParams};
+use burn_rlhf_rollout::{
+    generate, generate_keyed, generate_profiled, DecodeShapes, LogprobsMode, SamplingParams,
+};
 use serde_json::Value;
 
 type B = Flex;
@@ -257,6 +259,16 @@ fn chi_square(counts: &[usize], probs: &[f64], n: usize) -> f64 {
 
 #[test]
 fn top_k_and_top_p_sample_the_renormalised_distribution() {
+    check_distribution(DecodeShapes::Exact);
+}
+
+/// The same on the device sampler: the distribution is the host's.
+#[test]
+fn bucketed_decoding_samples_the_same_distribution() {
+    check_distribution(DecodeShapes::Bucketed { bucket: 16 });
+}
+
+fn check_distribution(shapes: DecodeShapes) {
     let (model, config) = load(&tiny());
     let prompt = vec![vec![5, 17, 300, 41]];
     let device = Default::default();
@@ -264,9 +276,11 @@ fn top_k_and_top_p_sample_the_renormalised_distribution() {
     let t = |v: &Vec<Vec<i64>>| {
         Tensor::<B, 2, Int>::from_data(TensorData::new(v.concat(), [1, 4]), &device)
     };
+    // The last position's logits as generation computes them (the LM head on that position
+    // only): the cut-offs below sit 1e-9 under a mass, closer than a full forward's rounding.
+    let hidden = model.model.forward(t(&ids), t(&mask), t(&pos), None);
     let logits: Vec<f32> = model
-        .forward(t(&ids), t(&mask), t(&pos), None)
-        .slice([0..1, 3..4])
+        .last_logits(hidden)
         .into_data()
         .iter::<f32>()
         .collect();
@@ -301,6 +315,7 @@ fn top_k_and_top_p_sample_the_renormalised_distribution() {
             max_new_tokens: 1,
             seed: 5,
             logprobs_mode: LogprobsMode::Processed,
+            shapes,
             ..Default::default()
         };
         let samples = generate(&model, &config, &prompt, 0, &params, &device).unwrap();
@@ -324,4 +339,106 @@ fn top_k_and_top_p_sample_the_renormalised_distribution() {
             "chi-square {stat} for {counts:?} vs {probs:?}"
         );
     }
+}
+
+/// Bucketed decoding (padded prompt and cache, a fixed batch, device sampling) generates what
+/// exact decoding does: greedily the same tokens, and sampling without top-k/top-p the same
+/// tokens for the same seed (the same draw inverted over the same distribution), with the same
+/// log-probs.
+#[test]
+fn bucketed_decoding_generates_what_exact_decoding_does() {
+    let (model, config) = load(&tiny());
+    let prompts = vec![vec![5, 17, 300, 41], vec![9, 2], vec![600, 601, 602]];
+    let d = Default::default();
+    for greedy in [true, false] {
+        let exact = SamplingParams {
+            n: 2,
+            greedy,
+            max_new_tokens: 12,
+            seed: 3,
+            stop_token_ids: vec![3, 7],
+            ..Default::default()
+        };
+        let bucketed = SamplingParams {
+            shapes: DecodeShapes::Bucketed { bucket: 8 },
+            ..exact.clone()
+        };
+        let a = generate(&model, &config, &prompts, 0, &exact, &d).unwrap();
+        let b = generate(&model, &config, &prompts, 0, &bucketed, &d).unwrap();
+        assert_eq!(a.len(), b.len());
+        for (x, y) in a.iter().zip(&b) {
+            assert_eq!(
+                (x.prompt_index, &x.tokens, x.stopped),
+                (y.prompt_index, &y.tokens, y.stopped),
+                "greedy {greedy}"
+            );
+            for (p, q) in x.logprobs.iter().zip(&y.logprobs) {
+                assert!((p - q).abs() < 1e-4, "log-prob {p} vs {q}");
+            }
+        }
+    }
+}
+
+/// A response depends on its seed, its prompt's key and its sample index only: not on the
+/// prompts beside it, nor on how prompts are cut into chunks (`max_num_seqs`).
+#[test]
+fn a_response_does_not_depend_on_its_batch_mates_or_chunk() {
+    let (model, config) = load(&tiny());
+    let prompts = vec![vec![5, 17, 300, 41], vec![9, 2], vec![600, 601, 602]];
+    let keys = [40, 41, 42];
+    let d = Default::default();
+    for shapes in [DecodeShapes::Exact, DecodeShapes::Bucketed { bucket: 8 }] {
+        let params = SamplingParams {
+            n: 2,
+            max_new_tokens: 10,
+            top_p: 0.9,
+            seed: 9,
+            shapes,
+            ..Default::default()
+        };
+        let all = generate_keyed(&model, &config, &prompts, &keys, 0, &params, &d).unwrap();
+        let chunked = SamplingParams {
+            max_num_seqs: 2,
+            ..params.clone()
+        };
+        let (in_chunks, profile) =
+            generate_profiled(&model, &config, &prompts, &keys, 0, &chunked, &d).unwrap();
+        assert_eq!(
+            profile.chunks, 3,
+            "{shapes:?}: one prompt (2 responses) per chunk"
+        );
+        let alone =
+            generate_keyed(&model, &config, &prompts[1..2], &keys[1..2], 0, &params, &d).unwrap();
+        let tokens = |s: &[burn_rlhf_rollout::Sample]| {
+            s.iter().map(|x| x.tokens.clone()).collect::<Vec<_>>()
+        };
+        assert_eq!(tokens(&all), tokens(&in_chunks), "{shapes:?}");
+        assert_eq!(tokens(&all[2..4]), tokens(&alone), "{shapes:?}");
+    }
+}
+
+/// Per decode step, bucketed decoding reads back the chosen id and its log-prob of each row;
+/// exact decoding reads the row's logits (so the count does measure the readback).
+#[test]
+fn a_bucketed_decode_step_reads_back_two_values_per_row() {
+    let (model, config) = load(&tiny());
+    let prompts = vec![vec![5, 17, 300, 41], vec![9, 2]];
+    let keys = [0, 1];
+    let d = Default::default();
+    let params = SamplingParams {
+        n: 2,
+        max_new_tokens: 6,
+        shapes: DecodeShapes::Bucketed { bucket: 8 },
+        ..Default::default()
+    };
+    let (_, bucketed) =
+        generate_profiled(&model, &config, &prompts, &keys, 0, &params, &d).unwrap();
+    assert_eq!(bucketed.max_values_read_per_row, 2);
+    assert_eq!(bucketed.decode_steps, 6);
+    let exact = SamplingParams {
+        shapes: DecodeShapes::Exact,
+        ..params
+    };
+    let (_, exact) = generate_profiled(&model, &config, &prompts, &keys, 0, &exact, &d).unwrap();
+    assert_eq!(exact.max_values_read_per_row, config.vocab_size);
 }

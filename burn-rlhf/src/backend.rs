@@ -7,20 +7,16 @@
 //! ([`burn_rlhf_algos::kernels`]) are written for the plain CubeCL backend, and a fused backend would
 //! run their reference ops instead.
 
-#[cfg(feature = "cuda")]
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
 mod selected {
-    /// The compute backend chosen by features: CubeCL on CUDA without fusion, so the RL kernels
-    /// (`burn_rlhf::algos::kernels`) run.
-    pub type Inner =
-        burn_rlhf_algos::kernels::CubeBackend<burn_rlhf_algos::kernels::CudaRuntime, f32, i32, u8>;
-    pub const NAME: &str = "cuda";
-}
-
-#[cfg(all(feature = "wgpu", not(feature = "cuda")))]
-mod selected {
-    pub type Inner =
-        burn::backend::wgpu::CubeBackend<burn::backend::wgpu::WgpuRuntime, f32, i32, u32>;
-    pub const NAME: &str = "wgpu";
+    /// The compute backend chosen by features: CubeCL (CUDA, else wgpu) without fusion, so the RL
+    /// kernels (`burn_rlhf::algos::kernels`) run.
+    pub type Inner = burn_rlhf_algos::kernels::KernelBackend;
+    pub const NAME: &str = if cfg!(feature = "cuda") {
+        "cuda"
+    } else {
+        "wgpu"
+    };
 }
 
 #[cfg(all(feature = "tch", not(any(feature = "cuda", feature = "wgpu"))))]
@@ -89,4 +85,22 @@ pub fn devices(n: usize) -> Vec<Device> {
     (0..n.max(1))
         .map(|i| Device::from_id(DeviceId::new(kind, i as u16)))
         .collect()
+}
+
+/// Tokens per length bucket on backends that compile kernels per shape, when the config sets no
+/// `actor_rollout_ref.model.shape_bucket`.
+pub const GPU_SHAPE_BUCKET: usize = 64;
+
+/// How generation shapes its decode steps on the selected backend: one shape per bucket of
+/// [`GPU_SHAPE_BUCKET`] tokens on CubeCL backends, which compile kernels per shape; exact shapes
+/// on CPU backends.
+pub fn decode_shapes() -> burn_rlhf_rollout::DecodeShapes {
+    use burn_rlhf_algos::RlBackend;
+    if InferenceBackend::compiles_kernels() {
+        burn_rlhf_rollout::DecodeShapes::Bucketed {
+            bucket: GPU_SHAPE_BUCKET,
+        }
+    } else {
+        burn_rlhf_rollout::DecodeShapes::Exact
+    }
 }

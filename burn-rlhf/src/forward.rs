@@ -9,15 +9,16 @@ use burn_rlhf_models::{CausalLm, ValueModel};
 use burn_rlhf_rollout::RolloutBatch;
 
 /// A rollout batch as model inputs: each row's prompt (left padded to `P`) followed by its response
-/// (right padded to `R`).
+/// (right padded to `R`). The mask and positions stay on the host, where the model builds its
+/// attention mask and rotary tables from them: a pass reads nothing back from the device.
 #[derive(Debug, Clone)]
 pub struct SequenceTensors<B: Backend> {
     /// `[B, P + R]`.
     pub input_ids: Tensor<B, 2, Int>,
-    /// `[B, P + R]`, 1 on prompt and response tokens.
-    pub attention_mask: Tensor<B, 2, Int>,
-    /// `[B, P + R]`: `max(cumsum(mask) - 1, 0)`, as verl computes them.
-    pub position_ids: Tensor<B, 2, Int>,
+    /// `[B][P + R]`, 1 on prompt and response tokens.
+    pub attention_mask: Vec<Vec<i64>>,
+    /// `[B][P + R]`: `max(cumsum(mask) - 1, 0)`, as verl computes them.
+    pub position_ids: Vec<Vec<i64>>,
     /// `[B, R]`.
     pub response_ids: Tensor<B, 2, Int>,
     /// `[B, R]` of 0/1.
@@ -57,11 +58,12 @@ impl<B: Backend> SequenceTensors<B> {
         let int = |v: Vec<i64>, cols: usize| {
             Tensor::<B, 2, Int>::from_data(TensorData::new(v, [rows, cols]), device)
         };
+        let host_rows = |v: Vec<i64>| v.chunks(p + r).map(<[i64]>::to_vec).collect();
         let response_ids = batch.response_ids.iter().map(|&t| t as i64).collect();
         Self {
             input_ids: int(ids, p + r),
-            attention_mask: int(mask, p + r),
-            position_ids: int(pos, p + r),
+            attention_mask: host_rows(mask),
+            position_ids: host_rows(pos),
             response_ids: int(response_ids, r),
             response_mask: Tensor::from_data(
                 TensorData::new(batch.response_mask.clone(), [rows, r]),
@@ -89,10 +91,10 @@ pub fn response_logprobs<B: RlBackend>(
 ) -> (Tensor<B, 2>, Tensor<B, 2>) {
     let [b, l] = seq.input_ids.dims();
     let (p, r) = (seq.prompt_len, seq.response_len());
-    let hidden = model.model.forward(
+    let hidden = model.model.forward_rows(
         seq.input_ids.clone(),
-        seq.attention_mask.clone(),
-        seq.position_ids.clone(),
+        &seq.attention_mask,
+        &seq.position_ids,
         None,
     );
     // Only the positions that predict response tokens go through the LM head.
@@ -112,10 +114,10 @@ pub fn response_values<B: Backend>(
     seq: &SequenceTensors<B>,
 ) -> Tensor<B, 2> {
     let [b, l] = seq.input_ids.dims();
-    let values = critic.forward(
+    let values = critic.forward_rows(
         seq.input_ids.clone(),
-        seq.attention_mask.clone(),
-        seq.position_ids.clone(),
+        &seq.attention_mask,
+        &seq.position_ids,
     );
     values.slice([0..b, seq.prompt_len - 1..l - 1])
 }

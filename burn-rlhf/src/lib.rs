@@ -14,6 +14,8 @@ pub use burn_rlhf_models as models;
 pub use burn_rlhf_rollout as rollout;
 
 // Modules from the top of the crate down; each imports only those below it.
+pub mod bench;
+
 pub mod trainer;
 
 pub mod minibatch;

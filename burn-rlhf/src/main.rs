@@ -83,6 +83,26 @@ enum Command {
     /// Prepare datasets in verl's parquet layout.
     #[command(subcommand)]
     Data(DataCommand),
+    /// Benchmark a config's actor on the selected backend: generation and forward+backward
+    /// tokens/s (cold and warm) and the phase times of its first PPO steps, as JSON lines
+    /// comparable with `../shared/gpu/torch_peer_gpu.py` on the same model.
+    ///
+    /// Example: `burn-rlhf bench configs/ppo_gsm8k.ron actor_rollout_ref.model.path=/tmp/qwen05`
+    Bench {
+        /// The RON config file.
+        config: PathBuf,
+        /// `key.path=value` overrides, applied in order after the file.
+        overrides: Vec<String>,
+        /// Generation: prompts, prompt tokens, new tokens.
+        #[arg(long, num_args = 3, default_values_t = [64, 128, 256])]
+        generate: Vec<usize>,
+        /// Forward and backward: sequences, tokens each.
+        #[arg(long, num_args = 2, default_values_t = [8, 384])]
+        fwd_bwd: Vec<usize>,
+        /// PPO steps of the config to time.
+        #[arg(long, default_value_t = 2)]
+        steps: usize,
+    },
 }
 
 #[derive(clap::Args, Debug)]
@@ -187,6 +207,7 @@ fn run_generate(args: GenerateArgs) -> anyhow::Result<()> {
         max_new_tokens: args.max_new_tokens,
         stop_token_ids: tokenizer.eos_token_ids.clone(),
         seed: args.seed,
+        shapes: burn_rlhf::backend::decode_shapes(),
         ..Default::default()
     };
     print!("{}", args.prompt);
@@ -314,6 +335,27 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             println!("{}", burn_rlhf::trainer::metrics::table(0, &metrics));
         }
         Command::Data(DataCommand::Gsm8k { input, output }) => run_data_gsm8k(&input, &output)?,
+        Command::Bench {
+            config,
+            overrides,
+            generate,
+            fwd_bwd,
+            steps,
+        } => {
+            use burn_rlhf::backend::{backend_name, default_device, TrainBackend};
+            let options = burn_rlhf::bench::BenchOptions {
+                gen: (generate[0], generate[1], generate[2]),
+                fwd_bwd: (fwd_bwd[0], fwd_bwd[1]),
+                steps,
+            };
+            let settings = checked_config(&config, &overrides)?;
+            burn_rlhf::bench::run_bench::<TrainBackend>(
+                settings,
+                &options,
+                &default_device(),
+                backend_name(),
+            )?;
+        }
         Command::Config(ConfigCommand::Show { config, overrides }) => {
             let resolved = load_config(&config, &overrides)?;
             println!("{}", config_to_ron(&resolved));
@@ -332,6 +374,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
 
 fn main() -> ExitCode {
     burn_rlhf::runtime::tune_allocator();
+    burn_rlhf::runtime::configure_kernels();
     match run(Cli::parse()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -1,4 +1,5 @@
-//! Process-wide settings the binaries and examples share: the allocator.
+//! Process-wide settings the binaries and examples share: the allocator, and where GPU kernels
+//! are cached.
 //!
 //! A training step under autodiff keeps every activation alive and frees them together. With the
 //! system allocator (or mimalloc's defaults) that memory goes back to the OS after each step and
@@ -23,4 +24,107 @@ const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
 pub fn tune_allocator() {
     // SAFETY: sets an allocator option; valid at any time, read by mimalloc when it purges.
     unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, -1) };
+}
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+pub use burn_rlhf_algos::kernels::runtime_config::Configured;
+use burn_rlhf_algos::kernels::runtime_config::{configure, CubeclSettings};
+
+/// The environment variable that moves the kernel cache (a folder) or turns it off (`off`).
+pub const KERNEL_CACHE_ENV: &str = "BURN_RLHF_KERNEL_CACHE";
+
+/// Where CubeCL keeps compiled kernels and autotune results between runs: `$BURN_RLHF_KERNEL_CACHE`
+/// (`off`: CubeCL's defaults, which keep no compiled kernels), else
+/// `$XDG_CACHE_HOME/burn-rlhf/kernels`, else `~/.cache/burn-rlhf/kernels`.
+pub fn kernel_cache_dir() -> Option<PathBuf> {
+    match std::env::var(KERNEL_CACHE_ENV) {
+        Ok(v) if v == "off" => None,
+        Ok(v) if !v.is_empty() => Some(PathBuf::from(v)),
+        _ => {
+            let base = std::env::var_os("XDG_CACHE_HOME")
+                .map(PathBuf::from)
+                .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
+            Some(base.join("burn-rlhf").join("kernels"))
+        }
+    }
+}
+
+static KERNEL_LOGS: OnceLock<KernelLogs> = OnceLock::new();
+
+/// Where this process's kernel compilations and autotune runs are logged.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KernelLogs {
+    /// A `[Compiling kernel] NAME` line per kernel compiled (CUDA: per nvrtc compilation; a
+    /// kernel found in the cache is not compiled).
+    pub compile: PathBuf,
+    /// A `Fastest result ...` line per autotune run (a key found in the cache is not tuned).
+    pub autotune: PathBuf,
+}
+
+impl KernelLogs {
+    /// Logs in `dir` (each run starts them afresh).
+    pub fn in_dir(dir: &std::path::Path) -> Self {
+        Self {
+            compile: dir.join("compile.log"),
+            autotune: dir.join("autotune.log"),
+        }
+    }
+
+    /// (kernels compiled, autotune runs) so far, once CubeCL's logger has caught up (it writes
+    /// from a background task: the counts are read when the files stop growing).
+    pub fn counts(&self) -> (usize, usize) {
+        let size = |p: &PathBuf| std::fs::metadata(p).map_or(0, |m| m.len());
+        let (mut last, mut still) = ((size(&self.compile), size(&self.autotune)), 0);
+        while still < 6 {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            let now = (size(&self.compile), size(&self.autotune));
+            still = if now == last { still + 1 } else { 0 };
+            last = now;
+        }
+        let count = |p: &PathBuf, what: &str| {
+            std::fs::read_to_string(p).map_or(0, |t| t.matches(what).count())
+        };
+        (
+            count(&self.compile, "[Compiling kernel]"),
+            count(&self.autotune, "Fastest result"),
+        )
+    }
+}
+
+/// Sets CubeCL up before the first GPU device is used: compiled kernels and autotune results in
+/// [`kernel_cache_dir`] (so a second run of the same config compiles and tunes nothing), and logs
+/// of compilations and autotune runs beside them ([`kernel_logs`]; the progress bar watches the
+/// first to say when it is compiling). A `cubecl.toml`/`burn.toml` of the user's keeps its own
+/// cache settings. A no-op on CPU builds.
+pub fn configure_kernels() -> Configured {
+    let cache_dir = kernel_cache_dir();
+    let log_dir = cache_dir.clone().unwrap_or_else(std::env::temp_dir);
+    configure_kernels_with(cache_dir, &log_dir)
+}
+
+/// [`configure_kernels`] with the cache in `cache_dir` (`None`: CubeCL's defaults) and the logs
+/// in `log_dir`.
+pub fn configure_kernels_with(cache_dir: Option<PathBuf>, log_dir: &std::path::Path) -> Configured {
+    let logs = KernelLogs::in_dir(log_dir);
+    // CubeCL opens a log on its first line: a run that compiles or tunes nothing would leave the
+    // last run's lines, so each run starts with none.
+    let _ = std::fs::remove_file(&logs.compile);
+    let _ = std::fs::remove_file(&logs.autotune);
+    let outcome = configure(&CubeclSettings {
+        cache_dir,
+        compile_log: Some(logs.compile.clone()),
+        autotune_log: Some(logs.autotune.clone()),
+    });
+    if matches!(outcome, Configured::Applied | Configured::UserFile) {
+        let _ = std::fs::create_dir_all(log_dir);
+        let _ = KERNEL_LOGS.set(logs);
+    }
+    outcome
+}
+
+/// The logs [`configure_kernels`] set up, when it did.
+pub fn kernel_logs() -> Option<&'static KernelLogs> {
+    KERNEL_LOGS.get()
 }

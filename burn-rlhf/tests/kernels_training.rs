@@ -1,9 +1,9 @@
 //! The same tiny PPO run (GAE with a critic, KL in the reward) on wgpu with the fused kernels on
 //! and off gives the same metrics: `cargo test --release -p burn-rlhf --features wgpu --test
-//! kernels_training` (lavapipe on a CPU machine).
+//! kernels_training` (lavapipe on a CPU machine); with `--features cuda`, on CUDA.
 
-use burn::backend::wgpu::{CubeBackend, WgpuRuntime};
-use burn::backend::Autodiff;
+#![cfg(any(feature = "wgpu", feature = "cuda"))]
+
 use burn::module::AutodiffModule;
 use burn::tensor::backend::Backend;
 use burn_rlhf::config::RlhfConfig;
@@ -12,7 +12,7 @@ use burn_rlhf::models::{CausalLm, ValueModel};
 use burn_rlhf::tasks;
 use burn_rlhf::trainer::{Learner, LearnerParts, Metrics};
 
-type B = Autodiff<CubeBackend<WgpuRuntime, f32, i32, u32>>;
+type B = burn_rlhf::backend::TrainBackend;
 
 fn run(kernels: bool, actor: CausalLm<B>, critic: ValueModel<B>) -> Vec<Metrics> {
     let mut c = RlhfConfig::default();

@@ -480,3 +480,79 @@ fn resuming_in_a_new_process_continues_as_if_never_stopped() {
     }
     std::fs::remove_dir_all(dir).ok();
 }
+
+/// `burn-rlhf bench` runs a config's generation, forward+backward and PPO steps and prints one
+/// JSON line per measurement, in the peer script's form.
+#[test]
+fn bench_prints_generation_forward_backward_and_step_lines() {
+    let dir = temp_dir("bench_cli");
+    let (model, data) = cli_assets(&dir);
+    let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/ppo_gsm8k.ron");
+    let path = |p: &Path| p.display().to_string();
+    let out = Command::new(env!("CARGO_BIN_EXE_burn-rlhf"))
+        .arg("bench")
+        .arg(&config)
+        .args([
+            format!("actor_rollout_ref.model.path={}", path(&model)),
+            format!("critic.model.path={}", path(&model)),
+            format!("data.train_files=[{}]", path(&data)),
+            "data.max_prompt_length=8".into(),
+            "data.max_response_length=4".into(),
+            "data.train_batch_size=4".into(),
+            "actor_rollout_ref.actor.ppo_mini_batch_size=2".into(),
+            "custom_reward_function.name=arithmetic".into(),
+            "trainer.val_before_train=false".into(),
+            "trainer.test_freq=-1".into(),
+            format!("trainer.default_local_dir={}", path(&dir.join("out"))),
+        ])
+        .args([
+            "--generate",
+            "2",
+            "5",
+            "6",
+            "--fwd-bwd",
+            "2",
+            "9",
+            "--steps",
+            "2",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines: Vec<serde_json::Value> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect();
+    let cases: Vec<(&str, &str)> = lines
+        .iter()
+        .map(|l| {
+            (
+                l["case"].as_str().unwrap(),
+                l["run"].as_str().unwrap_or("step"),
+            )
+        })
+        .collect();
+    assert_eq!(
+        cases,
+        [
+            ("generate_b2_p5_n6", "cold"),
+            ("generate_b2_p5_n6", "warm"),
+            ("fwd_bwd_2x9", "cold"),
+            ("fwd_bwd_2x9", "warm"),
+            ("ppo_step", "step"),
+            ("ppo_step", "step"),
+        ]
+    );
+    // Every response runs to 6 tokens: 12 new tokens over the measured time.
+    let gen = &lines[1];
+    let rate = gen["unit_per_s"].as_f64().unwrap();
+    assert!((rate * gen["median_s"].as_f64().unwrap() - 12.0).abs() < 1e-6);
+    assert!(lines[4]["phases_s"]["gen"].as_f64().unwrap() > 0.0);
+    assert!(lines[4]["phases_s"]["update_actor"].is_number());
+    std::fs::remove_dir_all(dir).ok();
+}

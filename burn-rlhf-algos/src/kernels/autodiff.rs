@@ -74,6 +74,10 @@ impl<B: RlBackend> Backward<B, 1> for ValueBackward {
 }
 
 impl<B: RlBackend, C: CheckpointStrategy> RlBackend for Autodiff<B, C> {
+    fn compiles_kernels() -> bool {
+        B::compiles_kernels()
+    }
+
     fn rl_gae_scan(
         rewards: FloatTensor<Self>,
         values: FloatTensor<Self>,

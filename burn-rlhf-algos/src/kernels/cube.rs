@@ -321,6 +321,10 @@ fn rows_of<R: CubeRuntime>(t: &CubeTensor<R>) -> usize {
 impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> RlBackend
     for CubeBackend<R, F, I, BT>
 {
+    fn compiles_kernels() -> bool {
+        true
+    }
+
     fn rl_gae_scan(
         rewards: FloatTensor<Self>,
         values: FloatTensor<Self>,

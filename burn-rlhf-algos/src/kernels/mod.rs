@@ -20,6 +20,7 @@ mod autodiff;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 mod cube;
 pub mod reference;
+pub mod runtime_config;
 
 /// The CubeCL backend the kernels are written for (re-exported so the top crate can name it).
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
@@ -27,6 +28,15 @@ pub use burn_cubecl::CubeBackend;
 /// CUDA's CubeCL runtime (burn-cuda does not export it).
 #[cfg(feature = "cuda")]
 pub use cubecl::cuda::CudaRuntime;
+
+/// The CubeCL backend this build's kernels run on, without Burn's fusion (a fused backend would
+/// run the references): CUDA with the `cuda` feature, else wgpu.
+#[cfg(feature = "cuda")]
+pub type KernelBackend = CubeBackend<CudaRuntime, f32, i32, u8>;
+/// The CubeCL backend this build's kernels run on, without Burn's fusion (a fused backend would
+/// run the references): CUDA with the `cuda` feature, else wgpu.
+#[cfg(all(feature = "wgpu", not(feature = "cuda")))]
+pub type KernelBackend = CubeBackend<burn::backend::wgpu::WgpuRuntime, f32, i32, u32>;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -61,6 +71,12 @@ pub struct PpoClip {
 /// The RL kernels as backend operations. Default methods are the reference implementations; a
 /// backend with kernels overrides them. Tensors are row-major `[rows, cols]` unless noted.
 pub trait RlBackend: Backend {
+    /// Whether the backend compiles (and tunes) its kernels for each new tensor shape, as CubeCL
+    /// does: callers then keep shapes to a small set (see `DecodeShapes` in burn-rlhf-rollout).
+    fn compiles_kernels() -> bool {
+        false
+    }
+
     /// GAE: (advantages before whitening, returns) from rewards, values and mask.
     fn rl_gae_scan(
         rewards: FloatTensor<Self>,
@@ -279,7 +295,11 @@ impl RlBackend for burn::backend::LibTorch<f32> {}
 // Fused backends run the reference ops (which fusion then fuses); the kernels run on the
 // non-fused CubeCL backends (`burn_rlhf::backend` selects those).
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
-impl<B: burn_fusion::FusionBackend> RlBackend for burn_fusion::Fusion<B> {}
+impl<B: burn_fusion::FusionBackend> RlBackend for burn_fusion::Fusion<B> {
+    fn compiles_kernels() -> bool {
+        true
+    }
+}
 
 /// A training backend whose autodiff and inner backends both have the RL kernels: what the
 /// learner needs (updates run under autodiff, rollout and log-prob passes on the inner backend).

@@ -80,6 +80,20 @@ pub struct ModelSettings {
     pub use_fused_kernels: bool,
     /// LoRA adapters on the policy (`lora_rank > 0`).
     pub lora: Option<LoraConfig>,
+    /// Tokens per length bucket (1: exact shapes); `None`: chosen by the backend
+    /// ([`ModelSettings::shape_bucket_for`]).
+    pub shape_bucket: Option<usize>,
+}
+
+impl ModelSettings {
+    /// The shape bucket for a backend that compiles kernels per shape (`compiles_kernels`) or not.
+    pub fn shape_bucket_for(&self, compiles_kernels: bool) -> usize {
+        self.shape_bucket.unwrap_or(if compiles_kernels {
+            crate::backend::GPU_SHAPE_BUCKET
+        } else {
+            1
+        })
+    }
 }
 
 /// AdamW with a warm-up and a schedule (`*.optim.*`).
@@ -138,8 +152,9 @@ pub struct ActorSettings {
     pub loss: PolicyLossParams,
     /// How the policy, entropy and KL terms are reduced.
     pub loss_agg_mode: LossAggMode,
-    /// `seq-mean-token-sum-norm`'s divisor; `None`: the response width.
-    pub loss_scale_factor: Option<f64>,
+    /// `seq-mean-token-sum-norm`'s divisor: `loss_scale_factor`, else `rollout.response_length`
+    /// (verl divides by the padded response width, which is that length).
+    pub loss_scale_factor: f64,
     /// Weight of the entropy bonus.
     pub entropy_coeff: f64,
     /// `use_kl_loss`: `kl_loss_coef` times the KL to the reference joins the loss.
@@ -180,6 +195,10 @@ pub struct RolloutSettings {
     pub log_prob_micro_batch_size: Option<usize>,
     /// Ids that end a response besides the tokenizer's EOS.
     pub stop_token_ids: Vec<u32>,
+    /// Responses generated at once at most.
+    pub max_num_seqs: usize,
+    /// Prompt tokens prefilled at once at most.
+    pub max_num_batched_tokens: usize,
 }
 
 /// `critic.*`, when there is a critic.
@@ -424,6 +443,7 @@ impl Decoder<'_> {
                 alpha: m.lora_alpha,
                 target_modules: m.target_modules.clone(),
             }),
+            shape_bucket: m.shape_bucket,
         })
     }
 
@@ -461,7 +481,13 @@ impl Decoder<'_> {
                 &key("loss_agg_mode"),
                 LossAggMode::from_name(&a.loss_agg_mode),
             )?,
-            loss_scale_factor: a.loss_scale_factor,
+            loss_scale_factor: match a.loss_scale_factor {
+                Some(f) => f,
+                None => self.derived(
+                    "actor_rollout_ref.rollout.response_length",
+                    c.actor_rollout_ref.rollout.response_length,
+                )? as f64,
+            },
             entropy_coeff: a.entropy_coeff,
             kl_loss_coef: a.use_kl_loss.then_some(a.kl_loss_coef),
             kl_loss_type: self
@@ -491,6 +517,8 @@ impl Decoder<'_> {
             )?,
             log_prob_micro_batch_size: r.log_prob_micro_batch_size_per_gpu,
             stop_token_ids: r.stop_token_ids.clone(),
+            max_num_seqs: r.max_num_seqs,
+            max_num_batched_tokens: r.max_num_batched_tokens,
         })
     }
 

@@ -102,6 +102,12 @@ pub struct ModelConfig {
     pub lora_alpha: f64,
     /// `all-linear` or a list of module names such as `[q_proj, v_proj]`.
     pub target_modules: Vec<String>,
+    /// Sequence lengths (prompts, responses, the KV cache) are padded up to multiples of this many
+    /// tokens, the last micro-batch of a pass to the others' row count, and generation keeps one
+    /// shape per decode step: GPU backends then compile and tune each kernel once per bucket.
+    /// `1`: exact shapes. `None`: 64 on CubeCL backends (cuda, wgpu), 1 on CPU backends.
+    /// burn-rlhf's key.
+    pub shape_bucket: Option<usize>,
 }
 
 impl Default for ModelConfig {
@@ -116,6 +122,7 @@ impl Default for ModelConfig {
             lora_rank: 0,
             lora_alpha: 16.0,
             target_modules: vec!["all-linear".into()],
+            shape_bucket: None,
         }
     }
 }
@@ -224,7 +231,8 @@ pub struct ActorConfig {
     pub tau_pos: f64,
     pub tau_neg: f64,
     pub loss_agg_mode: String,
-    /// `seq-mean-token-sum-norm` divisor; `None`: the response length.
+    /// `seq-mean-token-sum-norm` divisor; `None`: `rollout.response_length` (the padded response
+    /// width verl divides by).
     pub loss_scale_factor: Option<f64>,
     pub entropy_coeff: f64,
     pub use_kl_loss: bool,
@@ -305,6 +313,10 @@ pub struct RolloutConfig {
     pub log_prob_micro_batch_size_per_gpu: Option<usize>,
     /// Extra token ids that end a response besides the model's eos.
     pub stop_token_ids: Vec<u32>,
+    /// Responses generated at once at most (vLLM's key, which verl passes through).
+    pub max_num_seqs: usize,
+    /// Prompt tokens prefilled at once at most (vLLM's key); a chunk holds at least one prompt.
+    pub max_num_batched_tokens: usize,
     pub val_kwargs: ValKwargsConfig,
 }
 
@@ -321,6 +333,8 @@ impl Default for RolloutConfig {
             logprobs_mode: "raw_logprobs".into(),
             log_prob_micro_batch_size_per_gpu: None,
             stop_token_ids: Vec::new(),
+            max_num_seqs: 1024,
+            max_num_batched_tokens: 8192,
             val_kwargs: ValKwargsConfig::default(),
         }
     }

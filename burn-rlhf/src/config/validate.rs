@@ -246,6 +246,22 @@ impl RlhfConfig {
         p.check(rollout.val_kwargs.n >= 1, || {
             "`actor_rollout_ref.rollout.val_kwargs.n` must be >= 1".into()
         });
+        p.check(
+            rollout.max_num_seqs >= rollout.n.max(rollout.val_kwargs.n),
+            || {
+                format!(
+                "`actor_rollout_ref.rollout.max_num_seqs` ({}) must hold one prompt's responses \
+                 (`rollout.n` = {}, `val_kwargs.n` = {})",
+                rollout.max_num_seqs, rollout.n, rollout.val_kwargs.n
+            )
+            },
+        );
+        p.check(rollout.max_num_batched_tokens >= 1, || {
+            "`actor_rollout_ref.rollout.max_num_batched_tokens` must be >= 1".into()
+        });
+        p.check(self.actor_rollout_ref.model.shape_bucket != Some(0), || {
+            "`actor_rollout_ref.model.shape_bucket` must be >= 1 (1: exact shapes)".into()
+        });
     }
 
     fn check_critic(&self, p: &mut Problems, known: &KnownNames) {

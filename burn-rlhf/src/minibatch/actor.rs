@@ -60,7 +60,7 @@ impl ActorLossConfig {
         Self {
             temperature,
             loss_agg_mode: actor.loss_agg_mode,
-            loss_scale_factor: actor.loss_scale_factor,
+            loss_scale_factor: Some(actor.loss_scale_factor),
             entropy_coeff: actor.entropy_coeff,
             kl_loss: actor.kl_loss_coef.map(|coef| (actor.kl_loss_type, coef)),
             kl_metric: actor.kl_loss_type,

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use burn::module::AutodiffModule;
-use burn_rlhf_algos::{Registry, RlAutodiffBackend};
+use burn_rlhf_algos::{Registry, RlAutodiffBackend, RlBackend};
 use burn_rlhf_models::{CausalLm, Tokenizer, TransformerConfig, ValueModel};
 use burn_rlhf_rollout::encode::filter_overlong;
 use burn_rlhf_rollout::{PromptRecord, PromptSampler, RewardRegistry};
@@ -213,6 +213,9 @@ impl<B: RlAutodiffBackend> Learner<B> {
             val,
             sampler,
             dp: DataParallel::solo(),
+            shape_bucket: settings
+                .model
+                .shape_bucket_for(<B::InnerBackend as RlBackend>::compiles_kernels()),
             global_step: 0,
             actor_updates: 0,
             critic_updates: 0,

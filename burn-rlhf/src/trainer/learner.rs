@@ -61,6 +61,8 @@ pub struct Learner<B: RlAutodiffBackend> {
     pub(crate) val: Vec<PromptRecord>,
     pub(crate) sampler: PromptSampler,
     pub(crate) dp: DataParallel,
+    /// Tokens per length bucket for this backend (1: exact shapes).
+    pub(crate) shape_bucket: usize,
     /// Completed training steps.
     pub global_step: usize,
     /// Optimiser steps taken by the actor and the critic (the schedules' positions).

@@ -155,6 +155,8 @@ const HEADLINE: [(&str, &str); 4] = [
 /// and [`MetricsLogger::finish`] at the end (it writes the plot).
 pub struct MetricsLogger {
     bar: Option<ProgressBar>,
+    /// Stops the thread that shows kernel compilation on the bar.
+    compiling: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
     table_every: usize,
     jsonl: Option<(PathBuf, std::fs::File)>,
     plot: Option<PathBuf>,
@@ -185,6 +187,10 @@ impl MetricsLogger {
             bar.set_position(first_step as u64);
             bar
         });
+        let compiling = match (&bar, crate::runtime::kernel_logs()) {
+            (Some(bar), Some(logs)) => Some(watch_compilation(bar.clone(), logs.compile.clone())),
+            _ => None,
+        };
         let jsonl = match jsonl {
             Some(path) => {
                 if let Some(dir) = path.parent() {
@@ -207,6 +213,7 @@ impl MetricsLogger {
         };
         Ok(Self {
             bar,
+            compiling,
             table_every: table_every.max(1),
             jsonl,
             plot,
@@ -266,6 +273,9 @@ impl MetricsLogger {
 
     /// Closes the progress bar and writes the plot. Returns the plot's path when one was written.
     pub fn finish(&mut self) -> Result<Option<PathBuf>, TrainError> {
+        if let Some(stop) = self.compiling.take() {
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
         if let Some(bar) = &self.bar {
             bar.finish();
         }
@@ -282,6 +292,43 @@ impl MetricsLogger {
     pub fn history(&self) -> &[(usize, Metrics)] {
         &self.history
     }
+}
+
+/// Shows "compiling GPU kernels" on `bar` while CubeCL's compile log (`log`, a line per kernel)
+/// grows, with the count so far; the bar's own message returns once it has been quiet for a
+/// second. Returns the flag that stops the watcher.
+fn watch_compilation(
+    bar: ProgressBar,
+    log: PathBuf,
+) -> std::sync::Arc<std::sync::atomic::AtomicBool> {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let stop = std::sync::Arc::new(AtomicBool::new(false));
+    let flag = stop.clone();
+    std::thread::spawn(move || {
+        let (mut seen, mut quiet, mut saved) = (0u64, 0u32, None::<String>);
+        while !flag.load(Ordering::Relaxed) {
+            std::thread::sleep(std::time::Duration::from_millis(250));
+            let size = std::fs::metadata(&log).map_or(0, |m| m.len());
+            if size > seen {
+                seen = size;
+                quiet = 0;
+                let kernels = std::fs::read_to_string(&log)
+                    .map_or(0, |t| t.matches("[Compiling kernel]").count());
+                if saved.is_none() {
+                    saved = Some(bar.message());
+                }
+                bar.set_message(format!("compiling GPU kernels ({kernels} so far)"));
+            } else if let Some(message) = saved.take_if(|_| quiet >= 4) {
+                // Unless a step has written its own message since.
+                if bar.message().starts_with("compiling GPU kernels") {
+                    bar.set_message(message);
+                }
+            } else {
+                quiet += 1;
+            }
+        }
+    });
+    stop
 }
 
 /// Every metric of a step, grouped by prefix, two columns.

@@ -7,7 +7,9 @@ use burn_rlhf_algos::RlAutodiffBackend;
 use burn_rlhf_rollout::encode::encode_prompts;
 use burn_rlhf_rollout::generate::Sample;
 use burn_rlhf_rollout::reward::token_level_scores;
-use burn_rlhf_rollout::{generate_keyed, PromptRecord, RewardInput, RolloutBatch, SamplingParams};
+use burn_rlhf_rollout::{
+    generate_keyed, DecodeShapes, PromptRecord, RewardInput, RolloutBatch, SamplingParams,
+};
 
 use super::learner::Learner;
 use super::metrics::{Metrics, Timing};
@@ -65,6 +67,12 @@ impl<B: RlAutodiffBackend> Learner<B> {
             stop_token_ids: stop,
             logprobs_mode: r.logprobs_mode,
             seed,
+            max_num_seqs: r.max_num_seqs,
+            max_num_batched_tokens: r.max_num_batched_tokens,
+            shapes: match self.shape_bucket {
+                1 => DecodeShapes::Exact,
+                bucket => DecodeShapes::Bucketed { bucket },
+            },
         }
     }
 
@@ -103,9 +111,27 @@ impl<B: RlAutodiffBackend> Learner<B> {
         let group_ids: Vec<u64> = indices.iter().map(|&i| i as u64).collect();
         let sources: Vec<String> = picked.iter().map(|r| r.data_source.clone()).collect();
         let truths: Vec<String> = picked.iter().map(|r| r.ground_truth.clone()).collect();
-        Ok(RolloutBatch::from_samples(
-            &prompts, &samples, pad, &group_ids, &sources, &truths,
-        ))
+        let batch =
+            RolloutBatch::from_samples(&prompts, &samples, pad, &group_ids, &sources, &truths);
+        Ok(self.bucketed(batch))
+    }
+
+    /// `batch` with its prompt width padded up to the shape bucket and its response width to the
+    /// bucket holding `rollout.response_length` (as verl pads responses to that length), so the
+    /// scoring and update passes see a few shapes for the whole run. Masks mark the padding, so
+    /// nothing computed changes.
+    fn bucketed(&self, batch: RolloutBatch) -> RolloutBatch {
+        let bucket = self.shape_bucket;
+        if bucket <= 1 {
+            return batch;
+        }
+        let up = |x: usize| x.div_ceil(bucket) * bucket;
+        let response = up(self
+            .settings
+            .rollout
+            .response_length
+            .max(batch.response_len));
+        batch.padded_to(up(batch.prompt_len), response, self.tokenizer.pad_token_id)
     }
 
     /// Every rank's samples, in prompt order: `mine` are the samples of prompts `first..` of

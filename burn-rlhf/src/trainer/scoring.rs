@@ -37,6 +37,21 @@ impl<B: RlAutodiffBackend> Learner<B> {
             .collect()
     }
 
+    /// `batch` in micro-batches of `size` rows; with a shape bucket the last is padded to `size`
+    /// rows (copies of its first row, whose outputs are dropped). Each with its real row count.
+    fn micro_batches(&self, batch: &RolloutBatch, size: usize) -> Vec<(RolloutBatch, usize)> {
+        let size = size.max(1);
+        (0..batch.rows())
+            .step_by(size)
+            .map(|start| {
+                let real = size.min(batch.rows() - start);
+                let fill = if self.shape_bucket > 1 { size } else { real };
+                let rows: Vec<usize> = (0..fill).map(|i| start + i % real).collect();
+                (batch.select(&rows), real)
+            })
+            .collect()
+    }
+
     /// Per-token log-probs and entropies of `batch`'s responses under `model`, in micro-batches
     /// of this rank's rows, gathered from every rank.
     fn log_probs_of(
@@ -48,12 +63,12 @@ impl<B: RlAutodiffBackend> Learner<B> {
         let temperature = self.settings.rollout.train.temperature;
         let mut out = self.sharded_pass(batch, |mine| {
             let (mut logp, mut ent) = (Vec::new(), Vec::new());
-            let size = micro.unwrap_or(mine.rows()).max(1);
-            for part in mine.split(size).expect("size >= 1") {
+            let width = mine.response_len;
+            for (part, real) in self.micro_batches(mine, micro.unwrap_or(mine.rows())) {
                 let seq = SequenceTensors::from_batch(&part, &self.device);
                 let (l, e) = response_logprobs(model, &seq, temperature);
-                logp.extend(to_vec(l));
-                ent.extend(to_vec(e));
+                logp.extend(&to_vec(l)[..real * width]);
+                ent.extend(&to_vec(e)[..real * width]);
             }
             vec![logp, ent]
         })?;
@@ -86,11 +101,11 @@ impl<B: RlAutodiffBackend> Learner<B> {
         let model = critic.model.valid();
         let micro = settings.micro_batch_size;
         let mut out = self.sharded_pass(batch, |mine| {
-            let size = micro.unwrap_or(mine.rows()).max(1);
             let mut values = Vec::new();
-            for part in mine.split(size).expect("size >= 1") {
+            let width = mine.response_len;
+            for (part, real) in self.micro_batches(mine, micro.unwrap_or(mine.rows())) {
                 let seq = SequenceTensors::from_batch(&part, &self.device);
-                values.extend(to_vec(response_values(&model, &seq)));
+                values.extend(&to_vec(response_values(&model, &seq))[..real * width]);
             }
             vec![values]
         })?;

@@ -1,0 +1,94 @@
+//! Rollout memory is bounded by the chunk (`max_num_seqs`, `max_num_batched_tokens`), not by the
+//! number of prompts: the peak of live heap bytes during generation, counted by this test's
+//! allocator on the CPU backend (where tensors live on the heap), stays flat as the batch grows
+//! 8x under a chunk limit, and grows with the batch without one. One test in this binary, so no
+//! other test's allocations mix in.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use burn::backend::Flex;
+use burn_rlhf_models::load_pretrained;
+use burn_rlhf_rollout::{generate, DecodeShapes, SamplingParams};
+
+struct Counting;
+
+static LIVE: AtomicUsize = AtomicUsize::new(0);
+static PEAK: AtomicUsize = AtomicUsize::new(0);
+
+// SAFETY: forwards to the system allocator; only counts sizes.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        let p = unsafe { System.alloc(layout) };
+        if !p.is_null() {
+            let now = LIVE.fetch_add(layout.size(), Ordering::Relaxed) + layout.size();
+            PEAK.fetch_max(now, Ordering::Relaxed);
+        }
+        p
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        unsafe { System.dealloc(ptr, layout) };
+        LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+/// The peak of live bytes above those live when `f` starts.
+fn peak_during(f: impl FnOnce()) -> usize {
+    let base = LIVE.load(Ordering::Relaxed);
+    PEAK.store(base, Ordering::Relaxed);
+    f();
+    PEAK.load(Ordering::Relaxed) - base
+}
+
+#[test]
+fn chunked_rollout_peak_does_not_grow_with_the_batch() {
+    let dir = burn_rlhf_test_assets::fixtures_subdir("models").join("tiny-qwen2");
+    let pre = load_pretrained(dir.to_str().unwrap()).unwrap();
+    let config = pre.config.clone();
+    let device = Default::default();
+    let model = pre.causal_lm::<Flex>(&device).unwrap();
+    let prompts = |count: usize| -> Vec<Vec<u32>> {
+        (0..count)
+            .map(|i| (0..24).map(|t| (5 + 7 * i + t) as u32 % 990 + 5).collect())
+            .collect()
+    };
+    for shapes in [DecodeShapes::Exact, DecodeShapes::Bucketed { bucket: 16 }] {
+        let params = |max_num_seqs: usize| SamplingParams {
+            n: 2,
+            max_new_tokens: 32,
+            seed: 1,
+            max_num_seqs,
+            shapes,
+            ..Default::default()
+        };
+        let peak = |count: usize, max_num_seqs: usize| {
+            let p = prompts(count);
+            peak_during(|| {
+                let samples =
+                    generate(&model, &config, &p, 0, &params(max_num_seqs), &device).unwrap();
+                assert_eq!(samples.len(), 2 * count);
+            })
+        };
+        // Warm the backend's own caches before measuring.
+        peak(4, 8);
+        let (small, large) = (peak(4, 8), peak(32, 8));
+        let unchunked = peak(32, 1024);
+        println!(
+            "{shapes:?}: peak above baseline, 4 prompts {small} B, 32 prompts {large} B in chunks \
+             of 8 responses, 32 prompts in one chunk {unchunked} B"
+        );
+        assert!(
+            (large as f64) < 1.25 * small as f64,
+            "{shapes:?}: 8x the prompts under the same chunk limit: peak {large} B vs {small} B"
+        );
+        assert!(
+            unchunked as f64 > 3.0 * small as f64,
+            "{shapes:?}: without a chunk limit the peak should grow with the batch: \
+             {unchunked} B vs {small} B"
+        );
+    }
+}

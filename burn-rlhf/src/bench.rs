@@ -1,0 +1,189 @@
+//! `burn-rlhf bench CONFIG`: the figures that say whether the GPU path is fast, for the config's
+//! actor model, as JSON lines in the form of `../shared/gpu/torch_peer_gpu.py` (`case`,
+//! `median_s`, `unit_per_s`, `unit`) so the two can be read side by side on the same GPU:
+//!
+//! - `generate_b{rows}_p{prompt}_n{tokens}`: sampling at temperature 1 with every response running
+//!   to `tokens` new tokens (no stop ids, as the peer's `min_new_tokens`), cold and warm;
+//! - `fwd_bwd_{rows}x{len}`: the actor's forward and backward over `rows` sequences of `len`
+//!   tokens (the log-likelihood of every token, as the peer's language-model loss), cold and warm;
+//! - `ppo_step`: one line per training step of the config, with its phase times (`timing_s/*`).
+//!
+//! Every line also counts the kernels compiled and the autotune runs it caused (`-1`: not
+//! counted, on CPU backends or when CubeCL was configured elsewhere).
+
+use std::time::Instant;
+
+use burn::module::AutodiffModule;
+use burn_rlhf_algos::RlAutodiffBackend;
+use burn_rlhf_rollout::{generate_keyed, RolloutBatch, Sample, SamplingParams};
+use serde_json::{json, Value};
+
+use crate::config::Settings;
+use crate::error::TrainError;
+use crate::forward::{response_logprobs, SequenceTensors};
+use crate::trainer::{Learner, LearnerParts};
+
+/// What to measure besides the config's own PPO steps.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BenchOptions {
+    /// Generation: prompts (one response each), prompt tokens, new tokens.
+    pub gen: (usize, usize, usize),
+    /// Forward and backward: sequences and their length.
+    pub fwd_bwd: (usize, usize),
+    /// PPO steps of the config to time (0: none).
+    pub steps: usize,
+}
+
+impl Default for BenchOptions {
+    /// The peer script's cases: generate 64 x (128 + 256), forward and backward 8 x 384.
+    fn default() -> Self {
+        Self {
+            gen: (64, 128, 256),
+            fwd_bwd: (8, 384),
+            steps: 2,
+        }
+    }
+}
+
+/// (kernels compiled, autotune runs) so far, when they are logged.
+fn kernel_counts() -> Option<(usize, usize)> {
+    crate::runtime::kernel_logs().map(|l| l.counts())
+}
+
+/// Runs `f` and returns its seconds and the kernels it compiled and tuned (`-1` uncounted).
+fn timed<T>(f: impl FnOnce() -> T) -> (T, f64, i64, i64) {
+    let before = kernel_counts();
+    let t0 = Instant::now();
+    let out = f();
+    let secs = t0.elapsed().as_secs_f64();
+    let (compiled, tuned) = match (before, kernel_counts()) {
+        (Some(a), Some(b)) => ((b.0 - a.0) as i64, (b.1 - a.1) as i64),
+        _ => (-1, -1),
+    };
+    (out, secs, compiled, tuned)
+}
+
+/// Deterministic token ids in `3..vocab` (clear of the usual special ids), `[rows][len]`.
+fn random_tokens(rows: usize, len: usize, vocab: usize, seed: u64) -> Vec<Vec<u32>> {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..rows)
+        .map(|_| {
+            (0..len)
+                .map(|_| {
+                    state = state
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    3 + ((state >> 33) % (vocab.max(4) as u64 - 3)) as u32
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// Runs the benchmark on `device` and prints one JSON line per measurement; returns them too.
+pub fn run_bench<B: RlAutodiffBackend>(
+    settings: Settings,
+    options: &BenchOptions,
+    device: &B::Device,
+    backend: &str,
+) -> Result<Vec<Value>, TrainError> {
+    let mut lines = Vec::new();
+    let mut emit = |v: Value| {
+        println!("{v}");
+        lines.push(v);
+    };
+    let parts = LearnerParts::<B>::load(&settings, device, options.steps > 0)?;
+    let vocab = parts.model_config.vocab_size;
+    let mut learner = Learner::from_settings(settings, parts, device)?;
+    let tag = format!("burn-rlhf {backend} f32");
+
+    let (rows, prompt, tokens) = options.gen;
+    let prompts = random_tokens(rows, prompt, vocab, 1);
+    let keys: Vec<u64> = (0..rows as u64).collect();
+    let params = SamplingParams {
+        n: 1,
+        max_new_tokens: tokens,
+        stop_token_ids: Vec::new(),
+        ..learner.sampling_params(&learner.settings.rollout.train, false, 1)
+    };
+    let policy = learner.actor.valid();
+    let case = format!("generate_b{rows}_p{prompt}_n{tokens}");
+    for run in ["cold", "warm"] {
+        let (samples, secs, compiled, tuned) = timed(|| {
+            generate_keyed(
+                &policy,
+                &learner.model_config,
+                &prompts,
+                &keys,
+                0,
+                &params,
+                device,
+            )
+        });
+        let new: usize = samples?.iter().map(|s| s.tokens.len()).sum();
+        emit(
+            json!({"case": case, "run": run, "impl": tag, "median_s": secs,
+            "unit_per_s": new as f64 / secs, "unit": "new tokens",
+            "kernels_compiled": compiled, "autotune_runs": tuned}),
+        );
+    }
+
+    let (rows, len) = options.fwd_bwd;
+    let batch = sequences(&random_tokens(rows, len, vocab, 2));
+    let case = format!("fwd_bwd_{rows}x{len}");
+    for run in ["cold", "warm"] {
+        let (_, secs, compiled, tuned) = timed(|| {
+            let seq = SequenceTensors::<B>::from_batch(&batch, device);
+            let (logp, _) = response_logprobs(&learner.actor, &seq, 1.0);
+            let grads = (logp * seq.response_mask).sum().neg().backward();
+            B::sync(device).ok();
+            drop(grads);
+        });
+        emit(
+            json!({"case": case, "run": run, "impl": tag, "median_s": secs,
+            "unit_per_s": (rows * len) as f64 / secs, "unit": "tokens",
+            "kernels_compiled": compiled, "autotune_runs": tuned}),
+        );
+    }
+
+    for step in 1..=options.steps {
+        let (metrics, secs, compiled, tuned) = timed(|| learner.step());
+        let metrics = metrics?;
+        let phases: serde_json::Map<String, Value> = metrics
+            .iter()
+            .filter(|(k, _)| k.starts_with("timing_s/"))
+            .map(|(k, v)| (k.trim_start_matches("timing_s/").to_string(), json!(v)))
+            .collect();
+        emit(
+            json!({"case": "ppo_step", "step": step, "impl": tag, "median_s": secs,
+            "unit_per_s": metrics.get("perf/throughput"), "unit": "tokens",
+            "phases_s": phases, "kernels_compiled": compiled, "autotune_runs": tuned}),
+        );
+    }
+    Ok(lines)
+}
+
+/// Whole sequences as a batch whose "response" is every token after the first: the
+/// log-likelihood of each token given the ones before it.
+fn sequences(rows: &[Vec<u32>]) -> RolloutBatch {
+    let prompts: Vec<Vec<u32>> = rows.iter().map(|r| r[..1].to_vec()).collect();
+    let samples: Vec<Sample> = rows
+        .iter()
+        .enumerate()
+        .map(|(i, r)| Sample {
+            prompt_index: i,
+            tokens: r[1..].to_vec(),
+            logprobs: vec![0.0; r.len() - 1],
+            stopped: false,
+        })
+        .collect();
+    let n = rows.len();
+    RolloutBatch::from_samples(
+        &prompts,
+        &samples,
+        0,
+        &(0..n as u64).collect::<Vec<_>>(),
+        &vec![String::new(); n],
+        &vec![String::new(); n],
+    )
+}

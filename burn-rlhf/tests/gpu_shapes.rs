@@ -1,0 +1,221 @@
+//! The GPU path keeps its kernels compiled and tuned once: counted with CubeCL's own logs (a line
+//! per kernel compilation, a line per autotune run) on the selected CubeCL backend, wgpu (lavapipe
+//! on a CPU machine, as in CI) or CUDA (`--features cuda`, on a GPU host):
+//!
+//! - generating 64 tokens compiles and tunes nothing after generating 8 (one set of shapes per
+//!   bucket), where exact shapes compile and tune for every new length;
+//! - PPO steps 2 and 3 compile and tune nothing new;
+//! - a second process with the same kernel cache tunes nothing (and on CUDA compiles nothing:
+//!   its PTX is cached; wgpu has no compiled-kernel cache).
+//!
+//! `cargo test --release -p burn-rlhf --features wgpu --test gpu_shapes`
+
+#![cfg(any(feature = "wgpu", feature = "cuda"))]
+
+use std::path::PathBuf;
+use std::sync::{Mutex, OnceLock};
+
+use burn::module::AutodiffModule;
+use burn::tensor::backend::Backend;
+use burn_rlhf::backend::{backend_name, InferenceBackend, TrainBackend};
+use burn_rlhf::config::RlhfConfig;
+use burn_rlhf::models::pretrained::save_pretrained;
+use burn_rlhf::models::weights::WeightMap;
+use burn_rlhf::models::{load_pretrained, CausalLm, ValueModel};
+use burn_rlhf::rollout::{generate_profiled, DecodeShapes, SamplingParams};
+use burn_rlhf::runtime::{configure_kernels_with, Configured, KernelLogs};
+use burn_rlhf::tasks;
+use burn_rlhf::trainer::{Learner, LearnerParts};
+
+/// Every test of this binary takes this lock: the counts are process-wide.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+/// CubeCL's logs for this process, set up before any device is used.
+fn logs() -> &'static KernelLogs {
+    static LOGS: OnceLock<KernelLogs> = OnceLock::new();
+    LOGS.get_or_init(|| {
+        let dir = std::env::temp_dir().join(format!("burn-rlhf-gpu-shapes-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        // Fewer candidates per autotune run (lavapipe runs them slowly); whether a run happens
+        // does not depend on the level.
+        std::env::set_var("CUBECL_AUTOTUNE_LEVEL", "minimal");
+        let outcome = configure_kernels_with(Some(dir.join("cache")), &dir);
+        assert_eq!(
+            outcome,
+            Configured::Applied,
+            "CubeCL was configured before this test"
+        );
+        KernelLogs::in_dir(&dir)
+    })
+}
+
+/// (kernels compiled, autotune runs) by `f`.
+fn counted(f: impl FnOnce()) -> (usize, usize) {
+    let logs = logs();
+    let before = logs.counts();
+    f();
+    let after = logs.counts();
+    (after.0 - before.0, after.1 - before.1)
+}
+
+fn tiny_qwen2() -> PathBuf {
+    burn_rlhf_test_assets::fixtures_subdir("models").join("tiny-qwen2")
+}
+
+#[test]
+fn generating_64_tokens_compiles_nothing_after_generating_8() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let logs = logs();
+    let device = Default::default();
+    let pre = load_pretrained(tiny_qwen2().to_str().unwrap()).unwrap();
+    let config = pre.config.clone();
+    let model: CausalLm<InferenceBackend> = pre.causal_lm(&device).unwrap();
+    let prompts = vec![vec![5, 17, 300, 41], vec![9, 2], vec![600, 601, 602]];
+    let keys = [0, 1, 2];
+    let run = |shapes: DecodeShapes, tokens: usize| {
+        let params = SamplingParams {
+            n: 2,
+            max_new_tokens: tokens,
+            seed: 4,
+            shapes,
+            ..Default::default()
+        };
+        let mut profile = None;
+        let counts = counted(|| {
+            let (samples, p) =
+                generate_profiled(&model, &config, &prompts, &keys, 0, &params, &device).unwrap();
+            assert!(samples.iter().all(|s| s.tokens.len() == tokens));
+            profile = Some(p);
+        });
+        (counts, profile.unwrap())
+    };
+    // The default GPU bucket: an 8-token and a 64-token response both fit a cache of 128.
+    let bucketed = DecodeShapes::Bucketed { bucket: 64 };
+    let (first, _) = run(bucketed, 8);
+    let (again_8, _) = run(bucketed, 8);
+    let (then_64, profile) = run(bucketed, 64);
+    println!(
+        "{}: bucketed 8 tokens compiled/tuned {first:?}, again {again_8:?}, then 64 tokens {then_64:?}",
+        backend_name()
+    );
+    assert!(first.0 > 0, "the first generation compiles its kernels");
+    assert_eq!(then_64, (0, 0), "64 tokens after 8: nothing new");
+    assert_eq!(profile.decode_steps, 64);
+    assert_eq!(profile.max_values_read_per_row, 2);
+    // Exact shapes: every new length is a new shape.
+    let (_, _) = run(DecodeShapes::Exact, 8);
+    let (exact_64, _) = run(DecodeShapes::Exact, 64);
+    println!(
+        "{}: exact 64 tokens after 8 compiled/tuned {exact_64:?}",
+        backend_name()
+    );
+    assert!(
+        exact_64.0 + exact_64.1 > 0,
+        "exact shapes should compile or tune for the new lengths (the counter must see them)"
+    );
+    let _ = logs;
+}
+
+#[test]
+fn ppo_steps_2_and_3_compile_and_tune_nothing_new() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    logs();
+    let device = Default::default();
+    TrainBackend::seed(&device, 3);
+    let mc = tasks::model_config(32, 1);
+    let actor: CausalLm<TrainBackend> = mc.init_causal_lm(&device);
+    let mut w = WeightMap::new("tiny actor");
+    for (k, v) in actor.valid().export() {
+        w.insert(k, v);
+    }
+    let critic = ValueModel::from_weights(&mc, w, &device).unwrap();
+    let mut c = RlhfConfig::default();
+    c.data.train_batch_size = 4;
+    c.data.max_prompt_length = 8;
+    c.data.max_response_length = 6;
+    c.custom_reward_function.name = Some(tasks::DATA_SOURCE.into());
+    c.actor_rollout_ref.model.shape_bucket = Some(16);
+    c.actor_rollout_ref.rollout.n = 2;
+    c.actor_rollout_ref.actor.optim.lr = 1e-3;
+    c.actor_rollout_ref.actor.ppo_mini_batch_size = 2;
+    c.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu = Some(2);
+    c.critic.optim.lr = 1e-3;
+    c.algorithm.use_kl_in_reward = true;
+    c.trainer.total_training_steps = Some(3);
+    let (train, _) = tasks::split_problems(40, 20, 1);
+    let mut parts = LearnerParts::new(actor, mc.clone(), tasks::tokenizer());
+    parts.critic = Some((critic, mc));
+    parts
+        .rewards
+        .register(std::sync::Arc::new(tasks::ExactAnswer));
+    parts.train = train;
+    let mut l = Learner::new(c, parts, &device).unwrap();
+    let step1 = counted(|| {
+        l.step().unwrap();
+    });
+    let later = counted(|| {
+        l.step().unwrap();
+        l.step().unwrap();
+    });
+    println!(
+        "{}: PPO step 1 compiled/tuned {step1:?}, steps 2 and 3 {later:?}",
+        backend_name()
+    );
+    assert!(step1.0 > 0, "step 1 compiles the step's kernels");
+    assert_eq!(later, (0, 0), "steps 2 and 3 compile and tune nothing new");
+}
+
+#[test]
+fn a_second_process_with_the_same_kernel_cache_tunes_nothing() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let root = std::env::temp_dir().join(format!("burn-rlhf-kernel-cache-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    // The arithmetic task's model and tokenizer, as an HF folder the command loads.
+    let model_dir = root.join("model");
+    let mc = tasks::model_config(32, 1);
+    let model: CausalLm<burn::backend::Flex> = mc.init_causal_lm(&Default::default());
+    save_pretrained(
+        &model_dir,
+        &mc,
+        &model.export(),
+        None,
+        Some(&tasks::tokenizer()),
+    )
+    .unwrap();
+    let dir = root.join("cache");
+    let run = || {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_burn-rlhf"))
+            .args(["generate", "--model"])
+            .arg(&model_dir)
+            .args(["--prompt", "12+34=", "--max-new-tokens", "8", "--seed", "1"])
+            .env("BURN_RLHF_KERNEL_CACHE", &dir)
+            .env("CUBECL_AUTOTUNE_LEVEL", "minimal")
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        KernelLogs::in_dir(&dir).counts()
+    };
+    let first = run();
+    let second = run();
+    println!(
+        "{}: `burn-rlhf generate` compiled/tuned {first:?}, again with the same cache {second:?}",
+        backend_name()
+    );
+    assert!(first.1 > 0, "the first run tunes its kernels: {first:?}");
+    assert_eq!(
+        second.1, 0,
+        "the second run finds every tuning in the cache"
+    );
+    if backend_name() == "cuda" {
+        assert_eq!(
+            second.0, 0,
+            "the second run finds every kernel in the PTX cache"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&root);
+}
