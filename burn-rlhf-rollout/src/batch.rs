@@ -156,6 +156,56 @@ impl RolloutBatch {
             .collect())
     }
 
+    /// The batch without the prompt columns (on the left) and response columns (on the right)
+    /// that are padding in every row, widths rounded up to a multiple of `bucket` (the shapes a
+    /// GPU compiles for) and never wider than now. Token-budget micro-batches use it so a pass over
+    /// short rows costs what their tokens cost.
+    pub fn trimmed(&self, bucket: usize) -> Self {
+        let (p, r, bucket) = (self.prompt_len, self.response_len, bucket.max(1));
+        let rows = self.rows();
+        let prompt_used = (0..rows)
+            .filter_map(|i| {
+                let row = &self.prompt_mask[i * p..(i + 1) * p];
+                row.iter().position(|&m| m > 0).map(|first| p - first)
+            })
+            .max()
+            .unwrap_or(0);
+        let response_used = (0..rows)
+            .filter_map(|i| {
+                let row = &self.response_mask[i * r..(i + 1) * r];
+                row.iter().rposition(|&m| m > 0.0).map(|last| last + 1)
+            })
+            .max()
+            .unwrap_or(0);
+        let np = (prompt_used.div_ceil(bucket) * bucket).min(p);
+        let nr = (response_used.div_ceil(bucket) * bucket).min(r);
+        let prompt_cols = |i: usize| i * p + (p - np)..(i + 1) * p;
+        let response_cols = |i: usize| i * r..i * r + nr;
+        fn gather<T: Clone>(
+            v: &[T],
+            rows: usize,
+            cols: impl Fn(usize) -> std::ops::Range<usize>,
+        ) -> Vec<T> {
+            (0..rows).flat_map(|i| v[cols(i)].iter().cloned()).collect()
+        }
+        Self {
+            prompt_len: np,
+            response_len: nr,
+            prompt_ids: gather(&self.prompt_ids, rows, prompt_cols),
+            prompt_mask: gather(&self.prompt_mask, rows, prompt_cols),
+            response_ids: gather(&self.response_ids, rows, response_cols),
+            response_mask: gather(&self.response_mask, rows, response_cols),
+            rollout_log_probs: gather(&self.rollout_log_probs, rows, response_cols),
+            group_ids: self.group_ids.clone(),
+            data_source: self.data_source.clone(),
+            ground_truth: self.ground_truth.clone(),
+            token_level_scores: self
+                .token_level_scores
+                .as_ref()
+                .map(|s| gather(s, rows, response_cols)),
+        }
+    }
+
     /// The batch with prompts left padded to at least `prompt_len` and responses right padded to
     /// at least `response_len` (fixed shapes for GPU kernels); the masks mark the padding.
     pub fn padded_to(&self, prompt_len: usize, response_len: usize, pad_id: u32) -> Self {
@@ -283,5 +333,12 @@ mod tests {
         assert_eq!(wide.response_tokens(1), b.response_tokens(1));
         assert_eq!(wide.token_level_scores.as_ref().map(Vec::len), Some(12));
         assert_eq!(b.padded_to(1, 1, 0), b, "never narrower");
+        assert_eq!(wide.trimmed(1), b, "trimming undoes padding");
+        let short = wide.select(&[0, 2]).trimmed(1);
+        assert_eq!((short.prompt_len, short.response_len), (3, 2));
+        assert_eq!(short.response_tokens(1), &[9, 10]);
+        assert_eq!(short.prompt_lengths(), vec![3, 1]);
+        let bucketed = wide.select(&[0, 2]).trimmed(4);
+        assert_eq!((bucketed.prompt_len, bucketed.response_len), (4, 4));
     }
 }

@@ -74,7 +74,7 @@ fn micro_batch_size_does_not_change_the_update() {
         LossAggMode::SeqMeanTokenMean,
         LossAggMode::SeqMeanTokenSumNorm,
     ] {
-        let run = |micro: usize| {
+        let run = |micro: usize, max_token_len: Option<usize>, shape_bucket: usize| {
             let cfg = ActorLossConfig {
                 temperature: 1.0,
                 loss_agg_mode: mode,
@@ -83,6 +83,8 @@ fn micro_batch_size_does_not_change_the_update() {
                 kl_loss: Some((KlPenalty::from_name("low_var_kl").unwrap(), 0.1)),
                 kl_metric: KlPenalty::from_name("low_var_kl").unwrap(),
                 micro_batch_size: micro,
+                max_token_len,
+                shape_bucket,
                 grad_clip: 1.0,
             };
             let mut optim = SgdConfig::new().init();
@@ -100,50 +102,66 @@ fn micro_batch_size_does_not_change_the_update() {
             .unwrap();
             (updated.valid().export(), metrics)
         };
-        let (whole, m_whole) = run(rows);
-        let (single, m_single) = run(1);
-        let before = inner.export();
-        let mut moved = 0.0f32;
-        for (name, t) in &whole {
-            let s = &single[name];
-            let diff = t
-                .data
-                .iter()
-                .zip(&s.data)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0.0f32, f32::max);
-            assert!(
-                diff < 1e-5,
-                "{}: `{name}` differs by {diff} between micro-batch 1 and {rows}",
-                mode.name()
-            );
-            moved = moved.max(
-                t.data
-                    .iter()
-                    .zip(&before[name].data)
-                    .map(|(a, b)| (a - b).abs())
-                    .fold(0.0, f32::max),
-            );
-        }
-        assert!(moved > 1e-4, "the update moved nothing");
-        assert!(
-            m_whole["actor/pg_clipfrac"] > 0.0,
-            "the test should exercise clipping"
-        );
-        // The loss terms and the gradient norm are mini-batch quantities; ratio metrics such as
-        // pg_clipfrac are averaged over micro-batches, as verl reports them.
-        for key in [
-            "actor/pg_loss",
-            "actor/entropy",
-            "actor/kl_loss",
-            "actor/grad_norm",
+        let (whole, m_whole) = run(rows, None, 1);
+        // One row per micro-batch, and verl's token-budget packing (`use_dynamic_bsz`): the
+        // longest row is 12 tokens, so 14 tokens make several micro-batches of 1 or 2 rows, each
+        // trimmed to its own longest prompt and response (exactly, or to a multiple of 4).
+        let longest = batch
+            .prompt_lengths()
+            .iter()
+            .zip(batch.response_lengths())
+            .map(|(p, r)| p + r)
+            .max()
+            .unwrap();
+        assert!(longest <= 14);
+        for (single, m_single) in [
+            run(1, None, 1),
+            run(rows, Some(14), 1),
+            run(rows, Some(14), 4),
         ] {
-            let (a, b) = (m_whole[key], m_single[key]);
+            let before = inner.export();
+            let mut moved = 0.0f32;
+            for (name, t) in &whole {
+                let s = &single[name];
+                let diff = t
+                    .data
+                    .iter()
+                    .zip(&s.data)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0.0f32, f32::max);
+                assert!(
+                    diff < 1e-5,
+                    "{}: `{name}` differs by {diff} between micro-batch 1 and {rows}",
+                    mode.name()
+                );
+                moved = moved.max(
+                    t.data
+                        .iter()
+                        .zip(&before[name].data)
+                        .map(|(a, b)| (a - b).abs())
+                        .fold(0.0, f32::max),
+                );
+            }
+            assert!(moved > 1e-4, "the update moved nothing");
             assert!(
-                (a - b).abs() < 1e-5 * (1.0 + a.abs()),
-                "{}: {key} {a} vs {b}",
-                mode.name()
+                m_whole["actor/pg_clipfrac"] > 0.0,
+                "the test should exercise clipping"
             );
+            // The loss terms and the gradient norm are mini-batch quantities; ratio metrics such as
+            // pg_clipfrac are averaged over micro-batches, as verl reports them.
+            for key in [
+                "actor/pg_loss",
+                "actor/entropy",
+                "actor/kl_loss",
+                "actor/grad_norm",
+            ] {
+                let (a, b) = (m_whole[key], m_single[key]);
+                assert!(
+                    (a - b).abs() < 1e-5 * (1.0 + a.abs()),
+                    "{}: {key} {a} vs {b}",
+                    mode.name()
+                );
+            }
         }
     }
 }

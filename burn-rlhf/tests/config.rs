@@ -247,6 +247,21 @@ fn cross_field_rules_are_enforced_in_words() {
         e.contains("ppo_micro_batch_size_per_gpu` (3) must divide"),
         "{e}"
     );
+    // A token budget must hold one whole sequence (prompt + response), each where it is set.
+    let e = invalid(&[
+        "actor_rollout_ref.actor.use_dynamic_bsz=true",
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=100",
+        "critic.forward_max_token_len_per_gpu=200",
+    ]);
+    for key in [
+        "`actor_rollout_ref.actor.ppo_max_token_len_per_gpu` (100) must hold one whole sequence",
+        "`actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu` (100)",
+        "`actor_rollout_ref.ref.log_prob_max_token_len_per_gpu` (100)",
+        "`critic.forward_max_token_len_per_gpu` (200)",
+    ] {
+        assert!(e.contains(key), "{key} in {e}");
+    }
+    assert!(!e.contains("`critic.ppo_max_token_len_per_gpu`"), "{e}");
     let e = invalid(&["critic.enable=false"]);
     assert!(e.contains("`gae` needs a critic"), "{e}");
     let e = invalid(&["actor_rollout_ref.actor.use_kl_loss=true"]);

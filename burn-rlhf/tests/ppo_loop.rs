@@ -244,6 +244,50 @@ fn step_does_not_depend_on_micro_batch_size() {
     std::fs::remove_dir_all(dir).ok();
 }
 
+/// `use_dynamic_bsz`: the update, old log-prob and value passes in micro-batches of at most a
+/// token budget (verl's `rearrange_micro_batches`) give the step one micro-batch gives.
+#[test]
+fn step_does_not_depend_on_token_budget_packing() {
+    let dir = temp_dir("dynamic_bsz");
+    let (actor, critic) = tiny_models();
+    let run = |budget: Option<usize>| {
+        let mut config = tiny_config("gae", &dir);
+        config.actor_rollout_ref.actor.ppo_mini_batch_size = 4;
+        config.actor_rollout_ref.actor.loss_agg_mode = "seq-mean-token-mean".into();
+        if let Some(tokens) = budget {
+            config.actor_rollout_ref.actor.use_dynamic_bsz = true;
+            config.actor_rollout_ref.actor.ppo_max_token_len_per_gpu = tokens;
+            config.critic.ppo_max_token_len_per_gpu = tokens;
+        }
+        let mut l = learner(config, actor.clone(), critic.clone());
+        let m = l.step().unwrap();
+        (
+            params(&l.actor.valid()),
+            params(&l.critic().unwrap().valid()),
+            m,
+        )
+    };
+    let (a, c, m) = run(None);
+    // Prompts of up to 8 tokens and responses of up to 4: 12 tokens hold one or two rows.
+    let (ad, cd, md) = run(Some(12));
+    assert!(max_diff(&a, &ad) < 1e-5, "actor {}", max_diff(&a, &ad));
+    assert!(max_diff(&c, &cd) < 1e-5, "critic {}", max_diff(&c, &cd));
+    for key in [
+        "actor/pg_loss",
+        "critic/vf_loss",
+        "actor/grad_norm",
+        "actor/entropy",
+    ] {
+        assert!(
+            (m[key] - md[key]).abs() < 1e-5,
+            "{key}: {} vs {}",
+            m[key],
+            md[key]
+        );
+    }
+    std::fs::remove_dir_all(dir).ok();
+}
+
 #[test]
 fn critic_warmup_trains_only_the_critic() {
     let dir = temp_dir("warmup");

@@ -30,6 +30,9 @@ pub struct Settings {
     pub rollout: RolloutSettings,
     /// `actor_rollout_ref.ref.*`: sequences per forward pass (`None`: all of a rank's rows).
     pub ref_micro_batch_size: Option<usize>,
+    /// `actor_rollout_ref.ref.log_prob_max_token_len_per_gpu` when `log_prob_use_dynamic_bsz`:
+    /// micro-batches of at most this many tokens instead.
+    pub ref_max_token_len: Option<usize>,
     /// `critic.*`; `None` when the estimator reads no values (verl's `critic.enable` default).
     pub critic: Option<CriticSettings>,
     /// `reward_model.*` and `custom_reward_function.*`.
@@ -144,6 +147,9 @@ pub struct ActorSettings {
     pub ppo_mini_batch_size: usize,
     /// Sequences per forward/backward; `None`: the whole mini-batch.
     pub micro_batch_size: Option<usize>,
+    /// `ppo_max_token_len_per_gpu` when `use_dynamic_bsz`: micro-batches of at most this many
+    /// tokens instead (verl's `rearrange_micro_batches`).
+    pub max_token_len: Option<usize>,
     /// Passes over the batch.
     pub ppo_epochs: usize,
     /// `policy_loss.loss_mode`: the registry name of the loss.
@@ -193,6 +199,9 @@ pub struct RolloutSettings {
     pub logprobs_mode: LogprobsMode,
     /// Sequences per forward pass of the old log-probs (`None`: all of a rank's rows).
     pub log_prob_micro_batch_size: Option<usize>,
+    /// `log_prob_max_token_len_per_gpu` when `log_prob_use_dynamic_bsz`: micro-batches of at most
+    /// this many tokens instead.
+    pub log_prob_max_token_len: Option<usize>,
     /// Ids that end a response besides the tokenizer's EOS.
     pub stop_token_ids: Vec<u32>,
     /// Responses generated at once at most.
@@ -212,6 +221,11 @@ pub struct CriticSettings {
     pub ppo_mini_batch_size: usize,
     /// Sequences per forward/backward; `None`: the whole mini-batch.
     pub micro_batch_size: Option<usize>,
+    /// `ppo_max_token_len_per_gpu` when `use_dynamic_bsz`: update micro-batches of at most this
+    /// many tokens instead.
+    pub max_token_len: Option<usize>,
+    /// `forward_max_token_len_per_gpu` when `use_dynamic_bsz`, for the values pass.
+    pub forward_max_token_len: Option<usize>,
     /// Passes over the batch.
     pub ppo_epochs: usize,
     /// Value clipping around the old values.
@@ -360,6 +374,12 @@ impl Settings {
                 .actor_rollout_ref
                 .reference
                 .log_prob_micro_batch_size_per_gpu,
+            ref_max_token_len: d.dynamic(
+                "actor_rollout_ref.ref.log_prob_use_dynamic_bsz",
+                c.actor_rollout_ref.reference.log_prob_use_dynamic_bsz,
+                "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+                c.actor_rollout_ref.reference.log_prob_max_token_len_per_gpu,
+            )?,
             critic: if known.critic_estimators.contains(&c.algorithm.adv_estimator) {
                 Some(d.critic(&c)?)
             } else {
@@ -411,6 +431,21 @@ impl Decoder<'_> {
         value.ok_or_else(|| self.error(format!("`{key}` was not derived from its source key")))
     }
 
+    /// A token budget when its `use_dynamic_bsz` switch (derived) is on.
+    fn dynamic(
+        &self,
+        switch_key: &str,
+        switch: Option<bool>,
+        budget_key: &str,
+        budget: Option<usize>,
+    ) -> Result<Option<usize>, ConfigError> {
+        if self.derived(switch_key, switch)? {
+            Ok(Some(self.derived(budget_key, budget)?))
+        } else {
+            Ok(None)
+        }
+    }
+
     fn data(&self, c: &RlhfConfig) -> Result<DataSettings, ConfigError> {
         let d = &c.data;
         Ok(DataSettings {
@@ -455,6 +490,7 @@ impl Decoder<'_> {
             optim: OptimSettings::from_tree(&a.optim),
             ppo_mini_batch_size: a.ppo_mini_batch_size,
             micro_batch_size: a.ppo_micro_batch_size_per_gpu,
+            max_token_len: a.use_dynamic_bsz.then_some(a.ppo_max_token_len_per_gpu),
             ppo_epochs: a.ppo_epochs,
             loss_mode: pl.loss_mode.clone(),
             loss: PolicyLossParams {
@@ -516,6 +552,12 @@ impl Decoder<'_> {
                 LogprobsMode::from_name(&r.logprobs_mode),
             )?,
             log_prob_micro_batch_size: r.log_prob_micro_batch_size_per_gpu,
+            log_prob_max_token_len: self.dynamic(
+                "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz",
+                r.log_prob_use_dynamic_bsz,
+                "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+                r.log_prob_max_token_len_per_gpu,
+            )?,
             stop_token_ids: r.stop_token_ids.clone(),
             max_num_seqs: r.max_num_seqs,
             max_num_batched_tokens: r.max_num_batched_tokens,
@@ -531,6 +573,18 @@ impl Decoder<'_> {
             ppo_mini_batch_size: self
                 .derived("critic.ppo_mini_batch_size", cr.ppo_mini_batch_size)?,
             micro_batch_size: cr.ppo_micro_batch_size_per_gpu,
+            max_token_len: self.dynamic(
+                "critic.use_dynamic_bsz",
+                cr.use_dynamic_bsz,
+                "critic.ppo_max_token_len_per_gpu",
+                Some(cr.ppo_max_token_len_per_gpu),
+            )?,
+            forward_max_token_len: self.dynamic(
+                "critic.use_dynamic_bsz",
+                cr.use_dynamic_bsz,
+                "critic.forward_max_token_len_per_gpu",
+                cr.forward_max_token_len_per_gpu,
+            )?,
             ppo_epochs: self.derived("critic.ppo_epochs", cr.ppo_epochs)?,
             cliprange_value: cr.cliprange_value,
             loss_agg_mode: self.parse("critic.loss_agg_mode", LossAggMode::from_name(mode))?,

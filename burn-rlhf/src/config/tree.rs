@@ -311,6 +311,11 @@ pub struct RolloutConfig {
     /// `raw_logprobs` or `processed_logprobs` (after temperature/top-k/top-p).
     pub logprobs_mode: String,
     pub log_prob_micro_batch_size_per_gpu: Option<usize>,
+    /// Old log-probs in micro-batches of at most `log_prob_max_token_len_per_gpu` tokens;
+    /// `None`: `actor.use_dynamic_bsz`.
+    pub log_prob_use_dynamic_bsz: Option<bool>,
+    /// `None`: `actor.ppo_max_token_len_per_gpu`.
+    pub log_prob_max_token_len_per_gpu: Option<usize>,
     /// Extra token ids that end a response besides the model's eos.
     pub stop_token_ids: Vec<u32>,
     /// Responses generated at once at most (vLLM's key, which verl passes through).
@@ -332,6 +337,8 @@ impl Default for RolloutConfig {
             response_length: None,
             logprobs_mode: "raw_logprobs".into(),
             log_prob_micro_batch_size_per_gpu: None,
+            log_prob_use_dynamic_bsz: None,
+            log_prob_max_token_len_per_gpu: None,
             stop_token_ids: Vec::new(),
             max_num_seqs: 1024,
             max_num_batched_tokens: 8192,
@@ -345,6 +352,11 @@ impl Default for RolloutConfig {
 #[serde(default, deny_unknown_fields)]
 pub struct RefConfig {
     pub log_prob_micro_batch_size_per_gpu: Option<usize>,
+    /// Reference log-probs in micro-batches of at most `log_prob_max_token_len_per_gpu` tokens;
+    /// `None`: `actor.use_dynamic_bsz`.
+    pub log_prob_use_dynamic_bsz: Option<bool>,
+    /// `None`: `actor.ppo_max_token_len_per_gpu`.
+    pub log_prob_max_token_len_per_gpu: Option<usize>,
 }
 
 /// `critic.model.*`.
@@ -378,6 +390,12 @@ pub struct CriticConfig {
     /// `None`: the actor's.
     pub ppo_mini_batch_size: Option<usize>,
     pub ppo_micro_batch_size_per_gpu: Option<usize>,
+    /// Updates and values in micro-batches of at most `ppo_max_token_len_per_gpu`
+    /// (`forward_max_token_len_per_gpu`) tokens; `None`: the actor's.
+    pub use_dynamic_bsz: Option<bool>,
+    pub ppo_max_token_len_per_gpu: usize,
+    /// `None`: `ppo_max_token_len_per_gpu`.
+    pub forward_max_token_len_per_gpu: Option<usize>,
     /// `None`: the actor's.
     pub ppo_epochs: Option<usize>,
     /// `None`: the actor's.
@@ -399,6 +417,9 @@ impl Default for CriticConfig {
             optim: OptimConfig::with_lr(1e-5),
             ppo_mini_batch_size: None,
             ppo_micro_batch_size_per_gpu: None,
+            use_dynamic_bsz: None,
+            ppo_max_token_len_per_gpu: 32768,
+            forward_max_token_len_per_gpu: None,
             ppo_epochs: None,
             shuffle: None,
             cliprange_value: 0.5,
@@ -620,6 +641,23 @@ impl RlhfConfig {
         if arr.model.tokenizer_path.is_none() {
             arr.model.tokenizer_path = Some(arr.model.path.clone());
         }
+        let (dynamic, max_tokens) = (
+            arr.actor.use_dynamic_bsz,
+            arr.actor.ppo_max_token_len_per_gpu,
+        );
+        for (use_dynamic, max_len) in [
+            (
+                &mut arr.rollout.log_prob_use_dynamic_bsz,
+                &mut arr.rollout.log_prob_max_token_len_per_gpu,
+            ),
+            (
+                &mut arr.reference.log_prob_use_dynamic_bsz,
+                &mut arr.reference.log_prob_max_token_len_per_gpu,
+            ),
+        ] {
+            use_dynamic.get_or_insert(dynamic);
+            max_len.get_or_insert(max_tokens);
+        }
         self.data
             .gen_batch_size
             .get_or_insert(self.data.train_batch_size);
@@ -629,6 +667,10 @@ impl RlhfConfig {
             .ppo_mini_batch_size
             .get_or_insert(actor.ppo_mini_batch_size);
         critic.ppo_epochs.get_or_insert(actor.ppo_epochs);
+        critic.use_dynamic_bsz.get_or_insert(actor.use_dynamic_bsz);
+        critic
+            .forward_max_token_len_per_gpu
+            .get_or_insert(critic.ppo_max_token_len_per_gpu);
         critic.shuffle.get_or_insert(actor.shuffle);
         critic
             .loss_agg_mode

@@ -201,6 +201,26 @@ impl RlhfConfig {
         p.check(actor.ppo_epochs >= 1, || {
             "`actor_rollout_ref.actor.ppo_epochs` must be >= 1".into()
         });
+        let rollout = &arr.rollout;
+        for (key, dynamic, budget) in [
+            (
+                "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+                Some(actor.use_dynamic_bsz),
+                Some(actor.ppo_max_token_len_per_gpu),
+            ),
+            (
+                "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+                rollout.log_prob_use_dynamic_bsz,
+                rollout.log_prob_max_token_len_per_gpu,
+            ),
+            (
+                "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+                arr.reference.log_prob_use_dynamic_bsz,
+                arr.reference.log_prob_max_token_len_per_gpu,
+            ),
+        ] {
+            self.check_token_budget(p, key, dynamic, budget);
+        }
         p.algo_rule(
             "actor_rollout_ref.actor.clip_ratio_c",
             VanillaPpo::check_clip_ratio_c(actor.clip_ratio_c),
@@ -264,6 +284,26 @@ impl RlhfConfig {
         });
     }
 
+    /// verl: with `use_dynamic_bsz` (`dynamic`) a token budget must hold one whole sequence.
+    /// Both are derived keys, set by `resolve`.
+    fn check_token_budget(
+        &self,
+        p: &mut Problems,
+        key: &str,
+        dynamic: Option<bool>,
+        budget: Option<usize>,
+    ) {
+        let longest = self.data.max_prompt_length + self.data.max_response_length;
+        if let (Some(true), Some(budget)) = (dynamic, budget) {
+            p.check(budget >= longest, || {
+                format!(
+                    "`{key}` ({budget}) must hold one whole sequence: `data.max_prompt_length` + \
+                     `data.max_response_length` = {longest} tokens"
+                )
+            });
+        }
+    }
+
     fn check_critic(&self, p: &mut Problems, known: &KnownNames) {
         let critic = &self.critic;
         let n = self.actor_rollout_ref.rollout.n;
@@ -294,6 +334,18 @@ impl RlhfConfig {
         });
         let estimator = &self.algorithm.adv_estimator;
         if known.critic_estimators.contains(estimator) {
+            for (key, budget) in [
+                (
+                    "critic.ppo_max_token_len_per_gpu",
+                    Some(critic.ppo_max_token_len_per_gpu),
+                ),
+                (
+                    "critic.forward_max_token_len_per_gpu",
+                    critic.forward_max_token_len_per_gpu,
+                ),
+            ] {
+                self.check_token_budget(p, key, critic.use_dynamic_bsz, budget);
+            }
             p.check(critic.enable != Some(false), || {
                 format!("`algorithm.adv_estimator` = `{estimator}` needs a critic, but `critic.enable` is false")
             });

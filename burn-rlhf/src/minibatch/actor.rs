@@ -20,6 +20,8 @@ use crate::error::TrainError;
 use crate::forward::{response_logprobs, SequenceTensors};
 use crate::optim::{synced_step, ReplicaSync};
 
+use super::{micro_batches, rows_of};
+
 /// Per-token targets of a mini-batch, `[rows * response_len]` row-major like the batch's
 /// response fields.
 #[derive(Debug, Clone, PartialEq)]
@@ -49,6 +51,11 @@ pub struct ActorLossConfig {
     pub kl_metric: KlPenalty,
     /// Sequences per forward/backward.
     pub micro_batch_size: usize,
+    /// `Some(tokens)`: micro-batches of at most this many tokens instead (`use_dynamic_bsz`).
+    pub max_token_len: Option<usize>,
+    /// Token-budget micro-batches are trimmed to a multiple of this width (the learner's shape
+    /// bucket; 1 = exact).
+    pub shape_bucket: usize,
     /// Global gradient-norm limit.
     pub grad_clip: f64,
 }
@@ -65,6 +72,8 @@ impl ActorLossConfig {
             kl_loss: actor.kl_loss_coef.map(|coef| (actor.kl_loss_type, coef)),
             kl_metric: actor.kl_loss_type,
             micro_batch_size: actor.micro_batch_size.unwrap_or(rows),
+            max_token_len: actor.max_token_len,
+            shape_bucket: 1,
             grad_clip: actor.grad_clip,
         }
     }
@@ -106,7 +115,8 @@ pub fn actor_update<B: RlAutodiffBackend, O: Optimizer<CausalLm<B>, B>>(
     let (rows, r) = (batch.rows(), batch.response_len);
     let mask_all = tensor2::<B>(&batch.response_mask, rows, r, device);
     let global = GlobalBatchInfo {
-        loss_scale_factor: config.loss_scale_factor,
+        // The mini-batch's width, not a trimmed micro-batch's.
+        loss_scale_factor: Some(config.loss_scale_factor.unwrap_or(r as f64)),
         ..GlobalBatchInfo::from_mask(&mask_all, dp.world())
     };
     let total_tokens = global.batch_num_tokens.unwrap_or(0.0).max(1.0);
@@ -114,33 +124,32 @@ pub fn actor_update<B: RlAutodiffBackend, O: Optimizer<CausalLm<B>, B>>(
     let unit = policy_loss.rows_per_unit().max(1);
     let mine = dp.my_rows(batch, unit, "actor_rollout_ref.actor.ppo_mini_batch_size")?;
     let local = batch.select(&mine);
-    let pick = |v: &[f32]| -> Vec<f32> {
-        mine.iter()
-            .flat_map(|&i| v[i * r..(i + 1) * r].iter().cloned())
-            .collect()
-    };
+    let pick = |v: &[f32]| rows_of(v, &mine, r);
     let (old_all, adv_all) = (pick(&targets.old_log_probs), pick(&targets.advantages));
     let ref_all = targets.ref_log_probs.as_deref().map(pick);
     let mut accumulator = GradientsAccumulator::<CausalLm<B>>::new();
     let mut metrics: BTreeMap<String, f64> = BTreeMap::new();
-    let micro = config.micro_batch_size.max(1).div_ceil(unit) * unit;
-    let n_local = local.rows();
-    for start in (0..n_local).step_by(micro) {
-        let range: Vec<usize> = (start..(start + micro).min(n_local)).collect();
-        let part = local.select(&range);
-        let n = range.len();
-        let cut = |v: &[f32]| v[start * r..(start + n) * r].to_vec();
-        let seq = SequenceTensors::<B>::from_batch(&part, device);
+    let plans = micro_batches(
+        &local,
+        config.micro_batch_size,
+        config.max_token_len,
+        (unit, config.shape_bucket),
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+    )?;
+    for micro in &plans {
+        let (part, n, w) = (&micro.batch, micro.rows.len(), micro.batch.response_len);
+        let cut = |v: &[f32]| micro.cut(v, r);
+        let seq = SequenceTensors::<B>::from_batch(part, device);
         let mask = seq.response_mask.clone();
         let (log_prob, entropy) = response_logprobs(&actor, &seq, config.temperature);
         let input = PolicyLossInput {
-            old_log_prob: tensor2(&cut(&old_all), n, r, device),
+            old_log_prob: tensor2(&cut(&old_all), n, w, device),
             log_prob: log_prob.clone(),
-            advantages: tensor2(&cut(&adv_all), n, r, device),
+            advantages: tensor2(&cut(&adv_all), n, w, device),
             response_mask: mask.clone(),
             loss_agg_mode: config.loss_agg_mode,
             global,
-            ref_log_prob: ref_all.as_ref().map(|v| tensor2(&cut(v), n, r, device)),
+            ref_log_prob: ref_all.as_ref().map(|v| tensor2(&cut(v), n, w, device)),
         };
         let out = policy_loss.compute(&input)?;
         let entropy_loss = agg_loss(entropy, mask.clone(), config.loss_agg_mode, &global)?;
@@ -151,7 +160,7 @@ pub fn actor_update<B: RlAutodiffBackend, O: Optimizer<CausalLm<B>, B>>(
             // With a reference the KL to it is always measured; it joins the loss only with
             // `use_kl_loss` (then with its own estimator and coefficient).
             let (penalty, coef) = config.kl_loss.unwrap_or((config.kl_metric, 0.0));
-            let kl = kl_penalty(log_prob, tensor2(&cut(reference), n, r, device), penalty);
+            let kl = kl_penalty(log_prob, tensor2(&cut(reference), n, w, device), penalty);
             let kl_loss = agg_loss(kl, mask, config.loss_agg_mode, &global)?;
             *metrics.entry("actor/kl_loss".into()).or_default() +=
                 to_scalar(kl_loss.clone().detach());

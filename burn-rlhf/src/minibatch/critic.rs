@@ -16,6 +16,8 @@ use crate::error::TrainError;
 use crate::forward::{response_values, SequenceTensors};
 use crate::optim::{synced_step, ReplicaSync};
 
+use super::{micro_batches, rows_of};
+
 /// Per-token targets of a mini-batch, `[rows * response_len]` row-major.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CriticTargets {
@@ -34,6 +36,11 @@ pub struct CriticLossConfig {
     pub loss_agg_mode: LossAggMode,
     /// Sequences per forward/backward.
     pub micro_batch_size: usize,
+    /// `Some(tokens)`: micro-batches of at most this many tokens instead (`use_dynamic_bsz`).
+    pub max_token_len: Option<usize>,
+    /// Token-budget micro-batches are trimmed to a multiple of this width (the learner's shape
+    /// bucket; 1 = exact).
+    pub shape_bucket: usize,
     /// Global gradient-norm limit.
     pub grad_clip: f64,
     /// Multiplies the loss before its gradient (`critic.value_loss_scale`).
@@ -47,6 +54,8 @@ impl CriticLossConfig {
             cliprange_value: critic.cliprange_value,
             loss_agg_mode: critic.loss_agg_mode,
             micro_batch_size: critic.micro_batch_size.unwrap_or(rows),
+            max_token_len: critic.max_token_len,
+            shape_bucket: 1,
             grad_clip: critic.grad_clip,
             value_loss_scale: critic.value_loss_scale,
         }
@@ -70,29 +79,33 @@ pub fn critic_update<B: RlAutodiffBackend, O: Optimizer<ValueModel<B>, B>>(
 ) -> Result<(ValueModel<B>, BTreeMap<String, f64>), TrainError> {
     let dp = &sync.dp;
     let (rows, r) = (batch.rows(), batch.response_len);
-    let global = GlobalBatchInfo::from_mask(
-        &from_rows::<B>(batch.response_mask.clone(), rows, r, device),
-        dp.world(),
-    );
+    let global = GlobalBatchInfo {
+        // The mini-batch's width, not a trimmed micro-batch's.
+        loss_scale_factor: Some(r as f64),
+        ..GlobalBatchInfo::from_mask(
+            &from_rows::<B>(batch.response_mask.clone(), rows, r, device),
+            dp.world(),
+        )
+    };
     let total_tokens = global.batch_num_tokens.unwrap_or(0.0).max(1.0);
     let mine = dp.my_rows(batch, 1, "critic.ppo_mini_batch_size")?;
     let local = batch.select(&mine);
-    let pick = |v: &[f32]| -> Vec<f32> {
-        mine.iter()
-            .flat_map(|&i| v[i * r..(i + 1) * r].iter().cloned())
-            .collect()
-    };
+    let pick = |v: &[f32]| rows_of(v, &mine, r);
     let (values_all, returns_all) = (pick(&targets.values), pick(&targets.returns));
     let mut accumulator = GradientsAccumulator::<ValueModel<B>>::new();
     let (mut vf_loss, mut vf_clipfrac) = (0.0, 0.0);
-    let micro = config.micro_batch_size.max(1);
-    let n_local = local.rows();
-    for start in (0..n_local).step_by(micro) {
-        let n = micro.min(n_local - start);
-        let part = local.select(&(start..start + n).collect::<Vec<_>>());
-        let slice = |v: &[f32]| v[start * r..(start + n) * r].to_vec();
-        let cut = |v: &[f32]| from_rows::<B>(slice(v), n, r, device);
-        let seq = SequenceTensors::<B>::from_batch(&part, device);
+    let plans = micro_batches(
+        &local,
+        config.micro_batch_size,
+        config.max_token_len,
+        (1, config.shape_bucket),
+        "critic.ppo_max_token_len_per_gpu",
+    )?;
+    for micro in &plans {
+        let (n, w) = (micro.rows.len(), micro.batch.response_len);
+        let slice = |v: &[f32]| micro.cut(v, r);
+        let cut = |v: &[f32]| from_rows::<B>(slice(v), n, w, device);
+        let seq = SequenceTensors::<B>::from_batch(&micro.batch, device);
         let vpreds = response_values(&critic, &seq);
         let out = value_loss(
             vpreds,

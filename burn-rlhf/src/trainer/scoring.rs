@@ -13,6 +13,7 @@ use super::learner::Learner;
 use super::metrics::Metrics;
 use crate::error::TrainError;
 use crate::forward::{response_logprobs, response_values, SequenceTensors};
+use crate::minibatch::micro_batches;
 
 /// One model's view of a batch: per-token values, row-major `[rows * response_len]`.
 pub type Rows = Vec<f32>;
@@ -23,10 +24,10 @@ impl<B: RlAutodiffBackend> Learner<B> {
     fn sharded_pass(
         &self,
         batch: &RolloutBatch,
-        pass: impl FnOnce(&RolloutBatch) -> Vec<Rows>,
+        pass: impl FnOnce(&RolloutBatch) -> Result<Vec<Rows>, TrainError>,
     ) -> Result<Vec<Rows>, TrainError> {
         let rows = self.dp.rows_of_rank(batch);
-        let outputs = pass(&batch.select(&rows));
+        let outputs = pass(&batch.select(&rows))?;
         outputs
             .iter()
             .map(|o| {
@@ -37,19 +38,34 @@ impl<B: RlAutodiffBackend> Learner<B> {
             .collect()
     }
 
-    /// `batch` in micro-batches of `size` rows; with a shape bucket the last is padded to `size`
-    /// rows (copies of its first row, whose outputs are dropped). Each with its real row count.
-    fn micro_batches(&self, batch: &RolloutBatch, size: usize) -> Vec<(RolloutBatch, usize)> {
-        let size = size.max(1);
-        (0..batch.rows())
-            .step_by(size)
-            .map(|start| {
-                let real = size.min(batch.rows() - start);
-                let fill = if self.shape_bucket > 1 { size } else { real };
-                let rows: Vec<usize> = (0..fill).map(|i| start + i % real).collect();
-                (batch.select(&rows), real)
-            })
-            .collect()
+    /// Runs `pass` on `batch` in micro-batches of `size` rows, or of at most `max_tokens` tokens
+    /// (`use_dynamic_bsz`, `key` its setting; each trimmed to its own longest row), and returns
+    /// each of its `count` per-token outputs for every row in `batch`'s order (0 past a row's
+    /// response). With a shape bucket a row-sized micro-batch is padded to `size` rows (copies of
+    /// its first row, whose outputs are dropped).
+    fn in_micro_batches(
+        &self,
+        batch: &RolloutBatch,
+        size: usize,
+        max_tokens: Option<usize>,
+        (key, count): (&str, usize),
+        pass: impl Fn(&RolloutBatch) -> Vec<Rows>,
+    ) -> Result<Vec<Rows>, TrainError> {
+        let width = batch.response_len;
+        let plans = micro_batches(batch, size, max_tokens, (1, self.shape_bucket), key)?;
+        let mut outputs: Vec<Rows> = vec![vec![0.0; batch.rows() * width]; count];
+        for micro in plans {
+            let outs = if max_tokens.is_none() && self.shape_bucket > 1 && micro.rows.len() < size {
+                let fill: Vec<usize> = (0..size).map(|i| i % micro.rows.len()).collect();
+                pass(&micro.batch.select(&fill))
+            } else {
+                pass(&micro.batch)
+            };
+            for (all, out) in outputs.iter_mut().zip(outs) {
+                micro.scatter(&out, all, width);
+            }
+        }
+        Ok(outputs)
     }
 
     /// Per-token log-probs and entropies of `batch`'s responses under `model`, in micro-batches
@@ -58,19 +74,21 @@ impl<B: RlAutodiffBackend> Learner<B> {
         &self,
         model: &CausalLm<B::InnerBackend>,
         batch: &RolloutBatch,
-        micro: Option<usize>,
+        (micro, max_tokens, key): (Option<usize>, Option<usize>, &str),
     ) -> Result<(Rows, Rows), TrainError> {
         let temperature = self.settings.rollout.train.temperature;
         let mut out = self.sharded_pass(batch, |mine| {
-            let (mut logp, mut ent) = (Vec::new(), Vec::new());
-            let width = mine.response_len;
-            for (part, real) in self.micro_batches(mine, micro.unwrap_or(mine.rows())) {
-                let seq = SequenceTensors::from_batch(&part, &self.device);
-                let (l, e) = response_logprobs(model, &seq, temperature);
-                logp.extend(&to_vec(l)[..real * width]);
-                ent.extend(&to_vec(e)[..real * width]);
-            }
-            vec![logp, ent]
+            self.in_micro_batches(
+                mine,
+                micro.unwrap_or(mine.rows()),
+                max_tokens,
+                (key, 2),
+                |part| {
+                    let seq = SequenceTensors::from_batch(part, &self.device);
+                    let (l, e) = response_logprobs(model, &seq, temperature);
+                    vec![to_vec(l), to_vec(e)]
+                },
+            )
         })?;
         let ent = out.pop().expect("two outputs");
         Ok((out.pop().expect("two outputs"), ent))
@@ -78,17 +96,26 @@ impl<B: RlAutodiffBackend> Learner<B> {
 
     /// Old log-probs: the actor recomputes its own log-probs (and entropies) before updating.
     pub fn old_log_probs(&self, batch: &RolloutBatch) -> Result<(Rows, Rows), TrainError> {
-        let micro = self.settings.rollout.log_prob_micro_batch_size;
-        self.log_probs_of(&self.actor.valid(), batch, micro)
+        let r = &self.settings.rollout;
+        let plan = (
+            r.log_prob_micro_batch_size,
+            r.log_prob_max_token_len,
+            "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+        );
+        self.log_probs_of(&self.actor.valid(), batch, plan)
     }
 
     /// Reference log-probs, when there is a reference.
     pub fn ref_log_probs(&self, batch: &RolloutBatch) -> Result<Option<Rows>, TrainError> {
         match &self.reference {
-            Some(r) => Ok(Some(
-                self.log_probs_of(r, batch, self.settings.ref_micro_batch_size)?
-                    .0,
-            )),
+            Some(r) => {
+                let plan = (
+                    self.settings.ref_micro_batch_size,
+                    self.settings.ref_max_token_len,
+                    "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+                );
+                Ok(Some(self.log_probs_of(r, batch, plan)?.0))
+            }
             None => Ok(None),
         }
     }
@@ -99,15 +126,17 @@ impl<B: RlAutodiffBackend> Learner<B> {
             return Ok(None);
         };
         let model = critic.model.valid();
-        let micro = settings.micro_batch_size;
         let mut out = self.sharded_pass(batch, |mine| {
-            let mut values = Vec::new();
-            let width = mine.response_len;
-            for (part, real) in self.micro_batches(mine, micro.unwrap_or(mine.rows())) {
-                let seq = SequenceTensors::from_batch(&part, &self.device);
-                values.extend(&to_vec(response_values(&model, &seq))[..real * width]);
-            }
-            vec![values]
+            self.in_micro_batches(
+                mine,
+                settings.micro_batch_size.unwrap_or(mine.rows()),
+                settings.forward_max_token_len,
+                ("critic.forward_max_token_len_per_gpu", 1),
+                |part| {
+                    let seq = SequenceTensors::from_batch(part, &self.device);
+                    vec![to_vec(response_values(&model, &seq))]
+                },
+            )
         })?;
         Ok(out.pop())
     }

@@ -8,15 +8,9 @@ use super::learner::Learner;
 use super::metrics::{MeanMetrics, Metrics};
 use crate::error::TrainError;
 use crate::minibatch::{
-    actor_update, critic_update, ActorLossConfig, ActorTargets, CriticLossConfig, CriticTargets,
+    actor_update, critic_update, rows_of, ActorLossConfig, ActorTargets, CriticLossConfig,
+    CriticTargets,
 };
-
-/// The rows `rows` of a row-major per-token vector of `width` columns.
-fn rows_of(v: &[f32], rows: &[usize], width: usize) -> Vec<f32> {
-    rows.iter()
-        .flat_map(|&i| v[i * width..(i + 1) * width].iter().cloned())
-        .collect()
-}
 
 /// Mini-batches of `prompts_per_mini_batch * n` of `rows` rows, in order (verl's `split`).
 fn mini_batches(rows: usize, prompts_per_mini_batch: usize, n: usize) -> Vec<Vec<usize>> {
@@ -58,7 +52,10 @@ impl<B: RlAutodiffBackend> Learner<B> {
                     lr,
                     &batch.select(rows),
                     &targets,
-                    &CriticLossConfig::from_settings(settings, rows.len()),
+                    &CriticLossConfig {
+                        shape_bucket: self.shape_bucket,
+                        ..CriticLossConfig::from_settings(settings, rows.len())
+                    },
                     &state.sync,
                     &self.device,
                 )?;
@@ -102,7 +99,10 @@ impl<B: RlAutodiffBackend> Learner<B> {
                     self.algorithms.policy_loss.as_ref(),
                     &batch.select(rows),
                     &targets,
-                    &ActorLossConfig::from_settings(settings, temperature, rows.len()),
+                    &ActorLossConfig {
+                        shape_bucket: self.shape_bucket,
+                        ..ActorLossConfig::from_settings(settings, temperature, rows.len())
+                    },
                     &self.actor_sync,
                     &self.device,
                 )?;
