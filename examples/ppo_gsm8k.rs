@@ -16,7 +16,7 @@
 
 use std::path::{Path, PathBuf};
 
-use burn_rlhf::backend::{backend_name, devices, TrainBackend};
+use burn_rlhf::backend::backend_name;
 use burn_rlhf::trainer::run::train_from_file;
 
 #[global_allocator]
@@ -32,7 +32,7 @@ fn main() -> anyhow::Result<()> {
         Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/ppo_gsm8k.ron")
     };
     eprintln!("backend: {}; config: {}", backend_name(), config.display());
-    let out = train_from_file::<TrainBackend>(&config, &args, &devices, None)?;
+    let out = train_from_file(&config, &args, None)?;
     for (what, path) in [("metrics", &out.jsonl), ("plot", &out.plot)] {
         if let Some(p) = path {
             println!("{what}: {}", p.display());

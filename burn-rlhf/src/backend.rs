@@ -63,6 +63,26 @@ pub type TrainBackendCheckpointed = burn::backend::Autodiff<
     InferenceBackend,
     burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing,
 >;
+/// Runs `$body` with the type `$B` set to the training backend a config asks for:
+/// [`TrainBackendCheckpointed`] when `$checkpointing` (`model.enable_gradient_checkpointing`),
+/// [`TrainBackend`] otherwise. Both share the selected backend's devices.
+///
+/// ```text
+/// let out = with_train_backend!(settings.model.gradient_checkpointing, B => train_on::<B>(..));
+/// ```
+#[macro_export]
+macro_rules! with_train_backend {
+    ($checkpointing:expr, $B:ident => $body:expr) => {
+        if $checkpointing {
+            type $B = $crate::backend::TrainBackendCheckpointed;
+            $body
+        } else {
+            type $B = $crate::backend::TrainBackend;
+            $body
+        }
+    };
+}
+
 /// The device type of the selected backend.
 pub type Device = burn::tensor::Device<InferenceBackend>;
 
@@ -102,5 +122,16 @@ pub fn decode_shapes() -> burn_rlhf_rollout::DecodeShapes {
         }
     } else {
         burn_rlhf_rollout::DecodeShapes::Exact
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_config_switch_picks_the_checkpointing_backend() {
+        let on = crate::with_train_backend!(true, B => std::any::type_name::<B>());
+        let off = crate::with_train_backend!(false, B => std::any::type_name::<B>());
+        assert!(on.contains("BalancedCheckpointing"), "{on}");
+        assert!(!off.contains("BalancedCheckpointing"), "{off}");
     }
 }

@@ -287,7 +287,6 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             node_rank,
             master_addr,
         } => {
-            use burn_rlhf::backend::{devices, TrainBackend};
             let settings = checked_config(&config, &overrides)?;
             let node = match (nnodes, master_addr) {
                 (None, None) if node_rank == 0 => None,
@@ -304,18 +303,17 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     })
                 }
             };
-            let out =
-                burn_rlhf::trainer::run::train::<TrainBackend>(settings, &devices, node.as_ref())?;
+            let out = burn_rlhf::trainer::run::train(settings, node.as_ref())?;
             report(&out);
         }
         Command::Sft { config, overrides } => {
-            use burn_rlhf::backend::{default_device, TrainBackend};
+            use burn_rlhf::backend::default_device;
             use burn_rlhf::trainer::sft::{fit_sft, SftConfig};
             let cfg = SftConfig::load(&config, &overrides)?;
-            let out = fit_sft::<TrainBackend>(
-                &cfg,
-                &default_device(),
-                burn_rlhf::trainer::run::stop_on_ctrl_c(),
+            let stop = burn_rlhf::trainer::run::stop_on_ctrl_c();
+            let out = burn_rlhf::with_train_backend!(
+                cfg.model.enable_gradient_checkpointing,
+                B => fit_sft::<B>(&cfg, &default_device(), stop)
             )?;
             if let Some(v) = out.val_loss {
                 println!("validation loss: {v:.4}");
@@ -342,19 +340,21 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             fwd_bwd,
             steps,
         } => {
-            use burn_rlhf::backend::{backend_name, default_device, TrainBackend};
+            use burn_rlhf::backend::{backend_name, default_device};
             let options = burn_rlhf::bench::BenchOptions {
                 gen: (generate[0], generate[1], generate[2]),
                 fwd_bwd: (fwd_bwd[0], fwd_bwd[1]),
                 steps,
             };
             let settings = checked_config(&config, &overrides)?;
-            burn_rlhf::bench::run_bench::<TrainBackend>(
-                settings,
-                &options,
-                &default_device(),
-                backend_name(),
-            )?;
+            burn_rlhf::with_train_backend!(settings.model.gradient_checkpointing, B => {
+                burn_rlhf::bench::run_bench::<B>(
+                    settings,
+                    &options,
+                    &default_device(),
+                    backend_name(),
+                )
+            })?;
         }
         Command::Config(ConfigCommand::Show { config, overrides }) => {
             let resolved = load_config(&config, &overrides)?;

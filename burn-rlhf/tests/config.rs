@@ -262,6 +262,11 @@ fn cross_field_rules_are_enforced_in_words() {
         assert!(e.contains(key), "{key} in {e}");
     }
     assert!(!e.contains("`critic.ppo_max_token_len_per_gpu`"), "{e}");
+    let e = invalid(&["critic.model.enable_gradient_checkpointing=false"]);
+    assert!(
+        e.contains("`critic.model.enable_gradient_checkpointing` (false) must equal"),
+        "{e}"
+    );
     let e = invalid(&["critic.enable=false"]);
     assert!(e.contains("`gae` needs a critic"), "{e}");
     let e = invalid(&["actor_rollout_ref.actor.use_kl_loss=true"]);

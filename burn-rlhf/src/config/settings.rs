@@ -86,6 +86,10 @@ pub struct ModelSettings {
     /// Tokens per length bucket (1: exact shapes); `None`: chosen by the backend
     /// ([`ModelSettings::shape_bucket_for`]).
     pub shape_bucket: Option<usize>,
+    /// `enable_gradient_checkpointing` (the critic's agrees when there is one): train on an
+    /// autodiff backend that recomputes activations in the backward pass
+    /// ([`crate::with_train_backend`]).
+    pub gradient_checkpointing: bool,
 }
 
 impl ModelSettings {
@@ -479,6 +483,7 @@ impl Decoder<'_> {
                 target_modules: m.target_modules.clone(),
             }),
             shape_bucket: m.shape_bucket,
+            gradient_checkpointing: m.enable_gradient_checkpointing,
         })
     }
 

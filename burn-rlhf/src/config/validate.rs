@@ -346,6 +346,15 @@ impl RlhfConfig {
             ] {
                 self.check_token_budget(p, key, critic.use_dynamic_bsz, budget);
             }
+            let actor_gc = self.actor_rollout_ref.model.enable_gradient_checkpointing;
+            p.check(critic.model.enable_gradient_checkpointing == actor_gc, || {
+                format!(
+                    "`critic.model.enable_gradient_checkpointing` ({}) must equal \
+                     `actor_rollout_ref.model.enable_gradient_checkpointing` ({actor_gc}): in Burn \
+                     checkpointing belongs to the autodiff backend, which the actor and critic share",
+                    critic.model.enable_gradient_checkpointing
+                )
+            });
             p.check(critic.enable != Some(false), || {
                 format!("`algorithm.adv_estimator` = `{estimator}` needs a critic, but `critic.enable` is false")
             });

@@ -34,20 +34,29 @@ pub fn checked_config(config: &Path, overrides: &[String]) -> Result<Settings, T
     )?)
 }
 
-/// `burn-rlhf train`: loads models and data from the config and trains; Ctrl-C stops after the
+/// `burn-rlhf train`: loads models and data from the config and trains on the backend the Cargo
+/// features select ([`crate::backend`]), with gradient checkpointing when
+/// `actor_rollout_ref.model.enable_gradient_checkpointing` says so; Ctrl-C stops after the
 /// current step with a checkpoint. With `trainer.n_gpus_per_node > 1` or several nodes, trains
-/// data-parallel on `devices(n)` (the backend's first n devices) and the processes of `node`.
-pub fn train_from_file<B: RlAutodiffBackend>(
+/// data-parallel on the backend's first n devices and the processes of `node`.
+pub fn train_from_file(
     config: &Path,
     overrides: &[String],
-    devices: &dyn Fn(usize) -> Vec<B::Device>,
     node: Option<&NodeLaunch>,
 ) -> Result<RunOutputs, TrainError> {
-    train::<B>(checked_config(config, overrides)?, devices, node)
+    train(checked_config(config, overrides)?, node)
 }
 
 /// [`train_from_file`] with decoded settings.
-pub fn train<B: RlAutodiffBackend>(
+pub fn train(settings: Settings, node: Option<&NodeLaunch>) -> Result<RunOutputs, TrainError> {
+    crate::with_train_backend!(settings.model.gradient_checkpointing, B => {
+        train_on::<B>(settings, &crate::backend::devices, node)
+    })
+}
+
+/// [`train`] on the autodiff backend `B` a library user picked (its checkpointing strategy is
+/// then `B`'s, whatever the settings say), with `devices(n)` its first n devices.
+pub fn train_on<B: RlAutodiffBackend>(
     mut settings: Settings,
     devices: &dyn Fn(usize) -> Vec<B::Device>,
     node: Option<&NodeLaunch>,
@@ -74,7 +83,11 @@ pub fn train<B: RlAutodiffBackend>(
         } else {
             ""
         },
-    );
+    ) + if settings.model.gradient_checkpointing {
+        ", gradient checkpointing"
+    } else {
+        ""
+    };
     if node.nnodes > 1 || devices.len() > 1 {
         if node.node_rank == 0 {
             eprintln!(

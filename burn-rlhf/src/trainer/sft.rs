@@ -71,6 +71,9 @@ pub struct SftModelConfig {
     pub lora_rank: usize,
     pub lora_alpha: f64,
     pub target_modules: Vec<String>,
+    /// Recompute activations in the backward pass (the binary then trains on
+    /// [`crate::backend::TrainBackendCheckpointed`]).
+    pub enable_gradient_checkpointing: bool,
 }
 
 impl Default for SftModelConfig {
@@ -81,6 +84,7 @@ impl Default for SftModelConfig {
             lora_rank: 0,
             lora_alpha: 16.0,
             target_modules: vec!["all-linear".into()],
+            enable_gradient_checkpointing: true,
         }
     }
 }
