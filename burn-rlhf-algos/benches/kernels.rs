@@ -75,6 +75,9 @@ fn gae<Bk: RlBackend>(d: &Bk::Device) -> f64 {
             values: Some(t::<Bk>(&v, B, T, d)),
             group_ids: Vec::new(),
             reward_baselines: None,
+            old_log_probs: None,
+            sum_pi_squared: None,
+            rollout_is_weights: None,
         };
         let out = est.compute(&input).unwrap();
         let _ = out.advantages.into_data();
@@ -103,6 +106,9 @@ fn grpo<Bk: RlBackend>(d: &Bk::Device) -> f64 {
             values: None,
             group_ids: groups.clone(),
             reward_baselines: None,
+            old_log_probs: None,
+            sum_pi_squared: None,
+            rollout_is_weights: None,
         };
         let out = est.compute(&input).unwrap();
         let _ = out.advantages.into_data();

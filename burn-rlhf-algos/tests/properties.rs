@@ -60,6 +60,9 @@ fn gae_ignores_values_at_masked_positions() {
                 values: Some(t2(vals, rows, cols)),
                 group_ids: (0..rows as u64).collect(),
                 reward_baselines: None,
+                old_log_probs: None,
+                sum_pi_squared: None,
+                rollout_is_weights: None,
             };
             let out = AdvantageEstimator::<B>::compute(
                 &Gae {
@@ -111,6 +114,9 @@ fn vectorized_and_looped_grpo_agree() {
                 values: None,
                 group_ids: ids.clone(),
                 reward_baselines: None,
+                old_log_probs: None,
+                sum_pi_squared: None,
+                rollout_is_weights: None,
             };
             let looped = AdvantageEstimator::<B>::compute(
                 &Grpo {

@@ -264,6 +264,13 @@ fn compute(case: &Case) -> Result<Ours, String> {
                     None => (0..case.input("response_mask")?.shape[0] as u64).collect(),
                 },
                 reward_baselines: case.inputs.get("reward_baselines").map(Fx::t1),
+                old_log_probs: case.inputs.get("old_log_probs").map(Fx::t2).transpose()?,
+                sum_pi_squared: case.inputs.get("sum_pi_squared").map(Fx::t2).transpose()?,
+                rollout_is_weights: case
+                    .inputs
+                    .get("rollout_is_weights")
+                    .map(Fx::t2)
+                    .transpose()?,
             };
             let out = estimator.compute(&input).map_err(|e| e.to_string())?;
             ours.out("advantages", out.advantages);
@@ -344,6 +351,7 @@ fn compute(case: &Case) -> Result<Ours, String> {
                 dpo_beta: d.dpo_beta,
                 dpo_label_smoothing: d.dpo_label_smoothing,
                 dpo_loss_type: d.dpo_loss_type,
+                dro_beta: case.f("dro_beta").unwrap_or(d.dro_beta),
                 seed: d.seed,
             };
             let loss_fn = registry

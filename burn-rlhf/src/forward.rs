@@ -89,6 +89,29 @@ pub fn response_logprobs<B: RlBackend>(
     seq: &SequenceTensors<B>,
     temperature: f64,
 ) -> (Tensor<B, 2>, Tensor<B, 2>) {
+    let logits = response_logits(model, seq);
+    let (entropy, logprobs) = entropy_and_logprobs(logits, seq.response_ids.clone(), temperature);
+    (logprobs, entropy)
+}
+
+/// [`response_logprobs`] and, at each response position, `Σ_v π(v)²` of the tempered
+/// distribution (verl's `calculate_sum_pi_squared`, the optimal token baseline's input).
+///
+/// Shapes: → (log-probs, entropies, sums of squared probabilities), each `[B, R]`.
+pub fn response_logprobs_and_sum_pi_squared<B: RlBackend>(
+    model: &CausalLm<B>,
+    seq: &SequenceTensors<B>,
+    temperature: f64,
+) -> (Tensor<B, 2>, Tensor<B, 2>, Tensor<B, 2>) {
+    let logits = response_logits(model, seq);
+    let probs = burn::tensor::activation::softmax(logits.clone() / temperature, 2);
+    let sum_pi_squared = probs.powi_scalar(2).sum_dim(2).squeeze_dim::<2>(2);
+    let (entropy, logprobs) = entropy_and_logprobs(logits, seq.response_ids.clone(), temperature);
+    (logprobs, entropy, sum_pi_squared)
+}
+
+/// The logits at the positions that predict response tokens. Shapes: → `[B, R, V]`.
+fn response_logits<B: RlBackend>(model: &CausalLm<B>, seq: &SequenceTensors<B>) -> Tensor<B, 3> {
     let [b, l] = seq.input_ids.dims();
     let (p, r) = (seq.prompt_len, seq.response_len());
     let hidden = model.model.forward_rows(
@@ -101,8 +124,7 @@ pub fn response_logprobs<B: RlBackend>(
     let hidden = hidden.slice([0..b, p - 1..l - 1]);
     let logits = model.logits(hidden);
     debug_assert_eq!(logits.dims()[1], r);
-    let (entropy, logprobs) = entropy_and_logprobs(logits, seq.response_ids.clone(), temperature);
-    (logprobs, entropy)
+    logits
 }
 
 /// The critic's value of each response position: the value at the position before each response

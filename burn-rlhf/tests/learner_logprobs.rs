@@ -2,7 +2,9 @@
 //! log-probs carry gradients.
 
 use burn::backend::{Autodiff, Flex};
-use burn_rlhf::forward::{response_logprobs, response_values, SequenceTensors};
+use burn_rlhf::forward::{
+    response_logprobs, response_logprobs_and_sum_pi_squared, response_values, SequenceTensors,
+};
 use burn_rlhf::models::load_pretrained;
 use burn_rlhf::rollout::{generate, RolloutBatch, SamplingParams};
 
@@ -47,6 +49,21 @@ fn recomputed_logprobs_equal_the_rollouts_and_gradients_flow() {
         }
     }
     assert!(entropy.into_data().iter::<f32>().all(|e| e >= 0.0));
+
+    // Σπ² (the optimal token baseline's input) with the same log-probs: at least the sampled
+    // token's π², at most 1, and exp(-entropy) <= Σπ² (Rényi-2 entropy <= Shannon entropy).
+    let (lp2, ent2, spsq) = response_logprobs_and_sum_pi_squared(&model, &seq, 1.0);
+    let lp2: Vec<f32> = lp2.into_data().iter::<f32>().collect();
+    assert_eq!(lp2, ours);
+    let ent2: Vec<f32> = ent2.into_data().iter::<f32>().collect();
+    for (i, s) in spsq.into_data().iter::<f32>().enumerate() {
+        let p = ours[i].exp();
+        assert!(
+            s >= p * p - 1e-5 && s <= 1.0 + 1e-5,
+            "token {i}: Σπ² {s}, π {p}"
+        );
+        assert!((-ent2[i]).exp() <= s + 1e-5, "token {i}: Σπ² {s} < exp(-H)");
+    }
 
     // Under autodiff both the actor's log-probs and the critic's values reach the weights.
     let actor = load_pretrained(dir.to_str().unwrap())

@@ -516,6 +516,7 @@ impl Decoder<'_> {
                     &key("policy_loss.dpo_loss_type"),
                     DpoLossType::from_name(&pl.dpo_loss_type),
                 )?,
+                dro_beta: pl.dro_beta.unwrap_or(0.0),
                 seed: c.trainer.seed,
             },
             loss_agg_mode: self.parse(

@@ -185,6 +185,8 @@ pub struct PolicyLossConfig {
     pub dpo_label_smoothing: f64,
     /// SPIN's DPO loss: `sigmoid` or `ipo`.
     pub dpo_loss_type: String,
+    /// DRO's quadratic log-ratio penalty (`loss_mode: "dro"`; required there, > 0).
+    pub dro_beta: Option<f64>,
 }
 
 impl Default for PolicyLossConfig {
@@ -202,6 +204,7 @@ impl Default for PolicyLossConfig {
             dpo_beta: p.dpo_beta,
             dpo_label_smoothing: p.dpo_label_smoothing,
             dpo_loss_type: p.dpo_loss_type.name().into(),
+            dro_beta: None,
         }
     }
 }

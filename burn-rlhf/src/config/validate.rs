@@ -1,7 +1,7 @@
 //! Cross-field rules, checked after loading, one function per config section. Each failure is a
 //! sentence naming the keys and the rule; one run reports all of them.
 
-use burn_rlhf_algos::policy_loss::VanillaPpo;
+use burn_rlhf_algos::policy_loss::{Dro, VanillaPpo};
 use burn_rlhf_algos::{AlgoError, KlPenalty, LossAggMode, Registry};
 
 use super::load::ConfigError;
@@ -225,6 +225,12 @@ impl RlhfConfig {
             "actor_rollout_ref.actor.clip_ratio_c",
             VanillaPpo::check_clip_ratio_c(actor.clip_ratio_c),
         );
+        if actor.policy_loss.loss_mode == "dro" {
+            p.algo_rule(
+                "actor_rollout_ref.actor.policy_loss.dro_beta",
+                Dro::check_beta(actor.policy_loss.dro_beta.unwrap_or(0.0)),
+            );
+        }
         for (key, v) in [
             ("clip_ratio", Some(actor.clip_ratio)),
             ("clip_ratio_low", actor.clip_ratio_low),

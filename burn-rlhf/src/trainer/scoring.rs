@@ -12,11 +12,23 @@ use burn_rlhf_rollout::RolloutBatch;
 use super::learner::Learner;
 use super::metrics::Metrics;
 use crate::error::TrainError;
-use crate::forward::{response_logprobs, response_values, SequenceTensors};
+use crate::forward::{
+    response_logprobs, response_logprobs_and_sum_pi_squared, response_values, SequenceTensors,
+};
 use crate::minibatch::micro_batches;
 
 /// One model's view of a batch: per-token values, row-major `[rows * response_len]`.
 pub type Rows = Vec<f32>;
+
+/// The actor's recomputed view of a batch before its update.
+pub struct OldLogProbs {
+    /// Log-prob of each response token.
+    pub log_probs: Rows,
+    /// Entropy at each response position.
+    pub entropy: Rows,
+    /// `Σ_v π(v)²` at each response position, when the estimator reads it.
+    pub sum_pi_squared: Option<Rows>,
+}
 
 impl<B: RlAutodiffBackend> Learner<B> {
     /// Runs `pass` on this rank's rows of `batch` and gathers its per-token outputs from every
@@ -68,41 +80,57 @@ impl<B: RlAutodiffBackend> Learner<B> {
         Ok(outputs)
     }
 
-    /// Per-token log-probs and entropies of `batch`'s responses under `model`, in micro-batches
-    /// of this rank's rows, gathered from every rank.
+    /// Per-token log-probs and entropies of `batch`'s responses under `model` (and with
+    /// `sum_pi_squared` the sums of squared probabilities), in micro-batches of this rank's rows,
+    /// gathered from every rank.
     fn log_probs_of(
         &self,
         model: &CausalLm<B::InnerBackend>,
         batch: &RolloutBatch,
         (micro, max_tokens, key): (Option<usize>, Option<usize>, &str),
-    ) -> Result<(Rows, Rows), TrainError> {
+        sum_pi_squared: bool,
+    ) -> Result<Vec<Rows>, TrainError> {
         let temperature = self.settings.rollout.train.temperature;
-        let mut out = self.sharded_pass(batch, |mine| {
+        self.sharded_pass(batch, |mine| {
             self.in_micro_batches(
                 mine,
                 micro.unwrap_or(mine.rows()),
                 max_tokens,
-                (key, 2),
+                (key, 2 + sum_pi_squared as usize),
                 |part| {
                     let seq = SequenceTensors::from_batch(part, &self.device);
-                    let (l, e) = response_logprobs(model, &seq, temperature);
-                    vec![to_vec(l), to_vec(e)]
+                    if sum_pi_squared {
+                        let (l, e, s) =
+                            response_logprobs_and_sum_pi_squared(model, &seq, temperature);
+                        vec![to_vec(l), to_vec(e), to_vec(s)]
+                    } else {
+                        let (l, e) = response_logprobs(model, &seq, temperature);
+                        vec![to_vec(l), to_vec(e)]
+                    }
                 },
             )
-        })?;
-        let ent = out.pop().expect("two outputs");
-        Ok((out.pop().expect("two outputs"), ent))
+        })
     }
 
-    /// Old log-probs: the actor recomputes its own log-probs (and entropies) before updating.
-    pub fn old_log_probs(&self, batch: &RolloutBatch) -> Result<(Rows, Rows), TrainError> {
+    /// Old log-probs: the actor recomputes its own log-probs (and entropies) before updating;
+    /// with an estimator that reads them (the optimal token baseline), also `Σπ²` per token.
+    pub fn old_log_probs(&self, batch: &RolloutBatch) -> Result<OldLogProbs, TrainError> {
         let r = &self.settings.rollout;
         let plan = (
             r.log_prob_micro_batch_size,
             r.log_prob_max_token_len,
             "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
         );
-        self.log_probs_of(&self.actor.valid(), batch, plan)
+        let with_sum = self.algorithms.estimator.needs_sum_pi_squared();
+        let mut out = self
+            .log_probs_of(&self.actor.valid(), batch, plan, with_sum)?
+            .into_iter();
+        let mut next = || out.next().expect("one output per requested pass");
+        Ok(OldLogProbs {
+            log_probs: next(),
+            entropy: next(),
+            sum_pi_squared: with_sum.then(next),
+        })
     }
 
     /// Reference log-probs, when there is a reference.
@@ -114,7 +142,8 @@ impl<B: RlAutodiffBackend> Learner<B> {
                     self.settings.ref_max_token_len,
                     "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
                 );
-                Ok(Some(self.log_probs_of(r, batch, plan)?.0))
+                let mut out = self.log_probs_of(r, batch, plan, false)?;
+                Ok(Some(out.swap_remove(0)))
             }
             None => Ok(None),
         }
@@ -179,13 +208,15 @@ impl<B: RlAutodiffBackend> Learner<B> {
         Ok((to_vec(out.token_level_rewards), metrics))
     }
 
-    /// Advantages and returns from the token-level rewards.
+    /// Advantages and returns from the token-level rewards (and the old log-probs, for the
+    /// estimators that read them).
     pub fn advantages(
         &self,
         batch: &RolloutBatch,
         rewards: &[f32],
         values: Option<&[f32]>,
         baselines: Option<&[f64]>,
+        old: Option<&OldLogProbs>,
     ) -> Result<(Rows, Rows), TrainError> {
         let (rows, r) = (batch.rows(), batch.response_len);
         let t = |v: Vec<f32>| from_rows::<B>(v, rows, r, &self.device);
@@ -200,6 +231,11 @@ impl<B: RlAutodiffBackend> Learner<B> {
                     &self.device,
                 )
             }),
+            old_log_probs: old.map(|o| t(o.log_probs.clone())),
+            sum_pi_squared: old
+                .and_then(|o| o.sum_pi_squared.as_ref())
+                .map(|s| t(s.clone())),
+            rollout_is_weights: None,
         };
         let out = self.algorithms.estimator.compute(&input())?;
         let returns = match &self.algorithms.value_estimator {

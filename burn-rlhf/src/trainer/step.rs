@@ -25,8 +25,8 @@ impl<B: RlAutodiffBackend> Learner<B> {
         } else {
             None
         };
-        let (old_log_probs, entropy) =
-            timing.time("old_log_prob", || self.old_log_probs(&batch))?;
+        let old = timing.time("old_log_prob", || self.old_log_probs(&batch))?;
+        let (old_log_probs, entropy) = (&old.log_probs, &old.entropy);
         // A phase that does not run leaves no timing.
         let ref_log_probs = match self.reference {
             Some(_) => timing.time("ref", || self.ref_log_probs(&batch))?,
@@ -38,10 +38,15 @@ impl<B: RlAutodiffBackend> Learner<B> {
         };
         let (rewards, advantages, returns) = timing.time("adv", || {
             let (rewards, kl) =
-                self.kl_in_reward(&batch, &old_log_probs, ref_log_probs.as_deref())?;
+                self.kl_in_reward(&batch, old_log_probs, ref_log_probs.as_deref())?;
             metrics.extend(kl);
-            let (adv, ret) =
-                self.advantages(&batch, &rewards, values.as_deref(), baselines.as_deref())?;
+            let (adv, ret) = self.advantages(
+                &batch,
+                &rewards,
+                values.as_deref(),
+                baselines.as_deref(),
+                Some(&old),
+            )?;
             Ok::<_, TrainError>((rewards, adv, ret))
         })?;
         if let Some(v) = &values {
@@ -50,20 +55,15 @@ impl<B: RlAutodiffBackend> Learner<B> {
         }
         if self.settings.trainer.actor_start_step <= step {
             let m = timing.time("update_actor", || {
-                self.update_actor(
-                    &batch,
-                    &old_log_probs,
-                    &advantages,
-                    ref_log_probs.as_deref(),
-                )
+                self.update_actor(&batch, old_log_probs, &advantages, ref_log_probs.as_deref())
             })?;
             metrics.extend(m);
             self.refresh_reference(step);
         }
         metrics.extend(self.batch_metrics(
             &batch,
-            &entropy,
-            &old_log_probs,
+            entropy,
+            old_log_probs,
             &StepData {
                 batch: &batch,
                 scores: batch.token_level_scores.as_deref().unwrap_or(&[]),

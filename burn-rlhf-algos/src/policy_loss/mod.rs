@@ -13,6 +13,10 @@ use burn::tensor::Tensor;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 
+mod divergence;
+
+pub use divergence::{Dppo, DppoRegion, Dro};
+
 use crate::agg::{agg_loss, GlobalBatchInfo, LossAggMode};
 use crate::functional::{from_rows, masked_mean, masked_sum_rows, to_scalar, to_vec};
 use crate::{AlgoError, RlBackend};
@@ -144,6 +148,8 @@ pub struct PolicyLossParams {
     pub dpo_label_smoothing: f64,
     /// SPIN's DPO loss: sigmoid or IPO.
     pub dpo_loss_type: DpoLossType,
+    /// DRO's quadratic log-ratio penalty `β` (`policy_loss.dro_beta`; must be > 0 for `dro`).
+    pub dro_beta: f64,
     /// Seeds Clip-Cov's random choice of tokens, so runs reproduce.
     pub seed: u64,
 }
@@ -165,6 +171,7 @@ impl Default for PolicyLossParams {
             dpo_beta: 0.1,
             dpo_label_smoothing: 0.0,
             dpo_loss_type: DpoLossType::Sigmoid,
+            dro_beta: 0.0,
             seed: 1,
         }
     }
@@ -715,4 +722,7 @@ pub(crate) fn builtin<B: RlBackend>() -> Vec<(&'static str, PolicyLossFactory<B>
             policy_loss_factory(|p| Ok(Box::new(ClipCov::new(p)))),
         ),
     ]
+    .into_iter()
+    .chain(divergence::builtin())
+    .collect()
 }

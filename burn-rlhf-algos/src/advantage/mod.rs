@@ -12,6 +12,12 @@ use burn::tensor::Tensor;
 use crate::functional::{from_rows, masked_whiten, to_vec};
 use crate::{AlgoError, RlBackend};
 
+mod token_baseline;
+mod variants;
+
+pub use token_baseline::OptimalTokenBaseline;
+pub use variants::{Gdpo, GrpoVectorized, RlooVectorized};
+
 /// Everything an estimator may read. Rows are responses; `T` is the padded response length.
 #[derive(Debug, Clone)]
 pub struct AdvantageInput<B: Backend> {
@@ -25,6 +31,12 @@ pub struct AdvantageInput<B: Backend> {
     pub group_ids: Vec<u64>,
     /// Each row's baseline reward (ReMax's greedy rollout), `[B]`.
     pub reward_baselines: Option<Tensor<B, 1>>,
+    /// The old policy's log-prob of each sampled token, `[B, T]` (the optimal token baseline).
+    pub old_log_probs: Option<Tensor<B, 2>>,
+    /// The old policy's `Σ_v π(v)²` at each step, `[B, T]` (the optimal token baseline).
+    pub sum_pi_squared: Option<Tensor<B, 2>>,
+    /// Rollout importance-sampling weights, `[B, T]`, when rollout correction makes them.
+    pub rollout_is_weights: Option<Tensor<B, 2>>,
 }
 
 /// What an estimator returns.
@@ -47,6 +59,11 @@ pub trait AdvantageEstimator<B: Backend>: Send + Sync {
     /// Whether it reads `reward_baselines` (so the trainer must produce them, as ReMax's greedy
     /// rollout does).
     fn needs_reward_baselines(&self) -> bool {
+        false
+    }
+    /// Whether it reads `old_log_probs` and `sum_pi_squared` (so the old log-prob pass must also
+    /// sum the squared probabilities, verl's `actor.calculate_sum_pi_squared`).
+    fn needs_sum_pi_squared(&self) -> bool {
         false
     }
     /// Computes advantages and returns.
@@ -758,6 +775,10 @@ pub(crate) fn builtin<B: RlBackend>() -> Vec<(&'static str, EstimatorFactory<B>)
         ),
         ("spin", estimator_factory(|_| Ok(Box::new(SpinPairs)))),
     ]
+    .into_iter()
+    .chain(variants::builtin())
+    .chain(token_baseline::builtin())
+    .collect()
 }
 
 #[cfg(test)]
@@ -781,6 +802,9 @@ mod tests {
             values: None,
             group_ids: ids,
             reward_baselines: None,
+            old_log_probs: None,
+            sum_pi_squared: None,
+            rollout_is_weights: None,
         }
     }
 
