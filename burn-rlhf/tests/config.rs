@@ -267,6 +267,12 @@ fn cross_field_rules_are_enforced_in_words() {
         e.contains("`critic.model.enable_gradient_checkpointing` (false) must equal"),
         "{e}"
     );
+    let e = invalid(&["actor_rollout_ref.model.dtype=bfloat16"]);
+    assert!(
+        e.contains("`actor_rollout_ref.model.dtype` = `bfloat16`: the `")
+            && e.contains("computes in float32 only"),
+        "{e}"
+    );
     let e = invalid(&["critic.enable=false"]);
     assert!(e.contains("`gae` needs a critic"), "{e}");
     let e = invalid(&["actor_rollout_ref.actor.use_kl_loss=true"]);
