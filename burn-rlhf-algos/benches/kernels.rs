@@ -142,6 +142,7 @@ fn ppo<Bk: RlBackend + AutodiffBackend>(d: &Bk::Device) -> f64 {
             loss_agg_mode: LossAggMode::TokenMean,
             global: GlobalBatchInfo::from_mask(&mask, 1),
             ref_log_prob: None,
+            rollout_is_weights: None,
         };
         let out = PolicyLoss::<Bk>::compute(&loss, &input).unwrap();
         let grads = out.loss.backward();

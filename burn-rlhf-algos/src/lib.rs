@@ -17,6 +17,7 @@ pub mod kl;
 pub mod policy_loss;
 pub mod preference;
 pub mod registry;
+pub mod rollout_correction;
 pub mod value_loss;
 
 pub use advantage::{AdvantageEstimator, AdvantageInput, AdvantageOutput, EstimatorParams};

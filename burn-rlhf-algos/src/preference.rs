@@ -103,6 +103,7 @@ impl<B: Backend> PolicyLoss<B> for SppoLoss {
     }
 
     fn compute(&self, input: &PolicyLossInput<B>) -> Result<PolicyLossOutput<B>, AlgoError> {
+        input.refuse_is_weights("sppo")?;
         let mask = input.response_mask.clone();
         let tokens = mask.clone().sum_dim(1).clamp_min(1.0);
         // The centred reward is constant over a row's valid tokens.
@@ -156,6 +157,7 @@ impl<B: Backend> PolicyLoss<B> for SpinDpo {
     }
 
     fn compute(&self, input: &PolicyLossInput<B>) -> Result<PolicyLossOutput<B>, AlgoError> {
+        input.refuse_is_weights("spin")?;
         let reference = input
             .ref_log_prob
             .clone()
@@ -278,6 +280,7 @@ mod tests {
             loss_agg_mode: LossAggMode::TokenMean,
             global,
             ref_log_prob: None,
+            rollout_is_weights: None,
         };
         let whole = PolicyLoss::<T>::compute(&loss, &input(0..4, GlobalBatchInfo::local()))
             .unwrap()

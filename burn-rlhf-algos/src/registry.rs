@@ -260,11 +260,16 @@ mod tests {
             "gpg",
             "sppo",
             "spin",
+            "grpo_vectorized",
+            "rloo_vectorized",
+            "gdpo",
+            "optimal_token_baseline",
+            "tir_optimal_token_baseline",
         ];
         assert_eq!(r.estimator_names(), owned(&estimators));
         let losses = [
-            "vanilla", "gspo", "gpg", "cispo", "sapo", "geo_mean", "kl_cov", "clip_cov", "spin",
-            "sppo",
+            "vanilla", "gspo", "gpg", "cispo", "sapo", "geo_mean", "kl_cov", "clip_cov", "dppo_tv",
+            "dppo_kl", "dro", "spin", "sppo",
         ];
         assert_eq!(r.policy_loss_names(), owned(&losses));
         assert_eq!(r.policy_loss_units(), [("spin".to_string(), 2)]);
@@ -274,9 +279,15 @@ mod tests {
             let e = r.estimator(&name, &EstimatorParams::default()).unwrap();
             assert_eq!(e.name(), name);
         }
+        // DRO has no default penalty (verl's `dro_beta: null`).
+        let params = PolicyLossParams {
+            dro_beta: 0.1,
+            ..Default::default()
+        };
+        assert!(r.policy_loss("dro", &PolicyLossParams::default()).is_err());
         for name in r.policy_loss_names() {
             assert_eq!(
-                r.policy_loss(&name, &PolicyLossParams::default())
+                r.policy_loss(&name, &params)
                     .unwrap()
                     .name(),
                 name

@@ -241,6 +241,7 @@ fn policy_losses_do_not_depend_on_micro_batch_or_rank_split() {
                         ..*info
                     },
                     ref_log_prob: None,
+                    rollout_is_weights: None,
                 };
                 (loss_fn.compute(&input).unwrap().loss, log_prob)
             };
@@ -369,6 +370,7 @@ fn clip_cov_drops_a_seeded_fraction_of_in_window_tokens() {
             loss_agg_mode: LossAggMode::TokenMean,
             global: GlobalBatchInfo::local(),
             ref_log_prob: None,
+            rollout_is_weights: None,
         };
         let out = loss.compute(&input).unwrap();
         (to_scalar(out.loss), out.metrics["actor/pg_clipfrac"])

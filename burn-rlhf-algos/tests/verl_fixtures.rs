@@ -13,6 +13,7 @@ use burn::tensor::{Int, Tensor, TensorData};
 use burn_rlhf_algos::functional::{entropy_and_logprobs, masked_whiten, to_vec};
 use burn_rlhf_algos::kl::{kl_penalty, AdaptiveKlController, KlController};
 use burn_rlhf_algos::preference::{online_dpo_loss, sppo_centered_rewards, sppo_loss, DpoLossType};
+use burn_rlhf_algos::rollout_correction::RolloutCorrection;
 use burn_rlhf_algos::{
     agg_loss, value_loss, AdvantageInput, EstimatorParams, GlobalBatchInfo, KlPenalty, LossAggMode,
     PolicyLossInput, PolicyLossParams, Registry,
@@ -366,6 +367,11 @@ fn compute(case: &Case) -> Result<Ours, String> {
                 loss_agg_mode: case.agg_mode()?,
                 global: GlobalBatchInfo::local(),
                 ref_log_prob: None,
+                rollout_is_weights: case
+                    .inputs
+                    .get("rollout_is_weights")
+                    .map(Fx::t2)
+                    .transpose()?,
             };
             let out = loss_fn.compute(&input).map_err(|e| e.to_string())?;
             let grads = out.loss.backward();
@@ -458,6 +464,38 @@ fn compute(case: &Case) -> Result<Ours, String> {
             }
             other => return Err(format!("unknown preference_loss `{other}`")),
         },
+        "rollout_correction" => {
+            if case.name != "rollout_correction" {
+                return Err(format!("unknown rollout_correction case `{}`", case.name));
+            }
+            let correction = RolloutCorrection::from_verl_keys(
+                case.s("rollout_is"),
+                case.s("rollout_is_threshold").unwrap_or("2.0"),
+                case.params
+                    .get("rollout_is_batch_normalize")
+                    .and_then(Value::as_bool)
+                    .unwrap_or(false),
+                case.s("rollout_rs"),
+                case.s("rollout_rs_threshold"),
+            )
+            .map_err(|e| e.to_string())?;
+            let mask = case.input("response_mask")?;
+            let out = correction
+                .apply(
+                    &case.input("old_log_prob")?.data,
+                    &case.input("rollout_log_prob")?.data,
+                    &mask.data,
+                    mask.shape[1],
+                )
+                .map_err(|e| e.to_string())?;
+            ours.outputs.insert("response_mask".into(), out.mask);
+            if let Some(w) = out.weights {
+                ours.outputs.insert("rollout_is_weights".into(), w);
+            }
+            for (name, value) in out.metrics {
+                ours.scalar(&name, value);
+            }
+        }
         other => return Err(format!("unknown fixture kind `{other}`")),
     }
     Ok(ours)

@@ -9,7 +9,6 @@ use super::{
     check_shapes, clip_metrics, fraction, metrics, policy_loss_factory, PolicyLoss,
     PolicyLossFactory, PolicyLossInput, PolicyLossOutput,
 };
-use crate::agg::agg_loss;
 use crate::functional::{masked_mean, to_scalar};
 use crate::{AlgoError, RlBackend};
 
@@ -111,7 +110,7 @@ impl<B: Backend> PolicyLoss<B> for Dppo {
         );
         let losses =
             input.advantages.clone().neg() * truncated * input.log_prob.clone() * inside.clone();
-        let loss = agg_loss(losses, mask.clone(), input.loss_agg_mode, &input.global)?;
+        let loss = input.aggregate(losses)?;
         let outside = fraction(inside.clone().neg() + 1.0, mask);
         let truncated_frac = fraction(ratio.greater_elem(self.clip_ratio_c).float() * inside, mask);
         Ok(PolicyLossOutput {
@@ -142,7 +141,7 @@ impl<B: Backend> PolicyLoss<B> for Dro {
         let losses = (input.log_prob.clone() * input.advantages.clone()
             - log_ratio.powi_scalar(2) * (0.5 * self.beta))
             .neg();
-        let loss = agg_loss(losses, mask.clone(), input.loss_agg_mode, &input.global)?;
+        let loss = input.aggregate(losses)?;
         Ok(PolicyLossOutput {
             loss,
             metrics: metrics(&[("actor/ppo_kl", ppo_kl)]),

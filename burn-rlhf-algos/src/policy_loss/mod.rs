@@ -38,6 +38,43 @@ pub struct PolicyLossInput<B: Backend> {
     pub global: GlobalBatchInfo,
     /// The reference policy's log-probs, `[B, T]`, for losses that compare to it (SPIN's DPO).
     pub ref_log_prob: Option<Tensor<B, 2>>,
+    /// Rollout correction's importance-sampling weights (`algorithm.rollout_correction`), `[B, T]`
+    /// without gradient: they multiply each token's loss, as in verl.
+    pub rollout_is_weights: Option<Tensor<B, 2>>,
+}
+
+impl<B: Backend> PolicyLossInput<B> {
+    /// Per-token losses times the IS weights (when given), aggregated over the mask with the
+    /// loss's `loss_agg_mode` and global counts. Shapes: `[B, T]` → `[1]`.
+    pub fn aggregate(&self, losses: Tensor<B, 2>) -> Result<Tensor<B, 1>, AlgoError> {
+        self.aggregate_as(losses, self.loss_agg_mode)
+    }
+
+    /// [`aggregate`](Self::aggregate) with a fixed aggregation (a loss that ignores the setting).
+    pub fn aggregate_as(
+        &self,
+        losses: Tensor<B, 2>,
+        mode: LossAggMode,
+    ) -> Result<Tensor<B, 1>, AlgoError> {
+        let losses = match &self.rollout_is_weights {
+            Some(w) => losses * w.clone(),
+            None => losses,
+        };
+        agg_loss(losses, self.response_mask.clone(), mode, &self.global)
+    }
+
+    /// An error for a loss that has no meaning for rollout IS weights (the preference losses).
+    pub fn refuse_is_weights(&self, loss: &str) -> Result<(), AlgoError> {
+        match self.rollout_is_weights {
+            Some(_) => Err(AlgoError::Invalid {
+                what: loss.to_string(),
+                detail:
+                    "takes no rollout IS weights: unset `algorithm.rollout_correction.rollout_is`"
+                        .into(),
+            }),
+            None => Ok(()),
+        }
+    }
 }
 
 /// A policy loss's result.
@@ -265,7 +302,7 @@ impl<B: RlBackend> PolicyLoss<B> for VanillaPpo {
         );
         let clip_frac = fraction(clipped, mask);
         let clip_frac_lower = fraction(dual_clipped, mask);
-        let loss = agg_loss(losses, mask.clone(), input.loss_agg_mode, &input.global)?;
+        let loss = input.aggregate(losses)?;
         Ok(PolicyLossOutput {
             loss,
             metrics: clip_metrics(clip_frac, ppo_kl, clip_frac_lower),
@@ -303,7 +340,7 @@ impl<B: Backend> PolicyLoss<B> for Gspo {
             adv.neg() * ratio.clamp(1.0 - self.clip_ratio_low, 1.0 + self.clip_ratio_high);
         let clip_frac = fraction(losses2.clone().greater(losses1.clone()).float(), mask);
         let losses = losses1.max_pair(losses2);
-        let loss = agg_loss(losses, mask.clone(), input.loss_agg_mode, &input.global)?;
+        let loss = input.aggregate(losses)?;
         let ppo_kl = to_scalar(masked_mean(neg_kl.neg(), mask.clone()));
         Ok(PolicyLossOutput {
             loss,
@@ -339,12 +376,7 @@ impl<B: Backend> PolicyLoss<B> for Sapo {
             .mask_fill(positive, self.tau_pos);
         let gates = sigmoid(taus.clone() * (ratio - 1.0)) * taus.recip() * 4.0;
         let losses = gates.neg() * adv;
-        let loss = agg_loss(
-            losses,
-            mask.clone(),
-            LossAggMode::SeqMeanTokenMean,
-            &input.global,
-        )?;
+        let loss = input.aggregate_as(losses, LossAggMode::SeqMeanTokenMean)?;
         let ppo_kl = to_scalar(masked_mean(neg_kl.neg(), mask.clone()));
         Ok(PolicyLossOutput {
             loss,
@@ -365,12 +397,7 @@ impl<B: Backend> PolicyLoss<B> for GpgLoss {
     fn compute(&self, input: &PolicyLossInput<B>) -> Result<PolicyLossOutput<B>, AlgoError> {
         check_shapes("gpg", input)?;
         let losses = input.log_prob.clone().neg() * input.advantages.clone();
-        let loss = agg_loss(
-            losses,
-            input.response_mask.clone(),
-            input.loss_agg_mode,
-            &input.global,
-        )?;
+        let loss = input.aggregate(losses)?;
         Ok(PolicyLossOutput {
             loss,
             metrics: BTreeMap::new(),
@@ -405,7 +432,7 @@ impl<B: Backend> PolicyLoss<B> for Cispo {
             .detach();
         let clip_frac = fraction(ratio.detach().not_equal(clipped.clone()).float(), mask);
         let losses = clipped.neg() * adv * input.log_prob.clone();
-        let loss = agg_loss(losses, mask.clone(), input.loss_agg_mode, &input.global)?;
+        let loss = input.aggregate(losses)?;
         Ok(PolicyLossOutput {
             loss,
             metrics: clip_metrics(clip_frac, ppo_kl, 0.0),
@@ -444,7 +471,14 @@ impl<B: Backend> PolicyLoss<B> for GeoMean {
         let lengths = mask.clone().sum_dim(1) + 1e-8; // [B, 1]
         let ratio = ((clipped_min * mask.clone()).sum_dim(1) / lengths.clone()).exp();
         let seq_adv = (adv.clone() * mask.clone()).sum_dim(1) / lengths;
-        let losses = (seq_adv.neg() * ratio).squeeze_dim::<1>(1); // [B]
+        let mut losses = (seq_adv.neg() * ratio).squeeze_dim::<1>(1); // [B]
+        if let Some(w) = &input.rollout_is_weights {
+            // verl: the token weights' geometric mean over the sequence.
+            let seq_w = (((w.clone() + 1e-10).log() * mask.clone()).sum_dim(1)
+                / (mask.clone().sum_dim(1) + 1e-8))
+                .exp();
+            losses = losses * seq_w.squeeze_dim::<1>(1);
+        }
         let rows = losses.dims()[0] as f64;
         let dp = input.global.dp_size.max(1) as f64;
         let loss = match input.global.global_batch_size {
@@ -528,7 +562,7 @@ impl<B: Backend> PolicyLoss<B> for KlCov {
         let device = input.log_prob.device();
         let selected = from_rows::<B>(selected, rows, cols, &device).bool();
         let losses = losses.mask_where(selected, losses_kl);
-        let loss = agg_loss(losses, mask.clone(), input.loss_agg_mode, &input.global)?;
+        let loss = input.aggregate(losses)?;
         Ok(PolicyLossOutput {
             loss,
             metrics: metrics(&[("actor/ppo_kl", ppo_kl_abs)]),
@@ -648,7 +682,7 @@ impl<B: Backend> PolicyLoss<B> for ClipCov {
         let corr = from_rows::<B>(corr, rows, cols, &input.log_prob.device());
         let clip_frac = fraction(corr.clone().equal_elem(0.0).float(), mask);
         let losses = losses1.max_pair(losses2) * corr;
-        let loss = agg_loss(losses, mask.clone(), input.loss_agg_mode, &input.global)?;
+        let loss = input.aggregate(losses)?;
         Ok(PolicyLossOutput {
             loss,
             metrics: metrics(&[("actor/pg_clipfrac", clip_frac), ("actor/ppo_kl", ppo_kl)]),

@@ -150,6 +150,7 @@ pub fn actor_update<B: RlAutodiffBackend, O: Optimizer<CausalLm<B>, B>>(
             loss_agg_mode: config.loss_agg_mode,
             global,
             ref_log_prob: ref_all.as_ref().map(|v| tensor2(&cut(v), n, w, device)),
+            rollout_is_weights: None,
         };
         let out = policy_loss.compute(&input)?;
         let entropy_loss = agg_loss(entropy, mask.clone(), config.loss_agg_mode, &global)?;
