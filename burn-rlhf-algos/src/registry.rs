@@ -268,8 +268,20 @@ mod tests {
         ];
         assert_eq!(r.estimator_names(), owned(&estimators));
         let losses = [
-            "vanilla", "gspo", "gpg", "cispo", "sapo", "geo_mean", "kl_cov", "clip_cov", "dppo_tv",
-            "dppo_kl", "dro", "spin", "sppo",
+            "vanilla",
+            "gspo",
+            "gpg",
+            "cispo",
+            "sapo",
+            "geo_mean",
+            "kl_cov",
+            "clip_cov",
+            "dppo_tv",
+            "dppo_kl",
+            "dro",
+            "bypass_mode",
+            "spin",
+            "sppo",
         ];
         assert_eq!(r.policy_loss_names(), owned(&losses));
         assert_eq!(r.policy_loss_units(), [("spin".to_string(), 2)]);
@@ -286,12 +298,7 @@ mod tests {
         };
         assert!(r.policy_loss("dro", &PolicyLossParams::default()).is_err());
         for name in r.policy_loss_names() {
-            assert_eq!(
-                r.policy_loss(&name, &params)
-                    .unwrap()
-                    .name(),
-                name
-            );
+            assert_eq!(r.policy_loss(&name, &params).unwrap().name(), name);
         }
     }
 

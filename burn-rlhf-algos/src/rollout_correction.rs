@@ -348,7 +348,11 @@ impl RolloutCorrection {
         cols: usize,
     ) -> Result<CorrectionOutput, AlgoError> {
         let n = response_mask.len();
-        if old_log_prob.len() != n || rollout_log_prob.len() != n || cols == 0 || !n.is_multiple_of(cols) {
+        if old_log_prob.len() != n
+            || rollout_log_prob.len() != n
+            || cols == 0
+            || !n.is_multiple_of(cols)
+        {
             return Err(AlgoError::Shape {
                 what: "rollout_correction".into(),
                 detail: format!(

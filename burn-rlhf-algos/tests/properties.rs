@@ -352,8 +352,11 @@ fn clip_cov_drops_a_seeded_fraction_of_in_window_tokens() {
             cov[i]
         );
     }
-    let other_seed = ClipCov::new(&PolicyLossParams { seed: 99, ..params })
-        .select_tokens(&adv, &new, &m, &no_clip, 0);
+    let other_seed = ClipCov::new(&PolicyLossParams {
+        seed: 99,
+        ..params.clone()
+    })
+    .select_tokens(&adv, &new, &m, &no_clip, 0);
     assert_ne!(a, other_seed, "another seed draws other tokens");
 
     // Through the loss: the zeroed fraction is the ratio (of valid tokens), and a rebuilt loss

@@ -12,6 +12,7 @@ use burn::backend::Autodiff;
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_rlhf_algos::functional::{entropy_and_logprobs, masked_whiten, to_vec};
 use burn_rlhf_algos::kl::{kl_penalty, AdaptiveKlController, KlController};
+use burn_rlhf_algos::policy_loss::BypassLossType;
 use burn_rlhf_algos::preference::{online_dpo_loss, sppo_centered_rewards, sppo_loss, DpoLossType};
 use burn_rlhf_algos::rollout_correction::RolloutCorrection;
 use burn_rlhf_algos::{
@@ -188,6 +189,21 @@ impl Case {
         self.params.get(name).and_then(Value::as_str)
     }
 
+    /// verl's `rollout_correction` keys among the params.
+    fn rollout_correction(&self) -> Result<RolloutCorrection, String> {
+        RolloutCorrection::from_verl_keys(
+            self.s("rollout_is"),
+            self.s("rollout_is_threshold").unwrap_or("2.0"),
+            self.params
+                .get("rollout_is_batch_normalize")
+                .and_then(Value::as_bool)
+                .unwrap_or(false),
+            self.s("rollout_rs"),
+            self.s("rollout_rs_threshold"),
+        )
+        .map_err(|e| e.to_string())
+    }
+
     fn agg_mode(&self) -> Result<LossAggMode, String> {
         LossAggMode::from_name(self.s("loss_agg_mode").unwrap_or("token-mean"))
             .map_err(|e| e.to_string())
@@ -353,6 +369,11 @@ fn compute(case: &Case) -> Result<Ours, String> {
                 dpo_label_smoothing: d.dpo_label_smoothing,
                 dpo_loss_type: d.dpo_loss_type,
                 dro_beta: case.f("dro_beta").unwrap_or(d.dro_beta),
+                rollout_correction: case.rollout_correction()?,
+                bypass_loss_type: match case.s("loss_type") {
+                    Some(t) => BypassLossType::from_name(t).map_err(|e| e.to_string())?,
+                    None => d.bypass_loss_type,
+                },
                 seed: d.seed,
             };
             let loss_fn = registry
@@ -468,17 +489,7 @@ fn compute(case: &Case) -> Result<Ours, String> {
             if case.name != "rollout_correction" {
                 return Err(format!("unknown rollout_correction case `{}`", case.name));
             }
-            let correction = RolloutCorrection::from_verl_keys(
-                case.s("rollout_is"),
-                case.s("rollout_is_threshold").unwrap_or("2.0"),
-                case.params
-                    .get("rollout_is_batch_normalize")
-                    .and_then(Value::as_bool)
-                    .unwrap_or(false),
-                case.s("rollout_rs"),
-                case.s("rollout_rs_threshold"),
-            )
-            .map_err(|e| e.to_string())?;
+            let correction = case.rollout_correction()?;
             let mask = case.input("response_mask")?;
             let out = correction
                 .apply(

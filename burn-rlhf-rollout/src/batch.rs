@@ -30,6 +30,10 @@ pub struct RolloutBatch {
     pub ground_truth: Vec<String>,
     /// `[rows * response_len]` token-level scores, once rewarded.
     pub token_level_scores: Option<Vec<f32>>,
+    /// `[rows * response_len]`: the tokens the losses, advantages and their counts see, when that
+    /// differs from `response_mask` (rollout correction's rejection sampling). The model still
+    /// attends to every response token.
+    pub loss_mask: Option<Vec<f32>>,
 }
 
 impl RolloutBatch {
@@ -78,6 +82,11 @@ impl RolloutBatch {
             b.ground_truth.push(ground_truth[s.prompt_index].clone());
         }
         b
+    }
+
+    /// The mask the losses and advantages use: `loss_mask` when set, else `response_mask`.
+    pub fn loss_mask(&self) -> &[f32] {
+        self.loss_mask.as_deref().unwrap_or(&self.response_mask)
     }
 
     /// Rows in the batch.
@@ -138,6 +147,7 @@ impl RolloutBatch {
             data_source: rows.iter().map(|&i| self.data_source[i].clone()).collect(),
             ground_truth: rows.iter().map(|&i| self.ground_truth[i].clone()).collect(),
             token_level_scores: self.token_level_scores.as_ref().map(|s| pick(s, r)),
+            loss_mask: self.loss_mask.as_ref().map(|s| pick(s, r)),
         }
     }
 
@@ -203,6 +213,10 @@ impl RolloutBatch {
                 .token_level_scores
                 .as_ref()
                 .map(|s| gather(s, rows, response_cols)),
+            loss_mask: self
+                .loss_mask
+                .as_ref()
+                .map(|s| gather(s, rows, response_cols)),
         }
     }
 
@@ -219,7 +233,7 @@ impl RolloutBatch {
     }
 
     /// Concatenates batches, re-padding prompts (on the left) and responses (on the right) to the
-    /// widest. Scores are kept when every part has them.
+    /// widest. Scores are kept when every part has them; a loss mask when any part has one.
     pub fn concat(parts: &[Self], pad_id: u32) -> Self {
         let p = parts.iter().map(|b| b.prompt_len).max().unwrap_or(0);
         let r = parts.iter().map(|b| b.response_len).max().unwrap_or(0);
@@ -229,7 +243,8 @@ impl RolloutBatch {
             response_len: r,
             ..Default::default()
         };
-        let mut scores = Vec::new();
+        let with_loss_mask = parts.iter().any(|b| b.loss_mask.is_some());
+        let (mut scores, mut loss_mask) = (Vec::new(), Vec::new());
         for b in parts {
             for row in 0..b.rows() {
                 let extra = p - b.prompt_len;
@@ -267,6 +282,14 @@ impl RolloutBatch {
                         .cloned()
                         .chain(std::iter::repeat_n(0.0, extra)),
                 );
+                if with_loss_mask {
+                    loss_mask.extend(
+                        b.loss_mask()[seg.clone()]
+                            .iter()
+                            .cloned()
+                            .chain(std::iter::repeat_n(0.0, extra)),
+                    );
+                }
                 if with_scores {
                     let s = b.token_level_scores.as_ref().expect("checked");
                     scores.extend(
@@ -282,6 +305,7 @@ impl RolloutBatch {
             out.ground_truth.extend(b.ground_truth.iter().cloned());
         }
         out.token_level_scores = with_scores.then_some(scores);
+        out.loss_mask = with_loss_mask.then_some(loss_mask);
         out
     }
 }
@@ -338,6 +362,15 @@ mod tests {
         assert_eq!((short.prompt_len, short.response_len), (3, 2));
         assert_eq!(short.response_tokens(1), &[9, 10]);
         assert_eq!(short.prompt_lengths(), vec![3, 1]);
+        let mut masked = b.clone();
+        masked.loss_mask = Some(vec![1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0, 0.0]);
+        for size in 1..=3 {
+            let parts = masked.split(size).unwrap();
+            assert_eq!(RolloutBatch::concat(&parts, 0), masked, "split({size})");
+        }
+        assert_eq!(masked.select(&[1]).loss_mask(), &[1.0, 0.0, 1.0]);
+        assert_eq!(masked.padded_to(3, 4, 0).trimmed(1), masked);
+        assert_eq!(b.loss_mask(), &b.response_mask[..]);
         let bucketed = wide.select(&[0, 2]).trimmed(4);
         assert_eq!((bucketed.prompt_len, bucketed.response_len), (4, 4));
     }

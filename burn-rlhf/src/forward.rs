@@ -21,7 +21,8 @@ pub struct SequenceTensors<B: Backend> {
     pub position_ids: Vec<Vec<i64>>,
     /// `[B, R]`.
     pub response_ids: Tensor<B, 2, Int>,
-    /// `[B, R]` of 0/1.
+    /// `[B, R]` of 0/1: the tokens the losses count (the batch's loss mask; the attention mask
+    /// above covers every response token).
     pub response_mask: Tensor<B, 2>,
     /// `P`.
     pub prompt_len: usize,
@@ -66,7 +67,7 @@ impl<B: Backend> SequenceTensors<B> {
             position_ids: host_rows(pos),
             response_ids: int(response_ids, r),
             response_mask: Tensor::from_data(
-                TensorData::new(batch.response_mask.clone(), [rows, r]),
+                TensorData::new(batch.loss_mask().to_vec(), [rows, r]),
                 device,
             ),
             prompt_len: p,

@@ -64,6 +64,12 @@ fn micro_batch_size_does_not_change_the_update() {
         old_log_probs: old,
         advantages,
         ref_log_probs: Some(reference),
+        // Rollout correction's IS weights ride along the same micro-batching.
+        rollout_is_weights: Some(
+            (0..rows * r)
+                .map(|i| 0.5 + (i * 7 % 5) as f32 / 4.0)
+                .collect(),
+        ),
     };
     let loss = Registry::<B>::builtin()
         .policy_loss("vanilla", &PolicyLossParams::default())

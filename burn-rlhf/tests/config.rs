@@ -273,6 +273,45 @@ fn cross_field_rules_are_enforced_in_words() {
             && e.contains("computes in float32 only"),
         "{e}"
     );
+    // verl's rollout-correction thresholds, as numbers or text, parsed as verl parses them.
+    let c = load_config(
+        &ppo(),
+        &overrides(&[
+            "algorithm.rollout_correction.rollout_is=token",
+            "algorithm.rollout_correction.rollout_is_threshold=0.5_2.0",
+            "algorithm.rollout_correction.rollout_rs=token_k2,seq_max_k3",
+            "algorithm.rollout_correction.rollout_rs_threshold=0.1",
+        ]),
+    )
+    .unwrap();
+    c.validate("ppo").unwrap();
+    let rc = c.algorithm.rollout_correction.decode().unwrap();
+    let is = rc.is.unwrap();
+    assert_eq!((is.threshold.lower, is.threshold.upper), (Some(0.5), 2.0));
+    assert_eq!(rc.rs.len(), 2);
+    let e = invalid(&[
+        "algorithm.rollout_correction.rollout_rs=token_k9",
+        "algorithm.rollout_correction.rollout_rs_threshold=2",
+    ]);
+    assert!(
+        e.contains("`algorithm.rollout_correction` invalid rollout_rs option `token_k9`"),
+        "{e}"
+    );
+    let e = invalid(&["algorithm.rollout_correction.rollout_rs=token_k1"]);
+    assert!(e.contains("rollout_rs_threshold must be provided"), "{e}");
+    let e = invalid(&[
+        "algorithm.rollout_correction.bypass_mode=true",
+        "actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
+    ]);
+    assert!(
+        e.contains("replaces the policy loss with `bypass_mode`"),
+        "{e}"
+    );
+    let e = invalid(&["algorithm.rollout_correction.loss_type=ppo"]);
+    assert!(
+        e.contains("`algorithm.rollout_correction.loss_type` loss_type `ppo`"),
+        "{e}"
+    );
     let e = invalid(&["critic.enable=false"]);
     assert!(e.contains("`gae` needs a critic"), "{e}");
     let e = invalid(&["actor_rollout_ref.actor.use_kl_loss=true"]);

@@ -10,7 +10,7 @@ use std::sync::atomic::AtomicBool;
 use burn::backend::{Autodiff, Flex};
 use burn::module::{AutodiffModule, Module};
 use burn::tensor::{Int, Tensor, TensorData};
-use burn_rlhf::config::RlhfConfig;
+use burn_rlhf::config::{RlhfConfig, ThresholdSpec};
 use burn_rlhf::models::pretrained::{load_pretrained, save_pretrained};
 use burn_rlhf::models::weights::WeightMap;
 use burn_rlhf::models::{CausalLm, ValueModel};
@@ -603,5 +603,82 @@ fn bench_prints_generation_forward_backward_and_step_lines() {
     assert!((rate * gen["median_s"].as_f64().unwrap() - 12.0).abs() < 1e-6);
     assert!(lines[4]["phases_s"]["gen"].as_f64().unwrap() > 0.0);
     assert!(lines[4]["phases_s"]["update_actor"].is_number());
+    std::fs::remove_dir_all(dir).ok();
+}
+
+/// `algorithm.rollout_correction` through the learner. The rollout records top-k-processed
+/// log-probs (`logprobs_mode=processed_logprobs`) while the actor recomputes full-softmax ones, a
+/// real mismatch. Diagnostics come every step; IS weights reach the loss; rejection masks tokens
+/// out of the update; bypass mode skips the old-log-prob pass and corrects inside its loss.
+#[test]
+fn rollout_correction_weights_rejects_and_bypasses() {
+    let dir = temp_dir("rollout_correction");
+    let (actor, critic) = tiny_models();
+    let run = |set: &dyn Fn(&mut RlhfConfig)| {
+        let mut config = tiny_config("gae", &dir);
+        config.actor_rollout_ref.rollout.top_k = 3;
+        config.actor_rollout_ref.rollout.logprobs_mode = "processed_logprobs".into();
+        set(&mut config);
+        let mut l = learner(config, actor.clone(), critic.clone());
+        let m = l.step().unwrap();
+        (params(&l.actor.valid()), m)
+    };
+    let (plain, m) = run(&|_| {});
+    for key in [
+        "rollout_corr/kl",
+        "rollout_corr/training_ppl",
+        "rollout_corr/chi2_token",
+    ] {
+        assert!(m[key].is_finite(), "{key}");
+    }
+    assert!(
+        m["rollout_corr/kl"] > 0.01,
+        "the test needs a mismatch: {}",
+        m["rollout_corr/kl"]
+    );
+    assert!(!m.contains_key("rollout_corr/rollout_is_mean"));
+
+    // IS weights truncated at a tiny threshold scale the policy loss down with them.
+    let (_, tis) = run(&|c| {
+        let rc = &mut c.algorithm.rollout_correction;
+        rc.rollout_is = Some("token".into());
+        rc.rollout_is_threshold = ThresholdSpec::Number(1e-3);
+    });
+    assert_eq!(tis["rollout_corr/rollout_is_max"], 1e-3);
+    println!(
+        "pg_loss plain {} tis {}",
+        m["actor/pg_loss"], tis["actor/pg_loss"]
+    );
+    assert!(
+        m["actor/pg_loss"].abs() > 1e-4,
+        "the test needs a policy loss"
+    );
+    assert!(tis["actor/pg_loss"].abs() < 0.01 * m["actor/pg_loss"].abs());
+
+    // Rejection: some tokens leave the update, which then differs.
+    let (rejected, rs) = run(&|c| {
+        let rc = &mut c.algorithm.rollout_correction;
+        rc.rollout_rs = Some("token_k1".into());
+        rc.rollout_rs_threshold = Some(ThresholdSpec::Text("0.5_2.5".into()));
+    });
+    let fraction = rs["rollout_corr/rollout_rs_masked_fraction"];
+    println!(
+        "rejected fraction {fraction} k1 min {} max {}",
+        rs["rollout_corr/rollout_rs_token_k1_min"], rs["rollout_corr/rollout_rs_token_k1_max"]
+    );
+    assert!(fraction > 0.0 && fraction < 1.0, "{fraction}");
+    assert!(max_diff(&plain, &rejected) > 1e-6);
+
+    // Bypass mode: no old-log-prob pass, the loss's own correction metrics.
+    let (_, bp) = run(&|c| {
+        let rc = &mut c.algorithm.rollout_correction;
+        rc.bypass_mode = true;
+        rc.rollout_is = Some("token".into());
+        rc.loss_type = "reinforce".into();
+    });
+    assert!(!bp.contains_key("timing_s/old_log_prob"));
+    assert!(m.contains_key("timing_s/old_log_prob"));
+    assert!(bp["rollout_corr/rollout_is_mean"].is_finite());
+    assert!(bp["actor/pg_loss"].is_finite());
     std::fs::remove_dir_all(dir).ok();
 }

@@ -239,7 +239,7 @@ fn decoupled_gae_lambdas_take_advantages_and_returns_from_their_own_lambda() {
     let rewards = batch.token_level_scores.clone().unwrap();
     let values = plain.values(&batch).unwrap().unwrap();
     let adv = |l: &Learner<B>| {
-        l.advantages(&batch, &rewards, Some(&values), None, None)
+        l.advantages(&batch, &rewards, Some(&values), None, (None, None))
             .unwrap()
     };
     // Equal lambdas: plain GAE.
@@ -309,7 +309,9 @@ fn sppo_centres_rewards_by_the_soft_mean_and_pulls_the_log_ratio_towards_them() 
     let mut batch = l.generate(&[0, 1, 2, 3], 1).unwrap();
     let scores = l.reward(&mut batch).unwrap();
     let rewards = batch.token_level_scores.clone().unwrap();
-    let (adv, _) = l.advantages(&batch, &rewards, None, None, None).unwrap();
+    let (adv, _) = l
+        .advantages(&batch, &rewards, None, None, (None, None))
+        .unwrap();
     // The formula: c_i = s_i - (1/beta) log mean_j exp(beta s_j).
     let n = scores.len() as f64;
     let soft = (scores.iter().map(|s| (2.0 * s).exp()).sum::<f64>() / n).ln() / 2.0;

@@ -13,8 +13,10 @@ use burn::tensor::Tensor;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 
+mod bypass;
 mod divergence;
 
+pub use bypass::{BypassLossType, BypassMode};
 pub use divergence::{Dppo, DppoRegion, Dro};
 
 use crate::agg::{agg_loss, GlobalBatchInfo, LossAggMode};
@@ -155,7 +157,7 @@ where
 }
 
 /// Parameters the built-in losses read (`actor.*` and `actor.policy_loss.*`).
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct PolicyLossParams {
     /// Lower clip range: ratios below `1 - clip_ratio_low` are clipped.
     pub clip_ratio_low: f64,
@@ -187,6 +189,10 @@ pub struct PolicyLossParams {
     pub dpo_loss_type: DpoLossType,
     /// DRO's quadratic log-ratio penalty `β` (`policy_loss.dro_beta`; must be > 0 for `dro`).
     pub dro_beta: f64,
+    /// `bypass_mode`'s per-micro-batch correction (`algorithm.rollout_correction`).
+    pub rollout_correction: crate::rollout_correction::RolloutCorrection,
+    /// `bypass_mode`'s loss (`rollout_correction.loss_type`).
+    pub bypass_loss_type: BypassLossType,
     /// Seeds Clip-Cov's random choice of tokens, so runs reproduce.
     pub seed: u64,
 }
@@ -209,6 +215,8 @@ impl Default for PolicyLossParams {
             dpo_label_smoothing: 0.0,
             dpo_loss_type: DpoLossType::Sigmoid,
             dro_beta: 0.0,
+            rollout_correction: Default::default(),
+            bypass_loss_type: BypassLossType::PpoClip,
             seed: 1,
         }
     }
@@ -758,5 +766,6 @@ pub(crate) fn builtin<B: RlBackend>() -> Vec<(&'static str, PolicyLossFactory<B>
     ]
     .into_iter()
     .chain(divergence::builtin())
+    .chain(bypass::builtin())
     .collect()
 }

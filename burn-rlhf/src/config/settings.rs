@@ -6,6 +6,8 @@
 
 use std::path::PathBuf;
 
+use burn_rlhf_algos::policy_loss::BypassLossType;
+use burn_rlhf_algos::rollout_correction::RolloutCorrection;
 use burn_rlhf_algos::{
     DpoLossType, EstimatorParams, KlControllerParams, KlPenalty, LossAggMode, PolicyLossParams,
 };
@@ -278,6 +280,12 @@ pub struct AlgorithmSettings {
     pub kl_ctrl_params: KlControllerParams,
     /// DAPO's dynamic sampling (`filter_groups`), when enabled.
     pub filter_groups: Option<FilterGroups>,
+    /// `rollout_correction`: IS weights and rejection from the old vs the rollout log-probs (its
+    /// `rollout_corr/*` diagnostics are reported every step, as verl does).
+    pub rollout_correction: RolloutCorrection,
+    /// `rollout_correction.bypass_mode`: the rollout's log-probs are the old ones (no
+    /// recomputation) and the loss is `bypass_mode`.
+    pub bypass_mode: bool,
 }
 
 /// The KL penalty in the reward.
@@ -497,7 +505,12 @@ impl Decoder<'_> {
             micro_batch_size: a.ppo_micro_batch_size_per_gpu,
             max_token_len: a.use_dynamic_bsz.then_some(a.ppo_max_token_len_per_gpu),
             ppo_epochs: a.ppo_epochs,
-            loss_mode: pl.loss_mode.clone(),
+            // verl's `apply_bypass_mode` switches the loss.
+            loss_mode: if c.algorithm.rollout_correction.bypass_mode {
+                "bypass_mode".into()
+            } else {
+                pl.loss_mode.clone()
+            },
             loss: PolicyLossParams {
                 clip_ratio_low: self.derived(&key("clip_ratio_low"), a.clip_ratio_low)?,
                 clip_ratio_high: self.derived(&key("clip_ratio_high"), a.clip_ratio_high)?,
@@ -517,6 +530,14 @@ impl Decoder<'_> {
                     DpoLossType::from_name(&pl.dpo_loss_type),
                 )?,
                 dro_beta: pl.dro_beta.unwrap_or(0.0),
+                rollout_correction: self.parse(
+                    "algorithm.rollout_correction",
+                    c.algorithm.rollout_correction.decode(),
+                )?,
+                bypass_loss_type: self.parse(
+                    "algorithm.rollout_correction.loss_type",
+                    BypassLossType::from_name(&c.algorithm.rollout_correction.loss_type),
+                )?,
                 seed: c.trainer.seed,
             },
             loss_agg_mode: self.parse(
@@ -637,6 +658,11 @@ impl Decoder<'_> {
                 },
                 max_num_gen_batches: (fg.max_num_gen_batches > 0).then_some(fg.max_num_gen_batches),
             }),
+            rollout_correction: self.parse(
+                "algorithm.rollout_correction",
+                alg.rollout_correction.decode(),
+            )?,
+            bypass_mode: alg.rollout_correction.bypass_mode,
         })
     }
 

@@ -3,7 +3,8 @@
 //! Keys that verl fills by interpolation (`${data.max_response_length}` and friends) are `Option`s
 //! here; [`RlhfConfig::resolve`] fills them in the same way, so `config show` prints what a run uses.
 
-use burn_rlhf_algos::{EstimatorParams, KlControllerParams, PolicyLossParams};
+use burn_rlhf_algos::rollout_correction::RolloutCorrection;
+use burn_rlhf_algos::{AlgoError, EstimatorParams, KlControllerParams, PolicyLossParams};
 use serde::{Deserialize, Serialize};
 
 /// The whole tree. Every struct has `#[serde(default)]`, so a file names only what it changes.
@@ -531,6 +532,79 @@ pub struct AlgorithmConfig {
     pub gae_lambda_policy: Option<f64>,
     /// GAE's lambda for the critic's returns; `None`: `lam`.
     pub gae_lambda_value: Option<f64>,
+    /// Correction of the rollout policy's mismatch with the trained one (verl's
+    /// `rollout_corr_helper`).
+    pub rollout_correction: RolloutCorrectionConfig,
+}
+
+/// A threshold written as a number (`2.0`) or as verl's text (`"0.5_2.0"`, `"0.1,0.2"`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum ThresholdSpec {
+    /// One number.
+    Number(f64),
+    /// verl's text form.
+    Text(String),
+}
+
+impl ThresholdSpec {
+    /// The text verl's parsers read.
+    pub fn spec(&self) -> String {
+        match self {
+            Self::Number(x) => x.to_string(),
+            Self::Text(s) => s.clone(),
+        }
+    }
+}
+
+/// `algorithm.rollout_correction.*` (verl 0.9.1's keys and defaults).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RolloutCorrectionConfig {
+    /// IS weights: `token` or `sequence`; `None`: none.
+    pub rollout_is: Option<String>,
+    /// Truncation (`2.0`) or IcePop bounds (`"0.5_2.0"`).
+    pub rollout_is_threshold: ThresholdSpec,
+    /// Rejection options, comma separated (`token_k1`, `seq_mean_k3`, ...); `None`: none.
+    pub rollout_rs: Option<String>,
+    /// One threshold for all options or one per option, comma separated.
+    pub rollout_rs_threshold: Option<ThresholdSpec>,
+    /// Use the rollout's log-probs as the old ones (no recomputation) with the `bypass_mode` loss.
+    pub bypass_mode: bool,
+    /// `bypass_mode`'s loss: `ppo_clip` or `reinforce`.
+    pub loss_type: String,
+    /// Normalise the IS weights to mean 1.
+    pub rollout_is_batch_normalize: bool,
+}
+
+impl RolloutCorrectionConfig {
+    /// The IS and rejection settings, parsed as verl parses them.
+    pub fn decode(&self) -> Result<RolloutCorrection, AlgoError> {
+        RolloutCorrection::from_verl_keys(
+            self.rollout_is.as_deref(),
+            &self.rollout_is_threshold.spec(),
+            self.rollout_is_batch_normalize,
+            self.rollout_rs.as_deref(),
+            self.rollout_rs_threshold
+                .as_ref()
+                .map(ThresholdSpec::spec)
+                .as_deref(),
+        )
+    }
+}
+
+impl Default for RolloutCorrectionConfig {
+    fn default() -> Self {
+        Self {
+            rollout_is: None,
+            rollout_is_threshold: ThresholdSpec::Number(2.0),
+            rollout_rs: None,
+            rollout_rs_threshold: None,
+            bypass_mode: false,
+            loss_type: "ppo_clip".into(),
+            rollout_is_batch_normalize: false,
+        }
+    }
 }
 
 impl Default for AlgorithmConfig {
@@ -549,6 +623,7 @@ impl Default for AlgorithmConfig {
             gae_lambda_policy: None,
             gae_lambda_value: None,
             sppo_beta: p.sppo_beta,
+            rollout_correction: RolloutCorrectionConfig::default(),
         }
     }
 }

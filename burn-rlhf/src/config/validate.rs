@@ -1,7 +1,7 @@
 //! Cross-field rules, checked after loading, one function per config section. Each failure is a
 //! sentence naming the keys and the rule; one run reports all of them.
 
-use burn_rlhf_algos::policy_loss::{Dro, VanillaPpo};
+use burn_rlhf_algos::policy_loss::{BypassLossType, Dro, VanillaPpo};
 use burn_rlhf_algos::{AlgoError, KlPenalty, LossAggMode, Registry};
 
 use super::load::ConfigError;
@@ -408,6 +408,22 @@ impl RlhfConfig {
 
     fn check_algorithm(&self, p: &mut Problems, known: &KnownNames) {
         let alg = &self.algorithm;
+        let rc = &alg.rollout_correction;
+        p.algo_rule("algorithm.rollout_correction", rc.decode().map(|_| ()));
+        p.algo_rule(
+            "algorithm.rollout_correction.loss_type",
+            BypassLossType::from_name(&rc.loss_type).map(|_| ()),
+        );
+        let loss_mode = &self.actor_rollout_ref.actor.policy_loss.loss_mode;
+        if rc.bypass_mode {
+            p.check(loss_mode == "vanilla" || loss_mode == "bypass_mode", || {
+                format!(
+                    "`algorithm.rollout_correction.bypass_mode` replaces the policy loss with \
+                     `bypass_mode` (choose its loss with `rollout_correction.loss_type`), but \
+                     `actor_rollout_ref.actor.policy_loss.loss_mode` is `{loss_mode}`"
+                )
+            });
+        }
         p.one_of(
             "algorithm.adv_estimator",
             &alg.adv_estimator,

@@ -32,6 +32,8 @@ pub struct ActorTargets {
     pub advantages: Vec<f32>,
     /// The reference policy's log-probs, for the KL loss.
     pub ref_log_probs: Option<Vec<f32>>,
+    /// Rollout correction's IS weights, multiplying each token's policy loss.
+    pub rollout_is_weights: Option<Vec<f32>>,
 }
 
 /// The loss terms' settings (`actor_rollout_ref.actor.*`).
@@ -113,7 +115,7 @@ pub fn actor_update<B: RlAutodiffBackend, O: Optimizer<CausalLm<B>, B>>(
 ) -> Result<(CausalLm<B>, BTreeMap<String, f64>), TrainError> {
     let dp = &sync.dp;
     let (rows, r) = (batch.rows(), batch.response_len);
-    let mask_all = tensor2::<B>(&batch.response_mask, rows, r, device);
+    let mask_all = tensor2::<B>(batch.loss_mask(), rows, r, device);
     let global = GlobalBatchInfo {
         // The mini-batch's width, not a trimmed micro-batch's.
         loss_scale_factor: Some(config.loss_scale_factor.unwrap_or(r as f64)),
@@ -127,6 +129,7 @@ pub fn actor_update<B: RlAutodiffBackend, O: Optimizer<CausalLm<B>, B>>(
     let pick = |v: &[f32]| rows_of(v, &mine, r);
     let (old_all, adv_all) = (pick(&targets.old_log_probs), pick(&targets.advantages));
     let ref_all = targets.ref_log_probs.as_deref().map(pick);
+    let is_all = targets.rollout_is_weights.as_deref().map(pick);
     let mut accumulator = GradientsAccumulator::<CausalLm<B>>::new();
     let mut metrics: BTreeMap<String, f64> = BTreeMap::new();
     let plans = micro_batches(
@@ -150,7 +153,7 @@ pub fn actor_update<B: RlAutodiffBackend, O: Optimizer<CausalLm<B>, B>>(
             loss_agg_mode: config.loss_agg_mode,
             global,
             ref_log_prob: ref_all.as_ref().map(|v| tensor2(&cut(v), n, w, device)),
-            rollout_is_weights: None,
+            rollout_is_weights: is_all.as_ref().map(|v| tensor2(&cut(v), n, w, device)),
         };
         let out = policy_loss.compute(&input)?;
         let entropy_loss = agg_loss(entropy, mask.clone(), config.loss_agg_mode, &global)?;
@@ -169,7 +172,7 @@ pub fn actor_update<B: RlAutodiffBackend, O: Optimizer<CausalLm<B>, B>>(
                 loss = loss + kl_loss * coef;
             }
         }
-        let tokens: f64 = cut(&local.response_mask).iter().map(|&m| m as f64).sum();
+        let tokens: f64 = cut(local.loss_mask()).iter().map(|&m| m as f64).sum();
         let share = tokens / total_tokens * dp.world() as f64;
         for (name, value) in out.metrics {
             *metrics.entry(name).or_default() += value * share;

@@ -83,7 +83,7 @@ pub fn critic_update<B: RlAutodiffBackend, O: Optimizer<ValueModel<B>, B>>(
         // The mini-batch's width, not a trimmed micro-batch's.
         loss_scale_factor: Some(r as f64),
         ..GlobalBatchInfo::from_mask(
-            &from_rows::<B>(batch.response_mask.clone(), rows, r, device),
+            &from_rows::<B>(batch.loss_mask().to_vec(), rows, r, device),
             dp.world(),
         )
     };
@@ -116,7 +116,7 @@ pub fn critic_update<B: RlAutodiffBackend, O: Optimizer<ValueModel<B>, B>>(
             config.loss_agg_mode,
             &global,
         )?;
-        let tokens: f64 = slice(&local.response_mask).iter().map(|&m| m as f64).sum();
+        let tokens: f64 = slice(local.loss_mask()).iter().map(|&m| m as f64).sum();
         vf_loss += to_scalar(out.vf_loss.clone().detach());
         vf_clipfrac += out.vf_clipfrac * tokens / total_tokens * dp.world() as f64;
         accumulator.accumulate(

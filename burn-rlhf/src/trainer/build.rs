@@ -286,6 +286,15 @@ fn build_algorithms<B: RlAutodiffBackend>(
 ) -> Result<Algorithms<B>, TrainError> {
     let alg = &settings.algorithm;
     let estimator = registry.estimator(&alg.adv_estimator, &alg.estimator)?;
+    if alg.bypass_mode && estimator.needs_sum_pi_squared() {
+        return Err(TrainError::config(
+            "algorithm.rollout_correction.bypass_mode",
+            format!(
+                "`{}` reads the old policy's Σπ² from the old-log-prob pass, which bypass mode skips",
+                alg.adv_estimator
+            ),
+        ));
+    }
     let value_estimator = match alg.value_lambda {
         Some(lam) => Some(registry.estimator(
             &alg.adv_estimator,

@@ -451,6 +451,7 @@ mod tests {
             data_source: vec!["a".into(); 2],
             ground_truth: vec!["1".into(); 2],
             token_level_scores: None,
+            loss_mask: None,
         };
         let scores = [0.0, 1.0, 0.0, 0.0, 0.0, 0.0];
         let adv = [1.0, 2.0, 100.0, 3.0, 4.0, 5.0];

@@ -24,8 +24,8 @@ pub type Rows = Vec<f32>;
 pub struct OldLogProbs {
     /// Log-prob of each response token.
     pub log_probs: Rows,
-    /// Entropy at each response position.
-    pub entropy: Rows,
+    /// Entropy at each response position (`None` in bypass mode, which runs no pass).
+    pub entropy: Option<Rows>,
     /// `Σ_v π(v)²` at each response position, when the estimator reads it.
     pub sum_pi_squared: Option<Rows>,
 }
@@ -128,9 +128,43 @@ impl<B: RlAutodiffBackend> Learner<B> {
         let mut next = || out.next().expect("one output per requested pass");
         Ok(OldLogProbs {
             log_probs: next(),
-            entropy: next(),
+            entropy: Some(next()),
             sum_pi_squared: with_sum.then(next),
         })
+    }
+
+    /// Bypass mode (`rollout_correction.bypass_mode`): the rollout's own log-probs are the old
+    /// ones; no pass runs.
+    pub fn rollout_as_old(&self, batch: &RolloutBatch) -> OldLogProbs {
+        OldLogProbs {
+            log_probs: batch.rollout_log_probs.clone(),
+            entropy: None,
+            sum_pi_squared: None,
+        }
+    }
+
+    /// verl's rollout correction in its decoupled mode (`compute_rollout_correction_and_add_to_batch`):
+    /// from the recomputed old log-probs against the rollout's, the IS weights (when
+    /// `rollout_is` is set) and, with `rollout_rs`, the batch's loss mask without the rejected
+    /// tokens; the `rollout_corr/*` diagnostics every step.
+    pub fn correct_rollout(
+        &self,
+        batch: &mut RolloutBatch,
+        old_log_probs: &[f32],
+    ) -> Result<(Option<Rows>, Metrics), TrainError> {
+        let correction = &self.settings.algorithm.rollout_correction;
+        let f64s = |v: &[f32]| v.iter().map(|&x| f64::from(x)).collect::<Vec<_>>();
+        let out = correction.apply(
+            &f64s(old_log_probs),
+            &f64s(&batch.rollout_log_probs),
+            &f64s(&batch.response_mask),
+            batch.response_len,
+        )?;
+        let f32s = |v: Vec<f64>| v.into_iter().map(|x| x as f32).collect::<Vec<_>>();
+        if !correction.rs.is_empty() {
+            batch.loss_mask = Some(f32s(out.mask));
+        }
+        Ok((out.weights.map(f32s), out.metrics.into_iter().collect()))
     }
 
     /// Reference log-probs, when there is a reference.
@@ -216,13 +250,13 @@ impl<B: RlAutodiffBackend> Learner<B> {
         rewards: &[f32],
         values: Option<&[f32]>,
         baselines: Option<&[f64]>,
-        old: Option<&OldLogProbs>,
+        (old, is_weights): (Option<&OldLogProbs>, Option<&[f32]>),
     ) -> Result<(Rows, Rows), TrainError> {
         let (rows, r) = (batch.rows(), batch.response_len);
         let t = |v: Vec<f32>| from_rows::<B>(v, rows, r, &self.device);
         let input = || AdvantageInput {
             token_level_rewards: t(rewards.to_vec()),
-            response_mask: t(batch.response_mask.clone()),
+            response_mask: t(batch.loss_mask().to_vec()),
             values: values.map(|v| t(v.to_vec())),
             group_ids: batch.group_ids.clone(),
             reward_baselines: baselines.map(|b| {
@@ -235,7 +269,7 @@ impl<B: RlAutodiffBackend> Learner<B> {
             sum_pi_squared: old
                 .and_then(|o| o.sum_pi_squared.as_ref())
                 .map(|s| t(s.clone())),
-            rollout_is_weights: None,
+            rollout_is_weights: is_weights.map(|w| t(w.to_vec())),
         };
         let out = self.algorithms.estimator.compute(&input())?;
         let returns = match &self.algorithms.value_estimator {

@@ -19,14 +19,18 @@ impl<B: RlAutodiffBackend> Learner<B> {
         let step = self.global_step + 1;
         let start = Instant::now();
         let mut timing = Timing::default();
-        let (batch, indices, mut metrics) = self.sample_batch(step, &mut timing)?;
+        let (mut batch, indices, mut metrics) = self.sample_batch(step, &mut timing)?;
         let baselines = if self.algorithms.estimator.needs_reward_baselines() {
             Some(timing.time("gen_max", || self.reward_baselines(&indices, step))?)
         } else {
             None
         };
-        let old = timing.time("old_log_prob", || self.old_log_probs(&batch))?;
-        let (old_log_probs, entropy) = (&old.log_probs, &old.entropy);
+        let bypass = self.settings.algorithm.bypass_mode;
+        let old = match bypass {
+            true => self.rollout_as_old(&batch),
+            false => timing.time("old_log_prob", || self.old_log_probs(&batch))?,
+        };
+        let old_log_probs = &old.log_probs;
         // A phase that does not run leaves no timing.
         let ref_log_probs = match self.reference {
             Some(_) => timing.time("ref", || self.ref_log_probs(&batch))?,
@@ -36,18 +40,27 @@ impl<B: RlAutodiffBackend> Learner<B> {
             Some(_) => timing.time("values", || self.values(&batch))?,
             None => None,
         };
-        let (rewards, advantages, returns) = timing.time("adv", || {
+        let (rewards, advantages, returns, is_weights) = timing.time("adv", || {
             let (rewards, kl) =
                 self.kl_in_reward(&batch, old_log_probs, ref_log_probs.as_deref())?;
             metrics.extend(kl);
+            // Bypass mode corrects inside its loss instead.
+            let is_weights = match bypass {
+                true => None,
+                false => {
+                    let (w, m) = self.correct_rollout(&mut batch, old_log_probs)?;
+                    metrics.extend(m);
+                    w
+                }
+            };
             let (adv, ret) = self.advantages(
                 &batch,
                 &rewards,
                 values.as_deref(),
                 baselines.as_deref(),
-                Some(&old),
+                (Some(&old), is_weights.as_deref()),
             )?;
-            Ok::<_, TrainError>((rewards, adv, ret))
+            Ok::<_, TrainError>((rewards, adv, ret, is_weights))
         })?;
         if let Some(v) = &values {
             let m = timing.time("update_critic", || self.update_critic(&batch, v, &returns))?;
@@ -55,14 +68,19 @@ impl<B: RlAutodiffBackend> Learner<B> {
         }
         if self.settings.trainer.actor_start_step <= step {
             let m = timing.time("update_actor", || {
-                self.update_actor(&batch, old_log_probs, &advantages, ref_log_probs.as_deref())
+                self.update_actor(
+                    &batch,
+                    old_log_probs,
+                    &advantages,
+                    (ref_log_probs.as_deref(), is_weights.as_deref()),
+                )
             })?;
             metrics.extend(m);
             self.refresh_reference(step);
         }
         metrics.extend(self.batch_metrics(
             &batch,
-            entropy,
+            old.entropy.as_deref(),
             old_log_probs,
             &StepData {
                 batch: &batch,
@@ -103,22 +121,25 @@ impl<B: RlAutodiffBackend> Learner<B> {
         }
     }
 
-    /// The batch's metrics: verl's data metrics, the rollout policy's entropy (from the
-    /// old-log-prob pass, aggregated as the loss) and the rollout-vs-actor probability gap.
+    /// The batch's metrics: verl's data metrics, and when the old-log-prob pass ran (not in
+    /// bypass mode) the rollout policy's entropy (aggregated as the loss) and the
+    /// rollout-vs-actor probability gap.
     fn batch_metrics(
         &self,
         batch: &RolloutBatch,
-        entropy: &[f32],
+        entropy: Option<&[f32]>,
         old_log_probs: &[f32],
         data: &StepData<'_>,
     ) -> Metrics {
         let mut metrics = data_metrics(data);
         let mode = self.settings.actor.loss_agg_mode;
-        metrics.insert(
-            "actor/entropy".into(),
-            masked_agg(entropy, &batch.response_mask, batch.response_len, mode),
-        );
-        metrics.extend(rollout_probs_diff(batch, old_log_probs));
+        if let Some(entropy) = entropy {
+            metrics.insert(
+                "actor/entropy".into(),
+                masked_agg(entropy, &batch.response_mask, batch.response_len, mode),
+            );
+            metrics.extend(rollout_probs_diff(batch, old_log_probs));
+        }
         metrics
     }
 }

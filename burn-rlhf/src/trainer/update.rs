@@ -73,7 +73,7 @@ impl<B: RlAutodiffBackend> Learner<B> {
         batch: &RolloutBatch,
         old_log_probs: &[f32],
         advantages: &[f32],
-        ref_log_probs: Option<&[f32]>,
+        (ref_log_probs, is_weights): (Option<&[f32]>, Option<&[f32]>),
     ) -> Result<Metrics, TrainError> {
         let settings = &self.settings.actor;
         let minis = mini_batches(
@@ -91,6 +91,7 @@ impl<B: RlAutodiffBackend> Learner<B> {
                     old_log_probs: rows_of(old_log_probs, rows, r),
                     advantages: rows_of(advantages, rows, r),
                     ref_log_probs: ref_log_probs.map(|v| rows_of(v, rows, r)),
+                    rollout_is_weights: is_weights.map(|v| rows_of(v, rows, r)),
                 };
                 let (actor, m) = actor_update(
                     self.actor.clone(),
