@@ -268,25 +268,32 @@ pub struct CorrectionOutput {
     pub metrics: BTreeMap<String, f64>,
 }
 
-/// A `[B, T]` host matrix view.
-struct Rows<'a> {
-    v: &'a [f64],
-    cols: usize,
+/// verl's `masked_sum(values, mask, axis=-1)` of a row-major `[rows, cols]` matrix: per row.
+fn row_sums(v: &[f64], mask: &[f64], cols: usize) -> Vec<f64> {
+    v.chunks(cols)
+        .zip(mask.chunks(cols))
+        .map(|(x, m)| masked_sum(x, m))
+        .collect()
 }
 
-impl Rows<'_> {
-    fn row(&self, r: usize) -> &[f64] {
-        &self.v[r * self.cols..(r + 1) * self.cols]
-    }
+/// verl's `masked_mean(values, mask, axis=-1)`: per row.
+fn row_means(v: &[f64], mask: &[f64], cols: usize) -> Vec<f64> {
+    v.chunks(cols)
+        .zip(mask.chunks(cols))
+        .map(|(x, m)| masked_mean(x, m))
+        .collect()
+}
+
+/// verl's `masked_sum`: values outside the mask count as 0 (even NaN ones).
+fn masked_sum(v: &[f64], mask: &[f64]) -> f64 {
+    v.iter()
+        .zip(mask)
+        .map(|(x, m)| if *m != 0.0 { x * m } else { 0.0 })
+        .sum()
 }
 
 fn masked_mean(v: &[f64], mask: &[f64]) -> f64 {
-    let s: f64 = v
-        .iter()
-        .zip(mask)
-        .map(|(x, m)| if *m != 0.0 { x * m } else { 0.0 })
-        .sum();
-    s / (mask.iter().sum::<f64>() + 1e-8)
+    masked_sum(v, mask) / (mask.iter().sum::<f64>() + 1e-8)
 }
 
 fn mean(v: &[f64]) -> f64 {
@@ -411,13 +418,9 @@ fn is_weights(
     metrics: &mut BTreeMap<String, f64>,
 ) -> Vec<f64> {
     let rows = mask.len() / cols;
-    let m = Rows { v: mask, cols };
-    let lr = Rows { v: log_ratio, cols };
     let (upper, lower) = (is.threshold.upper, is.threshold.lower);
     // Sequence level: the masked sum of log-ratios per row.
-    let seq_log: Vec<f64> = (0..rows)
-        .map(|r| lr.row(r).iter().zip(m.row(r)).map(|(x, w)| x * w).sum())
-        .collect();
+    let seq_log = row_sums(log_ratio, mask, cols);
     let raw: Vec<f64> = (0..mask.len())
         .map(|i| {
             let l = match is.level {
@@ -500,12 +503,7 @@ fn is_weights(
         "rollout_is_eff_sample_size".into(),
         1.0 / masked_mean(&normalized_sq, mask),
     );
-    let seq_mean = |v: &[f64]| -> Vec<f64> {
-        (0..rows)
-            .map(|r| masked_mean(Rows { v, cols }.row(r), m.row(r)))
-            .collect()
-    };
-    let seq_w = seq_mean(&weights);
+    let seq_w = row_means(&weights, mask, cols);
     metrics.insert("rollout_is_seq_mean".into(), mean(&seq_w));
     metrics.insert(
         "rollout_is_seq_std".into(),
@@ -517,7 +515,7 @@ fn is_weights(
         "rollout_is_seq_max_deviation".into(),
         max_of(seq_w.iter().map(|w| (w - 1.0).abs())),
     );
-    let raw_seq = seq_mean(&raw);
+    let raw_seq = row_means(&raw, mask, cols);
     let frac = |f: &dyn Fn(f64) -> bool| {
         mean(&raw_seq.iter().map(|&w| indicator(f(w))).collect::<Vec<_>>())
     };
@@ -537,8 +535,9 @@ fn is_weights(
         let mean_w = match is.level {
             IsLevel::Token => masked_mean(&weights, mask),
             IsLevel::Sequence => {
-                let seq_valid: Vec<f64> = (0..rows)
-                    .map(|r| indicator(m.row(r).iter().sum::<f64>() > 0.0))
+                let seq_valid: Vec<f64> = mask
+                    .chunks(cols)
+                    .map(|m| indicator(m.iter().sum::<f64>() > 0.0))
                     .collect();
                 let num: f64 = seq_w.iter().zip(&seq_valid).map(|(w, v)| w * v).sum();
                 num / seq_valid.iter().sum::<f64>().max(1e-8)
@@ -563,7 +562,6 @@ fn rejection_mask(
     metrics: &mut BTreeMap<String, f64>,
 ) -> Vec<f64> {
     let rows = mask.len() / cols;
-    let m = Rows { v: mask, cols };
     let safe: Vec<f64> = log_ratio
         .iter()
         .map(|l| l.clamp(-SAFETY_BOUND, SAFETY_BOUND))
@@ -573,8 +571,9 @@ fn rejection_mask(
         2 => 0.5 * l * l,
         _ => l.exp() - 1.0 - l,
     };
-    let seq_valid: Vec<bool> = (0..rows)
-        .map(|r| m.row(r).iter().sum::<f64>() > 0.0)
+    let seq_valid: Vec<bool> = mask
+        .chunks(cols)
+        .map(|m| m.iter().sum::<f64>() > 0.0)
         .collect();
     let indicator = |b: bool| if b { 1.0 } else { 0.0 };
     let mut combined = vec![1.0; mask.len()];
@@ -588,35 +587,18 @@ fn rejection_mask(
             Some(lo) => x >= lo && x <= log_hi,
             None => x <= log_hi,
         };
-        let tr = Rows { v: &token, cols };
         let per_seq: Option<Vec<f64>> = match opt.statistic {
             RsStatistic::Token => None,
-            RsStatistic::SeqSum => Some(
-                (0..rows)
-                    .map(|r| {
-                        tr.row(r)
-                            .iter()
-                            .zip(m.row(r))
-                            .map(|(x, w)| if *w != 0.0 { x * w } else { 0.0 })
-                            .sum()
-                    })
-                    .collect(),
-            ),
-            RsStatistic::SeqMean => Some(
-                (0..rows)
-                    .map(|r| masked_mean(tr.row(r), m.row(r)))
-                    .collect(),
-            ),
+            RsStatistic::SeqSum => Some(row_sums(&token, mask, cols)),
+            RsStatistic::SeqMean => Some(row_means(&token, mask, cols)),
             RsStatistic::SeqMax => Some(
-                (0..rows)
-                    .map(|r| {
-                        let v = max_of(
-                            tr.row(r)
-                                .iter()
-                                .zip(m.row(r))
-                                .filter(|(_, w)| **w != 0.0)
-                                .map(|(x, _)| *x),
-                        );
+                token
+                    .chunks(cols)
+                    .zip(mask.chunks(cols))
+                    .map(|(x, m)| {
+                        let valid = x.iter().zip(m).filter(|(_, w)| **w != 0.0);
+                        let v = max_of(valid.map(|(x, _)| *x));
+                        // verl: a row without tokens has max 0.
                         if v == f64::NEG_INFINITY {
                             0.0
                         } else {
@@ -641,9 +623,7 @@ fn rejection_mask(
         let is_k1 = opt.k == 1;
         let seq_values: Vec<f64> = match &per_seq {
             Some(s) => s.clone(),
-            None => (0..rows)
-                .map(|r| masked_mean(tr.row(r), m.row(r)))
-                .collect(),
+            None => row_means(&token, mask, cols),
         };
         let seq_valid_values: Vec<f64> = seq_values
             .iter()
@@ -785,15 +765,8 @@ fn offpolicy_metrics(
     cols: usize,
     metrics: &mut BTreeMap<String, f64>,
 ) {
-    let rows = mask.len() / cols;
-    let m = Rows { v: mask, cols };
-    let seq_mean = |v: &[f64]| -> Vec<f64> {
-        (0..rows)
-            .map(|r| masked_mean(Rows { v, cols }.row(r), m.row(r)))
-            .collect()
-    };
-    let train = seq_mean(old);
-    let roll = seq_mean(rollout);
+    let train = row_means(old, mask, cols);
+    let roll = row_means(rollout, mask, cols);
     metrics.insert(
         "training_ppl".into(),
         mean(&train.iter().map(|l| (-l).exp()).collect::<Vec<_>>()),
@@ -832,21 +805,10 @@ fn offpolicy_metrics(
         .map(|l| l.clamp(-SAFETY_BOUND, SAFETY_BOUND).exp().powi(2))
         .collect();
     metrics.insert("chi2_token".into(), masked_mean(&rho_sq, mask) - 1.0);
-    let lr = Rows {
-        v: &log_ratio,
-        cols,
-    };
     let chi2_seq = mean(
-        &(0..rows)
-            .map(|r| {
-                let s: f64 = lr
-                    .row(r)
-                    .iter()
-                    .zip(m.row(r))
-                    .map(|(x, w)| if *w != 0.0 { x * w } else { 0.0 })
-                    .sum();
-                (2.0 * s.clamp(-SAFETY_BOUND, SAFETY_BOUND)).exp()
-            })
+        &row_sums(&log_ratio, mask, cols)
+            .iter()
+            .map(|s| (2.0 * s.clamp(-SAFETY_BOUND, SAFETY_BOUND)).exp())
             .collect::<Vec<_>>(),
     ) - 1.0;
     metrics.insert("chi2_seq".into(), chi2_seq);

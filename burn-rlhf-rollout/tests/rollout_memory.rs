@@ -4,45 +4,13 @@
 //! 8x under a chunk limit, and grows with the batch without one. One test in this binary, so no
 //! other test's allocations mix in.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicUsize, Ordering};
-
 use burn::backend::Flex;
 use burn_rlhf_models::load_pretrained;
 use burn_rlhf_rollout::{generate, DecodeShapes, SamplingParams};
-
-struct Counting;
-
-static LIVE: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
-
-// SAFETY: forwards to the system allocator; only counts sizes.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let p = unsafe { System.alloc(layout) };
-        if !p.is_null() {
-            let now = LIVE.fetch_add(layout.size(), Ordering::Relaxed) + layout.size();
-            PEAK.fetch_max(now, Ordering::Relaxed);
-        }
-        p
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        unsafe { System.dealloc(ptr, layout) };
-        LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
-    }
-}
+use burn_rlhf_test_assets::{peak_during, CountingAlloc};
 
 #[global_allocator]
-static GLOBAL: Counting = Counting;
-
-/// The peak of live bytes above those live when `f` starts.
-fn peak_during(f: impl FnOnce()) -> usize {
-    let base = LIVE.load(Ordering::Relaxed);
-    PEAK.store(base, Ordering::Relaxed);
-    f();
-    PEAK.load(Ordering::Relaxed) - base
-}
+static GLOBAL: CountingAlloc = CountingAlloc;
 
 #[test]
 fn chunked_rollout_peak_does_not_grow_with_the_batch() {
@@ -67,11 +35,11 @@ fn chunked_rollout_peak_does_not_grow_with_the_batch() {
         };
         let peak = |count: usize, max_num_seqs: usize| {
             let p = prompts(count);
-            peak_during(|| {
-                let samples =
-                    generate(&model, &config, &p, 0, &params(max_num_seqs), &device).unwrap();
-                assert_eq!(samples.len(), 2 * count);
-            })
+            let (peak, samples) = peak_during(|| {
+                generate(&model, &config, &p, 0, &params(max_num_seqs), &device).unwrap()
+            });
+            assert_eq!(samples.len(), 2 * count);
+            peak
         };
         // Warm the backend's own caches before measuring.
         peak(4, 8);

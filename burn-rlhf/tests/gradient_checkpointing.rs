@@ -4,9 +4,6 @@
 //! (where tensors live on the heap), is lower with checkpointing, and the gradients are the same.
 //! One test in this binary, so no other test's allocations mix in.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicUsize, Ordering};
-
 use std::collections::BTreeMap;
 
 use burn::module::AutodiffModule;
@@ -16,31 +13,10 @@ use burn_rlhf::algos::RlAutodiffBackend;
 use burn_rlhf::backend::{InferenceBackend, TrainBackend, TrainBackendCheckpointed};
 use burn_rlhf::models::weights::{HostTensor, WeightMap};
 use burn_rlhf::models::{CausalLm, TransformerConfig};
-
-struct Counting;
-
-static LIVE: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
-
-// SAFETY: forwards to the system allocator; only counts sizes.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let p = unsafe { System.alloc(layout) };
-        if !p.is_null() {
-            let now = LIVE.fetch_add(layout.size(), Ordering::Relaxed) + layout.size();
-            PEAK.fetch_max(now, Ordering::Relaxed);
-        }
-        p
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        unsafe { System.dealloc(ptr, layout) };
-        LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
-    }
-}
+use burn_rlhf_test_assets::{peak_during, CountingAlloc};
 
 #[global_allocator]
-static GLOBAL: Counting = Counting;
+static GLOBAL: CountingAlloc = CountingAlloc;
 
 const ROWS: usize = 4;
 const LEN: usize = 128;
@@ -71,13 +47,12 @@ fn backward_peak<B: RlAutodiffBackend>(
     let positions = Tensor::<B, 1, Int>::arange(0..LEN as i64, &device)
         .unsqueeze_dim::<2>(0)
         .repeat_dim(0, ROWS);
-    let base = LIVE.load(Ordering::Relaxed);
-    PEAK.store(base, Ordering::Relaxed);
-    let logits = model.forward(ids.clone(), mask, positions, None);
-    let logp = burn::tensor::activation::log_softmax(logits, 2);
-    let picked = logp.gather(2, ids.unsqueeze_dim(2));
-    let grads = (picked.mean() * -1.0).backward();
-    let peak = PEAK.load(Ordering::Relaxed) - base;
+    let (peak, grads) = peak_during(|| {
+        let logits = model.forward(ids.clone(), mask, positions, None);
+        let logp = burn::tensor::activation::log_softmax(logits, 2);
+        let picked = logp.gather(2, ids.unsqueeze_dim(2));
+        (picked.mean() * -1.0).backward()
+    });
     let grads = GradientsParams::from_grads(grads, &model);
     let stepped = SgdConfig::new().init().step(1.0, model, grads);
     (peak, stepped.valid().export())

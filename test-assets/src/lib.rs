@@ -176,3 +176,40 @@ pub fn temp_dir(tag: &str) -> PathBuf {
         .unwrap_or_else(|e| panic!("cannot create {}: {e}", dir.display()));
     dir
 }
+
+/// A global allocator that counts live heap bytes, for tests that measure peak memory on the CPU
+/// backends (where tensors live on the heap). A test binary installs it with
+/// `#[global_allocator] static GLOBAL: CountingAlloc = CountingAlloc;` and measures with
+/// [`peak_during`]; keep one such test per binary so no other test's allocations mix in.
+pub struct CountingAlloc;
+
+static LIVE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+static PEAK: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+// SAFETY: forwards to the system allocator; only counts sizes.
+unsafe impl std::alloc::GlobalAlloc for CountingAlloc {
+    unsafe fn alloc(&self, layout: std::alloc::Layout) -> *mut u8 {
+        use std::sync::atomic::Ordering;
+        let p = unsafe { std::alloc::System.alloc(layout) };
+        if !p.is_null() {
+            let now = LIVE.fetch_add(layout.size(), Ordering::Relaxed) + layout.size();
+            PEAK.fetch_max(now, Ordering::Relaxed);
+        }
+        p
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: std::alloc::Layout) {
+        unsafe { std::alloc::System.dealloc(ptr, layout) };
+        LIVE.fetch_sub(layout.size(), std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// The peak of live heap bytes during `f` above those live when it starts (with
+/// [`CountingAlloc`] installed; 0 without it), and `f`'s result.
+pub fn peak_during<T>(f: impl FnOnce() -> T) -> (usize, T) {
+    use std::sync::atomic::Ordering;
+    let base = LIVE.load(Ordering::Relaxed);
+    PEAK.store(base, Ordering::Relaxed);
+    let out = f();
+    (PEAK.load(Ordering::Relaxed) - base, out)
+}
