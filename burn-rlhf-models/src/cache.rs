@@ -8,7 +8,7 @@
 //! shapes, which GPU backends need to compile and tune their kernels once, not once per length.
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{DType, Int, Tensor, TensorData};
 
 use crate::TransformerConfig;
 
@@ -23,19 +23,20 @@ pub struct KvCache<B: Backend> {
 }
 
 impl<B: Backend> KvCache<B> {
-    /// An empty cache for `batch` rows of up to `capacity` positions.
+    /// An empty cache for `batch` rows of up to `capacity` positions, in the model's `dtype`
+    /// ([`CausalLm::float_dtype`](crate::CausalLm::float_dtype)).
     ///
     /// Buffers: `[batch, kv_heads, capacity, head_dim]` per layer, keys and values.
     pub fn new(
         config: &TransformerConfig,
         batch: usize,
         capacity: usize,
-        device: &B::Device,
+        (device, dtype): (&B::Device, DType),
     ) -> Self {
         let shape = [batch, config.num_key_value_heads, capacity, config.head_dim];
         let zeros = || {
             (0..config.num_hidden_layers)
-                .map(|_| Tensor::zeros(shape, device))
+                .map(|_| Tensor::zeros(shape, (device, dtype)))
                 .collect()
         };
         Self {
@@ -53,7 +54,7 @@ impl<B: Backend> KvCache<B> {
         config: &TransformerConfig,
         batch: usize,
         capacity: usize,
-        device: &B::Device,
+        device: (&B::Device, DType),
     ) -> Self {
         Self {
             fixed: true,
@@ -122,7 +123,7 @@ impl<B: Backend> KvCache<B> {
     fn grow(&mut self, capacity: usize) {
         for buf in self.keys.iter_mut().chain(self.values.iter_mut()) {
             let [b, kv, cap, d] = buf.dims();
-            let extra = Tensor::zeros([b, kv, capacity - cap, d], &buf.device());
+            let extra = Tensor::zeros([b, kv, capacity - cap, d], (&buf.device(), buf.dtype()));
             *buf = Tensor::cat(vec![buf.clone(), extra], 2);
         }
         self.capacity = capacity;

@@ -6,7 +6,7 @@ use burn::module::{Module, Param};
 use burn::nn::{Embedding, Linear};
 use burn::tensor::activation::{silu, softmax};
 use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{DType, FloatDType, Int, Tensor, TensorData};
 
 use crate::cache::KvCache;
 use crate::lora::LoraLinear;
@@ -21,10 +21,13 @@ pub struct RmsNorm<B: Backend> {
 }
 
 impl<B: Backend> RmsNorm<B> {
-    /// Shapes: `[B, L, H]` → `[B, L, H]`. The statistics are f32 (the compute dtype).
+    /// Shapes: `[B, L, H]` → `[B, L, H]`. The statistics are f32 whatever the model's dtype (as
+    /// HF's), the result in it.
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let dtype = x.dtype();
+        let x = x.cast(DType::F32);
         let rms = (x.clone().square().mean_dim(2) + self.eps).sqrt();
-        x / rms * self.weight.val().unsqueeze::<3>()
+        (x / rms).cast(dtype) * self.weight.val().unsqueeze::<3>()
     }
 }
 
@@ -92,7 +95,8 @@ impl<B: Backend> Rope<B> {
         let x1 = x.clone().slice([0..b, 0..h, 0..l, 0..d / 2]);
         let x2 = x.clone().slice([0..b, 0..h, 0..l, d / 2..d]);
         let rotated = Tensor::cat(vec![x2.neg(), x1], 3);
-        x * self.cos.clone() + rotated * self.sin.clone()
+        let dtype = x.dtype();
+        x * self.cos.clone().cast(dtype) + rotated * self.sin.clone().cast(dtype)
     }
 }
 
@@ -139,8 +143,9 @@ impl<B: Backend> Attention<B> {
         } else {
             mask.repeat_dim(2, groups)
         };
-        let scores = q.matmul(k.swap_dims(2, 3)) / (d as f64).sqrt() + mask;
-        let probs = softmax(scores, 3);
+        // Scores, mask and softmax in f32 whatever the model's dtype (HF's eager attention).
+        let scores = (q.matmul(k.swap_dims(2, 3)) / (d as f64).sqrt()).cast(DType::F32) + mask;
+        let probs = softmax(scores, 3).cast(v.dtype());
         let out = probs
             .matmul(v)
             .reshape([b, h, l, d])
@@ -333,6 +338,27 @@ impl<B: Backend> CausalLm<B> {
         self.logits(last).reshape([b, v])
     }
 
+    /// The dtype the model computes in (its weights').
+    pub fn float_dtype(&self) -> DType {
+        self.model.embed_tokens.weight.val().dtype()
+    }
+
+    /// The model with every weight cast to `dtype` (bf16/f16 inference copies of an f32 model).
+    /// Hidden states then stay in `dtype`; norms, attention scores and the logits are f32.
+    pub fn cast(self, dtype: FloatDType) -> Self {
+        struct CastWeights(FloatDType);
+        impl<B: Backend> burn::module::ModuleMapper<B> for CastWeights {
+            fn map_float<const D: usize>(
+                &mut self,
+                param: Param<Tensor<B, D>>,
+            ) -> Param<Tensor<B, D>> {
+                let dtype = self.0;
+                param.map(|t| t.cast(dtype))
+            }
+        }
+        self.map(&mut CastWeights(dtype))
+    }
+
     /// The vocabulary size (the LM head's output width).
     pub fn vocab_size(&self) -> usize {
         match &self.lm_head {
@@ -341,9 +367,10 @@ impl<B: Backend> CausalLm<B> {
         }
     }
 
-    /// The LM head on hidden states. Shapes: `[B, L, H]` → `[B, L, V]`.
+    /// The LM head on hidden states, as f32 (log-probs, entropies and sampling read f32 logits
+    /// whatever the model's dtype). Shapes: `[B, L, H]` → `[B, L, V]`.
     pub fn logits(&self, hidden: Tensor<B, 3>) -> Tensor<B, 3> {
-        match &self.lm_head {
+        let logits = match &self.lm_head {
             Some(head) => head.forward(hidden),
             None => {
                 let w = self.model.embed_tokens.weight.val(); // [V, H]
@@ -358,7 +385,8 @@ impl<B: Backend> CausalLm<B> {
                     hidden.matmul(w.transpose().unsqueeze::<3>())
                 }
             }
-        }
+        };
+        logits.cast(DType::F32)
     }
 }
 

@@ -97,7 +97,7 @@ fn greedy_with_cache(
     check_cache: bool,
 ) -> Vec<Vec<u32>> {
     let device = Default::default();
-    let mut cache = KvCache::<B>::new(config, b, l + steps, &device);
+    let mut cache = KvCache::<B>::new(config, b, l + steps, (&device, model.float_dtype()));
     let mut all_ids: Vec<Vec<i64>> = (0..b)
         .map(|r| ids[r * l..(r + 1) * l].iter().map(|&x| x as i64).collect())
         .collect();
@@ -400,4 +400,54 @@ fn smollm2_gguf_matches_transformers() {
             .unwrap_or_else(|e| panic!("{e}"));
     }
     println!("hf golden: SmolLM2-135M-Instruct passed");
+}
+
+/// bf16 and f16 inference copies (`CausalLm::cast`, for `model.dtype`) compute in their dtype with
+/// f32 norms, attention scores and logits, and track the f32 model within half precision, with and
+/// without a KV cache in their dtype. The CPU backend (flex) supports both dtypes.
+#[test]
+fn half_precision_copies_track_the_f32_model() {
+    use burn::tensor::{DType, FloatDType};
+    let dir = burn_rlhf_test_assets::fixtures_subdir("models").join("tiny-qwen2");
+    let pre = load_pretrained(dir.to_str().unwrap()).unwrap();
+    let config = pre.config.clone();
+    let device = Default::default();
+    let model = pre.causal_lm::<B>(&device).unwrap();
+    let (b, l) = (2, 12);
+    let ids: Vec<i64> = (0..b * l).map(|i| (i as i64 * 37 + 11) % 900 + 5).collect();
+    let int = |v: Vec<i64>| Tensor::<B, 2, Int>::from_data(TensorData::new(v, [b, l]), &device);
+    let pos: Vec<i64> = (0..b * l).map(|i| (i % l) as i64).collect();
+    let run = |m: &CausalLm<B>, cache: Option<&mut KvCache<B>>| {
+        let logits = m.forward(
+            int(ids.clone()),
+            int(vec![1; b * l]),
+            int(pos.clone()),
+            cache,
+        );
+        assert_eq!(
+            logits.dtype(),
+            DType::F32,
+            "logits are f32 whatever the model's dtype"
+        );
+        logits.into_data().iter::<f32>().collect::<Vec<_>>()
+    };
+    let full = run(&model, None);
+    let scale = full.iter().fold(0.0f32, |a, x| a.max(x.abs()));
+    for (dtype, tol) in [(FloatDType::BF16, 0.05), (FloatDType::F16, 0.01)] {
+        let half = model.clone().cast(dtype);
+        assert_eq!(half.float_dtype(), DType::from(dtype));
+        let mut cache = KvCache::<B>::new(&config, b, l, (&device, half.float_dtype()));
+        for out in [run(&half, None), run(&half, Some(&mut cache))] {
+            let diff = out
+                .iter()
+                .zip(&full)
+                .fold(0.0f32, |a, (x, y)| a.max((x - y).abs()));
+            println!("{dtype:?}: max |logit diff| {diff} (max |logit| {scale})");
+            assert!(
+                diff < tol * scale.max(1.0),
+                "{dtype:?}: {diff} vs scale {scale}"
+            );
+            assert!(diff > 0.0, "{dtype:?} should not be computed in f32");
+        }
+    }
 }

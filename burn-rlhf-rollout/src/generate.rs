@@ -321,7 +321,7 @@ impl<B: Backend> Request<'_, B> {
             self.config,
             prompts.len(),
             p + params.max_new_tokens,
-            self.device,
+            (self.device, self.model.float_dtype()),
         );
         let mut logits = self.prefill(&ids, &mask, &pos, &mut cache);
         let mut rows = self.rows(prompts.len(), keys);
@@ -407,7 +407,12 @@ impl<B: Backend> Request<'_, B> {
         for m in mask.iter_mut() {
             m.resize(capacity, 0);
         }
-        let mut cache = KvCache::<B>::fixed(self.config, padded.len(), capacity, self.device);
+        let mut cache = KvCache::<B>::fixed(
+            self.config,
+            padded.len(),
+            capacity,
+            (self.device, self.model.float_dtype()),
+        );
         let mut logits = self.prefill(&ids, &mask, &pos, &mut cache);
         let mut rows = self.rows(padded.len(), &padded_keys);
         let total = rows.samples.len();

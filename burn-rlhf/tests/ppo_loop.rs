@@ -682,3 +682,41 @@ fn rollout_correction_weights_rejects_and_bypasses() {
     assert!(bp["actor/pg_loss"].is_finite());
     std::fs::remove_dir_all(dir).ok();
 }
+
+/// `actor_rollout_ref.model.dtype=bfloat16`: rollout, old-log-prob and reference passes run on a
+/// bf16 copy of the actor (flex supports bf16), training stays f32. With one mini-batch the
+/// update's first ratio compares f32 log-probs with bf16 old ones, so `actor/ppo_kl` is the
+/// precision gap: ~0 in f32, clearly not in bf16.
+#[test]
+fn bf16_inference_passes_with_f32_training() {
+    let dir = temp_dir("bf16");
+    let (actor, critic) = tiny_models();
+    let run = |dtype: &str| {
+        let mut config = tiny_config("gae", &dir);
+        config.actor_rollout_ref.model.dtype = dtype.into();
+        config.actor_rollout_ref.actor.ppo_mini_batch_size = 4;
+        config.actor_rollout_ref.actor.use_kl_loss = true;
+        config.algorithm.use_kl_in_reward = false;
+        let mut l = learner(config, actor.clone(), critic.clone());
+        l.step().unwrap()
+    };
+    let (f32_run, bf16_run) = (run("float32"), run("bfloat16"));
+    println!(
+        "ppo_kl f32 {} bf16 {}; kl_loss f32 {} bf16 {}",
+        f32_run["actor/ppo_kl"],
+        bf16_run["actor/ppo_kl"],
+        f32_run["actor/kl_loss"],
+        bf16_run["actor/kl_loss"]
+    );
+    assert!(f32_run["actor/ppo_kl"].abs() < 1e-6);
+    assert!(bf16_run["actor/ppo_kl"].abs() > 1e-5);
+    for key in [
+        "actor/pg_loss",
+        "critic/vf_loss",
+        "actor/grad_norm",
+        "rollout_corr/kl",
+    ] {
+        assert!(bf16_run[key].is_finite(), "{key}");
+    }
+    std::fs::remove_dir_all(dir).ok();
+}

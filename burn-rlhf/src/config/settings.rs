@@ -6,6 +6,7 @@
 
 use std::path::PathBuf;
 
+use burn::tensor::FloatDType;
 use burn_rlhf_algos::policy_loss::BypassLossType;
 use burn_rlhf_algos::rollout_correction::RolloutCorrection;
 use burn_rlhf_algos::{
@@ -88,6 +89,10 @@ pub struct ModelSettings {
     /// Tokens per length bucket (1: exact shapes); `None`: chosen by the backend
     /// ([`ModelSettings::shape_bucket_for`]).
     pub shape_bucket: Option<usize>,
+    /// `dtype`: the rollout, old-log-prob and reference passes run on a copy of the model in this
+    /// dtype (bf16/f16); `None`: float32. Training keeps f32 weights, optimiser state and
+    /// compute; losses, advantages and log-prob reductions are f32 either way.
+    pub dtype: Option<FloatDType>,
     /// `enable_gradient_checkpointing` (the critic's agrees when there is one): train on an
     /// autodiff backend that recomputes activations in the backward pass
     /// ([`crate::with_train_backend`]).
@@ -491,6 +496,16 @@ impl Decoder<'_> {
                 target_modules: m.target_modules.clone(),
             }),
             shape_bucket: m.shape_bucket,
+            dtype: match m.dtype.as_str() {
+                "bfloat16" | "bf16" => Some(FloatDType::BF16),
+                "float16" | "fp16" => Some(FloatDType::F16),
+                "float32" | "fp32" => None,
+                other => {
+                    return Err(self.error(format!(
+                        "`actor_rollout_ref.model.dtype` = `{other}` is not a known dtype"
+                    )))
+                }
+            },
             gradient_checkpointing: m.enable_gradient_checkpointing,
         })
     }

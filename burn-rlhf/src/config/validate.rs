@@ -160,18 +160,6 @@ impl RlhfConfig {
             &arr.model.dtype,
             &["float32", "fp32", "bfloat16", "bf16", "float16", "fp16"],
         );
-        // Refused rather than ignored until the half-precision path exists (issue 17).
-        let dtype = arr.model.dtype.as_str();
-        p.check(
-            !["bfloat16", "bf16", "float16", "fp16"].contains(&dtype),
-            || {
-                format!(
-                    "`actor_rollout_ref.model.dtype` = `{dtype}`: the `{}` backend of this build \
-                     computes in float32 only (half precision is not implemented yet); set `float32`",
-                    crate::backend::backend_name()
-                )
-            },
-        );
         check_optim(p, "actor_rollout_ref.actor.optim", &actor.optim);
         let mini = actor.ppo_mini_batch_size;
         p.check(mini >= 1, || {

@@ -163,6 +163,20 @@ impl<B: RlAutodiffBackend> Learner<B> {
                 "no training prompts",
             ));
         }
+        if let Some(dtype) = settings.model.dtype {
+            if !<B::InnerBackend as burn::tensor::backend::Backend>::supports_dtype(
+                device,
+                dtype.into(),
+            ) {
+                return Err(TrainError::config(
+                    "actor_rollout_ref.model.dtype",
+                    format!(
+                        "{dtype:?} is not supported by this build's backend ({})",
+                        std::any::type_name::<B::InnerBackend>()
+                    ),
+                ));
+            }
+        }
         let uses_kl = parts.training
             && (settings.algorithm.kl_in_reward.is_some()
                 || settings.actor.kl_loss_coef.is_some()

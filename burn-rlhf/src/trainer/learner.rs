@@ -90,6 +90,18 @@ impl<B: RlAutodiffBackend> Learner<B> {
         )
     }
 
+    /// `model` as the rollout, old-log-prob and reference passes run it: cast to
+    /// `actor_rollout_ref.model.dtype` when that is a half precision, else as it is.
+    pub(crate) fn for_inference(
+        &self,
+        model: CausalLm<B::InnerBackend>,
+    ) -> CausalLm<B::InnerBackend> {
+        match self.settings.model.dtype {
+            Some(dtype) => model.cast(dtype),
+            None => model,
+        }
+    }
+
     /// Steps in the whole run (`trainer.total_training_steps`, or epochs x batches per epoch).
     pub fn total_steps(&self) -> usize {
         self.total_steps

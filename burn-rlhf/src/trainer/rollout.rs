@@ -96,7 +96,7 @@ impl<B: RlAutodiffBackend> Learner<B> {
         )?;
         let share = chunk(prompts.len(), self.dp.world(), self.dp.rank());
         let keys: Vec<u64> = indices[share.clone()].iter().map(|&i| i as u64).collect();
-        let policy = self.actor.valid();
+        let policy = self.for_inference(self.actor.valid());
         let pad = self.tokenizer.pad_token_id;
         let mine = generate_keyed(
             &policy,

@@ -123,7 +123,12 @@ impl<B: RlAutodiffBackend> Learner<B> {
         );
         let with_sum = self.algorithms.estimator.needs_sum_pi_squared();
         let mut out = self
-            .log_probs_of(&self.actor.valid(), batch, plan, with_sum)?
+            .log_probs_of(
+                &self.for_inference(self.actor.valid()),
+                batch,
+                plan,
+                with_sum,
+            )?
             .into_iter();
         let mut next = || out.next().expect("one output per requested pass");
         Ok(OldLogProbs {
@@ -176,7 +181,8 @@ impl<B: RlAutodiffBackend> Learner<B> {
                     self.settings.ref_max_token_len,
                     "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
                 );
-                let mut out = self.log_probs_of(r, batch, plan, false)?;
+                let mut out =
+                    self.log_probs_of(&self.for_inference(r.clone()), batch, plan, false)?;
                 Ok(Some(out.swap_remove(0)))
             }
             None => Ok(None),
