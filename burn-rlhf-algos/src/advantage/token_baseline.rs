@@ -42,6 +42,47 @@ impl OptimalTokenBaseline {
     }
 }
 
+/// One trajectory's inputs, `[T]` each.
+struct PathInputs<'a> {
+    rewards: &'a [f64],
+    mask: &'a [f64],
+    old_log_probs: &'a [f64],
+    sum_pi_squared: &'a [f64],
+    is_weights: Option<&'a [f64]>,
+}
+
+impl PathInputs<'_> {
+    /// Writes the rewards-to-go into `returns` and lists the steps: every position, or with
+    /// `multi_turn` the valid ones, with its return and accumulated path weight
+    /// `W_t = Σ_{j<=t} (1 - 2π_j + Σπ²_j) ρ̄²_j` over valid positions.
+    fn steps(&self, multi_turn: bool, returns: &mut [f64]) -> Steps {
+        let mut to_go = 0.0;
+        for t in (0..self.mask.len()).rev() {
+            to_go += self.rewards[t] * self.mask[t];
+            returns[t] = to_go;
+        }
+        let mut acc = 0.0;
+        let mut s = Steps {
+            cols: Vec::new(),
+            returns: Vec::new(),
+            weights: Vec::new(),
+        };
+        for t in 0..self.mask.len() {
+            let mut w = 1.0 - 2.0 * self.old_log_probs[t].exp() + self.sum_pi_squared[t];
+            if let Some(is) = self.is_weights {
+                w *= is[t] * is[t];
+            }
+            acc += w * self.mask[t];
+            if !multi_turn || self.mask[t] > 0.0 {
+                s.cols.push(t);
+                s.returns.push(returns[t]);
+                s.weights.push(acc);
+            }
+        }
+        s
+    }
+}
+
 /// One trajectory's steps: the columns they sit at, with their returns and accumulated weights.
 struct Steps {
     cols: Vec<usize>,
@@ -79,34 +120,19 @@ impl<B: Backend> AdvantageEstimator<B> for OptimalTokenBaseline {
         let groups = groups(what, &input.group_ids, rows)?;
         // Per row: rewards-to-go over the masked rewards, and the accumulated path weights.
         let mut returns = vec![0.0; rows * cols];
-        let mut steps: Vec<Steps> = Vec::with_capacity(rows);
-        for r in 0..rows {
-            let at = |t: usize| r * cols + t;
-            let mut to_go = 0.0;
-            for t in (0..cols).rev() {
-                to_go += host.rewards[at(t)] * host.mask[at(t)];
-                returns[at(t)] = to_go;
-            }
-            let mut acc = 0.0;
-            let mut s = Steps {
-                cols: Vec::new(),
-                returns: Vec::new(),
-                weights: Vec::new(),
-            };
-            for t in 0..cols {
-                let mut w = 1.0 - 2.0 * old_log_probs[at(t)].exp() + sum_pi_squared[at(t)];
-                if let Some(is) = &is_weights {
-                    w *= is[at(t)] * is[at(t)];
-                }
-                acc += w * host.mask[at(t)];
-                if !self.multi_turn || host.mask[at(t)] > 0.0 {
-                    s.cols.push(t);
-                    s.returns.push(returns[at(t)]);
-                    s.weights.push(acc);
-                }
-            }
-            steps.push(s);
-        }
+        let steps: Vec<Steps> = (0..rows)
+            .map(|r| {
+                let span = r * cols..(r + 1) * cols;
+                let path = PathInputs {
+                    rewards: &host.rewards[span.clone()],
+                    mask: &host.mask[span.clone()],
+                    old_log_probs: &old_log_probs[span.clone()],
+                    sum_pi_squared: &sum_pi_squared[span.clone()],
+                    is_weights: is_weights.as_ref().map(|w| &w[span.clone()]),
+                };
+                path.steps(self.multi_turn, &mut returns[span])
+            })
+            .collect();
         let lengths: Vec<usize> = (0..rows)
             .map(|r| host.mask[r * cols..(r + 1) * cols].iter().sum::<f64>() as usize)
             .collect();

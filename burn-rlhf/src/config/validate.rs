@@ -201,26 +201,7 @@ impl RlhfConfig {
         p.check(actor.ppo_epochs >= 1, || {
             "`actor_rollout_ref.actor.ppo_epochs` must be >= 1".into()
         });
-        let rollout = &arr.rollout;
-        for (key, dynamic, budget) in [
-            (
-                "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
-                Some(actor.use_dynamic_bsz),
-                Some(actor.ppo_max_token_len_per_gpu),
-            ),
-            (
-                "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
-                rollout.log_prob_use_dynamic_bsz,
-                rollout.log_prob_max_token_len_per_gpu,
-            ),
-            (
-                "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
-                arr.reference.log_prob_use_dynamic_bsz,
-                arr.reference.log_prob_max_token_len_per_gpu,
-            ),
-        ] {
-            self.check_token_budget(p, key, dynamic, budget);
-        }
+        self.check_log_prob_budgets(p);
         p.algo_rule(
             "actor_rollout_ref.actor.clip_ratio_c",
             VanillaPpo::check_clip_ratio_c(actor.clip_ratio_c),
@@ -288,6 +269,32 @@ impl RlhfConfig {
         p.check(self.actor_rollout_ref.model.shape_bucket != Some(0), || {
             "`actor_rollout_ref.model.shape_bucket` must be >= 1 (1: exact shapes)".into()
         });
+    }
+
+    /// The actor's and the log-prob passes' token budgets (`use_dynamic_bsz`).
+    fn check_log_prob_budgets(&self, p: &mut Problems) {
+        let arr = &self.actor_rollout_ref;
+        let actor = &arr.actor;
+        let rollout = &arr.rollout;
+        for (key, dynamic, budget) in [
+            (
+                "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+                Some(actor.use_dynamic_bsz),
+                Some(actor.ppo_max_token_len_per_gpu),
+            ),
+            (
+                "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+                rollout.log_prob_use_dynamic_bsz,
+                rollout.log_prob_max_token_len_per_gpu,
+            ),
+            (
+                "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+                arr.reference.log_prob_use_dynamic_bsz,
+                arr.reference.log_prob_max_token_len_per_gpu,
+            ),
+        ] {
+            self.check_token_budget(p, key, dynamic, budget);
+        }
     }
 
     /// verl: with `use_dynamic_bsz` (`dynamic`) a token budget must hold one whole sequence.
