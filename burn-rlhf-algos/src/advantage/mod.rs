@@ -12,9 +12,11 @@ use burn::tensor::Tensor;
 use crate::functional::{from_rows, masked_whiten, to_vec};
 use crate::{AlgoError, RlBackend};
 
+mod recipes;
 mod token_baseline;
 mod variants;
 
+pub use recipes::{SpinPairs, Sppo};
 pub use token_baseline::OptimalTokenBaseline;
 pub use variants::{Gdpo, GrpoVectorized, RlooVectorized};
 
@@ -498,75 +500,6 @@ impl<B: Backend> AdvantageEstimator<B> for Opo {
     }
 }
 
-/// SPPO's centred rewards: each row's score minus the soft mean of the batch's scores
-/// (`(1/β) log mean exp(β s)`, [`crate::preference::softmean`]), on every valid token; the
-/// [`SppoLoss`](crate::preference::SppoLoss) reads it back per row.
-#[derive(Debug, Clone, Copy)]
-pub struct Sppo {
-    /// The soft-mean temperature.
-    pub beta: f64,
-}
-
-impl<B: Backend> AdvantageEstimator<B> for Sppo {
-    fn name(&self) -> &str {
-        "sppo"
-    }
-
-    fn compute(&self, input: &AdvantageInput<B>) -> Result<AdvantageOutput<B>, AlgoError> {
-        let host = HostBatch::read("sppo", input)?;
-        let scores = host.scores();
-        let center = crate::preference::softmean(&scores, self.beta);
-        let centred: Vec<f64> = scores.iter().map(|s| s - center).collect();
-        let a = host.broadcast::<B>(&centred, &input.token_level_rewards.device());
-        Ok(AdvantageOutput {
-            advantages: a.clone(),
-            returns: a,
-        })
-    }
-}
-
-/// SPIN's pairs: each prompt's two responses, the higher-scored one (the first on a tie) marked
-/// `+1` on its valid tokens and the other `-1`, for the [`SpinDpo`](crate::preference::SpinDpo)
-/// loss. A group of another size is an error (`rollout.n` must be 2).
-#[derive(Debug, Clone, Copy)]
-pub struct SpinPairs;
-
-impl<B: Backend> AdvantageEstimator<B> for SpinPairs {
-    fn name(&self) -> &str {
-        "spin"
-    }
-
-    fn compute(&self, input: &AdvantageInput<B>) -> Result<AdvantageOutput<B>, AlgoError> {
-        let host = HostBatch::read("spin", input)?;
-        let groups = groups("spin", &input.group_ids, host.rows)?;
-        let scores = host.scores();
-        let mut sign = vec![0.0; host.rows];
-        for rows in &groups {
-            let [a, b] = rows[..] else {
-                return Err(AlgoError::invalid(
-                    "spin",
-                    format!(
-                        "a prompt has {} responses; SPIN pairs two (actor_rollout_ref.rollout.n = 2)",
-                        rows.len()
-                    ),
-                ));
-            };
-            let (chosen, rejected) = if scores[b] > scores[a] {
-                (b, a)
-            } else {
-                (a, b)
-            };
-            sign[chosen] = 1.0;
-            sign[rejected] = -1.0;
-        }
-        let a = host.broadcast::<B>(&sign, &input.token_level_rewards.device());
-        Ok(AdvantageOutput {
-            advantages: a.clone(),
-            returns: a,
-        })
-    }
-}
-
 /// GPG (Chu et al. 2025): `alpha * (s - group mean)` with `alpha = B / max(#nonzero scores, 1)`;
 /// a one-row group has mean 0.
 #[derive(Debug, Clone, Copy)]
@@ -769,13 +702,9 @@ pub(crate) fn builtin<B: RlBackend>() -> Vec<(&'static str, EstimatorFactory<B>)
         ("remax", estimator_factory(|_| Ok(Box::new(Remax)))),
         ("opo", estimator_factory(|_| Ok(Box::new(Opo)))),
         ("gpg", estimator_factory(|_| Ok(Box::new(Gpg)))),
-        (
-            "sppo",
-            estimator_factory(|p| Ok(Box::new(Sppo { beta: p.sppo_beta }))),
-        ),
-        ("spin", estimator_factory(|_| Ok(Box::new(SpinPairs)))),
     ]
     .into_iter()
+    .chain(recipes::builtin())
     .chain(variants::builtin())
     .chain(token_baseline::builtin())
     .collect()

@@ -13,6 +13,7 @@
 //! # Ok::<(), burn_rlhf::config::ConfigError>(())
 //! ```
 
+mod decode;
 mod load;
 pub mod settings;
 mod tree;
