@@ -279,6 +279,28 @@ impl<B: Backend> Request<'_, B> {
         }
     }
 
+    /// One decode step: each row's new token at its next position (advanced after), attending
+    /// through `masks` over `cache`. Shapes: tokens `[rows][1]` → logits `[rows, V]`.
+    fn decode_step(
+        &self,
+        tokens: &[Vec<i64>],
+        masks: &[Vec<i64>],
+        next_pos: &mut [i64],
+        cache: &mut KvCache<B>,
+    ) -> Tensor<B, 2> {
+        let step_pos: Vec<Vec<i64>> = next_pos.iter().map(|&q| vec![q]).collect();
+        let hidden = self.model.model.forward_rows(
+            int_tensor(tokens, self.device),
+            masks,
+            &step_pos,
+            Some(cache),
+        );
+        for q in next_pos.iter_mut() {
+            *q += 1;
+        }
+        self.model.last_logits(hidden)
+    }
+
     /// Prefills `ids` (mask, positions as host rows) into `cache` and fans each prompt out to its
     /// `n` rows. Shapes: → logits of the last position `[prompts * n, V]`.
     fn prefill(
@@ -366,17 +388,7 @@ impl<B: Backend> Request<'_, B> {
             for m in masks.iter_mut() {
                 m.push(1);
             }
-            let step_pos: Vec<Vec<i64>> = next_pos.iter().map(|&q| vec![q]).collect();
-            let hidden = self.model.model.forward_rows(
-                int_tensor(&step_tokens, self.device),
-                &masks,
-                &step_pos,
-                Some(&mut cache),
-            );
-            logits = self.model.last_logits(hidden);
-            for q in next_pos.iter_mut() {
-                *q += 1;
-            }
+            logits = self.decode_step(&step_tokens, &masks, &mut next_pos, &mut cache);
         }
         rows.samples
     }
@@ -462,17 +474,7 @@ impl<B: Backend> Request<'_, B> {
             for m in masks.iter_mut() {
                 m[at] = 1;
             }
-            let step_pos: Vec<Vec<i64>> = next_pos.iter().map(|&q| vec![q]).collect();
-            let hidden = self.model.model.forward_rows(
-                int_tensor(&step_tokens, self.device),
-                &masks,
-                &step_pos,
-                Some(&mut cache),
-            );
-            logits = self.model.last_logits(hidden);
-            for q in next_pos.iter_mut() {
-                *q += 1;
-            }
+            logits = self.decode_step(&step_tokens, &masks, &mut next_pos, &mut cache);
         }
         rows.samples.truncate(real * n);
         rows.samples
