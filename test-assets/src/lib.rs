@@ -4,7 +4,8 @@
 //!   ships. Missing or empty is always a failure.
 //! - `RLHF_SMOLLM2_DIR` (default `../shared/models/smollm2-135m-instruct`) and `RLHF_GSM8K_DIR`
 //!   (default `../shared/data/gsm8k`): large assets kept outside the repo. Missing, they fail the
-//!   test when `RLHF_REQUIRE_ASSETS=1` (CI) and otherwise print a visible skip line.
+//!   test when `RLHF_REQUIRE_ASSETS=1` (CI) and otherwise write a `SKIPPED` line to the process's
+//!   stderr, which test output capture does not swallow.
 //!
 //! Relative paths in the variables are taken from the repository root, so a test gives the same
 //! answer whichever crate directory cargo runs it from.
@@ -88,11 +89,14 @@ fn optional_asset(var: &str, default: &str, what: &str, test: &str) -> Option<Pa
             dir.display()
         );
     }
-    eprintln!(
+    // Straight to the process's stderr: libtest captures `eprintln!` of a passing test, and a
+    // skip must show in a plain `cargo test`'s output.
+    use std::io::Write;
+    let _ = writeln!(
+        std::io::stderr().lock(),
         "SKIPPED {test}: {what} not found at {} (set {var}, or RLHF_REQUIRE_ASSETS=1 to fail)",
         dir.display()
     );
-    println!("SKIPPED {test}: {what} not found at {}", dir.display());
     None
 }
 
@@ -212,4 +216,45 @@ pub fn peak_during<T>(f: impl FnOnce() -> T) -> (usize, T) {
     PEAK.store(base, Ordering::Relaxed);
     let out = f();
     (PEAK.load(Ordering::Relaxed) - base, out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Asks for SmolLM2 at a path that does not exist; does something only when the test below
+    /// runs it in a child process.
+    #[test]
+    fn skip_probe() {
+        if std::env::var_os("RLHF_SKIP_PROBE").is_some() {
+            assert!(smollm2_dir("skip_probe").is_none());
+        }
+    }
+
+    /// A passing test that skipped for a missing asset says so in the output of a plain run
+    /// (captured, as `cargo test` runs it, without `--nocapture`).
+    #[test]
+    fn a_missing_asset_shows_outside_the_captured_output() {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "tests::skip_probe", "--test-threads=1"])
+            .env("RLHF_SKIP_PROBE", "1")
+            .env(
+                "RLHF_SMOLLM2_DIR",
+                "/nonexistent/smollm2-for-the-skip-probe",
+            )
+            .env_remove("RLHF_REQUIRE_ASSETS")
+            .output()
+            .unwrap();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(out.status.success(), "{text}");
+        assert!(text.contains("1 passed"), "{text}");
+        assert!(
+            text.contains("SKIPPED skip_probe: SmolLM2-135M-Instruct not found"),
+            "{text}"
+        );
+    }
 }
