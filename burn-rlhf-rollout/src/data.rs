@@ -275,13 +275,19 @@ fn string_at(s: &Series, row: usize, path: &Path, what: &str) -> Result<String, 
         })
 }
 
-/// Reads verl-layout parquet. `prompt_key` names the prompt column (verl's `data.prompt_key`).
-/// A missing column is an error naming it; a null or malformed cell names its row.
-pub fn read_parquet(path: &Path, prompt_key: &str) -> Result<Vec<PromptRecord>, RolloutError> {
+/// Reads verl-layout parquet. `prompt_key` names the prompt column (verl's `data.prompt_key`),
+/// `reward_fn_key` the column that chooses each row's reward function (`data.reward_fn_key`,
+/// verl's `data_source` by default; it becomes the record's `data_source`). A missing column is an
+/// error naming it; a null or malformed cell names its row.
+pub fn read_parquet(
+    path: &Path,
+    prompt_key: &str,
+    reward_fn_key: &str,
+) -> Result<Vec<PromptRecord>, RolloutError> {
     let err = polars_err(path);
     let df = read_frame(path)?;
     let col = |name: &str| column(&df, path, name);
-    let data_source = col("data_source")?;
+    let data_source = col(reward_fn_key)?;
     let prompt = col(prompt_key)?;
     let prompts = prompt.list().map_err(|e| RolloutError::Data {
         path: path.into(),
@@ -335,7 +341,7 @@ pub fn read_parquet(path: &Path, prompt_key: &str) -> Result<Vec<PromptRecord>, 
                 .map(Option::unwrap_or_default)
         };
         out.push(PromptRecord {
-            data_source: string_at(&data_source, row, path, "data_source")?,
+            data_source: string_at(&data_source, row, path, reward_fn_key)?,
             prompt,
             ability: opt(&ability, "ability")?,
             reward_style: opt(&style, "reward_model.style")?,
@@ -354,10 +360,21 @@ pub fn read_parquet(path: &Path, prompt_key: &str) -> Result<Vec<PromptRecord>, 
     Ok(out)
 }
 
-/// Reads a data file by its extension: `.parquet` (verl's layout) or `.jsonl` (GSM8K's layout).
-pub fn read_records(path: &Path, prompt_key: &str) -> Result<Vec<PromptRecord>, RolloutError> {
+/// Reads a data file by its extension: `.parquet` (verl's layout) or `.jsonl` (GSM8K's layout,
+/// whose rows are all `openai/gsm8k`: no other `reward_fn_key` column exists there).
+pub fn read_records(
+    path: &Path,
+    prompt_key: &str,
+    reward_fn_key: &str,
+) -> Result<Vec<PromptRecord>, RolloutError> {
     match path.extension().and_then(|e| e.to_str()) {
-        Some("parquet") => read_parquet(path, prompt_key),
+        Some("parquet") => read_parquet(path, prompt_key, reward_fn_key),
+        Some("jsonl") | Some("json") if reward_fn_key != "data_source" => Err(RolloutError::Data {
+            path: path.into(),
+            message: format!(
+                "GSM8K's jsonl layout has no `{reward_fn_key}` column (data.reward_fn_key); use verl's parquet layout"
+            ),
+        }),
         Some("jsonl") | Some("json") => {
             let split = if path
                 .file_stem()

@@ -54,8 +54,13 @@ fn parquet_round_trips_every_field() {
     let dir = temp("roundtrip");
     let path = dir.join("train.parquet");
     write_parquet(&path, &records).unwrap();
-    assert_eq!(read_parquet(&path, "prompt").unwrap(), records);
-    let err = read_parquet(&path, "question").unwrap_err().to_string();
+    assert_eq!(
+        read_parquet(&path, "prompt", "data_source").unwrap(),
+        records
+    );
+    let err = read_parquet(&path, "question", "data_source")
+        .unwrap_err()
+        .to_string();
     assert!(
         err.contains("no `question` column") && err.contains("train.parquet"),
         "{err}"
@@ -117,8 +122,8 @@ fn real_gsm8k_converts_with_verls_prompt() {
     else {
         return;
     };
-    let train = read_records(&dir.join("train.jsonl"), "prompt").unwrap();
-    let test = read_records(&dir.join("test.jsonl"), "prompt").unwrap();
+    let train = read_records(&dir.join("train.jsonl"), "prompt", "data_source").unwrap();
+    let test = read_records(&dir.join("test.jsonl"), "prompt", "data_source").unwrap();
     assert_eq!((train.len(), test.len()), (7473, 1319));
     let first = &train[0];
     assert_eq!(first.ground_truth, "72");
@@ -129,7 +134,7 @@ fn real_gsm8k_converts_with_verls_prompt() {
     let out = temp("gsm8k");
     write_parquet(&out.join("test.parquet"), &test).unwrap();
     assert_eq!(
-        read_parquet(&out.join("test.parquet"), "prompt").unwrap(),
+        read_parquet(&out.join("test.parquet"), "prompt", "data_source").unwrap(),
         test
     );
     std::fs::remove_dir_all(out).ok();

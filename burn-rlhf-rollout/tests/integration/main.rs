@@ -1,0 +1,7 @@
+//! burn-rlhf-rollout's integration tests in one binary: data loading, generation, rewards and
+//! validation metrics against their references. The peak-memory test, which installs a counting
+//! allocator, has its own binary.
+
+mod data;
+mod generation;
+mod rewards;
