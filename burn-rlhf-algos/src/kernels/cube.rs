@@ -332,7 +332,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> RlBackend
         gamma: f32,
         lam: f32,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        if !super::kernels_enabled() {
+        if !super::take_fused_path() {
             return super::reference::gae_scan::<Self>(rewards, values, mask, gamma, lam);
         }
         let (rewards, values, mask) = (
@@ -365,7 +365,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> RlBackend
         gamma: f32,
         lam: f32,
     ) -> Option<(FloatTensor<Self>, FloatTensor<Self>)> {
-        if !super::kernels_enabled() {
+        if !super::take_fused_path() {
             return super::reference::gae_whitened::<Self>(rewards, values, mask, gamma, lam);
         }
         // The scan on the device; the whitening stays there too (tensor ops), no host round trip.
@@ -384,7 +384,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> RlBackend
         mask: FloatTensor<Self>,
         gamma: f32,
     ) -> FloatTensor<Self> {
-        if !super::kernels_enabled() {
+        if !super::take_fused_path() {
             return super::reference::discounted_return_scan::<Self>(rewards, mask, gamma);
         }
         let (rewards, mask) = (into_contiguous(rewards), into_contiguous(mask));
@@ -408,7 +408,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> RlBackend
         advantages: FloatTensor<Self>,
         clip: PpoClip,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        if !super::kernels_enabled() {
+        if !super::take_fused_path() {
             return super::reference::ppo_clip_loss::<Self>(
                 log_prob,
                 old_log_prob,
@@ -451,7 +451,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> RlBackend
         advantages: FloatTensor<Self>,
         clip: PpoClip,
     ) -> FloatTensor<Self> {
-        if !super::kernels_enabled() {
+        if !super::take_fused_path() {
             return super::reference::ppo_clip_loss_backward::<Self>(
                 grad,
                 log_prob,
@@ -489,7 +489,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> RlBackend
         labels: IntTensor<Self>,
         temperature: f32,
     ) -> FloatTensor<Self> {
-        if !super::kernels_enabled() {
+        if !super::take_fused_path() {
             return super::reference::logprob_entropy::<Self>(logits, labels, temperature);
         }
         let (logits, labels) = (into_contiguous(logits), into_contiguous(labels));
@@ -514,7 +514,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> RlBackend
         labels: IntTensor<Self>,
         temperature: f32,
     ) -> FloatTensor<Self> {
-        if !super::kernels_enabled() {
+        if !super::take_fused_path() {
             return super::reference::logprob_entropy_backward::<Self>(
                 grad,
                 logits,
@@ -549,7 +549,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> RlBackend
         returns: FloatTensor<Self>,
         cliprange: f32,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        if !super::kernels_enabled() {
+        if !super::take_fused_path() {
             return super::reference::value_clip_loss::<Self>(vpreds, values, returns, cliprange);
         }
         let (v, old, ret) = (
@@ -582,7 +582,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> RlBackend
         returns: FloatTensor<Self>,
         cliprange: f32,
     ) -> FloatTensor<Self> {
-        if !super::kernels_enabled() {
+        if !super::take_fused_path() {
             return super::reference::value_clip_loss_backward::<Self>(
                 grad, vpreds, values, returns, cliprange,
             );

@@ -46,15 +46,55 @@ use burn::tensor::{Int, Tensor, TensorPrimitive};
 
 static KERNELS_ENABLED: AtomicBool = AtomicBool::new(true);
 
-/// Turns the fused kernels on or off for the whole process (`actor_rollout_ref.model.
-/// use_fused_kernels`); off, CubeCL backends run the reference implementations too.
+thread_local! {
+    /// This thread's switch while inside [`with_kernels`]; `None`: the process default.
+    static THREAD_KERNELS: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
+    /// Fused-kernel calls made on this thread ([`fused_calls_on_this_thread`]).
+    static FUSED_CALLS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Sets the process default of the fused kernels (on unless changed); a learner's own
+/// `use_fused_kernels` is applied with [`with_kernels`] instead, so learners do not interfere.
 pub fn set_kernels_enabled(enabled: bool) {
     KERNELS_ENABLED.store(enabled, Ordering::SeqCst);
 }
 
-/// Whether CubeCL backends use the fused kernels (on by default).
+/// Whether CubeCL backends use the fused kernels on this thread now: [`with_kernels`]'s setting
+/// inside it, else the process default.
 pub fn kernels_enabled() -> bool {
-    KERNELS_ENABLED.load(Ordering::SeqCst)
+    THREAD_KERNELS
+        .with(|k| k.get())
+        .unwrap_or_else(|| KERNELS_ENABLED.load(Ordering::SeqCst))
+}
+
+/// Runs `f` with the fused kernels on or off on this thread (the switch of the learner calling
+/// it), restoring the previous setting afterwards, also when `f` panics. Kernel choices are made
+/// on the calling thread as operations are issued (forward and backward), so two learners on
+/// different threads, or interleaved on one, each get their own.
+pub fn with_kernels<R>(enabled: bool, f: impl FnOnce() -> R) -> R {
+    struct Restore(Option<bool>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            THREAD_KERNELS.with(|k| k.set(self.0));
+        }
+    }
+    let _restore = Restore(THREAD_KERNELS.with(|k| k.replace(Some(enabled))));
+    f()
+}
+
+/// How many times a fused kernel was chosen on this thread (tests check which path ran).
+pub fn fused_calls_on_this_thread() -> u64 {
+    FUSED_CALLS.with(|c| c.get())
+}
+
+/// [`kernels_enabled`], counting the call when it is (for the kernels' `if` at their top).
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+fn take_fused_path() -> bool {
+    let on = kernels_enabled();
+    if on {
+        FUSED_CALLS.with(|c| c.set(c.get() + 1));
+    }
+    on
 }
 
 /// PPO's clip settings.
@@ -313,4 +353,41 @@ where
     B: burn::tensor::backend::AutodiffBackend + RlBackend,
     B::InnerBackend: RlBackend,
 {
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each thread's scope is its own, nests, and is restored after a panic; the process default
+    /// is untouched.
+    #[test]
+    fn kernel_switch_is_scoped_per_thread() {
+        let barrier = std::sync::Arc::new(std::sync::Barrier::new(2));
+        let seen: Vec<(bool, bool)> = [false, true]
+            .into_iter()
+            .map(|on| {
+                let barrier = barrier.clone();
+                std::thread::spawn(move || {
+                    with_kernels(on, || {
+                        // Both threads are inside their scopes at once.
+                        barrier.wait();
+                        let outer = kernels_enabled();
+                        let inner = with_kernels(!on, kernels_enabled);
+                        barrier.wait();
+                        assert_eq!(kernels_enabled(), outer);
+                        (outer, inner)
+                    })
+                })
+            })
+            .collect::<Vec<_>>()
+            .into_iter()
+            .map(|h| h.join().unwrap())
+            .collect();
+        assert_eq!(seen, vec![(false, true), (true, false)]);
+        assert!(kernels_enabled(), "the process default stays on");
+        let panicked = std::panic::catch_unwind(|| with_kernels(false, || panic!("inside")));
+        assert!(panicked.is_err());
+        assert!(kernels_enabled(), "restored after a panic");
+    }
 }
