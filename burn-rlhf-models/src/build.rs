@@ -251,33 +251,23 @@ impl<B: Backend> Transformer<B> {
 
     /// Attaches LoRA adapters to the targeted linear layers and freezes everything else.
     pub fn with_lora(self, lora: &LoraConfig, device: &B::Device) -> Self {
-        let adapt = |l: LoraLinear<B>, name: &str| {
-            if lora.targets(name) {
-                l.with_adapter(lora.rank, lora.alpha, device)
-            } else {
-                l.no_grad()
-            }
-        };
         let layers = self
             .layers
             .into_iter()
             .map(|layer| {
-                let a = layer.self_attn;
+                let layer = layer.map_linears(|name, l| {
+                    let module = name.rsplit('.').next().unwrap_or(name);
+                    Ok::<_, ModelError>(if lora.targets(module) {
+                        l.with_adapter(lora.rank, lora.alpha, device)
+                    } else {
+                        l.no_grad()
+                    })
+                });
+                let layer = layer.expect("adapting cannot fail");
                 DecoderLayer {
-                    self_attn: Attention {
-                        q_proj: adapt(a.q_proj, "q_proj"),
-                        k_proj: adapt(a.k_proj, "k_proj"),
-                        v_proj: adapt(a.v_proj, "v_proj"),
-                        o_proj: adapt(a.o_proj, "o_proj"),
-                        ..a
-                    },
-                    mlp: Mlp {
-                        gate_proj: adapt(layer.mlp.gate_proj, "gate_proj"),
-                        up_proj: adapt(layer.mlp.up_proj, "up_proj"),
-                        down_proj: adapt(layer.mlp.down_proj, "down_proj"),
-                    },
                     input_layernorm: layer.input_layernorm.no_grad(),
                     post_attention_layernorm: layer.post_attention_layernorm.no_grad(),
+                    ..layer
                 }
             })
             .collect();
@@ -287,6 +277,57 @@ impl<B: Backend> Transformer<B> {
             norm: self.norm.no_grad(),
             ..self
         }
+    }
+}
+
+/// A decoder layer's linear layers, by their HF name inside the layer.
+const LAYER_LINEARS: [&str; 7] = [
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+];
+
+impl<B: Backend> DecoderLayer<B> {
+    /// The linear layer called `name` (one of [`LAYER_LINEARS`]).
+    fn linear(&self, name: &str) -> &LoraLinear<B> {
+        let (a, m) = (&self.self_attn, &self.mlp);
+        match name {
+            "self_attn.q_proj" => &a.q_proj,
+            "self_attn.k_proj" => &a.k_proj,
+            "self_attn.v_proj" => &a.v_proj,
+            "self_attn.o_proj" => &a.o_proj,
+            "mlp.gate_proj" => &m.gate_proj,
+            "mlp.up_proj" => &m.up_proj,
+            _ => &m.down_proj,
+        }
+    }
+
+    /// The layer with each linear layer replaced by `f(its name, it)`.
+    fn map_linears<E>(
+        self,
+        mut f: impl FnMut(&str, LoraLinear<B>) -> Result<LoraLinear<B>, E>,
+    ) -> Result<Self, E> {
+        let a = self.self_attn;
+        let m = self.mlp;
+        Ok(DecoderLayer {
+            self_attn: Attention {
+                q_proj: f(LAYER_LINEARS[0], a.q_proj)?,
+                k_proj: f(LAYER_LINEARS[1], a.k_proj)?,
+                v_proj: f(LAYER_LINEARS[2], a.v_proj)?,
+                o_proj: f(LAYER_LINEARS[3], a.o_proj)?,
+                ..a
+            },
+            mlp: Mlp {
+                gate_proj: f(LAYER_LINEARS[4], m.gate_proj)?,
+                up_proj: f(LAYER_LINEARS[5], m.up_proj)?,
+                down_proj: f(LAYER_LINEARS[6], m.down_proj)?,
+            },
+            ..self
+        })
     }
 }
 
@@ -340,28 +381,14 @@ impl<B: Backend> CausalLm<B> {
 
     /// Merges every adapter into its base weight.
     pub fn merge_lora(self) -> Self {
-        let merge = |l: LoraLinear<B>| l.merge();
         let layers = self
             .model
             .layers
             .into_iter()
             .map(|layer| {
-                let a = layer.self_attn;
-                DecoderLayer {
-                    self_attn: Attention {
-                        q_proj: merge(a.q_proj),
-                        k_proj: merge(a.k_proj),
-                        v_proj: merge(a.v_proj),
-                        o_proj: merge(a.o_proj),
-                        ..a
-                    },
-                    mlp: Mlp {
-                        gate_proj: merge(layer.mlp.gate_proj),
-                        up_proj: merge(layer.mlp.up_proj),
-                        down_proj: merge(layer.mlp.down_proj),
-                    },
-                    ..layer
-                }
+                layer
+                    .map_linears(|_, l| Ok::<_, ModelError>(l.merge()))
+                    .expect("merging cannot fail")
             })
             .collect();
         Self {
@@ -369,8 +396,68 @@ impl<B: Backend> CausalLm<B> {
                 layers,
                 ..self.model
             },
-            lm_head: self.lm_head.map(merge),
+            lm_head: self.lm_head.map(LoraLinear::merge),
         }
+    }
+
+    /// The LoRA adapters in PEFT's file layout (`adapter_model.safetensors`):
+    /// `base_model.model.model.layers.N.{self_attn,mlp}.X.lora_A.weight` `[r, in]` and
+    /// `lora_B.weight` `[out, r]`. Empty without adapters.
+    pub fn export_lora(&self) -> BTreeMap<String, HostTensor> {
+        let mut out = BTreeMap::new();
+        for (n, layer) in self.model.layers.iter().enumerate() {
+            for name in LAYER_LINEARS {
+                let Some(adapter) = &layer.linear(name).lora else {
+                    continue;
+                };
+                let prefix = format!("base_model.model.model.layers.{n}.{name}");
+                for (part, t) in [("lora_A", &adapter.lora_a), ("lora_B", &adapter.lora_b)] {
+                    let h = host(t.val());
+                    let (rows, cols) = (h.shape[0], h.shape[1]);
+                    out.insert(
+                        format!("{prefix}.{part}.weight"),
+                        HostTensor {
+                            shape: vec![cols, rows],
+                            data: transpose(&h.data, rows, cols),
+                        },
+                    );
+                }
+            }
+        }
+        out
+    }
+
+    /// This model with its adapters' values taken from `w` (PEFT's names and layout, as
+    /// [`CausalLm::export_lora`] writes them): every adapter must be there with its shape, and
+    /// `w` must hold no adapter this model lacks ([`WeightMap::finish`] after).
+    pub fn load_lora(self, w: &mut WeightMap, device: &B::Device) -> Result<Self, ModelError> {
+        let mut layers = Vec::with_capacity(self.model.layers.len());
+        for (n, layer) in self.model.layers.into_iter().enumerate() {
+            layers.push(layer.map_linears(|name, mut l| {
+                if let Some(adapter) = l.lora.as_mut() {
+                    let prefix = format!("base_model.model.model.layers.{n}.{name}");
+                    let [d_in, r] = adapter.lora_a.dims();
+                    let d_out = adapter.lora_b.dims()[1];
+                    let a = w.take(&format!("{prefix}.lora_A.weight"), &[r, d_in])?;
+                    let b = w.take(&format!("{prefix}.lora_B.weight"), &[d_out, r])?;
+                    adapter.lora_a =
+                        Param::from_tensor(tensor2(transpose(&a.data, r, d_in), [d_in, r], device));
+                    adapter.lora_b = Param::from_tensor(tensor2(
+                        transpose(&b.data, d_out, r),
+                        [r, d_out],
+                        device,
+                    ));
+                }
+                Ok(l)
+            })?);
+        }
+        Ok(Self {
+            model: Transformer {
+                layers,
+                ..self.model
+            },
+            ..self
+        })
     }
 }
 
@@ -420,20 +507,5 @@ impl<B: Backend> ValueModel<B> {
         self.model.export(&mut out);
         export_linear(&LoraLinear::new(self.score.clone()), "score", &mut out);
         out
-    }
-}
-
-impl<B: Backend> RewardModel<B> {
-    /// A reward model from a `*ForSequenceClassification` checkpoint (`score.weight` `[1, hidden]`).
-    pub fn from_weights(
-        c: &TransformerConfig,
-        mut w: WeightMap,
-        device: &B::Device,
-    ) -> Result<Self, ModelError> {
-        let model = Transformer::from_weights(c, &mut w, device)?;
-        let bias = w.contains("score.bias");
-        let score = linear(&mut w, "score", c.hidden_size, 1, bias, device)?;
-        w.finish()?;
-        Ok(Self { model, score })
     }
 }

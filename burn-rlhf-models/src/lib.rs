@@ -1,5 +1,5 @@
 //! Burn-native Qwen2/Llama decoders for burn-rlhf: the same numbers as HF transformers on the same
-//! weights, with LM, value and reward heads, loading from HF folders, hub ids and GGUF files,
+//! weights, with LM and value heads, loading from HF folders, hub ids and GGUF files,
 //! saving in the HF layout, LoRA adapters, the tokenizer and the chat template.
 //!
 //! ```no_run
@@ -32,4 +32,4 @@ pub use pretrained::{
     load_pretrained, locate, save_pretrained, ModelFiles, Pretrained, WeightsFile,
 };
 pub use tokenizer::{ChatMessage, Tokenizer};
-pub use transformer::{CausalLm, RewardModel, Transformer, ValueModel};
+pub use transformer::{cast_weights, CausalLm, Transformer, ValueModel};

@@ -10,7 +10,7 @@ use serde_json::{json, Value};
 
 use crate::gguf::GgufFile;
 use crate::tokenizer::Tokenizer;
-use crate::transformer::{CausalLm, RewardModel, ValueModel};
+use crate::transformer::{CausalLm, ValueModel};
 use crate::weights::{write_safetensors, HostTensor, WeightMap};
 use crate::{ModelError, TransformerConfig};
 
@@ -315,14 +315,6 @@ impl Pretrained {
     /// The critic, from a saved critic or an LM checkpoint.
     pub fn value_model<B: Backend>(self, device: &B::Device) -> Result<ValueModel<B>, ModelError> {
         ValueModel::from_weights(&self.config, self.weights, device)
-    }
-
-    /// A sequence-classification reward model.
-    pub fn reward_model<B: Backend>(
-        self,
-        device: &B::Device,
-    ) -> Result<RewardModel<B>, ModelError> {
-        RewardModel::from_weights(&self.config, self.weights, device)
     }
 }
 

@@ -1,5 +1,5 @@
 //! The Qwen2/Llama decoder: RMSNorm, rotary attention with grouped-query heads, SwiGLU MLP, and
-//! the heads built on it (LM, value, reward). Field names follow HF's module tree
+//! the heads built on it (LM, value). Field names follow HF's module tree
 //! (`model.layers.N.self_attn.q_proj`), so HF tensor names map one to one.
 
 use burn::module::{Module, Param};
@@ -346,17 +346,7 @@ impl<B: Backend> CausalLm<B> {
     /// The model with every weight cast to `dtype` (bf16/f16 inference copies of an f32 model).
     /// Hidden states then stay in `dtype`; norms, attention scores and the logits are f32.
     pub fn cast(self, dtype: FloatDType) -> Self {
-        struct CastWeights(FloatDType);
-        impl<B: Backend> burn::module::ModuleMapper<B> for CastWeights {
-            fn map_float<const D: usize>(
-                &mut self,
-                param: Param<Tensor<B, D>>,
-            ) -> Param<Tensor<B, D>> {
-                let dtype = self.0;
-                param.map(|t| t.cast(dtype))
-            }
-        }
-        self.map(&mut CastWeights(dtype))
+        cast_weights(self, dtype)
     }
 
     /// The vocabulary size (the LM head's output width).
@@ -388,6 +378,20 @@ impl<B: Backend> CausalLm<B> {
         };
         logits.cast(DType::F32)
     }
+}
+
+/// `module` with every float weight cast to `dtype`. On an autodiff backend the cast is part of
+/// the graph: a forward on the result computes in `dtype` and the backward brings each weight's
+/// gradient back to the original weight's dtype (autocast with master weights).
+pub fn cast_weights<B: Backend, M: Module<B>>(module: M, dtype: FloatDType) -> M {
+    struct CastWeights(FloatDType);
+    impl<B: Backend> burn::module::ModuleMapper<B> for CastWeights {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            let dtype = self.0;
+            param.map(|t| t.cast(dtype))
+        }
+    }
+    module.map(&mut CastWeights(dtype))
 }
 
 /// The critic: the decoder and a `Linear(hidden, 1)` value head (HF `*ForTokenClassification` with
@@ -426,41 +430,15 @@ impl<B: Backend> ValueModel<B> {
         let hidden = self
             .model
             .forward_rows(input_ids, attention_mask, position_ids, None);
-        self.score.forward(hidden).squeeze_dim::<2>(2)
+        // Values in f32 whatever the model's dtype: the value loss and GAE read them.
+        self.score
+            .forward(hidden)
+            .squeeze_dim::<2>(2)
+            .cast(DType::F32)
     }
-}
 
-/// A scalar reward model (HF `*ForSequenceClassification` with one label, `score.weight`, no bias):
-/// the score of the last non-padding token.
-#[derive(Module, Debug)]
-pub struct RewardModel<B: Backend> {
-    /// The decoder.
-    pub model: Transformer<B>,
-    /// `[hidden] → [1]`, no bias.
-    pub score: Linear<B>,
-}
-
-impl<B: Backend> RewardModel<B> {
-    /// One reward per row, at its last token with `attention_mask == 1` (left or right padding).
-    ///
-    /// Shapes: `[B, L]` each → `[B]`.
-    pub fn forward(
-        &self,
-        input_ids: Tensor<B, 2, Int>,
-        attention_mask: Tensor<B, 2, Int>,
-        position_ids: Tensor<B, 2, Int>,
-    ) -> Tensor<B, 1> {
-        let device = input_ids.device();
-        let last: Vec<i64> = rows_i64(&attention_mask)
-            .iter()
-            .map(|row| row.iter().rposition(|&m| m != 0).unwrap_or(0) as i64)
-            .collect();
-        let b = last.len();
-        let hidden = self
-            .model
-            .forward(input_ids, attention_mask, position_ids, None);
-        let scores = self.score.forward(hidden).squeeze_dim::<2>(2); // [B, L]
-        let index = Tensor::<B, 2, Int>::from_data(TensorData::new(last, [b, 1]), &device);
-        scores.gather(1, index).squeeze_dim::<1>(1)
+    /// The model with every weight cast to `dtype` (see [`cast_weights`]).
+    pub fn cast(self, dtype: FloatDType) -> Self {
+        cast_weights(self, dtype)
     }
 }

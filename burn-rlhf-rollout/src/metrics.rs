@@ -144,11 +144,13 @@ fn prompt_metrics(rows: &[&ValSample<'_>]) -> Vec<(String, f64)> {
     out
 }
 
+/// A source's prompt ids in order of first appearance, and each prompt's responses.
+type Prompts<'s, 'a> = (Vec<u64>, HashMap<u64, Vec<&'s ValSample<'a>>>);
+
 /// The validation metrics of `samples` (see the module's documentation).
 pub fn validation_metrics(samples: &[ValSample<'_>]) -> BTreeMap<String, f64> {
     // Source -> prompt -> its responses, in order of first appearance.
-    let mut by_source: BTreeMap<&str, (Vec<u64>, HashMap<u64, Vec<&ValSample<'_>>>)> =
-        BTreeMap::new();
+    let mut by_source: BTreeMap<&str, Prompts<'_, '_>> = BTreeMap::new();
     for s in samples {
         let (order, groups) = by_source.entry(s.data_source).or_default();
         groups

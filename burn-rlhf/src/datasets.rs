@@ -34,15 +34,24 @@ pub fn data_file_path(spec: &str, default_split: &str) -> Result<PathBuf, Rollou
     })
 }
 
-/// Reads one data entry. `default_split` is used for a hub id without `:split`.
+/// Reads one data entry: `(data.prompt_key, data.reward_fn_key)` name its columns;
+/// `default_split` is used for a hub id without `:split`.
 pub fn load_data_file(
     spec: &str,
-    prompt_key: &str,
+    (prompt_key, reward_fn_key): (&str, &str),
     default_split: &str,
 ) -> Result<Vec<PromptRecord>, RolloutError> {
     let path = expand_home(spec);
     if path.exists() {
-        return read_records(&path, prompt_key);
+        return read_records(&path, prompt_key, reward_fn_key);
+    }
+    if reward_fn_key != "data_source" {
+        return Err(RolloutError::Data {
+            path,
+            message: format!(
+                "a hub dataset's rows are all its own source: it has no `{reward_fn_key}` column (data.reward_fn_key)"
+            ),
+        });
     }
     let (id, split) = spec.split_once(':').unwrap_or((spec, default_split));
     let file = hub_files(id, split).ok_or_else(|| RolloutError::Data {
@@ -79,12 +88,12 @@ fn fetch_dataset_file(id: &str, file: &str) -> Result<PathBuf, String> {
 /// Reads and concatenates every entry of `data.train_files` or `data.val_files`.
 pub fn load_data_files(
     specs: &[String],
-    prompt_key: &str,
+    keys: (&str, &str),
     default_split: &str,
 ) -> Result<Vec<PromptRecord>, RolloutError> {
     let mut out = Vec::new();
     for spec in specs {
-        out.extend(load_data_file(spec, prompt_key, default_split)?);
+        out.extend(load_data_file(spec, keys, default_split)?);
     }
     if out.is_empty() {
         return Err(RolloutError::Data {

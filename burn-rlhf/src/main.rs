@@ -246,11 +246,15 @@ fn run_data_gsm8k(input: &str, output: &std::path::Path) -> anyhow::Result<()> {
         let records = if dir.is_dir() {
             load_data_file(
                 &dir.join(format!("{split}.jsonl")).display().to_string(),
-                "prompt",
+                ("prompt", "data_source"),
                 split,
             )?
         } else {
-            load_data_file(&format!("{input}:{split}"), "prompt", split)?
+            load_data_file(
+                &format!("{input}:{split}"),
+                ("prompt", "data_source"),
+                split,
+            )?
         };
         let path = output.join(format!("{split}.parquet"));
         write_parquet(&path, &records)?;

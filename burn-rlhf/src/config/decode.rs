@@ -38,6 +38,16 @@ impl Decoder<'_> {
         value.ok_or_else(|| self.error(format!("`{key}` was not derived from its source key")))
     }
 
+    /// A dtype name: `None` for float32, else the half precision it names.
+    pub(super) fn dtype(&self, key: &str, name: &str) -> Result<Option<FloatDType>, ConfigError> {
+        match name {
+            "bfloat16" | "bf16" => Ok(Some(FloatDType::BF16)),
+            "float16" | "fp16" => Ok(Some(FloatDType::F16)),
+            "float32" | "fp32" => Ok(None),
+            other => Err(self.error(format!("`{key}` = `{other}` is not a known dtype"))),
+        }
+    }
+
     /// A token budget when its `use_dynamic_bsz` switch (derived) is on.
     pub(super) fn dynamic(
         &self,
@@ -59,6 +69,7 @@ impl Decoder<'_> {
             train_files: d.train_files.clone(),
             val_files: d.val_files.clone(),
             prompt_key: d.prompt_key.clone(),
+            reward_fn_key: d.reward_fn_key.clone(),
             max_prompt_length: d.max_prompt_length,
             max_response_length: d.max_response_length,
             train_batch_size: d.train_batch_size,
@@ -86,16 +97,7 @@ impl Decoder<'_> {
                 target_modules: m.target_modules.clone(),
             }),
             shape_bucket: m.shape_bucket,
-            dtype: match m.dtype.as_str() {
-                "bfloat16" | "bf16" => Some(FloatDType::BF16),
-                "float16" | "fp16" => Some(FloatDType::F16),
-                "float32" | "fp32" => None,
-                other => {
-                    return Err(self.error(format!(
-                        "`actor_rollout_ref.model.dtype` = `{other}` is not a known dtype"
-                    )))
-                }
-            },
+            dtype: self.dtype("actor_rollout_ref.model.dtype", &m.dtype)?,
             gradient_checkpointing: m.enable_gradient_checkpointing,
         })
     }
@@ -110,6 +112,7 @@ impl Decoder<'_> {
             micro_batch_size: a.ppo_micro_batch_size_per_gpu,
             max_token_len: a.use_dynamic_bsz.then_some(a.ppo_max_token_len_per_gpu),
             ppo_epochs: a.ppo_epochs,
+            shuffle: a.shuffle,
             // verl's `apply_bypass_mode` switches the loss.
             loss_mode: if c.algorithm.rollout_correction.bypass_mode {
                 "bypass_mode".into()
@@ -183,6 +186,10 @@ impl Decoder<'_> {
                 "actor_rollout_ref.rollout.logprobs_mode",
                 LogprobsMode::from_name(&r.logprobs_mode),
             )?,
+            dtype: self.dtype(
+                "actor_rollout_ref.rollout.dtype",
+                &self.derived("actor_rollout_ref.rollout.dtype", r.dtype.clone())?,
+            )?,
             log_prob_micro_batch_size: r.log_prob_micro_batch_size_per_gpu,
             log_prob_max_token_len: self.dynamic(
                 "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz",
@@ -218,6 +225,7 @@ impl Decoder<'_> {
                 cr.forward_max_token_len_per_gpu,
             )?,
             ppo_epochs: self.derived("critic.ppo_epochs", cr.ppo_epochs)?,
+            shuffle: self.derived("critic.shuffle", cr.shuffle)?,
             cliprange_value: cr.cliprange_value,
             loss_agg_mode: self.parse("critic.loss_agg_mode", LossAggMode::from_name(mode))?,
             grad_clip: cr.grad_clip,

@@ -54,6 +54,9 @@ pub struct DataSettings {
     pub val_files: Vec<String>,
     /// The column holding the prompt.
     pub prompt_key: String,
+    /// The column that picks each row's reward function (`reward_fn_key`; `data_source`).
+    pub reward_fn_key: String,
+
     /// Prompt tokens at most (longer prompts: `truncation`).
     pub max_prompt_length: usize,
     /// Response tokens at most.
@@ -88,9 +91,10 @@ pub struct ModelSettings {
     /// Tokens per length bucket (1: exact shapes); `None`: chosen by the backend
     /// ([`ModelSettings::shape_bucket_for`]).
     pub shape_bucket: Option<usize>,
-    /// `dtype`: the rollout, old-log-prob and reference passes run on a copy of the model in this
-    /// dtype (bf16/f16); `None`: float32. Training keeps f32 weights, optimiser state and
-    /// compute; losses, advantages and log-prob reductions are f32 either way.
+    /// `dtype`: the policy's and critic's compute dtype (bf16/f16); `None`: float32. The old- and
+    /// reference-log-prob passes run on a copy of the model cast to it, the updates' forward and
+    /// backward on the f32 weights cast to it (autocast: f32 master weights, AdamW state and
+    /// gradients). Losses, advantages and log-prob reductions are f32 either way.
     pub dtype: Option<FloatDType>,
     /// `enable_gradient_checkpointing` (the critic's agrees when there is one): train on an
     /// autodiff backend that recomputes activations in the backward pass
@@ -162,6 +166,8 @@ pub struct ActorSettings {
     pub max_token_len: Option<usize>,
     /// Passes over the batch.
     pub ppo_epochs: usize,
+    /// Each epoch takes the mini-batches in a seeded random order of rows (`shuffle`).
+    pub shuffle: bool,
     /// `policy_loss.loss_mode`: the registry name of the loss.
     pub loss_mode: String,
     /// What the loss reads (clip ranges, the variants' coefficients, the seed).
@@ -207,6 +213,8 @@ pub struct RolloutSettings {
     pub response_length: usize,
     /// Which log-probs the rollout records.
     pub logprobs_mode: LogprobsMode,
+    /// Generation's dtype (`rollout.dtype`, by default the model's); `None`: float32.
+    pub dtype: Option<FloatDType>,
     /// Sequences per forward pass of the old log-probs (`None`: all of a rank's rows).
     pub log_prob_micro_batch_size: Option<usize>,
     /// `log_prob_max_token_len_per_gpu` when `log_prob_use_dynamic_bsz`: micro-batches of at most
@@ -238,6 +246,8 @@ pub struct CriticSettings {
     pub forward_max_token_len: Option<usize>,
     /// Passes over the batch.
     pub ppo_epochs: usize,
+    /// Each epoch takes the mini-batches in a seeded random order of rows (`shuffle`).
+    pub shuffle: bool,
     /// Value clipping around the old values.
     pub cliprange_value: f64,
     /// How the value loss is reduced.

@@ -28,13 +28,9 @@ pub struct DataConfig {
     pub train_files: Vec<String>,
     pub val_files: Vec<String>,
     pub prompt_key: String,
-    /// SFT: the column holding the response.
-    pub response_key: String,
     pub reward_fn_key: String,
     pub max_prompt_length: usize,
     pub max_response_length: usize,
-    /// SFT: prompt + response tokens kept per example.
-    pub max_length: usize,
     pub train_batch_size: usize,
     /// `None`: the whole validation set in one batch, as verl.
     pub val_batch_size: Option<usize>,
@@ -55,11 +51,9 @@ impl Default for DataConfig {
             train_files: vec!["~/data/gsm8k/train.parquet".into()],
             val_files: vec!["~/data/gsm8k/test.parquet".into()],
             prompt_key: "prompt".into(),
-            response_key: "response".into(),
             reward_fn_key: "data_source".into(),
             max_prompt_length: 512,
             max_response_length: 512,
-            max_length: 1024,
             train_batch_size: 1024,
             val_batch_size: None,
             gen_batch_size: None,
@@ -68,7 +62,7 @@ impl Default for DataConfig {
             seed: 1,
             filter_overlong_prompts: false,
             truncation: "error".into(),
-            return_raw_chat: false,
+            return_raw_chat: true,
         }
     }
 }
@@ -91,14 +85,15 @@ pub struct ModelConfig {
     pub path: String,
     /// `None`: the model's own tokenizer (`path`).
     pub tokenizer_path: Option<String>,
-    /// Compute dtype: `float32` (CPU) or `bfloat16`/`float16` where the backend has them.
+    /// The policy's compute dtype: `float32`, or `bfloat16`/`float16` where the backend has them.
+    /// Half precision runs the old- and reference-log-prob passes on a half copy and the updates'
+    /// forward and backward in it (verl's FSDP `param_dtype`), with f32 master weights, AdamW
+    /// state and gradient accumulation (`reduce_dtype`); the critic computes in it too.
     pub dtype: String,
     pub enable_gradient_checkpointing: bool,
     /// The fused RL kernels on CubeCL backends (log-probs and entropy, the PPO and value losses,
     /// the GAE scan); off runs their reference tensor ops. burn-rlhf's default is on.
     pub use_fused_kernels: bool,
-    /// SFT (verl's `model.partial_pretrain`): the model SFT starts from; `None`: `path`.
-    pub partial_pretrain: Option<String>,
     pub lora_rank: usize,
     pub lora_alpha: f64,
     /// `all-linear` or a list of module names such as `[q_proj, v_proj]`.
@@ -119,7 +114,6 @@ impl Default for ModelConfig {
             dtype: "float32".into(),
             enable_gradient_checkpointing: true,
             use_fused_kernels: true,
-            partial_pretrain: None,
             lora_rank: 0,
             lora_alpha: 16.0,
             target_modules: vec!["all-linear".into()],
@@ -314,6 +308,9 @@ pub struct RolloutConfig {
     pub response_length: Option<usize>,
     /// `raw_logprobs` or `processed_logprobs` (after temperature/top-k/top-p).
     pub logprobs_mode: String,
+    /// The dtype generation runs in (vLLM's, which verl passes through); `None`:
+    /// `actor_rollout_ref.model.dtype`.
+    pub dtype: Option<String>,
     pub log_prob_micro_batch_size_per_gpu: Option<usize>,
     /// Old log-probs in micro-batches of at most `log_prob_max_token_len_per_gpu` tokens;
     /// `None`: `actor.use_dynamic_bsz`.
@@ -339,7 +336,8 @@ impl Default for RolloutConfig {
             do_sample: true,
             prompt_length: None,
             response_length: None,
-            logprobs_mode: "raw_logprobs".into(),
+            logprobs_mode: "processed_logprobs".into(),
+            dtype: None,
             log_prob_micro_batch_size_per_gpu: None,
             log_prob_use_dynamic_bsz: None,
             log_prob_max_token_len_per_gpu: None,
@@ -718,6 +716,9 @@ impl RlhfConfig {
             .get_or_insert(arr.actor.clip_ratio);
         if arr.model.tokenizer_path.is_none() {
             arr.model.tokenizer_path = Some(arr.model.path.clone());
+        }
+        if arr.rollout.dtype.is_none() {
+            arr.rollout.dtype = Some(arr.model.dtype.clone());
         }
         let (dynamic, max_tokens) = (
             arr.actor.use_dynamic_bsz,

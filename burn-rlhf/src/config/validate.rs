@@ -7,6 +7,9 @@ use burn_rlhf_algos::{AlgoError, KlPenalty, LossAggMode, Registry};
 use super::load::ConfigError;
 use super::tree::{OptimConfig, RlhfConfig};
 
+/// The dtype names the config accepts (verl's and their short forms).
+const DTYPE_NAMES: &[&str] = &["float32", "fp32", "bfloat16", "bf16", "float16", "fp16"];
+
 /// The names a config may use for each registry-selected key, and which estimators need a critic.
 /// [`KnownNames::default`] lists the built-ins; a program that registers its own estimator, loss
 /// or controller builds this with [`KnownNames::from_registry`].
@@ -127,6 +130,25 @@ impl RlhfConfig {
         p.check(data.max_response_length >= 1, || {
             "`data.max_response_length` must be >= 1".into()
         });
+        p.check(data.return_raw_chat, || {
+            "`data.return_raw_chat` = false is not supported: the rollout always applies the chat \
+             template to each prompt's messages itself (verl's default, true)"
+                .into()
+        });
+        p.check(!data.validation_shuffle, || {
+            "`data.validation_shuffle` = true is refused: validation generates for every prompt, \
+             each from its own random stream, so their order changes nothing"
+                .into()
+        });
+        if let Some(len) = self.actor_rollout_ref.rollout.prompt_length {
+            p.check(len == data.max_prompt_length, || {
+                format!(
+                    "`actor_rollout_ref.rollout.prompt_length` ({len}) must equal \
+                     `data.max_prompt_length` ({}): prompts are cut to that length",
+                    data.max_prompt_length
+                )
+            });
+        }
     }
 
     /// `actor_rollout_ref.actor.*` and `model.*`, with the batch arithmetic in verl's units: batch
@@ -158,8 +180,11 @@ impl RlhfConfig {
         p.one_of_str(
             "actor_rollout_ref.model.dtype",
             &arr.model.dtype,
-            &["float32", "fp32", "bfloat16", "bf16", "float16", "fp16"],
+            DTYPE_NAMES,
         );
+        if let Some(dtype) = &arr.rollout.dtype {
+            p.one_of_str("actor_rollout_ref.rollout.dtype", dtype, DTYPE_NAMES);
+        }
         check_optim(p, "actor_rollout_ref.actor.optim", &actor.optim);
         let mini = actor.ppo_mini_batch_size;
         p.check(mini >= 1, || {
@@ -376,6 +401,24 @@ impl RlhfConfig {
                     "`algorithm.adv_estimator` = `{estimator}` needs a critic: set `critic.model.path`"
                 )
             });
+            let model = &self.actor_rollout_ref.model;
+            if let Some(tokenizer) = &critic.model.tokenizer_path {
+                let actor_tokenizers = [Some(&model.path), model.tokenizer_path.as_ref()];
+                p.check(actor_tokenizers.contains(&Some(tokenizer)), || {
+                    format!(
+                        "`critic.model.tokenizer_path` (`{tokenizer}`) must be the actor's \
+                         tokenizer (`actor_rollout_ref.model.tokenizer_path`): the critic reads \
+                         the actor's token ids"
+                    )
+                });
+            }
+        } else {
+            p.check(critic.enable != Some(true), || {
+                format!(
+                    "`critic.enable` is true, but `algorithm.adv_estimator` = `{estimator}` reads \
+                     no values: nothing would use the critic"
+                )
+            });
         }
     }
 
@@ -391,6 +434,13 @@ impl RlhfConfig {
             }
         }
         let ob = &self.reward_model.overlong_buffer;
+        p.check(!ob.enable || self.reward_model.reward_manager == "dapo", || {
+            format!(
+                "`reward_model.overlong_buffer.enable` needs `reward_model.reward_manager` = `dapo` \
+                 (verl's `{}` manager has no overlong buffer)",
+                self.reward_model.reward_manager
+            )
+        });
         let max = self.data.max_response_length;
         p.check(!ob.enable || (ob.len >= 1 && ob.len <= max), || {
             format!(
@@ -404,7 +454,49 @@ impl RlhfConfig {
     fn check_algorithm(&self, p: &mut Problems, known: &KnownNames) {
         let alg = &self.algorithm;
         let rc = &alg.rollout_correction;
-        p.algo_rule("algorithm.rollout_correction", rc.decode().map(|_| ()));
+        if let Err(e) = rc.decode() {
+            // Reported under the key the message names (the longest that matches).
+            let detail = e.to_string();
+            let field = [
+                "rollout_is_batch_normalize",
+                "rollout_is_threshold",
+                "rollout_rs_threshold",
+                "rollout_is",
+                "rollout_rs",
+            ]
+            .into_iter()
+            .find(|f| detail.contains(f));
+            let key = match field {
+                Some(f) => format!("algorithm.rollout_correction.{f}"),
+                None => "algorithm.rollout_correction".into(),
+            };
+            p.algo_rule(&key, Err(e));
+        }
+        let defaults = super::tree::RolloutCorrectionConfig::default();
+        if rc.rollout_is.is_none() {
+            for (key, set) in [
+                (
+                    "rollout_is_threshold",
+                    rc.rollout_is_threshold != defaults.rollout_is_threshold,
+                ),
+                ("rollout_is_batch_normalize", rc.rollout_is_batch_normalize),
+            ] {
+                p.check(!set, || {
+                    format!(
+                        "`algorithm.rollout_correction.{key}` is set, but \
+                         `algorithm.rollout_correction.rollout_is` is not: nothing reads it"
+                    )
+                });
+            }
+        }
+        p.check(
+            rc.rollout_rs.is_some() || rc.rollout_rs_threshold.is_none(),
+            || {
+                "`algorithm.rollout_correction.rollout_rs_threshold` is set, but \
+             `algorithm.rollout_correction.rollout_rs` is not: nothing reads it"
+                    .into()
+            },
+        );
         p.algo_rule(
             "algorithm.rollout_correction.loss_type",
             BypassLossType::from_name(&rc.loss_type).map(|_| ()),

@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 
 use burn::optim::{GradientsAccumulator, Optimizer};
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{FloatDType, Tensor, TensorData};
 use burn_rlhf_algos::functional::to_scalar;
 use burn_rlhf_algos::RlAutodiffBackend;
 use burn_rlhf_algos::{
@@ -60,6 +60,9 @@ pub struct ActorLossConfig {
     pub shape_bucket: usize,
     /// Global gradient-norm limit.
     pub grad_clip: f64,
+    /// `Some(dtype)`: the forward and backward run on the weights cast to it (autocast; the
+    /// weights, their gradients and the optimiser state stay f32). `model.dtype`.
+    pub compute_dtype: Option<FloatDType>,
 }
 
 impl ActorLossConfig {
@@ -77,6 +80,7 @@ impl ActorLossConfig {
             max_token_len: actor.max_token_len,
             shape_bucket: 1,
             grad_clip: actor.grad_clip,
+            compute_dtype: None,
         }
     }
 }
@@ -91,8 +95,8 @@ fn tensor2<B: RlAutodiffBackend>(
 }
 
 /// Updates `actor` once on `batch` (one mini-batch) and returns it with verl's metrics
-/// (`actor/pg_loss`, `actor/entropy`, `actor/kl_loss`, `actor/grad_norm`, `actor/lr` and the loss's
-/// own). Loss terms are summed over micro-batches (each is normalised by the whole mini-batch's
+/// (`actor/pg_loss`, `actor/entropy_loss` (the update's entropy term), `actor/kl_loss`,
+/// `actor/grad_norm`, `actor/lr` and the loss's own). Loss terms are summed over micro-batches (each is normalised by the whole mini-batch's
 /// counts); the loss's ratio metrics (clip fractions, `ppo_kl`) are weighted by each
 /// micro-batch's share of the tokens, so they are the mini-batch's own whatever the micro-batch
 /// size or the number of ranks (verl averages micro-batches equally: the same when they hold
@@ -144,7 +148,12 @@ pub fn actor_update<B: RlAutodiffBackend, O: Optimizer<CausalLm<B>, B>>(
         let cut = |v: &[f32]| micro.cut(v, r);
         let seq = SequenceTensors::<B>::from_batch(part, device);
         let mask = seq.response_mask.clone();
-        let (log_prob, entropy) = response_logprobs(&actor, &seq, config.temperature);
+        // Cast per micro-batch: each backward consumes the graph, the cast included.
+        let model = match config.compute_dtype {
+            Some(dtype) => actor.clone().cast(dtype),
+            None => actor.clone(),
+        };
+        let (log_prob, entropy) = response_logprobs(&model, &seq, config.temperature);
         let input = PolicyLossInput {
             old_log_prob: tensor2(&cut(&old_all), n, w, device),
             log_prob: log_prob.clone(),
@@ -159,7 +168,8 @@ pub fn actor_update<B: RlAutodiffBackend, O: Optimizer<CausalLm<B>, B>>(
         let entropy_loss = agg_loss(entropy, mask.clone(), config.loss_agg_mode, &global)?;
         let mut loss = out.loss.clone() - entropy_loss.clone() * config.entropy_coeff;
         *metrics.entry("actor/pg_loss".into()).or_default() += to_scalar(out.loss.detach());
-        *metrics.entry("actor/entropy".into()).or_default() += to_scalar(entropy_loss.detach());
+        *metrics.entry("actor/entropy_loss".into()).or_default() +=
+            to_scalar(entropy_loss.detach());
         if let Some(reference) = &ref_all {
             // With a reference the KL to it is always measured; it joins the loss only with
             // `use_kl_loss` (then with its own estimator and coefficient).

@@ -5,6 +5,7 @@
 use std::collections::BTreeMap;
 
 use burn::optim::{GradientsAccumulator, GradientsParams, Optimizer};
+use burn::tensor::FloatDType;
 use burn_rlhf_algos::functional::{from_rows, to_scalar};
 use burn_rlhf_algos::RlAutodiffBackend;
 use burn_rlhf_algos::{value_loss, GlobalBatchInfo, LossAggMode};
@@ -45,6 +46,8 @@ pub struct CriticLossConfig {
     pub grad_clip: f64,
     /// Multiplies the loss before its gradient (`critic.value_loss_scale`).
     pub value_loss_scale: f64,
+    /// `Some(dtype)`: autocast, as the actor's ([`super::ActorLossConfig::compute_dtype`]).
+    pub compute_dtype: Option<FloatDType>,
 }
 
 impl CriticLossConfig {
@@ -58,6 +61,7 @@ impl CriticLossConfig {
             shape_bucket: 1,
             grad_clip: critic.grad_clip,
             value_loss_scale: critic.value_loss_scale,
+            compute_dtype: None,
         }
     }
 }
@@ -106,7 +110,11 @@ pub fn critic_update<B: RlAutodiffBackend, O: Optimizer<ValueModel<B>, B>>(
         let slice = |v: &[f32]| micro.cut(v, r);
         let cut = |v: &[f32]| from_rows::<B>(slice(v), n, w, device);
         let seq = SequenceTensors::<B>::from_batch(&micro.batch, device);
-        let vpreds = response_values(&critic, &seq);
+        let model = match config.compute_dtype {
+            Some(dtype) => critic.clone().cast(dtype),
+            None => critic.clone(),
+        };
+        let vpreds = response_values(&model, &seq);
         let out = value_loss(
             vpreds,
             cut(&values_all),

@@ -92,11 +92,13 @@ impl<B: RlAutodiffBackend> LearnerParts<B> {
         }
         let data = &settings.data;
         if training {
-            parts.train = load_data_files(&data.train_files, &data.prompt_key, "train")?;
+            let keys = (data.prompt_key.as_str(), data.reward_fn_key.as_str());
+            parts.train = load_data_files(&data.train_files, keys, "train")?;
         }
         let t = &settings.trainer;
         if t.test_freq.is_some() || t.val_before_train {
-            parts.val = load_data_files(&data.val_files, &data.prompt_key, "test")?;
+            let keys = (data.prompt_key.as_str(), data.reward_fn_key.as_str());
+            parts.val = load_data_files(&data.val_files, keys, "test")?;
         }
         Ok(parts)
     }
@@ -146,7 +148,6 @@ impl<B: RlAutodiffBackend> Learner<B> {
         parts: LearnerParts<B>,
         device: &B::Device,
     ) -> Result<Self, TrainError> {
-        burn_rlhf_algos::kernels::set_kernels_enabled(settings.model.use_fused_kernels);
         let algorithms = build_algorithms(&settings, &parts.registry, &parts.rewards)?;
         if parts.training && settings.critic.is_some() && parts.critic.is_none() {
             return Err(TrainError::config(
@@ -157,19 +158,17 @@ impl<B: RlAutodiffBackend> Learner<B> {
                 ),
             ));
         }
-        if parts.training && parts.train.is_empty() {
-            return Err(TrainError::config(
-                "data.train_files",
-                "no training prompts",
-            ));
-        }
-        if let Some(dtype) = settings.model.dtype {
+        for (key, dtype) in [
+            ("actor_rollout_ref.model.dtype", settings.model.dtype),
+            ("actor_rollout_ref.rollout.dtype", settings.rollout.dtype),
+        ] {
+            let Some(dtype) = dtype else { continue };
             if !<B::InnerBackend as burn::tensor::backend::Backend>::supports_dtype(
                 device,
                 dtype.into(),
             ) {
                 return Err(TrainError::config(
-                    "actor_rollout_ref.model.dtype",
+                    key,
                     format!(
                         "{dtype:?} is not supported by this build's backend ({})",
                         std::any::type_name::<B::InnerBackend>()
@@ -196,6 +195,9 @@ impl<B: RlAutodiffBackend> Learner<B> {
             (parts.train, parts.val)
         };
         let data = &settings.data;
+        if parts.training {
+            check_one_batch(&settings, train.len())?;
+        }
         let sampler = PromptSampler::new(train.len(), data.seed, data.shuffle);
         let total_steps = settings.trainer.total_training_steps.unwrap_or_else(|| {
             settings.trainer.total_epochs * sampler.batches_per_epoch(data.train_batch_size)
@@ -289,6 +291,39 @@ impl<B: RlAutodiffBackend> Learner<B> {
         self.dp = dp;
         Ok(self)
     }
+}
+
+/// A step draws `data.train_batch_size` prompts (DAPO: `gen_batch_size` per round) without
+/// repeating one within an epoch, as verl's `drop_last` data loader: fewer prompts than that
+/// would make a run of zero steps (or silently smaller batches), so it is an error naming the
+/// files, their usable rows and the key.
+fn check_one_batch(settings: &Settings, rows: usize) -> Result<(), TrainError> {
+    let data = &settings.data;
+    let (key, batch) = match settings.algorithm.filter_groups {
+        Some(_) if data.gen_batch_size > data.train_batch_size => {
+            ("data.gen_batch_size", data.gen_batch_size)
+        }
+        _ => ("data.train_batch_size", data.train_batch_size),
+    };
+    if rows >= batch {
+        return Ok(());
+    }
+    let filtered = if data.filter_overlong_prompts {
+        " after `data.filter_overlong_prompts`"
+    } else {
+        ""
+    };
+    Err(TrainError::config(
+        key,
+        format!(
+            "the training data ({}) has {rows} prompt rows{filtered}, fewer than one batch of {batch}: lower `{key}` or add data",
+            if data.train_files.is_empty() {
+                "given in code".to_string()
+            } else {
+                data.train_files.join(", ")
+            }
+        ),
+    ))
 }
 
 /// The estimator, the returns' estimator (VAPO), the policy loss, the KL controller and the reward

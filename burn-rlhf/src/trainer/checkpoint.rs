@@ -6,8 +6,11 @@
 //! the parameters it belongs to). `trainer_state.json` holds the step, data position, KL
 //! controller, the loss's random-stream position and the schedules' positions. A step is written
 //! to a temporary folder and renamed into place, then `latest_checkpointed_iteration.txt` is
-//! replaced: a run killed while saving keeps its previous checkpoint.
+//! replaced: a run killed while saving keeps its previous checkpoint. A LoRA run also writes its
+//! adapters in PEFT's layout (`adapter_model.safetensors`, `adapter_config.json`); it resumes
+//! from them onto the base model it was started from.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
@@ -17,7 +20,8 @@ use burn::tensor::Tensor;
 use burn_rlhf_algos::KlControllerState;
 use burn_rlhf_algos::RlAutodiffBackend;
 use burn_rlhf_models::pretrained::{load_pretrained, save_pretrained};
-use burn_rlhf_models::{CausalLm, ValueModel};
+use burn_rlhf_models::weights::{write_safetensors, WeightMap};
+use burn_rlhf_models::{CausalLm, LoraConfig, ValueModel};
 use burn_rlhf_rollout::SamplerState;
 use serde::{Deserialize, Serialize};
 
@@ -146,6 +150,46 @@ fn load_optimizer<B: RlAutodiffBackend, M: AutodiffModule<B>>(
     Ok(optim.load_record(remapped))
 }
 
+/// The LoRA adapters of a LoRA run, in PEFT's layout (`PeftModel.from_pretrained` loads the
+/// folder onto the base model); `model.safetensors` beside it is the merged model.
+pub const ADAPTER_FILE: &str = "adapter_model.safetensors";
+
+/// Writes `actor`'s adapters and PEFT's `adapter_config.json` into `dir`.
+fn save_adapters<B: burn::tensor::backend::Backend>(
+    dir: &Path,
+    actor: &CausalLm<B>,
+    lora: &LoraConfig,
+    base: &str,
+) -> Result<(), TrainError> {
+    write_safetensors(
+        &dir.join(ADAPTER_FILE),
+        &actor.export_lora(),
+        HashMap::from([("format".to_string(), "pt".to_string())]),
+    )?;
+    let targets = match lora.target_modules.as_slice() {
+        [all] if all == "all-linear" => serde_json::json!("all-linear"),
+        list => serde_json::json!(list),
+    };
+    let config = serde_json::json!({
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base,
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": 0.0,
+        "target_modules": targets,
+        "bias": "none",
+    });
+    let path = dir.join("adapter_config.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&config).expect("JSON"))
+        .map_err(|e| io(&path, e))
+}
+
+/// Where a re-saved step's previous folder waits until the new one is in place.
+fn replaced_dir(root: &Path, step: usize) -> PathBuf {
+    root.join(format!(".global_step_{step}.replaced"))
+}
+
 /// `<arch prefix>ForTokenClassification`, the class transformers loads a critic with.
 fn critic_architecture(model_type: &str) -> &'static str {
     match model_type {
@@ -184,6 +228,14 @@ impl<B: RlAutodiffBackend> Learner<B> {
                 Some(&self.tokenizer),
             )?;
             save_param_order::<B, _>(&actor_dir, &self.actor)?;
+            if let Some(lora) = &self.settings.model.lora {
+                save_adapters(
+                    &actor_dir,
+                    &self.actor.valid(),
+                    lora,
+                    &self.settings.model.path,
+                )?;
+            }
             if let Some(c) = &self.critic {
                 save_pretrained(
                     &critic_dir,
@@ -236,10 +288,21 @@ impl<B: RlAutodiffBackend> Learner<B> {
         }
         self.dp.barrier()?;
         if main {
+            // Re-saving a step: the old folder is moved aside, the new one renamed in, and only
+            // then is the old one deleted, so the step's folder is never half-written; in the
+            // instant between the two renames a resume finds the aside copy
+            // ([`Learner::checkpoint_to_resume`]).
+            let aside = replaced_dir(&root, self.global_step);
+            if aside.exists() && done.exists() {
+                std::fs::remove_dir_all(&aside).map_err(|e| io(&aside, e))?;
+            }
             if done.exists() {
-                std::fs::remove_dir_all(&done).map_err(|e| io(&done, e))?;
+                std::fs::rename(&done, &aside).map_err(|e| io(&aside, e))?;
             }
             std::fs::rename(&tmp, &done).map_err(|e| io(&done, e))?;
+            if aside.exists() {
+                std::fs::remove_dir_all(&aside).map_err(|e| io(&aside, e))?;
+            }
             let latest = root.join(LATEST_FILE);
             let latest_tmp = root.join(format!(".{LATEST_FILE}.partial"));
             std::fs::write(&latest_tmp, self.global_step.to_string())
@@ -258,10 +321,23 @@ impl<B: RlAutodiffBackend> Learner<B> {
             ResumeMode::Disable => Ok(None),
             ResumeMode::Auto => {
                 let root = self.checkpoint_root();
-                match std::fs::read_to_string(root.join(LATEST_FILE)) {
-                    Ok(step) => Ok(Some(root.join(format!("global_step_{}", step.trim())))),
-                    Err(_) => Ok(None),
-                }
+                let Ok(text) = std::fs::read_to_string(root.join(LATEST_FILE)) else {
+                    return Ok(None);
+                };
+                let latest = root.join(LATEST_FILE);
+                let step: usize = text
+                    .trim()
+                    .parse()
+                    .map_err(|_| io(&latest, format!("`{}` is not a step number", text.trim())))?;
+                let dir = root.join(format!("global_step_{step}"));
+                let aside = replaced_dir(&root, step);
+                // Killed between moving a re-saved step's old folder aside and renaming the new
+                // one in: the old one is complete.
+                Ok(Some(if !dir.exists() && aside.exists() {
+                    aside
+                } else {
+                    dir
+                }))
             }
             ResumeMode::Path(path) => Ok(Some(path.clone())),
         }
@@ -273,8 +349,33 @@ impl<B: RlAutodiffBackend> Learner<B> {
         let text = std::fs::read_to_string(&state_path).map_err(|e| io(&state_path, e))?;
         let state: TrainerState = serde_json::from_str(&text).map_err(|e| io(&state_path, e))?;
         let actor_dir = dir.join("actor");
-        let actor: CausalLm<B> =
-            load_pretrained(&actor_dir.display().to_string())?.causal_lm(&self.device)?;
+        let adapters = actor_dir.join(ADAPTER_FILE);
+        let actor: CausalLm<B> = match (&self.settings.model.lora, adapters.exists()) {
+            // The frozen base is the model the run started from (`model.path`, loaded by this
+            // learner); the checkpoint holds what trained: the adapters.
+            (Some(_), true) => {
+                let mut w = WeightMap::new(adapters.display().to_string());
+                w.read_safetensors(&adapters)?;
+                let actor = self.actor.clone().load_lora(&mut w, &self.device)?;
+                w.finish()?;
+                actor
+            }
+            (Some(_), false) => {
+                return Err(io(
+                    &adapters,
+                    "missing: `actor_rollout_ref.model.lora_rank` > 0 resumes the LoRA adapters of a LoRA run, and this checkpoint has none",
+                ))
+            }
+            (None, true) => {
+                return Err(io(
+                    &adapters,
+                    "this checkpoint is of a LoRA run: set `actor_rollout_ref.model.lora_rank` (and its other LoRA keys) as that run did",
+                ))
+            }
+            (None, false) => {
+                load_pretrained(&actor_dir.display().to_string())?.causal_lm(&self.device)?
+            }
+        };
         let optim = self.actor_optim.clone();
         let stem = optimizer_stem(&self.actor_sync);
         self.actor_optim = load_optimizer(&actor_dir, &actor, optim, &stem, &self.device)?;

@@ -3,6 +3,10 @@
 //! parts), `rollout` (generation and rewards), `scoring` (log-probs, values, KL, advantages),
 //! `update` (the critic's and the actor's updates), `step` (one step in verl's order) and
 //! `validation`; `checkpoint` and `run` save, resume and loop.
+//!
+//! Each public phase that computes runs inside `kernels::with_kernels(use_fused_kernels)`: the
+//! fused-kernel switch is the learner's own, on the calling thread, so two learners in one
+//! process (or the ranks of a local data-parallel run) do not change each other's.
 
 use std::sync::Arc;
 
@@ -90,16 +94,21 @@ impl<B: RlAutodiffBackend> Learner<B> {
         )
     }
 
-    /// `model` as the rollout, old-log-prob and reference passes run it: cast to
+    /// `model` as the old-log-prob and reference passes run it: cast to
     /// `actor_rollout_ref.model.dtype` when that is a half precision, else as it is.
-    pub(crate) fn for_inference(
+    pub(crate) fn for_scoring(
         &self,
         model: CausalLm<B::InnerBackend>,
     ) -> CausalLm<B::InnerBackend> {
-        match self.settings.model.dtype {
-            Some(dtype) => model.cast(dtype),
-            None => model,
-        }
+        cast_to(model, self.settings.model.dtype)
+    }
+
+    /// `model` as generation runs it: cast to `actor_rollout_ref.rollout.dtype`.
+    pub(crate) fn for_generation(
+        &self,
+        model: CausalLm<B::InnerBackend>,
+    ) -> CausalLm<B::InnerBackend> {
+        cast_to(model, self.settings.rollout.dtype)
     }
 
     /// Steps in the whole run (`trainer.total_training_steps`, or epochs x batches per epoch).
@@ -125,6 +134,17 @@ impl<B: RlAutodiffBackend> Learner<B> {
     /// Whether there are validation prompts.
     pub(crate) fn has_validation_data(&self) -> bool {
         !self.val.is_empty()
+    }
+}
+
+/// `model` cast to `dtype` when that is a half precision, else as it is.
+fn cast_to<B: burn::tensor::backend::Backend>(
+    model: CausalLm<B>,
+    dtype: Option<burn::tensor::FloatDType>,
+) -> CausalLm<B> {
+    match dtype {
+        Some(dtype) => model.cast(dtype),
+        None => model,
     }
 }
 

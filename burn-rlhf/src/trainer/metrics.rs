@@ -146,7 +146,7 @@ pub fn data_metrics(d: &StepData<'_>) -> Metrics {
 /// The metrics a compact console line shows, when present.
 const HEADLINE: [(&str, &str); 4] = [
     ("critic/score/mean", "score"),
-    ("critic/kl", "kl"),
+    ("actor/reward_kl_penalty", "kl"),
     ("response_length/mean", "len"),
     ("actor/pg_loss", "pg"),
 ];
@@ -167,7 +167,8 @@ pub struct MetricsLogger {
 impl MetricsLogger {
     /// `console`: a progress bar over `total_steps` and a table of every metric at the first and
     /// last step and every `table_every` steps; `jsonl`: one JSON object per step appended to that
-    /// file; `plot`: a PNG of score, KL and response length against step, written by `finish`.
+    /// file, after cutting it back to the steps up to `first_step` (those after it are run again
+    /// by a resumed run; a fresh run starts it empty); `plot`: a PNG of score, KL and response length against step, written by `finish`.
     pub fn new(
         console: bool,
         table_every: usize,
@@ -191,6 +192,7 @@ impl MetricsLogger {
             (Some(bar), Some(logs)) => Some(watch_compilation(bar.clone(), logs.compile.clone())),
             _ => None,
         };
+        let mut history = Vec::new();
         let jsonl = match jsonl {
             Some(path) => {
                 if let Some(dir) = path.parent() {
@@ -199,6 +201,7 @@ impl MetricsLogger {
                         message: e.to_string(),
                     })?;
                 }
+                history = cut_jsonl(&path, first_step)?;
                 let file = std::fs::OpenOptions::new()
                     .create(true)
                     .append(true)
@@ -217,7 +220,7 @@ impl MetricsLogger {
             table_every: table_every.max(1),
             jsonl,
             plot,
-            history: Vec::new(),
+            history,
             total_steps,
         })
     }
@@ -356,12 +359,51 @@ fn number(v: f64) -> String {
     }
 }
 
+/// Cuts a run's JSONL metrics back to the steps up to `first_step` (the step a run resumes
+/// from; 0 for a fresh start): steps logged after the checkpoint it resumes are run again and
+/// would otherwise appear twice. The file is replaced atomically; returns the steps kept.
+fn cut_jsonl(path: &Path, first_step: usize) -> Result<Vec<(usize, Metrics)>, TrainError> {
+    if !path.exists() {
+        return Ok(Vec::new());
+    }
+    let text = std::fs::read_to_string(path).map_err(|e| TrainError::Metrics {
+        path: path.into(),
+        message: e.to_string(),
+    })?;
+    let steps = parse_jsonl(path, &text)?;
+    let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+    let keep = steps.iter().filter(|(s, _)| *s <= first_step).count();
+    if keep == lines.len() {
+        return Ok(steps);
+    }
+    let kept: String = lines
+        .iter()
+        .zip(&steps)
+        .filter(|(_, (s, _))| *s <= first_step)
+        .map(|(l, _)| format!("{l}\n"))
+        .collect();
+    let tmp = path.with_extension("jsonl.partial");
+    let write = std::fs::write(&tmp, kept).and_then(|_| std::fs::rename(&tmp, path));
+    write.map_err(|e| TrainError::Metrics {
+        path: path.into(),
+        message: format!("cutting back to step {first_step}: {e}"),
+    })?;
+    Ok(steps
+        .into_iter()
+        .filter(|(s, _)| *s <= first_step)
+        .collect())
+}
+
 /// Reads a JSONL metrics file back (one object per line with a `step`).
 pub fn read_jsonl(path: &Path) -> Result<Vec<(usize, Metrics)>, TrainError> {
     let text = std::fs::read_to_string(path).map_err(|e| TrainError::Metrics {
         path: path.into(),
         message: e.to_string(),
     })?;
+    parse_jsonl(path, &text)
+}
+
+fn parse_jsonl(path: &Path, text: &str) -> Result<Vec<(usize, Metrics)>, TrainError> {
     text.lines()
         .enumerate()
         .filter(|(_, l)| !l.trim().is_empty())
@@ -386,27 +428,67 @@ pub fn read_jsonl(path: &Path) -> Result<Vec<(usize, Metrics)>, TrainError> {
         .collect()
 }
 
-/// verl's `training/rollout_probs_diff_{max,mean}`: how far the rollout's token probabilities
-/// are from the actor's recomputed ones (0 up to numerics when generation and training agree).
-pub fn rollout_probs_diff(batch: &RolloutBatch, old_log_probs: &[f32]) -> Metrics {
-    let diffs: Vec<f64> = batch
+/// verl's `calculate_debug_metrics`: `training/rollout_probs_diff_{max,mean,std}` (how far the
+/// rollout's token probabilities are from the actor's recomputed ones; 0 up to numerics when
+/// generation and training agree), `training/rollout_actor_probs_pearson_corr` and
+/// `training/rollout_probs_diff_valid`. The actor's log-probs are at the rollout temperature;
+/// `same_temperature` says whether the rollout's are too (processed log-probs, or raw ones at
+/// temperature 1). When they are not, comparing them would measure the temperature, so only
+/// `valid = 0` is reported.
+pub fn rollout_probs_diff(
+    batch: &RolloutBatch,
+    old_log_probs: &[f32],
+    same_temperature: bool,
+) -> Metrics {
+    let pairs: Vec<(f64, f64)> = batch
         .rollout_log_probs
         .iter()
         .zip(old_log_probs)
         .zip(&batch.response_mask)
         .filter(|(_, &m)| m > 0.0)
-        .map(|((&a, &b), _)| ((a as f64).exp() - (b as f64).exp()).abs())
+        .map(|((&rollout, &actor), _)| ((actor as f64).exp(), (rollout as f64).exp()))
         .collect();
-    let max = diffs.iter().cloned().fold(0.0, f64::max);
-    let mean = diffs.iter().sum::<f64>() / diffs.len().max(1) as f64;
+    let key = |k: &str| format!("training/rollout_{k}");
+    if !same_temperature || pairs.is_empty() {
+        return Metrics::from([(key("probs_diff_valid"), 0.0)]);
+    }
+    let n = pairs.len() as f64;
+    let diffs: Vec<f64> = pairs.iter().map(|(a, r)| (a - r).abs()).collect();
+    let mean = diffs.iter().sum::<f64>() / n;
+    // torch.std: the unbiased estimate.
+    let std = (diffs.iter().map(|d| (d - mean).powi(2)).sum::<f64>() / (n - 1.0).max(1.0)).sqrt();
+    let (ma, mr) = (
+        pairs.iter().map(|p| p.0).sum::<f64>() / n,
+        pairs.iter().map(|p| p.1).sum::<f64>() / n,
+    );
+    let (mut cov, mut va, mut vr) = (0.0, 0.0, 0.0);
+    for (a, r) in &pairs {
+        cov += (a - ma) * (r - mr);
+        va += (a - ma).powi(2);
+        vr += (r - mr).powi(2);
+    }
     Metrics::from([
-        ("training/rollout_probs_diff_max".to_string(), max),
-        ("training/rollout_probs_diff_mean".to_string(), mean),
+        (key("probs_diff_valid"), 1.0),
+        (
+            key("probs_diff_max"),
+            diffs.iter().cloned().fold(0.0, f64::max),
+        ),
+        (key("probs_diff_mean"), mean),
+        (key("probs_diff_std"), std),
+        (key("actor_probs_pearson_corr"), cov / (va * vr).sqrt()),
     ])
 }
 
-/// `agg_loss` of a host `[rows * width]` quantity over the response mask, in f64.
-pub fn masked_agg(values: &[f32], mask: &[f32], width: usize, mode: LossAggMode) -> f64 {
+/// verl's `agg_loss` of a host `[rows * width]` quantity over `mask`, in f64, for every mode;
+/// `loss_scale_factor` is `seq-mean-token-sum-norm`'s divisor. Fully masked rows do not count
+/// as sequences.
+pub fn masked_agg(
+    values: &[f32],
+    mask: &[f32],
+    width: usize,
+    mode: LossAggMode,
+    loss_scale_factor: f64,
+) -> f64 {
     let width = width.max(1);
     let per_row: Vec<(f64, f64)> = values
         .chunks(width)
@@ -416,26 +498,54 @@ pub fn masked_agg(values: &[f32], mask: &[f32], width: usize, mode: LossAggMode)
                 (s + (x * w) as f64, n + w as f64)
             })
         })
+        .filter(|&(_, n)| n > 0.0)
         .collect();
-    let (sum, count): (f64, f64) = per_row
+    let (sum, count) = per_row
         .iter()
         .fold((0.0, 0.0), |(s, n), (a, b)| (s + a, n + b));
+    let seq_mean = |f: &dyn Fn(f64, f64) -> f64| {
+        per_row.iter().map(|&(s, n)| f(s, n)).sum::<f64>() / per_row.len().max(1) as f64
+    };
     match mode {
         LossAggMode::TokenMean => sum / count.max(1.0),
-        _ => {
-            let rows: Vec<f64> = per_row
-                .iter()
-                .filter(|(_, n)| *n > 0.0)
-                .map(|(s, n)| s / n)
-                .collect();
-            rows.iter().sum::<f64>() / rows.len().max(1) as f64
-        }
+        LossAggMode::TokenSum => sum,
+        LossAggMode::SeqMeanTokenSum => seq_mean(&|s, _| s),
+        LossAggMode::SeqMeanTokenSumNorm => seq_mean(&|s, _| s) / loss_scale_factor,
+        LossAggMode::SeqMeanTokenMean => seq_mean(&|s, n| s / n),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The host aggregation equals the algorithms' `agg_loss` (verl's) in every mode, with a
+    /// fully masked row and a scale factor.
+    #[test]
+    fn masked_agg_is_agg_loss_in_every_mode() {
+        use burn::backend::Flex;
+        use burn::tensor::{Tensor, TensorData};
+        let values: Vec<f32> = (0..12).map(|i| (i as f32 * 0.37).sin()).collect();
+        let mask = vec![1., 1., 0., 0., 0., 0., 0., 0., 1., 1., 1., 1.];
+        let t = |v: &[f32]| {
+            Tensor::<Flex, 2>::from_data(TensorData::new(v.to_vec(), [3, 4]), &Default::default())
+        };
+        for mode in LossAggMode::ALL {
+            let info = burn_rlhf_algos::GlobalBatchInfo {
+                loss_scale_factor: Some(7.0),
+                ..burn_rlhf_algos::GlobalBatchInfo::local()
+            };
+            let want: f32 = burn_rlhf_algos::agg_loss(t(&values), t(&mask), mode, &info)
+                .unwrap()
+                .into_scalar();
+            let got = masked_agg(&values, &mask, 4, mode, 7.0);
+            assert!(
+                (got - want as f64).abs() < 1e-6,
+                "{}: {got} vs {want}",
+                mode.name()
+            );
+        }
+    }
 
     #[test]
     fn data_metrics_use_valid_tokens_and_lengths() {

@@ -46,7 +46,7 @@ fn font_available() -> bool {
 /// The panels: metric key and title.
 const PANELS: [(&str, &str); 3] = [
     ("critic/score/mean", "score (mean)"),
-    ("critic/kl", "KL to reference"),
+    ("actor/reward_kl_penalty", "KL to reference"),
     ("response_length/mean", "response length (mean)"),
 ];
 
@@ -74,8 +74,10 @@ pub fn plot_history(path: &Path, history: &[(usize, Metrics)]) -> Result<(), Tra
     let areas = root.split_evenly((1, panels.len()));
     for (area, (key, title)) in areas.iter().zip(&panels) {
         let key = key.as_str();
-        // `critic/kl` only exists with a KL penalty in the reward; fall back to the KL loss.
-        let key = if key == "critic/kl" && !history.iter().any(|(_, m)| m.contains_key(key)) {
+        // `actor/reward_kl_penalty` exists only with a KL penalty in the reward; else the KL loss.
+        let key = if key == "actor/reward_kl_penalty"
+            && !history.iter().any(|(_, m)| m.contains_key(key))
+        {
             "actor/kl_loss"
         } else {
             key

@@ -78,12 +78,16 @@ impl<B: RlAutodiffBackend> Learner<B> {
 
     /// Encodes prompts `indices` of `records` and generates for them: each rank generates for
     /// its consecutive share of the prompts, each prompt's random stream keyed by its record
-    /// index, and the samples are gathered, so every rank gets what one device would.
+    /// index, and the samples are gathered, so every rank gets what one device would. Each
+    /// drawn prompt's responses form one group, `first_group + its position` (verl's per-draw
+    /// `uid`): a prompt drawn twice in a step (DAPO's rounds across an epoch boundary) makes two
+    /// groups, not one.
     pub(crate) fn rollout(
         &self,
         records: &[PromptRecord],
         indices: &[usize],
         params: &SamplingParams,
+        first_group: u64,
     ) -> Result<RolloutBatch, TrainError> {
         let picked: Vec<&PromptRecord> = indices.iter().map(|&i| &records[i]).collect();
         let data = &self.settings.data;
@@ -96,7 +100,7 @@ impl<B: RlAutodiffBackend> Learner<B> {
         )?;
         let share = chunk(prompts.len(), self.dp.world(), self.dp.rank());
         let keys: Vec<u64> = indices[share.clone()].iter().map(|&i| i as u64).collect();
-        let policy = self.for_inference(self.actor.valid());
+        let policy = self.for_generation(self.actor.valid());
         let pad = self.tokenizer.pad_token_id;
         let mine = generate_keyed(
             &policy,
@@ -108,7 +112,7 @@ impl<B: RlAutodiffBackend> Learner<B> {
             &self.device,
         )?;
         let samples = self.gather_samples(mine, share.start, prompts.len(), params)?;
-        let group_ids: Vec<u64> = indices.iter().map(|&i| i as u64).collect();
+        let group_ids: Vec<u64> = (first_group..).take(indices.len()).collect();
         let sources: Vec<String> = picked.iter().map(|r| r.data_source.clone()).collect();
         let truths: Vec<String> = picked.iter().map(|r| r.ground_truth.clone()).collect();
         let batch =
@@ -183,20 +187,23 @@ impl<B: RlAutodiffBackend> Learner<B> {
 
     /// Generate: `rollout.n` responses for each of the training prompts `indices`.
     pub fn generate(&self, indices: &[usize], step: usize) -> Result<RolloutBatch, TrainError> {
-        self.generate_round(indices, step, 1)
+        burn_rlhf_algos::kernels::with_kernels(self.settings.model.use_fused_kernels, || {
+            self.generate_round(indices, step, 1, 0)
+        })
     }
 
     /// [`generate`](Self::generate) for dynamic sampling's `round` (from 1) of a step: each round
-    /// draws from its own streams.
+    /// draws from its own streams; its groups are numbered from `first_group`.
     fn generate_round(
         &self,
         indices: &[usize],
         step: usize,
         round: usize,
+        first_group: u64,
     ) -> Result<RolloutBatch, TrainError> {
         let seed = self.step_seed(step, Stream::Round(round));
         let params = self.sampling_params(&self.settings.rollout.train, false, seed);
-        self.rollout(&self.train, indices, &params)
+        self.rollout(&self.train, indices, &params, first_group)
     }
 
     /// Generate and reward one step's batch: `data.train_batch_size` prompts, or with DAPO's
@@ -207,13 +214,15 @@ impl<B: RlAutodiffBackend> Learner<B> {
         step: usize,
         timing: &mut Timing,
     ) -> Result<(RolloutBatch, Vec<usize>, Metrics), TrainError> {
-        if let Some(filter) = self.settings.algorithm.filter_groups {
-            return self.sample_filtered_batch(step, filter, timing);
-        }
-        let indices = self.sampler.next_batch(self.settings.data.train_batch_size);
-        let mut batch = timing.time("gen", || self.generate(&indices, step))?;
-        timing.time("reward", || self.reward(&mut batch))?;
-        Ok((batch, indices, Metrics::new()))
+        burn_rlhf_algos::kernels::with_kernels(self.settings.model.use_fused_kernels, || {
+            if let Some(filter) = self.settings.algorithm.filter_groups {
+                return self.sample_filtered_batch(step, filter, timing);
+            }
+            let indices = self.sampler.next_batch(self.settings.data.train_batch_size);
+            let mut batch = timing.time("gen", || self.generate(&indices, step))?;
+            timing.time("reward", || self.reward(&mut batch))?;
+            Ok((batch, indices, Metrics::new()))
+        })
     }
 
     /// DAPO's dynamic sampling: batches of `data.gen_batch_size` prompts, keeping the groups whose
@@ -246,7 +255,10 @@ impl<B: RlAutodiffBackend> Learner<B> {
             }
             rounds += 1;
             let indices = self.sampler.next_batch(gen_bs);
-            let mut batch = timing.time("gen", || self.generate_round(&indices, step, rounds))?;
+            let first_group = generated as u64;
+            let mut batch = timing.time("gen", || {
+                self.generate_round(&indices, step, rounds, first_group)
+            })?;
             let (raw, shaped) = timing.time("reward", || self.reward_rows(&mut batch))?;
             let metric: Vec<f64> = match filter.metric {
                 FilterMetric::Acc => raw.iter().map(|&s| f64::from(u8::from(s > 0.0))).collect(),
@@ -318,7 +330,7 @@ impl<B: RlAutodiffBackend> Learner<B> {
     pub fn reward_baselines(&self, indices: &[usize], step: usize) -> Result<Vec<f64>, TrainError> {
         let seed = self.step_seed(step, Stream::Greedy);
         let params = self.sampling_params(&self.settings.rollout.train, true, seed);
-        let mut greedy = self.rollout(&self.train, indices, &params)?;
+        let mut greedy = self.rollout(&self.train, indices, &params, 0)?;
         let scores = self.reward(&mut greedy)?;
         let n = self.settings.n();
         Ok(scores

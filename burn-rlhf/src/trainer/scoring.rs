@@ -115,26 +115,23 @@ impl<B: RlAutodiffBackend> Learner<B> {
     /// Old log-probs: the actor recomputes its own log-probs (and entropies) before updating;
     /// with an estimator that reads them (the optimal token baseline), also `Σπ²` per token.
     pub fn old_log_probs(&self, batch: &RolloutBatch) -> Result<OldLogProbs, TrainError> {
-        let r = &self.settings.rollout;
-        let plan = (
-            r.log_prob_micro_batch_size,
-            r.log_prob_max_token_len,
-            "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
-        );
-        let with_sum = self.algorithms.estimator.needs_sum_pi_squared();
-        let mut out = self
-            .log_probs_of(
-                &self.for_inference(self.actor.valid()),
-                batch,
-                plan,
-                with_sum,
-            )?
-            .into_iter();
-        let mut next = || out.next().expect("one output per requested pass");
-        Ok(OldLogProbs {
-            log_probs: next(),
-            entropy: Some(next()),
-            sum_pi_squared: with_sum.then(next),
+        burn_rlhf_algos::kernels::with_kernels(self.settings.model.use_fused_kernels, || {
+            let r = &self.settings.rollout;
+            let plan = (
+                r.log_prob_micro_batch_size,
+                r.log_prob_max_token_len,
+                "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+            );
+            let with_sum = self.algorithms.estimator.needs_sum_pi_squared();
+            let mut out = self
+                .log_probs_of(&self.for_scoring(self.actor.valid()), batch, plan, with_sum)?
+                .into_iter();
+            let mut next = || out.next().expect("one output per requested pass");
+            Ok(OldLogProbs {
+                log_probs: next(),
+                entropy: Some(next()),
+                sum_pi_squared: with_sum.then(next),
+            })
         })
     }
 
@@ -174,44 +171,54 @@ impl<B: RlAutodiffBackend> Learner<B> {
 
     /// Reference log-probs, when there is a reference.
     pub fn ref_log_probs(&self, batch: &RolloutBatch) -> Result<Option<Rows>, TrainError> {
-        match &self.reference {
-            Some(r) => {
-                let plan = (
-                    self.settings.ref_micro_batch_size,
-                    self.settings.ref_max_token_len,
-                    "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
-                );
-                let mut out =
-                    self.log_probs_of(&self.for_inference(r.clone()), batch, plan, false)?;
-                Ok(Some(out.swap_remove(0)))
-            }
-            None => Ok(None),
-        }
+        burn_rlhf_algos::kernels::with_kernels(
+            self.settings.model.use_fused_kernels,
+            || match &self.reference {
+                Some(r) => {
+                    let plan = (
+                        self.settings.ref_micro_batch_size,
+                        self.settings.ref_max_token_len,
+                        "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+                    );
+                    let mut out =
+                        self.log_probs_of(&self.for_scoring(r.clone()), batch, plan, false)?;
+                    Ok(Some(out.swap_remove(0)))
+                }
+                None => Ok(None),
+            },
+        )
     }
 
     /// Values: the critic's value at each response position, when there is a critic.
     pub fn values(&self, batch: &RolloutBatch) -> Result<Option<Rows>, TrainError> {
-        let (Some(critic), Some(settings)) = (self.critic.as_ref(), &self.settings.critic) else {
-            return Ok(None);
-        };
-        let model = critic.model.valid();
-        let mut out = self.sharded_pass(batch, |mine| {
-            self.in_micro_batches(
-                mine,
-                settings.micro_batch_size.unwrap_or(mine.rows()),
-                settings.forward_max_token_len,
-                ("critic.forward_max_token_len_per_gpu", 1),
-                |part| {
-                    let seq = SequenceTensors::from_batch(part, &self.device);
-                    vec![to_vec(response_values(&model, &seq))]
-                },
-            )
-        })?;
-        Ok(out.pop())
+        burn_rlhf_algos::kernels::with_kernels(self.settings.model.use_fused_kernels, || {
+            let (Some(critic), Some(settings)) = (self.critic.as_ref(), &self.settings.critic)
+            else {
+                return Ok(None);
+            };
+            // In the compute dtype, as the critic's update computes.
+            let model = match self.settings.model.dtype {
+                Some(dtype) => critic.model.valid().cast(dtype),
+                None => critic.model.valid(),
+            };
+            let mut out = self.sharded_pass(batch, |mine| {
+                self.in_micro_batches(
+                    mine,
+                    settings.micro_batch_size.unwrap_or(mine.rows()),
+                    settings.forward_max_token_len,
+                    ("critic.forward_max_token_len_per_gpu", 1),
+                    |part| {
+                        let seq = SequenceTensors::from_batch(part, &self.device);
+                        vec![to_vec(response_values(&model, &seq))]
+                    },
+                )
+            })?;
+            Ok(out.pop())
+        })
     }
 
     /// KL in reward (when `use_kl_in_reward`): `scores - beta * KL(old || ref)`, and the
-    /// controller's update. Returns the token-level rewards and `critic/kl`, `critic/kl_coeff`.
+    /// controller's update. Returns the token-level rewards and `actor/reward_kl_penalty`, `actor/reward_kl_penalty_coeff`.
     pub fn kl_in_reward(
         &mut self,
         batch: &RolloutBatch,
@@ -242,8 +249,8 @@ impl<B: RlAutodiffBackend> Learner<B> {
         );
         kl_ctrl.update(out.current_kl, rows);
         let metrics = Metrics::from([
-            ("critic/kl".to_string(), out.current_kl),
-            ("critic/kl_coeff".to_string(), coef),
+            ("actor/reward_kl_penalty".to_string(), out.current_kl),
+            ("actor/reward_kl_penalty_coeff".to_string(), coef),
         ]);
         Ok((to_vec(out.token_level_rewards), metrics))
     }
@@ -258,30 +265,32 @@ impl<B: RlAutodiffBackend> Learner<B> {
         baselines: Option<&[f64]>,
         (old, is_weights): (Option<&OldLogProbs>, Option<&[f32]>),
     ) -> Result<(Rows, Rows), TrainError> {
-        let (rows, r) = (batch.rows(), batch.response_len);
-        let t = |v: Vec<f32>| from_rows::<B>(v, rows, r, &self.device);
-        let input = || AdvantageInput {
-            token_level_rewards: t(rewards.to_vec()),
-            response_mask: t(batch.loss_mask().to_vec()),
-            values: values.map(|v| t(v.to_vec())),
-            group_ids: batch.group_ids.clone(),
-            reward_baselines: baselines.map(|b| {
-                Tensor::<B, 1>::from_floats(
-                    b.iter().map(|&x| x as f32).collect::<Vec<_>>().as_slice(),
-                    &self.device,
-                )
-            }),
-            old_log_probs: old.map(|o| t(o.log_probs.clone())),
-            sum_pi_squared: old
-                .and_then(|o| o.sum_pi_squared.as_ref())
-                .map(|s| t(s.clone())),
-            rollout_is_weights: is_weights.map(|w| t(w.to_vec())),
-        };
-        let out = self.algorithms.estimator.compute(&input())?;
-        let returns = match &self.algorithms.value_estimator {
-            Some(v) => v.compute(&input())?.returns,
-            None => out.returns,
-        };
-        Ok((to_vec(out.advantages), to_vec(returns)))
+        burn_rlhf_algos::kernels::with_kernels(self.settings.model.use_fused_kernels, || {
+            let (rows, r) = (batch.rows(), batch.response_len);
+            let t = |v: Vec<f32>| from_rows::<B>(v, rows, r, &self.device);
+            let input = || AdvantageInput {
+                token_level_rewards: t(rewards.to_vec()),
+                response_mask: t(batch.loss_mask().to_vec()),
+                values: values.map(|v| t(v.to_vec())),
+                group_ids: batch.group_ids.clone(),
+                reward_baselines: baselines.map(|b| {
+                    Tensor::<B, 1>::from_floats(
+                        b.iter().map(|&x| x as f32).collect::<Vec<_>>().as_slice(),
+                        &self.device,
+                    )
+                }),
+                old_log_probs: old.map(|o| t(o.log_probs.clone())),
+                sum_pi_squared: old
+                    .and_then(|o| o.sum_pi_squared.as_ref())
+                    .map(|s| t(s.clone())),
+                rollout_is_weights: is_weights.map(|w| t(w.to_vec())),
+            };
+            let out = self.algorithms.estimator.compute(&input())?;
+            let returns = match &self.algorithms.value_estimator {
+                Some(v) => v.compute(&input())?.returns,
+                None => out.returns,
+            };
+            Ok((to_vec(out.advantages), to_vec(returns)))
+        })
     }
 }

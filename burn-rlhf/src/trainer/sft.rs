@@ -413,7 +413,18 @@ pub fn fit_sft<B: RlAutodiffBackend>(
     } else {
         load_examples(&d.val_files, "test", d, &tokenizer)?
     };
-    let bs = d.train_batch_size.min(train.len());
+    if train.len() < d.train_batch_size {
+        return Err(TrainError::config(
+            "data.train_batch_size",
+            format!(
+                "the training data ({}) has {} examples, fewer than one batch of {}: lower `data.train_batch_size` or add data",
+                d.train_files.join(", "),
+                train.len(),
+                d.train_batch_size
+            ),
+        ));
+    }
+    let bs = d.train_batch_size;
     let t = &config.trainer;
     let mut sampler = PromptSampler::new(train.len(), t.seed, true);
     let total = t

@@ -12,13 +12,33 @@ use crate::minibatch::{
     CriticTargets,
 };
 
-/// Mini-batches of `prompts_per_mini_batch * n` of `rows` rows, in order (verl's `split`).
-fn mini_batches(rows: usize, prompts_per_mini_batch: usize, n: usize) -> Vec<Vec<usize>> {
+/// One epoch's mini-batches of `prompts_per_mini_batch * n` of `rows` rows: in order (verl's
+/// `split`), or with `shuffle = Some(seed)` in a seeded random order (verl's shuffled mini-batch
+/// loader), moving units of `unit` rows (pairs a loss reads together stay together).
+fn mini_batches(
+    rows: usize,
+    prompts_per_mini_batch: usize,
+    n: usize,
+    (unit, shuffle): (usize, Option<u64>),
+) -> Vec<Vec<usize>> {
+    use rand::seq::SliceRandom;
+    use rand::SeedableRng;
     let size = (prompts_per_mini_batch * n).max(1);
-    (0..rows)
-        .step_by(size)
-        .map(|s| (s..(s + size).min(rows)).collect())
-        .collect()
+    let unit = unit.max(1);
+    let mut units: Vec<usize> = (0..rows.div_ceil(unit)).collect();
+    if let Some(seed) = shuffle {
+        units.shuffle(&mut rand::rngs::StdRng::seed_from_u64(seed));
+    }
+    let order: Vec<usize> = units
+        .iter()
+        .flat_map(|&u| u * unit..((u + 1) * unit).min(rows))
+        .collect();
+    order.chunks(size).map(<[usize]>::to_vec).collect()
+}
+
+/// The shuffle seed of `epoch` of the update of `model` at `step`, from `trainer.seed`.
+fn shuffle_seed(seed: u64, model: u64, step: usize, epoch: usize) -> u64 {
+    seed ^ (model << 56) ^ ((step as u64) << 16) ^ epoch as u64
 }
 
 impl<B: RlAutodiffBackend> Learner<B> {
@@ -29,42 +49,48 @@ impl<B: RlAutodiffBackend> Learner<B> {
         values: &[f32],
         returns: &[f32],
     ) -> Result<Metrics, TrainError> {
-        let (Some(state), Some(settings)) = (self.critic.as_mut(), &self.settings.critic) else {
-            return Ok(Metrics::new());
-        };
-        let minis = mini_batches(
-            batch.rows(),
-            settings.ppo_mini_batch_size,
-            self.settings.rollout.train.n,
-        );
-        let lr = state.schedule.lr(self.critic_updates);
-        let r = batch.response_len;
-        let mut means = MeanMetrics::default();
-        for _ in 0..settings.ppo_epochs {
-            for rows in &minis {
-                let targets = CriticTargets {
-                    values: rows_of(values, rows, r),
-                    returns: rows_of(returns, rows, r),
-                };
-                let (model, m) = critic_update(
-                    state.model.clone(),
-                    &mut state.optim,
-                    lr,
-                    &batch.select(rows),
-                    &targets,
-                    &CriticLossConfig {
-                        shape_bucket: self.shape_bucket,
-                        ..CriticLossConfig::from_settings(settings, rows.len())
-                    },
-                    &state.sync,
-                    &self.device,
-                )?;
-                state.model = model;
-                means.add(m);
+        burn_rlhf_algos::kernels::with_kernels(self.settings.model.use_fused_kernels, || {
+            let (Some(state), Some(settings)) = (self.critic.as_mut(), &self.settings.critic)
+            else {
+                return Ok(Metrics::new());
+            };
+            let lr = state.schedule.lr(self.critic_updates);
+            let r = batch.response_len;
+            let mut means = MeanMetrics::default();
+            for epoch in 0..settings.ppo_epochs {
+                let seed = shuffle_seed(self.settings.trainer.seed, 2, self.global_step, epoch);
+                let minis = mini_batches(
+                    batch.rows(),
+                    settings.ppo_mini_batch_size,
+                    self.settings.rollout.train.n,
+                    (1, settings.shuffle.then_some(seed)),
+                );
+                for rows in &minis {
+                    let targets = CriticTargets {
+                        values: rows_of(values, rows, r),
+                        returns: rows_of(returns, rows, r),
+                    };
+                    let (model, m) = critic_update(
+                        state.model.clone(),
+                        &mut state.optim,
+                        lr,
+                        &batch.select(rows),
+                        &targets,
+                        &CriticLossConfig {
+                            shape_bucket: self.shape_bucket,
+                            compute_dtype: self.settings.model.dtype,
+                            ..CriticLossConfig::from_settings(settings, rows.len())
+                        },
+                        &state.sync,
+                        &self.device,
+                    )?;
+                    state.model = model;
+                    means.add(m);
+                }
             }
-        }
-        self.critic_updates += 1;
-        Ok(means.finish())
+            self.critic_updates += 1;
+            Ok(means.finish())
+        })
     }
 
     /// Actor update: `ppo_epochs` passes over the mini-batches, one optimiser step each.
@@ -75,43 +101,75 @@ impl<B: RlAutodiffBackend> Learner<B> {
         advantages: &[f32],
         (ref_log_probs, is_weights): (Option<&[f32]>, Option<&[f32]>),
     ) -> Result<Metrics, TrainError> {
-        let settings = &self.settings.actor;
-        let minis = mini_batches(
-            batch.rows(),
-            settings.ppo_mini_batch_size,
-            self.settings.rollout.train.n,
-        );
-        let temperature = self.settings.rollout.train.temperature;
-        let lr = self.actor_schedule.lr(self.actor_updates);
-        let r = batch.response_len;
-        let mut means = MeanMetrics::default();
-        for _ in 0..settings.ppo_epochs {
-            for rows in &minis {
-                let targets = ActorTargets {
-                    old_log_probs: rows_of(old_log_probs, rows, r),
-                    advantages: rows_of(advantages, rows, r),
-                    ref_log_probs: ref_log_probs.map(|v| rows_of(v, rows, r)),
-                    rollout_is_weights: is_weights.map(|v| rows_of(v, rows, r)),
-                };
-                let (actor, m) = actor_update(
-                    self.actor.clone(),
-                    &mut self.actor_optim,
-                    lr,
-                    self.algorithms.policy_loss.as_ref(),
-                    &batch.select(rows),
-                    &targets,
-                    &ActorLossConfig {
-                        shape_bucket: self.shape_bucket,
-                        ..ActorLossConfig::from_settings(settings, temperature, rows.len())
-                    },
-                    &self.actor_sync,
-                    &self.device,
-                )?;
-                self.actor = actor;
-                means.add(m);
+        burn_rlhf_algos::kernels::with_kernels(self.settings.model.use_fused_kernels, || {
+            let settings = &self.settings.actor;
+            let temperature = self.settings.rollout.train.temperature;
+            let lr = self.actor_schedule.lr(self.actor_updates);
+            let r = batch.response_len;
+            let unit = self.algorithms.policy_loss.rows_per_unit();
+            let mut means = MeanMetrics::default();
+            for epoch in 0..settings.ppo_epochs {
+                let seed = shuffle_seed(self.settings.trainer.seed, 1, self.global_step, epoch);
+                let minis = mini_batches(
+                    batch.rows(),
+                    settings.ppo_mini_batch_size,
+                    self.settings.rollout.train.n,
+                    (unit, settings.shuffle.then_some(seed)),
+                );
+                for rows in &minis {
+                    let targets = ActorTargets {
+                        old_log_probs: rows_of(old_log_probs, rows, r),
+                        advantages: rows_of(advantages, rows, r),
+                        ref_log_probs: ref_log_probs.map(|v| rows_of(v, rows, r)),
+                        rollout_is_weights: is_weights.map(|v| rows_of(v, rows, r)),
+                    };
+                    let (actor, m) = actor_update(
+                        self.actor.clone(),
+                        &mut self.actor_optim,
+                        lr,
+                        self.algorithms.policy_loss.as_ref(),
+                        &batch.select(rows),
+                        &targets,
+                        &ActorLossConfig {
+                            shape_bucket: self.shape_bucket,
+                            compute_dtype: self.settings.model.dtype,
+                            ..ActorLossConfig::from_settings(settings, temperature, rows.len())
+                        },
+                        &self.actor_sync,
+                        &self.device,
+                    )?;
+                    self.actor = actor;
+                    means.add(m);
+                }
             }
+            self.actor_updates += 1;
+            Ok(means.finish())
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// In order: verl's split. Shuffled: every row once per epoch, a new order per seed, pairs
+    /// kept whole.
+    #[test]
+    fn mini_batches_split_in_order_or_shuffle_whole_units() {
+        assert_eq!(
+            mini_batches(6, 2, 1, (1, None)),
+            vec![vec![0, 1], vec![2, 3], vec![4, 5]]
+        );
+        let a = mini_batches(8, 2, 2, (2, Some(1)));
+        let b = mini_batches(8, 2, 2, (2, Some(2)));
+        assert_ne!(a, b);
+        for m in [&a, &b] {
+            let mut all: Vec<usize> = m.iter().flatten().cloned().collect();
+            for pair in all.chunks(2) {
+                assert!(pair[0] % 2 == 0 && pair[1] == pair[0] + 1, "{m:?}");
+            }
+            all.sort();
+            assert_eq!(all, (0..8).collect::<Vec<_>>());
         }
-        self.actor_updates += 1;
-        Ok(means.finish())
     }
 }

@@ -14,46 +14,48 @@ impl<B: RlAutodiffBackend> Learner<B> {
     /// Validation: generates for the validation prompts with `rollout.val_kwargs` and returns
     /// verl's `val-core/*` and `val-aux/*` metrics (mean@n, best@n, maj@n, pass@k, ...).
     pub fn validate(&self) -> Result<Metrics, TrainError> {
-        if self.val.is_empty() {
-            return Err(TrainError::config(
-                "data.val_files",
-                "no validation prompts",
-            ));
-        }
-        let seed = self.step_seed(self.global_step, Stream::Validation);
-        let params = self.sampling_params(&self.settings.rollout.val, false, seed);
-        let size = self
-            .settings
-            .data
-            .val_batch_size
-            .unwrap_or(self.val.len())
-            .max(1);
-        let all: Vec<usize> = (0..self.val.len()).collect();
-        let mut rows: Vec<(String, u64, f64, Option<String>)> = Vec::new();
-        for chunk in all.chunks(size) {
-            let mut batch = self.rollout(&self.val, chunk, &params)?;
-            let scores = self.reward(&mut batch)?;
-            for (r, score) in scores.into_iter().enumerate() {
-                let text = self.tokenizer.decode(batch.response_tokens(r), true)?;
-                let answer = extract_gsm8k_answer(&text, Gsm8kMethod::Strict)
-                    .or_else(|| Some(text.trim().to_string()));
-                rows.push((
-                    batch.data_source[r].clone(),
-                    batch.group_ids[r],
-                    score,
-                    answer,
+        burn_rlhf_algos::kernels::with_kernels(self.settings.model.use_fused_kernels, || {
+            if self.val.is_empty() {
+                return Err(TrainError::config(
+                    "data.val_files",
+                    "no validation prompts",
                 ));
             }
-        }
-        let samples: Vec<ValSample<'_>> = rows
-            .iter()
-            .map(|(source, group, score, answer)| ValSample {
-                data_source: source,
-                group_id: *group,
-                score: *score,
-                answer: answer.clone(),
-            })
-            .collect();
-        Ok(validation_metrics(&samples))
+            let seed = self.step_seed(self.global_step, Stream::Validation);
+            let params = self.sampling_params(&self.settings.rollout.val, false, seed);
+            let size = self
+                .settings
+                .data
+                .val_batch_size
+                .unwrap_or(self.val.len())
+                .max(1);
+            let all: Vec<usize> = (0..self.val.len()).collect();
+            let mut rows: Vec<(String, u64, f64, Option<String>)> = Vec::new();
+            for chunk in all.chunks(size) {
+                let mut batch = self.rollout(&self.val, chunk, &params, chunk[0] as u64)?;
+                let scores = self.reward(&mut batch)?;
+                for (r, score) in scores.into_iter().enumerate() {
+                    let text = self.tokenizer.decode(batch.response_tokens(r), true)?;
+                    let answer = extract_gsm8k_answer(&text, Gsm8kMethod::Strict)
+                        .or_else(|| Some(text.trim().to_string()));
+                    rows.push((
+                        batch.data_source[r].clone(),
+                        batch.group_ids[r],
+                        score,
+                        answer,
+                    ));
+                }
+            }
+            let samples: Vec<ValSample<'_>> = rows
+                .iter()
+                .map(|(source, group, score, answer)| ValSample {
+                    data_source: source,
+                    group_id: *group,
+                    score: *score,
+                    answer: answer.clone(),
+                })
+                .collect();
+            Ok(validation_metrics(&samples))
+        })
     }
 }

@@ -8,9 +8,7 @@
 //! - a second process with the same kernel cache tunes nothing (and on CUDA compiles nothing:
 //!   its PTX is cached; wgpu has no compiled-kernel cache).
 //!
-//! `cargo test --release -p burn-rlhf --features wgpu --test gpu_shapes`
-
-#![cfg(any(feature = "wgpu", feature = "cuda"))]
+//! `cargo test --release -p burn-rlhf --features wgpu --test gpu -- --test-threads=1 gpu_shapes`
 
 use std::path::PathBuf;
 use std::sync::{Mutex, OnceLock};

@@ -1,8 +1,6 @@
 //! The same tiny PPO run (GAE with a critic, KL in the reward) on wgpu with the fused kernels on
-//! and off gives the same metrics: `cargo test --release -p burn-rlhf --features wgpu --test
-//! kernels_training` (lavapipe on a CPU machine); with `--features cuda`, on CUDA.
-
-#![cfg(any(feature = "wgpu", feature = "cuda"))]
+//! and off gives the same metrics: `cargo test --release -p burn-rlhf --features wgpu --test gpu
+//! -- --test-threads=1 kernels_training` (lavapipe on a CPU machine); with `--features cuda`, on CUDA.
 
 use burn::module::AutodiffModule;
 use burn::tensor::backend::Backend;
@@ -14,7 +12,7 @@ use burn_rlhf::trainer::{Learner, LearnerParts, Metrics};
 
 type B = burn_rlhf::backend::TrainBackend;
 
-fn run(kernels: bool, actor: CausalLm<B>, critic: ValueModel<B>) -> Vec<Metrics> {
+fn config(kernels: bool) -> RlhfConfig {
     let mut c = RlhfConfig::default();
     c.data.train_batch_size = 4;
     c.data.max_prompt_length = 8;
@@ -27,6 +25,14 @@ fn run(kernels: bool, actor: CausalLm<B>, critic: ValueModel<B>) -> Vec<Metrics>
     c.critic.optim.lr = 1e-3;
     c.algorithm.use_kl_in_reward = true;
     c.trainer.total_training_steps = Some(2);
+    c
+}
+
+fn learner(
+    c: RlhfConfig,
+    actor: CausalLm<B>,
+    critic: ValueModel<B>,
+) -> Result<Learner<B>, burn_rlhf::error::TrainError> {
     let mc = tasks::model_config(32, 1);
     let (train, _) = tasks::split_problems(10, 20, 1);
     let mut parts = LearnerParts::new(actor, mc.clone(), tasks::tokenizer());
@@ -35,12 +41,10 @@ fn run(kernels: bool, actor: CausalLm<B>, critic: ValueModel<B>) -> Vec<Metrics>
         .rewards
         .register(std::sync::Arc::new(tasks::ExactAnswer));
     parts.train = train;
-    let mut l = Learner::new(c, parts, &Default::default()).unwrap();
-    (0..2).map(|_| l.step().unwrap()).collect()
+    Learner::new(c, parts, &Default::default())
 }
 
-#[test]
-fn kernels_on_and_off_give_the_same_ppo_run() {
+fn models() -> (CausalLm<B>, ValueModel<B>) {
     let device = Default::default();
     B::seed(&device, 3);
     let mc = tasks::model_config(32, 1);
@@ -50,6 +54,17 @@ fn kernels_on_and_off_give_the_same_ppo_run() {
         w.insert(k, v);
     }
     let critic = ValueModel::from_weights(&mc, w, &device).unwrap();
+    (actor, critic)
+}
+
+fn run(kernels: bool, actor: CausalLm<B>, critic: ValueModel<B>) -> Vec<Metrics> {
+    let mut l = learner(config(kernels), actor, critic).unwrap();
+    (0..2).map(|_| l.step().unwrap()).collect()
+}
+
+#[test]
+fn kernels_on_and_off_give_the_same_ppo_run() {
+    let (actor, critic) = models();
     let on = run(true, actor.clone(), critic.clone());
     let off = run(false, actor, critic);
     for (step, (a, b)) in on.iter().zip(&off).enumerate() {
@@ -68,4 +83,47 @@ fn kernels_on_and_off_give_the_same_ppo_run() {
         }
         assert!(compared > 40, "step {}: {compared} metrics", step + 1);
     }
+}
+
+/// CubeCL 0.10's wgpu runtime gives bf16 conversion and storage but no arithmetic (Burn's
+/// `supports_dtype` is false), so a half-precision key asking for it is refused when the learner
+/// is built, naming the key and the backend, rather than running in f32 unannounced.
+#[cfg(all(feature = "wgpu", not(feature = "cuda")))]
+#[test]
+fn wgpu_refuses_bf16_naming_the_key_and_the_backend() {
+    let (actor, critic) = models();
+    assert!(!B::supports_dtype(
+        &Default::default(),
+        burn::tensor::DType::BF16
+    ));
+    for key in ["model", "rollout"] {
+        let mut c = config(true);
+        match key {
+            "model" => c.actor_rollout_ref.model.dtype = "bfloat16".into(),
+            _ => c.actor_rollout_ref.rollout.dtype = Some("bf16".into()),
+        }
+        let e = learner(c, actor.clone(), critic.clone())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(&format!("actor_rollout_ref.{key}.dtype")), "{e}");
+        assert!(e.contains("BF16") && e.contains("Wgpu"), "{e}");
+    }
+}
+
+/// The fused-kernel switch is each learner's own: a learner with `use_fused_kernels=false` built
+/// before one with it on still runs no fused kernel, interleaved with the other on one thread.
+#[test]
+fn two_learners_keep_their_own_kernel_switch() {
+    use burn_rlhf::algos::kernels::fused_calls_on_this_thread;
+    let (actor, critic) = models();
+    let mut off = learner(config(false), actor.clone(), critic.clone()).unwrap();
+    let mut on = learner(config(true), actor, critic).unwrap();
+    let fused_during = |l: &mut Learner<B>| {
+        let before = fused_calls_on_this_thread();
+        l.step().unwrap();
+        fused_calls_on_this_thread() - before
+    };
+    assert_eq!(fused_during(&mut off), 0);
+    assert!(fused_during(&mut on) > 0);
+    assert_eq!(fused_during(&mut off), 0);
 }

@@ -4,6 +4,7 @@
 use burn::backend::{Autodiff, Flex};
 use burn::module::AutodiffModule;
 use burn::optim::SgdConfig;
+use burn::tensor::{DType, FloatDType};
 use burn_rlhf::algos::{KlPenalty, LossAggMode, PolicyLossParams, Registry};
 use burn_rlhf::forward::{response_logprobs, SequenceTensors};
 use burn_rlhf::minibatch::{actor_update, ActorLossConfig, ActorTargets};
@@ -20,8 +21,9 @@ fn actor() -> (CausalLm<B>, burn_rlhf::models::TransformerConfig) {
     (pre.causal_lm(&Default::default()).unwrap(), config)
 }
 
-#[test]
-fn micro_batch_size_does_not_change_the_update() {
+/// A generated batch of ragged responses with old log-probs shifted from the policy's (so that
+/// some ratios clip), a shifted reference, varied advantages and IS weights.
+fn fixture() -> (CausalLm<B>, RolloutBatch, ActorTargets) {
     let device = Default::default();
     let (model, config) = actor();
     let prompts = vec![vec![5, 17, 300, 41], vec![9, 2], vec![600, 601, 602]];
@@ -71,6 +73,33 @@ fn micro_batch_size_does_not_change_the_update() {
                 .collect(),
         ),
     };
+    (model, batch, targets)
+}
+
+/// The loss terms both tests use: an entropy bonus and a low-variance KL loss, whole batches,
+/// f32 compute.
+fn loss_config(mode: LossAggMode) -> ActorLossConfig {
+    ActorLossConfig {
+        temperature: 1.0,
+        loss_agg_mode: mode,
+        loss_scale_factor: None,
+        entropy_coeff: 0.01,
+        kl_loss: Some((KlPenalty::from_name("low_var_kl").unwrap(), 0.1)),
+        kl_metric: KlPenalty::from_name("low_var_kl").unwrap(),
+        micro_batch_size: 1,
+        max_token_len: None,
+        shape_bucket: 1,
+        grad_clip: 1.0,
+        compute_dtype: None,
+    }
+}
+
+#[test]
+fn micro_batch_size_does_not_change_the_update() {
+    let device = Default::default();
+    let (_, batch, targets) = fixture();
+    let inner = actor().0.valid();
+    let rows = batch.rows();
     let loss = Registry::<B>::builtin()
         .policy_loss("vanilla", &PolicyLossParams::default())
         .unwrap();
@@ -82,16 +111,10 @@ fn micro_batch_size_does_not_change_the_update() {
     ] {
         let run = |micro: usize, max_token_len: Option<usize>, shape_bucket: usize| {
             let cfg = ActorLossConfig {
-                temperature: 1.0,
-                loss_agg_mode: mode,
-                loss_scale_factor: None,
-                entropy_coeff: 0.01,
-                kl_loss: Some((KlPenalty::from_name("low_var_kl").unwrap(), 0.1)),
-                kl_metric: KlPenalty::from_name("low_var_kl").unwrap(),
                 micro_batch_size: micro,
                 max_token_len,
                 shape_bucket,
-                grad_clip: 1.0,
+                ..loss_config(mode)
             };
             let mut optim = SgdConfig::new().init();
             let (updated, metrics) = actor_update(
@@ -157,7 +180,7 @@ fn micro_batch_size_does_not_change_the_update() {
             // pg_clipfrac are averaged over micro-batches, as verl reports them.
             for key in [
                 "actor/pg_loss",
-                "actor/entropy",
+                "actor/entropy_loss",
                 "actor/kl_loss",
                 "actor/grad_norm",
             ] {
@@ -170,4 +193,82 @@ fn micro_batch_size_does_not_change_the_update() {
             }
         }
     }
+}
+
+/// `model.dtype=bfloat16` in training is autocast: the forward and backward run on the f32
+/// weights cast to bf16, the gradients come back to the f32 weights, which stay f32 and receive
+/// an update that follows the f32 one to bf16's precision — and differs from it, so the bf16
+/// path really ran.
+#[test]
+fn bf16_autocast_updates_f32_master_weights() {
+    let device = Default::default();
+    let (_, batch, targets) = fixture();
+    let before = actor().0.valid().export();
+    let loss = Registry::<B>::builtin()
+        .policy_loss("vanilla", &PolicyLossParams::default())
+        .unwrap();
+    let run = |compute_dtype: Option<FloatDType>| {
+        let cfg = ActorLossConfig {
+            micro_batch_size: 2,
+            compute_dtype,
+            ..loss_config(LossAggMode::TokenMean)
+        };
+        let mut optim = SgdConfig::new().init();
+        let (updated, metrics) = actor_update(
+            actor().0,
+            &mut optim,
+            0.5,
+            loss.as_ref(),
+            &batch,
+            &targets,
+            &cfg,
+            &ReplicaSync::default(),
+            &device,
+        )
+        .unwrap();
+        assert_eq!(updated.float_dtype(), DType::F32, "master weights stay f32");
+        (updated.valid().export(), metrics)
+    };
+    let (f32_run, m32) = run(None);
+    let (bf16_run, m16) = run(Some(FloatDType::BF16));
+    // Each weight's update, f32 against bf16 compute.
+    let (mut dot, mut n32, mut n16, mut err, mut differs) =
+        (0.0f64, 0.0f64, 0.0f64, 0.0f64, 0.0f32);
+    for (name, start) in &before {
+        for ((a, b), s) in f32_run[name]
+            .data
+            .iter()
+            .zip(&bf16_run[name].data)
+            .zip(&start.data)
+        {
+            let (d32, d16) = ((a - s) as f64, (b - s) as f64);
+            dot += d32 * d16;
+            n32 += d32 * d32;
+            n16 += d16 * d16;
+            err += (d32 - d16) * (d32 - d16);
+            differs = differs.max((a - b).abs());
+        }
+    }
+    let cosine = dot / (n32.sqrt() * n16.sqrt());
+    let relative = (err / n32).sqrt();
+    assert!(n32.sqrt() > 1e-3, "the f32 update moved the weights");
+    assert!(cosine > 0.99, "bf16 update direction: cosine {cosine}");
+    assert!(relative < 0.1, "bf16 update off by {relative} of its norm");
+    assert!(
+        differs > 0.0,
+        "the bf16 run computed exactly as f32: no autocast happened"
+    );
+    for key in [
+        "actor/pg_loss",
+        "actor/entropy_loss",
+        "actor/kl_loss",
+        "actor/grad_norm",
+    ] {
+        let (a, b) = (m32[key], m16[key]);
+        assert!(
+            b.is_finite() && (a - b).abs() < 0.02 * (1.0 + a.abs()),
+            "{key}: {a} vs {b}"
+        );
+    }
+    eprintln!("bf16 autocast: update cosine {cosine:.5}, relative error {relative:.4}, max weight diff {differs:e}");
 }

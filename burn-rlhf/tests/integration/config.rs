@@ -54,26 +54,62 @@ fn every_shipped_config_validates_and_round_trips() {
     }
 }
 
+/// The shipped PPO run, as the trainer will execute it: the decoded settings after verl's
+/// interpolations (the file sets none of the derived keys checked here) and the batch plan they
+/// make — 256 sequences per step in 4 optimiser steps of 64, each 32 micro-batches of 2, the
+/// critic inheriting the actor's mini-batches, a fixed KL penalty in the reward.
 #[test]
-fn reference_ppo_run_matches_verl_example() {
+fn reference_ppo_run_decodes_to_verls_plan() {
+    use burn_rlhf::config::{KnownNames, Settings};
     let c = load_config(&ppo(), &[]).unwrap();
-    assert_eq!(c.actor_rollout_ref.model.path, "Qwen/Qwen2.5-0.5B-Instruct");
-    assert_eq!(c.data.train_batch_size, 256);
-    assert_eq!(c.actor_rollout_ref.actor.ppo_mini_batch_size, 64);
+    let s = Settings::from_config(&c, &KnownNames::default(), "ppo_gsm8k.ron").unwrap();
+    let rows = s.data.train_batch_size * s.n();
+    let mini = s.actor.ppo_mini_batch_size * s.n();
     assert_eq!(
-        c.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu,
-        Some(2)
+        (rows, rows / mini),
+        (256, 4),
+        "sequences and optimiser steps per step"
     );
     assert_eq!(
-        (c.data.max_prompt_length, c.data.max_response_length),
-        (1024, 512)
+        mini / s.actor.micro_batch_size.unwrap(),
+        32,
+        "micro-batches per mini-batch"
     );
-    assert_eq!((c.algorithm.gamma, c.algorithm.lam), (1.0, 1.0));
-    assert_eq!(c.algorithm.adv_estimator, "gae");
-    assert_eq!(c.actor_rollout_ref.actor.optim.lr, 1e-6);
-    assert_eq!(c.critic.optim.lr, 1e-5);
-    assert_eq!(c.algorithm.kl_ctrl.kl_coef, 0.001);
-    assert_eq!(c.trainer.total_epochs, 15);
+    let critic = s
+        .critic
+        .as_ref()
+        .expect("gae needs a critic, so critic.enable derives on");
+    assert_eq!(critic.ppo_mini_batch_size, s.actor.ppo_mini_batch_size);
+    assert_eq!(critic.ppo_epochs, s.actor.ppo_epochs);
+    assert_eq!(critic.loss_agg_mode, s.actor.loss_agg_mode);
+    assert_eq!(critic.model_path, s.model.path);
+    // Derived from data.* and actor.clip_ratio as verl's `${...}` interpolations do.
+    assert_eq!(s.rollout.response_length, s.data.max_response_length);
+    assert_eq!(
+        s.actor.loss.clip_ratio_low,
+        c.actor_rollout_ref.actor.clip_ratio
+    );
+    assert_eq!(
+        s.actor.loss.clip_ratio_high,
+        c.actor_rollout_ref.actor.clip_ratio
+    );
+    assert_eq!(s.model.tokenizer_path, s.model.path);
+    assert_eq!(s.ref_micro_batch_size, Some(4));
+    // KL in the reward with the fixed controller, none in the loss.
+    assert!(s.algorithm.kl_in_reward.is_some());
+    assert_eq!(s.algorithm.kl_ctrl, "fixed");
+    assert_eq!(s.algorithm.kl_ctrl_params.kl_coef, 0.001);
+    assert_eq!(s.actor.kl_loss_coef, None);
+    assert_eq!(
+        (s.algorithm.estimator.gamma, s.algorithm.estimator.lam),
+        (1.0, 1.0)
+    );
+    assert!(s.model.gradient_checkpointing);
+    assert_eq!(s.model.dtype, None);
+    assert_eq!(
+        (s.trainer.save_freq, s.trainer.test_freq),
+        (Some(10), Some(10))
+    );
 }
 
 #[test]
@@ -293,9 +329,41 @@ fn cross_field_rules_are_enforced_in_words() {
         "algorithm.rollout_correction.rollout_rs_threshold=2",
     ]);
     assert!(
-        e.contains("`algorithm.rollout_correction` invalid rollout_rs option `token_k9`"),
+        e.contains(
+            "`algorithm.rollout_correction.rollout_rs` invalid rollout_rs option `token_k9`"
+        ),
         "{e}"
     );
+    // Keys verl users set that nothing here would read are refused, naming the key.
+    for (args, key) in [
+        (
+            &["algorithm.adv_estimator=grpo", "critic.enable=true"][..],
+            "critic.enable",
+        ),
+        (&["data.return_raw_chat=false"][..], "data.return_raw_chat"),
+        (
+            &["data.validation_shuffle=true"][..],
+            "data.validation_shuffle",
+        ),
+        (
+            &["actor_rollout_ref.rollout.prompt_length=7"][..],
+            "actor_rollout_ref.rollout.prompt_length",
+        ),
+        (
+            &["critic.model.tokenizer_path=other/tokenizer"][..],
+            "critic.model.tokenizer_path",
+        ),
+        (
+            &[
+                "reward_model.overlong_buffer.enable=true",
+                "reward_model.overlong_buffer.len=4",
+            ][..],
+            "reward_model.reward_manager",
+        ),
+    ] {
+        let e = invalid(args);
+        assert!(e.contains(&format!("`{key}`")), "{args:?}: {e}");
+    }
     let e = invalid(&["algorithm.rollout_correction.rollout_rs=token_k1"]);
     assert!(e.contains("rollout_rs_threshold must be provided"), "{e}");
     let e = invalid(&[
@@ -366,4 +434,245 @@ fn a_users_registered_estimator_is_a_known_name() {
     config
         .validate_with(&KnownNames::from_registry(&registry), "ppo")
         .unwrap();
+}
+
+/// Every leaf key of the tree, as a dotted path, with its default value.
+fn leaf_keys(value: &serde_json::Value, path: &str, out: &mut Vec<(String, serde_json::Value)>) {
+    match value {
+        serde_json::Value::Object(map) if !map.is_empty() => {
+            for (k, v) in map {
+                let p = if path.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{path}.{k}")
+                };
+                leaf_keys(v, &p, out);
+            }
+        }
+        _ => out.push((path.to_string(), value.clone())),
+    }
+}
+
+/// Values other than `default` to try for a key, of every type the key might take.
+fn other_values(default: &serde_json::Value) -> Vec<serde_json::Value> {
+    use serde_json::json;
+    match default {
+        serde_json::Value::Bool(b) => vec![json!(!b)],
+        serde_json::Value::Number(n) if n.is_u64() || n.is_i64() => {
+            let n = n.as_i64().unwrap();
+            vec![json!(n + 1), json!(n * 2 + 3), json!(1), json!(2), json!(0)]
+        }
+        serde_json::Value::Number(n) => {
+            let x = n.as_f64().unwrap();
+            vec![json!(x * 0.5 + 0.125), json!(x + 1.0), json!(0.3)]
+        }
+        serde_json::Value::String(_) => vec![json!("not_a_default_value")],
+        serde_json::Value::Array(a) => match a.first() {
+            // The first element changed, the length kept (fixed-size arrays such as betas).
+            Some(first) => other_values(first)
+                .into_iter()
+                .map(|v| {
+                    let mut changed = a.clone();
+                    changed[0] = v;
+                    serde_json::Value::Array(changed)
+                })
+                .chain([json!([])])
+                .collect(),
+            None => vec![json!([7]), json!(["not_a_default_value"])],
+        },
+        serde_json::Value::Null => vec![
+            json!(3),
+            json!(0.3),
+            json!(true),
+            json!(false),
+            json!("not_a_default_value"),
+            json!([7]),
+        ],
+        serde_json::Value::Object(_) => vec![],
+    }
+}
+
+fn get_path<'a>(root: &'a serde_json::Value, path: &str) -> &'a serde_json::Value {
+    path.split('.').fold(root, |at, part| &at[part])
+}
+
+fn set_path(root: &mut serde_json::Value, path: &str, value: serde_json::Value) {
+    let mut at = root;
+    for part in path.split('.') {
+        at = &mut at[part];
+    }
+    *at = value;
+}
+
+/// No key is accepted and ignored: each leaf key of the tree, set to a value other than its
+/// default, either changes the decoded settings the trainer reads (`Settings`: the trainer reads
+/// nothing else) or is refused with an error naming the key. A key that does neither is read by
+/// nothing. The table is the tree itself, so a new key is checked the day it is added; keys that
+/// matter only beside another (a mode's parameters) are set in that context.
+#[test]
+fn every_key_is_read_or_refused() {
+    use burn_rlhf::config::{KnownNames, Settings};
+    // Keys whose effect shows only with another key set, and that setting.
+    let contexts: &[(&str, &[&str])] = &[
+        (
+            "reward_model",
+            &[
+                "reward_model.reward_manager=dapo",
+                "reward_model.overlong_buffer.enable=true",
+                "reward_model.overlong_buffer.len=4",
+            ],
+        ),
+        (
+            "algorithm.filter_groups",
+            &["algorithm.filter_groups.enable=true"],
+        ),
+        ("algorithm.kl_penalty", &["algorithm.use_kl_in_reward=true"]),
+        (
+            "actor_rollout_ref.actor.kl_loss_coef",
+            &["actor_rollout_ref.actor.use_kl_loss=true"],
+        ),
+        (
+            "actor_rollout_ref.model.lora_alpha",
+            &["actor_rollout_ref.model.lora_rank=8"],
+        ),
+        (
+            "actor_rollout_ref.model.target_modules",
+            &["actor_rollout_ref.model.lora_rank=8"],
+        ),
+        (
+            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+            &["actor_rollout_ref.actor.use_dynamic_bsz=true"],
+        ),
+        (
+            "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+            &["actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true"],
+        ),
+        (
+            "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+            &["actor_rollout_ref.ref.log_prob_use_dynamic_bsz=true"],
+        ),
+        (
+            "critic.ppo_max_token_len_per_gpu",
+            &["critic.use_dynamic_bsz=true"],
+        ),
+        (
+            "critic.forward_max_token_len_per_gpu",
+            &["critic.use_dynamic_bsz=true"],
+        ),
+        (
+            "algorithm.rollout_correction.rollout_is_",
+            &["algorithm.rollout_correction.rollout_is=token"],
+        ),
+        (
+            "algorithm.rollout_correction.rollout_rs_threshold",
+            &[
+                "algorithm.rollout_correction.rollout_rs=token_k1",
+                "algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0",
+            ],
+        ),
+        (
+            "trainer.resume_from_path",
+            &[
+                "trainer.resume_mode=resume_path",
+                "trainer.resume_from_path=/tmp/ckpt",
+            ],
+        ),
+    ];
+    // Values a key's own rules accept (names from a registry, thresholds), tried first.
+    let named_values: &[(&str, &str)] = &[
+        ("algorithm.rollout_correction.rollout_is", "token"),
+        ("algorithm.rollout_correction.rollout_rs", "token_k1"),
+        (
+            "algorithm.rollout_correction.rollout_rs_threshold",
+            "0.4_3.0",
+        ),
+    ];
+    let base = RlhfConfig::default();
+    let known = KnownNames::default();
+    let tree = serde_json::to_value(&base).unwrap();
+    let mut leaves = Vec::new();
+    leaf_keys(&tree, "", &mut leaves);
+    assert!(leaves.len() > 150, "{} keys", leaves.len());
+    let mut silent = Vec::new();
+    for (key, _) in &leaves {
+        let context: Vec<String> = contexts
+            .iter()
+            .filter(|(k, _)| {
+                key == k
+                    || key.starts_with(&format!("{k}."))
+                    || (k.ends_with('_') && key.starts_with(k))
+            })
+            .flat_map(|(_, set)| set.iter().map(|s| s.to_string()))
+            .collect();
+        let start = load_config_overrides(&base, &context);
+        let start_settings = Settings::from_config(&start, &known, "start")
+            .unwrap_or_else(|e| panic!("{key}: the context {context:?} is invalid: {e}"));
+        let start_tree = serde_json::to_value(&start).unwrap();
+        let mut outcome = None;
+        let own: Vec<serde_json::Value> = named_values
+            .iter()
+            .filter(|(k, _)| k == key)
+            .map(|(_, v)| serde_json::json!(v))
+            .collect();
+        for value in own
+            .into_iter()
+            .chain(other_values(get_path(&start_tree, key)))
+        {
+            let mut changed = start_tree.clone();
+            set_path(&mut changed, key, value.clone());
+            let Ok(config) = serde_json::from_value::<RlhfConfig>(changed) else {
+                if std::env::var_os("DEBUG_KEYS").is_some() {
+                    eprintln!("{key} = {value}: not its type");
+                }
+                continue; // Not this key's type.
+            };
+            if config == start {
+                if std::env::var_os("DEBUG_KEYS").is_some() {
+                    eprintln!("{key} = {value}: the start value");
+                }
+                continue;
+            }
+            match Settings::from_config(&config, &known, "test") {
+                Ok(s) if s != start_settings => {
+                    outcome = Some(format!("read ({value})"));
+                    break;
+                }
+                Ok(_) => {
+                    if std::env::var_os("DEBUG_KEYS").is_some() {
+                        eprintln!("{key} = {value}: no change");
+                    }
+                }
+                Err(e) if e.to_string().contains(key.as_str()) => {
+                    outcome = Some(format!("refused ({value})"));
+                    break;
+                }
+                Err(e) => {
+                    if std::env::var_os("DEBUG_KEYS").is_some() {
+                        eprintln!("{key} = {value}: {e}");
+                    }
+                }
+            }
+        }
+        match outcome {
+            Some(_) => {}
+            None => silent.push(key.clone()),
+        }
+    }
+    assert!(
+        silent.is_empty(),
+        "set to other values, these keys change nothing and are not refused:\n{}",
+        silent.join("\n")
+    );
+}
+
+/// `base` with `key=value` overrides applied.
+fn load_config_overrides(base: &RlhfConfig, args: &[String]) -> RlhfConfig {
+    if args.is_empty() {
+        return base.clone();
+    }
+    let file = std::env::temp_dir().join(format!("burn-rlhf-keys-{}.ron", std::process::id()));
+    std::fs::write(&file, config_to_ron(base)).unwrap();
+    let c = load_config(&file, args).unwrap();
+    std::fs::remove_file(&file).ok();
+    c
 }

@@ -56,6 +56,14 @@ fn tiny_config(estimator: &str, dir: &Path) -> RlhfConfig {
 }
 
 fn learner(config: RlhfConfig, actor: CausalLm<B>, critic: ValueModel<B>) -> Learner<B> {
+    try_learner(config, actor, critic).unwrap()
+}
+
+fn try_learner(
+    config: RlhfConfig,
+    actor: CausalLm<B>,
+    critic: ValueModel<B>,
+) -> Result<Learner<B>, burn_rlhf::TrainError> {
     let mc = tasks::model_config(32, 1);
     let (train, val) = tasks::split_problems(10, 20, 1);
     let mut parts = LearnerParts::new(actor, mc.clone(), tasks::tokenizer());
@@ -65,7 +73,7 @@ fn learner(config: RlhfConfig, actor: CausalLm<B>, critic: ValueModel<B>) -> Lea
         .register(std::sync::Arc::new(tasks::ExactAnswer));
     parts.train = train;
     parts.val = val;
-    Learner::new(config, parts, &Default::default()).unwrap()
+    Learner::new(config, parts, &Default::default())
 }
 
 /// Every parameter of a module, flattened in visiting order.
@@ -97,6 +105,7 @@ const PPO_METRICS: &[&str] = &[
     "actor/pg_clipfrac_lower",
     "actor/ppo_kl",
     "actor/entropy",
+    "actor/entropy_loss",
     "actor/kl_loss",
     "actor/grad_norm",
     "actor/lr",
@@ -118,8 +127,8 @@ const PPO_METRICS: &[&str] = &[
     "critic/values/mean",
     "critic/values/max",
     "critic/values/min",
-    "critic/kl",
-    "critic/kl_coeff",
+    "actor/reward_kl_penalty",
+    "actor/reward_kl_penalty_coeff",
     "response_length/mean",
     "response_length/max",
     "response_length/min",
@@ -362,7 +371,7 @@ fn kl_in_reward_subtracts_beta_kl_and_the_adaptive_controller_moves_as_verl() {
         per_row.push(sum / n.max(1.0));
     }
     let current_kl = per_row.iter().sum::<f64>() / per_row.len() as f64;
-    assert!((m["critic/kl"] - current_kl).abs() < 1e-5);
+    assert!((m["actor/reward_kl_penalty"] - current_kl).abs() < 1e-5);
     assert!(current_kl.abs() > 1e-4, "a different reference gives a KL");
     // verl's AdaptiveKLController: error = clip(kl / target - 1, ±0.2), coef *= 1 + error * n / horizon.
     let error = (current_kl / 0.05 - 1.0).clamp(-0.2, 0.2);
@@ -415,6 +424,47 @@ fn a_checkpointed_actor_loads_back_with_the_same_logits() {
         .tokenizer
         .unwrap();
     assert_eq!(tok.encode("12+3=", false).unwrap(), vec![3, 4, 12, 5, 13]);
+    std::fs::remove_dir_all(dir).ok();
+}
+
+/// Re-saving a step replaces its folder by renames (old aside, new in, old deleted): the result is
+/// the new weights with nothing left over, and a run killed between the two renames resumes from
+/// the complete old folder instead of the missing one `latest_checkpointed_iteration.txt` names.
+#[test]
+fn re_saving_a_step_never_leaves_latest_pointing_at_nothing() {
+    let dir = temp_dir("resave");
+    let (actor, critic) = tiny_models();
+    let mut config = tiny_config("gae", &dir);
+    config.trainer.resume_mode = "auto".into();
+    let mut l = learner(config, actor, critic);
+    l.step().unwrap();
+    let first = params(&l.actor.valid());
+    let ckpt = l.save_checkpoint().unwrap();
+    l.step().unwrap();
+    l.global_step = 1;
+    assert_eq!(l.save_checkpoint().unwrap(), ckpt);
+    let saved: CausalLm<Flex> = load_pretrained(ckpt.join("actor").to_str().unwrap())
+        .unwrap()
+        .causal_lm(&Default::default())
+        .unwrap();
+    assert_eq!(max_diff(&params(&saved), &params(&l.actor.valid())), 0.0);
+    assert!(max_diff(&params(&saved), &first) > 0.0);
+    let mut left: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with('.'))
+        .collect();
+    left.sort();
+    assert!(left.is_empty(), "left over: {left:?}");
+    // The instant between the renames of a third save of step 1.
+    let aside = dir.join(".global_step_1.replaced");
+    std::fs::rename(&ckpt, &aside).unwrap();
+    assert_eq!(l.checkpoint_to_resume().unwrap(), Some(aside.clone()));
+    l.load_checkpoint(&aside).unwrap();
+    assert_eq!(l.global_step, 1);
+    // The next save of the step puts it back in place and removes the aside copy.
+    l.save_checkpoint().unwrap();
+    assert!(ckpt.join("trainer_state.json").exists() && !aside.exists());
     std::fs::remove_dir_all(dir).ok();
 }
 
@@ -501,6 +551,12 @@ fn resuming_in_a_new_process_continues_as_if_never_stopped() {
     let resumed = dir.join("resumed");
     train_cli(&model, &data, &straight, 4);
     train_cli(&model, &data, &resumed, 2);
+    // As if the process had been killed after logging step 3 and before its checkpoint: the
+    // resumed run runs step 3 again, and the file must not keep this line.
+    let jsonl = resumed.join("metrics.jsonl");
+    let mut text = std::fs::read_to_string(&jsonl).unwrap();
+    text.push_str("{\"step\":3,\"actor/pg_loss\":999.0}\n");
+    std::fs::write(&jsonl, text).unwrap();
     train_cli(&model, &data, &resumed, 4);
     for part in ["actor", "critic"] {
         let file = |root: &Path| root.join(format!("global_step_4/{part}/model.safetensors"));
@@ -680,43 +736,199 @@ fn rollout_correction_weights_rejects_and_bypasses() {
     assert!(m.contains_key("timing_s/old_log_prob"));
     assert!(bp["rollout_corr/rollout_is_mean"].is_finite());
     assert!(bp["actor/pg_loss"].is_finite());
+
+    // The optimal token baseline reads Σπ² from the old-log-prob pass bypass mode skips.
+    let mut otb = tiny_config("optimal_token_baseline", &dir);
+    otb.algorithm.rollout_correction.bypass_mode = true;
+    let (actor, critic) = tiny_models();
+    let e = try_learner(otb, actor, critic).unwrap_err().to_string();
+    assert!(
+        e.contains("algorithm.rollout_correction.bypass_mode"),
+        "{e}"
+    );
+    assert!(e.contains("optimal_token_baseline"), "{e}");
     std::fs::remove_dir_all(dir).ok();
 }
 
-/// `actor_rollout_ref.model.dtype=bfloat16`: rollout, old-log-prob and reference passes run on a
-/// bf16 copy of the actor (flex supports bf16), training stays f32. With one mini-batch the
-/// update's first ratio compares f32 log-probs with bf16 old ones, so `actor/ppo_kl` is the
-/// precision gap: ~0 in f32, clearly not in bf16.
+/// Half precision on flex (which has bf16): `rollout.dtype=bfloat16` alone generates on a bf16
+/// copy while scoring and training stay f32, so the rollout's log-probs disagree with the old
+/// ones (`rollout_corr/kl`, the gap rollout correction exists for) and `actor/ppo_kl` stays ~0;
+/// `model.dtype=bfloat16` computes everything in bf16 (the old pass on a bf16 copy, the update as
+/// autocast on f32 master weights), so the old log-probs and the update's first ratio agree
+/// again while the weights stay f32.
 #[test]
-fn bf16_inference_passes_with_f32_training() {
+fn half_precision_rollout_and_autocast_training() {
     let dir = temp_dir("bf16");
     let (actor, critic) = tiny_models();
-    let run = |dtype: &str| {
+    let run = |model_dtype: &str, rollout_dtype: Option<&str>| {
         let mut config = tiny_config("gae", &dir);
-        config.actor_rollout_ref.model.dtype = dtype.into();
+        config.actor_rollout_ref.model.dtype = model_dtype.into();
+        config.actor_rollout_ref.rollout.dtype = rollout_dtype.map(String::from);
         config.actor_rollout_ref.actor.ppo_mini_batch_size = 4;
         config.actor_rollout_ref.actor.use_kl_loss = true;
         config.algorithm.use_kl_in_reward = false;
         let mut l = learner(config, actor.clone(), critic.clone());
-        l.step().unwrap()
+        let metrics = l.step().unwrap();
+        assert_eq!(l.actor.float_dtype(), burn::tensor::DType::F32);
+        metrics
     };
-    let (f32_run, bf16_run) = (run("float32"), run("bfloat16"));
-    println!(
-        "ppo_kl f32 {} bf16 {}; kl_loss f32 {} bf16 {}",
-        f32_run["actor/ppo_kl"],
-        bf16_run["actor/ppo_kl"],
-        f32_run["actor/kl_loss"],
-        bf16_run["actor/kl_loss"]
-    );
-    assert!(f32_run["actor/ppo_kl"].abs() < 1e-6);
-    assert!(bf16_run["actor/ppo_kl"].abs() > 1e-5);
-    for key in [
-        "actor/pg_loss",
-        "critic/vf_loss",
-        "actor/grad_norm",
-        "rollout_corr/kl",
+    let f32_run = run("float32", None);
+    let bf16_rollout = run("float32", Some("bfloat16"));
+    let bf16_all = run("bfloat16", None);
+    for (name, m) in [
+        ("f32", &f32_run),
+        ("bf16 rollout", &bf16_rollout),
+        ("bf16", &bf16_all),
     ] {
-        assert!(bf16_run[key].is_finite(), "{key}");
+        println!(
+            "{name}: ppo_kl {:e} rollout_corr/kl {:e} pg_loss {} vf_loss {} grad_norm {}",
+            m["actor/ppo_kl"],
+            m["rollout_corr/kl"],
+            m["actor/pg_loss"],
+            m["critic/vf_loss"],
+            m["actor/grad_norm"]
+        );
+        for key in [
+            "actor/pg_loss",
+            "critic/vf_loss",
+            "actor/grad_norm",
+            "critic/grad_norm",
+        ] {
+            assert!(m[key].is_finite(), "{name}: {key}");
+        }
+    }
+    assert!(f32_run["actor/ppo_kl"].abs() < 1e-6);
+    assert!(f32_run["rollout_corr/kl"].abs() < 1e-6);
+    assert!(bf16_rollout["rollout_corr/kl"].abs() > 1e-5);
+    assert!(bf16_rollout["actor/ppo_kl"].abs() < 1e-6);
+    assert!(bf16_all["actor/ppo_kl"].abs() < 1e-6);
+    assert!(
+        (bf16_all["actor/grad_norm"] - f32_run["actor/grad_norm"]).abs() > 0.0,
+        "the bf16 update computed exactly as the f32 one"
+    );
+    std::fs::remove_dir_all(dir).ok();
+}
+
+/// A dataset smaller than one batch is an error naming the file, its rows and the key, not a
+/// run of zero steps.
+#[test]
+fn a_dataset_smaller_than_one_batch_is_refused() {
+    let dir = temp_dir("small-data");
+    let (model, _) = cli_assets(&dir);
+    let data = dir.join("three.parquet");
+    write_parquet(&data, &tasks::split_problems(2, 1, 1).0).unwrap();
+    let mut c = tiny_config("gae", &dir);
+    c.actor_rollout_ref.model.path = model.display().to_string();
+    c.critic.model.path = model.display().to_string();
+    c.data.train_files = vec![data.display().to_string()];
+    let e = Learner::<B>::from_config(c, &Default::default())
+        .unwrap_err()
+        .to_string();
+    for part in [
+        "three.parquet",
+        "3 prompt rows",
+        "data.train_batch_size",
+        "batch of 4",
+    ] {
+        assert!(e.contains(part), "`{part}` missing from: {e}");
+    }
+    std::fs::remove_dir_all(dir).ok();
+}
+
+/// `training/rollout_probs_diff_*` compares probabilities at the rollout temperature: processed
+/// log-probs (verl 0.9.1's default) are the tempered distribution the actor recomputes, so the
+/// gap is numerics; raw log-probs at temperature 0.7 are not, and only `valid = 0` is reported.
+#[test]
+fn rollout_probs_diff_compares_at_the_rollout_temperature() {
+    let dir = temp_dir("probs-diff");
+    let (actor, critic) = tiny_models();
+    for (mode, valid) in [("processed_logprobs", 1.0), ("raw_logprobs", 0.0)] {
+        let mut config = tiny_config("gae", &dir);
+        config.actor_rollout_ref.rollout.temperature = 0.7;
+        config.actor_rollout_ref.rollout.logprobs_mode = mode.into();
+        let m = learner(config, actor.clone(), critic.clone())
+            .step()
+            .unwrap();
+        assert_eq!(m["training/rollout_probs_diff_valid"], valid, "{mode}");
+        if valid == 1.0 {
+            let max = m["training/rollout_probs_diff_max"];
+            assert!(max < 1e-4, "{mode}: {max}");
+            assert!(m["training/rollout_actor_probs_pearson_corr"] > 0.999);
+        } else {
+            assert!(!m.contains_key("training/rollout_probs_diff_max"), "{mode}");
+        }
+    }
+    std::fs::remove_dir_all(dir).ok();
+}
+
+/// LoRA through the Learner: only the adapters train, a checkpoint holds them in PEFT's layout
+/// beside the merged model, and a run resumed from step 2 (`resume_mode=auto`) ends at step 4
+/// with the same weights and metrics as one that never stopped.
+#[test]
+fn lora_runs_train_adapters_and_resume_as_if_never_stopped() {
+    use burn_rlhf::models::LoraConfig;
+    let dir = temp_dir("lora");
+    let (actor, critic) = tiny_models();
+    let lora = LoraConfig {
+        rank: 4,
+        alpha: 8.0,
+        target_modules: vec!["all-linear".into()],
+    };
+    // One set of fresh adapters for every run.
+    let adapted = actor.clone().with_lora(&lora, &Default::default());
+    let run = |out: &Path, steps: usize| -> Learner<B> {
+        let mut config = tiny_config("gae", out);
+        config.actor_rollout_ref.model.lora_rank = lora.rank;
+        config.actor_rollout_ref.model.lora_alpha = lora.alpha;
+        config.trainer.total_training_steps = Some(steps);
+        config.trainer.resume_mode = "auto".into();
+        config.trainer.logger = vec!["jsonl".into()];
+        let mut l = learner(config, adapted.clone(), critic.clone());
+        l.fit(&AtomicBool::new(false)).unwrap();
+        l
+    };
+    let (straight, resumed) = (dir.join("straight"), dir.join("resumed"));
+    let a = run(&straight, 4);
+    run(&resumed, 2);
+    let b = run(&resumed, 4);
+    assert_eq!(b.global_step, 4);
+    let (pa, pb) = (params(&a.actor.valid()), params(&b.actor.valid()));
+    assert!(max_diff(&pa, &pb) <= 1e-6, "{}", max_diff(&pa, &pb));
+    // The adapters trained (B starts at zero) and nothing else did.
+    let lora_b = |l: &Learner<B>| {
+        let m = l.actor.valid();
+        let a = m.model.layers[0].self_attn.q_proj.lora.as_ref().unwrap();
+        a.lora_b.val().abs().max().into_scalar()
+    };
+    assert!(lora_b(&a) > 0.0);
+    let merged_base = params(&a.actor.valid().model.layers[0].self_attn.q_proj.base);
+    assert_eq!(
+        merged_base,
+        params(&adapted.valid().model.layers[0].self_attn.q_proj.base)
+    );
+    let ckpt = resumed.join("global_step_4/actor");
+    for file in [
+        "adapter_model.safetensors",
+        "adapter_config.json",
+        "model.safetensors",
+    ] {
+        assert!(ckpt.join(file).exists(), "{file}");
+    }
+    let (ma, mb) = (
+        read_jsonl(&straight.join("metrics.jsonl")).unwrap(),
+        read_jsonl(&resumed.join("metrics.jsonl")).unwrap(),
+    );
+    assert_eq!(
+        mb.iter().map(|(s, _)| *s).collect::<Vec<_>>(),
+        vec![1, 2, 3, 4]
+    );
+    for ((s, x), (_, y)) in ma.iter().zip(&mb) {
+        for ((k, u), (_, v)) in deterministic(x).iter().zip(&deterministic(y)) {
+            assert!(
+                (u - v).abs() <= 1e-6 * u.abs().max(1.0),
+                "step {s} {k}: {u} vs {v}"
+            );
+        }
     }
     std::fs::remove_dir_all(dir).ok();
 }

@@ -155,10 +155,69 @@ fn dapo_drops_groups_without_spread_and_generates_until_the_batch_is_full() {
     );
 }
 
+/// Spread only in the first two groups of the first batch it scores, in every group after.
+struct SpreadLater(std::sync::atomic::AtomicUsize);
+
+impl RewardFn for SpreadLater {
+    fn name(&self) -> &str {
+        "recipe"
+    }
+    fn score(&self, batch: &[RewardInput<'_>]) -> Result<Vec<f64>, RolloutError> {
+        let call = self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Ok((0..batch.len())
+            .map(|row| {
+                if call == 0 && row >= 4 {
+                    0.0
+                } else {
+                    (row % 2) as f64
+                }
+            })
+            .collect())
+    }
+}
+
+/// DAPO across an epoch boundary: with 4 prompts in order and generation batches of 4, the first
+/// round keeps prompts 0 and 1, the second (a new epoch) keeps all four, so prompts 0 and 1 are
+/// in the step twice — as four groups of two rows, not two merged groups of four.
+#[test]
+fn dapo_prompt_drawn_twice_in_a_step_makes_two_groups() {
+    let dir = temp_dir("recipe-dapo-epoch");
+    let mut c = config("grpo", &dir);
+    c.algorithm.filter_groups.enable = true;
+    c.algorithm.filter_groups.metric = "score".into();
+    c.data.gen_batch_size = Some(4);
+    c.data.shuffle = false;
+    let (actor, critic) = tiny_models();
+    let mc = tasks::model_config(32, 1);
+    let (train, _) = tasks::split_problems(2, 0, 1);
+    let mut parts = LearnerParts::new(actor, mc.clone(), tasks::tokenizer());
+    parts.critic = Some((critic, mc));
+    parts
+        .rewards
+        .register(Arc::new(SpreadLater(Default::default())));
+    parts.train = train;
+    let mut l = Learner::new(c, parts, &Default::default()).unwrap();
+    let (batch, prompts, metrics) = l.sample_batch(1, &mut Timing::default()).unwrap();
+    assert_eq!(metrics["train/num_gen_batches"], 2.0);
+    assert_eq!(prompts, vec![0, 1, 0, 1]);
+    let mut sizes = std::collections::BTreeMap::<u64, usize>::new();
+    for g in &batch.group_ids {
+        *sizes.entry(*g).or_default() += 1;
+    }
+    assert_eq!(sizes.len(), 4, "groups {:?}", batch.group_ids);
+    assert!(
+        sizes.values().all(|&n| n == 2),
+        "groups {:?}",
+        batch.group_ids
+    );
+    assert!(l.step().unwrap()["actor/pg_loss"].is_finite());
+}
+
 #[test]
 fn overlong_penalty_follows_the_formula() {
     let dir = temp_dir("recipe-overlong");
     let mut c = config("grpo", &dir);
+    c.reward_model.reward_manager = "dapo".into();
     c.reward_model.overlong_buffer.enable = true;
     c.reward_model.overlong_buffer.len = 2;
     c.reward_model.overlong_buffer.penalty_factor = 0.5;
