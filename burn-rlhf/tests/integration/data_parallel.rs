@@ -31,20 +31,8 @@ static ONE_GROUP_AT_A_TIME: Mutex<()> = Mutex::new(());
 
 const STEPS: usize = 3;
 
-/// Burn's RNG is shared by the process: tests that seed it and draw from it take turns.
-static RNG: Mutex<()> = Mutex::new(());
-
 fn tiny_models() -> (CausalLm<B>, ValueModel<B>) {
-    let _rng = RNG.lock().unwrap_or_else(|e| e.into_inner());
-    <B as burn::tensor::backend::Backend>::seed(&Default::default(), 7);
-    let c = tasks::model_config(32, 1);
-    let actor: CausalLm<B> = c.init_causal_lm(&Default::default());
-    let mut w = WeightMap::new("tiny actor");
-    for (k, v) in actor.valid().export() {
-        w.insert(k, v);
-    }
-    let critic = ValueModel::from_weights(&c, w, &Default::default()).unwrap();
-    (actor, critic)
+    super::tiny_models(7)
 }
 
 /// PPO with a critic, KL in the reward, 8 prompts x 2 samples, mini-batches of 4 prompts,

@@ -3,6 +3,8 @@
 //! integration [filter]`. The GPU-path tests are in `tests/gpu`; the peak-memory test, which
 //! installs a counting allocator, has its own binary.
 
+use burn::backend::{Autodiff, Flex};
+
 mod actor_update;
 mod config;
 mod data_parallel;
@@ -10,3 +12,38 @@ mod learner_logprobs;
 mod ppo_loop;
 mod recipes;
 mod sft;
+
+/// Burn's RNG is one per process: code that seeds it and draws from it (random model
+/// initialisation, fresh heads and adapters) holds this lock, so that what it draws does not
+/// depend on which other tests of this binary run beside it.
+pub static MODEL_INIT: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// `f` with Burn's RNG seeded with `seed` and no other test drawing from it.
+pub fn seeded<T>(seed: u64, f: impl FnOnce() -> T) -> T {
+    let _lock = MODEL_INIT.lock().unwrap_or_else(|e| e.into_inner());
+    <burn::backend::Flex as burn::tensor::backend::Backend>::seed(&Default::default(), seed);
+    f()
+}
+
+/// The arithmetic task's tiny actor and a critic starting from its backbone, the same for the
+/// same seed.
+pub fn tiny_models(
+    seed: u64,
+) -> (
+    burn_rlhf::models::CausalLm<Autodiff<Flex>>,
+    burn_rlhf::models::ValueModel<Autodiff<Flex>>,
+) {
+    use burn::module::AutodiffModule;
+    seeded(seed, || {
+        let c = burn_rlhf::tasks::model_config(32, 1);
+        let actor: burn_rlhf::models::CausalLm<Autodiff<Flex>> =
+            c.init_causal_lm(&Default::default());
+        let mut w = burn_rlhf::models::weights::WeightMap::new("tiny actor");
+        for (k, v) in actor.valid().export() {
+            w.insert(k, v);
+        }
+        let critic =
+            burn_rlhf::models::ValueModel::from_weights(&c, w, &Default::default()).unwrap();
+        (actor, critic)
+    })
+}

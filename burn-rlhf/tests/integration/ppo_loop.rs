@@ -24,14 +24,7 @@ type B = Autodiff<Flex>;
 
 /// A tiny actor and a critic that starts from its backbone.
 fn tiny_models() -> (CausalLm<B>, ValueModel<B>) {
-    let c = tasks::model_config(32, 1);
-    let actor: CausalLm<B> = c.init_causal_lm(&Default::default());
-    let mut w = WeightMap::new("tiny actor");
-    for (k, v) in actor.valid().export() {
-        w.insert(k, v);
-    }
-    let critic = ValueModel::from_weights(&c, w, &Default::default()).unwrap();
-    (actor, critic)
+    super::tiny_models(5)
 }
 
 fn tiny_config(estimator: &str, dir: &Path) -> RlhfConfig {
@@ -331,7 +324,8 @@ fn critic_warmup_trains_only_the_critic() {
 fn kl_in_reward_subtracts_beta_kl_and_the_adaptive_controller_moves_as_verl() {
     let dir = temp_dir("kl");
     let (actor, critic) = tiny_models();
-    let (other, _) = tiny_models();
+    // A reference from other weights.
+    let (other, _) = super::tiny_models(6);
     let mut config = tiny_config("grpo", &dir);
     config.algorithm.use_kl_in_reward = true;
     config.algorithm.kl_penalty = "kl".into();
@@ -875,7 +869,7 @@ fn lora_runs_train_adapters_and_resume_as_if_never_stopped() {
         target_modules: vec!["all-linear".into()],
     };
     // One set of fresh adapters for every run.
-    let adapted = actor.clone().with_lora(&lora, &Default::default());
+    let adapted = super::seeded(9, || actor.clone().with_lora(&lora, &Default::default()));
     let run = |out: &Path, steps: usize| -> Learner<B> {
         let mut config = tiny_config("gae", out);
         config.actor_rollout_ref.model.lora_rank = lora.rank;

@@ -9,7 +9,6 @@ use std::sync::Arc;
 use burn::backend::{Autodiff, Flex};
 use burn::module::AutodiffModule;
 use burn_rlhf::config::RlhfConfig;
-use burn_rlhf::models::weights::WeightMap;
 use burn_rlhf::models::{CausalLm, ValueModel};
 use burn_rlhf::rollout::{PromptSampler, RewardFn, RewardInput, RolloutError};
 use burn_rlhf::tasks;
@@ -19,21 +18,9 @@ use burn_rlhf_test_assets::temp_dir;
 
 type B = Autodiff<Flex>;
 
-/// Burn's RNG is shared by the process: tests that seed it and draw from it take turns.
-static RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
 /// The same tiny actor and critic on every call.
 fn tiny_models() -> (CausalLm<B>, ValueModel<B>) {
-    let _rng = RNG.lock().unwrap_or_else(|e| e.into_inner());
-    <B as burn::tensor::backend::Backend>::seed(&Default::default(), 11);
-    let c = tasks::model_config(32, 1);
-    let actor: CausalLm<B> = c.init_causal_lm(&Default::default());
-    let mut w = WeightMap::new("tiny actor");
-    for (k, v) in actor.valid().export() {
-        w.insert(k, v);
-    }
-    let critic = ValueModel::from_weights(&c, w, &Default::default()).unwrap();
-    (actor, critic)
+    super::tiny_models(11)
 }
 
 fn config(estimator: &str, dir: &Path) -> RlhfConfig {

@@ -22,7 +22,7 @@ type B = Flex;
 /// A tiny random model and the arithmetic task as `{question, answer}` jsonl.
 fn assets(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
     let c = tasks::model_config(32, 1);
-    let model: CausalLm<Autodiff<B>> = c.init_causal_lm(&Default::default());
+    let model: CausalLm<Autodiff<B>> = super::seeded(3, || c.init_causal_lm(&Default::default()));
     let path = dir.join("model");
     save_pretrained(
         &path,
