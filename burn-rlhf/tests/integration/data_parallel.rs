@@ -13,10 +13,8 @@ use std::time::{Duration, Instant};
 use burn::backend::{Autodiff, Flex};
 use burn::module::AutodiffModule;
 use burn_rlhf::config::RlhfConfig;
-use burn_rlhf::models::pretrained::save_pretrained;
 use burn_rlhf::models::weights::WeightMap;
 use burn_rlhf::models::{CausalLm, ValueModel};
-use burn_rlhf::rollout::data::write_parquet;
 use burn_rlhf::rollout::{RewardFn, RewardInput, RolloutError};
 use burn_rlhf::tasks;
 use burn_rlhf::trainer::metrics::read_jsonl;
@@ -330,20 +328,7 @@ fn a_failing_device_rank_stops_the_other_with_its_error() {
 
 /// The tiny model and the task's data as files, for the CLI.
 fn cli_assets(dir: &Path) -> (PathBuf, PathBuf) {
-    let (actor, _) = tiny_models();
-    let model = dir.join("model");
-    save_pretrained(
-        &model,
-        &tasks::model_config(32, 1),
-        &actor.valid().export(),
-        None,
-        Some(&tasks::tokenizer()),
-    )
-    .unwrap();
-    let (train, _) = tasks::split_problems(16, 20, 1);
-    let data = dir.join("train.parquet");
-    write_parquet(&data, &train).unwrap();
-    (model, data)
+    super::cli_assets(dir, 7, 16)
 }
 
 fn cli_args(model: &Path, data: &Path, out: &Path, steps: usize) -> Vec<String> {

@@ -47,3 +47,27 @@ pub fn tiny_models(
         (actor, critic)
     })
 }
+
+/// The tiny model of `seed` (with its tokenizer) and the arithmetic task's training problems
+/// below `limit` as files the CLI reads: (model folder, parquet file).
+pub fn cli_assets(
+    dir: &std::path::Path,
+    seed: u64,
+    limit: u32,
+) -> (std::path::PathBuf, std::path::PathBuf) {
+    use burn::module::AutodiffModule;
+    let (actor, _) = tiny_models(seed);
+    let model = dir.join("model");
+    burn_rlhf::models::pretrained::save_pretrained(
+        &model,
+        &burn_rlhf::tasks::model_config(32, 1),
+        &actor.valid().export(),
+        None,
+        Some(&burn_rlhf::tasks::tokenizer()),
+    )
+    .unwrap();
+    let (train, _) = burn_rlhf::tasks::split_problems(limit, 20, 1);
+    let data = dir.join("train.parquet");
+    burn_rlhf::rollout::data::write_parquet(&data, &train).unwrap();
+    (model, data)
+}

@@ -11,7 +11,7 @@ use burn::backend::{Autodiff, Flex};
 use burn::module::{AutodiffModule, Module};
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_rlhf::config::{RlhfConfig, ThresholdSpec};
-use burn_rlhf::models::pretrained::{load_pretrained, save_pretrained};
+use burn_rlhf::models::pretrained::load_pretrained;
 use burn_rlhf::models::weights::WeightMap;
 use burn_rlhf::models::{CausalLm, ValueModel};
 use burn_rlhf::rollout::data::write_parquet;
@@ -464,20 +464,7 @@ fn re_saving_a_step_never_leaves_latest_pointing_at_nothing() {
 
 /// Writes the tiny model (with its tokenizer) and the task's data where the CLI can read them.
 fn cli_assets(dir: &Path) -> (PathBuf, PathBuf) {
-    let (actor, _) = tiny_models();
-    let model = dir.join("model");
-    save_pretrained(
-        &model,
-        &tasks::model_config(32, 1),
-        &actor.valid().export(),
-        None,
-        Some(&tasks::tokenizer()),
-    )
-    .unwrap();
-    let (train, _) = tasks::split_problems(10, 20, 1);
-    let data = dir.join("train.parquet");
-    write_parquet(&data, &train).unwrap();
-    (model, data)
+    super::cli_assets(dir, 5, 10)
 }
 
 fn train_cli(model: &Path, data: &Path, out: &Path, steps: usize) {
