@@ -10,6 +10,7 @@
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Int, Tensor, TensorData};
 
+use crate::kernels::{write_positions, DecoderBackend};
 use crate::TransformerConfig;
 
 /// Cached keys and values of every layer.
@@ -82,39 +83,6 @@ impl<B: Backend> KvCache<B> {
         self.keys.first().map_or(0, |k| k.dims()[0])
     }
 
-    /// Writes `k`, `v` (`[B, kv_heads, L, head_dim]`) of `layer` after the cached positions and
-    /// returns every position so far (`[B, kv_heads, len + L, head_dim]`), or for a fixed cache
-    /// every slot (`[B, kv_heads, capacity, head_dim]`). The length advances once all layers are
-    /// written ([`KvCache::advance`]).
-    pub fn append(
-        &mut self,
-        layer: usize,
-        k: Tensor<B, 4>,
-        v: Tensor<B, 4>,
-    ) -> (Tensor<B, 4>, Tensor<B, 4>) {
-        let [b, kv, l, d] = k.dims();
-        let end = self.len + l;
-        if end > self.capacity {
-            self.grow(end.max(self.capacity * 2));
-        }
-        let ranges = [0..b, 0..kv, self.len..end, 0..d];
-        // Take the buffers out so they are uniquely owned: the write can then happen in place
-        // instead of copying the whole buffer every step.
-        let device = k.device();
-        let placeholder = || Tensor::<B, 4>::empty([0, 0, 0, 0], &device);
-        let keys =
-            std::mem::replace(&mut self.keys[layer], placeholder()).slice_assign(ranges.clone(), k);
-        let values =
-            std::mem::replace(&mut self.values[layer], placeholder()).slice_assign(ranges, v);
-        self.keys[layer] = keys.clone();
-        self.values[layer] = values.clone();
-        if self.fixed {
-            return (keys, values);
-        }
-        let upto = [0..b, 0..kv, 0..end, 0..d];
-        (keys.slice(upto.clone()), values.slice(upto))
-    }
-
     /// Marks `l` more positions as filled (after every layer appended them).
     pub fn advance(&mut self, l: usize) {
         self.len += l;
@@ -140,5 +108,46 @@ impl<B: Backend> KvCache<B> {
         for buf in self.keys.iter_mut().chain(self.values.iter_mut()) {
             *buf = buf.clone().select(0, idx.clone());
         }
+    }
+}
+
+impl<B: DecoderBackend> KvCache<B> {
+    /// Writes `k`, `v` (`[B, kv_heads, L, head_dim]`) of `layer` after the cached positions and
+    /// returns every position so far (`[B, kv_heads, len + L, head_dim]`), or for a fixed cache
+    /// every slot (`[B, kv_heads, capacity, head_dim]`). The length advances once all layers are
+    /// written ([`KvCache::advance`]).
+    pub fn append(
+        &mut self,
+        layer: usize,
+        k: Tensor<B, 4>,
+        v: Tensor<B, 4>,
+    ) -> (Tensor<B, 4>, Tensor<B, 4>) {
+        let [b, kv, l, d] = k.dims();
+        let end = self.len + l;
+        if end > self.capacity {
+            self.grow(end.max(self.capacity * 2));
+        }
+        // Take the buffers out so they are uniquely owned: the write can then happen in place
+        // instead of copying the whole buffer every step.
+        let device = k.device();
+        let placeholder = || Tensor::<B, 4>::empty([0, 0, 0, 0], &device);
+        let start = self.len;
+        let keys = write_positions(
+            std::mem::replace(&mut self.keys[layer], placeholder()),
+            k,
+            start,
+        );
+        let values = write_positions(
+            std::mem::replace(&mut self.values[layer], placeholder()),
+            v,
+            start,
+        );
+        self.keys[layer] = keys.clone();
+        self.values[layer] = values.clone();
+        if self.fixed {
+            return (keys, values);
+        }
+        let upto = [0..b, 0..kv, 0..end, 0..d];
+        (keys.slice(upto.clone()), values.slice(upto))
     }
 }

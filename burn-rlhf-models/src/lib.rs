@@ -18,6 +18,7 @@ pub mod cache;
 mod config;
 mod error;
 pub mod gguf;
+pub mod kernels;
 pub mod lora;
 pub mod pretrained;
 pub mod tokenizer;
@@ -27,6 +28,7 @@ pub mod weights;
 pub use cache::KvCache;
 pub use config::TransformerConfig;
 pub use error::ModelError;
+pub use kernels::DecoderBackend;
 pub use lora::LoraConfig;
 pub use pretrained::{
     load_pretrained, locate, save_pretrained, ModelFiles, Pretrained, WeightsFile,

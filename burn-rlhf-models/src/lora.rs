@@ -63,18 +63,22 @@ impl<B: Backend> LoraLinear<B> {
         self.base.weight.dims()[1]
     }
 
-    /// Shapes: `[.., in]` → `[.., out]`.
+    /// Shapes: `[.., in]` → `[.., out]`. The leading axes are flattened first, so the product is
+    /// one `[rows, in] x [in, out]` matrix product (and the weight's gradient one product over
+    /// every row) instead of a batch of products that share the weight.
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
-        let y = self.base.forward(x.clone());
-        match &self.lora {
+        let dims = x.dims();
+        let d_in = dims[D - 1];
+        let rows = dims[..D - 1].iter().product::<usize>();
+        let flat: Tensor<B, 2> = x.reshape([rows, d_in]);
+        let y = self.base.forward(flat.clone());
+        let y = match &self.lora {
             None => y,
-            Some(a) => {
-                y + x
-                    .matmul(a.lora_a.val().unsqueeze())
-                    .matmul(a.lora_b.val().unsqueeze())
-                    * a.scale
-            }
-        }
+            Some(a) => y + flat.matmul(a.lora_a.val()).matmul(a.lora_b.val()) * a.scale,
+        };
+        let mut out = dims;
+        out[D - 1] = self.out_features();
+        y.reshape(out)
     }
 
     /// Attaches a fresh adapter of rank `rank` and freezes the base weights.

@@ -4,11 +4,11 @@
 
 use burn::module::{Module, Param};
 use burn::nn::{Embedding, Linear};
-use burn::tensor::activation::{silu, softmax};
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, FloatDType, Int, Tensor, TensorData};
 
 use crate::cache::KvCache;
+use crate::kernels::{self, AttentionMask, DecoderBackend};
 use crate::lora::LoraLinear;
 
 /// RMSNorm (`x / sqrt(mean(x^2) + eps) * weight`), with HF's field name `weight`.
@@ -20,14 +20,11 @@ pub struct RmsNorm<B: Backend> {
     pub eps: f64,
 }
 
-impl<B: Backend> RmsNorm<B> {
+impl<B: DecoderBackend> RmsNorm<B> {
     /// Shapes: `[B, L, H]` → `[B, L, H]`. The statistics are f32 whatever the model's dtype (as
     /// HF's), the result in it.
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        let dtype = x.dtype();
-        let x = x.cast(DType::F32);
-        let rms = (x.clone().square().mean_dim(2) + self.eps).sqrt();
-        (x / rms).cast(dtype) * self.weight.val().unsqueeze::<3>()
+        kernels::rms_norm(x, self.weight.val(), self.eps)
     }
 }
 
@@ -89,66 +86,46 @@ impl<B: Backend> Rope<B> {
         }
     }
 
-    /// `x * cos + rotate_half(x) * sin`. Shapes: `[B, heads, L, head_dim]`.
-    pub fn apply(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
-        let [b, h, l, d] = x.dims();
-        let x1 = x.clone().slice([0..b, 0..h, 0..l, 0..d / 2]);
-        let x2 = x.clone().slice([0..b, 0..h, 0..l, d / 2..d]);
-        let rotated = Tensor::cat(vec![x2.neg(), x1], 3);
-        let dtype = x.dtype();
-        x * self.cos.clone().cast(dtype) + rotated * self.sin.clone().cast(dtype)
+    /// The (cos, sin) tables, `[B, 1, L, head_dim]` each.
+    pub fn tables(&self) -> (Tensor<B, 4>, Tensor<B, 4>) {
+        (self.cos.clone(), self.sin.clone())
+    }
+
+    /// Rotates `x` (a projection's output viewed per head) and moves heads before positions.
+    /// Shapes: `[B, L, heads, head_dim]` → `[B, heads, L, head_dim]`.
+    pub fn apply(&self, x: Tensor<B, 4>) -> Tensor<B, 4>
+    where
+        B: DecoderBackend,
+    {
+        kernels::rotary(x, self.cos.clone(), self.sin.clone())
     }
 }
 
-impl<B: Backend> Attention<B> {
-    /// Shapes: x `[B, L, H]`, mask `[B, 1, L, S]` (additive), → `[B, L, H]`. With a cache, the new
-    /// keys and values are written at the cache's length and attention spans all `S` cached
-    /// positions.
+impl<B: DecoderBackend> Attention<B> {
+    /// Shapes: x `[B, L, H]` → `[B, L, H]`, attending as `mask` says over the keys of this call
+    /// (and with a cache, every cached position before them: the new keys and values are
+    /// written at the cache's length).
     pub fn forward(
         &self,
         x: Tensor<B, 3>,
         rope: &Rope<B>,
-        mask: Tensor<B, 4>,
+        mask: &AttentionMask,
         cache: Option<(&mut KvCache<B>, usize)>,
     ) -> Tensor<B, 3> {
         let [b, l, _] = x.dims();
         let (h, kv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
-        let q = self
-            .q_proj
-            .forward(x.clone())
-            .reshape([b, l, h, d])
-            .swap_dims(1, 2);
-        let k = self
-            .k_proj
-            .forward(x.clone())
-            .reshape([b, l, kv, d])
-            .swap_dims(1, 2);
+        let q = rope.apply(self.q_proj.forward(x.clone()).reshape([b, l, h, d]));
+        let k = rope.apply(self.k_proj.forward(x.clone()).reshape([b, l, kv, d]));
         let v = self
             .v_proj
             .forward(x)
             .reshape([b, l, kv, d])
             .swap_dims(1, 2);
-        let q = rope.apply(q);
-        let k = rope.apply(k);
         let (k, v) = match cache {
             Some((cache, layer)) => cache.append(layer, k, v),
             None => (k, v),
         };
-        let groups = h / kv;
-        // Grouped-query attention without copying keys and values per query head: the `groups`
-        // query heads sharing a key/value head are stacked along the query axis instead.
-        let q = q.reshape([b, kv, groups * l, d]);
-        let mask = if groups == 1 {
-            mask
-        } else {
-            mask.repeat_dim(2, groups)
-        };
-        // Scores, mask and softmax in f32 whatever the model's dtype (HF's eager attention).
-        let scores = (q.matmul(k.swap_dims(2, 3)) / (d as f64).sqrt()).cast(DType::F32) + mask;
-        let probs = softmax(scores, 3).cast(v.dtype());
-        let out = probs
-            .matmul(v)
-            .reshape([b, h, l, d])
+        let out = kernels::attention(q, k, v, mask)
             .swap_dims(1, 2)
             .reshape([b, l, h * d]);
         self.o_proj.forward(out)
@@ -166,11 +143,12 @@ pub struct Mlp<B: Backend> {
     pub down_proj: LoraLinear<B>,
 }
 
-impl<B: Backend> Mlp<B> {
+impl<B: DecoderBackend> Mlp<B> {
     /// Shapes: `[B, L, H]` → `[B, L, H]`.
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        let gate = silu(self.gate_proj.forward(x.clone()));
-        self.down_proj.forward(gate * self.up_proj.forward(x))
+        let gate = self.gate_proj.forward(x.clone());
+        self.down_proj
+            .forward(kernels::swiglu(gate, self.up_proj.forward(x)))
     }
 }
 
@@ -187,13 +165,13 @@ pub struct DecoderLayer<B: Backend> {
     pub post_attention_layernorm: RmsNorm<B>,
 }
 
-impl<B: Backend> DecoderLayer<B> {
+impl<B: DecoderBackend> DecoderLayer<B> {
     /// Shapes: `[B, L, H]` → `[B, L, H]`.
     pub fn forward(
         &self,
         x: Tensor<B, 3>,
         rope: &Rope<B>,
-        mask: Tensor<B, 4>,
+        mask: &AttentionMask,
         cache: Option<(&mut KvCache<B>, usize)>,
     ) -> Tensor<B, 3> {
         let h = x.clone()
@@ -226,33 +204,7 @@ fn rows_i64<B: Backend>(t: &Tensor<B, 2, Int>) -> Vec<Vec<i64>> {
     (0..b).map(|r| flat[r * l..(r + 1) * l].to_vec()).collect()
 }
 
-/// The additive attention mask: query `i` (absolute position `past + i`) may attend key `j` when
-/// `j <= past + i` and key `j` is not padding. Fully masked rows (padding queries) attend
-/// uniformly instead of producing NaN, as HF's `min_dtype` mask does.
-///
-/// Shapes: `attention_mask` `[B][S]` (0/1 over every key position) → `[B, 1, L, S]`.
-pub fn causal_padding_mask<B: Backend>(
-    attention_mask: &[Vec<i64>],
-    past: usize,
-    l: usize,
-    device: &B::Device,
-) -> Tensor<B, 4> {
-    let b = attention_mask.len();
-    let s = attention_mask.first().map_or(0, Vec::len);
-    let mut m = vec![0.0f32; b * l * s];
-    for (r, row) in attention_mask.iter().enumerate() {
-        for i in 0..l {
-            for j in 0..s {
-                if j > past + i || row[j] == 0 {
-                    m[(r * l + i) * s + j] = -1e9;
-                }
-            }
-        }
-    }
-    Tensor::from_data(TensorData::new(m, [b, 1, l, s]), device)
-}
-
-impl<B: Backend> Transformer<B> {
+impl<B: DecoderBackend> Transformer<B> {
     /// Hidden states after the final norm.
     ///
     /// Shapes: input_ids, attention_mask, position_ids `[B, L]` → `[B, L, H]`. With a cache,
@@ -291,11 +243,11 @@ impl<B: Backend> Transformer<B> {
         let [_, l] = input_ids.dims();
         let past = cache.as_ref().map_or(0, |c| c.len());
         let rope = Rope::new(position_ids, self.head_dim, self.rope_theta, &device);
-        let mask = causal_padding_mask::<B>(attention_mask, past, l, &device);
+        let mask = AttentionMask::new(attention_mask, past);
         let mut x = self.embed_tokens.forward(input_ids);
         for (i, layer) in self.layers.iter().enumerate() {
             let layer_cache = cache.as_deref_mut().map(|c| (c, i));
-            x = layer.forward(x, &rope, mask.clone(), layer_cache);
+            x = layer.forward(x, &rope, &mask, layer_cache);
         }
         if let Some(c) = cache {
             c.advance(l);
@@ -314,7 +266,7 @@ pub struct CausalLm<B: Backend> {
     pub lm_head: Option<LoraLinear<B>>,
 }
 
-impl<B: Backend> CausalLm<B> {
+impl<B: DecoderBackend> CausalLm<B> {
     /// Logits over the vocabulary. Shapes: `[B, L]` each → `[B, L, V]`.
     pub fn forward(
         &self,
@@ -328,7 +280,9 @@ impl<B: Backend> CausalLm<B> {
             .forward(input_ids, attention_mask, position_ids, cache);
         self.logits(hidden)
     }
+}
 
+impl<B: Backend> CausalLm<B> {
     /// Logits at the last position only, as generation's prefill needs (the `[B, L, V]` logits of
     /// a long prompt would dwarf everything else). Shapes: `[B, L, H]` → `[B, V]`.
     pub fn last_logits(&self, hidden: Tensor<B, 3>) -> Tensor<B, 2> {
@@ -354,6 +308,19 @@ impl<B: Backend> CausalLm<B> {
         match &self.lm_head {
             Some(head) => head.out_features(),
             None => self.model.embed_tokens.weight.dims()[0],
+        }
+    }
+
+    /// The LM head as a `[vocab, hidden]` matrix (the embeddings when tied), when it is a plain
+    /// linear map; `None` for a head with a LoRA adapter or a bias, which only
+    /// [`CausalLm::logits`] applies.
+    pub fn head_weight(&self) -> Option<Tensor<B, 2>> {
+        match &self.lm_head {
+            None => Some(self.model.embed_tokens.weight.val()),
+            Some(head) if head.lora.is_none() && head.base.bias.is_none() => {
+                Some(head.base.weight.val().transpose())
+            }
+            Some(_) => None,
         }
     }
 
@@ -404,7 +371,7 @@ pub struct ValueModel<B: Backend> {
     pub score: Linear<B>,
 }
 
-impl<B: Backend> ValueModel<B> {
+impl<B: DecoderBackend> ValueModel<B> {
     /// One value per token. Shapes: `[B, L]` each → `[B, L]`.
     pub fn forward(
         &self,
@@ -436,7 +403,9 @@ impl<B: Backend> ValueModel<B> {
             .squeeze_dim::<2>(2)
             .cast(DType::F32)
     }
+}
 
+impl<B: Backend> ValueModel<B> {
     /// The model with every weight cast to `dtype` (see [`cast_weights`]).
     pub fn cast(self, dtype: FloatDType) -> Self {
         cast_weights(self, dtype)

@@ -1,0 +1,531 @@
+//! The decoder's hot operations as a Burn backend extension ([`DecoderBackend`]): attention,
+//! RMSNorm, SwiGLU and rotary embeddings, each forward and backward.
+//!
+//! Every method's default body is the plain-tensor reference in [`reference`], which runs on
+//! every backend and is what the others are tested against. The reference attention is already
+//! blocked: queries go in blocks of [`reference::QUERY_BLOCK`], so `[B, H, T, T]` scores never
+//! exist at once, and its backward recomputes each block's probabilities from the forward's
+//! log-sum-exp instead of keeping them. Flex (the CPU default) overrides every operation with
+//! host kernels that use both cores and read strided inputs in place (`flex.rs`); `Autodiff<B>`
+//! registers each operation as one node whose backward is the inner backend's `*_backward`
+//! (`autodiff.rs`), so training keeps only the inputs and never the attention probabilities.
+//!
+//! The tensor functions below ([`attention`], [`rms_norm`], [`swiglu`], [`rotary`]) are what the
+//! model calls.
+
+mod autodiff;
+#[cfg(feature = "flex")]
+mod flex;
+pub mod reference;
+
+use std::sync::Arc;
+
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{Tensor, TensorPrimitive};
+
+/// Which keys each query sees: key `j` of row `b` is visible to query `i` (absolute position
+/// `past + i`) when `j <= past + i` and the key is a real token. A query that sees no key (a
+/// padding query) attends every key uniformly, as HF's eager attention does with its `min_dtype`
+/// mask; it passes no gradient to queries or keys.
+#[derive(Debug, Clone)]
+pub struct AttentionMask {
+    /// `[B * S]`, row-major: 1 where key `j` of row `b` is a real token.
+    keys: Arc<[u8]>,
+    batch: usize,
+    keys_len: usize,
+    past: usize,
+}
+
+impl AttentionMask {
+    /// The mask of `attention_mask` (`[B][S]`, 0/1 over every key position) for queries starting
+    /// at absolute position `past`.
+    pub fn new(attention_mask: &[Vec<i64>], past: usize) -> Self {
+        let keys_len = attention_mask.first().map_or(0, Vec::len);
+        let keys: Vec<u8> = attention_mask
+            .iter()
+            .flat_map(|row| {
+                assert_eq!(row.len(), keys_len, "attention mask rows differ in length");
+                row.iter().map(|&m| (m != 0) as u8)
+            })
+            .collect();
+        Self {
+            keys: keys.into(),
+            batch: attention_mask.len(),
+            keys_len,
+            past,
+        }
+    }
+
+    /// Rows `B`.
+    pub fn batch(&self) -> usize {
+        self.batch
+    }
+
+    /// Key positions `S`.
+    pub fn keys_len(&self) -> usize {
+        self.keys_len
+    }
+
+    /// Whether query `i` of row `b` sees key `j`.
+    #[inline]
+    pub fn visible(&self, b: usize, i: usize, j: usize) -> bool {
+        j <= self.past + i && self.keys[b * self.keys_len + j] != 0
+    }
+
+    /// Keys `0..end` hold every key visible to the queries before `i_end`.
+    #[inline]
+    pub fn causal_end(&self, i_end: usize) -> usize {
+        (self.past + i_end).min(self.keys_len)
+    }
+
+    /// Whether query `i` of row `b` sees any key.
+    pub fn sees_any(&self, b: usize, i: usize) -> bool {
+        (0..self.causal_end(i + 1)).any(|j| self.visible(b, i, j))
+    }
+
+    /// Key mask of row `b`, `[S]`.
+    #[inline]
+    pub fn key_row(&self, b: usize) -> &[u8] {
+        &self.keys[b * self.keys_len..(b + 1) * self.keys_len]
+    }
+}
+
+/// The decoder's operations as backend operations. Tensors are row-major; `B` rows, `H` query
+/// heads, `KV` key/value heads (`H` a multiple of `KV`: grouped-query attention), `L` queries,
+/// `S` keys, `D` the head width.
+pub trait DecoderBackend: Backend {
+    /// Scaled dot-product attention (`1/sqrt(D)`) under `mask`, scores and softmax in f32:
+    /// q `[B, H, L, D]`, k and v `[B, KV, S, D]` → (out `[B, H, L, D]` in q's dtype, the
+    /// log-sum-exp of each query's scaled scores `[B, H, L]` in f32).
+    fn dec_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        mask: &AttentionMask,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        reference::attention::<Self>(q, k, v, mask)
+    }
+
+    /// The gradients (q, k, v) of [`DecoderBackend::dec_attention`] given its output's gradient.
+    #[allow(clippy::too_many_arguments)]
+    fn dec_attention_backward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        mask: &AttentionMask,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        reference::attention_backward::<Self>(q, k, v, out, lse, grad, mask)
+    }
+
+    /// RMSNorm over the last axis, statistics in f32: x `[B, L, H]`, weight `[H]` → y in x's
+    /// dtype.
+    fn dec_rms_norm(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        eps: f64,
+    ) -> FloatTensor<Self> {
+        reference::rms_norm::<Self>(x, weight, eps)
+    }
+
+    /// The gradients (x, weight) of [`DecoderBackend::dec_rms_norm`] (its statistics
+    /// recomputed: one pass over `x`).
+    fn dec_rms_norm_backward(
+        grad: FloatTensor<Self>,
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        eps: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        reference::rms_norm_backward::<Self>(grad, x, weight, eps)
+    }
+
+    /// SwiGLU's gate: `silu(gate) * up`, elementwise: `[B, L, I]` each.
+    fn dec_swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
+        reference::swiglu::<Self>(gate, up)
+    }
+
+    /// The gradients (gate, up) of [`DecoderBackend::dec_swiglu`].
+    fn dec_swiglu_backward(
+        grad: FloatTensor<Self>,
+        gate: FloatTensor<Self>,
+        up: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        reference::swiglu_backward::<Self>(grad, gate, up)
+    }
+
+    /// Writes `value` (`[B, KV, L, D]`) into `buffer` (`[B, KV, S, D]`) at positions
+    /// `start..start + L` of its third axis and returns the buffer: the KV cache's append. The
+    /// default is `slice_assign`; a backend that can write a uniquely owned buffer in place
+    /// (Flex) avoids copying the whole cache every decode step.
+    fn dec_write_positions(
+        buffer: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        start: usize,
+    ) -> FloatTensor<Self> {
+        reference::write_positions::<Self>(buffer, value, start)
+    }
+
+    /// Rotary embedding with HF's `rotate_half`, moving heads before positions: x
+    /// `[B, L, heads, D]` (a projection's output, viewed per head), cos and sin `[B, 1, L, D]`
+    /// (f32) → `[B, heads, L, D]`.
+    fn dec_rotary(
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        reference::rotary::<Self>(x, cos, sin)
+    }
+
+    /// The gradient of [`DecoderBackend::dec_rotary`]'s input: `[B, heads, L, D]` →
+    /// `[B, L, heads, D]`.
+    fn dec_rotary_backward(
+        grad: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        reference::rotary_backward::<Self>(grad, cos, sin)
+    }
+}
+
+fn prim<B: Backend, const D: usize>(t: Tensor<B, D>) -> FloatTensor<B> {
+    t.into_primitive().tensor()
+}
+
+fn wrap<B: Backend, const D: usize>(t: FloatTensor<B>) -> Tensor<B, D> {
+    Tensor::from_primitive(TensorPrimitive::Float(t))
+}
+
+/// Attention under `mask` (see [`DecoderBackend::dec_attention`]).
+///
+/// Shapes: q `[B, H, L, D]`, k and v `[B, KV, S, D]` → `[B, H, L, D]`.
+pub fn attention<B: DecoderBackend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    mask: &AttentionMask,
+) -> Tensor<B, 4> {
+    let [b, h, _, d] = q.dims();
+    let [kb, kv, s, kd] = k.dims();
+    assert!(
+        kb == b && kd == d && h % kv == 0,
+        "attention: q {:?} against k {:?}",
+        q.dims(),
+        k.dims()
+    );
+    assert!(
+        mask.batch() == b && mask.keys_len() == s,
+        "attention: a mask of {} x {} for {b} rows of {s} keys",
+        mask.batch(),
+        mask.keys_len()
+    );
+    wrap(B::dec_attention(prim(q), prim(k), prim(v), mask).0)
+}
+
+/// RMSNorm over the last axis with f32 statistics. Shapes: x `[B, L, H]`, weight `[H]` →
+/// `[B, L, H]`.
+pub fn rms_norm<B: DecoderBackend>(
+    x: Tensor<B, 3>,
+    weight: Tensor<B, 1>,
+    eps: f64,
+) -> Tensor<B, 3> {
+    wrap(B::dec_rms_norm(prim(x), prim(weight), eps))
+}
+
+/// `silu(gate) * up`. Shapes: `[B, L, I]` each → `[B, L, I]`.
+pub fn swiglu<B: DecoderBackend>(gate: Tensor<B, 3>, up: Tensor<B, 3>) -> Tensor<B, 3> {
+    wrap(B::dec_swiglu(prim(gate), prim(up)))
+}
+
+/// `buffer` with `value` written at positions `start..` of its third axis (see
+/// [`DecoderBackend::dec_write_positions`]). Shapes: buffer `[B, KV, S, D]`, value
+/// `[B, KV, L, D]` → `[B, KV, S, D]`.
+pub fn write_positions<B: DecoderBackend>(
+    buffer: Tensor<B, 4>,
+    value: Tensor<B, 4>,
+    start: usize,
+) -> Tensor<B, 4> {
+    let ([b, kv, s, d], [vb, vkv, l, vd]) = (buffer.dims(), value.dims());
+    assert!(
+        (b, kv, d) == (vb, vkv, vd) && start + l <= s,
+        "write_positions: {:?} at {start} into {:?}",
+        value.dims(),
+        buffer.dims()
+    );
+    wrap(B::dec_write_positions(prim(buffer), prim(value), start))
+}
+
+/// Rotary embedding (HF's `rotate_half`), heads moved before positions. Shapes: x
+/// `[B, L, heads, D]`, cos and sin `[B, 1, L, D]` → `[B, heads, L, D]`.
+pub fn rotary<B: DecoderBackend>(
+    x: Tensor<B, 4>,
+    cos: Tensor<B, 4>,
+    sin: Tensor<B, 4>,
+) -> Tensor<B, 4> {
+    wrap(B::dec_rotary(prim(x), prim(cos), prim(sin)))
+}
+
+#[cfg(feature = "ndarray")]
+impl DecoderBackend for burn::backend::NdArray<f32> {}
+
+#[cfg(feature = "tch")]
+impl DecoderBackend for burn::backend::LibTorch<f32> {}
+
+// CubeCL backends run the references: blocked attention, and tensor ops that their fusion or
+// kernels already serve.
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+impl<R, F, I, BT> DecoderBackend for burn_cubecl::CubeBackend<R, F, I, BT>
+where
+    R: burn_cubecl::CubeRuntime,
+    F: burn_cubecl::FloatElement,
+    I: burn_cubecl::IntElement,
+    BT: burn_cubecl::BoolElement,
+{
+}
+
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+impl<B: burn_fusion::FusionBackend> DecoderBackend for burn_fusion::Fusion<B> {}
+
+#[cfg(all(test, feature = "flex"))]
+mod tests {
+    //! Each host kernel against the reference, forward and backward; the references' backward
+    //! against autodiff through their own forward ops.
+    use burn::backend::{Autodiff, Flex};
+    use burn::tensor::{Distribution, Tensor, TensorData};
+
+    use super::*;
+
+    type A = Autodiff<Flex>;
+
+    fn random<B: Backend, const D: usize>(shape: [usize; D], seed: u64) -> Tensor<B, D> {
+        B::seed(&Default::default(), seed);
+        Tensor::random(shape, Distribution::Normal(0.0, 1.0), &Default::default())
+    }
+
+    fn assert_close<B: Backend, const D: usize>(
+        a: Tensor<B, D>,
+        b: Tensor<B, D>,
+        tol: f32,
+        what: &str,
+    ) {
+        assert_eq!(a.dims(), b.dims(), "{what}: shapes");
+        let (a, b): (Vec<f32>, Vec<f32>) = (
+            a.into_data().iter::<f32>().collect(),
+            b.into_data().iter::<f32>().collect(),
+        );
+        let worst = a
+            .iter()
+            .zip(&b)
+            .map(|(x, y)| (x - y).abs() / (1.0 + y.abs()))
+            .fold(0.0f32, f32::max);
+        assert!(worst <= tol, "{what}: largest difference {worst} > {tol}");
+    }
+
+    /// Left padding of `pads[b]` keys in each row, queries from absolute position `past`.
+    fn padded_mask(pads: &[usize], keys: usize, past: usize) -> AttentionMask {
+        let rows: Vec<Vec<i64>> = pads
+            .iter()
+            .map(|&p| (0..keys).map(|j| (j >= p) as i64).collect())
+            .collect();
+        AttentionMask::new(&rows, past)
+    }
+
+    /// Shapes and masks that cover the cases: grouped heads, several query blocks of both
+    /// implementations, left padding (padding queries see no key), and queries after a cache.
+    fn cases() -> Vec<([usize; 4], usize, AttentionMask)> {
+        vec![
+            // [B, H, L, D], KV heads, mask over S = L keys.
+            ([3, 4, 150, 16], 2, padded_mask(&[0, 5, 70], 150, 0)),
+            ([2, 3, 9, 8], 3, padded_mask(&[2, 0], 9, 0)),
+            // Decoding 2 queries after 30 cached keys (S = 32), one row padded.
+            ([2, 4, 2, 8], 1, padded_mask(&[0, 4], 32, 30)),
+        ]
+    }
+
+    fn qkv<B: Backend>(
+        [b, h, l, d]: [usize; 4],
+        kv: usize,
+        s: usize,
+        seed: u64,
+    ) -> (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>) {
+        // q as a strided view, as the model passes v.
+        let q = random::<B, 4>([b, l, h, d], seed).swap_dims(1, 2);
+        (
+            q,
+            random([b, kv, s, d], seed + 1),
+            random([b, kv, s, d], seed + 2),
+        )
+    }
+
+    /// The output's gradient, zero at queries that see no key (autodiff through the reference's
+    /// additive mask differs there by design).
+    fn out_grad<B: Backend>(shape: [usize; 4], mask: &AttentionMask, seed: u64) -> Tensor<B, 4> {
+        let [b, h, l, _] = shape;
+        let seen: Vec<f32> = (0..b)
+            .flat_map(|r| (0..h).flat_map(move |_| (0..l).map(move |i| (r, i))))
+            .map(|(r, i)| mask.sees_any(r, i) as u8 as f32)
+            .collect();
+        let seen = Tensor::<B, 3>::from_data(TensorData::new(seen, [b, h, l]), &Default::default());
+        random::<B, 4>(shape, seed) * seen.unsqueeze_dim(3)
+    }
+
+    #[test]
+    fn attention_kernel_matches_the_reference() {
+        for (shape, kv, mask) in cases() {
+            let s = mask.keys_len();
+            let (q, k, v) = qkv::<Flex>(shape, kv, s, 7);
+            let (out, lse) =
+                Flex::dec_attention(prim(q.clone()), prim(k.clone()), prim(v.clone()), &mask);
+            let (ref_out, ref_lse) = reference::attention::<Flex>(
+                prim(q.clone()),
+                prim(k.clone()),
+                prim(v.clone()),
+                &mask,
+            );
+            assert_close::<Flex, 4>(wrap(out.clone()), wrap(ref_out.clone()), 1e-5, "out");
+            // The log-sum-exp only matters where a query sees a key.
+            let grad = out_grad::<Flex>(shape, &mask, 9);
+            let seen = grad
+                .clone()
+                .abs()
+                .sum_dim(3)
+                .squeeze_dim::<3>(3)
+                .greater_elem(0.0)
+                .float();
+            assert_close::<Flex, 3>(
+                wrap::<Flex, 3>(lse.clone()) * seen.clone(),
+                wrap::<Flex, 3>(ref_lse.clone()) * seen,
+                1e-5,
+                "lse",
+            );
+            let kernel = Flex::dec_attention_backward(
+                prim(q.clone()),
+                prim(k.clone()),
+                prim(v.clone()),
+                out,
+                lse,
+                prim(grad.clone()),
+                &mask,
+            );
+            let refd = reference::attention_backward::<Flex>(
+                prim(q),
+                prim(k),
+                prim(v),
+                ref_out,
+                ref_lse,
+                prim(grad),
+                &mask,
+            );
+            assert_close::<Flex, 4>(wrap(kernel.0), wrap(refd.0), 1e-4, "dq");
+            assert_close::<Flex, 4>(wrap(kernel.1), wrap(refd.1), 1e-4, "dk");
+            assert_close::<Flex, 4>(wrap(kernel.2), wrap(refd.2), 1e-4, "dv");
+        }
+    }
+
+    #[test]
+    fn attention_gradients_match_autodiff_through_the_reference() {
+        for (shape, kv, mask) in cases() {
+            let s = mask.keys_len();
+            let (q, k, v) = qkv::<A>(shape, kv, s, 11);
+            let grad = out_grad::<A>(shape, &mask, 12).detach();
+            let grads_of = |fused: bool| {
+                let (q, k, v) = (
+                    q.clone().require_grad(),
+                    k.clone().require_grad(),
+                    v.clone().require_grad(),
+                );
+                let out: Tensor<A, 4> = if fused {
+                    attention(q.clone(), k.clone(), v.clone(), &mask)
+                } else {
+                    wrap(
+                        reference::attention::<A>(
+                            prim(q.clone()),
+                            prim(k.clone()),
+                            prim(v.clone()),
+                            &mask,
+                        )
+                        .0,
+                    )
+                };
+                let g = (out * grad.clone()).sum().backward();
+                [
+                    q.grad(&g).unwrap(),
+                    k.grad(&g).unwrap(),
+                    v.grad(&g).unwrap(),
+                ]
+            };
+            for (what, (a, b)) in ["dq", "dk", "dv"]
+                .iter()
+                .zip(grads_of(true).into_iter().zip(grads_of(false)))
+            {
+                assert_close::<Flex, 4>(a, b, 1e-4, what);
+            }
+        }
+    }
+
+    #[test]
+    fn norm_glu_and_rotary_kernels_match_autodiff_through_the_reference() {
+        let x = random::<A, 3>([3, 5, 16], 1);
+        let w = random::<A, 1>([16], 2);
+        let dy = random::<A, 3>([3, 5, 16], 3);
+        let norm = |fused: bool| {
+            let (x, w) = (x.clone().require_grad(), w.clone().require_grad());
+            let y: Tensor<A, 3> = if fused {
+                rms_norm(x.clone(), w.clone(), 1e-5)
+            } else {
+                wrap(reference::rms_norm::<A>(
+                    prim(x.clone()),
+                    prim(w.clone()),
+                    1e-5,
+                ))
+            };
+            let g = (y.clone() * dy.clone()).sum().backward();
+            (y.inner(), x.grad(&g).unwrap(), w.grad(&g).unwrap())
+        };
+        let (fused, plain) = (norm(true), norm(false));
+        assert_close(fused.0, plain.0, 1e-5, "rms_norm");
+        assert_close(fused.1, plain.1, 1e-4, "rms_norm dx");
+        assert_close(fused.2, plain.2, 1e-4, "rms_norm dw");
+
+        let up = random::<A, 3>([3, 5, 16], 4);
+        let glu = |fused: bool| {
+            let (g, u) = (x.clone().require_grad(), up.clone().require_grad());
+            let y = if fused {
+                swiglu(g.clone(), u.clone())
+            } else {
+                wrap(reference::swiglu::<A>(prim(g.clone()), prim(u.clone())))
+            };
+            let grads = (y.clone() * dy.clone()).sum().backward();
+            (y.inner(), g.grad(&grads).unwrap(), u.grad(&grads).unwrap())
+        };
+        let (fused, plain) = (glu(true), glu(false));
+        assert_close(fused.0, plain.0, 1e-5, "swiglu");
+        assert_close(fused.1, plain.1, 1e-4, "swiglu dgate");
+        assert_close(fused.2, plain.2, 1e-4, "swiglu dup");
+
+        let xr = random::<A, 4>([2, 5, 3, 8], 5);
+        let positions: Vec<Vec<i64>> = vec![(0..5).collect(), vec![0, 0, 0, 1, 2]];
+        let rope = crate::transformer::Rope::<A>::new(&positions, 8, 10_000.0, &Default::default());
+        let dr = random::<A, 4>([2, 3, 5, 8], 6);
+        let rot = |fused: bool| {
+            let x = xr.clone().require_grad();
+            let y: Tensor<A, 4> = if fused {
+                rope.apply(x.clone())
+            } else {
+                let (cos, sin) = rope.tables();
+                wrap(reference::rotary::<A>(
+                    prim(x.clone()),
+                    prim(cos),
+                    prim(sin),
+                ))
+            };
+            let g = (y.clone() * dr.clone()).sum().backward();
+            (y.inner(), x.grad(&g).unwrap())
+        };
+        let (fused, plain) = (rot(true), rot(false));
+        assert_close(fused.0, plain.0, 1e-5, "rotary");
+        assert_close(fused.1, plain.1, 1e-5, "rotary dx");
+    }
+}

@@ -1,0 +1,285 @@
+//! The reference implementations of [`super::DecoderBackend`]: plain tensor ops, the default on
+//! every backend and what the host kernels are tested against. Their numerics are HF's eager
+//! ones: f32 norm statistics, attention scores and softmax in f32 whatever the model's dtype.
+
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{DType, Tensor, TensorData};
+
+use super::{prim, wrap, AttentionMask};
+
+/// Queries per block of the reference attention: the scores of one block, `[B, H, 128, S]`, are
+/// all that exists at once.
+pub const QUERY_BLOCK: usize = 128;
+
+/// What a hidden key adds to a score: HF's eager mask (a query that sees no key then attends
+/// every key uniformly).
+const HIDDEN: f32 = -1e9;
+
+/// The additive mask of queries `i0..i1` for `groups` query heads stacked per key/value head
+/// (rows ordered head by head). Shapes: → `[B, 1, groups * (i1 - i0), S]`.
+fn block_mask<B: Backend>(
+    mask: &AttentionMask,
+    (i0, i1): (usize, usize),
+    groups: usize,
+    device: &B::Device,
+) -> Tensor<B, 4> {
+    let (b, s, lb) = (mask.batch(), mask.keys_len(), i1 - i0);
+    let mut m = vec![0.0f32; b * groups * lb * s];
+    for r in 0..b {
+        for g in 0..groups {
+            for i in i0..i1 {
+                let row = ((r * groups + g) * lb + i - i0) * s;
+                for (j, v) in m[row..row + s].iter_mut().enumerate() {
+                    if !mask.visible(r, i, j) {
+                        *v = HIDDEN;
+                    }
+                }
+            }
+        }
+    }
+    Tensor::from_data(TensorData::new(m, [b, 1, groups * lb, s]), device)
+}
+
+/// 1 for each query of the block that sees a key, 0 for one that sees none, stacked as
+/// [`block_mask`]. Shapes: → `[B, 1, groups * (i1 - i0), 1]`.
+fn block_seen<B: Backend>(
+    mask: &AttentionMask,
+    (i0, i1): (usize, usize),
+    groups: usize,
+    device: &B::Device,
+) -> Tensor<B, 4> {
+    let (b, lb) = (mask.batch(), i1 - i0);
+    let seen: Vec<f32> = (0..b)
+        .flat_map(|r| (0..groups).flat_map(move |_| (i0..i1).map(move |i| (r, i))))
+        .map(|(r, i)| mask.sees_any(r, i) as u8 as f32)
+        .collect();
+    Tensor::from_data(TensorData::new(seen, [b, 1, groups * lb, 1]), device)
+}
+
+/// The query blocks `(i0, i1)` of `l` queries.
+fn query_blocks(l: usize) -> impl Iterator<Item = (usize, usize)> {
+    (0..l)
+        .step_by(QUERY_BLOCK)
+        .map(move |i0| (i0, (i0 + QUERY_BLOCK).min(l)))
+}
+
+/// Queries `i0..i1` of `q` (`[B, H, L, D]` viewed as `[B, KV, G, L, D]`), the `G` heads sharing a
+/// key/value head stacked: grouped-query attention without copying keys and values per head.
+/// Shapes: → `[B, KV, G * (i1 - i0), D]`.
+fn stacked<B: Backend>(q: &Tensor<B, 5>, (i0, i1): (usize, usize)) -> Tensor<B, 4> {
+    let [b, kv, g, _, d] = q.dims();
+    q.clone()
+        .slice([0..b, 0..kv, 0..g, i0..i1, 0..d])
+        .reshape([b, kv, g * (i1 - i0), d])
+}
+
+/// The f32 scores of a block under its mask. Shapes: qb `[B, KV, R, D]`, k `[B, KV, S, D]` →
+/// `[B, KV, R, S]`.
+fn block_scores<B: Backend>(
+    qb: Tensor<B, 4>,
+    k: &Tensor<B, 4>,
+    mask: Tensor<B, 4>,
+) -> Tensor<B, 4> {
+    let d = qb.dims()[3];
+    (qb.matmul(k.clone().swap_dims(2, 3)) / (d as f64).sqrt()).cast(DType::F32) + mask
+}
+
+/// Blocked attention: see [`super::DecoderBackend::dec_attention`].
+pub fn attention<B: Backend>(
+    q: FloatTensor<B>,
+    k: FloatTensor<B>,
+    v: FloatTensor<B>,
+    mask: &AttentionMask,
+) -> (FloatTensor<B>, FloatTensor<B>) {
+    let (q, k, v): (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>) = (wrap(q), wrap(k), wrap(v));
+    let [b, h, l, d] = q.dims();
+    let kv = k.dims()[1];
+    let g = h / kv;
+    let device = q.device();
+    let q5 = q.reshape([b, kv, g, l, d]);
+    let (mut outs, mut lses) = (Vec::new(), Vec::new());
+    for block in query_blocks(l) {
+        let lb = block.1 - block.0;
+        let scores = block_scores(stacked(&q5, block), &k, block_mask(mask, block, g, &device));
+        let max = scores.clone().max_dim(3);
+        let exp = (scores - max.clone()).exp();
+        let sum = exp.clone().sum_dim(3);
+        let probs = exp / sum.clone();
+        lses.push((max + sum.log()).reshape([b, kv, g, lb]));
+        outs.push(
+            probs
+                .cast(v.dtype())
+                .matmul(v.clone())
+                .reshape([b, kv, g, lb, d]),
+        );
+    }
+    let out = Tensor::cat(outs, 3).reshape([b, h, l, d]);
+    let lse = Tensor::cat(lses, 3).reshape([b, h, l]);
+    (prim(out), prim(lse))
+}
+
+/// The gradients of blocked attention, each block's probabilities recomputed; in f32, cast to
+/// the inputs' dtypes at the end. See [`super::DecoderBackend::dec_attention_backward`].
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward<B: Backend>(
+    q: FloatTensor<B>,
+    k: FloatTensor<B>,
+    v: FloatTensor<B>,
+    out: FloatTensor<B>,
+    _lse: FloatTensor<B>,
+    grad: FloatTensor<B>,
+    mask: &AttentionMask,
+) -> (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>) {
+    let (q, k, v): (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>) = (wrap(q), wrap(k), wrap(v));
+    let (out, grad): (Tensor<B, 4>, Tensor<B, 4>) = (wrap(out), wrap(grad));
+    let (q_dtype, k_dtype, v_dtype) = (q.dtype(), k.dtype(), v.dtype());
+    let [b, h, l, d] = q.dims();
+    let [_, kv, s, _] = k.dims();
+    let g = h / kv;
+    let device = q.device();
+    let scale = 1.0 / (d as f64).sqrt();
+    let f32 = |t: Tensor<B, 5>| t.cast(DType::F32);
+    let (q5, o5, g5) = (
+        f32(q.reshape([b, kv, g, l, d])),
+        f32(out.reshape([b, kv, g, l, d])),
+        f32(grad.reshape([b, kv, g, l, d])),
+    );
+    let (k, v) = (k.cast(DType::F32), v.cast(DType::F32));
+    let mut dk = Tensor::<B, 4>::zeros([b, kv, s, d], (&device, DType::F32));
+    let mut dv = dk.clone();
+    let mut dqs = Vec::new();
+    for block in query_blocks(l) {
+        let lb = block.1 - block.0;
+        let qb = stacked(&q5, block);
+        let (ob, gb) = (stacked(&o5, block), stacked(&g5, block));
+        let scores = block_scores(qb.clone(), &k, block_mask(mask, block, g, &device));
+        let seen = block_seen::<B>(mask, block, g, &device);
+        // A query that sees no key attends uniformly and passes no gradient to scores.
+        let probs = burn::tensor::activation::softmax(scores, 3) * seen.clone();
+        let unseen_grad = (gb.clone() * (seen.ones_like() - seen)).sum_dim(2) / s as f64;
+        dv = dv + probs.clone().swap_dims(2, 3).matmul(gb.clone()) + unseen_grad;
+        let dprobs = gb.clone().matmul(v.clone().swap_dims(2, 3));
+        let row_dot = (gb * ob).sum_dim(3);
+        let dscores = probs * (dprobs - row_dot) * scale;
+        dk = dk + dscores.clone().swap_dims(2, 3).matmul(qb);
+        dqs.push(dscores.matmul(k.clone()).reshape([b, kv, g, lb, d]));
+    }
+    let dq = Tensor::cat(dqs, 3).reshape([b, h, l, d]).cast(q_dtype);
+    (prim(dq), prim(dk.cast(k_dtype)), prim(dv.cast(v_dtype)))
+}
+
+/// The KV cache's write: `slice_assign` over positions `start..start + L`.
+pub fn write_positions<B: Backend>(
+    buffer: FloatTensor<B>,
+    value: FloatTensor<B>,
+    start: usize,
+) -> FloatTensor<B> {
+    let (buffer, value): (Tensor<B, 4>, Tensor<B, 4>) = (wrap(buffer), wrap(value));
+    let [b, kv, l, d] = value.dims();
+    prim(buffer.slice_assign([0..b, 0..kv, start..start + l, 0..d], value))
+}
+
+/// RMSNorm: `x * rsqrt(mean(x²) + eps)` in f32, cast back, times the weight (HF's order).
+pub fn rms_norm<B: Backend>(x: FloatTensor<B>, weight: FloatTensor<B>, eps: f64) -> FloatTensor<B> {
+    let (x, weight): (Tensor<B, 3>, Tensor<B, 1>) = (wrap(x), wrap(weight));
+    let dtype = x.dtype();
+    let x = x.cast(DType::F32);
+    let y = (x.clone() * inv_rms(x, eps)).cast(dtype) * weight.unsqueeze::<3>();
+    prim(y)
+}
+
+/// `1 / sqrt(mean(x²) + eps)` of each row. Shapes: `[B, L, H]` (f32) → `[B, L, 1]`.
+fn inv_rms<B: Backend>(x: Tensor<B, 3>, eps: f64) -> Tensor<B, 3> {
+    (x.square().mean_dim(2) + eps).sqrt().recip()
+}
+
+/// RMSNorm's gradients (x, weight), in f32: with `x̂ = x / rms` and `g = dy * w`,
+/// `dx = (g - x̂ * mean(g * x̂)) / rms` and `dw = Σ dy * x̂`.
+pub fn rms_norm_backward<B: Backend>(
+    grad: FloatTensor<B>,
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    eps: f64,
+) -> (FloatTensor<B>, FloatTensor<B>) {
+    let (grad, x, weight): (Tensor<B, 3>, Tensor<B, 3>, Tensor<B, 1>) =
+        (wrap(grad), wrap(x), wrap(weight));
+    let (x_dtype, w_dtype) = (x.dtype(), weight.dtype());
+    let h = weight.dims()[0];
+    let grad = grad.cast(DType::F32);
+    let x = x.cast(DType::F32);
+    let inv_rms = inv_rms(x.clone(), eps);
+    let normed = x * inv_rms.clone();
+    let scaled = grad.clone() * weight.cast(DType::F32).unsqueeze::<3>();
+    let mean = (scaled.clone() * normed.clone()).mean_dim(2);
+    let dx = (scaled - normed.clone() * mean) * inv_rms;
+    let dw = (grad * normed)
+        .reshape([-1, h as i32])
+        .sum_dim(0)
+        .reshape([h]);
+    (prim(dx.cast(x_dtype)), prim(dw.cast(w_dtype)))
+}
+
+/// `silu(gate) * up`. Shapes: `[B, L, I]` each.
+pub fn swiglu<B: Backend>(gate: FloatTensor<B>, up: FloatTensor<B>) -> FloatTensor<B> {
+    let (gate, up): (Tensor<B, 3>, Tensor<B, 3>) = (wrap(gate), wrap(up));
+    prim(burn::tensor::activation::silu(gate) * up)
+}
+
+/// SwiGLU's gradients (gate, up), in f32: `d gate = dy * up * σ(g) (1 + g (1 - σ(g)))`,
+/// `d up = dy * silu(g)`.
+pub fn swiglu_backward<B: Backend>(
+    grad: FloatTensor<B>,
+    gate: FloatTensor<B>,
+    up: FloatTensor<B>,
+) -> (FloatTensor<B>, FloatTensor<B>) {
+    let (grad, gate, up): (Tensor<B, 3>, Tensor<B, 3>, Tensor<B, 3>) =
+        (wrap(grad), wrap(gate), wrap(up));
+    let (g_dtype, u_dtype) = (gate.dtype(), up.dtype());
+    let (grad, gate, up) = (
+        grad.cast(DType::F32),
+        gate.cast(DType::F32),
+        up.cast(DType::F32),
+    );
+    let sig = burn::tensor::activation::sigmoid(gate.clone());
+    let silu = gate.clone() * sig.clone();
+    let dsilu = sig.clone() * (gate * (sig.ones_like() - sig) + 1.0);
+    let dgate = grad.clone() * up * dsilu;
+    let dup = grad * silu;
+    (prim(dgate.cast(g_dtype)), prim(dup.cast(u_dtype)))
+}
+
+/// `x * cos + rotate_half(x) * sin`, `rotate_half(x) = cat(-x₂, x₁)` over the halves of the last
+/// axis, with heads moved before positions: x `[B, L, heads, D]` → `[B, heads, L, D]`.
+pub fn rotary<B: Backend>(
+    x: FloatTensor<B>,
+    cos: FloatTensor<B>,
+    sin: FloatTensor<B>,
+) -> FloatTensor<B> {
+    let x: Tensor<B, 4> = wrap::<B, 4>(x).swap_dims(1, 2);
+    let (cos, sin): (Tensor<B, 4>, Tensor<B, 4>) = (wrap(cos), wrap(sin));
+    let [b, h, l, d] = x.dims();
+    let x1 = x.clone().slice([0..b, 0..h, 0..l, 0..d / 2]);
+    let x2 = x.clone().slice([0..b, 0..h, 0..l, d / 2..d]);
+    let rotated = Tensor::cat(vec![x2.neg(), x1], 3);
+    let dtype = x.dtype();
+    prim(x * cos.cast(dtype) + rotated * sin.cast(dtype))
+}
+
+/// The rotary embedding's input gradient: `dy * cos + cat(s₂, -s₁)` with `s = dy * sin`, heads
+/// moved back after positions: `[B, heads, L, D]` → `[B, L, heads, D]`.
+pub fn rotary_backward<B: Backend>(
+    grad: FloatTensor<B>,
+    cos: FloatTensor<B>,
+    sin: FloatTensor<B>,
+) -> FloatTensor<B> {
+    let (grad, cos, sin): (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>) =
+        (wrap(grad), wrap(cos), wrap(sin));
+    let [b, h, l, d] = grad.dims();
+    let dtype = grad.dtype();
+    let scaled = grad.clone() * sin.cast(dtype);
+    let s1 = scaled.clone().slice([0..b, 0..h, 0..l, 0..d / 2]);
+    let s2 = scaled.slice([0..b, 0..h, 0..l, d / 2..d]);
+    let dx = grad * cos.cast(dtype) + Tensor::cat(vec![s2, s1.neg()], 3);
+    prim(dx.swap_dims(1, 2))
+}
