@@ -19,7 +19,7 @@
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
-use burn_rlhf_models::{CausalLm, KvCache, TransformerConfig};
+use burn_rlhf_models::{CausalLm, DecoderBackend, KvCache, TransformerConfig};
 use rand::{Rng, SeedableRng};
 
 pub use crate::params::{DecodeShapes, LogprobsMode, SamplingParams};
@@ -101,7 +101,7 @@ fn round_up(x: usize, bucket: usize) -> usize {
 
 /// Generates `params.n` responses for each prompt (rows ordered prompt by prompt: prompt 0's `n`
 /// samples, then prompt 1's, ...).
-pub fn generate<B: Backend>(
+pub fn generate<B: DecoderBackend>(
     model: &CausalLm<B>,
     config: &TransformerConfig,
     prompts: &[Vec<u32>],
@@ -115,7 +115,7 @@ pub fn generate<B: Backend>(
 
 /// [`generate`] with each prompt's random stream keyed by `prompt_keys[i]` instead of its position:
 /// a prompt generated alone or within any batch gets the same tokens for the same key.
-pub fn generate_keyed<B: Backend>(
+pub fn generate_keyed<B: DecoderBackend>(
     model: &CausalLm<B>,
     config: &TransformerConfig,
     prompts: &[Vec<u32>],
@@ -135,7 +135,7 @@ pub fn generate_keyed<B: Backend>(
 }
 
 /// [`generate_keyed`], also returning what the call did.
-pub fn generate_profiled<B: Backend>(
+pub fn generate_profiled<B: DecoderBackend>(
     model: &CausalLm<B>,
     config: &TransformerConfig,
     prompts: &[Vec<u32>],
@@ -155,7 +155,7 @@ pub fn generate_profiled<B: Backend>(
 }
 
 /// [`generate`], calling `on_token(row, token)` as each token is chosen (for streaming output).
-pub fn generate_streaming<B: Backend>(
+pub fn generate_streaming<B: DecoderBackend>(
     model: &CausalLm<B>,
     config: &TransformerConfig,
     prompts: &[Vec<u32>],
@@ -204,7 +204,7 @@ struct Rows {
     active: Vec<usize>,
 }
 
-impl<B: Backend> Request<'_, B> {
+impl<B: DecoderBackend> Request<'_, B> {
     /// Checks the inputs, then generates chunk by chunk; `on_token(row, token)` sees rows
     /// numbered over the whole call.
     fn run(

@@ -6,6 +6,7 @@ use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::autodiff::NodeId;
 use burn::backend::Autodiff;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
@@ -57,6 +58,36 @@ impl<B: RlBackend> Backward<B, 1> for LogprobEntropyBackward {
 }
 
 #[derive(Debug)]
+struct LinearLogprobEntropyBackward {
+    temperature: f32,
+    chunk: usize,
+}
+
+impl<B: RlBackend> Backward<B, 2> for LinearLogprobEntropyBackward {
+    type State = (NodeId, NodeId, IntTensor<B>);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, c: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        let (hidden, weight, labels) = ops.state;
+        let hidden = c.retrieve_node_output::<FloatTensor<B>>(hidden);
+        let weight = c.retrieve_node_output::<FloatTensor<B>>(weight);
+        let (dh, dw) = B::rl_linear_logprob_entropy_backward(
+            grad,
+            hidden,
+            weight,
+            labels,
+            self.temperature,
+            self.chunk,
+        );
+        for (parent, g) in ops.parents.into_iter().zip([dh, dw]) {
+            if let Some(node) = parent {
+                grads.register::<B>(node.id, g);
+            }
+        }
+    }
+}
+
+#[derive(Debug)]
 struct ValueBackward(f32);
 
 impl<B: RlBackend> Backward<B, 1> for ValueBackward {
@@ -76,6 +107,10 @@ impl<B: RlBackend> Backward<B, 1> for ValueBackward {
 impl<B: RlBackend, C: CheckpointStrategy> RlBackend for Autodiff<B, C> {
     fn compiles_kernels() -> bool {
         B::compiles_kernels()
+    }
+
+    fn device_memory_reserved(device: &Self::Device) -> Option<u64> {
+        B::device_memory_reserved(device)
     }
 
     fn rl_gae_scan(
@@ -159,6 +194,53 @@ impl<B: RlBackend, C: CheckpointStrategy> RlBackend for Autodiff<B, C> {
             OpsKind::Tracked(prep) => prep.finish((z, labels), out),
             OpsKind::UnTracked(prep) => prep.finish(out),
         }
+    }
+
+    fn rl_linear_logprob_entropy(
+        hidden: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        labels: IntTensor<Self>,
+        temperature: f32,
+        chunk: usize,
+    ) -> FloatTensor<Self> {
+        let out = B::rl_linear_logprob_entropy(
+            hidden.primitive.clone(),
+            weight.primitive.clone(),
+            labels.clone(),
+            temperature,
+            chunk,
+        );
+        // Keeps the inputs (read through the checkpointer), never the logits.
+        match (LinearLogprobEntropyBackward { temperature, chunk })
+            .prepare::<C>([hidden.node.clone(), weight.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(mut prep) => {
+                let state = (prep.checkpoint(&hidden), prep.checkpoint(&weight), labels);
+                prep.finish(state, out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(out),
+        }
+    }
+
+    fn rl_linear_logprob_entropy_backward(
+        grad: FloatTensor<Self>,
+        hidden: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        labels: IntTensor<Self>,
+        temperature: f32,
+        chunk: usize,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (dh, dw) = B::rl_linear_logprob_entropy_backward(
+            inner::<B, C>(grad),
+            inner::<B, C>(hidden),
+            inner::<B, C>(weight),
+            labels,
+            temperature,
+            chunk,
+        );
+        (outer::<B, C>(dh), outer::<B, C>(dw))
     }
 
     fn rl_value_clip_loss(

@@ -325,6 +325,14 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> RlBackend
         true
     }
 
+    fn device_memory_reserved(device: &Self::Device) -> Option<u64> {
+        use cubecl::Runtime;
+        R::client(device)
+            .memory_usage()
+            .ok()
+            .map(|usage| usage.bytes_reserved)
+    }
+
     fn rl_gae_scan(
         rewards: FloatTensor<Self>,
         values: FloatTensor<Self>,

@@ -117,6 +117,12 @@ pub trait RlBackend: Backend {
         false
     }
 
+    /// Bytes the backend's device memory pool holds on `device` (CubeCL's reserved pool), for
+    /// the per-phase memory report; `None` where memory is the process heap (CPU backends).
+    fn device_memory_reserved(_device: &Self::Device) -> Option<u64> {
+        None
+    }
+
     /// GAE: (advantages before whitening, returns) from rewards, values and mask.
     fn rl_gae_scan(
         rewards: FloatTensor<Self>,
@@ -192,6 +198,41 @@ pub trait RlBackend: Backend {
         temperature: f32,
     ) -> FloatTensor<Self> {
         reference::logprob_entropy_backward::<Self>(grad, logits, labels, temperature)
+    }
+
+    /// Log-probs of the labels and entropies under `hidden · weightᵀ / temperature`, the logits
+    /// made `chunk` rows at a time, so `[rows, vocab]` logits never exist at once (the technique
+    /// of Liger's fused linear cross-entropy): hidden `[rows, H]`, weight `[vocab, H]`, labels
+    /// `[rows]` → `[rows, 2]` (log-prob, entropy), f32. Each chunk's logits go through
+    /// [`RlBackend::rl_logprob_entropy`] (the fused kernel on CubeCL).
+    fn rl_linear_logprob_entropy(
+        hidden: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        labels: IntTensor<Self>,
+        temperature: f32,
+        chunk: usize,
+    ) -> FloatTensor<Self> {
+        reference::linear_logprob_entropy::<Self>(hidden, weight, labels, temperature, chunk)
+    }
+
+    /// The gradients (hidden, weight) of [`RlBackend::rl_linear_logprob_entropy`] given the
+    /// output's gradient `[rows, 2]`, each chunk's logits recomputed.
+    fn rl_linear_logprob_entropy_backward(
+        grad: FloatTensor<Self>,
+        hidden: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        labels: IntTensor<Self>,
+        temperature: f32,
+        chunk: usize,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        reference::linear_logprob_entropy_backward::<Self>(
+            grad,
+            hidden,
+            weight,
+            labels,
+            temperature,
+            chunk,
+        )
     }
 
     /// The clipped value loss per token, `max((V - R)^2, (clip(V, V_old ± c) - R)^2)`, and where
@@ -310,6 +351,36 @@ pub fn entropy_and_logprobs<B: RlBackend>(
     (entropy, logp)
 }
 
+/// Log-probs of `labels` and entropies under `hidden · weightᵀ / temperature`, differentiable in
+/// `hidden` and `weight`, the logits made `chunk` rows at a time (see
+/// [`RlBackend::rl_linear_logprob_entropy`]).
+///
+/// Shapes: hidden `[N, H]`, weight `[V, H]`, labels `[N]` → (entropy `[N]`, log-probs `[N]`).
+pub fn linear_entropy_and_logprobs<B: RlBackend>(
+    hidden: Tensor<B, 2>,
+    weight: Tensor<B, 2>,
+    labels: Tensor<B, 1, Int>,
+    temperature: f64,
+    chunk: usize,
+) -> (Tensor<B, 1>, Tensor<B, 1>) {
+    let n = hidden.dims()[0];
+    assert_eq!(
+        hidden.dims()[1],
+        weight.dims()[1],
+        "hidden and weight widths"
+    );
+    let out: Tensor<B, 2> = wrap(B::rl_linear_logprob_entropy(
+        prim(hidden),
+        prim(weight),
+        labels.into_primitive(),
+        temperature as f32,
+        chunk.max(1),
+    ));
+    let logp = out.clone().slice([0..n, 0..1]).reshape([n]);
+    let entropy = out.slice([0..n, 1..2]).reshape([n]);
+    (entropy, logp)
+}
+
 /// The clipped value loss per token, differentiable in `vpreds`, and where clipping wins.
 ///
 /// Shapes: `[B, T]` each → (loss, clipped) `[B, T]`.
@@ -324,7 +395,7 @@ pub fn value_clip_token_loss<B: RlBackend>(
 }
 
 #[cfg(feature = "flex")]
-impl RlBackend for burn::backend::Flex {}
+mod flex;
 
 #[cfg(feature = "ndarray")]
 impl RlBackend for burn::backend::NdArray<f32> {}

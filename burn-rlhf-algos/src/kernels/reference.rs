@@ -348,6 +348,95 @@ pub fn logprob_entropy_backward<B: Backend>(
     p(d / temperature as f64)
 }
 
+/// Row chunks `(start, end)` of `rows`.
+fn chunks(rows: usize, chunk: usize) -> impl Iterator<Item = (usize, usize)> {
+    (0..rows)
+        .step_by(chunk.max(1))
+        .map(move |s| (s, (s + chunk.max(1)).min(rows)))
+}
+
+/// The f32 logits of rows `range` of `hidden` (`[rows, H]`) against `weight` (`[V, H]`).
+fn chunk_logits<B: Backend>(
+    hidden: &Tensor<B, 2>,
+    weight: &Tensor<B, 2>,
+    (start, end): (usize, usize),
+) -> Tensor<B, 2> {
+    let h = hidden.dims()[1];
+    hidden
+        .clone()
+        .slice([start..end, 0..h])
+        .matmul(weight.clone().transpose())
+        .cast(burn::tensor::DType::F32)
+}
+
+/// [`super::RlBackend::rl_linear_logprob_entropy`]: chunk by chunk, each through the backend's
+/// own `rl_logprob_entropy`.
+pub fn linear_logprob_entropy<B: super::RlBackend>(
+    hidden: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    labels: IntTensor<B>,
+    temperature: f32,
+    chunk: usize,
+) -> FloatTensor<B> {
+    let (hidden, weight): (Tensor<B, 2>, Tensor<B, 2>) = (t(hidden), t(weight));
+    let labels: Tensor<B, 1, Int> = Tensor::from_primitive(labels);
+    let rows = hidden.dims()[0];
+    let parts: Vec<Tensor<B, 2>> = chunks(rows, chunk)
+        .map(|range| {
+            let logits = chunk_logits(&hidden, &weight, range);
+            let labels = labels.clone().slice(range.0..range.1);
+            t(B::rl_logprob_entropy(
+                p(logits),
+                labels.into_primitive(),
+                temperature,
+            ))
+        })
+        .collect();
+    p(Tensor::cat(parts, 0))
+}
+
+/// The gradients (hidden, weight) of [`linear_logprob_entropy`], each chunk's logits
+/// recomputed; the weight's gradient accumulates in f32.
+pub fn linear_logprob_entropy_backward<B: super::RlBackend>(
+    grad: FloatTensor<B>,
+    hidden: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    labels: IntTensor<B>,
+    temperature: f32,
+    chunk: usize,
+) -> (FloatTensor<B>, FloatTensor<B>) {
+    let (grad, hidden, weight): (Tensor<B, 2>, Tensor<B, 2>, Tensor<B, 2>) =
+        (t(grad), t(hidden), t(weight));
+    let labels: Tensor<B, 1, Int> = Tensor::from_primitive(labels);
+    let (h_dtype, w_dtype) = (hidden.dtype(), weight.dtype());
+    let [rows, h] = hidden.dims();
+    let mut d_weight: Option<Tensor<B, 2>> = None;
+    let mut d_hidden = Vec::new();
+    for range in chunks(rows, chunk) {
+        let logits = chunk_logits(&hidden, &weight, range);
+        let g = t::<B, 2>(B::rl_logprob_entropy_backward(
+            p(grad.clone().slice([range.0..range.1, 0..2])),
+            p(logits),
+            labels.clone().slice(range.0..range.1).into_primitive(),
+            temperature,
+        ))
+        .cast(h_dtype);
+        d_hidden.push(g.clone().matmul(weight.clone()));
+        let part = g
+            .transpose()
+            .matmul(hidden.clone().slice([range.0..range.1, 0..h]))
+            .cast(burn::tensor::DType::F32);
+        d_weight = Some(match d_weight {
+            Some(acc) => acc + part,
+            None => part,
+        });
+    }
+    let d_weight = d_weight.unwrap_or_else(|| {
+        Tensor::zeros(weight.dims(), (&weight.device(), burn::tensor::DType::F32))
+    });
+    (p(Tensor::cat(d_hidden, 0)), p(d_weight.cast(w_dtype)))
+}
+
 /// The clipped value loss per token and where the clipped term is the larger.
 pub fn value_clip_loss<B: Backend>(
     vpreds: FloatTensor<B>,
