@@ -131,7 +131,15 @@ fn main() -> anyhow::Result<()> {
         let picked: Vec<&PromptRecord> =
             sampler.next_batch(64).iter().map(|&i| &train[i]).collect();
         let batch = tasks::sft_batch(&tokenizer, &picked);
-        let (updated, m) = sft_update(actor, &mut optim, 1e-3, &batch, 64, 1.0, &device)?;
+        let (updated, m) = sft_update(
+            actor,
+            &mut optim,
+            1e-3,
+            &batch,
+            (64, burn_rlhf::forward::DEFAULT_LOGITS_CHUNK),
+            1.0,
+            &device,
+        )?;
         actor = updated;
         if step % 50 == 0 || step == args.sft_steps {
             println!("sft step {step}: loss {:.4}", m["train/loss"]);

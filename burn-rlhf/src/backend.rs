@@ -7,6 +7,28 @@
 //! ([`burn_rlhf_algos::kernels`]) are written for the plain CubeCL backend, and a fused backend would
 //! run their reference ops instead.
 
+use burn::tensor::backend::AutodiffBackend;
+use burn_rlhf_algos::RlBackend;
+use burn_rlhf_models::DecoderBackend;
+
+/// What the passes over a model need of a backend: the RL operations (log-probs, losses,
+/// scans; `burn_rlhf::algos::kernels`) and the decoder's (attention, norms;
+/// `burn_rlhf::models::kernels`).
+pub trait ComputeBackend: RlBackend + DecoderBackend {}
+
+impl<B: RlBackend + DecoderBackend> ComputeBackend for B {}
+
+/// What a learner trains on: an autodiff backend whose inner backend (rollout, log-prob passes)
+/// is a [`ComputeBackend`] too.
+pub trait LearnerBackend: AutodiffBackend<InnerBackend: ComputeBackend> + ComputeBackend {}
+
+impl<B> LearnerBackend for B
+where
+    B: AutodiffBackend + ComputeBackend,
+    B::InnerBackend: ComputeBackend,
+{
+}
+
 #[cfg(any(feature = "cuda", feature = "wgpu"))]
 mod selected {
     /// The compute backend chosen by features: CubeCL (CUDA, else wgpu) without fusion, so the RL

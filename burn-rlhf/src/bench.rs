@@ -13,14 +13,14 @@
 
 use std::time::Instant;
 
+use crate::backend::LearnerBackend;
 use burn::module::AutodiffModule;
-use burn_rlhf_algos::RlAutodiffBackend;
 use burn_rlhf_rollout::{generate_keyed, RolloutBatch, Sample, SamplingParams};
 use serde_json::{json, Value};
 
 use crate::config::Settings;
 use crate::error::TrainError;
-use crate::forward::{response_logprobs, SequenceTensors};
+use crate::forward::{response_logprobs, LogprobHead, SequenceTensors};
 use crate::trainer::{Learner, LearnerParts};
 
 /// What to measure besides the config's own PPO steps.
@@ -81,7 +81,7 @@ fn random_tokens(rows: usize, len: usize, vocab: usize, seed: u64) -> Vec<Vec<u3
 }
 
 /// Runs the benchmark on `device` and prints one JSON line per measurement; returns them too.
-pub fn run_bench<B: RlAutodiffBackend>(
+pub fn run_bench<B: LearnerBackend>(
     settings: Settings,
     options: &BenchOptions,
     device: &B::Device,
@@ -134,7 +134,11 @@ pub fn run_bench<B: RlAutodiffBackend>(
     for run in ["cold", "warm"] {
         let (_, secs, compiled, tuned) = timed(|| {
             let seq = SequenceTensors::<B>::from_batch(&batch, device);
-            let (logp, _) = response_logprobs(&learner.actor, &seq, 1.0);
+            let head = LogprobHead {
+                temperature: 1.0,
+                chunk: learner.settings.model.logits_chunk_size,
+            };
+            let (logp, _) = response_logprobs(&learner.actor, &seq, head);
             let grads = (logp * seq.response_mask).sum().neg().backward();
             B::sync(device).ok();
             drop(grads);

@@ -1,11 +1,11 @@
 //! Model inputs from a rollout batch, and the forward passes that read per-response-token
 //! quantities from the models (verl's `compute_log_prob` and `compute_values`).
 
+use crate::backend::ComputeBackend;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
-use burn_rlhf_algos::kernels::entropy_and_logprobs;
-use burn_rlhf_algos::RlBackend;
-use burn_rlhf_models::{CausalLm, ValueModel};
+use burn_rlhf_algos::kernels::{entropy_and_logprobs, linear_entropy_and_logprobs};
+use burn_rlhf_models::{CausalLm, DecoderBackend, ValueModel};
 use burn_rlhf_rollout::RolloutBatch;
 
 /// A rollout batch as model inputs: each row's prompt (left padded to `P`) followed by its response
@@ -80,41 +80,87 @@ impl<B: Backend> SequenceTensors<B> {
     }
 }
 
+/// Response tokens per chunk of LM-head logits unless configured
+/// (`actor_rollout_ref.model.logits_chunk_size`, SFT's `model.logits_chunk_size`): 512 tokens of
+/// logits are 100 MB for a 49k vocabulary, 300 MB for Qwen's 152k, and keep the matrix products
+/// large enough to run at full speed.
+pub const DEFAULT_LOGITS_CHUNK: usize = 512;
+
+/// How response log-probs are read from the LM head.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LogprobHead {
+    /// The logits are divided by it (verl divides the actor's and reference's logits by the
+    /// rollout temperature; 1 for SFT).
+    pub temperature: f64,
+    /// Response tokens per chunk of logits (`actor_rollout_ref.model.logits_chunk_size`).
+    pub chunk: usize,
+}
+
 /// Log-probs and entropies of every response token under `model`, read from the logits at the
-/// position before each token, divided by `temperature` (verl divides the actor's and reference's
-/// logits by the rollout temperature).
+/// position before each token. The logits are made `head.chunk` tokens at a time from the last
+/// hidden state, forward and backward ([`linear_entropy_and_logprobs`]): `[tokens, vocab]` never
+/// exists at once. A head with a LoRA adapter or a bias goes through [`CausalLm::logits`] whole.
 ///
 /// Shapes: → (log-probs `[B, R]`, entropies `[B, R]`).
-pub fn response_logprobs<B: RlBackend>(
+pub fn response_logprobs<B: ComputeBackend>(
     model: &CausalLm<B>,
     seq: &SequenceTensors<B>,
-    temperature: f64,
+    head: LogprobHead,
 ) -> (Tensor<B, 2>, Tensor<B, 2>) {
-    let logits = response_logits(model, seq);
-    let (entropy, logprobs) = entropy_and_logprobs(logits, seq.response_ids.clone(), temperature);
+    let hidden = response_hidden(model, seq);
+    let [b, r, h] = hidden.dims();
+    let (entropy, logprobs) = match model.head_weight() {
+        Some(weight) => {
+            let (entropy, logprobs) = linear_entropy_and_logprobs(
+                hidden.reshape([b * r, h]),
+                weight,
+                seq.response_ids.clone().reshape([b * r]),
+                head.temperature,
+                head.chunk,
+            );
+            (entropy.reshape([b, r]), logprobs.reshape([b, r]))
+        }
+        None => entropy_and_logprobs(
+            model.logits(hidden),
+            seq.response_ids.clone(),
+            head.temperature,
+        ),
+    };
     (logprobs, entropy)
 }
 
 /// [`response_logprobs`] and, at each response position, `Σ_v π(v)²` of the tempered
-/// distribution (verl's `calculate_sum_pi_squared`, the optimal token baseline's input).
+/// distribution (verl's `calculate_sum_pi_squared`, the optimal token baseline's input), its
+/// logits made about `head.chunk` tokens (whole sequences) at a time: an inference pass.
 ///
 /// Shapes: → (log-probs, entropies, sums of squared probabilities), each `[B, R]`.
-pub fn response_logprobs_and_sum_pi_squared<B: RlBackend>(
+pub fn response_logprobs_and_sum_pi_squared<B: ComputeBackend>(
     model: &CausalLm<B>,
     seq: &SequenceTensors<B>,
-    temperature: f64,
+    head: LogprobHead,
 ) -> (Tensor<B, 2>, Tensor<B, 2>, Tensor<B, 2>) {
-    let logits = response_logits(model, seq);
-    let probs = burn::tensor::activation::softmax(logits.clone() / temperature, 2);
-    let sum_pi_squared = probs.powi_scalar(2).sum_dim(2).squeeze_dim::<2>(2);
-    let (entropy, logprobs) = entropy_and_logprobs(logits, seq.response_ids.clone(), temperature);
-    (logprobs, entropy, sum_pi_squared)
+    let (logprobs, entropy) = response_logprobs(model, seq, head);
+    let hidden = response_hidden(model, seq);
+    let [b, r, _] = hidden.dims();
+    let per = head.chunk.div_ceil(r.max(1)).max(1);
+    let sums = (0..b)
+        .step_by(per)
+        .map(|start| {
+            let logits = model.logits(hidden.clone().slice(start..(start + per).min(b)));
+            let probs = burn::tensor::activation::softmax(logits / head.temperature, 2);
+            probs.powi_scalar(2).sum_dim(2).squeeze_dim::<2>(2)
+        })
+        .collect();
+    (logprobs, entropy, Tensor::cat(sums, 0))
 }
 
-/// The logits at the positions that predict response tokens. Shapes: → `[B, R, V]`.
-fn response_logits<B: RlBackend>(model: &CausalLm<B>, seq: &SequenceTensors<B>) -> Tensor<B, 3> {
+/// The last hidden state at the positions that predict response tokens. Shapes: →
+/// `[B, R, H]`.
+fn response_hidden<B: ComputeBackend>(
+    model: &CausalLm<B>,
+    seq: &SequenceTensors<B>,
+) -> Tensor<B, 3> {
     let [b, l] = seq.input_ids.dims();
-    let (p, r) = (seq.prompt_len, seq.response_len());
     let hidden = model.model.forward_rows(
         seq.input_ids.clone(),
         &seq.attention_mask,
@@ -122,17 +168,14 @@ fn response_logits<B: RlBackend>(model: &CausalLm<B>, seq: &SequenceTensors<B>) 
         None,
     );
     // Only the positions that predict response tokens go through the LM head.
-    let hidden = hidden.slice([0..b, p - 1..l - 1]);
-    let logits = model.logits(hidden);
-    debug_assert_eq!(logits.dims()[1], r);
-    logits
+    hidden.slice([0..b, seq.prompt_len - 1..l - 1])
 }
 
 /// The critic's value of each response position: the value at the position before each response
 /// token (verl's `values[:, -R - 1 : -1]`).
 ///
 /// Shapes: → `[B, R]`.
-pub fn response_values<B: Backend>(
+pub fn response_values<B: DecoderBackend>(
     critic: &ValueModel<B>,
     seq: &SequenceTensors<B>,
 ) -> Tensor<B, 2> {

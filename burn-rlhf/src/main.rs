@@ -83,6 +83,9 @@ enum Command {
     /// Prepare datasets in verl's parquet layout.
     #[command(subcommand)]
     Data(DataCommand),
+    /// Convert models.
+    #[command(subcommand)]
+    Model(ModelCommand),
     /// Benchmark a config's actor on the selected backend: generation and forward+backward
     /// tokens/s (cold and warm) and the phase times of its first PPO steps, as JSON lines
     /// comparable with `../shared/gpu/torch_peer_gpu.py` on the same model.
@@ -149,6 +152,24 @@ enum DataCommand {
         /// Output folder for train.parquet and test.parquet.
         #[arg(long)]
         output: PathBuf,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum ModelCommand {
+    /// Write a model as an f32 HF folder (`model.safetensors`, `config.json`, tokenizer and chat
+    /// template) that transformers and burn-rlhf both load: a GGUF file dequantized once, so a
+    /// benchmark's peers start from identical weights.
+    ///
+    /// Example: `burn-rlhf model export --model ../shared/models/smollm2-135m-instruct --out
+    /// /tmp/smollm2-f32`
+    Export {
+        /// A local HF folder, a .gguf file, or a hub id.
+        #[arg(long)]
+        model: String,
+        /// The folder to write.
+        #[arg(long)]
+        out: PathBuf,
     },
 }
 
@@ -234,6 +255,19 @@ fn run_generate(args: GenerateArgs) -> anyhow::Result<()> {
         },
     )?;
     println!();
+    Ok(())
+}
+
+fn run_model_export(model: &str, out: &std::path::Path) -> anyhow::Result<()> {
+    use burn_rlhf::backend::{default_device, InferenceBackend};
+    use burn_rlhf::models::{load_pretrained, save_pretrained};
+
+    let pretrained = load_pretrained(model)?;
+    let tokenizer = pretrained.tokenizer.clone();
+    let config = pretrained.config.clone();
+    let lm = pretrained.causal_lm::<InferenceBackend>(&default_device())?;
+    save_pretrained(out, &config, &lm.export(), None, tokenizer.as_ref())?;
+    println!("{}: {} as f32", out.display(), model);
     Ok(())
 }
 
@@ -337,6 +371,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             println!("{}", burn_rlhf::trainer::metrics::table(0, &metrics));
         }
         Command::Data(DataCommand::Gsm8k { input, output }) => run_data_gsm8k(&input, &output)?,
+        Command::Model(ModelCommand::Export { model, out }) => run_model_export(&model, &out)?,
         Command::Bench {
             config,
             overrides,

@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use burn::module::AutodiffModule;
 use burn::optim::{GradientsParams, Optimizer, SgdConfig};
 use burn::tensor::{Int, Tensor, TensorData};
-use burn_rlhf::algos::RlAutodiffBackend;
+use burn_rlhf::backend::LearnerBackend;
 use burn_rlhf::backend::{InferenceBackend, TrainBackend, TrainBackendCheckpointed};
 use burn_rlhf::models::weights::{HostTensor, WeightMap};
 use burn_rlhf::models::{CausalLm, TransformerConfig};
@@ -30,7 +30,7 @@ fn config() -> TransformerConfig {
 /// The weights after one SGD step of rate 1 on a token-mean log-likelihood over `[ROWS, LEN]`
 /// ids (the initial weights minus the gradient), and the peak of live bytes above those live
 /// before the forward pass, through the backward pass.
-fn backward_peak<B: RlAutodiffBackend>(
+fn backward_peak<B: LearnerBackend>(
     initial: &BTreeMap<String, HostTensor>,
 ) -> (usize, BTreeMap<String, HostTensor>) {
     let device = Default::default();

@@ -97,6 +97,7 @@ impl Decoder<'_> {
                 target_modules: m.target_modules.clone(),
             }),
             shape_bucket: m.shape_bucket,
+            logits_chunk_size: m.logits_chunk_size,
             dtype: self.dtype("actor_rollout_ref.model.dtype", &m.dtype)?,
             gradient_checkpointing: m.enable_gradient_checkpointing,
         })

@@ -91,6 +91,8 @@ pub struct ModelSettings {
     /// Tokens per length bucket (1: exact shapes); `None`: chosen by the backend
     /// ([`ModelSettings::shape_bucket_for`]).
     pub shape_bucket: Option<usize>,
+    /// `logits_chunk_size`: response tokens per chunk of LM-head logits.
+    pub logits_chunk_size: usize,
     /// `dtype`: the policy's and critic's compute dtype (bf16/f16); `None`: float32. The old- and
     /// reference-log-prob passes run on a copy of the model cast to it, the updates' forward and
     /// backward on the f32 weights cast to it (autocast: f32 master weights, AdamW state and

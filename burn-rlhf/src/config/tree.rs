@@ -104,6 +104,10 @@ pub struct ModelConfig {
     /// `1`: exact shapes. `None`: 64 on CubeCL backends (cuda, wgpu), 1 on CPU backends.
     /// burn-rlhf's key.
     pub shape_bucket: Option<usize>,
+    /// Response tokens per chunk when log-probs and entropies are read from the last hidden
+    /// state (old, reference, update, validation passes): the LM head's `[chunk, vocab]` logits
+    /// and their gradient are all that exist at once, never `[tokens, vocab]`. burn-rlhf's key.
+    pub logits_chunk_size: usize,
 }
 
 impl Default for ModelConfig {
@@ -118,6 +122,7 @@ impl Default for ModelConfig {
             lora_alpha: 16.0,
             target_modules: vec!["all-linear".into()],
             shape_bucket: None,
+            logits_chunk_size: crate::forward::DEFAULT_LOGITS_CHUNK,
         }
     }
 }

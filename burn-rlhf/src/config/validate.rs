@@ -294,6 +294,11 @@ impl RlhfConfig {
         p.check(self.actor_rollout_ref.model.shape_bucket != Some(0), || {
             "`actor_rollout_ref.model.shape_bucket` must be >= 1 (1: exact shapes)".into()
         });
+        p.check(self.actor_rollout_ref.model.logits_chunk_size >= 1, || {
+            "`actor_rollout_ref.model.logits_chunk_size` must be >= 1 (response tokens per chunk \
+             of LM-head logits)"
+                .into()
+        });
     }
 
     /// The actor's and the log-prob passes' token budgets (`use_dynamic_bsz`).

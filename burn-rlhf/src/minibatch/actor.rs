@@ -5,10 +5,10 @@
 
 use std::collections::BTreeMap;
 
+use crate::backend::LearnerBackend;
 use burn::optim::{GradientsAccumulator, Optimizer};
 use burn::tensor::{FloatDType, Tensor, TensorData};
-use burn_rlhf_algos::functional::to_scalar;
-use burn_rlhf_algos::RlAutodiffBackend;
+use burn_rlhf_algos::functional::{to_scalar, to_vec};
 use burn_rlhf_algos::{
     agg_loss, kl_penalty, GlobalBatchInfo, KlPenalty, LossAggMode, PolicyLoss, PolicyLossInput,
 };
@@ -17,7 +17,7 @@ use burn_rlhf_rollout::RolloutBatch;
 
 use crate::config::settings::ActorSettings;
 use crate::error::TrainError;
-use crate::forward::{response_logprobs, SequenceTensors};
+use crate::forward::{response_logprobs, LogprobHead, SequenceTensors};
 use crate::optim::{synced_step, ReplicaSync};
 
 use super::{micro_batches, rows_of};
@@ -26,8 +26,11 @@ use super::{micro_batches, rows_of};
 /// response fields.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ActorTargets {
-    /// Log-probs of the policy that generated the batch (recomputed before the update).
-    pub old_log_probs: Vec<f32>,
+    /// Log-probs of the policy that generated the batch (recomputed before the update), or
+    /// `None` when the update is exactly on-policy (one epoch, one mini-batch): the old
+    /// log-probs are then the update's own, detached, as the separate pass would have computed
+    /// them with the same weights (TRL's `old_per_token_logps = per_token_logps.detach()`).
+    pub old_log_probs: Option<Vec<f32>>,
     /// Advantages.
     pub advantages: Vec<f32>,
     /// The reference policy's log-probs, for the KL loss.
@@ -39,8 +42,9 @@ pub struct ActorTargets {
 /// The loss terms' settings (`actor_rollout_ref.actor.*`).
 #[derive(Debug, Clone, Copy)]
 pub struct ActorLossConfig {
-    /// Rollout temperature: the logits are divided by it, as verl's actor does.
-    pub temperature: f64,
+    /// Rollout temperature (the logits are divided by it, as verl's actor does) and the tokens
+    /// per chunk of logits.
+    pub head: LogprobHead,
     /// `loss_agg_mode` of the policy, entropy and KL terms.
     pub loss_agg_mode: LossAggMode,
     /// `seq-mean-token-sum-norm`'s divisor (`None`: the response width).
@@ -67,10 +71,10 @@ pub struct ActorLossConfig {
 
 impl ActorLossConfig {
     /// The settings of `actor_rollout_ref.actor.*` for a mini-batch of `rows` sequences;
-    /// `temperature` is the rollout's.
-    pub fn from_settings(actor: &ActorSettings, temperature: f64, rows: usize) -> Self {
+    /// `head` has the rollout's temperature.
+    pub fn from_settings(actor: &ActorSettings, head: LogprobHead, rows: usize) -> Self {
         Self {
-            temperature,
+            head,
             loss_agg_mode: actor.loss_agg_mode,
             loss_scale_factor: Some(actor.loss_scale_factor),
             entropy_coeff: actor.entropy_coeff,
@@ -85,13 +89,33 @@ impl ActorLossConfig {
     }
 }
 
-fn tensor2<B: RlAutodiffBackend>(
+fn tensor2<B: LearnerBackend>(
     values: &[f32],
     rows: usize,
     cols: usize,
     device: &B::Device,
 ) -> Tensor<B, 2> {
     Tensor::from_data(TensorData::new(values.to_vec(), [rows, cols]), device)
+}
+
+/// What an on-policy update ([`ActorTargets::old_log_probs`] `None`) computed on the way: the
+/// log-prob and entropy of every response token of the mini-batch (all ranks gathered,
+/// `[rows * response_len]`), which stand in for the old-log-prob pass's.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OnPolicyLogProbs {
+    /// Log-prob of each response token under the weights before the step.
+    pub log_probs: Vec<f32>,
+    /// Entropy at each response position.
+    pub entropy: Vec<f32>,
+}
+
+/// An updated actor, its metrics and, for an on-policy update, its log-probs and entropies.
+pub type ActorUpdated<B> = (CausalLm<B>, BTreeMap<String, f64>, Option<OnPolicyLogProbs>);
+
+/// This rank's old log-probs: given, or its own (on-policy), filled micro-batch by micro-batch.
+enum OldLogProbs {
+    Given(Vec<f32>),
+    Own(OnPolicyLogProbs),
 }
 
 /// Updates `actor` once on `batch` (one mini-batch) and returns it with verl's metrics
@@ -104,9 +128,10 @@ fn tensor2<B: RlAutodiffBackend>(
 ///
 /// With several ranks (`sync.dp`) each rank runs its balanced share of the rows, the gradients
 /// are averaged before the step, and the metrics are the ranks' mean: every rank returns the
-/// same model and metrics as one device would.
+/// same model and metrics as one device would. An on-policy update also returns the log-probs
+/// and entropies it computed ([`OnPolicyLogProbs`]).
 #[allow(clippy::too_many_arguments)]
-pub fn actor_update<B: RlAutodiffBackend, O: Optimizer<CausalLm<B>, B>>(
+pub fn actor_update<B: LearnerBackend, O: Optimizer<CausalLm<B>, B>>(
     actor: CausalLm<B>,
     optimizer: &mut O,
     lr: f64,
@@ -116,7 +141,7 @@ pub fn actor_update<B: RlAutodiffBackend, O: Optimizer<CausalLm<B>, B>>(
     config: &ActorLossConfig,
     sync: &ReplicaSync,
     device: &B::Device,
-) -> Result<(CausalLm<B>, BTreeMap<String, f64>), TrainError> {
+) -> Result<ActorUpdated<B>, TrainError> {
     let dp = &sync.dp;
     let (rows, r) = (batch.rows(), batch.response_len);
     let mask_all = tensor2::<B>(batch.loss_mask(), rows, r, device);
@@ -131,7 +156,14 @@ pub fn actor_update<B: RlAutodiffBackend, O: Optimizer<CausalLm<B>, B>>(
     let mine = dp.my_rows(batch, unit, "actor_rollout_ref.actor.ppo_mini_batch_size")?;
     let local = batch.select(&mine);
     let pick = |v: &[f32]| rows_of(v, &mine, r);
-    let (old_all, adv_all) = (pick(&targets.old_log_probs), pick(&targets.advantages));
+    let mut old = match targets.old_log_probs.as_deref() {
+        Some(v) => OldLogProbs::Given(pick(v)),
+        None => OldLogProbs::Own(OnPolicyLogProbs {
+            log_probs: vec![0.0; mine.len() * r],
+            entropy: vec![0.0; mine.len() * r],
+        }),
+    };
+    let adv_all = pick(&targets.advantages);
     let ref_all = targets.ref_log_probs.as_deref().map(pick);
     let is_all = targets.rollout_is_weights.as_deref().map(pick);
     let mut accumulator = GradientsAccumulator::<CausalLm<B>>::new();
@@ -153,9 +185,18 @@ pub fn actor_update<B: RlAutodiffBackend, O: Optimizer<CausalLm<B>, B>>(
             Some(dtype) => actor.clone().cast(dtype),
             None => actor.clone(),
         };
-        let (log_prob, entropy) = response_logprobs(&model, &seq, config.temperature);
+        let (log_prob, entropy) = response_logprobs(&model, &seq, config.head);
+        let old_log_prob = match &mut old {
+            OldLogProbs::Given(v) => tensor2(&cut(v), n, w, device),
+            OldLogProbs::Own(own) => {
+                let detached = log_prob.clone().detach();
+                micro.scatter(&to_vec(detached.clone()), &mut own.log_probs, r);
+                micro.scatter(&to_vec(entropy.clone().detach()), &mut own.entropy, r);
+                detached
+            }
+        };
         let input = PolicyLossInput {
-            old_log_prob: tensor2(&cut(&old_all), n, w, device),
+            old_log_prob,
             log_prob: log_prob.clone(),
             advantages: tensor2(&cut(&adv_all), n, w, device),
             response_mask: mask.clone(),
@@ -203,5 +244,12 @@ pub fn actor_update<B: RlAutodiffBackend, O: Optimizer<CausalLm<B>, B>>(
     )?;
     metrics.insert("actor/grad_norm".into(), grad_norm);
     metrics.insert("actor/lr".into(), lr);
-    Ok((actor, metrics))
+    let on_policy = match old {
+        OldLogProbs::Given(_) => None,
+        OldLogProbs::Own(own) => Some(OnPolicyLogProbs {
+            log_probs: dp.gather_rows(&own.log_probs, &mine, rows, r)?,
+            entropy: dp.gather_rows(&own.entropy, &mine, rows, r)?,
+        }),
+    };
+    Ok((actor, metrics, on_policy))
 }

@@ -4,10 +4,10 @@
 
 use std::collections::BTreeMap;
 
+use crate::backend::LearnerBackend;
 use burn::optim::{GradientsAccumulator, GradientsParams, Optimizer};
 use burn::tensor::FloatDType;
 use burn_rlhf_algos::functional::{from_rows, to_scalar};
-use burn_rlhf_algos::RlAutodiffBackend;
 use burn_rlhf_algos::{value_loss, GlobalBatchInfo, LossAggMode};
 use burn_rlhf_models::ValueModel;
 use burn_rlhf_rollout::RolloutBatch;
@@ -71,7 +71,7 @@ impl CriticLossConfig {
 /// and `critic/lr`. With several ranks each runs its balanced share of the rows and the gradients
 /// are averaged before the step, as in [`actor_update`](super::actor_update).
 #[allow(clippy::too_many_arguments)]
-pub fn critic_update<B: RlAutodiffBackend, O: Optimizer<ValueModel<B>, B>>(
+pub fn critic_update<B: LearnerBackend, O: Optimizer<ValueModel<B>, B>>(
     critic: ValueModel<B>,
     optimizer: &mut O,
     lr: f64,

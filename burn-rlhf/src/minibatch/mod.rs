@@ -8,7 +8,7 @@ mod actor;
 mod critic;
 mod sft;
 
-pub use actor::{actor_update, ActorLossConfig, ActorTargets};
+pub use actor::{actor_update, ActorLossConfig, ActorTargets, OnPolicyLogProbs};
 pub use critic::{critic_update, CriticLossConfig, CriticTargets};
 pub use sft::{sft_loss, sft_update};
 

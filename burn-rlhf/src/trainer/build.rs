@@ -3,8 +3,9 @@
 
 use std::sync::Arc;
 
+use crate::backend::LearnerBackend;
 use burn::module::AutodiffModule;
-use burn_rlhf_algos::{Registry, RlAutodiffBackend, RlBackend};
+use burn_rlhf_algos::{Registry, RlBackend};
 use burn_rlhf_models::{CausalLm, Tokenizer, TransformerConfig, ValueModel};
 use burn_rlhf_rollout::encode::filter_overlong;
 use burn_rlhf_rollout::{PromptRecord, PromptSampler, RewardRegistry};
@@ -19,7 +20,7 @@ use crate::optim::{adamw, LrSchedule, ReplicaSync};
 
 /// What a [`Learner`] is made of. Build it from a config with
 /// [`Learner::from_config`], or by hand for models built in code.
-pub struct LearnerParts<B: RlAutodiffBackend> {
+pub struct LearnerParts<B: LearnerBackend> {
     /// The policy.
     pub actor: CausalLm<B>,
     /// The policy's shape.
@@ -42,7 +43,7 @@ pub struct LearnerParts<B: RlAutodiffBackend> {
     pub training: bool,
 }
 
-impl<B: RlAutodiffBackend> LearnerParts<B> {
+impl<B: LearnerBackend> LearnerParts<B> {
     /// Parts with the built-in registries, no critic or reference, and no data.
     pub fn new(actor: CausalLm<B>, model_config: TransformerConfig, tokenizer: Tokenizer) -> Self {
         Self {
@@ -112,7 +113,7 @@ impl<B: RlAutodiffBackend> LearnerParts<B> {
     }
 }
 
-impl<B: RlAutodiffBackend> Learner<B> {
+impl<B: LearnerBackend> Learner<B> {
     /// Loads the actor (and critic) from `actor_rollout_ref.model.path` (`critic.model.path`): a
     /// local HF folder, a `.gguf` file or a hub id; the data from `data.train_files` and, when
     /// validation runs, `data.val_files`.
@@ -328,7 +329,7 @@ fn check_one_batch(settings: &Settings, rows: usize) -> Result<(), TrainError> {
 
 /// The estimator, the returns' estimator (VAPO), the policy loss, the KL controller and the reward
 /// function that `settings` name, built from the registries.
-fn build_algorithms<B: RlAutodiffBackend>(
+fn build_algorithms<B: LearnerBackend>(
     settings: &Settings,
     registry: &Registry<B>,
     rewards: &RewardRegistry,

@@ -13,12 +13,12 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
+use crate::backend::LearnerBackend;
 use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
 use burn::optim::Optimizer;
 use burn::record::{BinFileRecorder, FullPrecisionSettings, Recorder};
 use burn::tensor::Tensor;
 use burn_rlhf_algos::KlControllerState;
-use burn_rlhf_algos::RlAutodiffBackend;
 use burn_rlhf_models::pretrained::{load_pretrained, save_pretrained};
 use burn_rlhf_models::weights::{write_safetensors, WeightMap};
 use burn_rlhf_models::{CausalLm, LoraConfig, ValueModel};
@@ -62,7 +62,7 @@ impl<B: burn::tensor::backend::Backend> ModuleVisitor<B> for ParamOrder {
     }
 }
 
-fn param_order<B: RlAutodiffBackend, M: AutodiffModule<B>>(module: &M) -> Vec<ParamId> {
+fn param_order<B: LearnerBackend, M: AutodiffModule<B>>(module: &M) -> Vec<ParamId> {
     let mut order = ParamOrder(Vec::new());
     module.visit(&mut order);
     order.0
@@ -83,7 +83,7 @@ fn optimizer_stem(sync: &ReplicaSync) -> String {
 }
 
 /// The parameter order the optimiser state belongs to (written once, by rank 0).
-fn save_param_order<B: RlAutodiffBackend, M: AutodiffModule<B>>(
+fn save_param_order<B: LearnerBackend, M: AutodiffModule<B>>(
     dir: &Path,
     module: &M,
 ) -> Result<(), TrainError> {
@@ -96,7 +96,7 @@ fn save_param_order<B: RlAutodiffBackend, M: AutodiffModule<B>>(
         .map_err(|e| io(&ids_path, e))
 }
 
-fn save_optimizer<B: RlAutodiffBackend, M: AutodiffModule<B>>(
+fn save_optimizer<B: LearnerBackend, M: AutodiffModule<B>>(
     dir: &Path,
     optim: &AdamWOf<M, B>,
     stem: &str,
@@ -109,7 +109,7 @@ fn save_optimizer<B: RlAutodiffBackend, M: AutodiffModule<B>>(
 
 /// Loads the optimiser state saved beside a module into `optim` for `module` (a fresh load of the
 /// same weights, whose parameter ids differ from the saved ones).
-fn load_optimizer<B: RlAutodiffBackend, M: AutodiffModule<B>>(
+fn load_optimizer<B: LearnerBackend, M: AutodiffModule<B>>(
     dir: &Path,
     module: &M,
     optim: AdamWOf<M, B>,
@@ -199,7 +199,7 @@ fn critic_architecture(model_type: &str) -> &'static str {
     }
 }
 
-impl<B: RlAutodiffBackend> Learner<B> {
+impl<B: LearnerBackend> Learner<B> {
     /// Where checkpoints go (`trainer.default_local_dir`).
     pub fn checkpoint_root(&self) -> PathBuf {
         self.settings.trainer.checkpoint_dir.clone()

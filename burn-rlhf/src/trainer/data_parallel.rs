@@ -8,8 +8,8 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::backend::LearnerBackend;
 use burn::module::Module;
-use burn_rlhf_algos::RlAutodiffBackend;
 
 use super::build::LearnerParts;
 use super::fit::RunOutputs;
@@ -46,7 +46,7 @@ impl NodeLaunch {
     }
 }
 
-impl<B: RlAutodiffBackend> LearnerParts<B> {
+impl<B: LearnerBackend> LearnerParts<B> {
     /// A copy of these parts on `device` (models copied, data and registries shared).
     pub fn replicate(&self, device: &B::Device) -> Self {
         Self {
@@ -80,7 +80,7 @@ fn fingerprint(settings: &Settings) -> u64 {
 /// first rank's, which logs nothing). `parts` are loaded once and copied to each device. A rank
 /// that fails stops the others: they return within `node.timeout` at the latest, and the error
 /// returned is the failing rank's.
-pub fn fit_data_parallel<B: RlAutodiffBackend>(
+pub fn fit_data_parallel<B: LearnerBackend>(
     config: RlhfConfig,
     parts: LearnerParts<B>,
     devices: &[B::Device],
@@ -92,7 +92,7 @@ pub fn fit_data_parallel<B: RlAutodiffBackend>(
 }
 
 /// [`fit_data_parallel`] with decoded settings.
-pub fn fit_data_parallel_with<B: RlAutodiffBackend>(
+pub fn fit_data_parallel_with<B: LearnerBackend>(
     settings: Settings,
     parts: LearnerParts<B>,
     devices: &[B::Device],
@@ -200,7 +200,7 @@ impl GroupPlan {
 
     /// Rank `rank`'s transport: none alone, TCP across processes, burn-collective across the
     /// devices of one process.
-    fn join<B: RlAutodiffBackend>(
+    fn join<B: LearnerBackend>(
         &self,
         rank: usize,
         device: &B::Device,
@@ -244,7 +244,7 @@ fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
 
 /// After a rank's run: a failure stops the other ranks (through the group when joined, else
 /// through this process's flag); a successful in-process rank leaves burn-collective's group.
-fn finish_rank<B: RlAutodiffBackend>(
+fn finish_rank<B: LearnerBackend>(
     rank: usize,
     result: &Result<RunOutputs, TrainError>,
     joined: Option<&Arc<dyn Collective>>,

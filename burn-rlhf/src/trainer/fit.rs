@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use burn_rlhf_algos::RlAutodiffBackend;
+use crate::backend::LearnerBackend;
 
 use super::learner::Learner;
 use super::metrics::{Metrics, MetricsLogger};
@@ -23,7 +23,7 @@ pub struct RunOutputs {
     pub interrupted: bool,
 }
 
-impl<B: RlAutodiffBackend> Learner<B> {
+impl<B: LearnerBackend> Learner<B> {
     /// Trains to `total_steps`: resumes per `trainer.resume_mode`, validates before training
     /// (`val_before_train`) and every `test_freq` steps, checkpoints every `save_freq` steps and at
     /// the end, and stops after the current step (with a checkpoint) once `stop` is set.

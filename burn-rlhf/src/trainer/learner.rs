@@ -10,7 +10,8 @@
 
 use std::sync::Arc;
 
-use burn_rlhf_algos::{AdvantageEstimator, KlController, PolicyLoss, RlAutodiffBackend};
+use crate::backend::LearnerBackend;
+use burn_rlhf_algos::{AdvantageEstimator, KlController, PolicyLoss};
 use burn_rlhf_models::{CausalLm, Tokenizer, TransformerConfig, ValueModel};
 use burn_rlhf_rollout::{PromptRecord, PromptSampler, RewardFn};
 
@@ -19,7 +20,7 @@ use crate::distributed::DataParallel;
 use crate::optim::{AdamWOf, LrSchedule, ReplicaSync};
 
 /// The critic and what trains it.
-pub(crate) struct CriticState<B: RlAutodiffBackend> {
+pub(crate) struct CriticState<B: LearnerBackend> {
     pub model: ValueModel<B>,
     pub config: TransformerConfig,
     pub optim: AdamWOf<ValueModel<B>, B>,
@@ -28,7 +29,7 @@ pub(crate) struct CriticState<B: RlAutodiffBackend> {
 }
 
 /// The algorithm objects a config names, built once.
-pub(crate) struct Algorithms<B: RlAutodiffBackend> {
+pub(crate) struct Algorithms<B: LearnerBackend> {
     /// `algorithm.adv_estimator`.
     pub estimator: Box<dyn AdvantageEstimator<B>>,
     /// The returns' estimator when the critic's lambda differs from the policy's (VAPO).
@@ -42,7 +43,7 @@ pub(crate) struct Algorithms<B: RlAutodiffBackend> {
 }
 
 /// Owns the models, their optimisers and the algorithm objects, and runs training steps.
-pub struct Learner<B: RlAutodiffBackend> {
+pub struct Learner<B: LearnerBackend> {
     /// The decoded config.
     pub settings: Settings,
     pub(crate) device: B::Device,
@@ -75,7 +76,7 @@ pub struct Learner<B: RlAutodiffBackend> {
     pub(crate) total_steps: usize,
 }
 
-impl<B: RlAutodiffBackend> Learner<B> {
+impl<B: LearnerBackend> Learner<B> {
     /// This learner's place in a data-parallel run.
     pub fn data_parallel(&self) -> &DataParallel {
         &self.dp
@@ -148,7 +149,7 @@ fn cast_to<B: burn::tensor::backend::Backend>(
     }
 }
 
-impl<B: RlAutodiffBackend> std::fmt::Debug for Learner<B> {
+impl<B: LearnerBackend> std::fmt::Debug for Learner<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Learner")
             .field("global_step", &self.global_step)

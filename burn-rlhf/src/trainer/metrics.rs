@@ -4,7 +4,6 @@
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::time::Instant;
 
 use burn_rlhf_algos::LossAggMode;
 use burn_rlhf_rollout::RolloutBatch;
@@ -14,29 +13,6 @@ use crate::error::TrainError;
 
 /// One step's metrics by name.
 pub type Metrics = BTreeMap<String, f64>;
-
-/// Wall-clock time of each phase of a step (`timing_s/<name>`).
-#[derive(Debug, Default)]
-pub struct Timing {
-    seconds: BTreeMap<String, f64>,
-}
-
-impl Timing {
-    /// Runs `f`, adding its duration to `timing_s/<name>`.
-    pub fn time<T>(&mut self, name: &str, f: impl FnOnce() -> T) -> T {
-        let start = Instant::now();
-        let out = f();
-        *self.seconds.entry(name.to_string()).or_default() += start.elapsed().as_secs_f64();
-        out
-    }
-
-    /// Writes `timing_s/*` into `metrics`.
-    pub fn write(&self, metrics: &mut Metrics) {
-        for (k, v) in &self.seconds {
-            metrics.insert(format!("timing_s/{k}"), *v);
-        }
-    }
-}
 
 /// The mean of each metric over several updates (verl reduces an update's mini-batch metrics by
 /// their mean).

@@ -16,6 +16,7 @@ mod scoring;
 pub mod sft;
 mod step;
 mod update;
+pub mod usage;
 mod validation;
 
 pub use crate::error::TrainError;

@@ -1,9 +1,9 @@
 //! The rollout phases of a step: generation (`rollout.n` responses per prompt, split across the
 //! ranks and gathered), DAPO's dynamic sampling, ReMax's greedy baseline rollout, and rewards.
 
+use crate::backend::LearnerBackend;
 use burn::module::AutodiffModule;
 use burn_rlhf_algos::dapo::{keep_groups_with_spread, overlong_penalty};
-use burn_rlhf_algos::RlAutodiffBackend;
 use burn_rlhf_rollout::encode::encode_prompts;
 use burn_rlhf_rollout::generate::Sample;
 use burn_rlhf_rollout::reward::token_level_scores;
@@ -12,7 +12,8 @@ use burn_rlhf_rollout::{
 };
 
 use super::learner::Learner;
-use super::metrics::{Metrics, Timing};
+use super::metrics::Metrics;
+use super::usage::Timing;
 use crate::config::settings::{FilterGroups, FilterMetric, SamplingSettings};
 use crate::distributed::chunk;
 use crate::error::TrainError;
@@ -28,7 +29,7 @@ pub(crate) enum Stream {
     Validation,
 }
 
-impl<B: RlAutodiffBackend> Learner<B> {
+impl<B: LearnerBackend> Learner<B> {
     /// The seed of step `step`'s `stream`: runs reproduce, and a resumed run draws what the
     /// uninterrupted one would have.
     pub(crate) fn step_seed(&self, step: usize, stream: Stream) -> u64 {

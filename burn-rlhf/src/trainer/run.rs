@@ -4,7 +4,7 @@
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use burn_rlhf_algos::RlAutodiffBackend;
+use crate::backend::LearnerBackend;
 
 use super::build::LearnerParts;
 use super::data_parallel::{fit_data_parallel_with, NodeLaunch};
@@ -56,7 +56,7 @@ pub fn train(settings: Settings, node: Option<&NodeLaunch>) -> Result<RunOutputs
 
 /// [`train`] on the autodiff backend `B` a library user picked (its checkpointing strategy is
 /// then `B`'s, whatever the settings say), with `devices(n)` its first n devices.
-pub fn train_on<B: RlAutodiffBackend>(
+pub fn train_on<B: LearnerBackend>(
     mut settings: Settings,
     devices: &dyn Fn(usize) -> Vec<B::Device>,
     node: Option<&NodeLaunch>,
@@ -110,7 +110,7 @@ pub fn train_on<B: RlAutodiffBackend>(
 
 /// `burn-rlhf eval`: validation only (the actor at `actor_rollout_ref.model.path`, the prompts of
 /// `data.val_files`, `rollout.val_kwargs`): mean@n, best@n, maj@n, pass@k per data source.
-pub fn eval_from_file<B: RlAutodiffBackend>(
+pub fn eval_from_file<B: LearnerBackend>(
     config: &Path,
     overrides: &[String],
     device: &B::Device,

@@ -2,10 +2,11 @@
 //! log-probs and the critic's values (each rank its balanced share of the rows, gathered), the KL
 //! penalty in the reward with its controller's update, and the advantages and returns.
 
+use crate::backend::LearnerBackend;
 use burn::module::AutodiffModule;
 use burn::tensor::Tensor;
 use burn_rlhf_algos::functional::{from_rows, to_vec};
-use burn_rlhf_algos::{apply_kl_penalty, AdvantageInput, RlAutodiffBackend};
+use burn_rlhf_algos::{apply_kl_penalty, AdvantageInput};
 use burn_rlhf_models::CausalLm;
 use burn_rlhf_rollout::RolloutBatch;
 
@@ -13,7 +14,8 @@ use super::learner::Learner;
 use super::metrics::Metrics;
 use crate::error::TrainError;
 use crate::forward::{
-    response_logprobs, response_logprobs_and_sum_pi_squared, response_values, SequenceTensors,
+    response_logprobs, response_logprobs_and_sum_pi_squared, response_values, LogprobHead,
+    SequenceTensors,
 };
 use crate::minibatch::micro_batches;
 
@@ -30,7 +32,7 @@ pub struct OldLogProbs {
     pub sum_pi_squared: Option<Rows>,
 }
 
-impl<B: RlAutodiffBackend> Learner<B> {
+impl<B: LearnerBackend> Learner<B> {
     /// Runs `pass` on this rank's rows of `batch` and gathers its per-token outputs from every
     /// rank (verl's `balance_batch` split). Each output is `[rows * response_len]`.
     fn sharded_pass(
@@ -90,7 +92,10 @@ impl<B: RlAutodiffBackend> Learner<B> {
         (micro, max_tokens, key): (Option<usize>, Option<usize>, &str),
         sum_pi_squared: bool,
     ) -> Result<Vec<Rows>, TrainError> {
-        let temperature = self.settings.rollout.train.temperature;
+        let head = LogprobHead {
+            temperature: self.settings.rollout.train.temperature,
+            chunk: self.settings.model.logits_chunk_size,
+        };
         self.sharded_pass(batch, |mine| {
             self.in_micro_batches(
                 mine,
@@ -100,11 +105,10 @@ impl<B: RlAutodiffBackend> Learner<B> {
                 |part| {
                     let seq = SequenceTensors::from_batch(part, &self.device);
                     if sum_pi_squared {
-                        let (l, e, s) =
-                            response_logprobs_and_sum_pi_squared(model, &seq, temperature);
+                        let (l, e, s) = response_logprobs_and_sum_pi_squared(model, &seq, head);
                         vec![to_vec(l), to_vec(e), to_vec(s)]
                     } else {
-                        let (l, e) = response_logprobs(model, &seq, temperature);
+                        let (l, e) = response_logprobs(model, &seq, head);
                         vec![to_vec(l), to_vec(e)]
                     }
                 },
@@ -222,7 +226,7 @@ impl<B: RlAutodiffBackend> Learner<B> {
     pub fn kl_in_reward(
         &mut self,
         batch: &RolloutBatch,
-        old_log_probs: &[f32],
+        old_log_probs: Option<&[f32]>,
         ref_log_probs: Option<&[f32]>,
     ) -> Result<(Rows, Metrics), TrainError> {
         let scores = batch
@@ -234,6 +238,9 @@ impl<B: RlAutodiffBackend> Learner<B> {
         };
         let reference = ref_log_probs.ok_or_else(|| {
             TrainError::config("algorithm.use_kl_in_reward", "needs a reference policy")
+        })?;
+        let old_log_probs = old_log_probs.ok_or_else(|| {
+            TrainError::config("algorithm.use_kl_in_reward", "needs the old-log-prob pass")
         })?;
         let (rows, r) = (batch.rows(), batch.response_len);
         let t = |v: Vec<f32>| from_rows::<B>(v, rows, r, &self.device);

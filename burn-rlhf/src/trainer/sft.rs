@@ -8,8 +8,8 @@
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use crate::backend::LearnerBackend;
 use burn::module::AutodiffModule;
-use burn_rlhf_algos::RlAutodiffBackend;
 use burn_rlhf_models::pretrained::{expand_home, save_pretrained};
 use burn_rlhf_models::{CausalLm, ChatMessage, LoraConfig, Tokenizer};
 use burn_rlhf_rollout::data::{read_pairs, TextPair};
@@ -74,6 +74,9 @@ pub struct SftModelConfig {
     /// Recompute activations in the backward pass (the binary then trains on
     /// [`crate::backend::TrainBackendCheckpointed`]).
     pub enable_gradient_checkpointing: bool,
+    /// Response tokens per chunk of LM-head logits in the loss: `[chunk, vocab]` logits and
+    /// their gradient at once, never `[tokens, vocab]`. burn-rlhf's key.
+    pub logits_chunk_size: usize,
 }
 
 impl Default for SftModelConfig {
@@ -85,6 +88,7 @@ impl Default for SftModelConfig {
             lora_alpha: 16.0,
             target_modules: vec!["all-linear".into()],
             enable_gradient_checkpointing: true,
+            logits_chunk_size: crate::forward::DEFAULT_LOGITS_CHUNK,
         }
     }
 }
@@ -182,6 +186,9 @@ impl SftConfig {
         }
         if d.micro_batch_size_per_gpu == 0 {
             return bad("data.micro_batch_size_per_gpu", "must be >= 1");
+        }
+        if self.model.logits_chunk_size == 0 {
+            return bad("model.logits_chunk_size", "must be >= 1");
         }
         if d.max_length < 2 {
             return bad(
@@ -350,20 +357,20 @@ impl SftOptimConfig {
 
 /// The token-mean NLL of the validation examples, in batches of `batch_size`; `None` without
 /// validation data.
-fn val_loss<B: burn_rlhf_algos::RlBackend>(
+fn val_loss<B: crate::backend::ComputeBackend>(
     model: &CausalLm<B>,
     val: &[SftExample],
     batch_size: usize,
     pad: u32,
-    micro: usize,
+    micro: (usize, usize),
     device: &B::Device,
 ) -> Option<f64> {
     if val.is_empty() {
         return None;
     }
     let (mut nll, mut tokens) = (0.0, 0.0);
-    for chunk in val.chunks(batch_size.max(1)) {
-        let refs: Vec<&SftExample> = chunk.iter().collect();
+    for part in val.chunks(batch_size.max(1)) {
+        let refs: Vec<&SftExample> = part.iter().collect();
         let batch = sft_rollout_batch(&refs, pad);
         let n: f64 = batch.response_mask.iter().map(|&m| m as f64).sum();
         nll += sft_loss(model, &batch, micro, device) * n;
@@ -385,7 +392,7 @@ pub struct SftOutputs {
 
 /// Fine-tunes `config.model.partial_pretrain` on the pairs of `config.data`; stops after the
 /// current step (with a checkpoint) once `stop` is set.
-pub fn fit_sft<B: RlAutodiffBackend>(
+pub fn fit_sft<B: LearnerBackend>(
     config: &SftConfig,
     device: &B::Device,
     stop: &AtomicBool,
@@ -443,7 +450,8 @@ pub fn fit_sft<B: RlAutodiffBackend>(
     let console = t.logger.iter().any(|l| l == "console");
     let mut logger = MetricsLogger::new(console, 10, jsonl.clone(), None, total, 0)?;
     let pad = tokenizer.pad_token_id;
-    let micro = d.micro_batch_size_per_gpu;
+    // Rows per micro-batch, tokens per chunk of logits.
+    let micro = (d.micro_batch_size_per_gpu, config.model.logits_chunk_size);
     let mut last_val = None;
     let mut checkpoint = None;
     for step in 1..=total {

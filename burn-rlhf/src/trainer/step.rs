@@ -4,22 +4,25 @@
 
 use std::time::Instant;
 
+use crate::backend::LearnerBackend;
 use burn::module::AutodiffModule;
-use burn_rlhf_algos::RlAutodiffBackend;
 use burn_rlhf_rollout::{LogprobsMode, RolloutBatch};
 
 use super::learner::Learner;
-use super::metrics::{data_metrics, masked_agg, rollout_probs_diff, Metrics, StepData, Timing};
+use super::metrics::{data_metrics, masked_agg, rollout_probs_diff, Metrics, StepData};
+use super::scoring::OldLogProbs;
+use super::usage::{cpu_seconds, Timing};
 use crate::error::TrainError;
 
-impl<B: RlAutodiffBackend> Learner<B> {
+impl<B: LearnerBackend> Learner<B> {
     /// One training step; returns its metrics. `global_step` counts from 1, and the actor is
     /// updated from step `trainer.critic_warmup` on (verl's `critic_warmup <= global_steps`).
     pub fn step(&mut self) -> Result<Metrics, TrainError> {
         burn_rlhf_algos::kernels::with_kernels(self.settings.model.use_fused_kernels, || {
             let step = self.global_step + 1;
-            let start = Instant::now();
-            let mut timing = Timing::default();
+            let (start, cpu_start) = (Instant::now(), cpu_seconds());
+            let device = self.device.clone();
+            let mut timing = Timing::with_device_probe(move || B::device_memory_reserved(&device));
             let (mut batch, indices, mut metrics) = self.sample_batch(step, &mut timing)?;
             let baselines = if self.algorithms.estimator.needs_reward_baselines() {
                 Some(timing.time("gen_max", || self.reward_baselines(&indices, step))?)
@@ -27,11 +30,13 @@ impl<B: RlAutodiffBackend> Learner<B> {
                 None
             };
             let bypass = self.settings.algorithm.bypass_mode;
-            let old = match bypass {
-                true => self.rollout_as_old(&batch),
-                false => timing.time("old_log_prob", || self.old_log_probs(&batch))?,
+            // On-policy, the update's own log-probs are the old ones: no separate pass.
+            let deferred = self.update_is_on_policy(&batch, step);
+            let old = match (bypass, deferred) {
+                (true, _) => Some(self.rollout_as_old(&batch)),
+                (false, true) => None,
+                (false, false) => Some(timing.time("old_log_prob", || self.old_log_probs(&batch))?),
             };
-            let old_log_probs = &old.log_probs;
             // A phase that does not run leaves no timing.
             let ref_log_probs = match self.reference {
                 Some(_) => timing.time("ref", || self.ref_log_probs(&batch))?,
@@ -42,24 +47,26 @@ impl<B: RlAutodiffBackend> Learner<B> {
                 None => None,
             };
             let (rewards, advantages, returns, is_weights) = timing.time("adv", || {
+                let old_log_probs = old.as_ref().map(|o| o.log_probs.as_slice());
                 let (rewards, kl) =
                     self.kl_in_reward(&batch, old_log_probs, ref_log_probs.as_deref())?;
                 metrics.extend(kl);
-                // Bypass mode corrects inside its loss instead.
-                let is_weights = match bypass {
-                    true => None,
-                    false => {
-                        let (w, m) = self.correct_rollout(&mut batch, old_log_probs)?;
+                // Bypass mode corrects inside its loss instead; an on-policy step has no
+                // weights or rejection to apply (its diagnostics follow the update).
+                let is_weights = match (bypass, old_log_probs) {
+                    (false, Some(old)) => {
+                        let (w, m) = self.correct_rollout(&mut batch, old)?;
                         metrics.extend(m);
                         w
                     }
+                    _ => None,
                 };
                 let (adv, ret) = self.advantages(
                     &batch,
                     &rewards,
                     values.as_deref(),
                     baselines.as_deref(),
-                    (Some(&old), is_weights.as_deref()),
+                    (old.as_ref(), is_weights.as_deref()),
                 )?;
                 Ok::<_, TrainError>((rewards, adv, ret, is_weights))
             })?;
@@ -67,22 +74,33 @@ impl<B: RlAutodiffBackend> Learner<B> {
                 let m = timing.time("update_critic", || self.update_critic(&batch, v, &returns))?;
                 metrics.extend(m);
             }
+            let mut old = old;
             if self.settings.trainer.actor_start_step <= step {
-                let m = timing.time("update_actor", || {
+                let (m, own) = timing.time("update_actor", || {
                     self.update_actor(
                         &batch,
-                        old_log_probs,
+                        old.as_ref().map(|o| o.log_probs.as_slice()),
                         &advantages,
                         (ref_log_probs.as_deref(), is_weights.as_deref()),
                     )
                 })?;
                 metrics.extend(m);
+                if let Some(own) = own {
+                    let (_, m) = self.correct_rollout(&mut batch, &own.log_probs)?;
+                    metrics.extend(m);
+                    old = Some(OldLogProbs {
+                        log_probs: own.log_probs,
+                        entropy: Some(own.entropy),
+                        sum_pi_squared: None,
+                    });
+                }
                 self.refresh_reference(step);
             }
+            let old = old.expect("the old log-probs come from their pass or the update");
             metrics.extend(self.batch_metrics(
                 &batch,
                 old.entropy.as_deref(),
-                old_log_probs,
+                &old.log_probs,
                 &StepData {
                     batch: &batch,
                     scores: batch.token_level_scores.as_deref().unwrap_or(&[]),
@@ -96,6 +114,12 @@ impl<B: RlAutodiffBackend> Learner<B> {
             ));
             let elapsed = start.elapsed().as_secs_f64();
             timing.write(&mut metrics);
+            if let (Some(a), Some(b)) = (cpu_start, cpu_seconds()) {
+                metrics.insert("perf/cpu_util".into(), (b - a) / elapsed.max(1e-9));
+            }
+            if let Some(peak) = timing.peak_resident() {
+                metrics.insert("perf/peak_rss_gb".into(), peak as f64 / 1e9);
+            }
             metrics.insert("timing_s/step".into(), elapsed);
             let tokens = batch.prompt_mask.iter().map(|&m| m as f64).sum::<f64>()
                 + batch.response_mask.iter().map(|&m| m as f64).sum::<f64>();
@@ -107,6 +131,26 @@ impl<B: RlAutodiffBackend> Learner<B> {
             self.global_step = step;
             Ok(metrics)
         })
+    }
+
+    /// Whether this step's actor update is exactly on-policy, so that its own log-probs (and
+    /// entropies) stand in for the old-log-prob pass, which then does not run: the actor updates
+    /// this step, in one epoch of one mini-batch holding every row (its weights are the
+    /// rollout's until its one optimiser step), and nothing before the update reads the old
+    /// log-probs: no KL in the reward, no estimator that reads them (the optimal token
+    /// baseline), no rollout correction weights or rejection (its diagnostics are computed
+    /// after the update from the same values), not bypass mode (which runs no pass anyway).
+    pub fn update_is_on_policy(&self, batch: &RolloutBatch, step: usize) -> bool {
+        let s = &self.settings;
+        let correction = &s.algorithm.rollout_correction;
+        s.trainer.actor_start_step <= step
+            && s.actor.ppo_epochs == 1
+            && batch.rows() <= s.actor.ppo_mini_batch_size * s.rollout.train.n
+            && s.algorithm.kl_in_reward.is_none()
+            && !s.algorithm.bypass_mode
+            && correction.is.is_none()
+            && correction.rs.is_empty()
+            && !self.algorithms.estimator.needs_sum_pi_squared()
     }
 
     /// SPIN's self-play: every `ref_update_freq` steps the opponent (the reference) becomes the

@@ -1,15 +1,16 @@
 //! The update phases of a step: the critic's and the actor's `ppo_epochs` passes over the batch's
 //! mini-batches, one optimiser step per mini-batch ([`crate::minibatch`]).
 
-use burn_rlhf_algos::RlAutodiffBackend;
+use crate::backend::LearnerBackend;
 use burn_rlhf_rollout::RolloutBatch;
 
 use super::learner::Learner;
 use super::metrics::{MeanMetrics, Metrics};
 use crate::error::TrainError;
+use crate::forward::LogprobHead;
 use crate::minibatch::{
     actor_update, critic_update, rows_of, ActorLossConfig, ActorTargets, CriticLossConfig,
-    CriticTargets,
+    CriticTargets, OnPolicyLogProbs,
 };
 
 /// One epoch's mini-batches of `prompts_per_mini_batch * n` of `rows` rows: in order (verl's
@@ -36,12 +37,28 @@ fn mini_batches(
     order.chunks(size).map(<[usize]>::to_vec).collect()
 }
 
+/// Per-token outputs of a mini-batch holding rows `rows` (in its order) put back in the batch's
+/// row order.
+fn unshuffle(own: OnPolicyLogProbs, rows: &[usize], width: usize) -> OnPolicyLogProbs {
+    let back = |v: Vec<f32>| {
+        let mut out = vec![0.0; v.len()];
+        for (k, &row) in rows.iter().enumerate() {
+            out[row * width..(row + 1) * width].copy_from_slice(&v[k * width..(k + 1) * width]);
+        }
+        out
+    };
+    OnPolicyLogProbs {
+        log_probs: back(own.log_probs),
+        entropy: back(own.entropy),
+    }
+}
+
 /// The shuffle seed of `epoch` of the update of `model` at `step`, from `trainer.seed`.
 fn shuffle_seed(seed: u64, model: u64, step: usize, epoch: usize) -> u64 {
     seed ^ (model << 56) ^ ((step as u64) << 16) ^ epoch as u64
 }
 
-impl<B: RlAutodiffBackend> Learner<B> {
+impl<B: LearnerBackend> Learner<B> {
     /// Critic update: `ppo_epochs` passes over the mini-batches, one optimiser step each.
     pub fn update_critic(
         &mut self,
@@ -94,20 +111,27 @@ impl<B: RlAutodiffBackend> Learner<B> {
     }
 
     /// Actor update: `ppo_epochs` passes over the mini-batches, one optimiser step each.
+    /// Without old log-probs the update must be exactly on-policy (one epoch of one
+    /// mini-batch, see [`Learner::update_is_on_policy`]): it then takes its own log-probs as the
+    /// old ones and returns them with its entropies.
     pub fn update_actor(
         &mut self,
         batch: &RolloutBatch,
-        old_log_probs: &[f32],
+        old_log_probs: Option<&[f32]>,
         advantages: &[f32],
         (ref_log_probs, is_weights): (Option<&[f32]>, Option<&[f32]>),
-    ) -> Result<Metrics, TrainError> {
+    ) -> Result<(Metrics, Option<OnPolicyLogProbs>), TrainError> {
         burn_rlhf_algos::kernels::with_kernels(self.settings.model.use_fused_kernels, || {
             let settings = &self.settings.actor;
-            let temperature = self.settings.rollout.train.temperature;
+            let head = LogprobHead {
+                temperature: self.settings.rollout.train.temperature,
+                chunk: self.settings.model.logits_chunk_size,
+            };
             let lr = self.actor_schedule.lr(self.actor_updates);
             let r = batch.response_len;
             let unit = self.algorithms.policy_loss.rows_per_unit();
             let mut means = MeanMetrics::default();
+            let mut on_policy = None;
             for epoch in 0..settings.ppo_epochs {
                 let seed = shuffle_seed(self.settings.trainer.seed, 1, self.global_step, epoch);
                 let minis = mini_batches(
@@ -116,14 +140,20 @@ impl<B: RlAutodiffBackend> Learner<B> {
                     self.settings.rollout.train.n,
                     (unit, settings.shuffle.then_some(seed)),
                 );
+                if old_log_probs.is_none() && (settings.ppo_epochs > 1 || minis.len() > 1) {
+                    return Err(TrainError::config(
+                        "actor_rollout_ref.actor.ppo_mini_batch_size",
+                        "an update without old log-probs must be one epoch of one mini-batch",
+                    ));
+                }
                 for rows in &minis {
                     let targets = ActorTargets {
-                        old_log_probs: rows_of(old_log_probs, rows, r),
+                        old_log_probs: old_log_probs.map(|v| rows_of(v, rows, r)),
                         advantages: rows_of(advantages, rows, r),
                         ref_log_probs: ref_log_probs.map(|v| rows_of(v, rows, r)),
                         rollout_is_weights: is_weights.map(|v| rows_of(v, rows, r)),
                     };
-                    let (actor, m) = actor_update(
+                    let (actor, m, own) = actor_update(
                         self.actor.clone(),
                         &mut self.actor_optim,
                         lr,
@@ -133,17 +163,20 @@ impl<B: RlAutodiffBackend> Learner<B> {
                         &ActorLossConfig {
                             shape_bucket: self.shape_bucket,
                             compute_dtype: self.settings.model.dtype,
-                            ..ActorLossConfig::from_settings(settings, temperature, rows.len())
+                            ..ActorLossConfig::from_settings(settings, head, rows.len())
                         },
                         &self.actor_sync,
                         &self.device,
                     )?;
                     self.actor = actor;
                     means.add(m);
+                    // One mini-batch holding every row: its order is the batch's unless
+                    // shuffled.
+                    on_policy = own.map(|own| unshuffle(own, rows, r));
                 }
             }
             self.actor_updates += 1;
-            Ok(means.finish())
+            Ok((means.finish(), on_policy))
         })
     }
 }

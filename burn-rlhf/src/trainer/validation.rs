@@ -1,7 +1,7 @@
 //! Validation: generation for the validation prompts with `rollout.val_kwargs`, rewarded, and
 //! verl's `val-core/*` and `val-aux/*` metrics (mean@n, best@n, maj@n, pass@k, ...).
 
-use burn_rlhf_algos::RlAutodiffBackend;
+use crate::backend::LearnerBackend;
 use burn_rlhf_rollout::metrics::{validation_metrics, ValSample};
 use burn_rlhf_rollout::reward::{extract_gsm8k_answer, Gsm8kMethod};
 
@@ -10,7 +10,7 @@ use super::metrics::Metrics;
 use super::rollout::Stream;
 use crate::error::TrainError;
 
-impl<B: RlAutodiffBackend> Learner<B> {
+impl<B: LearnerBackend> Learner<B> {
     /// Validation: generates for the validation prompts with `rollout.val_kwargs` and returns
     /// verl's `val-core/*` and `val-aux/*` metrics (mean@n, best@n, maj@n, pass@k, ...).
     pub fn validate(&self) -> Result<Metrics, TrainError> {

@@ -6,7 +6,7 @@ use burn::module::AutodiffModule;
 use burn::optim::SgdConfig;
 use burn::tensor::{DType, FloatDType};
 use burn_rlhf::algos::{KlPenalty, LossAggMode, PolicyLossParams, Registry};
-use burn_rlhf::forward::{response_logprobs, SequenceTensors};
+use burn_rlhf::forward::{response_logprobs, LogprobHead, SequenceTensors};
 use burn_rlhf::minibatch::{actor_update, ActorLossConfig, ActorTargets};
 use burn_rlhf::models::{load_pretrained, CausalLm};
 use burn_rlhf::optim::ReplicaSync;
@@ -46,7 +46,14 @@ fn fixture() -> (CausalLm<B>, RolloutBatch, ActorTargets) {
 
     // Old log-probs near the policy's own, a shifted reference, and varied advantages.
     let seq = SequenceTensors::<Flex>::from_batch(&batch, &device);
-    let (old, _) = response_logprobs(&inner, &seq, 1.0);
+    let (old, _) = response_logprobs(
+        &inner,
+        &seq,
+        LogprobHead {
+            temperature: 1.0,
+            chunk: 512,
+        },
+    );
     // Shifted so that ratios differ from 1 and some tokens are clipped.
     let old: Vec<f32> = old
         .into_data()
@@ -63,7 +70,7 @@ fn fixture() -> (CausalLm<B>, RolloutBatch, ActorTargets) {
         .map(|i| ((i * 37 % 11) as f32 - 5.0) / 5.0)
         .collect();
     let targets = ActorTargets {
-        old_log_probs: old,
+        old_log_probs: Some(old),
         advantages,
         ref_log_probs: Some(reference),
         // Rollout correction's IS weights ride along the same micro-batching.
@@ -80,7 +87,10 @@ fn fixture() -> (CausalLm<B>, RolloutBatch, ActorTargets) {
 /// f32 compute.
 fn loss_config(mode: LossAggMode) -> ActorLossConfig {
     ActorLossConfig {
-        temperature: 1.0,
+        head: LogprobHead {
+            temperature: 1.0,
+            chunk: 512,
+        },
         loss_agg_mode: mode,
         loss_scale_factor: None,
         entropy_coeff: 0.01,
@@ -117,7 +127,7 @@ fn micro_batch_size_does_not_change_the_update() {
                 ..loss_config(mode)
             };
             let mut optim = SgdConfig::new().init();
-            let (updated, metrics) = actor_update(
+            let (updated, metrics, _) = actor_update(
                 actor().0,
                 &mut optim,
                 0.5,
@@ -214,7 +224,7 @@ fn bf16_autocast_updates_f32_master_weights() {
             ..loss_config(LossAggMode::TokenMean)
         };
         let mut optim = SgdConfig::new().init();
-        let (updated, metrics) = actor_update(
+        let (updated, metrics, _) = actor_update(
             actor().0,
             &mut optim,
             0.5,

@@ -3,7 +3,8 @@
 
 use burn::backend::{Autodiff, Flex};
 use burn_rlhf::forward::{
-    response_logprobs, response_logprobs_and_sum_pi_squared, response_values, SequenceTensors,
+    response_logprobs, response_logprobs_and_sum_pi_squared, response_values, LogprobHead,
+    SequenceTensors,
 };
 use burn_rlhf::models::load_pretrained;
 use burn_rlhf::rollout::{generate, RolloutBatch, SamplingParams};
@@ -34,7 +35,14 @@ fn recomputed_logprobs_equal_the_rollouts_and_gradients_flow() {
     );
 
     let seq = SequenceTensors::<Flex>::from_batch(&batch, &Default::default());
-    let (logprobs, entropy) = response_logprobs(&model, &seq, 1.0);
+    let (logprobs, entropy) = response_logprobs(
+        &model,
+        &seq,
+        LogprobHead {
+            temperature: 1.0,
+            chunk: 512,
+        },
+    );
     let ours: Vec<f32> = logprobs.into_data().iter::<f32>().collect();
     for (i, (&o, (&rec, &m))) in ours
         .iter()
@@ -52,7 +60,14 @@ fn recomputed_logprobs_equal_the_rollouts_and_gradients_flow() {
 
     // Σπ² (the optimal token baseline's input) with the same log-probs: at least the sampled
     // token's π², at most 1, and exp(-entropy) <= Σπ² (Rényi-2 entropy <= Shannon entropy).
-    let (lp2, ent2, spsq) = response_logprobs_and_sum_pi_squared(&model, &seq, 1.0);
+    let (lp2, ent2, spsq) = response_logprobs_and_sum_pi_squared(
+        &model,
+        &seq,
+        LogprobHead {
+            temperature: 1.0,
+            chunk: 512,
+        },
+    );
     let lp2: Vec<f32> = lp2.into_data().iter::<f32>().collect();
     assert_eq!(lp2, ours);
     let ent2: Vec<f32> = ent2.into_data().iter::<f32>().collect();
@@ -75,7 +90,14 @@ fn recomputed_logprobs_equal_the_rollouts_and_gradients_flow() {
         .value_model::<Autodiff<Flex>>(&Default::default())
         .unwrap();
     let seq = SequenceTensors::<Autodiff<Flex>>::from_batch(&batch, &Default::default());
-    let (lp, _) = response_logprobs(&actor, &seq, 0.7);
+    let (lp, _) = response_logprobs(
+        &actor,
+        &seq,
+        LogprobHead {
+            temperature: 0.7,
+            chunk: 512,
+        },
+    );
     let grads = (lp * seq.response_mask.clone()).sum().backward();
     assert!(actor.model.layers[1]
         .mlp
@@ -88,4 +110,148 @@ fn recomputed_logprobs_equal_the_rollouts_and_gradients_flow() {
     assert_eq!(values.dims(), [6, batch.response_len]);
     let grads = values.sum().backward();
     assert!(critic.score.weight.grad(&grads).is_some());
+}
+
+/// Log-probs, entropies and their gradients read in chunks of logits equal the whole-logits
+/// path (`[tokens, vocab]` at once through `CausalLm::logits`), whatever the chunk size, for a
+/// tied and an untied head.
+#[test]
+fn chunked_logits_give_the_whole_logits_log_probs_and_gradients() {
+    use burn::module::{AutodiffModule, Param};
+    use burn::tensor::{Int, Tensor, TensorData};
+    use burn_rlhf::algos::kernels::entropy_and_logprobs;
+    use burn_rlhf::models::lora::LoraLinear;
+
+    type A = Autodiff<Flex>;
+    let dir = burn_rlhf_test_assets::fixtures_subdir("models").join("tiny-qwen2");
+    let tied = load_pretrained(dir.to_str().unwrap())
+        .unwrap()
+        .causal_lm::<A>(&Default::default())
+        .unwrap();
+    let mut untied = tied.clone();
+    if untied.lm_head.is_none() {
+        // The same head as a separate `[hidden, vocab]` linear layer.
+        let w = tied.model.embed_tokens.weight.val().transpose();
+        let [h, v] = w.dims();
+        let mut head = LoraLinear::<A>::init(h, v, false, &Default::default());
+        head.base.weight = Param::from_tensor(Tensor::from_data(
+            w.valid().into_data(),
+            &Default::default(),
+        ));
+        untied.lm_head = Some(head);
+    }
+    let (b, p, r) = (3usize, 4usize, 7usize);
+    let ids: Vec<i64> = (0..b * (p + r))
+        .map(|i| ((i * 37 + 11) % 500) as i64)
+        .collect();
+    let batch_ids = Tensor::<A, 2, Int>::from_data(
+        TensorData::new(ids.clone(), [b, p + r]),
+        &Default::default(),
+    );
+    let mask: Vec<Vec<i64>> = (0..b)
+        .map(|row| (0..p + r).map(|t| (t >= row) as i64).collect())
+        .collect();
+    let positions: Vec<Vec<i64>> = mask
+        .iter()
+        .map(|m| {
+            let mut seen = 0;
+            m.iter()
+                .map(|&x| {
+                    seen += x;
+                    (seen - 1).max(0)
+                })
+                .collect()
+        })
+        .collect();
+    let response: Vec<i64> = (0..b)
+        .flat_map(|row| ids[row * (p + r) + p..(row + 1) * (p + r)].to_vec())
+        .collect();
+    let seq = SequenceTensors::<A> {
+        input_ids: batch_ids,
+        attention_mask: mask,
+        position_ids: positions,
+        response_ids: Tensor::from_data(TensorData::new(response, [b, r]), &Default::default()),
+        response_mask: Tensor::ones([b, r], &Default::default()),
+        prompt_len: p,
+    };
+    let values = |v: Tensor<A, 2>| -> Vec<f32> { v.into_data().iter::<f32>().collect() };
+    let close = |a: &[f32], w: &[f32], what: &str| {
+        let worst = a
+            .iter()
+            .zip(w)
+            .map(|(x, y)| (x - y).abs() / (1.0 + y.abs()))
+            .fold(0.0f32, f32::max);
+        assert!(worst < 1e-5, "{what}: {worst}");
+    };
+    for model in [&tied, &untied] {
+        // The whole-logits path, and its gradient of the embeddings and the last norm.
+        let hidden = model.model.forward_rows(
+            seq.input_ids.clone(),
+            &seq.attention_mask,
+            &seq.position_ids,
+            None,
+        );
+        let hidden = hidden.slice([0..b, p - 1..p + r - 1]);
+        let (entropy, logp) =
+            entropy_and_logprobs(model.logits(hidden), seq.response_ids.clone(), 0.8);
+        let loss = |lp: Tensor<A, 2>, e: Tensor<A, 2>| (lp * 0.7 + e * 0.3).sum();
+        let grads = loss(logp.clone(), entropy.clone()).backward();
+        let whole = (
+            values(logp),
+            values(entropy),
+            model.model.norm.weight.grad(&grads).unwrap(),
+            model.model.embed_tokens.weight.grad(&grads).unwrap(),
+        );
+        for chunk in [1, 3, 8, 21, 1000] {
+            let (lp, e) = response_logprobs(
+                model,
+                &seq,
+                LogprobHead {
+                    temperature: 0.8,
+                    chunk,
+                },
+            );
+            let grads = loss(lp.clone(), e.clone()).backward();
+            close(&values(lp), &whole.0, "log-probs");
+            close(&values(e), &whole.1, "entropies");
+            let norm: Vec<f32> = model
+                .model
+                .norm
+                .weight
+                .grad(&grads)
+                .unwrap()
+                .into_data()
+                .iter::<f32>()
+                .collect();
+            close(
+                &norm,
+                &whole
+                    .2
+                    .clone()
+                    .into_data()
+                    .iter::<f32>()
+                    .collect::<Vec<_>>(),
+                "norm gradient",
+            );
+            let embed: Vec<f32> = model
+                .model
+                .embed_tokens
+                .weight
+                .grad(&grads)
+                .unwrap()
+                .into_data()
+                .iter::<f32>()
+                .collect();
+            close(
+                &embed,
+                &whole
+                    .3
+                    .clone()
+                    .into_data()
+                    .iter::<f32>()
+                    .collect::<Vec<_>>(),
+                "embedding gradient",
+            );
+        }
+    }
 }

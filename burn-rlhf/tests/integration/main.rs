@@ -9,6 +9,7 @@ mod actor_update;
 mod config;
 mod data_parallel;
 mod learner_logprobs;
+mod on_policy;
 mod ppo_loop;
 mod recipes;
 mod sft;

@@ -348,7 +348,9 @@ fn kl_in_reward_subtracts_beta_kl_and_the_adaptive_controller_moves_as_verl() {
     let old = l.old_log_probs(&batch).unwrap().log_probs;
     let reference = l.ref_log_probs(&batch).unwrap().unwrap();
     let beta = l.kl_coef();
-    let (rewards, m) = l.kl_in_reward(&batch, &old, Some(&reference)).unwrap();
+    let (rewards, m) = l
+        .kl_in_reward(&batch, Some(&old), Some(&reference))
+        .unwrap();
     let scores = batch.token_level_scores.as_ref().unwrap();
     let mut per_row = Vec::new();
     for row in 0..batch.rows() {

@@ -12,7 +12,7 @@ use burn_rlhf::config::RlhfConfig;
 use burn_rlhf::models::{CausalLm, ValueModel};
 use burn_rlhf::rollout::{PromptSampler, RewardFn, RewardInput, RolloutError};
 use burn_rlhf::tasks;
-use burn_rlhf::trainer::metrics::Timing;
+use burn_rlhf::trainer::usage::Timing;
 use burn_rlhf::trainer::{Learner, LearnerParts};
 use burn_rlhf_test_assets::temp_dir;
 

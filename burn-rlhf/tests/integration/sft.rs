@@ -70,7 +70,7 @@ fn loss_counts_only_response_tokens() {
     )
     .unwrap();
     let batch = sft_rollout_batch(&[&example], t.pad_token_id);
-    let loss = sft_loss(&model, &batch, 1, &Default::default());
+    let loss = sft_loss(&model, &batch, (1, 512), &Default::default());
     // By hand: log-softmax over the whole sequence, then the next-token log-prob at every place.
     let ids: Vec<i64> = example
         .prompt

@@ -1,0 +1,184 @@
+//! What a phase of a step costs the machine besides time: the CPU it kept busy and the peak of
+//! resident memory while it ran, read from Linux's `/proc/self` (elsewhere nothing is reported),
+//! and on CubeCL backends the device memory pool.
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use super::metrics::Metrics;
+
+/// Clock ticks per second of `/proc/self/stat`'s CPU times (`getconf CLK_TCK`; 100 on every
+/// Linux platform Rust supports).
+const TICKS_PER_SECOND: f64 = 100.0;
+
+/// Process CPU time (user + system) in seconds, or `None` off Linux.
+pub fn cpu_seconds() -> Option<f64> {
+    cpu_seconds_of(&std::fs::read_to_string("/proc/self/stat").ok()?)
+}
+
+/// User + system CPU seconds from a `/proc/<pid>/stat` line.
+fn cpu_seconds_of(stat: &str) -> Option<f64> {
+    // Fields after the command name, which is in parentheses and may hold spaces.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of the whole line: 12 and 13 after the name.
+    let user: f64 = fields.get(11)?.parse().ok()?;
+    let system: f64 = fields.get(12)?.parse().ok()?;
+    Some((user + system) / TICKS_PER_SECOND)
+}
+
+/// The process's peak resident memory (`VmHWM`) in bytes since it started or since the last
+/// [`reset_peak_resident`].
+pub fn peak_resident_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// Starts a new peak of resident memory at the current resident size (Linux's
+/// `/proc/self/clear_refs`, value 5). Returns whether it could.
+pub fn reset_peak_resident() -> bool {
+    std::fs::write("/proc/self/clear_refs", "5").is_ok()
+}
+
+/// One phase's usage: wall seconds, CPU utilisation (CPU seconds per wall second: 2.0 is two
+/// cores busy), and the peak resident bytes while it ran.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Usage {
+    /// Wall-clock seconds.
+    pub seconds: f64,
+    /// CPU seconds per wall second, when known.
+    pub cpu_util: Option<f64>,
+    /// Peak resident bytes during the phase, when known.
+    pub peak_resident: Option<u64>,
+}
+
+/// Measures `f`'s [`Usage`].
+pub fn measure<T>(f: impl FnOnce() -> T) -> (T, Usage) {
+    let peak_known = reset_peak_resident();
+    let (cpu0, start) = (cpu_seconds(), Instant::now());
+    let out = f();
+    let seconds = start.elapsed().as_secs_f64();
+    let cpu_util = match (cpu0, cpu_seconds()) {
+        (Some(a), Some(b)) if seconds > 0.0 => Some((b - a) / seconds),
+        _ => None,
+    };
+    let peak_resident = peak_known.then(peak_resident_bytes).flatten();
+    (
+        out,
+        Usage {
+            seconds,
+            cpu_util,
+            peak_resident,
+        },
+    )
+}
+
+/// A step's phases: the wall-clock seconds of each (`timing_s/<name>`, verl's), its CPU
+/// utilisation (`perf/cpu_util/<name>`) and its peak resident memory (`perf/peak_rss_gb/<name>`),
+/// and with a device probe the device pool reserved after it
+/// (`perf/device_memory_reserved_gb/<name>`, CubeCL's memory pool).
+#[derive(Default)]
+pub struct Timing {
+    phases: BTreeMap<String, Phase>,
+    device_reserved: Option<Box<dyn Fn() -> Option<u64>>>,
+}
+
+/// One phase's totals (a phase may run several times in a step).
+#[derive(Debug, Default, Clone, Copy)]
+struct Phase {
+    seconds: f64,
+    cpu_seconds: Option<f64>,
+    peak_resident: Option<u64>,
+    device_reserved: Option<u64>,
+}
+
+impl Timing {
+    /// Timing that also reads the device memory pool after each phase through `probe`.
+    pub fn with_device_probe(probe: impl Fn() -> Option<u64> + 'static) -> Self {
+        Self {
+            phases: BTreeMap::new(),
+            device_reserved: Some(Box::new(probe)),
+        }
+    }
+
+    /// Runs `f` as (part of) phase `name`.
+    pub fn time<T>(&mut self, name: &str, f: impl FnOnce() -> T) -> T {
+        let (out, usage) = measure(f);
+        let reserved = self.device_reserved.as_ref().and_then(|probe| probe());
+        let phase = self.phases.entry(name.to_string()).or_default();
+        phase.seconds += usage.seconds;
+        phase.cpu_seconds = usage
+            .cpu_util
+            .map(|u| u * usage.seconds + phase.cpu_seconds.unwrap_or(0.0));
+        phase.peak_resident = phase.peak_resident.max(usage.peak_resident);
+        phase.device_reserved = phase.device_reserved.max(reserved);
+        out
+    }
+
+    /// The highest peak of resident memory over the phases, in bytes.
+    pub fn peak_resident(&self) -> Option<u64> {
+        self.phases.values().filter_map(|p| p.peak_resident).max()
+    }
+
+    /// Writes each phase's metrics into `metrics`.
+    pub fn write(&self, metrics: &mut Metrics) {
+        const GB: f64 = 1e9;
+        for (name, p) in &self.phases {
+            metrics.insert(format!("timing_s/{name}"), p.seconds);
+            if let Some(cpu) = p.cpu_seconds.filter(|_| p.seconds > 0.0) {
+                metrics.insert(format!("perf/cpu_util/{name}"), cpu / p.seconds);
+            }
+            if let Some(peak) = p.peak_resident {
+                metrics.insert(format!("perf/peak_rss_gb/{name}"), peak as f64 / GB);
+            }
+            if let Some(reserved) = p.device_reserved {
+                metrics.insert(
+                    format!("perf/device_memory_reserved_gb/{name}"),
+                    reserved as f64 / GB,
+                );
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A phase that touches 64 MB more than was resident peaks at least that much above where it
+    /// started (other tests of this binary only add to the process's peak).
+    #[test]
+    fn a_phase_reports_its_own_peak() {
+        if cpu_seconds().is_none() {
+            eprintln!("SKIPPED: no /proc/self on this system");
+            return;
+        }
+        let before = {
+            reset_peak_resident();
+            peak_resident_bytes().unwrap()
+        };
+        let (_, usage) = measure(|| {
+            let mut v = vec![0u8; 64 << 20];
+            for i in (0..v.len()).step_by(4096) {
+                v[i] = 1;
+            }
+            std::hint::black_box(v);
+        });
+        let peak = usage.peak_resident.expect("Linux reports the peak");
+        assert!(
+            peak >= before + (60 << 20),
+            "peak {peak} vs {before} before"
+        );
+        assert!(usage.cpu_util.is_some());
+    }
+
+    /// utime and stime are read after the command name, whatever it holds.
+    #[test]
+    fn cpu_times_are_read_after_the_command_name() {
+        let stat = "4242 (my (odd) cmd) R 1 2 3 4 5 6 7 8 9 10 250 50 0 0 20 0 3 0 100";
+        assert_eq!(cpu_seconds_of(stat), Some(3.0));
+        assert_eq!(cpu_seconds_of("garbage"), None);
+    }
+}
