@@ -7,6 +7,8 @@ use burn::nn::{Linear, LinearConfig};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, Tensor};
 
+use crate::kernels::DecoderBackend;
+
 /// A linear layer (Burn layout, weight `[in, out]`) and its optional adapter.
 #[derive(Module, Debug)]
 pub struct LoraLinear<B: Backend> {
@@ -47,6 +49,30 @@ impl LoraConfig {
     }
 }
 
+impl<B: DecoderBackend> LoraLinear<B> {
+    /// Shapes: `[.., in]` → `[.., out]`. The leading axes are flattened first, so the product is
+    /// one `[rows, in] x [in, out]` matrix product (and the weight's gradient one product over
+    /// every row) instead of a batch of products that share the weight.
+    pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        let dims = x.dims();
+        let d_in = dims[D - 1];
+        let rows = dims[..D - 1].iter().product::<usize>();
+        let flat: Tensor<B, 2> = x.reshape([rows, d_in]);
+        let y = crate::kernels::linear(flat.clone(), self.base.weight.val());
+        let y = match &self.base.bias {
+            Some(bias) => y + bias.val().unsqueeze(),
+            None => y,
+        };
+        let y = match &self.lora {
+            None => y,
+            Some(a) => y + flat.matmul(a.lora_a.val()).matmul(a.lora_b.val()) * a.scale,
+        };
+        let mut out = dims;
+        out[D - 1] = self.out_features();
+        y.reshape(out)
+    }
+}
+
 impl<B: Backend> LoraLinear<B> {
     /// A plain linear layer, no adapter.
     pub fn new(base: Linear<B>) -> Self {
@@ -61,24 +87,6 @@ impl<B: Backend> LoraLinear<B> {
     /// Output features.
     pub fn out_features(&self) -> usize {
         self.base.weight.dims()[1]
-    }
-
-    /// Shapes: `[.., in]` → `[.., out]`. The leading axes are flattened first, so the product is
-    /// one `[rows, in] x [in, out]` matrix product (and the weight's gradient one product over
-    /// every row) instead of a batch of products that share the weight.
-    pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
-        let dims = x.dims();
-        let d_in = dims[D - 1];
-        let rows = dims[..D - 1].iter().product::<usize>();
-        let flat: Tensor<B, 2> = x.reshape([rows, d_in]);
-        let y = self.base.forward(flat.clone());
-        let y = match &self.lora {
-            None => y,
-            Some(a) => y + flat.matmul(a.lora_a.val()).matmul(a.lora_b.val()) * a.scale,
-        };
-        let mut out = dims;
-        out[D - 1] = self.out_features();
-        y.reshape(out)
     }
 
     /// Attaches a fresh adapter of rank `rank` and freezes the base weights.

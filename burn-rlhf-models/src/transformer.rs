@@ -280,9 +280,7 @@ impl<B: DecoderBackend> CausalLm<B> {
             .forward(input_ids, attention_mask, position_ids, cache);
         self.logits(hidden)
     }
-}
 
-impl<B: Backend> CausalLm<B> {
     /// Logits at the last position only, as generation's prefill needs (the `[B, L, V]` logits of
     /// a long prompt would dwarf everything else). Shapes: `[B, L, H]` → `[B, V]`.
     pub fn last_logits(&self, hidden: Tensor<B, 3>) -> Tensor<B, 2> {
@@ -292,6 +290,24 @@ impl<B: Backend> CausalLm<B> {
         self.logits(last).reshape([b, v])
     }
 
+    /// The LM head on hidden states, as f32 (log-probs, entropies and sampling read f32 logits
+    /// whatever the model's dtype). Shapes: `[B, L, H]` → `[B, L, V]`.
+    pub fn logits(&self, hidden: Tensor<B, 3>) -> Tensor<B, 3> {
+        let logits = match &self.lm_head {
+            Some(head) => head.forward(hidden),
+            None => {
+                // Tied: the embeddings `[V, H]` read transposed in place.
+                let [b, l, h] = hidden.dims();
+                let w = self.model.embed_tokens.weight.val();
+                let v = w.dims()[0];
+                kernels::linear(hidden.reshape([b * l, h]), w.transpose()).reshape([b, l, v])
+            }
+        };
+        logits.cast(DType::F32)
+    }
+}
+
+impl<B: Backend> CausalLm<B> {
     /// The dtype the model computes in (its weights').
     pub fn float_dtype(&self) -> DType {
         self.model.embed_tokens.weight.val().dtype()
@@ -322,28 +338,6 @@ impl<B: Backend> CausalLm<B> {
             }
             Some(_) => None,
         }
-    }
-
-    /// The LM head on hidden states, as f32 (log-probs, entropies and sampling read f32 logits
-    /// whatever the model's dtype). Shapes: `[B, L, H]` → `[B, L, V]`.
-    pub fn logits(&self, hidden: Tensor<B, 3>) -> Tensor<B, 3> {
-        let logits = match &self.lm_head {
-            Some(head) => head.forward(hidden),
-            None => {
-                let w = self.model.embed_tokens.weight.val(); // [V, H]
-                let [b, l, h] = hidden.dims();
-                let v = w.dims()[0];
-                if b * l < h {
-                    // Few rows (decoding): `(W h^T)^T` reads W in its own layout; `h W^T` would
-                    // first copy the whole transposed [H, V] matrix, every step.
-                    let flat = hidden.reshape([b * l, h]);
-                    w.matmul(flat.transpose()).transpose().reshape([b, l, v])
-                } else {
-                    hidden.matmul(w.transpose().unsqueeze::<3>())
-                }
-            }
-        };
-        logits.cast(DType::F32)
     }
 }
 

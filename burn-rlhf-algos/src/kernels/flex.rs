@@ -1,6 +1,8 @@
 //! Flex's host kernels for [`RlBackend`]: log-probs and entropies from f32 logits, forward and
 //! backward, one row per task on every core and two passes over a row (its max, then one pass of
-//! exponentials for the normaliser and `E_p[z]`) instead of the reference's chain of tensor ops.
+//! exponentials for the normaliser and `E_p[z]`) instead of the reference's chain of tensor ops;
+//! and the chunked LM head ([`RlBackend::rl_linear_logprob_entropy`]) with one logits buffer
+//! reused by every chunk, the weight's gradient accumulated in place by the matrix product.
 //! Other dtypes take the references.
 
 use burn::backend::flex::FlexTensor;
@@ -25,22 +27,226 @@ fn row_stats(logits: &[f32], inv_t: f32) -> (f32, f32, f32) {
     (max, max + sum.ln(), weighted / sum)
 }
 
+/// Replaces one row of logits by the gradient of (log-prob of `label`, entropy) with respect to
+/// them, given the output's gradient `(g_lp, g_h)`.
+#[inline]
+fn logit_grads(row: &mut [f32], (g_lp, g_h): (f32, f32), label: usize, inv_t: f32) {
+    let (_, lse, mean_z) = row_stats(row, inv_t);
+    // d/dz of (z_label - lse) and of (lse - E_p[z]), then through z = x / T.
+    for x in row.iter_mut() {
+        let z = *x * inv_t;
+        let p = (z - lse).exp();
+        *x = -p * (g_lp + g_h * (z - mean_z)) * inv_t;
+    }
+    row[label] += g_lp * inv_t;
+}
+
+/// Label ids as indices.
+fn indices(labels: IntTensor<Flex>) -> Vec<usize> {
+    labels
+        .into_data()
+        .convert::<i64>()
+        .iter::<i64>()
+        .map(|l| l as usize)
+        .collect()
+}
+
 /// Logits as a contiguous f32 `[rows, vocab]` tensor and the labels as indices, or `None` for
 /// another dtype.
 fn inputs(logits: &FlexTensor, labels: IntTensor<Flex>) -> Option<(FlexTensor, Vec<usize>)> {
     if logits.dtype() != DType::F32 || logits.layout().shape().num_dims() != 2 {
         return None;
     }
-    let labels: Vec<usize> = labels
-        .into_data()
-        .convert::<i64>()
-        .iter::<i64>()
-        .map(|l| l as usize)
-        .collect();
-    Some((logits.to_contiguous(), labels))
+    Some((logits.to_contiguous(), indices(labels)))
+}
+
+/// One matrix operand: its first element and its (row, column) strides.
+type Operand = (*const f32, isize, isize);
+
+/// A 2-D f32 tensor read in place, at any non-negative strides.
+fn operand(t: &FlexTensor) -> Option<Operand> {
+    let layout = t.layout();
+    let strides = layout.strides();
+    if t.dtype() != DType::F32 || layout.shape().num_dims() != 2 || strides.iter().any(|&s| s < 0) {
+        return None;
+    }
+    // SAFETY: the offset is inside the storage the tensor views.
+    let first = unsafe { t.storage::<f32>().as_ptr().add(layout.start_offset()) };
+    Some((first, strides[0], strides[1]))
+}
+
+/// Rows `start..` of an operand.
+fn rows_from((ptr, rs, cs): Operand, start: usize) -> Operand {
+    // SAFETY: callers stay inside the operand's rows.
+    (unsafe { ptr.offset(start as isize * rs) }, rs, cs)
+}
+
+/// `dst[m, n] (+)= lhs[m, k] · rhs[k, n]`, `dst` row-major with `n` columns, on every core.
+///
+/// # Safety
+/// The operands must address valid memory for their shapes and strides; `dst` holds `m * n`
+/// elements and aliases neither.
+unsafe fn product_into(
+    (m, n, k): (usize, usize, usize),
+    dst: *mut f32,
+    accumulate: bool,
+    lhs: Operand,
+    rhs: Operand,
+) {
+    gemm::gemm(
+        m,
+        n,
+        k,
+        dst,
+        1,
+        n as isize,
+        accumulate,
+        lhs.0,
+        lhs.2,
+        lhs.1,
+        rhs.0,
+        rhs.2,
+        rhs.1,
+        1.0,
+        1.0,
+        false,
+        false,
+        false,
+        gemm::Parallelism::Rayon(0),
+    );
+}
+
+/// Row chunks `(start, end)` of `rows`.
+fn chunks(rows: usize, chunk: usize) -> impl Iterator<Item = (usize, usize)> {
+    let chunk = chunk.max(1);
+    (0..rows)
+        .step_by(chunk)
+        .map(move |s| (s, (s + chunk).min(rows)))
 }
 
 impl RlBackend for Flex {
+    fn rl_linear_logprob_entropy(
+        hidden: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        labels: IntTensor<Self>,
+        temperature: f32,
+        chunk: usize,
+    ) -> FloatTensor<Self> {
+        let (Some(h), Some(w)) = (operand(&hidden), operand(&weight)) else {
+            return reference::linear_logprob_entropy::<Self>(
+                hidden,
+                weight,
+                labels,
+                temperature,
+                chunk,
+            );
+        };
+        let (rows, width) = (hidden.layout().shape()[0], hidden.layout().shape()[1]);
+        let vocab = weight.layout().shape()[0];
+        let labels = indices(labels);
+        let inv_t = 1.0 / temperature;
+        let mut logits = vec![0.0f32; chunk.min(rows) * vocab];
+        let mut out = vec![0.0f32; rows * 2];
+        for (start, end) in chunks(rows, chunk) {
+            let n = end - start;
+            // SAFETY: rows start..end of hidden times the weight's transpose, into n * vocab.
+            unsafe {
+                let wt = (w.0, w.2, w.1);
+                product_into(
+                    (n, vocab, width),
+                    logits.as_mut_ptr(),
+                    false,
+                    rows_from(h, start),
+                    wt,
+                );
+            }
+            out[start * 2..end * 2]
+                .par_chunks_mut(2)
+                .zip(logits[..n * vocab].par_chunks(vocab))
+                .zip(labels[start..end].par_iter())
+                .for_each(|((out, row), &label)| {
+                    let (_, lse, mean_z) = row_stats(row, inv_t);
+                    out[0] = row[label] * inv_t - lse;
+                    out[1] = lse - mean_z;
+                });
+        }
+        FlexTensor::from_data(TensorData::new(out, [rows, 2]))
+    }
+
+    fn rl_linear_logprob_entropy_backward(
+        grad: FloatTensor<Self>,
+        hidden: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        labels: IntTensor<Self>,
+        temperature: f32,
+        chunk: usize,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (Some(h), Some(w), DType::F32) = (operand(&hidden), operand(&weight), grad.dtype())
+        else {
+            return reference::linear_logprob_entropy_backward::<Self>(
+                grad,
+                hidden,
+                weight,
+                labels,
+                temperature,
+                chunk,
+            );
+        };
+        let grad = grad.to_contiguous();
+        let grad = grad.storage::<f32>();
+        let (rows, width) = (hidden.layout().shape()[0], hidden.layout().shape()[1]);
+        let vocab = weight.layout().shape()[0];
+        let labels = indices(labels);
+        let inv_t = 1.0 / temperature;
+        let mut dlogits = vec![0.0f32; chunk.min(rows) * vocab];
+        let mut d_hidden = vec![0.0f32; rows * width];
+        let mut d_weight = vec![0.0f32; vocab * width];
+        for (i, (start, end)) in chunks(rows, chunk).enumerate() {
+            let n = end - start;
+            // SAFETY: as in the forward.
+            unsafe {
+                let wt = (w.0, w.2, w.1);
+                product_into(
+                    (n, vocab, width),
+                    dlogits.as_mut_ptr(),
+                    false,
+                    rows_from(h, start),
+                    wt,
+                );
+            }
+            // The logits' gradient in place of the logits.
+            dlogits[..n * vocab]
+                .par_chunks_mut(vocab)
+                .zip(grad[start * 2..end * 2].par_chunks(2))
+                .zip(labels[start..end].par_iter())
+                .for_each(|((row, g), &label)| logit_grads(row, (g[0], g[1]), label, inv_t));
+            let dl: Operand = (dlogits.as_ptr(), vocab as isize, 1);
+            // SAFETY: d_hidden rows start..end and all of d_weight are written by this chunk's
+            // products only.
+            unsafe {
+                product_into(
+                    (n, width, vocab),
+                    d_hidden[start * width..].as_mut_ptr(),
+                    false,
+                    dl,
+                    w,
+                );
+                let dl_t = (dl.0, dl.2, dl.1);
+                product_into(
+                    (vocab, width, n),
+                    d_weight.as_mut_ptr(),
+                    i > 0,
+                    dl_t,
+                    rows_from(h, start),
+                );
+            }
+        }
+        (
+            FlexTensor::from_data(TensorData::new(d_hidden, [rows, width])),
+            FlexTensor::from_data(TensorData::new(d_weight, [vocab, width])),
+        )
+    }
+
     fn rl_logprob_entropy(
         logits: FloatTensor<Self>,
         labels: IntTensor<Self>,
@@ -81,16 +287,121 @@ impl RlBackend for Flex {
             .zip(z.storage::<f32>().par_chunks(vocab))
             .zip(grad.storage::<f32>().par_chunks(2).zip(labels.par_iter()))
             .for_each(|((d, row), (g, &label))| {
-                let (g_lp, g_h) = (g[0], g[1]);
-                let (_, lse, mean_z) = row_stats(row, inv_t);
-                // d/dz of (z_label - lse) and of (lse - E_p[z]), then through z = x / T.
-                for (d, &x) in d.iter_mut().zip(row) {
-                    let z = x * inv_t;
-                    let p = (z - lse).exp();
-                    *d = -p * (g_lp + g_h * (z - mean_z)) * inv_t;
-                }
-                d[label] += g_lp * inv_t;
+                d.copy_from_slice(row);
+                logit_grads(d, (g[0], g[1]), label, inv_t);
             });
         FlexTensor::from_data(TensorData::new(d, [labels.len(), vocab]))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Each host kernel against the reference tensor ops.
+    use burn::tensor::{Distribution, Int, Tensor, TensorPrimitive};
+
+    use super::*;
+
+    fn random<const D: usize>(shape: [usize; D], seed: u64) -> Tensor<Flex, D> {
+        <Flex as burn::tensor::backend::Backend>::seed(&Default::default(), seed);
+        Tensor::random(shape, Distribution::Normal(0.0, 2.0), &Default::default())
+    }
+
+    fn labels(n: usize, vocab: usize) -> IntTensor<Flex> {
+        let ids: Vec<i64> = (0..n).map(|i| ((i * 7 + 3) % vocab) as i64).collect();
+        Tensor::<Flex, 1, Int>::from_data(TensorData::new(ids, [n]), &Default::default())
+            .into_primitive()
+    }
+
+    fn prim<const D: usize>(t: Tensor<Flex, D>) -> FloatTensor<Flex> {
+        t.into_primitive().tensor()
+    }
+
+    fn close(a: FloatTensor<Flex>, b: FloatTensor<Flex>, what: &str) {
+        let a: Vec<f32> = Tensor::<Flex, 2>::from_primitive(TensorPrimitive::Float(a))
+            .into_data()
+            .iter::<f32>()
+            .collect();
+        let b: Vec<f32> = Tensor::<Flex, 2>::from_primitive(TensorPrimitive::Float(b))
+            .into_data()
+            .iter::<f32>()
+            .collect();
+        assert_eq!(a.len(), b.len(), "{what}");
+        let worst = a
+            .iter()
+            .zip(&b)
+            .map(|(x, y)| (x - y).abs() / (1.0 + y.abs()))
+            .fold(0.0f32, f32::max);
+        assert!(worst < 1e-5, "{what}: {worst}");
+    }
+
+    #[test]
+    fn log_probs_and_entropy_match_the_reference() {
+        let (n, vocab, t) = (9, 37, 0.7);
+        let logits = random([n, vocab], 1);
+        let grad = random([n, 2], 2);
+        close(
+            Flex::rl_logprob_entropy(prim(logits.clone()), labels(n, vocab), t),
+            reference::logprob_entropy::<Flex>(prim(logits.clone()), labels(n, vocab), t),
+            "forward",
+        );
+        close(
+            Flex::rl_logprob_entropy_backward(
+                prim(grad.clone()),
+                prim(logits.clone()),
+                labels(n, vocab),
+                t,
+            ),
+            reference::logprob_entropy_backward::<Flex>(
+                prim(grad),
+                prim(logits),
+                labels(n, vocab),
+                t,
+            ),
+            "backward",
+        );
+    }
+
+    /// The chunked LM head for chunk sizes that split the rows unevenly, for a weight stored as
+    /// `[vocab, hidden]` (tied embeddings) and as the transpose of `[hidden, vocab]` (a head).
+    #[test]
+    fn the_chunked_head_matches_the_reference() {
+        let (n, width, vocab, t) = (11, 6, 29, 1.3);
+        let hidden = random([n, width], 3);
+        let grad = random([n, 2], 4);
+        let stored = random([vocab, width], 5);
+        let head = random([width, vocab], 6);
+        for weight in [stored, head.transpose()] {
+            for chunk in [1, 4, 11, 100] {
+                let forward = |f: bool| {
+                    let args = (prim(hidden.clone()), prim(weight.clone()), labels(n, vocab));
+                    match f {
+                        true => Flex::rl_linear_logprob_entropy(args.0, args.1, args.2, t, chunk),
+                        false => reference::linear_logprob_entropy::<Flex>(
+                            args.0, args.1, args.2, t, chunk,
+                        ),
+                    }
+                };
+                close(forward(true), forward(false), "forward");
+                let backward = |f: bool| {
+                    let args = (
+                        prim(grad.clone()),
+                        prim(hidden.clone()),
+                        prim(weight.clone()),
+                        labels(n, vocab),
+                    );
+                    match f {
+                        true => Flex::rl_linear_logprob_entropy_backward(
+                            args.0, args.1, args.2, args.3, t, chunk,
+                        ),
+                        false => reference::linear_logprob_entropy_backward::<Flex>(
+                            args.0, args.1, args.2, args.3, t, chunk,
+                        ),
+                    }
+                };
+                let (kernel, plain) = (backward(true), backward(false));
+                close(kernel.0, plain.0, "hidden gradient");
+                close(kernel.1, plain.1, "weight gradient");
+            }
+        }
     }
 }

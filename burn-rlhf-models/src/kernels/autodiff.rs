@@ -61,6 +61,22 @@ impl<B: DecoderBackend> Backward<B, 3> for AttentionBackward {
 }
 
 #[derive(Debug)]
+struct LinearBackward;
+
+impl<B: DecoderBackend> Backward<B, 2> for LinearBackward {
+    type State = [NodeId; 2];
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, c: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        let [x, weight] = ops
+            .state
+            .map(|id| c.retrieve_node_output::<FloatTensor<B>>(id));
+        let (dx, dw) = B::dec_linear_backward(grad, x, weight);
+        register!(B, ops.parents, [dx, dw], grads);
+    }
+}
+
+#[derive(Debug)]
 struct RmsNormBackward(f64);
 
 #[derive(Debug, Clone)]
@@ -205,6 +221,31 @@ impl<B: DecoderBackend, C: CheckpointStrategy> DecoderBackend for Autodiff<B, C>
             mask,
         );
         (outer::<B, C>(dq), outer::<B, C>(dk), outer::<B, C>(dv))
+    }
+
+    fn dec_linear(x: FloatTensor<Self>, weight: FloatTensor<Self>) -> FloatTensor<Self> {
+        let out = B::dec_linear(x.primitive.clone(), weight.primitive.clone());
+        match LinearBackward
+            .prepare::<C>([x.node.clone(), weight.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(mut prep) => {
+                let state = [prep.checkpoint(&x), prep.checkpoint(&weight)];
+                prep.finish(state, out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(out),
+        }
+    }
+
+    fn dec_linear_backward(
+        grad: FloatTensor<Self>,
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (dx, dw) =
+            B::dec_linear_backward(inner::<B, C>(grad), inner::<B, C>(x), inner::<B, C>(weight));
+        (outer::<B, C>(dx), outer::<B, C>(dw))
     }
 
     fn dec_rms_norm(

@@ -168,6 +168,65 @@ unsafe fn matmul(
     );
 }
 
+/// A 2-D f32 tensor read in place as a matrix operand, at any non-negative strides.
+fn operand(t: &FlexTensor) -> Option<Operand> {
+    let layout = t.layout();
+    let strides = layout.strides();
+    if t.dtype() != DType::F32 || layout.shape().num_dims() != 2 || strides.iter().any(|&s| s < 0) {
+        return None;
+    }
+    // SAFETY: the offset is inside the storage the tensor views.
+    let first = unsafe { t.storage::<f32>().as_ptr().add(layout.start_offset()) };
+    Some((first, strides[0], strides[1]))
+}
+
+/// `(ptr, rows, cols)` strides of an operand's transpose.
+fn transposed((ptr, rs, cs): Operand) -> Operand {
+    (ptr, cs, rs)
+}
+
+/// `lhs[m, k] · rhs[k, n]` into a new row-major `[m, n]` buffer, on every core for a large
+/// product (gemm's own threads, as Flex's matmul). Unlike Flex's matmul, the output is not
+/// zero-filled and then copied to realign it: gemm writes every element once.
+///
+/// # Safety
+/// The operands must address valid memory for their shapes and strides.
+unsafe fn product((m, n, k): (usize, usize, usize), lhs: Operand, rhs: Operand) -> Vec<f32> {
+    if k == 0 {
+        return vec![0.0; m * n];
+    }
+    let mut out = Vec::<f32>::with_capacity(m * n);
+    let parallelism = if m * n * k >= 192 * 192 * 192 {
+        gemm::Parallelism::Rayon(0)
+    } else {
+        gemm::Parallelism::None
+    };
+    gemm::gemm(
+        m,
+        n,
+        k,
+        out.as_mut_ptr(),
+        1,
+        n as isize,
+        false,
+        lhs.0,
+        lhs.2,
+        lhs.1,
+        rhs.0,
+        rhs.2,
+        rhs.1,
+        1.0,
+        1.0,
+        false,
+        false,
+        false,
+        parallelism,
+    );
+    // gemm wrote all m * n elements (it does not read the destination).
+    out.set_len(m * n);
+    out
+}
+
 /// Turns each row of `scores` (`[rows, keys]`, the scaled scores of queries `i0..` of row `b`)
 /// into probabilities over its visible keys (0 elsewhere) and returns each row's log-sum-exp,
 /// or `None` for a row that sees no key (left all 0).
@@ -586,6 +645,42 @@ impl DecoderBackend for Flex {
             }
             _ => reference::attention_backward::<Self>(q, k, v, out, lse, grad, mask),
         }
+    }
+
+    fn dec_linear(x: FloatTensor<Self>, weight: FloatTensor<Self>) -> FloatTensor<Self> {
+        let (Some(xo), Some(wo)) = (operand(&x), operand(&weight)) else {
+            return reference::linear::<Self>(x, weight);
+        };
+        let (n, k, m) = (
+            x.layout().shape()[0],
+            x.layout().shape()[1],
+            weight.layout().shape()[1],
+        );
+        // SAFETY: both operands are f32 matrices read at their own strides.
+        tensor(unsafe { product((n, m, k), xo, wo) }, [n, m])
+    }
+
+    fn dec_linear_backward(
+        grad: FloatTensor<Self>,
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (Some(go), Some(xo), Some(wo)) = (operand(&grad), operand(&x), operand(&weight)) else {
+            return reference::linear_backward::<Self>(grad, x, weight);
+        };
+        let (n, k, m) = (
+            x.layout().shape()[0],
+            x.layout().shape()[1],
+            weight.layout().shape()[1],
+        );
+        // SAFETY: as in `dec_linear`; transposes are strides only.
+        let (dx, dw) = unsafe {
+            (
+                product((n, k, m), go, transposed(wo)),
+                product((k, m, n), transposed(xo), go),
+            )
+        };
+        (tensor(dx, [n, k]), tensor(dw, [k, m]))
     }
 
     fn dec_write_positions(

@@ -121,6 +121,22 @@ pub trait DecoderBackend: Backend {
         reference::attention_backward::<Self>(q, k, v, out, lse, grad, mask)
     }
 
+    /// A linear layer's product: x `[N, in]` times weight `[in, out]` (Burn's layout) →
+    /// `[N, out]`.
+    fn dec_linear(x: FloatTensor<Self>, weight: FloatTensor<Self>) -> FloatTensor<Self> {
+        reference::linear::<Self>(x, weight)
+    }
+
+    /// The gradients (x, weight) of [`DecoderBackend::dec_linear`]: `grad · weightᵀ` and
+    /// `xᵀ · grad`.
+    fn dec_linear_backward(
+        grad: FloatTensor<Self>,
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        reference::linear_backward::<Self>(grad, x, weight)
+    }
+
     /// RMSNorm over the last axis, statistics in f32: x `[B, L, H]`, weight `[H]` → y in x's
     /// dtype.
     fn dec_rms_norm(
@@ -222,6 +238,19 @@ pub fn attention<B: DecoderBackend>(
         mask.keys_len()
     );
     wrap(B::dec_attention(prim(q), prim(k), prim(v), mask).0)
+}
+
+/// `x · weight` for a linear layer (see [`DecoderBackend::dec_linear`]). Shapes: x `[N, in]`,
+/// weight `[in, out]` → `[N, out]`.
+pub fn linear<B: DecoderBackend>(x: Tensor<B, 2>, weight: Tensor<B, 2>) -> Tensor<B, 2> {
+    assert_eq!(
+        x.dims()[1],
+        weight.dims()[0],
+        "linear: x {:?} weight {:?}",
+        x.dims(),
+        weight.dims()
+    );
+    wrap(B::dec_linear(prim(x), prim(weight)))
 }
 
 /// RMSNorm over the last axis with f32 statistics. Shapes: x `[B, L, H]`, weight `[H]` →
@@ -463,6 +492,56 @@ mod tests {
                 assert_close::<Flex, 4>(a, b, 1e-4, what);
             }
         }
+    }
+
+    /// The linear product and its gradients, for a stored and a transposed-view weight.
+    #[test]
+    fn linear_kernel_matches_autodiff_through_the_reference() {
+        let x = random::<A, 2>([7, 5], 21);
+        let dy = random::<A, 2>([7, 9], 22);
+        for w in [
+            random::<A, 2>([5, 9], 23),
+            random::<A, 2>([9, 5], 24).transpose(),
+        ] {
+            let run = |fused: bool| {
+                let (x, w) = (x.clone().require_grad(), w.clone().require_grad());
+                let y: Tensor<A, 2> = if fused {
+                    linear(x.clone(), w.clone())
+                } else {
+                    x.clone().matmul(w.clone())
+                };
+                let g = (y.clone() * dy.clone()).sum().backward();
+                (y.inner(), x.grad(&g).unwrap(), w.grad(&g).unwrap())
+            };
+            let (fused, plain) = (run(true), run(false));
+            assert_close(fused.0, plain.0, 1e-5, "linear");
+            assert_close(fused.1, plain.1, 1e-5, "linear dx");
+            assert_close(fused.2, plain.2, 1e-5, "linear dw");
+        }
+    }
+
+    /// The cache's write lands at its positions and, on a buffer nobody else holds, in place.
+    #[test]
+    fn positions_are_written_in_place() {
+        let buffer = Tensor::<Flex, 4>::zeros([2, 3, 6, 4], &Default::default());
+        let value = random::<Flex, 4>([2, 3, 2, 4], 25);
+        let before = buffer.clone().into_primitive().tensor().bytes().as_ptr();
+        let out = write_positions(buffer, value.clone(), 3);
+        let after = out.clone().into_primitive().tensor().bytes().as_ptr();
+        assert_eq!(before, after, "written in place");
+        assert_close(
+            out.clone().slice([0..2, 0..3, 3..5, 0..4]),
+            value,
+            0.0,
+            "written",
+        );
+        assert_eq!(
+            out.slice([0..2, 0..3, 0..3, 0..4])
+                .abs()
+                .sum()
+                .into_scalar(),
+            0.0
+        );
     }
 
     #[test]

@@ -169,6 +169,22 @@ pub fn attention_backward<B: Backend>(
     (prim(dq), prim(dk.cast(k_dtype)), prim(dv.cast(v_dtype)))
 }
 
+/// `x · weight`.
+pub fn linear<B: Backend>(x: FloatTensor<B>, weight: FloatTensor<B>) -> FloatTensor<B> {
+    B::float_matmul(x, weight)
+}
+
+/// `(grad · weightᵀ, xᵀ · grad)`.
+pub fn linear_backward<B: Backend>(
+    grad: FloatTensor<B>,
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+) -> (FloatTensor<B>, FloatTensor<B>) {
+    let dx = B::float_matmul(grad.clone(), B::float_transpose(weight));
+    let dw = B::float_matmul(B::float_transpose(x), grad);
+    (dx, dw)
+}
+
 /// The KV cache's write: `slice_assign` over positions `start..start + L`.
 pub fn write_positions<B: Backend>(
     buffer: FloatTensor<B>,
