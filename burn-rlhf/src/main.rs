@@ -88,9 +88,13 @@ enum Command {
     Model(ModelCommand),
     /// Benchmark a config's actor on the selected backend: generation and forward+backward
     /// tokens/s (cold and warm) and the phase times of its first PPO steps, as JSON lines
-    /// comparable with `../shared/gpu/torch_peer_gpu.py` on the same model.
+    /// comparable with `../shared/gpu/torch_peer_gpu.py` on the same model. With `--peer`, TRL
+    /// then runs the same steps (model folder, GSM8K jsonl, sizes) and a table of both follows.
     ///
     /// Example: `burn-rlhf bench configs/ppo_gsm8k.ron actor_rollout_ref.model.path=/tmp/qwen05`
+    ///
+    /// Side by side with TRL: `burn-rlhf bench configs/grpo_gsm8k.ron ... --generate 0 0 0
+    /// --fwd-bwd 0 0 --steps 3 --peer benches/peers/trl_grpo.py`
     Bench {
         /// The RON config file.
         config: PathBuf,
@@ -105,6 +109,16 @@ enum Command {
         /// PPO steps of the config to time.
         #[arg(long, default_value_t = 2)]
         steps: usize,
+        /// A peer script to run the same steps after ours (`benches/peers/trl_grpo.py`).
+        #[arg(long)]
+        peer: Option<PathBuf>,
+        /// The Python that runs the peer (its venv: `benches/peers/setup.sh`).
+        #[arg(
+            long,
+            env = "RLHF_PEER_PYTHON",
+            default_value = "/tmp/peer-venv/bin/python"
+        )]
+        peer_python: PathBuf,
     },
 }
 
@@ -378,12 +392,18 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             generate,
             fwd_bwd,
             steps,
+            peer,
+            peer_python,
         } => {
             use burn_rlhf::backend::{backend_name, default_device};
             let options = burn_rlhf::bench::BenchOptions {
                 gen: (generate[0], generate[1], generate[2]),
                 fwd_bwd: (fwd_bwd[0], fwd_bwd[1]),
                 steps,
+                peer: peer.map(|script| burn_rlhf::bench::Peer {
+                    python: peer_python,
+                    script,
+                }),
             };
             let settings = checked_config(&config, &overrides)?;
             burn_rlhf::with_train_backend!(settings.model.gradient_checkpointing, B => {

@@ -9,7 +9,13 @@
 //! - `ppo_step`: one line per training step of the config, with its phase times (`timing_s/*`).
 //!
 //! Every line also counts the kernels compiled and the autotune runs it caused (`-1`: not
-//! counted, on CPU backends or when CubeCL was configured elsewhere).
+//! counted, on CPU backends or when CubeCL was configured elsewhere). With a peer
+//! ([`BenchOptions::peer`], `peer.rs`) the steps are then run by TRL on the same model, data and
+//! sizes, and a table of both and their ratios follows.
+
+mod peer;
+
+pub use peer::{compare, run_peer, table, Peer, Side};
 
 use std::time::Instant;
 
@@ -32,6 +38,8 @@ pub struct BenchOptions {
     pub fwd_bwd: (usize, usize),
     /// PPO steps of the config to time (0: none).
     pub steps: usize,
+    /// The peer that runs the same steps after ours (`None`: ours only).
+    pub peer: Option<Peer>,
 }
 
 impl Default for BenchOptions {
@@ -41,6 +49,7 @@ impl Default for BenchOptions {
             gen: (64, 128, 256),
             fwd_bwd: (8, 384),
             steps: 2,
+            peer: None,
         }
     }
 }
@@ -98,6 +107,8 @@ pub fn run_bench<B: LearnerBackend>(
     let tag = format!("burn-rlhf {backend} f32");
 
     let (rows, prompt, tokens) = options.gen;
+    // Zero rows: no generation case.
+    let gen_rows = if rows == 0 { 0 } else { 2 };
     let prompts = random_tokens(rows, prompt, vocab, 1);
     let keys: Vec<u64> = (0..rows as u64).collect();
     let params = SamplingParams {
@@ -108,7 +119,7 @@ pub fn run_bench<B: LearnerBackend>(
     };
     let policy = learner.actor.valid();
     let case = format!("generate_b{rows}_p{prompt}_n{tokens}");
-    for run in ["cold", "warm"] {
+    for run in ["cold", "warm"].into_iter().take(gen_rows) {
         let (samples, secs, compiled, tuned) = timed(|| {
             generate_keyed(
                 &policy,
@@ -131,7 +142,10 @@ pub fn run_bench<B: LearnerBackend>(
     let (rows, len) = options.fwd_bwd;
     let batch = sequences(&random_tokens(rows, len, vocab, 2));
     let case = format!("fwd_bwd_{rows}x{len}");
-    for run in ["cold", "warm"] {
+    for run in ["cold", "warm"]
+        .into_iter()
+        .take(if rows == 0 { 0 } else { 2 })
+    {
         let (_, secs, compiled, tuned) = timed(|| {
             let seq = SequenceTensors::<B>::from_batch(&batch, device);
             let head = LogprobHead {
@@ -150,9 +164,11 @@ pub fn run_bench<B: LearnerBackend>(
         );
     }
 
+    let mut step_metrics = Vec::new();
     for step in 1..=options.steps {
         let (metrics, secs, compiled, tuned) = timed(|| learner.step());
         let metrics = metrics?;
+        step_metrics.push(metrics.clone());
         let phases: serde_json::Map<String, Value> = metrics
             .iter()
             .filter(|(k, _)| k.starts_with("timing_s/"))
@@ -161,8 +177,19 @@ pub fn run_bench<B: LearnerBackend>(
         emit(
             json!({"case": "ppo_step", "step": step, "impl": tag, "median_s": secs,
             "unit_per_s": metrics.get("perf/throughput"), "unit": "tokens",
-            "phases_s": phases, "kernels_compiled": compiled, "autotune_runs": tuned}),
+            "phases_s": phases, "kernels_compiled": compiled, "autotune_runs": tuned,
+            "cpu_util": metrics.get("perf/cpu_util"), "peak_rss_gb": metrics.get("perf/peak_rss_gb")}),
         );
+    }
+    if let Some(peer) = &options.peer {
+        let settings = learner.settings.clone();
+        // Ours gives its memory back before the peer starts.
+        drop(learner);
+        let ours = Side::from_metrics(&step_metrics);
+        let theirs = run_peer(peer, &settings, options.steps.max(1))?;
+        let name = "TRL GRPOTrainer";
+        eprint!("{}", table(&ours, &theirs, name));
+        emit(compare(&ours, &theirs, name));
     }
     Ok(lines)
 }
