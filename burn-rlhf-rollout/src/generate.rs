@@ -21,6 +21,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_rlhf_models::{CausalLm, DecoderBackend, KvCache, TransformerConfig};
 use rand::{Rng, SeedableRng};
+use rayon::prelude::*;
 
 pub use crate::params::{DecodeShapes, LogprobsMode, SamplingParams};
 pub use crate::sample::processed_distribution;
@@ -363,13 +364,21 @@ impl<B: DecoderBackend> Request<'_, B> {
             profile.decode_steps += 1;
             let mut still = Vec::with_capacity(b);
             let mut step_tokens = Vec::with_capacity(b);
-            for (slot, &s) in rows.active.iter().enumerate() {
-                let u = if greedy {
-                    0.0
-                } else {
-                    rows.rngs[s].random::<f64>()
-                };
-                let (token, lp) = pick(&flat[slot * v..(slot + 1) * v], params, u);
+            // Each row's draw from its own stream, then the rows' picks on every core.
+            let draws: Vec<f64> = rows
+                .active
+                .iter()
+                .map(|&s| match greedy {
+                    true => 0.0,
+                    false => rows.rngs[s].random::<f64>(),
+                })
+                .collect();
+            let picks: Vec<(u32, f32)> = flat
+                .par_chunks(v)
+                .zip(draws.par_iter())
+                .map(|(row, &u)| pick(row, params, u))
+                .collect();
+            for (slot, (&s, (token, lp))) in rows.active.iter().zip(picks).enumerate() {
                 on_token(s, token);
                 if push_token(&mut rows.samples[s], token, lp, params) {
                     still.push(slot);

@@ -326,7 +326,6 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> RlBackend
     }
 
     fn device_memory_reserved(device: &Self::Device) -> Option<u64> {
-        use cubecl::Runtime;
         R::client(device)
             .memory_usage()
             .ok()

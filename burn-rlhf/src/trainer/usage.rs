@@ -11,6 +11,21 @@ use super::metrics::Metrics;
 /// Linux platform Rust supports).
 const TICKS_PER_SECOND: f64 = 100.0;
 
+/// Whether a metric measures the machine (time, throughput, CPU, memory) rather than the run:
+/// two runs of the same config agree on every other metric.
+pub fn measures_the_machine(key: &str) -> bool {
+    [
+        "timing_s/",
+        "perf/time_per_step",
+        "perf/throughput",
+        "perf/cpu_util",
+        "perf/peak_rss_gb",
+        "perf/device_memory_reserved_gb",
+    ]
+    .iter()
+    .any(|prefix| key.starts_with(prefix))
+}
+
 /// Process CPU time (user + system) in seconds, or `None` off Linux.
 pub fn cpu_seconds() -> Option<f64> {
     cpu_seconds_of(&std::fs::read_to_string("/proc/self/stat").ok()?)

@@ -164,7 +164,7 @@ fn assert_same_metrics_but(a: &Path, b: &Path, what: &str, skip: &[&str]) {
     for ((s, m), (t, n)) in x.iter().zip(&y) {
         assert_eq!(s, t);
         for (k, v) in m {
-            if k.starts_with("timing_s/") || k.starts_with("perf/t") || skip.contains(&k.as_str()) {
+            if burn_rlhf::trainer::usage::measures_the_machine(k) || skip.contains(&k.as_str()) {
                 continue;
             }
             let w = n

@@ -521,7 +521,7 @@ fn tensors(path: &Path) -> Vec<(String, Vec<f32>)> {
 /// Metrics that measure the machine, not the run.
 fn deterministic(m: &Metrics) -> Vec<(String, f64)> {
     m.iter()
-        .filter(|(k, _)| !k.starts_with("timing_s/") && !k.starts_with("perf/t"))
+        .filter(|(k, _)| !burn_rlhf::trainer::usage::measures_the_machine(k))
         .map(|(k, v)| (k.clone(), *v))
         .collect()
 }
