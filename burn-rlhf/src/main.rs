@@ -434,7 +434,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
 fn main() -> ExitCode {
     burn_rlhf::runtime::tune_allocator();
     burn_rlhf::runtime::configure_kernels();
-    match run(Cli::parse()) {
+    let cli = Cli::parse();
+    match burn_rlhf::runtime::on_compute_threads(|| run(cli)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");

@@ -26,6 +26,15 @@ pub fn tune_allocator() {
     unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, -1) };
 }
 
+/// Runs `f` on one of the compute threads (rayon's global pool, which Flex's operations and the
+/// host kernels split their work across) instead of beside them. Called from outside the pool,
+/// every parallel operation hands its work to the pool and sleeps until a woken thread has done
+/// it, and a small operation pays that hand-off for nothing; called from a pool thread, the
+/// caller takes its own share and a small operation runs where it is. The calling thread waits.
+pub fn on_compute_threads<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    rayon::scope(|_| f())
+}
+
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
