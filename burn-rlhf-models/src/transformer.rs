@@ -86,11 +86,6 @@ impl<B: Backend> Rope<B> {
         }
     }
 
-    /// The (cos, sin) tables, `[B, 1, L, head_dim]` each.
-    pub fn tables(&self) -> (Tensor<B, 4>, Tensor<B, 4>) {
-        (self.cos.clone(), self.sin.clone())
-    }
-
     /// Rotates `x` (a projection's output viewed per head) and moves heads before positions.
     /// Shapes: `[B, L, heads, head_dim]` → `[B, heads, L, head_dim]`.
     pub fn apply(&self, x: Tensor<B, 4>) -> Tensor<B, 4>

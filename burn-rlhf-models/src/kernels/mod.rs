@@ -585,20 +585,30 @@ mod tests {
         assert_close(fused.2, plain.2, 1e-4, "swiglu dup");
 
         let xr = random::<A, 4>([2, 5, 3, 8], 5);
-        let positions: Vec<Vec<i64>> = vec![(0..5).collect(), vec![0, 0, 0, 1, 2]];
-        let rope = crate::transformer::Rope::<A>::new(&positions, 8, 10_000.0, &Default::default());
+        // Tables of HF's default rotary embedding for two rows of positions, `[2, 1, 5, 8]`.
+        let positions = [[0.0f64, 1.0, 2.0, 3.0, 4.0], [0.0, 0.0, 0.0, 1.0, 2.0]];
+        let (mut cos, mut sin) = (Vec::new(), Vec::new());
+        for row in positions {
+            for p in row {
+                for j in 0..8 {
+                    let angle = p / 10_000f64.powf(2.0 * (j % 4) as f64 / 8.0);
+                    cos.push(angle.cos() as f32);
+                    sin.push(angle.sin() as f32);
+                }
+            }
+        }
+        let table = |v: Vec<f32>| {
+            Tensor::<A, 4>::from_data(TensorData::new(v, [2, 1, 5, 8]), &Default::default())
+        };
+        let (cos, sin) = (table(cos), table(sin));
         let dr = random::<A, 4>([2, 3, 5, 8], 6);
         let rot = |fused: bool| {
             let x = xr.clone().require_grad();
             let y: Tensor<A, 4> = if fused {
-                rope.apply(x.clone())
+                rotary(x.clone(), cos.clone(), sin.clone())
             } else {
-                let (cos, sin) = rope.tables();
-                wrap(reference::rotary::<A>(
-                    prim(x.clone()),
-                    prim(cos),
-                    prim(sin),
-                ))
+                let (cos, sin) = (prim(cos.clone()), prim(sin.clone()));
+                wrap(reference::rotary::<A>(prim(x.clone()), cos, sin))
             };
             let g = (y.clone() * dr.clone()).sum().backward();
             (y.inner(), x.grad(&g).unwrap())

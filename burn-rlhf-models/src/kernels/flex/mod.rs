@@ -1,0 +1,312 @@
+//! Flex's host kernels for [`DecoderBackend`], for f32 tensors (other dtypes take the
+//! references). Each runs on every core (rayon, the pool Flex's own matmul uses), reads strided
+//! inputs in place (a head's rows need only a contiguous last axis) and writes its outputs in the
+//! layout the next operation reads, so the model's `swap_dims`/`reshape` around them are views:
+//!
+//! - attention (`attention.rs`): one task per (row, head, block of queries) forward, per (row,
+//!   key/value head) backward; a task's scores are `[block, keys seen]` in a scratch buffer, with
+//!   the keys past the block's causal end never computed. The output is written token-major
+//!   (`[B, L, H, D]` memory seen as `[B, H, L, D]`), so `o_proj` reads it without a copy.
+//! - RMSNorm, SwiGLU and the rotary embedding (`rows.rs`): one pass each, forward and backward.
+//! - products (`gemm.rs`): gemm into buffers that are written once, never zero-filled and copied.
+
+mod attention;
+mod gemm;
+mod rows;
+
+use burn::backend::flex::FlexTensor;
+use burn::backend::Flex;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{DType, TensorData};
+use rayon::prelude::*;
+
+use self::attention::{attention_backward_f32, attention_f32, Rows4};
+use self::gemm::{operand, product, transposed};
+use self::rows::{rms_norm_backward_f32, rms_norm_f32, rotate_row, sigmoid, unrotate_row};
+use super::{reference, AttentionMask, DecoderBackend};
+
+/// Elements per task of the elementwise kernels.
+const CHUNK: usize = 1 << 14;
+
+/// `t` as an f32 tensor with a contiguous last axis, copying only when it is not one.
+fn readable(t: FlexTensor) -> Option<FlexTensor> {
+    if t.dtype() != DType::F32 {
+        return None;
+    }
+    if Rows4::of(&t).is_some() {
+        Some(t)
+    } else {
+        Some(t.to_contiguous())
+    }
+}
+
+/// `t` with a storage of exactly its elements in row-major order (a copy only when it is not
+/// already so), or `None` for another dtype than f32.
+fn contiguous_f32(t: FlexTensor) -> Option<FlexTensor> {
+    (t.dtype() == DType::F32).then(|| t.to_contiguous())
+}
+
+fn tensor<const N: usize>(data: Vec<f32>, shape: [usize; N]) -> FlexTensor {
+    FlexTensor::from_data(TensorData::new(data, shape))
+}
+
+impl DecoderBackend for Flex {
+    fn dec_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        mask: &AttentionMask,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        match (
+            readable(q.clone()),
+            readable(k.clone()),
+            readable(v.clone()),
+        ) {
+            (Some(q), Some(k), Some(v)) => {
+                let rows = |t| Rows4::of(t).expect("readable");
+                attention_f32(&rows(&q), &rows(&k), &rows(&v), mask)
+            }
+            _ => reference::attention::<Self>(q, k, v, mask),
+        }
+    }
+
+    fn dec_attention_backward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        mask: &AttentionMask,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let parts = [&q, &k, &v, &out, &grad].map(|t| readable((*t).clone()));
+        match (parts, contiguous_f32(lse.clone())) {
+            ([Some(q), Some(k), Some(v), Some(o), Some(g)], Some(lse)) => {
+                let rows = |t| Rows4::of(t).expect("readable");
+                attention_backward_f32(
+                    (&rows(&q), &rows(&k), &rows(&v)),
+                    &rows(&o),
+                    lse.storage::<f32>(),
+                    &rows(&g),
+                    mask,
+                )
+            }
+            _ => reference::attention_backward::<Self>(q, k, v, out, lse, grad, mask),
+        }
+    }
+
+    fn dec_linear(x: FloatTensor<Self>, weight: FloatTensor<Self>) -> FloatTensor<Self> {
+        let (Some(xo), Some(wo)) = (operand(&x), operand(&weight)) else {
+            return reference::linear::<Self>(x, weight);
+        };
+        let (n, k, m) = (
+            x.layout().shape()[0],
+            x.layout().shape()[1],
+            weight.layout().shape()[1],
+        );
+        // SAFETY: both operands are f32 matrices read at their own strides.
+        tensor(unsafe { product((n, m, k), xo, wo) }, [n, m])
+    }
+
+    fn dec_linear_backward(
+        grad: FloatTensor<Self>,
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (Some(go), Some(xo), Some(wo)) = (operand(&grad), operand(&x), operand(&weight)) else {
+            return reference::linear_backward::<Self>(grad, x, weight);
+        };
+        let (n, k, m) = (
+            x.layout().shape()[0],
+            x.layout().shape()[1],
+            weight.layout().shape()[1],
+        );
+        // SAFETY: as in `dec_linear`; transposes are strides only.
+        let (dx, dw) = unsafe {
+            (
+                product((n, k, m), go, transposed(wo)),
+                product((k, m, n), transposed(xo), go),
+            )
+        };
+        (tensor(dx, [n, k]), tensor(dw, [k, m]))
+    }
+
+    fn dec_write_positions(
+        buffer: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        start: usize,
+    ) -> FloatTensor<Self> {
+        let whole = buffer.is_contiguous()
+            && buffer.layout().start_offset() == 0
+            && buffer.bytes().len() == buffer.layout().num_elements() * 4;
+        let (mut buffer, value) = match (whole, readable(value.clone())) {
+            (true, Some(v)) if buffer.dtype() == DType::F32 && buffer.is_unique() => (buffer, v),
+            _ => return reference::write_positions::<Self>(buffer, value, start),
+        };
+        let shape = buffer.layout().shape().clone();
+        let (s, d) = (shape[2], shape[3]);
+        let rows = Rows4::of(&value).expect("readable");
+        let [b, kv, l, _] = rows.dims;
+        let dst = buffer
+            .try_storage_mut::<f32>()
+            .expect("a unique buffer is writable");
+        for bi in 0..b {
+            for h in 0..kv {
+                for i in 0..l {
+                    let at = ((bi * kv + h) * s + start + i) * d;
+                    dst[at..at + d].copy_from_slice(rows.row(bi, h, i));
+                }
+            }
+        }
+        buffer
+    }
+
+    fn dec_rms_norm(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        eps: f64,
+    ) -> FloatTensor<Self> {
+        match (contiguous_f32(x.clone()), contiguous_f32(weight.clone())) {
+            (Some(xc), Some(w)) => {
+                let shape = xc.layout().shape().clone();
+                let y = rms_norm_f32(xc.storage(), w.storage(), eps as f32);
+                tensor(y, [shape.num_elements()]).reshape(shape)
+            }
+            _ => reference::rms_norm::<Self>(x, weight, eps),
+        }
+    }
+
+    fn dec_rms_norm_backward(
+        grad: FloatTensor<Self>,
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        eps: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let parts = [&grad, &x, &weight].map(|t| contiguous_f32((*t).clone()));
+        match parts {
+            [Some(g), Some(xc), Some(w)] => {
+                let shape = xc.layout().shape().clone();
+                let (dx, dw) =
+                    rms_norm_backward_f32(g.storage(), xc.storage(), w.storage(), eps as f32);
+                let h = dw.len();
+                (
+                    tensor(dx, [shape.num_elements() / h, h]).reshape(shape),
+                    tensor(dw, [h]),
+                )
+            }
+            _ => reference::rms_norm_backward::<Self>(grad, x, weight, eps),
+        }
+    }
+
+    fn dec_swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
+        match (contiguous_f32(gate.clone()), contiguous_f32(up.clone())) {
+            (Some(g), Some(u)) => {
+                let shape = g.layout().shape().clone();
+                let mut out = vec![0.0f32; shape.num_elements()];
+                out.par_chunks_mut(CHUNK)
+                    .zip(g.storage::<f32>().par_chunks(CHUNK))
+                    .zip(u.storage::<f32>().par_chunks(CHUNK))
+                    .for_each(|((o, g), u)| {
+                        for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
+                            *o = g * sigmoid(g) * u;
+                        }
+                    });
+                tensor(out, [shape.num_elements()]).reshape(shape)
+            }
+            _ => reference::swiglu::<Self>(gate, up),
+        }
+    }
+
+    fn dec_swiglu_backward(
+        grad: FloatTensor<Self>,
+        gate: FloatTensor<Self>,
+        up: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let parts = [&grad, &gate, &up].map(|t| contiguous_f32((*t).clone()));
+        match parts {
+            [Some(dy), Some(g), Some(u)] => {
+                let shape = g.layout().shape().clone();
+                let n = shape.num_elements();
+                let (mut dg, mut du) = (vec![0.0f32; n], vec![0.0f32; n]);
+                dg.par_chunks_mut(CHUNK)
+                    .zip(du.par_chunks_mut(CHUNK))
+                    .zip(dy.storage::<f32>().par_chunks(CHUNK))
+                    .zip(g.storage::<f32>().par_chunks(CHUNK))
+                    .zip(u.storage::<f32>().par_chunks(CHUNK))
+                    .for_each(|((((dg, du), dy), g), u)| {
+                        for i in 0..dg.len() {
+                            let s = sigmoid(g[i]);
+                            dg[i] = dy[i] * u[i] * s * (1.0 + g[i] * (1.0 - s));
+                            du[i] = dy[i] * g[i] * s;
+                        }
+                    });
+                (
+                    tensor(dg, [n]).reshape(shape.clone()),
+                    tensor(du, [n]).reshape(shape),
+                )
+            }
+            _ => reference::swiglu_backward::<Self>(grad, gate, up),
+        }
+    }
+
+    fn dec_rotary(
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        let parts = (
+            readable(x.clone()),
+            contiguous_f32(cos.clone()),
+            contiguous_f32(sin.clone()),
+        );
+        let (Some(xr), Some(c), Some(s)) = parts else {
+            return reference::rotary::<Self>(x, cos, sin);
+        };
+        let xs = Rows4::of(&xr).expect("readable");
+        let [b, l, heads, d] = xs.dims;
+        let (c, s) = (c.storage::<f32>(), s.storage::<f32>());
+        let mut y = vec![0.0f32; b * heads * l * d];
+        // One task per (row, head): its `[L, D]` block of the output.
+        y.par_chunks_mut(l * d)
+            .enumerate()
+            .for_each(|(task, block)| {
+                let (bi, hi) = (task / heads, task % heads);
+                for (i, out) in block.chunks_mut(d).enumerate() {
+                    let at = (bi * l + i) * d;
+                    rotate_row(out, xs.row(bi, i, hi), &c[at..at + d], &s[at..at + d]);
+                }
+            });
+        tensor(y, [b, heads, l, d])
+    }
+
+    fn dec_rotary_backward(
+        grad: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        let parts = (
+            readable(grad.clone()),
+            contiguous_f32(cos.clone()),
+            contiguous_f32(sin.clone()),
+        );
+        let (Some(gr), Some(c), Some(s)) = parts else {
+            return reference::rotary_backward::<Self>(grad, cos, sin);
+        };
+        let gs = Rows4::of(&gr).expect("readable");
+        let [b, heads, l, d] = gs.dims;
+        let (c, s) = (c.storage::<f32>(), s.storage::<f32>());
+        let mut dx = vec![0.0f32; b * l * heads * d];
+        // One task per (row, position): its `[heads, D]` block of the input gradient.
+        dx.par_chunks_mut(heads * d)
+            .enumerate()
+            .with_min_len(8)
+            .for_each(|(task, block)| {
+                let (bi, i) = (task / l, task % l);
+                let at = (bi * l + i) * d;
+                for (hi, out) in block.chunks_mut(d).enumerate() {
+                    unrotate_row(out, gs.row(bi, hi, i), &c[at..at + d], &s[at..at + d]);
+                }
+            });
+        tensor(dx, [b, l, heads, d])
+    }
+}
