@@ -7,7 +7,7 @@
 use burn::backend::Flex;
 use burn_rlhf_models::load_pretrained;
 use burn_rlhf_rollout::{generate, DecodeShapes, SamplingParams};
-use burn_rlhf_test_assets::{peak_during, CountingAlloc};
+use burn_rlhf_test_assets::{peak_during, warm_every_thread, CountingAlloc};
 
 #[global_allocator]
 static GLOBAL: CountingAlloc = CountingAlloc;
@@ -41,8 +41,10 @@ fn chunked_rollout_peak_does_not_grow_with_the_batch() {
             assert_eq!(samples.len(), 2 * count);
             peak
         };
-        // Warm the backend's own caches before measuring.
-        peak(4, 8);
+        // Warm the backend's own caches, on every thread, before measuring.
+        warm_every_thread(|| {
+            peak(4, 8);
+        });
         let (small, large) = (peak(4, 8), peak(32, 8));
         let unchunked = peak(32, 1024);
         println!(

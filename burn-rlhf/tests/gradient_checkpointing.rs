@@ -13,7 +13,7 @@ use burn_rlhf::backend::LearnerBackend;
 use burn_rlhf::backend::{InferenceBackend, TrainBackend, TrainBackendCheckpointed};
 use burn_rlhf::models::weights::{HostTensor, WeightMap};
 use burn_rlhf::models::{CausalLm, TransformerConfig};
-use burn_rlhf_test_assets::{peak_during, CountingAlloc};
+use burn_rlhf_test_assets::{peak_during, warm_every_thread, CountingAlloc};
 
 #[global_allocator]
 static GLOBAL: CountingAlloc = CountingAlloc;
@@ -65,9 +65,11 @@ fn checkpointing_lowers_the_backward_peak_and_keeps_the_gradients() {
     let weights = config()
         .init_causal_lm::<InferenceBackend>(&device)
         .export();
-    // Warm the backend's own caches before measuring.
-    backward_peak::<TrainBackend>(&weights);
-    backward_peak::<TrainBackendCheckpointed>(&weights);
+    // Warm the backend's own caches, on every thread, before measuring.
+    warm_every_thread(|| {
+        backward_peak::<TrainBackend>(&weights);
+        backward_peak::<TrainBackendCheckpointed>(&weights);
+    });
     let (plain, g_plain) = backward_peak::<TrainBackend>(&weights);
     let (checkpointed, g_checkpointed) = backward_peak::<TrainBackendCheckpointed>(&weights);
     println!(

@@ -218,6 +218,15 @@ pub fn peak_during<T>(f: impl FnOnce() -> T) -> (usize, T) {
     (PEAK.load(Ordering::Relaxed) - base, out)
 }
 
+/// Runs `f` on the calling thread and on every thread of rayon's global pool, so caches that
+/// live per thread and are allocated on first use (gemm's L2-sized packing slab, 2 MB on a
+/// Xeon) exist before a [`peak_during`] measurement and do not show up in whichever later call
+/// happens to be the first on some thread.
+pub fn warm_every_thread(f: impl Fn() + Sync) {
+    f();
+    rayon::broadcast(|_| f());
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
