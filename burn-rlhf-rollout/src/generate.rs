@@ -52,6 +52,9 @@ pub struct GenerationProfile {
     pub decode_steps: usize,
     /// The most values read back from the device in one decode step, per row of the chunk.
     pub max_values_read_per_row: usize,
+    /// Prompt rows run through the prefill over all chunks (padding rows included): one per
+    /// prompt, not one per response, since a prompt's `n` responses share its prefill.
+    pub prefilled_rows: usize,
 }
 
 /// Integer rows, `[B][P]`.
@@ -310,7 +313,9 @@ impl<B: DecoderBackend> Request<'_, B> {
         mask: &[Vec<i64>],
         pos: &[Vec<i64>],
         cache: &mut KvCache<B>,
+        profile: &mut GenerationProfile,
     ) -> Tensor<B, 2> {
+        profile.prefilled_rows += ids.len();
         let hidden =
             self.model
                 .model
@@ -346,7 +351,7 @@ impl<B: DecoderBackend> Request<'_, B> {
             p + params.max_new_tokens,
             (self.device, self.model.float_dtype()),
         );
-        let mut logits = self.prefill(&ids, &mask, &pos, &mut cache);
+        let mut logits = self.prefill(&ids, &mask, &pos, &mut cache, profile);
         let mut rows = self.rows(prompts.len(), keys);
         profile.max_chunk_rows = profile.max_chunk_rows.max(rows.samples.len());
         let n = params.n;
@@ -434,7 +439,7 @@ impl<B: DecoderBackend> Request<'_, B> {
             capacity,
             (self.device, self.model.float_dtype()),
         );
-        let mut logits = self.prefill(&ids, &mask, &pos, &mut cache);
+        let mut logits = self.prefill(&ids, &mask, &pos, &mut cache, profile);
         let mut rows = self.rows(padded.len(), &padded_keys);
         let total = rows.samples.len();
         profile.max_chunk_rows = profile.max_chunk_rows.max(total);

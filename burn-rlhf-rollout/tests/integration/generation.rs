@@ -417,6 +417,41 @@ fn a_response_does_not_depend_on_its_batch_mates_or_chunk() {
     }
 }
 
+/// A prompt is prefilled once however many responses it has: the prefill runs one row per
+/// prompt, and its `n` responses are `n` distinct draws from it.
+#[test]
+fn n_responses_share_one_prefill_per_prompt() {
+    let (model, config) = load(&tiny());
+    let prompts = vec![vec![5, 17, 300, 41], vec![9, 2], vec![600, 601, 602]];
+    let keys = [7, 8, 9];
+    let d = Default::default();
+    for shapes in [DecodeShapes::Exact, DecodeShapes::Bucketed { bucket: 8 }] {
+        let params = SamplingParams {
+            n: 4,
+            max_new_tokens: 8,
+            seed: 3,
+            shapes,
+            ..Default::default()
+        };
+        let (samples, profile) =
+            generate_profiled(&model, &config, &prompts, &keys, 0, &params, &d).unwrap();
+        assert_eq!(samples.len(), 12, "{shapes:?}");
+        assert_eq!(
+            profile.prefilled_rows, 3,
+            "{shapes:?}: one prefill row per prompt"
+        );
+        for (i, group) in samples.chunks(4).enumerate() {
+            assert!(group.iter().all(|s| s.prompt_index == i), "{shapes:?}");
+            let distinct: std::collections::BTreeSet<_> =
+                group.iter().map(|s| s.tokens.clone()).collect();
+            assert!(
+                distinct.len() > 1,
+                "{shapes:?}: prompt {i}'s 4 responses are one draw repeated"
+            );
+        }
+    }
+}
+
 /// Per decode step, bucketed decoding reads back the chosen id and its log-prob of each row;
 /// exact decoding reads the row's logits (so the count does measure the readback).
 #[test]
