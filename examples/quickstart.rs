@@ -136,7 +136,7 @@ fn main() -> anyhow::Result<()> {
             &mut optim,
             1e-3,
             &batch,
-            (64, burn_rlhf::forward::DEFAULT_LOGITS_CHUNK),
+            (64, burn_rlhf::config::DEFAULT_LOGITS_CHUNK),
             1.0,
             &device,
         )?;

@@ -11,7 +11,7 @@ use crate::ModelError;
 /// The shape of a Qwen2/Llama decoder.
 #[derive(Config, Debug, PartialEq)]
 pub struct TransformerConfig {
-    /// `llama` or `qwen2`.
+    /// `llama`, `qwen2` or `mistral` (the same decoder; Qwen2 adds biases to the q/k/v projections).
     pub model_type: String,
     /// Vocabulary size.
     pub vocab_size: usize,

@@ -80,12 +80,6 @@ impl<B: Backend> SequenceTensors<B> {
     }
 }
 
-/// Response tokens per chunk of LM-head logits unless configured
-/// (`actor_rollout_ref.model.logits_chunk_size`, SFT's `model.logits_chunk_size`): 512 tokens of
-/// logits are 100 MB for a 49k vocabulary, 300 MB for Qwen's 152k, and keep the matrix products
-/// large enough to run at full speed.
-pub const DEFAULT_LOGITS_CHUNK: usize = 512;
-
 /// How response log-probs are read from the LM head.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LogprobHead {

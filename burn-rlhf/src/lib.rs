@@ -26,10 +26,12 @@ pub mod optim;
 pub mod distributed;
 pub mod loading;
 
-pub mod backend;
-pub mod config;
-pub mod datasets;
 pub mod error;
+
+pub mod config;
+
+pub mod backend;
+pub mod datasets;
 pub mod runtime;
 pub mod tasks;
 

@@ -1,1 +1,3 @@
-//! Examples live in `examples/examples/`.
+//! The runnable examples are the files beside this folder (`examples/quickstart.rs`,
+//! `examples/ppo_gsm8k.rs`), declared in `examples/Cargo.toml`; this empty library only makes the
+//! folder a workspace member.

@@ -101,6 +101,12 @@ fn check_greedy(dir: &Path) {
             &Default::default(),
         )
         .unwrap();
+        assert_eq!(
+            samples.len(),
+            want.len(),
+            "{}: one greedy response per golden",
+            dir.display()
+        );
         for (s, want) in samples.iter().zip(&want) {
             let ours: Vec<u32> = prompts[s.prompt_index]
                 .iter()

@@ -88,7 +88,7 @@ impl Default for SftModelConfig {
             lora_alpha: 16.0,
             target_modules: vec!["all-linear".into()],
             enable_gradient_checkpointing: true,
-            logits_chunk_size: crate::forward::DEFAULT_LOGITS_CHUNK,
+            logits_chunk_size: crate::config::DEFAULT_LOGITS_CHUNK,
         }
     }
 }
