@@ -17,8 +17,6 @@ mod peer;
 
 pub use peer::{compare, run_peer, table, Peer, Side};
 
-use std::time::Instant;
-
 use crate::backend::LearnerBackend;
 use burn::module::AutodiffModule;
 use burn_rlhf_rollout::{generate_keyed, RolloutBatch, Sample, SamplingParams};
@@ -27,6 +25,7 @@ use serde_json::{json, Value};
 use crate::config::Settings;
 use crate::error::TrainError;
 use crate::forward::{response_logprobs, LogprobHead, SequenceTensors};
+use crate::trainer::usage::{measure, Usage};
 use crate::trainer::{Learner, LearnerParts};
 
 /// What to measure besides the config's own PPO steps.
@@ -59,17 +58,21 @@ fn kernel_counts() -> Option<(usize, usize)> {
     crate::runtime::kernel_logs().map(|l| l.counts())
 }
 
-/// Runs `f` and returns its seconds and the kernels it compiled and tuned (`-1` uncounted).
-fn timed<T>(f: impl FnOnce() -> T) -> (T, f64, i64, i64) {
+/// Runs `f` and returns its usage (seconds, CPU utilisation, peak resident memory) and the
+/// kernels it compiled and tuned (`-1` uncounted).
+fn timed<T>(f: impl FnOnce() -> T) -> (T, Usage, i64, i64) {
     let before = kernel_counts();
-    let t0 = Instant::now();
-    let out = f();
-    let secs = t0.elapsed().as_secs_f64();
+    let (out, usage) = measure(f);
     let (compiled, tuned) = match (before, kernel_counts()) {
         (Some(a), Some(b)) => ((b.0 - a.0) as i64, (b.1 - a.1) as i64),
         _ => (-1, -1),
     };
-    (out, secs, compiled, tuned)
+    (out, usage, compiled, tuned)
+}
+
+/// A case's usage as JSON fields beside `median_s`.
+fn usage_fields(usage: &Usage) -> (Option<f64>, Option<f64>) {
+    (usage.cpu_util, usage.peak_resident.map(|b| b as f64 / 1e9))
 }
 
 /// Deterministic token ids in `3..vocab` (clear of the usual special ids), `[rows][len]`.
@@ -120,7 +123,7 @@ pub fn run_bench<B: LearnerBackend>(
     let policy = learner.actor.valid();
     let case = format!("generate_b{rows}_p{prompt}_n{tokens}");
     for run in ["cold", "warm"].into_iter().take(gen_rows) {
-        let (samples, secs, compiled, tuned) = timed(|| {
+        let (samples, usage, compiled, tuned) = timed(|| {
             generate_keyed(
                 &policy,
                 &learner.model_config,
@@ -132,9 +135,11 @@ pub fn run_bench<B: LearnerBackend>(
             )
         });
         let new: usize = samples?.iter().map(|s| s.tokens.len()).sum();
+        let (secs, (cpu_util, peak_rss_gb)) = (usage.seconds, usage_fields(&usage));
         emit(
             json!({"case": case, "run": run, "impl": tag, "median_s": secs,
             "unit_per_s": new as f64 / secs, "unit": "new tokens",
+            "cpu_util": cpu_util, "peak_rss_gb": peak_rss_gb,
             "kernels_compiled": compiled, "autotune_runs": tuned}),
         );
     }
@@ -146,7 +151,7 @@ pub fn run_bench<B: LearnerBackend>(
         .into_iter()
         .take(if rows == 0 { 0 } else { 2 })
     {
-        let (_, secs, compiled, tuned) = timed(|| {
+        let (_, usage, compiled, tuned) = timed(|| {
             let seq = SequenceTensors::<B>::from_batch(&batch, device);
             let head = LogprobHead {
                 temperature: 1.0,
@@ -157,16 +162,19 @@ pub fn run_bench<B: LearnerBackend>(
             B::sync(device).ok();
             drop(grads);
         });
+        let (secs, (cpu_util, peak_rss_gb)) = (usage.seconds, usage_fields(&usage));
         emit(
             json!({"case": case, "run": run, "impl": tag, "median_s": secs,
             "unit_per_s": (rows * len) as f64 / secs, "unit": "tokens",
+            "cpu_util": cpu_util, "peak_rss_gb": peak_rss_gb,
             "kernels_compiled": compiled, "autotune_runs": tuned}),
         );
     }
 
     let mut step_metrics = Vec::new();
     for step in 1..=options.steps {
-        let (metrics, secs, compiled, tuned) = timed(|| learner.step());
+        let (metrics, usage, compiled, tuned) = timed(|| learner.step());
+        let secs = usage.seconds;
         let metrics = metrics?;
         step_metrics.push(metrics.clone());
         let phases: serde_json::Map<String, Value> = metrics

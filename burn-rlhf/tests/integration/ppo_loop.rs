@@ -646,6 +646,14 @@ fn bench_prints_generation_forward_backward_and_step_lines() {
     assert!((rate * gen["median_s"].as_f64().unwrap() - 12.0).abs() < 1e-6);
     assert!(lines[4]["phases_s"]["gen"].as_f64().unwrap() > 0.0);
     assert!(lines[4]["phases_s"]["update_actor"].is_number());
+    // Each case says how busy the cores were (CPU time is counted in 10 ms ticks, so a case this
+    // small may read 0) and the peak memory, read from /proc on Linux.
+    if cfg!(target_os = "linux") {
+        for line in &lines {
+            assert!(line["cpu_util"].as_f64().unwrap() >= 0.0, "{line}");
+            assert!(line["peak_rss_gb"].as_f64().unwrap() > 0.0, "{line}");
+        }
+    }
     std::fs::remove_dir_all(dir).ok();
 }
 
