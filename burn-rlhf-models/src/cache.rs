@@ -8,9 +8,9 @@
 //! shapes, which GPU backends need to compile and tune their kernels once, not once per length.
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, Int, Tensor, TensorData};
+use burn::tensor::{DType, Tensor};
 
-use crate::kernels::{write_positions, DecoderBackend};
+use crate::kernels::{select_rows, write_positions, DecoderBackend};
 use crate::TransformerConfig;
 
 /// Cached keys and values of every layer.
@@ -96,22 +96,17 @@ impl<B: Backend> KvCache<B> {
         }
         self.capacity = capacity;
     }
-
-    /// Keeps only `rows` (in that order): finished sequences leave the batch.
-    pub fn select_rows(&mut self, rows: &[usize]) {
-        let Some(first) = self.keys.first() else {
-            return;
-        };
-        let device = first.device();
-        let idx: Vec<i64> = rows.iter().map(|&r| r as i64).collect();
-        let idx = Tensor::<B, 1, Int>::from_data(TensorData::new(idx, [rows.len()]), &device);
-        for buf in self.keys.iter_mut().chain(self.values.iter_mut()) {
-            *buf = buf.clone().select(0, idx.clone());
-        }
-    }
 }
 
 impl<B: DecoderBackend> KvCache<B> {
+    /// Keeps only `rows` (in that order, possibly repeated): finished sequences leave the batch,
+    /// and a prompt's prefill fans out to its responses.
+    pub fn select_rows(&mut self, rows: &[usize]) {
+        for buf in self.keys.iter_mut().chain(self.values.iter_mut()) {
+            *buf = select_rows(buf.clone(), rows);
+        }
+    }
+
     /// Writes `k`, `v` (`[B, kv_heads, L, head_dim]`) of `layer` after the cached positions and
     /// returns every position so far (`[B, kv_heads, len + L, head_dim]`), or for a fixed cache
     /// every slot (`[B, kv_heads, capacity, head_dim]`). The length advances once all layers are

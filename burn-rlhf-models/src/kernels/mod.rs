@@ -184,6 +184,14 @@ pub trait DecoderBackend: Backend {
         reference::write_positions::<Self>(buffer, value, start)
     }
 
+    /// Rows `rows` of `buffer` (`[B, KV, S, D]`), in that order and possibly repeated: the KV
+    /// cache's fan-out of each prompt to its responses and its drop of finished rows. The
+    /// default is `select`; Flex copies the rows on every core without zero-filling the output
+    /// first. Shapes: → `[rows.len(), KV, S, D]`.
+    fn dec_select_rows(buffer: FloatTensor<Self>, rows: &[usize]) -> FloatTensor<Self> {
+        reference::select_rows::<Self>(buffer, rows)
+    }
+
     /// Rotary embedding with HF's `rotate_half`, moving heads before positions: x
     /// `[B, L, heads, D]` (a projection's output, viewed per head), cos and sin `[B, 1, L, D]`
     /// (f32) → `[B, heads, L, D]`.
@@ -284,6 +292,17 @@ pub fn write_positions<B: DecoderBackend>(
         buffer.dims()
     );
     wrap(B::dec_write_positions(prim(buffer), prim(value), start))
+}
+
+/// Rows `rows` of `buffer`, in that order (see [`DecoderBackend::dec_select_rows`]). Shapes:
+/// `[B, KV, S, D]` → `[rows.len(), KV, S, D]`.
+pub fn select_rows<B: DecoderBackend>(buffer: Tensor<B, 4>, rows: &[usize]) -> Tensor<B, 4> {
+    let b = buffer.dims()[0];
+    assert!(
+        rows.iter().all(|&r| r < b),
+        "select_rows: {rows:?} of {b} rows"
+    );
+    wrap(B::dec_select_rows(prim(buffer), rows))
 }
 
 /// Rotary embedding (HF's `rotate_half`), heads moved before positions. Shapes: x
@@ -541,6 +560,29 @@ mod tests {
                 .sum()
                 .into_scalar(),
             0.0
+        );
+    }
+
+    /// The cache's row selection equals `select`, rows repeated and reordered, also from a
+    /// buffer viewed at an offset (a narrowed tensor).
+    #[test]
+    fn selected_rows_equal_the_reference() {
+        let buffer = random::<Flex, 4>([5, 3, 6, 4], 31);
+        for rows in [vec![0, 0, 0, 1, 1, 1], vec![4, 2], vec![3]] {
+            let fused = select_rows(buffer.clone(), &rows);
+            let plain: Tensor<Flex, 4> =
+                wrap(reference::select_rows::<Flex>(prim(buffer.clone()), &rows));
+            assert_eq!(fused.dims(), [rows.len(), 3, 6, 4]);
+            assert_close(fused, plain, 0.0, "select_rows");
+        }
+        let tail = buffer.clone().narrow(0, 2, 3);
+        let plain: Tensor<Flex, 4> =
+            wrap(reference::select_rows::<Flex>(prim(tail.clone()), &[2, 0]));
+        assert_close(
+            select_rows(tail, &[2, 0]),
+            plain,
+            0.0,
+            "select_rows at an offset",
         );
     }
 
