@@ -364,7 +364,9 @@ impl<B: DecoderBackend> Request<'_, B> {
         let greedy = is_greedy(params);
         for step in 0..params.max_new_tokens {
             let [b, v] = logits.dims();
-            let flat: Vec<f32> = logits.into_data().iter::<f32>().collect();
+            // Read in place (no element-by-element copy of `[rows, V]` every step).
+            let data = logits.into_data().convert::<f32>();
+            let flat = data.as_slice::<f32>().expect("f32 logits");
             profile.max_values_read_per_row = profile.max_values_read_per_row.max(v);
             profile.decode_steps += 1;
             let mut still = Vec::with_capacity(b);
