@@ -2,6 +2,7 @@
 
 use burn::backend::flex::FlexTensor;
 use burn::tensor::DType;
+use rayon::prelude::*;
 
 /// A pointer that tasks share to write disjoint parts of one buffer.
 #[derive(Clone, Copy)]
@@ -112,6 +113,10 @@ pub(super) fn transposed((ptr, rs, cs): Operand) -> Operand {
     (ptr, cs, rs)
 }
 
+/// Rows of a product at most for which [`product`] splits the output columns between the cores
+/// itself.
+const FEW_ROWS: usize = 64;
+
 /// `lhs[m, k] · rhs[k, n]` into a new row-major `[m, n]` buffer, on every core for a large
 /// product (gemm's own threads, as Flex's matmul). Unlike Flex's matmul, the output is not
 /// zero-filled and then copied to realign it: gemm writes every element once.
@@ -124,13 +129,43 @@ pub(super) unsafe fn product(
     rhs: Operand,
 ) -> Vec<f32> {
     let mut out = Vec::<f32>::with_capacity(m * n);
-    let parallelism = if m * n * k >= 192 * 192 * 192 {
-        gemm::Parallelism::Rayon(0)
+    let threads = rayon::current_num_threads();
+    if m <= FEW_ROWS && threads > 1 && m * n * k >= 1 << 20 {
+        // A decode step's few rows: one task per block of output columns, each a
+        // single-threaded product, so the cores meet once per product instead of once per
+        // block of depth inside gemm (three fork-joins, each too short to wake the other core).
+        let cols = n.div_ceil(2 * threads).next_multiple_of(16);
+        let dst = Shared(out.as_mut_ptr());
+        // Addresses cross to the tasks as integers (raw pointers are not `Sync`).
+        let (lhs_at, rhs_at) = (lhs.0 as usize, rhs.0 as usize);
+        (0..n.div_ceil(cols)).into_par_iter().for_each(|block| {
+            let (c0, width) = (block * cols, cols.min(n - block * cols));
+            let lhs = (lhs_at as *const f32, lhs.1, lhs.2);
+            let rhs = (
+                (rhs_at as *const f32).wrapping_offset(c0 as isize * rhs.2),
+                rhs.1,
+                rhs.2,
+            );
+            // SAFETY: each task writes only its own columns of `dst`, read at their strides.
+            gemm_into(
+                (m, width, k),
+                (dst.get().add(c0), n as isize),
+                false,
+                lhs,
+                rhs,
+                1.0,
+                gemm::Parallelism::None,
+            );
+        });
     } else {
-        gemm::Parallelism::None
-    };
-    let dst = (out.as_mut_ptr(), n as isize);
-    gemm_into((m, n, k), dst, false, lhs, rhs, 1.0, parallelism);
+        let parallelism = if m * n * k >= 192 * 192 * 192 {
+            gemm::Parallelism::Rayon(0)
+        } else {
+            gemm::Parallelism::None
+        };
+        let dst = (out.as_mut_ptr(), n as isize);
+        gemm_into((m, n, k), dst, false, lhs, rhs, 1.0, parallelism);
+    }
     // Every one of the m * n elements is written (the destination is not read).
     out.set_len(m * n);
     out
