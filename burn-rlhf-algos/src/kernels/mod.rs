@@ -11,6 +11,7 @@
 //! - [`entropy_and_logprobs`]: log-probs of the labels and entropies from logits without
 //!   materialising log-softmax over the vocabulary, forward and backward.
 //! - [`value_clip_token_loss`]: the clipped value loss per token, forward and backward.
+//! - [`adamw_step`]: one AdamW step of a parameter, its moments updated in the same pass.
 //!
 //! Names by layer: the functions above take and return tensors; each calls a backend operation
 //! `RlBackend::rl_*` on primitives, whose default body is the function of the same name in
@@ -106,6 +107,78 @@ pub struct PpoClip {
     pub high: f32,
     /// Dual-clip bound on the loss of negative advantages (> 1).
     pub c: f32,
+}
+
+/// One AdamW step's settings (decoupled weight decay, bias-corrected moments: Burn's `AdamW`,
+/// which is torch's `AdamW` up to rounding).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamWStep {
+    /// The learning rate.
+    pub lr: f64,
+    /// First moment's decay.
+    pub beta_1: f32,
+    /// Second moment's decay.
+    pub beta_2: f32,
+    /// Added to the second moment's root.
+    pub epsilon: f32,
+    /// Decoupled weight decay (multiplied by `lr`).
+    pub weight_decay: f32,
+    /// The step's number, from 1 (the bias corrections' exponent).
+    pub time: usize,
+}
+
+impl AdamWStep {
+    /// The per-element constants in f32, computed as Burn's `AdamW` computes them, so a fused
+    /// pass rounds as its chain of tensor ops does.
+    pub fn constants(&self) -> AdamWConstants {
+        let time = self.time as i32;
+        AdamWConstants {
+            beta_1: self.beta_1,
+            beta_2: self.beta_2,
+            grad_1: 1.0 - self.beta_1,
+            grad_2: 1.0 - self.beta_2,
+            correction_1: 1.0 - self.beta_1.powi(time),
+            correction_2: 1.0 - self.beta_2.powi(time),
+            epsilon: self.epsilon,
+            keep: (1.0 - self.lr * self.weight_decay as f64) as f32,
+            lr: self.lr as f32,
+        }
+    }
+}
+
+/// [`AdamWStep`] as the f32 constants of the element update.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamWConstants {
+    /// `m ← m·beta_1 + g·grad_1`.
+    pub beta_1: f32,
+    /// `v ← v·beta_2 + g²·grad_2`.
+    pub beta_2: f32,
+    /// `1 - beta_1`.
+    pub grad_1: f32,
+    /// `1 - beta_2`.
+    pub grad_2: f32,
+    /// `1 - beta_1^t`.
+    pub correction_1: f32,
+    /// `1 - beta_2^t`.
+    pub correction_2: f32,
+    /// Added to `sqrt(v̂)`.
+    pub epsilon: f32,
+    /// `1 - lr·weight_decay`, the decayed share of the parameter.
+    pub keep: f32,
+    /// The learning rate.
+    pub lr: f32,
+}
+
+impl AdamWConstants {
+    /// One element's step: (parameter, first moment, second moment) updated from its gradient,
+    /// in the order of Burn's tensor ops.
+    #[inline]
+    pub fn update(&self, p: f32, g: f32, m: f32, v: f32) -> (f32, f32, f32) {
+        let m = m * self.beta_1 + g * self.grad_1;
+        let v = v * self.beta_2 + g * g * self.grad_2;
+        let delta = (m / self.correction_1) / ((v / self.correction_2).sqrt() + self.epsilon);
+        (p * self.keep - delta * self.lr, m, v)
+    }
 }
 
 /// The RL kernels as backend operations. Default methods are the reference implementations; a
@@ -256,6 +329,18 @@ pub trait RlBackend: Backend {
     ) -> FloatTensor<Self> {
         reference::value_clip_loss_backward::<Self>(grad, vpreds, values, returns, cliprange)
     }
+
+    /// One AdamW step of a parameter of any shape: (parameter, first moment, second moment)
+    /// after it, from the gradient and the moments before it (`None` on the first step: zeros).
+    /// The default is Burn's `AdamW` as tensor ops; a backend may update all three in one pass.
+    fn rl_adamw_step(
+        param: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        moments: Option<(FloatTensor<Self>, FloatTensor<Self>)>,
+        step: AdamWStep,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        reference::adamw_step::<Self>(param, grad, moments, step)
+    }
 }
 
 fn prim<B: Backend, const D: usize>(t: Tensor<B, D>) -> FloatTensor<B> {
@@ -392,6 +477,25 @@ pub fn value_clip_token_loss<B: RlBackend>(
 ) -> (Tensor<B, 2>, Tensor<B, 2>) {
     let (l, c) = B::rl_value_clip_loss(prim(vpreds), prim(values), prim(returns), cliprange as f32);
     (wrap(l), wrap(c))
+}
+
+/// One AdamW step of `param` (see [`RlBackend::rl_adamw_step`]).
+///
+/// Shapes: param, grad and moments alike → (param, first moment, second moment) alike.
+pub fn adamw_step<B: RlBackend, const D: usize>(
+    param: Tensor<B, D>,
+    grad: Tensor<B, D>,
+    moments: Option<(Tensor<B, D>, Tensor<B, D>)>,
+    step: AdamWStep,
+) -> (Tensor<B, D>, Tensor<B, D>, Tensor<B, D>) {
+    assert_eq!(param.dims(), grad.dims(), "parameter and gradient shapes");
+    let (p, m, v) = B::rl_adamw_step(
+        prim(param),
+        prim(grad),
+        moments.map(|(m, v)| (prim(m), prim(v))),
+        step,
+    );
+    (wrap(p), wrap(m), wrap(v))
 }
 
 #[cfg(feature = "flex")]

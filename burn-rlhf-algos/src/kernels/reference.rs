@@ -6,7 +6,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{IndexingUpdateOp, Int, Tensor, TensorPrimitive};
 
-use super::PpoClip;
+use super::{AdamWStep, PpoClip};
 use crate::functional::{from_rows, to_vec};
 
 fn t<B: Backend, const D: usize>(x: FloatTensor<B>) -> Tensor<B, D> {
@@ -480,6 +480,45 @@ pub fn value_clip_loss_backward<B: Backend>(
     let d2 = (clipped_pred - r) * 2.0 * inside;
     let d = d1.mask_where(losses1.lower(losses2), d2);
     p(t::<B, 2>(grad) * d)
+}
+
+/// One AdamW step as Burn's `AdamW` takes it, tensor op by tensor op (the parameter flattened:
+/// every op is elementwise).
+pub fn adamw_step<B: Backend>(
+    param: FloatTensor<B>,
+    grad: FloatTensor<B>,
+    moments: Option<(FloatTensor<B>, FloatTensor<B>)>,
+    step: AdamWStep,
+) -> (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>) {
+    use burn::tensor::{Shape, TensorMetadata};
+    let shape = param.shape();
+    let flat = |x: FloatTensor<B>| -> Tensor<B, 1> {
+        t(B::float_reshape(x, Shape::new([shape.num_elements()])))
+    };
+    let back = |x: Tensor<B, 1>| B::float_reshape(p(x), shape.clone());
+    let (param, grad) = (flat(param), flat(grad));
+    let (grad_1, grad_2) = (1.0 - step.beta_1, 1.0 - step.beta_2);
+    let (m, v) = match moments {
+        Some((m, v)) => (
+            flat(m).mul_scalar(step.beta_1) + grad.clone().mul_scalar(grad_1),
+            flat(v).mul_scalar(step.beta_2) + grad.square().mul_scalar(grad_2),
+        ),
+        None => (
+            grad.clone().mul_scalar(grad_1),
+            grad.square().mul_scalar(grad_2),
+        ),
+    };
+    let time = step.time as i32;
+    let m_hat = m.clone().div_scalar(1.0 - step.beta_1.powi(time));
+    let v_hat = v.clone().div_scalar(1.0 - step.beta_2.powi(time));
+    let delta = m_hat.div(v_hat.sqrt().add_scalar(step.epsilon));
+    let decay = step.lr * step.weight_decay as f64;
+    let decayed = if decay == 0.0 {
+        param
+    } else {
+        param.mul_scalar(1.0 - decay)
+    };
+    (back(decayed - delta.mul_scalar(step.lr)), back(m), back(v))
 }
 
 #[cfg(test)]

@@ -6,7 +6,7 @@ use burn::tensor::DType;
 use rayon::prelude::*;
 
 use super::gemm::{matmul, Shared};
-use super::tensor;
+use super::{tensor, zeros};
 use crate::kernels::AttentionMask;
 
 /// Queries per attention task.
@@ -117,7 +117,7 @@ pub(super) fn attention_f32(
     let [_, kvh, s, _] = k.dims;
     let groups = h / kvh;
     let scale = 1.0 / (d as f32).sqrt();
-    let mut out = vec![0.0f32; b * l * h * d];
+    let mut out = zeros(b * l * h * d);
     let mut lse = vec![0.0f32; b * h * l];
     let blocks = l.div_ceil(QUERY_BLOCK);
     let (out_ptr, lse_ptr) = (Shared(out.as_mut_ptr()), Shared(lse.as_mut_ptr()));
@@ -188,9 +188,9 @@ pub(super) fn attention_backward_f32(
     let [_, kvh, s, _] = k.dims;
     let groups = h / kvh;
     let scale = 1.0 / (d as f32).sqrt();
-    let mut dq = vec![0.0f32; b * l * h * d];
-    let mut dk = vec![0.0f32; b * s * kvh * d];
-    let mut dv = vec![0.0f32; b * s * kvh * d];
+    let mut dq = zeros(b * l * h * d);
+    let mut dk = zeros(b * s * kvh * d);
+    let mut dv = zeros(b * s * kvh * d);
     let (dq_ptr, dk_ptr, dv_ptr) = (
         Shared(dq.as_mut_ptr()),
         Shared(dk.as_mut_ptr()),

@@ -46,6 +46,14 @@ fn contiguous_f32(t: FlexTensor) -> Option<FlexTensor> {
     (t.dtype() == DType::F32).then(|| t.to_contiguous())
 }
 
+/// `n` zeros, written by every core: a zeroed allocation of recycled memory is one serial
+/// `memset` on the calling thread, which the other cores would wait through.
+fn zeros(n: usize) -> Vec<f32> {
+    let mut v = Vec::with_capacity(n);
+    v.par_extend(rayon::iter::repeat_n(0.0f32, n));
+    v
+}
+
 fn tensor<const N: usize>(data: Vec<f32>, shape: [usize; N]) -> FlexTensor {
     FlexTensor::from_data(TensorData::new(data, shape))
 }
@@ -221,7 +229,7 @@ impl DecoderBackend for Flex {
         match (contiguous_f32(gate.clone()), contiguous_f32(up.clone())) {
             (Some(g), Some(u)) => {
                 let shape = g.layout().shape().clone();
-                let mut out = vec![0.0f32; shape.num_elements()];
+                let mut out = zeros(shape.num_elements());
                 out.par_chunks_mut(CHUNK)
                     .zip(g.storage::<f32>().par_chunks(CHUNK))
                     .zip(u.storage::<f32>().par_chunks(CHUNK))
@@ -246,7 +254,7 @@ impl DecoderBackend for Flex {
             [Some(dy), Some(g), Some(u)] => {
                 let shape = g.layout().shape().clone();
                 let n = shape.num_elements();
-                let (mut dg, mut du) = (vec![0.0f32; n], vec![0.0f32; n]);
+                let (mut dg, mut du) = (zeros(n), zeros(n));
                 dg.par_chunks_mut(CHUNK)
                     .zip(du.par_chunks_mut(CHUNK))
                     .zip(dy.storage::<f32>().par_chunks(CHUNK))
@@ -284,7 +292,7 @@ impl DecoderBackend for Flex {
         let xs = Rows4::of(&xr).expect("readable");
         let [b, l, heads, d] = xs.dims;
         let (c, s) = (c.storage::<f32>(), s.storage::<f32>());
-        let mut y = vec![0.0f32; b * heads * l * d];
+        let mut y = zeros(b * heads * l * d);
         // One task per (row, head): its `[L, D]` block of the output.
         y.par_chunks_mut(l * d)
             .enumerate()
@@ -314,7 +322,7 @@ impl DecoderBackend for Flex {
         let gs = Rows4::of(&gr).expect("readable");
         let [b, heads, l, d] = gs.dims;
         let (c, s) = (c.storage::<f32>(), s.storage::<f32>());
-        let mut dx = vec![0.0f32; b * l * heads * d];
+        let mut dx = zeros(b * l * heads * d);
         // One task per (row, position): its `[heads, D]` block of the input gradient.
         dx.par_chunks_mut(heads * d)
             .enumerate()

@@ -2,7 +2,7 @@
 
 use rayon::prelude::*;
 
-use super::CHUNK;
+use super::{zeros, CHUNK};
 
 /// `1 / sqrt(mean(x²) + eps)` of one row.
 #[inline]
@@ -14,7 +14,7 @@ fn inv_rms(x: &[f32], eps: f32) -> f32 {
 /// RMSNorm over rows of `w.len()`.
 pub(super) fn rms_norm_f32(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
     let h = w.len();
-    let mut y = vec![0.0f32; x.len()];
+    let mut y = zeros(x.len());
     y.par_chunks_mut(h)
         .zip(x.par_chunks(h))
         .with_min_len(16)
@@ -36,7 +36,7 @@ pub(super) fn rms_norm_backward_f32(
 ) -> (Vec<f32>, Vec<f32>) {
     let h = w.len();
     let inv: Vec<f32> = x.par_chunks(h).map(|x| inv_rms(x, eps)).collect();
-    let mut dx = vec![0.0f32; x.len()];
+    let mut dx = zeros(x.len());
     dx.par_chunks_mut(h)
         .zip(g.par_chunks(h).zip(x.par_chunks(h)).zip(inv.par_iter()))
         .with_min_len(16)
