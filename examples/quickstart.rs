@@ -25,10 +25,11 @@ use burn_rlhf::burn::module::AutodiffModule;
 use burn_rlhf::burn::optim::AdamWConfig;
 use burn_rlhf::burn::tensor::backend::Backend;
 use burn_rlhf::config::RlhfConfig;
-use burn_rlhf::minibatch::sft_update;
+use burn_rlhf::minibatch::{sft_update, OptimizerStep};
 use burn_rlhf::models::pretrained::save_pretrained;
 use burn_rlhf::models::weights::WeightMap;
 use burn_rlhf::models::{CausalLm, ValueModel};
+use burn_rlhf::optim::ReplicaSync;
 use burn_rlhf::rollout::data::write_parquet;
 use burn_rlhf::rollout::{PromptRecord, PromptSampler, RewardRegistry};
 use burn_rlhf::tasks;
@@ -131,15 +132,14 @@ fn main() -> anyhow::Result<()> {
         let picked: Vec<&PromptRecord> =
             sampler.next_batch(64).iter().map(|&i| &train[i]).collect();
         let batch = tasks::sft_batch(&tokenizer, &picked);
-        let (updated, m) = sft_update(
-            actor,
-            &mut optim,
-            1e-3,
-            &batch,
-            (64, burn_rlhf::config::DEFAULT_LOGITS_CHUNK),
-            1.0,
-            &device,
-        )?;
+        let step_of = OptimizerStep {
+            optimizer: &mut optim,
+            lr: 1e-3,
+            grad_clip: 1.0,
+            sync: &ReplicaSync::default(),
+        };
+        let chunks = (64, burn_rlhf::config::DEFAULT_LOGITS_CHUNK);
+        let (updated, m) = sft_update(actor, step_of, &batch, chunks, &device)?;
         actor = updated;
         if step % 50 == 0 || step == args.sft_steps {
             println!("sft step {step}: loss {:.4}", m["train/loss"]);

@@ -3,8 +3,8 @@
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 
+use crate::error::AlgoError;
 use crate::functional::{masked_sum, masked_sum_rows};
-use crate::AlgoError;
 
 /// How per-token losses are reduced, by verl's names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]

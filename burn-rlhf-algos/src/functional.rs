@@ -6,7 +6,7 @@ use burn::tensor::activation::{log_softmax, softmax};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 
-use crate::AlgoError;
+use crate::error::AlgoError;
 
 /// Reads a float tensor back to the host as `f32`s, row-major.
 pub fn to_vec<B: Backend, const D: usize>(tensor: Tensor<B, D>) -> Vec<f32> {

@@ -6,8 +6,8 @@ use burn::tensor::Tensor;
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 
+use crate::error::AlgoError;
 use crate::functional::{masked_mean_rows, to_vec};
-use crate::AlgoError;
 
 /// A per-token KL estimator (J. Schulman, "Approximating KL divergence"), by verl's names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -7,12 +7,12 @@ use burn::tensor::Tensor;
 use std::collections::BTreeMap;
 
 use crate::agg::{agg_loss, LossAggMode};
+use crate::error::AlgoError;
 use crate::functional::{from_vec, masked_sum_rows, to_vec};
 pub use crate::policy_loss::DpoLossType;
 use crate::policy_loss::{
     policy_loss_factory, PolicyLoss, PolicyLossFactory, PolicyLossInput, PolicyLossOutput,
 };
-use crate::AlgoError;
 
 /// SPIN's online DPO loss over pairs, averaged:
 /// `h = (π_c - π_r) - (ref_c - ref_r)` on sequence log-probs.

@@ -30,11 +30,11 @@ use burn::tensor::backend::Backend;
 
 pub use crate::advantage::EstimatorFactory;
 use crate::advantage::{AdvantageEstimator, EstimatorParams};
+use crate::error::AlgoError;
 use crate::kl::KlController;
 pub use crate::kl::{KlControllerFactory, KlControllerParams};
 pub use crate::policy_loss::PolicyLossFactory;
 use crate::policy_loss::{PolicyLoss, PolicyLossParams};
-use crate::AlgoError;
 
 /// Factories by name, in registration order (the built-ins in verl's order), so listed names read
 /// as verl lists them.

@@ -4,8 +4,9 @@ use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 
 use crate::agg::{agg_loss, GlobalBatchInfo, LossAggMode};
+use crate::error::AlgoError;
 use crate::functional::{masked_mean, to_scalar};
-use crate::{AlgoError, RlBackend};
+use crate::kernels::RlBackend;
 
 /// The value loss and its clip fraction.
 #[derive(Debug, Clone)]

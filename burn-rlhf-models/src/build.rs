@@ -8,10 +8,11 @@ use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, Tensor, TensorData};
 
+use crate::config::TransformerConfig;
+use crate::error::ModelError;
 use crate::lora::{LoraConfig, LoraLinear};
 use crate::transformer::*;
 use crate::weights::{HostTensor, WeightMap};
-use crate::{ModelError, TransformerConfig};
 
 /// `[rows, cols]` row-major → `[cols, rows]`.
 fn transpose(data: &[f32], rows: usize, cols: usize) -> Vec<f32> {

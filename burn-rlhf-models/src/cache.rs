@@ -10,8 +10,8 @@
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor};
 
+use crate::config::TransformerConfig;
 use crate::kernels::{select_rows, write_positions, DecoderBackend};
-use crate::TransformerConfig;
 
 /// Cached keys and values of every layer.
 #[derive(Debug, Clone)]

@@ -6,7 +6,7 @@ use std::path::Path;
 use burn::config::Config;
 use serde_json::{json, Value};
 
-use crate::ModelError;
+use crate::error::ModelError;
 
 /// The shape of a Qwen2/Llama decoder.
 #[derive(Config, Debug, PartialEq)]

@@ -10,8 +10,9 @@ use std::path::Path;
 
 use serde_json::{json, Value};
 
+use crate::config::TransformerConfig;
+use crate::error::ModelError;
 use crate::weights::{HostTensor, WeightMap};
-use crate::{ModelError, TransformerConfig};
 
 /// A metadata value.
 #[derive(Debug, Clone, PartialEq)]

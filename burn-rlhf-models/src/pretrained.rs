@@ -8,11 +8,12 @@ use std::path::{Path, PathBuf};
 use burn::tensor::backend::Backend;
 use serde_json::{json, Value};
 
+use crate::config::TransformerConfig;
+use crate::error::ModelError;
 use crate::gguf::GgufFile;
 use crate::tokenizer::Tokenizer;
 use crate::transformer::{CausalLm, ValueModel};
 use crate::weights::{write_safetensors, HostTensor, WeightMap};
-use crate::{ModelError, TransformerConfig};
 
 /// Where the weights are.
 #[derive(Debug, Clone, PartialEq)]

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use safetensors::tensor::{Dtype, TensorView};
 use safetensors::SafeTensors;
 
-use crate::ModelError;
+use crate::error::ModelError;
 
 /// One host tensor: PyTorch layout, row-major f32.
 #[derive(Debug, Clone, PartialEq)]

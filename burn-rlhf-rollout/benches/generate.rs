@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use burn::backend::Flex;
 use burn_rlhf_models::load_pretrained;
-use burn_rlhf_rollout::{generate, SamplingParams};
+use burn_rlhf_rollout::{Generator, SamplingParams};
 
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
@@ -41,7 +41,17 @@ fn main() {
         seed: 1,
         ..Default::default()
     };
-    let run = || generate(&model, &config, &prompts, 0, &params, &device).expect("generation");
+    let run = || {
+        Generator {
+            model: &model,
+            config: &config,
+            pad_id: 0,
+            params: &params,
+            device: &device,
+        }
+        .generate(&prompts)
+        .expect("generation")
+    };
     run();
     let mut times = Vec::new();
     for _ in 0..3 {

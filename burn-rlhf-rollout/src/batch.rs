@@ -2,8 +2,8 @@
 //! padded to `prompt_len`, responses right padded to `response_len`; the learner turns the fields
 //! it needs into tensors.
 
+use crate::error::RolloutError;
 use crate::generate::Sample;
-use crate::RolloutError;
 
 /// One batch of responses and what the learner needs of them.
 #[derive(Debug, Clone, PartialEq, Default)]

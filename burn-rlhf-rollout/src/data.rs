@@ -11,7 +11,7 @@ use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use serde::{Deserialize, Serialize};
 
-use crate::RolloutError;
+use crate::error::RolloutError;
 
 /// verl's instruction appended to each GSM8K question.
 pub const GSM8K_INSTRUCTION: &str =

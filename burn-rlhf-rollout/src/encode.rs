@@ -3,7 +3,7 @@
 use burn_rlhf_models::Tokenizer;
 
 use crate::data::PromptRecord;
-use crate::RolloutError;
+use crate::error::RolloutError;
 
 /// `data.truncation`: what to do with a prompt longer than `max_prompt_length`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -23,10 +23,10 @@ use burn_rlhf_models::{CausalLm, DecoderBackend, KvCache, TransformerConfig};
 use rand::{Rng, SeedableRng};
 use rayon::prelude::*;
 
+use crate::error::RolloutError;
 pub use crate::params::{DecodeShapes, LogprobsMode, SamplingParams};
 pub use crate::sample::processed_distribution;
 use crate::sample::{draws, is_greedy, pick, sample_on_device};
-use crate::RolloutError;
 
 /// One generated response.
 #[derive(Debug, Clone, PartialEq)]
@@ -103,80 +103,53 @@ fn round_up(x: usize, bucket: usize) -> usize {
     x.div_ceil(bucket.max(1)) * bucket.max(1)
 }
 
-/// Generates `params.n` responses for each prompt (rows ordered prompt by prompt: prompt 0's `n`
-/// samples, then prompt 1's, ...).
-pub fn generate<B: DecoderBackend>(
-    model: &CausalLm<B>,
-    config: &TransformerConfig,
-    prompts: &[Vec<u32>],
-    pad_id: u32,
-    params: &SamplingParams,
-    device: &B::Device,
-) -> Result<Vec<Sample>, RolloutError> {
-    let keys: Vec<u64> = (0..prompts.len() as u64).collect();
-    generate_keyed(model, config, prompts, &keys, pad_id, params, device)
+/// What a generation call takes besides its prompts: the model, its shape, the padding id, the
+/// sampling settings and the device. Its methods generate `params.n` responses for each prompt,
+/// rows ordered prompt by prompt (prompt 0's `n` samples, then prompt 1's, ...).
+pub struct Generator<'a, B: Backend> {
+    /// The policy.
+    pub model: &'a CausalLm<B>,
+    /// Its shape.
+    pub config: &'a TransformerConfig,
+    /// The token that pads rows of a batch.
+    pub pad_id: u32,
+    /// How to sample, how many responses and in what chunks.
+    pub params: &'a SamplingParams,
+    /// Where to run.
+    pub device: &'a B::Device,
 }
 
-/// [`generate`] with each prompt's random stream keyed by `prompt_keys[i]` instead of its position:
-/// a prompt generated alone or within any batch gets the same tokens for the same key.
-pub fn generate_keyed<B: DecoderBackend>(
-    model: &CausalLm<B>,
-    config: &TransformerConfig,
-    prompts: &[Vec<u32>],
-    prompt_keys: &[u64],
-    pad_id: u32,
-    params: &SamplingParams,
-    device: &B::Device,
-) -> Result<Vec<Sample>, RolloutError> {
-    let request = Request {
-        model,
-        config,
-        pad_id,
-        params,
-        device,
-    };
-    Ok(request.run(prompts, prompt_keys, &mut |_, _| {})?.0)
+impl<B: DecoderBackend> Generator<'_, B> {
+    /// The responses, each prompt's random stream keyed by its position in `prompts`.
+    pub fn generate(&self, prompts: &[Vec<u32>]) -> Result<Vec<Sample>, RolloutError> {
+        Ok(self.run(prompts, &positions(prompts), &mut |_, _| {})?.0)
+    }
+
+    /// The responses and what the call did, each prompt's random stream keyed by
+    /// `prompt_keys[i]` instead of its position: a prompt generated alone or within any batch
+    /// gets the same tokens for the same key.
+    pub fn generate_keyed(
+        &self,
+        prompts: &[Vec<u32>],
+        prompt_keys: &[u64],
+    ) -> Result<(Vec<Sample>, GenerationProfile), RolloutError> {
+        self.run(prompts, prompt_keys, &mut |_, _| {})
+    }
+
+    /// [`Generator::generate`], calling `on_token(row, token)` as each token is chosen (for
+    /// streaming output).
+    pub fn generate_streaming(
+        &self,
+        prompts: &[Vec<u32>],
+        on_token: &mut dyn FnMut(usize, u32),
+    ) -> Result<Vec<Sample>, RolloutError> {
+        Ok(self.run(prompts, &positions(prompts), on_token)?.0)
+    }
 }
 
-/// [`generate_keyed`], also returning what the call did.
-pub fn generate_profiled<B: DecoderBackend>(
-    model: &CausalLm<B>,
-    config: &TransformerConfig,
-    prompts: &[Vec<u32>],
-    prompt_keys: &[u64],
-    pad_id: u32,
-    params: &SamplingParams,
-    device: &B::Device,
-) -> Result<(Vec<Sample>, GenerationProfile), RolloutError> {
-    let request = Request {
-        model,
-        config,
-        pad_id,
-        params,
-        device,
-    };
-    request.run(prompts, prompt_keys, &mut |_, _| {})
-}
-
-/// [`generate`], calling `on_token(row, token)` as each token is chosen (for streaming output).
-pub fn generate_streaming<B: DecoderBackend>(
-    model: &CausalLm<B>,
-    config: &TransformerConfig,
-    prompts: &[Vec<u32>],
-    pad_id: u32,
-    params: &SamplingParams,
-    device: &B::Device,
-    on_token: &mut dyn FnMut(usize, u32),
-) -> Result<Vec<Sample>, RolloutError> {
-    let keys: Vec<u64> = (0..prompts.len() as u64).collect();
-    let request = Request {
-        model,
-        config,
-        pad_id,
-        params,
-        device,
-    };
-    Ok(request.run(prompts, &keys, on_token)?.0)
+/// Each prompt's position, its default key.
+fn positions(prompts: &[Vec<u32>]) -> Vec<u64> {
+    (0..prompts.len() as u64).collect()
 }
 
 /// The random stream of sample `j` of the prompt keyed `key` (splitmix64 of the three).
@@ -189,15 +162,6 @@ fn row_rng(seed: u64, key: u64, j: usize) -> rand::rngs::StdRng {
     rand::rngs::StdRng::seed_from_u64(z ^ (z >> 31))
 }
 
-/// One generation call's fixed inputs.
-struct Request<'a, B: Backend> {
-    model: &'a CausalLm<B>,
-    config: &'a TransformerConfig,
-    pad_id: u32,
-    params: &'a SamplingParams,
-    device: &'a B::Device,
-}
-
 /// The rows of one chunk as they decode.
 struct Rows {
     /// Each row's response so far (`prompt_index` relative to the chunk).
@@ -208,7 +172,7 @@ struct Rows {
     active: Vec<usize>,
 }
 
-impl<B: DecoderBackend> Request<'_, B> {
+impl<B: DecoderBackend> Generator<'_, B> {
     /// Checks the inputs, then generates chunk by chunk; `on_token(row, token)` sees rows
     /// numbered over the whole call.
     fn run(

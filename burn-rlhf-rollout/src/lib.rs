@@ -19,7 +19,6 @@ pub use data::{PromptRecord, PromptSampler, SamplerState};
 pub use encode::Truncation;
 pub use error::RolloutError;
 pub use generate::{
-    generate, generate_keyed, generate_profiled, generate_streaming, DecodeShapes,
-    GenerationProfile, LogprobsMode, Sample, SamplingParams,
+    DecodeShapes, GenerationProfile, Generator, LogprobsMode, Sample, SamplingParams,
 };
 pub use reward::{RewardFn, RewardInput, RewardRegistry};

@@ -1,6 +1,6 @@
 //! How to sample: the parameters generation and the samplers share.
 
-use crate::RolloutError;
+use crate::error::RolloutError;
 
 /// Which log-probs the rollout records (verl's `rollout.logprobs_mode`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

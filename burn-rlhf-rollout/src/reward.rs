@@ -8,7 +8,7 @@ use std::sync::{Arc, OnceLock};
 
 use regex::Regex;
 
-use crate::RolloutError;
+use crate::error::RolloutError;
 
 /// What a reward function sees of one response.
 #[derive(Debug, Clone, Copy)]

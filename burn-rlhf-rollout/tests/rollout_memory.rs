@@ -6,7 +6,7 @@
 
 use burn::backend::Flex;
 use burn_rlhf_models::load_pretrained;
-use burn_rlhf_rollout::{generate, DecodeShapes, SamplingParams};
+use burn_rlhf_rollout::{DecodeShapes, Generator, SamplingParams};
 use burn_rlhf_test_assets::{peak_during, warm_every_thread, CountingAlloc};
 
 #[global_allocator]
@@ -36,7 +36,15 @@ fn chunked_rollout_peak_does_not_grow_with_the_batch() {
         let peak = |count: usize, max_num_seqs: usize| {
             let p = prompts(count);
             let (peak, samples) = peak_during(|| {
-                generate(&model, &config, &p, 0, &params(max_num_seqs), &device).unwrap()
+                Generator {
+                    model: &model,
+                    config: &config,
+                    pad_id: 0,
+                    params: &params(max_num_seqs),
+                    device: &device,
+                }
+                .generate(&p)
+                .unwrap()
             });
             assert_eq!(samples.len(), 2 * count);
             peak

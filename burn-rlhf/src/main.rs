@@ -217,7 +217,7 @@ fn run_generate(args: GenerateArgs) -> anyhow::Result<()> {
 
     use burn_rlhf::backend::{default_device, InferenceBackend};
     use burn_rlhf::models::{load_pretrained, ChatMessage};
-    use burn_rlhf::rollout::{generate_streaming, SamplingParams};
+    use burn_rlhf::rollout::{Generator, SamplingParams};
 
     let device = default_device();
     let pretrained = load_pretrained(&args.model)?;
@@ -249,25 +249,24 @@ fn run_generate(args: GenerateArgs) -> anyhow::Result<()> {
     std::io::stdout().flush()?;
     let mut tokens = Vec::new();
     let mut printed = 0;
-    generate_streaming(
-        &model,
-        &config,
-        &[prompt],
-        tokenizer.pad_token_id,
-        &params,
-        &device,
-        &mut |_, t| {
-            tokens.push(t);
-            // Decode everything so far and print the new suffix: a character may span tokens.
-            if let Ok(text) = tokenizer.decode(&tokens, true) {
-                if text.len() > printed && text.is_char_boundary(printed) {
-                    print!("{}", &text[printed..]);
-                    let _ = std::io::stdout().flush();
-                    printed = text.len();
-                }
+    Generator {
+        model: &model,
+        config: &config,
+        pad_id: tokenizer.pad_token_id,
+        params: &params,
+        device: &device,
+    }
+    .generate_streaming(&[prompt], &mut |_, t| {
+        tokens.push(t);
+        // Decode everything so far and print the new suffix: a character may span tokens.
+        if let Ok(text) = tokenizer.decode(&tokens, true) {
+            if text.len() > printed && text.is_char_boundary(printed) {
+                print!("{}", &text[printed..]);
+                let _ = std::io::stdout().flush();
+                printed = text.len();
             }
-        },
-    )?;
+        }
+    })?;
     println!();
     Ok(())
 }
@@ -382,7 +381,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 &overrides,
                 &default_device(),
             )?;
-            println!("{}", burn_rlhf::trainer::metrics::table(0, &metrics));
+            println!("{}", burn_rlhf::trainer::logger::table(0, &metrics));
         }
         Command::Data(DataCommand::Gsm8k { input, output }) => run_data_gsm8k(&input, &output)?,
         Command::Model(ModelCommand::Export { model, out }) => run_model_export(&model, &out)?,

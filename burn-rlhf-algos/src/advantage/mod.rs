@@ -9,8 +9,9 @@ use std::sync::Arc;
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 
+use crate::error::AlgoError;
 use crate::functional::{from_rows, masked_whiten, to_vec};
-use crate::{AlgoError, RlBackend};
+use crate::kernels::RlBackend;
 
 mod recipes;
 mod token_baseline;

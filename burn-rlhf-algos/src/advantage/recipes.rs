@@ -3,7 +3,7 @@
 use burn::tensor::backend::Backend;
 
 use super::*;
-use crate::RlBackend;
+use crate::kernels::RlBackend;
 
 /// SPPO's centred rewards: each row's score minus the soft mean of the batch's scores
 /// (`(1/β) log mean exp(β s)`, [`crate::preference::softmean`]), on every valid token; the

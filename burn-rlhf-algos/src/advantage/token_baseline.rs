@@ -16,8 +16,9 @@ use super::{
     estimator_factory, groups, AdvantageEstimator, AdvantageInput, AdvantageOutput,
     EstimatorFactory, HostBatch,
 };
+use crate::error::AlgoError;
 use crate::functional::to_vec;
-use crate::{AlgoError, RlBackend};
+use crate::kernels::RlBackend;
 
 /// The optimal token baseline. `multi_turn` (`tir_optimal_token_baseline`) lines trajectories up
 /// by their valid tokens only (tool and observation tokens masked out of the middle of a

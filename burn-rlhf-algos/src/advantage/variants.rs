@@ -7,7 +7,8 @@ use super::{
     estimator_factory, groups, whiten, AdvantageEstimator, AdvantageInput, AdvantageOutput,
     EstimatorFactory, Grpo, HostBatch,
 };
-use crate::{AlgoError, RlBackend};
+use crate::error::AlgoError;
+use crate::kernels::RlBackend;
 
 /// `grpo_vectorized`: verl's GRPO computed with per-group sums (`group_mean_std`): the same
 /// advantages as [`Grpo`] (unbiased group std, a one-row group has mean 0 and std 1).

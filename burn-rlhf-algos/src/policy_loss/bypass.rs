@@ -7,9 +7,10 @@ use super::{
     metrics, policy_loss_factory, PolicyLoss, PolicyLossFactory, PolicyLossInput, PolicyLossOutput,
     VanillaPpo,
 };
+use crate::error::AlgoError;
 use crate::functional::{from_rows, masked_mean, to_scalar, to_vec};
+use crate::kernels::RlBackend;
 use crate::rollout_correction::RolloutCorrection;
-use crate::{AlgoError, RlBackend};
 
 /// `rollout_correction.loss_type`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -9,8 +9,9 @@ use super::{
     check_shapes, clip_metrics, fraction, metrics, policy_loss_factory, PolicyLoss,
     PolicyLossFactory, PolicyLossInput, PolicyLossOutput,
 };
+use crate::error::AlgoError;
 use crate::functional::{masked_mean, to_scalar};
-use crate::{AlgoError, RlBackend};
+use crate::kernels::RlBackend;
 
 /// Which trust region a DPPO loss keeps its tokens in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -20,8 +20,9 @@ pub use bypass::{BypassLossType, BypassMode};
 pub use divergence::{Dppo, DppoRegion, Dro};
 
 use crate::agg::{agg_loss, GlobalBatchInfo, LossAggMode};
+use crate::error::AlgoError;
 use crate::functional::{from_rows, masked_mean, masked_sum_rows, to_scalar, to_vec};
-use crate::{AlgoError, RlBackend};
+use crate::kernels::RlBackend;
 
 /// The inputs of a policy loss for one micro-batch.
 #[derive(Debug, Clone)]

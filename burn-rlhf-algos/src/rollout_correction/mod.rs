@@ -9,7 +9,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::AlgoError;
+use crate::error::AlgoError;
 
 mod diagnostics;
 mod rejection;

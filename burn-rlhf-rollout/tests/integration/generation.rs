@@ -8,9 +8,7 @@ use burn::tensor::activation::log_softmax;
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_rlhf_models::{load_pretrained, CausalLm, TransformerConfig};
 use burn_rlhf_rollout::generate::{left_pad, processed_distribution};
-use burn_rlhf_rollout::{
-    generate, generate_keyed, generate_profiled, DecodeShapes, LogprobsMode, SamplingParams,
-};
+use burn_rlhf_rollout::{DecodeShapes, Generator, LogprobsMode, SamplingParams};
 use serde_json::Value;
 
 type B = Flex;
@@ -92,14 +90,14 @@ fn greedy_params(max_new_tokens: usize) -> SamplingParams {
 fn check_greedy(dir: &Path) {
     let (model, config) = load(dir);
     for (prompts, want, steps) in golden_cases(dir) {
-        let samples = generate(
-            &model,
-            &config,
-            &prompts,
-            0,
-            &greedy_params(steps),
-            &Default::default(),
-        )
+        let samples = Generator {
+            model: &model,
+            config: &config,
+            pad_id: 0,
+            params: &greedy_params(steps),
+            device: &Default::default(),
+        }
+        .generate(&prompts)
         .unwrap();
         assert_eq!(
             samples.len(),
@@ -163,7 +161,15 @@ fn rollout_logprobs_equal_a_full_forward() {
         stop_token_ids: vec![3],
         ..Default::default()
     };
-    let samples = generate(&model, &config, &prompts, 0, &params, &Default::default()).unwrap();
+    let samples = Generator {
+        model: &model,
+        config: &config,
+        pad_id: 0,
+        params: &params,
+        device: &Default::default(),
+    }
+    .generate(&prompts)
+    .unwrap();
     assert_eq!(samples.len(), 6);
     let device = Default::default();
     for s in &samples {
@@ -204,49 +210,73 @@ fn seeded_sampling_reproduces_and_zero_temperature_is_greedy() {
         ..Default::default()
     };
     let d = Default::default();
-    let a = generate(&model, &config, &prompts, 0, &params, &d).unwrap();
-    let b = generate(&model, &config, &prompts, 0, &params, &d).unwrap();
+    let a = Generator {
+        model: &model,
+        config: &config,
+        pad_id: 0,
+        params: &params,
+        device: &d,
+    }
+    .generate(&prompts)
+    .unwrap();
+    let b = Generator {
+        model: &model,
+        config: &config,
+        pad_id: 0,
+        params: &params,
+        device: &d,
+    }
+    .generate(&prompts)
+    .unwrap();
     assert_eq!(a, b, "same seed, same samples");
-    let c = generate(
-        &model,
-        &config,
-        &prompts,
-        0,
-        &SamplingParams {
+    let c = Generator {
+        model: &model,
+        config: &config,
+        pad_id: 0,
+        params: &SamplingParams {
             seed: 12,
             ..params.clone()
         },
-        &d,
-    )
+        device: &d,
+    }
+    .generate(&prompts)
     .unwrap();
     assert_ne!(a, c, "another seed, other samples");
-    let greedy = generate(&model, &config, &prompts, 0, &greedy_params(10), &d).unwrap();
-    let cold = generate(
-        &model,
-        &config,
-        &prompts,
-        0,
-        &SamplingParams {
+    let greedy = Generator {
+        model: &model,
+        config: &config,
+        pad_id: 0,
+        params: &greedy_params(10),
+        device: &d,
+    }
+    .generate(&prompts)
+    .unwrap();
+    let cold = Generator {
+        model: &model,
+        config: &config,
+        pad_id: 0,
+        params: &SamplingParams {
             temperature: 1e-4,
             max_new_tokens: 10,
             seed: 3,
             ..Default::default()
         },
-        &d,
-    )
+        device: &d,
+    }
+    .generate(&prompts)
     .unwrap();
-    let zero = generate(
-        &model,
-        &config,
-        &prompts,
-        0,
-        &SamplingParams {
+    let zero = Generator {
+        model: &model,
+        config: &config,
+        pad_id: 0,
+        params: &SamplingParams {
             temperature: 0.0,
             max_new_tokens: 10,
             ..Default::default()
         },
-        &d,
-    )
+        device: &d,
+    }
+    .generate(&prompts)
     .unwrap();
     let toks =
         |s: &Vec<burn_rlhf_rollout::Sample>| s.iter().map(|x| x.tokens.clone()).collect::<Vec<_>>();
@@ -324,7 +354,15 @@ fn check_distribution(shapes: DecodeShapes) {
             shapes,
             ..Default::default()
         };
-        let samples = generate(&model, &config, &prompt, 0, &params, &device).unwrap();
+        let samples = Generator {
+            model: &model,
+            config: &config,
+            pad_id: 0,
+            params: &params,
+            device: &device,
+        }
+        .generate(&prompt)
+        .unwrap();
         let mut counts = vec![0usize; dist.len()];
         for s in &samples {
             let tok = s.tokens[0] as usize;
@@ -369,8 +407,24 @@ fn bucketed_decoding_generates_what_exact_decoding_does() {
             shapes: DecodeShapes::Bucketed { bucket: 8 },
             ..exact.clone()
         };
-        let a = generate(&model, &config, &prompts, 0, &exact, &d).unwrap();
-        let b = generate(&model, &config, &prompts, 0, &bucketed, &d).unwrap();
+        let a = Generator {
+            model: &model,
+            config: &config,
+            pad_id: 0,
+            params: &exact,
+            device: &d,
+        }
+        .generate(&prompts)
+        .unwrap();
+        let b = Generator {
+            model: &model,
+            config: &config,
+            pad_id: 0,
+            params: &bucketed,
+            device: &d,
+        }
+        .generate(&prompts)
+        .unwrap();
         assert_eq!(a.len(), b.len());
         for (x, y) in a.iter().zip(&b) {
             assert_eq!(
@@ -402,19 +456,43 @@ fn a_response_does_not_depend_on_its_batch_mates_or_chunk() {
             shapes,
             ..Default::default()
         };
-        let all = generate_keyed(&model, &config, &prompts, &keys, 0, &params, &d).unwrap();
+        let all = Generator {
+            model: &model,
+            config: &config,
+            pad_id: 0,
+            params: &params,
+            device: &d,
+        }
+        .generate_keyed(&prompts, &keys)
+        .map(|(samples, _)| samples)
+        .unwrap();
         let chunked = SamplingParams {
             max_num_seqs: 2,
             ..params.clone()
         };
-        let (in_chunks, profile) =
-            generate_profiled(&model, &config, &prompts, &keys, 0, &chunked, &d).unwrap();
+        let (in_chunks, profile) = Generator {
+            model: &model,
+            config: &config,
+            pad_id: 0,
+            params: &chunked,
+            device: &d,
+        }
+        .generate_keyed(&prompts, &keys)
+        .unwrap();
         assert_eq!(
             profile.chunks, 3,
             "{shapes:?}: one prompt (2 responses) per chunk"
         );
-        let alone =
-            generate_keyed(&model, &config, &prompts[1..2], &keys[1..2], 0, &params, &d).unwrap();
+        let alone = Generator {
+            model: &model,
+            config: &config,
+            pad_id: 0,
+            params: &params,
+            device: &d,
+        }
+        .generate_keyed(&prompts[1..2], &keys[1..2])
+        .map(|(samples, _)| samples)
+        .unwrap();
         let tokens = |s: &[burn_rlhf_rollout::Sample]| {
             s.iter().map(|x| x.tokens.clone()).collect::<Vec<_>>()
         };
@@ -439,8 +517,15 @@ fn n_responses_share_one_prefill_per_prompt() {
             shapes,
             ..Default::default()
         };
-        let (samples, profile) =
-            generate_profiled(&model, &config, &prompts, &keys, 0, &params, &d).unwrap();
+        let (samples, profile) = Generator {
+            model: &model,
+            config: &config,
+            pad_id: 0,
+            params: &params,
+            device: &d,
+        }
+        .generate_keyed(&prompts, &keys)
+        .unwrap();
         assert_eq!(samples.len(), 12, "{shapes:?}");
         assert_eq!(
             profile.prefilled_rows, 3,
@@ -472,14 +557,29 @@ fn a_bucketed_decode_step_reads_back_two_values_per_row() {
         shapes: DecodeShapes::Bucketed { bucket: 8 },
         ..Default::default()
     };
-    let (_, bucketed) =
-        generate_profiled(&model, &config, &prompts, &keys, 0, &params, &d).unwrap();
+    let (_, bucketed) = Generator {
+        model: &model,
+        config: &config,
+        pad_id: 0,
+        params: &params,
+        device: &d,
+    }
+    .generate_keyed(&prompts, &keys)
+    .unwrap();
     assert_eq!(bucketed.max_values_read_per_row, 2);
     assert_eq!(bucketed.decode_steps, 6);
     let exact = SamplingParams {
         shapes: DecodeShapes::Exact,
         ..params
     };
-    let (_, exact) = generate_profiled(&model, &config, &prompts, &keys, 0, &exact, &d).unwrap();
+    let (_, exact) = Generator {
+        model: &model,
+        config: &config,
+        pad_id: 0,
+        params: &exact,
+        device: &d,
+    }
+    .generate_keyed(&prompts, &keys)
+    .unwrap();
     assert_eq!(exact.max_values_read_per_row, config.vocab_size);
 }

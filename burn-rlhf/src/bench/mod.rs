@@ -19,7 +19,7 @@ pub use peer::{compare, run_peer, table, Peer, Side};
 
 use crate::backend::LearnerBackend;
 use burn::module::AutodiffModule;
-use burn_rlhf_rollout::{generate_keyed, RolloutBatch, Sample, SamplingParams};
+use burn_rlhf_rollout::{Generator, RolloutBatch, Sample, SamplingParams};
 use serde_json::{json, Value};
 
 use crate::config::Settings;
@@ -124,15 +124,15 @@ pub fn run_bench<B: LearnerBackend>(
     let case = format!("generate_b{rows}_p{prompt}_n{tokens}");
     for run in ["cold", "warm"].into_iter().take(gen_rows) {
         let (samples, usage, compiled, tuned) = timed(|| {
-            generate_keyed(
-                &policy,
-                &learner.model_config,
-                &prompts,
-                &keys,
-                0,
-                &params,
+            Generator {
+                model: &policy,
+                config: &learner.model_config,
+                pad_id: 0,
+                params: &params,
                 device,
-            )
+            }
+            .generate_keyed(&prompts, &keys)
+            .map(|(samples, _)| samples)
         });
         let new: usize = samples?.iter().map(|s| s.tokens.len()).sum();
         let (secs, (cpu_util, peak_rss_gb)) = (usage.seconds, usage_fields(&usage));

@@ -29,7 +29,7 @@ use burn_rlhf_rollout::RolloutBatch;
 pub use crate::error::DistributedError;
 use crate::error::TrainError;
 
-pub use balance::{balanced_partitions, token_budget_partitions};
+pub use balance::balanced_partitions;
 pub use local::BurnCollective;
 pub use params::{all_reduce_grads, optimizer_state_bytes, sync_params, ShardPlan};
 pub use tcp::TcpGroup;

@@ -6,9 +6,9 @@
 use std::collections::BTreeMap;
 
 use crate::backend::LearnerBackend;
-use burn::optim::{GradientsAccumulator, Optimizer};
-use burn::tensor::{FloatDType, Tensor, TensorData};
-use burn_rlhf_algos::functional::{to_scalar, to_vec};
+use burn::optim::Optimizer;
+use burn::tensor::FloatDType;
+use burn_rlhf_algos::functional::{from_rows, to_scalar, to_vec};
 use burn_rlhf_algos::{
     agg_loss, kl_penalty, GlobalBatchInfo, KlPenalty, LossAggMode, PolicyLoss, PolicyLossInput,
 };
@@ -18,8 +18,8 @@ use burn_rlhf_rollout::RolloutBatch;
 use crate::config::settings::ActorSettings;
 use crate::error::TrainError;
 use crate::forward::{response_logprobs, LogprobHead, SequenceTensors};
-use crate::optim::{synced_step, ReplicaSync};
 
+use super::step::{MicroGradients, OptimizerStep};
 use super::{micro_batches, rows_of};
 
 /// Per-token targets of a mini-batch, `[rows * response_len]` row-major like the batch's
@@ -62,8 +62,6 @@ pub struct ActorLossConfig {
     /// Token-budget micro-batches are trimmed to a multiple of this width (the learner's shape
     /// bucket; 1 = exact).
     pub shape_bucket: usize,
-    /// Global gradient-norm limit.
-    pub grad_clip: f64,
     /// `Some(dtype)`: the forward and backward run on the weights cast to it (autocast; the
     /// weights, their gradients and the optimiser state stay f32). `model.dtype`.
     pub compute_dtype: Option<FloatDType>,
@@ -83,19 +81,9 @@ impl ActorLossConfig {
             micro_batch_size: actor.micro_batch_size.unwrap_or(rows),
             max_token_len: actor.max_token_len,
             shape_bucket: 1,
-            grad_clip: actor.grad_clip,
             compute_dtype: None,
         }
     }
-}
-
-fn tensor2<B: LearnerBackend>(
-    values: &[f32],
-    rows: usize,
-    cols: usize,
-    device: &B::Device,
-) -> Tensor<B, 2> {
-    Tensor::from_data(TensorData::new(values.to_vec(), [rows, cols]), device)
 }
 
 /// What an on-policy update ([`ActorTargets::old_log_probs`] `None`) computed on the way: the
@@ -130,21 +118,19 @@ enum OldLogProbs {
 /// are averaged before the step, and the metrics are the ranks' mean: every rank returns the
 /// same model and metrics as one device would. An on-policy update also returns the log-probs
 /// and entropies it computed ([`OnPolicyLogProbs`]).
-#[allow(clippy::too_many_arguments)]
 pub fn actor_update<B: LearnerBackend, O: Optimizer<CausalLm<B>, B>>(
     actor: CausalLm<B>,
-    optimizer: &mut O,
-    lr: f64,
+    step: OptimizerStep<'_, O>,
     policy_loss: &dyn PolicyLoss<B>,
     batch: &RolloutBatch,
     targets: &ActorTargets,
     config: &ActorLossConfig,
-    sync: &ReplicaSync,
     device: &B::Device,
 ) -> Result<ActorUpdated<B>, TrainError> {
+    let sync = step.sync;
     let dp = &sync.dp;
     let (rows, r) = (batch.rows(), batch.response_len);
-    let mask_all = tensor2::<B>(batch.loss_mask(), rows, r, device);
+    let mask_all = from_rows::<B>(batch.loss_mask().to_vec(), rows, r, device);
     let global = GlobalBatchInfo {
         // The mini-batch's width, not a trimmed micro-batch's.
         loss_scale_factor: Some(config.loss_scale_factor.unwrap_or(r as f64)),
@@ -166,7 +152,7 @@ pub fn actor_update<B: LearnerBackend, O: Optimizer<CausalLm<B>, B>>(
     let adv_all = pick(&targets.advantages);
     let ref_all = targets.ref_log_probs.as_deref().map(pick);
     let is_all = targets.rollout_is_weights.as_deref().map(pick);
-    let mut accumulator = GradientsAccumulator::<CausalLm<B>>::new();
+    let mut gradients = MicroGradients::default();
     let mut metrics: BTreeMap<String, f64> = BTreeMap::new();
     let plans = micro_batches(
         &local,
@@ -187,7 +173,7 @@ pub fn actor_update<B: LearnerBackend, O: Optimizer<CausalLm<B>, B>>(
         };
         let (log_prob, entropy) = response_logprobs(&model, &seq, config.head);
         let old_log_prob = match &mut old {
-            OldLogProbs::Given(v) => tensor2(&cut(v), n, w, device),
+            OldLogProbs::Given(v) => from_rows::<B>(cut(v), n, w, device),
             OldLogProbs::Own(own) => {
                 let detached = log_prob.clone().detach();
                 micro.scatter(&to_vec(detached.clone()), &mut own.log_probs, r);
@@ -198,12 +184,16 @@ pub fn actor_update<B: LearnerBackend, O: Optimizer<CausalLm<B>, B>>(
         let input = PolicyLossInput {
             old_log_prob,
             log_prob: log_prob.clone(),
-            advantages: tensor2(&cut(&adv_all), n, w, device),
+            advantages: from_rows::<B>(cut(&adv_all), n, w, device),
             response_mask: mask.clone(),
             loss_agg_mode: config.loss_agg_mode,
             global,
-            ref_log_prob: ref_all.as_ref().map(|v| tensor2(&cut(v), n, w, device)),
-            rollout_is_weights: is_all.as_ref().map(|v| tensor2(&cut(v), n, w, device)),
+            ref_log_prob: ref_all
+                .as_ref()
+                .map(|v| from_rows::<B>(cut(v), n, w, device)),
+            rollout_is_weights: is_all
+                .as_ref()
+                .map(|v| from_rows::<B>(cut(v), n, w, device)),
         };
         let out = policy_loss.compute(&input)?;
         let entropy_loss = agg_loss(entropy, mask.clone(), config.loss_agg_mode, &global)?;
@@ -215,7 +205,11 @@ pub fn actor_update<B: LearnerBackend, O: Optimizer<CausalLm<B>, B>>(
             // With a reference the KL to it is always measured; it joins the loss only with
             // `use_kl_loss` (then with its own estimator and coefficient).
             let (penalty, coef) = config.kl_loss.unwrap_or((config.kl_metric, 0.0));
-            let kl = kl_penalty(log_prob, tensor2(&cut(reference), n, w, device), penalty);
+            let kl = kl_penalty(
+                log_prob,
+                from_rows::<B>(cut(reference), n, w, device),
+                penalty,
+            );
             let kl_loss = agg_loss(kl, mask, config.loss_agg_mode, &global)?;
             *metrics.entry("actor/kl_loss".into()).or_default() +=
                 to_scalar(kl_loss.clone().detach());
@@ -228,22 +222,10 @@ pub fn actor_update<B: LearnerBackend, O: Optimizer<CausalLm<B>, B>>(
         for (name, value) in out.metrics {
             *metrics.entry(name).or_default() += value * share;
         }
-        accumulator.accumulate(
-            &actor,
-            burn::optim::GradientsParams::from_grads(loss.backward(), &actor),
-        );
+        gradients.add(&actor, loss);
     }
     let mut metrics = dp.mean_metrics(metrics)?;
-    let (actor, grad_norm) = synced_step(
-        actor,
-        optimizer,
-        lr,
-        accumulator.grads(),
-        config.grad_clip,
-        sync,
-    )?;
-    metrics.insert("actor/grad_norm".into(), grad_norm);
-    metrics.insert("actor/lr".into(), lr);
+    let actor = step.apply(actor, gradients, &mut metrics, "actor")?;
     let on_policy = match old {
         OldLogProbs::Given(_) => None,
         OldLogProbs::Own(own) => Some(OnPolicyLogProbs {

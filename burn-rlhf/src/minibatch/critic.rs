@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 
 use crate::backend::LearnerBackend;
-use burn::optim::{GradientsAccumulator, GradientsParams, Optimizer};
+use burn::optim::Optimizer;
 use burn::tensor::FloatDType;
 use burn_rlhf_algos::functional::{from_rows, to_scalar};
 use burn_rlhf_algos::{value_loss, GlobalBatchInfo, LossAggMode};
@@ -15,8 +15,8 @@ use burn_rlhf_rollout::RolloutBatch;
 use crate::config::settings::CriticSettings;
 use crate::error::TrainError;
 use crate::forward::{response_values, SequenceTensors};
-use crate::optim::{synced_step, ReplicaSync};
 
+use super::step::{MicroGradients, OptimizerStep};
 use super::{micro_batches, rows_of};
 
 /// Per-token targets of a mini-batch, `[rows * response_len]` row-major.
@@ -42,8 +42,6 @@ pub struct CriticLossConfig {
     /// Token-budget micro-batches are trimmed to a multiple of this width (the learner's shape
     /// bucket; 1 = exact).
     pub shape_bucket: usize,
-    /// Global gradient-norm limit.
-    pub grad_clip: f64,
     /// Multiplies the loss before its gradient (`critic.value_loss_scale`).
     pub value_loss_scale: f64,
     /// `Some(dtype)`: autocast, as the actor's ([`super::ActorLossConfig::compute_dtype`]).
@@ -59,7 +57,6 @@ impl CriticLossConfig {
             micro_batch_size: critic.micro_batch_size.unwrap_or(rows),
             max_token_len: critic.max_token_len,
             shape_bucket: 1,
-            grad_clip: critic.grad_clip,
             value_loss_scale: critic.value_loss_scale,
             compute_dtype: None,
         }
@@ -70,17 +67,15 @@ impl CriticLossConfig {
 /// (weighted by each micro-batch's token share, as the actor's ratio metrics), `critic/grad_norm`
 /// and `critic/lr`. With several ranks each runs its balanced share of the rows and the gradients
 /// are averaged before the step, as in [`actor_update`](super::actor_update).
-#[allow(clippy::too_many_arguments)]
 pub fn critic_update<B: LearnerBackend, O: Optimizer<ValueModel<B>, B>>(
     critic: ValueModel<B>,
-    optimizer: &mut O,
-    lr: f64,
+    step: OptimizerStep<'_, O>,
     batch: &RolloutBatch,
     targets: &CriticTargets,
     config: &CriticLossConfig,
-    sync: &ReplicaSync,
     device: &B::Device,
 ) -> Result<(ValueModel<B>, BTreeMap<String, f64>), TrainError> {
+    let sync = step.sync;
     let dp = &sync.dp;
     let (rows, r) = (batch.rows(), batch.response_len);
     let global = GlobalBatchInfo {
@@ -96,7 +91,7 @@ pub fn critic_update<B: LearnerBackend, O: Optimizer<ValueModel<B>, B>>(
     let local = batch.select(&mine);
     let pick = |v: &[f32]| rows_of(v, &mine, r);
     let (values_all, returns_all) = (pick(&targets.values), pick(&targets.returns));
-    let mut accumulator = GradientsAccumulator::<ValueModel<B>>::new();
+    let mut gradients = MicroGradients::default();
     let (mut vf_loss, mut vf_clipfrac) = (0.0, 0.0);
     let plans = micro_batches(
         &local,
@@ -127,27 +122,12 @@ pub fn critic_update<B: LearnerBackend, O: Optimizer<ValueModel<B>, B>>(
         let tokens: f64 = slice(local.loss_mask()).iter().map(|&m| m as f64).sum();
         vf_loss += to_scalar(out.vf_loss.clone().detach());
         vf_clipfrac += out.vf_clipfrac * tokens / total_tokens * dp.world() as f64;
-        accumulator.accumulate(
-            &critic,
-            GradientsParams::from_grads(
-                (out.vf_loss * config.value_loss_scale).backward(),
-                &critic,
-            ),
-        );
+        gradients.add(&critic, out.vf_loss * config.value_loss_scale);
     }
     let mut metrics = dp.mean_metrics(BTreeMap::from([
         ("critic/vf_loss".to_string(), vf_loss),
         ("critic/vf_clipfrac".to_string(), vf_clipfrac),
     ]))?;
-    let (critic, grad_norm) = synced_step(
-        critic,
-        optimizer,
-        lr,
-        accumulator.grads(),
-        config.grad_clip,
-        sync,
-    )?;
-    metrics.insert("critic/grad_norm".to_string(), grad_norm);
-    metrics.insert("critic/lr".to_string(), lr);
+    let critic = step.apply(critic, gradients, &mut metrics, "critic")?;
     Ok((critic, metrics))
 }

@@ -6,15 +6,18 @@
 
 mod actor;
 mod critic;
+mod packing;
 mod sft;
+mod step;
 
 pub use actor::{actor_update, ActorLossConfig, ActorTargets, OnPolicyLogProbs};
 pub use critic::{critic_update, CriticLossConfig, CriticTargets};
+pub use packing::token_budget_partitions;
 pub use sft::{sft_loss, sft_update};
+pub use step::{MicroGradients, OptimizerStep};
 
 use burn_rlhf_rollout::RolloutBatch;
 
-use crate::distributed::token_budget_partitions;
 use crate::error::TrainError;
 
 /// One micro-batch: which rows of its mini-batch it holds, and those rows as a batch.

@@ -5,14 +5,16 @@
 use std::collections::BTreeMap;
 
 use crate::backend::LearnerBackend;
-use burn::optim::{GradientsAccumulator, GradientsParams, Optimizer};
+use burn::optim::Optimizer;
 use burn_rlhf_algos::functional::{from_rows, to_scalar};
-use burn_rlhf_algos::{agg_loss, AlgoError, GlobalBatchInfo, LossAggMode};
+use burn_rlhf_algos::{agg_loss, GlobalBatchInfo, LossAggMode};
 use burn_rlhf_models::CausalLm;
 use burn_rlhf_rollout::RolloutBatch;
 
+use crate::error::TrainError;
 use crate::forward::{response_logprobs, LogprobHead, SequenceTensors};
-use crate::optim::clip_grad_norm;
+
+use super::step::{MicroGradients, OptimizerStep};
 
 /// The mean NLL of `batch`'s response tokens under `model` (no update): validation loss, in
 /// micro-batches of `micro_batch_size` rows with `chunk` tokens per chunk of logits.
@@ -45,19 +47,17 @@ fn head(chunk: usize) -> LogprobHead {
 /// model and `train/loss`, `train/grad_norm`, `train/lr`.
 pub fn sft_update<B: LearnerBackend, O: Optimizer<CausalLm<B>, B>>(
     model: CausalLm<B>,
-    optimizer: &mut O,
-    lr: f64,
+    step: OptimizerStep<'_, O>,
     batch: &RolloutBatch,
     (micro_batch_size, chunk): (usize, usize),
-    grad_clip: f64,
     device: &B::Device,
-) -> Result<(CausalLm<B>, BTreeMap<String, f64>), AlgoError> {
+) -> Result<(CausalLm<B>, BTreeMap<String, f64>), TrainError> {
     let (rows, r) = (batch.rows(), batch.response_len);
     let global = GlobalBatchInfo::from_mask(
         &from_rows::<B>(batch.response_mask.clone(), rows, r, device),
         1,
     );
-    let mut accumulator = GradientsAccumulator::<CausalLm<B>>::new();
+    let mut gradients = MicroGradients::default();
     let mut loss_sum = 0.0;
     for part in batch.split(micro_batch_size.max(1)).expect("size >= 1") {
         let seq = SequenceTensors::<B>::from_batch(&part, device);
@@ -69,18 +69,9 @@ pub fn sft_update<B: LearnerBackend, O: Optimizer<CausalLm<B>, B>>(
             &global,
         )?;
         loss_sum += to_scalar(loss.clone().detach());
-        accumulator.accumulate(&model, GradientsParams::from_grads(loss.backward(), &model));
+        gradients.add(&model, loss);
     }
-    let (grads, grad_norm) = clip_grad_norm(&model, accumulator.grads(), grad_clip);
-    let model = if grad_norm.is_finite() {
-        optimizer.step(lr, model, grads)
-    } else {
-        model
-    };
-    let metrics = BTreeMap::from([
-        ("train/loss".to_string(), loss_sum),
-        ("train/grad_norm".to_string(), grad_norm),
-        ("train/lr".to_string(), lr),
-    ]);
+    let mut metrics = BTreeMap::from([("train/loss".to_string(), loss_sum)]);
+    let model = step.apply(model, gradients, &mut metrics, "train")?;
     Ok((model, metrics))
 }

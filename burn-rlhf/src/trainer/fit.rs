@@ -6,7 +6,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use crate::backend::LearnerBackend;
 
 use super::learner::Learner;
-use super::metrics::{Metrics, MetricsLogger};
+use super::logger::MetricsLogger;
+use super::metrics::Metrics;
 use crate::error::TrainError;
 
 /// Where a run's metrics go: `{default_local_dir}/metrics.jsonl` and `metrics.png`.
@@ -63,7 +64,7 @@ impl<B: LearnerBackend> Learner<B> {
         let mut validation = None;
         if t.val_before_train && self.global_step == 0 && self.has_validation_data() {
             let m = self.validate()?;
-            say(&logger, &super::metrics::table(0, &m));
+            say(&logger, &super::logger::table(0, &m));
             validation = Some(m);
         }
         let mut checkpoint = None;

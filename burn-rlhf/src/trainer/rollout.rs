@@ -8,7 +8,7 @@ use burn_rlhf_rollout::encode::encode_prompts;
 use burn_rlhf_rollout::generate::Sample;
 use burn_rlhf_rollout::reward::token_level_scores;
 use burn_rlhf_rollout::{
-    generate_keyed, DecodeShapes, PromptRecord, RewardInput, RolloutBatch, SamplingParams,
+    DecodeShapes, Generator, PromptRecord, RewardInput, RolloutBatch, SamplingParams,
 };
 
 use super::learner::Learner;
@@ -103,15 +103,15 @@ impl<B: LearnerBackend> Learner<B> {
         let keys: Vec<u64> = indices[share.clone()].iter().map(|&i| i as u64).collect();
         let policy = self.for_generation(self.actor.valid());
         let pad = self.tokenizer.pad_token_id;
-        let mine = generate_keyed(
-            &policy,
-            &self.model_config,
-            &prompts[share.clone()],
-            &keys,
-            pad,
+        let mine = Generator {
+            model: &policy,
+            config: &self.model_config,
+            pad_id: pad,
             params,
-            &self.device,
-        )?;
+            device: &self.device,
+        }
+        .generate_keyed(&prompts[share.clone()], &keys)
+        .map(|(samples, _)| samples)?;
         let samples = self.gather_samples(mine, share.start, prompts.len(), params)?;
         let group_ids: Vec<u64> = (first_group..).take(indices.len()).collect();
         let sources: Vec<String> = picked.iter().map(|r| r.data_source.clone()).collect();

@@ -16,12 +16,13 @@ use burn_rlhf_rollout::data::{read_pairs, TextPair};
 use burn_rlhf_rollout::{PromptSampler, RolloutBatch, RolloutError, Sample};
 use serde::{Deserialize, Serialize};
 
-use super::metrics::{Metrics, MetricsLogger};
+use super::logger::MetricsLogger;
+use super::metrics::Metrics;
 use crate::config::{load_typed, ConfigError};
 use crate::error::TrainError;
 use crate::loading::{load_policy, with_lora};
-use crate::minibatch::{sft_loss, sft_update};
-use crate::optim::{adamw, LrSchedule, ScheduleKind};
+use crate::minibatch::{sft_loss, sft_update, OptimizerStep};
+use crate::optim::{adamw, LrSchedule, ReplicaSync, ScheduleKind};
 
 /// `data.*` (verl's `sft_trainer.yaml`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -458,7 +459,13 @@ pub fn fit_sft<B: LearnerBackend>(
         let picked: Vec<&SftExample> = sampler.next_batch(bs).iter().map(|&i| &train[i]).collect();
         let batch = sft_rollout_batch(&picked, pad);
         let lr = schedule.lr(step - 1);
-        let (updated, m) = sft_update(model, &mut optim, lr, &batch, micro, o.clip_grad, device)?;
+        let step_of = OptimizerStep {
+            optimizer: &mut optim,
+            lr,
+            grad_clip: o.clip_grad,
+            sync: &ReplicaSync::default(),
+        };
+        let (updated, m) = sft_update(model, step_of, &batch, micro, device)?;
         model = updated;
         let mut metrics: Metrics = m.into_iter().collect();
         metrics.insert("train/epoch".into(), sampler.state().epoch as f64);

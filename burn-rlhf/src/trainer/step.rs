@@ -6,10 +6,12 @@ use std::time::Instant;
 
 use crate::backend::LearnerBackend;
 use burn::module::AutodiffModule;
+use burn_rlhf_algos::functional::{from_rows, to_scalar};
+use burn_rlhf_algos::{agg_loss, GlobalBatchInfo};
 use burn_rlhf_rollout::{LogprobsMode, RolloutBatch};
 
 use super::learner::Learner;
-use super::metrics::{data_metrics, masked_agg, rollout_probs_diff, Metrics, StepData};
+use super::metrics::{data_metrics, rollout_probs_diff, Metrics, StepData};
 use super::scoring::OldLogProbs;
 use super::usage::{cpu_seconds, Timing};
 use crate::error::TrainError;
@@ -111,7 +113,7 @@ impl<B: LearnerBackend> Learner<B> {
                     max_response_length: self.settings.data.max_response_length,
                     max_prompt_length: self.settings.data.max_prompt_length,
                 },
-            ));
+            )?);
             let elapsed = start.elapsed().as_secs_f64();
             timing.write(&mut metrics);
             if let (Some(a), Some(b)) = (cpu_start, cpu_seconds()) {
@@ -176,25 +178,29 @@ impl<B: LearnerBackend> Learner<B> {
         entropy: Option<&[f32]>,
         old_log_probs: &[f32],
         data: &StepData<'_>,
-    ) -> Metrics {
+    ) -> Result<Metrics, TrainError> {
         let mut metrics = data_metrics(data);
-        let mode = self.settings.actor.loss_agg_mode;
         if let Some(entropy) = entropy {
-            metrics.insert(
-                "actor/entropy".into(),
-                masked_agg(
-                    entropy,
-                    &batch.response_mask,
-                    batch.response_len,
-                    mode,
-                    self.settings.actor.loss_scale_factor,
-                ),
-            );
+            // Aggregated as the loss aggregates (verl's `agg_loss` over the whole batch).
+            let (rows, width) = (batch.rows(), batch.response_len);
+            let on_device =
+                |v: &[f32]| from_rows::<B::InnerBackend>(v.to_vec(), rows, width, &self.device);
+            let whole_batch = GlobalBatchInfo {
+                loss_scale_factor: Some(self.settings.actor.loss_scale_factor),
+                ..GlobalBatchInfo::local()
+            };
+            let entropy = agg_loss(
+                on_device(entropy),
+                on_device(&batch.response_mask),
+                self.settings.actor.loss_agg_mode,
+                &whole_batch,
+            )?;
+            metrics.insert("actor/entropy".into(), to_scalar(entropy));
             let rollout = &self.settings.rollout;
             let same_temperature = rollout.logprobs_mode == LogprobsMode::Processed
                 || rollout.train.temperature == 1.0;
             metrics.extend(rollout_probs_diff(batch, old_log_probs, same_temperature));
         }
-        metrics
+        Ok(metrics)
     }
 }

@@ -10,7 +10,7 @@ use crate::error::TrainError;
 use crate::forward::LogprobHead;
 use crate::minibatch::{
     actor_update, critic_update, rows_of, ActorLossConfig, ActorTargets, CriticLossConfig,
-    CriticTargets, OnPolicyLogProbs,
+    CriticTargets, OnPolicyLogProbs, OptimizerStep,
 };
 
 /// One epoch's mini-batches of `prompts_per_mini_batch * n` of `rows` rows: in order (verl's
@@ -87,10 +87,15 @@ impl<B: LearnerBackend> Learner<B> {
                         values: rows_of(values, rows, r),
                         returns: rows_of(returns, rows, r),
                     };
+                    let step = OptimizerStep {
+                        optimizer: &mut state.optim,
+                        lr,
+                        grad_clip: settings.grad_clip,
+                        sync: &state.sync,
+                    };
                     let (model, m) = critic_update(
                         state.model.clone(),
-                        &mut state.optim,
-                        lr,
+                        step,
                         &batch.select(rows),
                         &targets,
                         &CriticLossConfig {
@@ -98,7 +103,6 @@ impl<B: LearnerBackend> Learner<B> {
                             compute_dtype: self.settings.model.dtype,
                             ..CriticLossConfig::from_settings(settings, rows.len())
                         },
-                        &state.sync,
                         &self.device,
                     )?;
                     state.model = model;
@@ -153,10 +157,15 @@ impl<B: LearnerBackend> Learner<B> {
                         ref_log_probs: ref_log_probs.map(|v| rows_of(v, rows, r)),
                         rollout_is_weights: is_weights.map(|v| rows_of(v, rows, r)),
                     };
+                    let step = OptimizerStep {
+                        optimizer: &mut self.actor_optim,
+                        lr,
+                        grad_clip: settings.grad_clip,
+                        sync: &self.actor_sync,
+                    };
                     let (actor, m, own) = actor_update(
                         self.actor.clone(),
-                        &mut self.actor_optim,
-                        lr,
+                        step,
                         self.algorithms.policy_loss.as_ref(),
                         &batch.select(rows),
                         &targets,
@@ -165,7 +174,6 @@ impl<B: LearnerBackend> Learner<B> {
                             compute_dtype: self.settings.model.dtype,
                             ..ActorLossConfig::from_settings(settings, head, rows.len())
                         },
-                        &self.actor_sync,
                         &self.device,
                     )?;
                     self.actor = actor;

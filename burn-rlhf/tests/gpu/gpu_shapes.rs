@@ -20,7 +20,7 @@ use burn_rlhf::config::RlhfConfig;
 use burn_rlhf::models::pretrained::save_pretrained;
 use burn_rlhf::models::weights::WeightMap;
 use burn_rlhf::models::{load_pretrained, CausalLm, ValueModel};
-use burn_rlhf::rollout::{generate_profiled, DecodeShapes, SamplingParams};
+use burn_rlhf::rollout::{DecodeShapes, Generator, SamplingParams};
 use burn_rlhf::runtime::{configure_kernels_with, Configured, KernelLogs};
 use burn_rlhf::tasks;
 use burn_rlhf::trainer::{Learner, LearnerParts};
@@ -81,8 +81,15 @@ fn generating_64_tokens_compiles_nothing_after_generating_8() {
         };
         let mut profile = None;
         let counts = counted(|| {
-            let (samples, p) =
-                generate_profiled(&model, &config, &prompts, &keys, 0, &params, &device).unwrap();
+            let (samples, p) = Generator {
+                model: &model,
+                config: &config,
+                pad_id: 0,
+                params: &params,
+                device: &device,
+            }
+            .generate_keyed(&prompts, &keys)
+            .unwrap();
             assert!(samples.iter().all(|s| s.tokens.len() == tokens));
             profile = Some(p);
         });

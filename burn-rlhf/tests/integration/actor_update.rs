@@ -7,10 +7,10 @@ use burn::optim::SgdConfig;
 use burn::tensor::{DType, FloatDType};
 use burn_rlhf::algos::{KlPenalty, LossAggMode, PolicyLossParams, Registry};
 use burn_rlhf::forward::{response_logprobs, LogprobHead, SequenceTensors};
-use burn_rlhf::minibatch::{actor_update, ActorLossConfig, ActorTargets};
+use burn_rlhf::minibatch::{actor_update, ActorLossConfig, ActorTargets, OptimizerStep};
 use burn_rlhf::models::{load_pretrained, CausalLm};
 use burn_rlhf::optim::ReplicaSync;
-use burn_rlhf::rollout::{generate, RolloutBatch, SamplingParams};
+use burn_rlhf::rollout::{Generator, RolloutBatch, SamplingParams};
 
 type B = Autodiff<Flex>;
 
@@ -35,7 +35,15 @@ fn fixture() -> (CausalLm<B>, RolloutBatch, ActorTargets) {
         ..Default::default()
     };
     let inner = model.valid();
-    let samples = generate(&inner, &config, &prompts, 0, &params, &device).unwrap();
+    let samples = Generator {
+        model: &inner,
+        config: &config,
+        pad_id: 0,
+        params: &params,
+        device: &device,
+    }
+    .generate(&prompts)
+    .unwrap();
     let names: Vec<String> = vec!["s".into(); 3];
     let batch = RolloutBatch::from_samples(&prompts, &samples, 0, &[0, 1, 2], &names, &names);
     let (rows, r) = (batch.rows(), batch.response_len);
@@ -99,7 +107,6 @@ fn loss_config(mode: LossAggMode) -> ActorLossConfig {
         micro_batch_size: 1,
         max_token_len: None,
         shape_bucket: 1,
-        grad_clip: 1.0,
         compute_dtype: None,
     }
 }
@@ -129,13 +136,16 @@ fn micro_batch_size_does_not_change_the_update() {
             let mut optim = SgdConfig::new().init();
             let (updated, metrics, _) = actor_update(
                 actor().0,
-                &mut optim,
-                0.5,
+                OptimizerStep {
+                    optimizer: &mut optim,
+                    lr: 0.5,
+                    grad_clip: 1.0,
+                    sync: &ReplicaSync::default(),
+                },
                 loss.as_ref(),
                 &batch,
                 &targets,
                 &cfg,
-                &ReplicaSync::default(),
                 &device,
             )
             .unwrap();
@@ -226,13 +236,16 @@ fn bf16_autocast_updates_f32_master_weights() {
         let mut optim = SgdConfig::new().init();
         let (updated, metrics, _) = actor_update(
             actor().0,
-            &mut optim,
-            0.5,
+            OptimizerStep {
+                optimizer: &mut optim,
+                lr: 0.5,
+                grad_clip: 1.0,
+                sync: &ReplicaSync::default(),
+            },
             loss.as_ref(),
             &batch,
             &targets,
             &cfg,
-            &ReplicaSync::default(),
             &device,
         )
         .unwrap();

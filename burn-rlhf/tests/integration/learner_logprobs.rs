@@ -7,7 +7,7 @@ use burn_rlhf::forward::{
     SequenceTensors,
 };
 use burn_rlhf::models::load_pretrained;
-use burn_rlhf::rollout::{generate, RolloutBatch, SamplingParams};
+use burn_rlhf::rollout::{Generator, RolloutBatch, SamplingParams};
 
 #[test]
 fn recomputed_logprobs_equal_the_rollouts_and_gradients_flow() {
@@ -23,7 +23,15 @@ fn recomputed_logprobs_equal_the_rollouts_and_gradients_flow() {
         stop_token_ids: (0..150).collect(),
         ..Default::default()
     };
-    let samples = generate(&model, &config, &prompts, 0, &params, &Default::default()).unwrap();
+    let samples = Generator {
+        model: &model,
+        config: &config,
+        pad_id: 0,
+        params: &params,
+        device: &Default::default(),
+    }
+    .generate(&prompts)
+    .unwrap();
     let names: Vec<String> = vec!["s".into(); 3];
     let batch = RolloutBatch::from_samples(&prompts, &samples, 0, &[0, 1, 2], &names, &names);
     assert!(

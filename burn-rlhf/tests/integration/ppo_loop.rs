@@ -16,7 +16,7 @@ use burn_rlhf::models::weights::WeightMap;
 use burn_rlhf::models::{CausalLm, ValueModel};
 use burn_rlhf::rollout::data::write_parquet;
 use burn_rlhf::tasks;
-use burn_rlhf::trainer::metrics::read_jsonl;
+use burn_rlhf::trainer::logger::read_jsonl;
 use burn_rlhf::trainer::{Learner, LearnerParts, Metrics};
 use burn_rlhf_test_assets::temp_dir;
 

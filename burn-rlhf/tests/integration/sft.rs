@@ -13,7 +13,7 @@ use burn_rlhf::models::pretrained::{load_pretrained, save_pretrained};
 use burn_rlhf::models::CausalLm;
 use burn_rlhf::rollout::data::{write_parquet, TextPair};
 use burn_rlhf::tasks;
-use burn_rlhf::trainer::metrics::read_jsonl;
+use burn_rlhf::trainer::logger::read_jsonl;
 use burn_rlhf::trainer::sft::{encode_pair, sft_rollout_batch};
 use burn_rlhf_test_assets::temp_dir;
 

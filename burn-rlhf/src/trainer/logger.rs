@@ -1,0 +1,295 @@
+//! Where step metrics go: the console (a progress bar and a compact table), a JSONL file (cut back
+//! on resume) and a PNG plot at the end.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use indicatif::{ProgressBar, ProgressStyle};
+
+use super::metrics::Metrics;
+use crate::error::TrainError;
+
+/// The metrics a compact console line shows, when present.
+const HEADLINE: [(&str, &str); 4] = [
+    ("critic/score/mean", "score"),
+    ("actor/reward_kl_penalty", "kl"),
+    ("response_length/mean", "len"),
+    ("actor/pg_loss", "pg"),
+];
+
+/// Where metrics go. Create with [`MetricsLogger::new`], call [`MetricsLogger::log`] every step
+/// and [`MetricsLogger::finish`] at the end (it writes the plot).
+pub struct MetricsLogger {
+    bar: Option<ProgressBar>,
+    /// Stops the thread that shows kernel compilation on the bar.
+    compiling: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
+    table_every: usize,
+    jsonl: Option<(PathBuf, std::fs::File)>,
+    plot: Option<PathBuf>,
+    history: Vec<(usize, Metrics)>,
+    total_steps: usize,
+}
+
+impl MetricsLogger {
+    /// `console`: a progress bar over `total_steps` and a table of every metric at the first and
+    /// last step and every `table_every` steps; `jsonl`: one JSON object per step appended to that
+    /// file, after cutting it back to the steps up to `first_step` (those after it are run again
+    /// by a resumed run; a fresh run starts it empty); `plot`: a PNG of score, KL and response length against step, written by `finish`.
+    pub fn new(
+        console: bool,
+        table_every: usize,
+        jsonl: Option<PathBuf>,
+        plot: Option<PathBuf>,
+        total_steps: usize,
+        first_step: usize,
+    ) -> Result<Self, TrainError> {
+        let bar = console.then(|| {
+            let bar = ProgressBar::new(total_steps as u64);
+            bar.set_style(
+                ProgressStyle::with_template(
+                    "{spinner} step {pos}/{len} [{elapsed_precise} < {eta_precise}] {msg}",
+                )
+                .expect("valid template"),
+            );
+            bar.set_position(first_step as u64);
+            bar
+        });
+        let compiling = match (&bar, crate::runtime::kernel_logs()) {
+            (Some(bar), Some(logs)) => Some(watch_compilation(bar.clone(), logs.compile.clone())),
+            _ => None,
+        };
+        let mut history = Vec::new();
+        let jsonl = match jsonl {
+            Some(path) => {
+                if let Some(dir) = path.parent() {
+                    std::fs::create_dir_all(dir).map_err(|e| TrainError::Metrics {
+                        path: dir.into(),
+                        message: e.to_string(),
+                    })?;
+                }
+                history = cut_jsonl(&path, first_step)?;
+                let file = std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(&path)
+                    .map_err(|e| TrainError::Metrics {
+                        path: path.clone(),
+                        message: e.to_string(),
+                    })?;
+                Some((path, file))
+            }
+            None => None,
+        };
+        Ok(Self {
+            bar,
+            compiling,
+            table_every: table_every.max(1),
+            jsonl,
+            plot,
+            history,
+            total_steps,
+        })
+    }
+
+    /// Prints a line outside the progress bar.
+    pub fn println(&self, line: &str) {
+        match &self.bar {
+            Some(bar) if !bar.is_hidden() => bar.println(line),
+            _ => println!("{line}"),
+        }
+    }
+
+    /// Records one step.
+    pub fn log(&mut self, step: usize, metrics: &Metrics) -> Result<(), TrainError> {
+        if let Some((path, file)) = &mut self.jsonl {
+            let mut obj = serde_json::Map::new();
+            obj.insert("step".into(), step.into());
+            for (k, v) in metrics {
+                obj.insert(k.clone(), serde_json::json!(v));
+            }
+            writeln!(file, "{}", serde_json::Value::Object(obj)).map_err(|e| {
+                TrainError::Metrics {
+                    path: path.clone(),
+                    message: e.to_string(),
+                }
+            })?;
+        }
+        if let Some(bar) = &self.bar {
+            let msg: Vec<String> = HEADLINE
+                .iter()
+                .filter_map(|(k, short)| metrics.get(*k).map(|v| format!("{short} {v:.4}")))
+                .collect();
+            bar.set_position(step as u64);
+            let table_now =
+                step == 1 || step.is_multiple_of(self.table_every) || step >= self.total_steps;
+            // Without a terminal the bar is hidden (and so is its `println`): print a line a
+            // step instead, so logs show progress.
+            if bar.is_hidden() {
+                println!("step {step}/{}  {}", self.total_steps, msg.join("  "));
+                if table_now {
+                    println!("{}", table(step, metrics));
+                }
+            } else {
+                bar.set_message(msg.join("  "));
+                if table_now {
+                    bar.println(table(step, metrics));
+                }
+            }
+        }
+        self.history.push((step, metrics.clone()));
+        Ok(())
+    }
+
+    /// Closes the progress bar and writes the plot. Returns the plot's path when one was written.
+    pub fn finish(&mut self) -> Result<Option<PathBuf>, TrainError> {
+        if let Some(stop) = self.compiling.take() {
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+        if let Some(bar) = &self.bar {
+            bar.finish();
+        }
+        match &self.plot {
+            Some(path) if !self.history.is_empty() => {
+                super::plot::plot_history(path, &self.history)?;
+                Ok(Some(path.clone()))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// Every step logged so far.
+    pub fn history(&self) -> &[(usize, Metrics)] {
+        &self.history
+    }
+}
+
+/// Shows "compiling GPU kernels" on `bar` while CubeCL's compile log (`log`, a line per kernel)
+/// grows, with the count so far; the bar's own message returns once it has been quiet for a
+/// second. Returns the flag that stops the watcher.
+fn watch_compilation(
+    bar: ProgressBar,
+    log: PathBuf,
+) -> std::sync::Arc<std::sync::atomic::AtomicBool> {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let stop = std::sync::Arc::new(AtomicBool::new(false));
+    let flag = stop.clone();
+    std::thread::spawn(move || {
+        let (mut seen, mut quiet, mut saved) = (0u64, 0u32, None::<String>);
+        while !flag.load(Ordering::Relaxed) {
+            std::thread::sleep(std::time::Duration::from_millis(250));
+            let size = std::fs::metadata(&log).map_or(0, |m| m.len());
+            if size > seen {
+                seen = size;
+                quiet = 0;
+                let kernels = std::fs::read_to_string(&log)
+                    .map_or(0, |t| t.matches("[Compiling kernel]").count());
+                if saved.is_none() {
+                    saved = Some(bar.message());
+                }
+                bar.set_message(format!("compiling GPU kernels ({kernels} so far)"));
+            } else if let Some(message) = saved.take_if(|_| quiet >= 4) {
+                // Unless a step has written its own message since.
+                if bar.message().starts_with("compiling GPU kernels") {
+                    bar.set_message(message);
+                }
+            } else {
+                quiet += 1;
+            }
+        }
+    });
+    stop
+}
+
+/// Every metric of a step, grouped by prefix, two columns.
+pub fn table(step: usize, metrics: &Metrics) -> String {
+    let mut out = format!("── step {step} ──");
+    let cells: Vec<String> = metrics
+        .iter()
+        .map(|(k, v)| format!("{k:<34} {:>12}", number(*v)))
+        .collect();
+    for pair in cells.chunks(2) {
+        out.push('\n');
+        out.push_str(&pair.join("   "));
+    }
+    out
+}
+
+/// A number for the table: fixed point in the usual range, scientific for tiny or huge values
+/// (learning rates such as 1e-6 would print as 0.00000).
+fn number(v: f64) -> String {
+    let a = v.abs();
+    if v == 0.0 || (1e-3..1e6).contains(&a) || !v.is_finite() {
+        format!("{v:.5}")
+    } else {
+        format!("{v:.4e}")
+    }
+}
+
+/// Cuts a run's JSONL metrics back to the steps up to `first_step` (the step a run resumes
+/// from; 0 for a fresh start): steps logged after the checkpoint it resumes are run again and
+/// would otherwise appear twice. The file is replaced atomically; returns the steps kept.
+fn cut_jsonl(path: &Path, first_step: usize) -> Result<Vec<(usize, Metrics)>, TrainError> {
+    if !path.exists() {
+        return Ok(Vec::new());
+    }
+    let text = std::fs::read_to_string(path).map_err(|e| TrainError::Metrics {
+        path: path.into(),
+        message: e.to_string(),
+    })?;
+    let steps = parse_jsonl(path, &text)?;
+    let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+    let keep = steps.iter().filter(|(s, _)| *s <= first_step).count();
+    if keep == lines.len() {
+        return Ok(steps);
+    }
+    let kept: String = lines
+        .iter()
+        .zip(&steps)
+        .filter(|(_, (s, _))| *s <= first_step)
+        .map(|(l, _)| format!("{l}\n"))
+        .collect();
+    let tmp = path.with_extension("jsonl.partial");
+    let write = std::fs::write(&tmp, kept).and_then(|_| std::fs::rename(&tmp, path));
+    write.map_err(|e| TrainError::Metrics {
+        path: path.into(),
+        message: format!("cutting back to step {first_step}: {e}"),
+    })?;
+    Ok(steps
+        .into_iter()
+        .filter(|(s, _)| *s <= first_step)
+        .collect())
+}
+
+/// Reads a JSONL metrics file back (one object per line with a `step`).
+pub fn read_jsonl(path: &Path) -> Result<Vec<(usize, Metrics)>, TrainError> {
+    let text = std::fs::read_to_string(path).map_err(|e| TrainError::Metrics {
+        path: path.into(),
+        message: e.to_string(),
+    })?;
+    parse_jsonl(path, &text)
+}
+
+fn parse_jsonl(path: &Path, text: &str) -> Result<Vec<(usize, Metrics)>, TrainError> {
+    text.lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+        .map(|(i, line)| {
+            let bad = |m: String| TrainError::Metrics {
+                path: path.into(),
+                message: format!("line {}: {m}", i + 1),
+            };
+            let v: serde_json::Map<String, serde_json::Value> =
+                serde_json::from_str(line).map_err(|e| bad(e.to_string()))?;
+            let step = v
+                .get("step")
+                .and_then(|s| s.as_u64())
+                .ok_or_else(|| bad("no `step`".into()))? as usize;
+            let metrics = v
+                .iter()
+                .filter(|(k, _)| k.as_str() != "step")
+                .filter_map(|(k, v)| v.as_f64().map(|x| (k.clone(), x)))
+                .collect();
+            Ok((step, metrics))
+        })
+        .collect()
+}
