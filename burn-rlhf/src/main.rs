@@ -359,8 +359,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Sft { config, overrides } => {
             use burn_rlhf::backend::default_device;
-            use burn_rlhf::trainer::sft::{fit_sft, SftConfig};
+            use burn_rlhf::config::SftConfig;
+            use burn_rlhf::trainer::sft::fit_sft;
             let cfg = SftConfig::load(&config, &overrides)?;
+            cfg.validate(&config.display().to_string())?;
             let stop = burn_rlhf::trainer::run::stop_on_ctrl_c();
             let out = burn_rlhf::with_train_backend!(
                 cfg.model.enable_gradient_checkpointing,

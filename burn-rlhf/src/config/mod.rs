@@ -16,10 +16,12 @@
 mod decode;
 mod load;
 pub mod settings;
+mod sft;
 mod tree;
 mod validate;
 
 pub use load::{config_from_ron_str, config_to_ron, load_config, load_typed, ConfigError};
 pub use settings::Settings;
+pub use sft::{SftConfig, SftDataConfig, SftModelConfig, SftOptimConfig, SftTrainerConfig};
 pub use tree::*;
 pub use validate::KnownNames;

@@ -53,10 +53,11 @@ impl KnownNames {
 }
 
 /// Collects rule violations so one run reports all of them.
-struct Problems(Vec<String>);
+#[derive(Default)]
+pub(super) struct Problems(Vec<String>);
 
 impl Problems {
-    fn check(&mut self, ok: bool, message: impl FnOnce() -> String) {
+    pub(super) fn check(&mut self, ok: bool, message: impl FnOnce() -> String) {
         if !ok {
             self.0.push(message());
         }
@@ -71,9 +72,21 @@ impl Problems {
         });
     }
 
-    fn one_of_str(&mut self, key: &str, value: &str, valid: &[&str]) {
+    pub(super) fn one_of_str(&mut self, key: &str, value: &str, valid: &[&str]) {
         let valid: Vec<String> = valid.iter().map(|s| s.to_string()).collect();
         self.one_of(key, value, &valid);
+    }
+
+    /// `Ok` when nothing was found, else every problem of the config from `origin`.
+    pub(super) fn into_result(self, origin: &str) -> Result<(), ConfigError> {
+        if self.0.is_empty() {
+            Ok(())
+        } else {
+            Err(ConfigError::Invalid {
+                origin: origin.to_string(),
+                problems: self.0,
+            })
+        }
     }
 
     /// A rule an algorithm owns, reported under the config key that sets its parameter.

@@ -5,7 +5,7 @@
 //! `test_freq` steps; checkpoints as HF model folders that start a PPO run
 //! (`actor_rollout_ref.model.path=.../global_step_N`).
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::backend::LearnerBackend;
@@ -14,213 +14,14 @@ use burn_rlhf_models::pretrained::{expand_home, save_pretrained};
 use burn_rlhf_models::{CausalLm, ChatMessage, LoraConfig, Tokenizer};
 use burn_rlhf_rollout::data::{read_pairs, TextPair};
 use burn_rlhf_rollout::{PromptSampler, RolloutBatch, RolloutError, Sample};
-use serde::{Deserialize, Serialize};
 
 use super::logger::MetricsLogger;
 use super::metrics::Metrics;
-use crate::config::{load_typed, ConfigError};
+use crate::config::{SftConfig, SftDataConfig, SftOptimConfig};
 use crate::error::TrainError;
 use crate::loading::{load_policy, with_lora};
 use crate::minibatch::{sft_loss, sft_update, OptimizerStep};
 use crate::optim::{adamw, LrSchedule, ReplicaSync, ScheduleKind};
-
-/// `data.*` (verl's `sft_trainer.yaml`).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct SftDataConfig {
-    /// Examples per optimiser step.
-    pub train_batch_size: usize,
-    /// Examples per forward/backward.
-    pub micro_batch_size_per_gpu: usize,
-    /// `.jsonl` / `.parquet` files.
-    pub train_files: Vec<String>,
-    pub val_files: Vec<String>,
-    /// The prompt's key (`a.b` reads field `b` of `a`).
-    pub prompt_key: String,
-    /// The response's key.
-    pub response_key: String,
-    /// Prompt plus response tokens at most.
-    pub max_length: usize,
-    /// Longer examples: `error`, `left` (drop the start) or `right` (drop the end).
-    pub truncation: String,
-}
-
-impl Default for SftDataConfig {
-    fn default() -> Self {
-        Self {
-            train_batch_size: 256,
-            micro_batch_size_per_gpu: 4,
-            train_files: vec!["~/data/gsm8k/train.parquet".into()],
-            val_files: vec!["~/data/gsm8k/test.parquet".into()],
-            prompt_key: "question".into(),
-            response_key: "answer".into(),
-            max_length: 1024,
-            truncation: "error".into(),
-        }
-    }
-}
-
-/// `model.*`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct SftModelConfig {
-    /// The model to fine-tune: an HF folder, a `.gguf` file or a hub id.
-    pub partial_pretrain: String,
-    /// `None`: the model's own tokenizer.
-    pub tokenizer_path: Option<String>,
-    /// LoRA rank; 0 trains every weight.
-    pub lora_rank: usize,
-    pub lora_alpha: f64,
-    pub target_modules: Vec<String>,
-    /// Recompute activations in the backward pass (the binary then trains on
-    /// [`crate::backend::TrainBackendCheckpointed`]).
-    pub enable_gradient_checkpointing: bool,
-    /// Response tokens per chunk of LM-head logits in the loss: `[chunk, vocab]` logits and
-    /// their gradient at once, never `[tokens, vocab]`. burn-rlhf's key.
-    pub logits_chunk_size: usize,
-}
-
-impl Default for SftModelConfig {
-    fn default() -> Self {
-        Self {
-            partial_pretrain: "Qwen/Qwen2.5-0.5B-Instruct".into(),
-            tokenizer_path: None,
-            lora_rank: 0,
-            lora_alpha: 16.0,
-            target_modules: vec!["all-linear".into()],
-            enable_gradient_checkpointing: true,
-            logits_chunk_size: crate::config::DEFAULT_LOGITS_CHUNK,
-        }
-    }
-}
-
-/// `optim.*`: AdamW with linear warm-up and a cosine or constant schedule.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct SftOptimConfig {
-    pub lr: f64,
-    pub betas: [f64; 2],
-    pub weight_decay: f64,
-    /// Warm-up steps as a fraction of all steps.
-    pub warmup_steps_ratio: f64,
-    /// Global gradient-norm limit.
-    pub clip_grad: f64,
-    /// `cosine` or `constant`.
-    pub lr_scheduler: String,
-}
-
-impl Default for SftOptimConfig {
-    fn default() -> Self {
-        Self {
-            lr: 1e-5,
-            betas: [0.9, 0.95],
-            weight_decay: 0.01,
-            warmup_steps_ratio: 0.1,
-            clip_grad: 1.0,
-            lr_scheduler: "cosine".into(),
-        }
-    }
-}
-
-/// `trainer.*`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct SftTrainerConfig {
-    /// Checkpoints (`global_step_N/`) and `metrics.jsonl` go here.
-    pub default_local_dir: String,
-    pub project_name: String,
-    pub experiment_name: String,
-    pub total_epochs: usize,
-    /// `None`: epochs x full batches per epoch.
-    pub total_training_steps: Option<usize>,
-    /// Any of `console`, `jsonl`.
-    pub logger: Vec<String>,
-    pub seed: u64,
-    /// Steps between checkpoints; `-1`: only at the end.
-    pub save_freq: i64,
-    /// Steps between validations; `-1`: only at the end.
-    pub test_freq: i64,
-    pub nnodes: usize,
-    pub n_gpus_per_node: usize,
-}
-
-impl Default for SftTrainerConfig {
-    fn default() -> Self {
-        Self {
-            default_local_dir: "checkpoints/sft".into(),
-            project_name: "gsm8k-sft".into(),
-            experiment_name: "test".into(),
-            total_epochs: 4,
-            total_training_steps: None,
-            logger: vec!["console".into()],
-            seed: 1,
-            save_freq: -1,
-            test_freq: -1,
-            nnodes: 1,
-            n_gpus_per_node: 1,
-        }
-    }
-}
-
-/// The SFT trainer's config tree (verl's `sft_trainer.yaml` keys).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
-#[serde(default, deny_unknown_fields)]
-pub struct SftConfig {
-    pub data: SftDataConfig,
-    pub model: SftModelConfig,
-    pub optim: SftOptimConfig,
-    pub trainer: SftTrainerConfig,
-}
-
-impl SftConfig {
-    /// Reads a RON file with `key.path=value` overrides.
-    pub fn load(path: &Path, overrides: &[String]) -> Result<Self, ConfigError> {
-        load_typed(path, overrides)
-    }
-
-    /// Checks values that cannot work, naming the key.
-    pub fn validate(&self) -> Result<(), TrainError> {
-        let bad = |key: &str, msg: &str| Err(TrainError::config(key, msg));
-        let d = &self.data;
-        if d.train_batch_size == 0 {
-            return bad("data.train_batch_size", "must be >= 1");
-        }
-        if d.micro_batch_size_per_gpu == 0 {
-            return bad("data.micro_batch_size_per_gpu", "must be >= 1");
-        }
-        if self.model.logits_chunk_size == 0 {
-            return bad("model.logits_chunk_size", "must be >= 1");
-        }
-        if d.max_length < 2 {
-            return bad(
-                "data.max_length",
-                "must be >= 2 (a prompt token and a target)",
-            );
-        }
-        if !["error", "left", "right"].contains(&d.truncation.as_str()) {
-            return bad("data.truncation", "must be error, left or right");
-        }
-        if d.train_files.is_empty() {
-            return bad("data.train_files", "no files");
-        }
-        if self.optim.lr.is_nan() || self.optim.lr <= 0.0 {
-            return bad("optim.lr", "must be > 0");
-        }
-        if !["cosine", "constant"].contains(&self.optim.lr_scheduler.as_str()) {
-            return bad("optim.lr_scheduler", "must be cosine or constant");
-        }
-        if !(0.0..1.0).contains(&self.optim.warmup_steps_ratio) {
-            return bad("optim.warmup_steps_ratio", "must be in [0, 1)");
-        }
-        if self.trainer.nnodes * self.trainer.n_gpus_per_node != 1 {
-            return bad(
-                "trainer.n_gpus_per_node",
-                "the SFT trainer runs on one device (data parallelism is for `train`)",
-            );
-        }
-        Ok(())
-    }
-}
 
 /// One tokenized example: prompt ids (context) and response ids (targets, EOS last).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -337,22 +138,20 @@ fn load_examples(
     Ok(out)
 }
 
-impl SftOptimConfig {
-    /// The learning rate per step of a run of `total` steps: linear warm-up over
-    /// `warmup_steps_ratio`, then `lr_scheduler` down to 0 (verl's SFT trainer).
-    fn schedule(&self, total: usize) -> LrSchedule {
-        LrSchedule {
-            lr: self.lr,
-            warmup_steps: (self.warmup_steps_ratio * total as f64) as usize,
-            total_steps: total,
-            kind: if self.lr_scheduler == "cosine" {
-                ScheduleKind::Cosine
-            } else {
-                ScheduleKind::Constant
-            },
-            min_lr_ratio: 0.0,
-            num_cycles: 0.5,
-        }
+/// The learning rate per step of a run of `total` steps: linear warm-up over
+/// `warmup_steps_ratio`, then `lr_scheduler` down to 0 (verl's SFT trainer).
+fn schedule(optim: &SftOptimConfig, total: usize) -> LrSchedule {
+    LrSchedule {
+        lr: optim.lr,
+        warmup_steps: (optim.warmup_steps_ratio * total as f64) as usize,
+        total_steps: total,
+        kind: if optim.lr_scheduler == "cosine" {
+            ScheduleKind::Cosine
+        } else {
+            ScheduleKind::Constant
+        },
+        min_lr_ratio: 0.0,
+        num_cycles: 0.5,
     }
 }
 
@@ -398,7 +197,7 @@ pub fn fit_sft<B: LearnerBackend>(
     device: &B::Device,
     stop: &AtomicBool,
 ) -> Result<SftOutputs, TrainError> {
-    config.validate()?;
+    config.validate("the SFT config")?;
     B::seed(device, config.trainer.seed);
     let m = &config.model;
     let policy = load_policy::<B>(
@@ -440,7 +239,7 @@ pub fn fit_sft<B: LearnerBackend>(
         .unwrap_or(t.total_epochs * sampler.batches_per_epoch(bs))
         .max(1);
     let o = &config.optim;
-    let schedule = o.schedule(total);
+    let schedule = schedule(o, total);
     let mut optim = adamw(o.betas, o.weight_decay);
     let root = expand_home(&t.default_local_dir);
     let jsonl = t
@@ -532,23 +331,5 @@ mod tests {
         assert_eq!((left.prompt.len(), left.response.len()), (5, 3));
         let right = encode_pair(&t, &pair("12+34=", "46"), 8, "right").unwrap();
         assert_eq!((right.prompt.len(), right.response.len()), (6, 2));
-    }
-
-    #[test]
-    fn bad_settings_name_their_key() {
-        let mut c = SftConfig::default();
-        c.data.truncation = "middle".into();
-        assert!(c
-            .validate()
-            .unwrap_err()
-            .to_string()
-            .contains("data.truncation"));
-        let mut c = SftConfig::default();
-        c.trainer.n_gpus_per_node = 2;
-        assert!(c
-            .validate()
-            .unwrap_err()
-            .to_string()
-            .contains("n_gpus_per_node"));
     }
 }

@@ -32,9 +32,9 @@ fn every_shipped_config_validates_and_round_trips() {
             .is_some_and(|n| n.to_string_lossy().starts_with("sft"))
         {
             // The SFT trainer's own tree (verl's sft_trainer keys).
-            let sft = burn_rlhf::trainer::sft::SftConfig::load(&file, &[])
-                .unwrap_or_else(|e| panic!("{e}"));
-            sft.validate()
+            let sft =
+                burn_rlhf::config::SftConfig::load(&file, &[]).unwrap_or_else(|e| panic!("{e}"));
+            sft.validate(&file.display().to_string())
                 .unwrap_or_else(|e| panic!("{}: {e}", file.display()));
             continue;
         }
