@@ -312,7 +312,7 @@ mod tests {
         let grads = |m: &Two<B>| {
             let a = m.a.val();
             let loss = a.clone().powi_scalar(3).sum()
-                + (m.b.val().square() * a.slice([0..1]).reshape([1, 1])).sum();
+                + (m.b.val().square() * a.narrow(0, 0, 1).reshape([1, 1])).sum();
             GradientsParams::from_grads(loss.backward(), m)
         };
         let values = |m: &Two<B>| -> Vec<f32> {
