@@ -37,9 +37,26 @@ pub enum AlgoError {
         /// What is wrong.
         detail: String,
     },
+    /// A parameter outside what the algorithm accepts, named as its settings name it (the last
+    /// part of verl's config key), so a config check can report it under its key.
+    #[error("{param}: {detail}")]
+    InvalidParam {
+        /// The parameter (for example `clip_ratio_c`).
+        param: &'static str,
+        /// What is wrong with its value.
+        detail: String,
+    },
 }
 
 impl AlgoError {
+    /// [`AlgoError::InvalidParam`].
+    pub fn invalid_param(param: &'static str, detail: impl Into<String>) -> Self {
+        Self::InvalidParam {
+            param,
+            detail: detail.into(),
+        }
+    }
+
     pub(crate) fn invalid(what: impl Into<String>, detail: impl Into<String>) -> Self {
         Self::Invalid {
             what: what.into(),

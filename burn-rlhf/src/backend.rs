@@ -133,6 +133,17 @@ pub fn devices(n: usize) -> Vec<Device> {
 /// `actor_rollout_ref.model.shape_bucket`.
 pub const GPU_SHAPE_BUCKET: usize = 64;
 
+/// Tokens per length bucket on backend `B`: `configured` (`actor_rollout_ref.model.shape_bucket`)
+/// when set, else [`GPU_SHAPE_BUCKET`] where `B` compiles kernels per shape and 1 (exact shapes)
+/// where it does not.
+pub fn shape_bucket<B: burn_rlhf_algos::RlBackend>(configured: Option<usize>) -> usize {
+    configured.unwrap_or(if B::compiles_kernels() {
+        GPU_SHAPE_BUCKET
+    } else {
+        1
+    })
+}
+
 /// How generation shapes its decode steps on the selected backend: one shape per bucket of
 /// [`GPU_SHAPE_BUCKET`] tokens on CubeCL backends, which compile kernels per shape; exact shapes
 /// on CPU backends.

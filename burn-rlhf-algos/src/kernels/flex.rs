@@ -152,20 +152,19 @@ impl RlBackend for Flex {
         moments: Option<(FloatTensor<Self>, FloatTensor<Self>)>,
         step: AdamWStep,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        let all_f32 = [Some(&param), Some(&grad)]
-            .into_iter()
-            .chain(moments.iter().flat_map(|(m, v)| [Some(m), Some(v)]))
-            .flatten()
-            .all(|t| t.dtype() == DType::F32);
-        if !all_f32 {
+        let mut inputs = vec![&param, &grad];
+        if let Some((m, v)) = &moments {
+            inputs.extend([m, v]);
+        }
+        if inputs.iter().any(|t| t.dtype() != DType::F32) {
             return reference::adamw_step::<Self>(param, grad, moments, step);
         }
         let shape = param.layout().shape().clone();
         let grad = grad.to_contiguous();
         let (mut m, mut v) = match moments {
             Some((m, v)) => (writable(m), writable(v)),
-            // Zeros from the allocator's zeroed pages: m·beta + g·(1 - beta) is then Burn's
-            // first step, g·(1 - beta), exactly.
+            // The first step starts from zeros: m·beta + g·(1 - beta) is then Burn's first
+            // step, g·(1 - beta), exactly.
             None => (
                 FlexTensor::zeros(shape.clone(), DType::F32),
                 FlexTensor::zeros(shape, DType::F32),

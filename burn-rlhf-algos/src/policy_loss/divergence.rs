@@ -181,10 +181,10 @@ impl Dro {
         if beta > 0.0 {
             Ok(())
         } else {
-            Err(AlgoError::Invalid {
-                what: "dro".into(),
-                detail: format!("must be > 0 (DRO's log-ratio penalty), got {beta}"),
-            })
+            Err(AlgoError::invalid_param(
+                "dro_beta",
+                format!("must be > 0 (DRO's log-ratio penalty), got {beta}"),
+            ))
         }
     }
 }

@@ -278,7 +278,7 @@ impl VanillaPpo {
         if clip_ratio_c > 1.0 {
             Ok(())
         } else {
-            Err(AlgoError::invalid(
+            Err(AlgoError::invalid_param(
                 "clip_ratio_c",
                 format!(
                     "must be > 1 (the dual-clip lower bound on negative advantages), got {clip_ratio_c}"

@@ -22,11 +22,8 @@ use weights::is_weights;
 /// exp(±20): verl's bound on log-ratios before exponentiating.
 const SAFETY_BOUND: f64 = 20.0;
 
-fn invalid(detail: String) -> AlgoError {
-    AlgoError::Invalid {
-        what: "rollout_correction".into(),
-        detail,
-    }
+fn invalid(param: &'static str, detail: String) -> AlgoError {
+    AlgoError::invalid_param(param, detail)
 }
 
 /// `rollout_is`: the level of the importance-sampling weights.
@@ -44,9 +41,10 @@ impl IsLevel {
         match name {
             "token" => Ok(Self::Token),
             "sequence" => Ok(Self::Sequence),
-            other => Err(invalid(format!(
-                "`rollout_is` = `{other}`: must be `token` or `sequence`"
-            ))),
+            other => Err(invalid(
+                "rollout_is",
+                format!("`rollout_is` = `{other}`: must be `token` or `sequence`"),
+            )),
         }
     }
 }
@@ -66,30 +64,39 @@ impl IsThreshold {
     pub fn parse(spec: &str) -> Result<Self, AlgoError> {
         let spec = spec.trim();
         let num = |s: &str| {
-            s.trim()
-                .parse::<f64>()
-                .map_err(|_| invalid(format!("invalid rollout_is_threshold `{spec}`")))
+            s.trim().parse::<f64>().map_err(|_| {
+                invalid(
+                    "rollout_is_threshold",
+                    format!("invalid rollout_is_threshold `{spec}`"),
+                )
+            })
         };
         if spec.is_empty() {
-            return Err(invalid("rollout_is_threshold must not be empty".into()));
+            return Err(invalid(
+                "rollout_is_threshold",
+                "rollout_is_threshold must not be empty".into(),
+            ));
         }
         let (upper, lower) = match spec.split_once('_') {
             Some((lo, hi)) => (num(hi)?, Some(num(lo)?)),
             None => (num(spec)?, None),
         };
         if upper <= 0.0 {
-            return Err(invalid(format!(
-                "rollout_is_threshold upper bound must be positive, got {upper}"
-            )));
+            return Err(invalid(
+                "rollout_is_threshold",
+                format!("rollout_is_threshold upper bound must be positive, got {upper}"),
+            ));
         }
         if let Some(lower) = lower {
             if lower <= 0.0 {
-                return Err(invalid(format!(
-                    "rollout_is_threshold lower bound must be positive, got {lower}"
-                )));
+                return Err(invalid(
+                    "rollout_is_threshold",
+                    format!("rollout_is_threshold lower bound must be positive, got {lower}"),
+                ));
             }
             if lower > upper {
                 return Err(invalid(
+                    "rollout_is_threshold",
                     "rollout_is_threshold lower bound must be <= upper bound".into(),
                 ));
             }
@@ -151,11 +158,15 @@ impl RsOption {
         }
         if names.is_empty() {
             return Err(invalid(
+                "rollout_rs",
                 "rollout_rs must contain at least one valid option".into(),
             ));
         }
         let spec = thresholds.ok_or_else(|| {
-            invalid("rollout_rs_threshold must be provided for rejection sampling".into())
+            invalid(
+                "rollout_rs_threshold",
+                "rollout_rs_threshold must be provided for rejection sampling".into(),
+            )
         })?;
         let mut specs: Vec<&str> = spec
             .split(',')
@@ -164,11 +175,12 @@ impl RsOption {
             .collect();
         if specs.is_empty() {
             return Err(invalid(
+                "rollout_rs_threshold",
                 "rollout_rs_threshold must contain at least one threshold value".into(),
             ));
         }
         if specs.len() != 1 && specs.len() != names.len() {
-            return Err(invalid(format!(
+            return Err(invalid("rollout_rs_threshold", format!(
                 "rollout_rs_threshold expects either one threshold shared by all options or exactly \
                  {} thresholds to match the provided rollout_rs options",
                 names.len()
@@ -198,18 +210,22 @@ impl RsOption {
             "seq_max_k2" => (RsStatistic::SeqMax, 2),
             "seq_max_k3" => (RsStatistic::SeqMax, 3),
             other => {
-                return Err(invalid(format!(
+                return Err(invalid(
+                    "rollout_rs",
+                    format!(
                     "invalid rollout_rs option `{other}`; valid: token_k1, token_k2, token_k3, \
                      seq_sum_k1, seq_sum_k2, seq_sum_k3, seq_mean_k1, seq_mean_k2, seq_mean_k3, \
                      seq_max_k2, seq_max_k3"
-                )))
+                ),
+                ))
             }
         };
         let num = |s: &str| {
             s.trim().parse::<f64>().map_err(|_| {
-                invalid(format!(
-                    "invalid numeric threshold `{spec}` for option `{name}`"
-                ))
+                invalid(
+                    "rollout_rs_threshold",
+                    format!("invalid numeric threshold `{spec}` for option `{name}`"),
+                )
             })
         };
         let (lower, upper) = if k == 1 {
@@ -221,28 +237,34 @@ impl RsOption {
                 }
             };
             if lo <= 0.0 || hi <= 0.0 {
-                return Err(invalid(format!(
-                    "thresholds for option `{name}` must be positive, got {spec}"
-                )));
+                return Err(invalid(
+                    "rollout_rs_threshold",
+                    format!("thresholds for option `{name}` must be positive, got {spec}"),
+                ));
             }
             if lo > hi {
-                return Err(invalid(format!(
-                    "thresholds for option `{name}` must be lower <= upper, got {spec}"
-                )));
+                return Err(invalid(
+                    "rollout_rs_threshold",
+                    format!("thresholds for option `{name}` must be lower <= upper, got {spec}"),
+                ));
             }
             (Some(lo), hi)
         } else {
             if spec.contains('_') {
-                return Err(invalid(format!(
+                return Err(invalid(
+                    "rollout_rs_threshold",
+                    format!(
                     "rollout_rs_threshold for option `{name}` must provide a single upper bound \
                      without '_'; received `{spec}`"
-                )));
+                ),
+                ));
             }
             let hi = num(spec)?;
             if hi <= 0.0 {
-                return Err(invalid(format!(
-                    "threshold for option `{name}` must be positive, got {spec}"
-                )));
+                return Err(invalid(
+                    "rollout_rs_threshold",
+                    format!("threshold for option `{name}` must be positive, got {spec}"),
+                ));
             }
             (None, hi)
         };
@@ -409,8 +431,9 @@ impl RolloutCorrection {
             });
         }
         if !response_mask.iter().any(|&m| m != 0.0) {
-            return Err(invalid(
-                "response_mask must contain at least one valid token".into(),
+            return Err(AlgoError::invalid(
+                "rollout_correction",
+                "response_mask must contain at least one valid token",
             ));
         }
         let log_ratio: Vec<f64> = old_log_prob

@@ -13,6 +13,22 @@ use serde_json::Value;
 
 type B = Flex;
 
+/// Generation padding with id 0.
+fn generator<'a>(
+    model: &'a CausalLm<B>,
+    config: &'a TransformerConfig,
+    params: &'a SamplingParams,
+    device: &'a burn::tensor::Device<B>,
+) -> Generator<'a, B> {
+    Generator {
+        model,
+        config,
+        pad_id: 0,
+        params,
+        device,
+    }
+}
+
 fn load(dir: &Path) -> (CausalLm<B>, TransformerConfig) {
     let pre = load_pretrained(dir.to_str().unwrap()).unwrap_or_else(|e| panic!("{e}"));
     let config = pre.config.clone();
@@ -90,15 +106,9 @@ fn greedy_params(max_new_tokens: usize) -> SamplingParams {
 fn check_greedy(dir: &Path) {
     let (model, config) = load(dir);
     for (prompts, want, steps) in golden_cases(dir) {
-        let samples = Generator {
-            model: &model,
-            config: &config,
-            pad_id: 0,
-            params: &greedy_params(steps),
-            device: &Default::default(),
-        }
-        .generate(&prompts)
-        .unwrap();
+        let samples = generator(&model, &config, &greedy_params(steps), &Default::default())
+            .generate(&prompts)
+            .unwrap();
         assert_eq!(
             samples.len(),
             want.len(),
@@ -161,15 +171,9 @@ fn rollout_logprobs_equal_a_full_forward() {
         stop_token_ids: vec![3],
         ..Default::default()
     };
-    let samples = Generator {
-        model: &model,
-        config: &config,
-        pad_id: 0,
-        params: &params,
-        device: &Default::default(),
-    }
-    .generate(&prompts)
-    .unwrap();
+    let samples = generator(&model, &config, &params, &Default::default())
+        .generate(&prompts)
+        .unwrap();
     assert_eq!(samples.len(), 6);
     let device = Default::default();
     for s in &samples {
@@ -210,72 +214,51 @@ fn seeded_sampling_reproduces_and_zero_temperature_is_greedy() {
         ..Default::default()
     };
     let d = Default::default();
-    let a = Generator {
-        model: &model,
-        config: &config,
-        pad_id: 0,
-        params: &params,
-        device: &d,
-    }
-    .generate(&prompts)
-    .unwrap();
-    let b = Generator {
-        model: &model,
-        config: &config,
-        pad_id: 0,
-        params: &params,
-        device: &d,
-    }
-    .generate(&prompts)
-    .unwrap();
+    let a = generator(&model, &config, &params, &d)
+        .generate(&prompts)
+        .unwrap();
+    let b = generator(&model, &config, &params, &d)
+        .generate(&prompts)
+        .unwrap();
     assert_eq!(a, b, "same seed, same samples");
-    let c = Generator {
-        model: &model,
-        config: &config,
-        pad_id: 0,
-        params: &SamplingParams {
+    let c = generator(
+        &model,
+        &config,
+        &SamplingParams {
             seed: 12,
             ..params.clone()
         },
-        device: &d,
-    }
+        &d,
+    )
     .generate(&prompts)
     .unwrap();
     assert_ne!(a, c, "another seed, other samples");
-    let greedy = Generator {
-        model: &model,
-        config: &config,
-        pad_id: 0,
-        params: &greedy_params(10),
-        device: &d,
-    }
-    .generate(&prompts)
-    .unwrap();
-    let cold = Generator {
-        model: &model,
-        config: &config,
-        pad_id: 0,
-        params: &SamplingParams {
+    let greedy = generator(&model, &config, &greedy_params(10), &d)
+        .generate(&prompts)
+        .unwrap();
+    let cold = generator(
+        &model,
+        &config,
+        &SamplingParams {
             temperature: 1e-4,
             max_new_tokens: 10,
             seed: 3,
             ..Default::default()
         },
-        device: &d,
-    }
+        &d,
+    )
     .generate(&prompts)
     .unwrap();
-    let zero = Generator {
-        model: &model,
-        config: &config,
-        pad_id: 0,
-        params: &SamplingParams {
+    let zero = generator(
+        &model,
+        &config,
+        &SamplingParams {
             temperature: 0.0,
             max_new_tokens: 10,
             ..Default::default()
         },
-        device: &d,
-    }
+        &d,
+    )
     .generate(&prompts)
     .unwrap();
     let toks =
@@ -354,15 +337,9 @@ fn check_distribution(shapes: DecodeShapes) {
             shapes,
             ..Default::default()
         };
-        let samples = Generator {
-            model: &model,
-            config: &config,
-            pad_id: 0,
-            params: &params,
-            device: &device,
-        }
-        .generate(&prompt)
-        .unwrap();
+        let samples = generator(&model, &config, &params, &device)
+            .generate(&prompt)
+            .unwrap();
         let mut counts = vec![0usize; dist.len()];
         for s in &samples {
             let tok = s.tokens[0] as usize;
@@ -407,24 +384,12 @@ fn bucketed_decoding_generates_what_exact_decoding_does() {
             shapes: DecodeShapes::Bucketed { bucket: 8 },
             ..exact.clone()
         };
-        let a = Generator {
-            model: &model,
-            config: &config,
-            pad_id: 0,
-            params: &exact,
-            device: &d,
-        }
-        .generate(&prompts)
-        .unwrap();
-        let b = Generator {
-            model: &model,
-            config: &config,
-            pad_id: 0,
-            params: &bucketed,
-            device: &d,
-        }
-        .generate(&prompts)
-        .unwrap();
+        let a = generator(&model, &config, &exact, &d)
+            .generate(&prompts)
+            .unwrap();
+        let b = generator(&model, &config, &bucketed, &d)
+            .generate(&prompts)
+            .unwrap();
         assert_eq!(a.len(), b.len());
         for (x, y) in a.iter().zip(&b) {
             assert_eq!(
@@ -456,43 +421,25 @@ fn a_response_does_not_depend_on_its_batch_mates_or_chunk() {
             shapes,
             ..Default::default()
         };
-        let all = Generator {
-            model: &model,
-            config: &config,
-            pad_id: 0,
-            params: &params,
-            device: &d,
-        }
-        .generate_keyed(&prompts, &keys)
-        .map(|(samples, _)| samples)
-        .unwrap();
+        let all = generator(&model, &config, &params, &d)
+            .generate_keyed(&prompts, &keys)
+            .map(|(samples, _)| samples)
+            .unwrap();
         let chunked = SamplingParams {
             max_num_seqs: 2,
             ..params.clone()
         };
-        let (in_chunks, profile) = Generator {
-            model: &model,
-            config: &config,
-            pad_id: 0,
-            params: &chunked,
-            device: &d,
-        }
-        .generate_keyed(&prompts, &keys)
-        .unwrap();
+        let (in_chunks, profile) = generator(&model, &config, &chunked, &d)
+            .generate_keyed(&prompts, &keys)
+            .unwrap();
         assert_eq!(
             profile.chunks, 3,
             "{shapes:?}: one prompt (2 responses) per chunk"
         );
-        let alone = Generator {
-            model: &model,
-            config: &config,
-            pad_id: 0,
-            params: &params,
-            device: &d,
-        }
-        .generate_keyed(&prompts[1..2], &keys[1..2])
-        .map(|(samples, _)| samples)
-        .unwrap();
+        let alone = generator(&model, &config, &params, &d)
+            .generate_keyed(&prompts[1..2], &keys[1..2])
+            .map(|(samples, _)| samples)
+            .unwrap();
         let tokens = |s: &[burn_rlhf_rollout::Sample]| {
             s.iter().map(|x| x.tokens.clone()).collect::<Vec<_>>()
         };
@@ -517,15 +464,9 @@ fn n_responses_share_one_prefill_per_prompt() {
             shapes,
             ..Default::default()
         };
-        let (samples, profile) = Generator {
-            model: &model,
-            config: &config,
-            pad_id: 0,
-            params: &params,
-            device: &d,
-        }
-        .generate_keyed(&prompts, &keys)
-        .unwrap();
+        let (samples, profile) = generator(&model, &config, &params, &d)
+            .generate_keyed(&prompts, &keys)
+            .unwrap();
         assert_eq!(samples.len(), 12, "{shapes:?}");
         assert_eq!(
             profile.prefilled_rows, 3,
@@ -557,29 +498,17 @@ fn a_bucketed_decode_step_reads_back_two_values_per_row() {
         shapes: DecodeShapes::Bucketed { bucket: 8 },
         ..Default::default()
     };
-    let (_, bucketed) = Generator {
-        model: &model,
-        config: &config,
-        pad_id: 0,
-        params: &params,
-        device: &d,
-    }
-    .generate_keyed(&prompts, &keys)
-    .unwrap();
+    let (_, bucketed) = generator(&model, &config, &params, &d)
+        .generate_keyed(&prompts, &keys)
+        .unwrap();
     assert_eq!(bucketed.max_values_read_per_row, 2);
     assert_eq!(bucketed.decode_steps, 6);
     let exact = SamplingParams {
         shapes: DecodeShapes::Exact,
         ..params
     };
-    let (_, exact) = Generator {
-        model: &model,
-        config: &config,
-        pad_id: 0,
-        params: &exact,
-        device: &d,
-    }
-    .generate_keyed(&prompts, &keys)
-    .unwrap();
+    let (_, exact) = generator(&model, &config, &exact, &d)
+        .generate_keyed(&prompts, &keys)
+        .unwrap();
     assert_eq!(exact.max_values_read_per_row, config.vocab_size);
 }

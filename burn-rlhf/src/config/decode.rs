@@ -1,5 +1,5 @@
-//! Decoding a resolved and validated tree into [`Settings`](super::Settings), one method per
-//! section.
+//! Decoding a resolved and validated tree into [`Settings`](super::Settings): the one place a
+//! tree becomes settings ([`Settings::from_config`]), one method per section.
 
 use burn::tensor::FloatDType;
 use burn_rlhf_algos::policy_loss::BypassLossType;
@@ -12,7 +12,8 @@ use burn_rlhf_rollout::{LogprobsMode, Truncation};
 
 use super::load::ConfigError;
 use super::settings::*;
-use super::tree::RlhfConfig;
+use super::tree::{OptimConfig, RlhfConfig, ValKwargsConfig};
+use super::validate::KnownNames;
 
 /// Decodes the sections of a resolved and validated tree. Its errors cannot happen after
 /// validation unless the two disagree; they still name the key.
@@ -314,5 +315,89 @@ impl Decoder<'_> {
             resume,
             seed: t.seed,
         })
+    }
+}
+
+impl Settings {
+    /// Resolves verl's derived keys, checks every rule (all problems reported together, with
+    /// `origin` naming the file and overrides) and decodes the tree.
+    pub fn from_config(
+        config: &RlhfConfig,
+        known: &KnownNames,
+        origin: &str,
+    ) -> Result<Self, ConfigError> {
+        let mut c = config.clone();
+        c.resolve();
+        c.validate_with(known, origin)?;
+        let d = Decoder { origin };
+        Ok(Self {
+            data: d.data(&c)?,
+            model: d.model(&c)?,
+            actor: d.actor(&c)?,
+            rollout: d.rollout(&c)?,
+            ref_micro_batch_size: c
+                .actor_rollout_ref
+                .reference
+                .log_prob_micro_batch_size_per_gpu,
+            ref_max_token_len: d.dynamic(
+                "actor_rollout_ref.ref.log_prob_use_dynamic_bsz",
+                c.actor_rollout_ref.reference.log_prob_use_dynamic_bsz,
+                "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+                c.actor_rollout_ref.reference.log_prob_max_token_len_per_gpu,
+            )?,
+            critic: if known.critic_estimators.contains(&c.algorithm.adv_estimator) {
+                Some(d.critic(&c)?)
+            } else {
+                None
+            },
+            reward: RewardSettings {
+                function: c.custom_reward_function.name.clone(),
+                overlong: c
+                    .reward_model
+                    .overlong_buffer
+                    .enable
+                    .then_some(OverlongPenalty {
+                        len: c.reward_model.overlong_buffer.len,
+                        penalty_factor: c.reward_model.overlong_buffer.penalty_factor,
+                    }),
+            },
+            algorithm: d.algorithm(&c)?,
+            trainer: d.trainer(&c)?,
+        })
+    }
+}
+
+impl OptimSettings {
+    pub(super) fn from_tree(o: &OptimConfig) -> Self {
+        Self {
+            lr: o.lr,
+            betas: o.betas,
+            weight_decay: o.weight_decay,
+            warmup: if o.lr_warmup_steps > 0 {
+                Warmup::Steps(o.lr_warmup_steps as usize)
+            } else {
+                Warmup::Ratio(o.lr_warmup_steps_ratio)
+            },
+            schedule: if o.lr_scheduler_type == "cosine" {
+                ScheduleKind::Cosine
+            } else {
+                ScheduleKind::Constant
+            },
+            min_lr_ratio: o.min_lr_ratio,
+            num_cycles: o.num_cycles,
+            total_steps: (o.total_training_steps > 0).then_some(o.total_training_steps as usize),
+        }
+    }
+}
+
+impl SamplingSettings {
+    pub(super) fn from_val_kwargs(v: &ValKwargsConfig) -> Self {
+        Self {
+            n: v.n,
+            temperature: v.temperature,
+            top_k: (v.top_k > 0).then_some(v.top_k as usize),
+            top_p: v.top_p,
+            do_sample: v.do_sample,
+        }
     }
 }

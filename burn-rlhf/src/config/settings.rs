@@ -14,11 +14,6 @@ use burn_rlhf_algos::{
 use burn_rlhf_models::LoraConfig;
 use burn_rlhf_rollout::{LogprobsMode, Truncation};
 
-use super::decode::Decoder;
-use super::load::ConfigError;
-use super::tree::{OptimConfig, RlhfConfig, ValKwargsConfig};
-use super::validate::KnownNames;
-
 /// The whole run's settings.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Settings {
@@ -89,7 +84,7 @@ pub struct ModelSettings {
     /// LoRA adapters on the policy (`lora_rank > 0`).
     pub lora: Option<LoraConfig>,
     /// Tokens per length bucket (1: exact shapes); `None`: chosen by the backend
-    /// ([`ModelSettings::shape_bucket_for`]).
+    /// (`crate::backend::shape_bucket`).
     pub shape_bucket: Option<usize>,
     /// `logits_chunk_size`: response tokens per chunk of LM-head logits.
     pub logits_chunk_size: usize,
@@ -102,17 +97,6 @@ pub struct ModelSettings {
     /// autodiff backend that recomputes activations in the backward pass
     /// ([`crate::with_train_backend`]).
     pub gradient_checkpointing: bool,
-}
-
-impl ModelSettings {
-    /// The shape bucket for a backend that compiles kernels per shape (`compiles_kernels`) or not.
-    pub fn shape_bucket_for(&self, compiles_kernels: bool) -> usize {
-        self.shape_bucket.unwrap_or(if compiles_kernels {
-            crate::backend::GPU_SHAPE_BUCKET
-        } else {
-            1
-        })
-    }
 }
 
 /// AdamW with a warm-up and a schedule (`*.optim.*`).
@@ -382,93 +366,13 @@ pub enum ResumeMode {
 }
 
 impl Settings {
-    /// Resolves verl's derived keys, checks every rule (all problems reported together, with
-    /// `origin` naming the file and overrides) and decodes the tree.
-    pub fn from_config(
-        config: &RlhfConfig,
-        known: &KnownNames,
-        origin: &str,
-    ) -> Result<Self, ConfigError> {
-        let mut c = config.clone();
-        c.resolve();
-        c.validate_with(known, origin)?;
-        let d = Decoder { origin };
-        Ok(Self {
-            data: d.data(&c)?,
-            model: d.model(&c)?,
-            actor: d.actor(&c)?,
-            rollout: d.rollout(&c)?,
-            ref_micro_batch_size: c
-                .actor_rollout_ref
-                .reference
-                .log_prob_micro_batch_size_per_gpu,
-            ref_max_token_len: d.dynamic(
-                "actor_rollout_ref.ref.log_prob_use_dynamic_bsz",
-                c.actor_rollout_ref.reference.log_prob_use_dynamic_bsz,
-                "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
-                c.actor_rollout_ref.reference.log_prob_max_token_len_per_gpu,
-            )?,
-            critic: if known.critic_estimators.contains(&c.algorithm.adv_estimator) {
-                Some(d.critic(&c)?)
-            } else {
-                None
-            },
-            reward: RewardSettings {
-                function: c.custom_reward_function.name.clone(),
-                overlong: c
-                    .reward_model
-                    .overlong_buffer
-                    .enable
-                    .then_some(OverlongPenalty {
-                        len: c.reward_model.overlong_buffer.len,
-                        penalty_factor: c.reward_model.overlong_buffer.penalty_factor,
-                    }),
-            },
-            algorithm: d.algorithm(&c)?,
-            trainer: d.trainer(&c)?,
-        })
-    }
-
     /// Responses per training prompt (`rollout.n`).
     pub fn n(&self) -> usize {
         self.rollout.train.n
     }
 }
 
-impl OptimSettings {
-    pub(super) fn from_tree(o: &OptimConfig) -> Self {
-        Self {
-            lr: o.lr,
-            betas: o.betas,
-            weight_decay: o.weight_decay,
-            warmup: if o.lr_warmup_steps > 0 {
-                Warmup::Steps(o.lr_warmup_steps as usize)
-            } else {
-                Warmup::Ratio(o.lr_warmup_steps_ratio)
-            },
-            schedule: if o.lr_scheduler_type == "cosine" {
-                ScheduleKind::Cosine
-            } else {
-                ScheduleKind::Constant
-            },
-            min_lr_ratio: o.min_lr_ratio,
-            num_cycles: o.num_cycles,
-            total_steps: (o.total_training_steps > 0).then_some(o.total_training_steps as usize),
-        }
-    }
-}
-
 impl SamplingSettings {
-    pub(super) fn from_val_kwargs(v: &ValKwargsConfig) -> Self {
-        Self {
-            n: v.n,
-            temperature: v.temperature,
-            top_k: (v.top_k > 0).then_some(v.top_k as usize),
-            top_p: v.top_p,
-            do_sample: v.do_sample,
-        }
-    }
-
     /// Whether these settings decode greedily.
     pub fn greedy(&self) -> bool {
         !self.do_sample || self.temperature == 0.0
@@ -478,6 +382,9 @@ impl SamplingSettings {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::load::ConfigError;
+    use crate::config::tree::RlhfConfig;
+    use crate::config::validate::KnownNames;
 
     fn settings(config: &RlhfConfig) -> Result<Settings, ConfigError> {
         Settings::from_config(config, &KnownNames::default(), "test")

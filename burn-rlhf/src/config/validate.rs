@@ -89,11 +89,24 @@ impl Problems {
         }
     }
 
+    /// A rule an algorithm owns about one of its parameters, reported under that parameter's
+    /// key in `section` (the algorithm names the parameter: [`AlgoError::InvalidParam`]).
+    fn param_rule(&mut self, section: &str, rule: Result<(), AlgoError>) {
+        match rule {
+            Err(AlgoError::InvalidParam { param, detail }) => {
+                self.0.push(format!("`{section}.{param}` {detail}"))
+            }
+            other => self.algo_rule(section, other),
+        }
+    }
+
     /// A rule an algorithm owns, reported under the config key that sets its parameter.
     fn algo_rule(&mut self, key: &str, rule: Result<(), AlgoError>) {
         if let Err(e) = rule {
             let detail = match e {
-                AlgoError::Invalid { detail, .. } => detail,
+                AlgoError::Invalid { detail, .. } | AlgoError::InvalidParam { detail, .. } => {
+                    detail
+                }
                 other => other.to_string(),
             };
             self.0.push(format!("`{key}` {detail}"));
@@ -109,7 +122,7 @@ impl RlhfConfig {
 
     /// Checks the rules that involve more than one key; `known` lists what each name key may be.
     pub fn validate_with(&self, known: &KnownNames, origin: &str) -> Result<(), ConfigError> {
-        let mut p = Problems(Vec::new());
+        let mut p = Problems::default();
         self.check_data(&mut p);
         self.check_actor(&mut p, known);
         self.check_rollout(&mut p);
@@ -117,14 +130,7 @@ impl RlhfConfig {
         self.check_reward(&mut p, known);
         self.check_algorithm(&mut p, known);
         self.check_trainer(&mut p);
-        if p.0.is_empty() {
-            Ok(())
-        } else {
-            Err(ConfigError::Invalid {
-                origin: origin.to_string(),
-                problems: p.0,
-            })
-        }
+        p.into_result(origin)
     }
 
     fn check_data(&self, p: &mut Problems) {
@@ -240,13 +246,13 @@ impl RlhfConfig {
             "`actor_rollout_ref.actor.ppo_epochs` must be >= 1".into()
         });
         self.check_log_prob_budgets(p);
-        p.algo_rule(
-            "actor_rollout_ref.actor.clip_ratio_c",
+        p.param_rule(
+            "actor_rollout_ref.actor",
             VanillaPpo::check_clip_ratio_c(actor.clip_ratio_c),
         );
         if actor.policy_loss.loss_mode == "dro" {
-            p.algo_rule(
-                "actor_rollout_ref.actor.policy_loss.dro_beta",
+            p.param_rule(
+                "actor_rollout_ref.actor.policy_loss",
                 Dro::check_beta(actor.policy_loss.dro_beta.unwrap_or(0.0)),
             );
         }
@@ -472,24 +478,7 @@ impl RlhfConfig {
     fn check_algorithm(&self, p: &mut Problems, known: &KnownNames) {
         let alg = &self.algorithm;
         let rc = &alg.rollout_correction;
-        if let Err(e) = rc.decode() {
-            // Reported under the key the message names (the longest that matches).
-            let detail = e.to_string();
-            let field = [
-                "rollout_is_batch_normalize",
-                "rollout_is_threshold",
-                "rollout_rs_threshold",
-                "rollout_is",
-                "rollout_rs",
-            ]
-            .into_iter()
-            .find(|f| detail.contains(f));
-            let key = match field {
-                Some(f) => format!("algorithm.rollout_correction.{f}"),
-                None => "algorithm.rollout_correction".into(),
-            };
-            p.algo_rule(&key, Err(e));
-        }
+        p.param_rule("algorithm.rollout_correction", rc.decode().map(|_| ()));
         let defaults = super::tree::RolloutCorrectionConfig::default();
         if rc.rollout_is.is_none() {
             for (key, set) in [

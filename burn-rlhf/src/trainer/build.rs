@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use crate::backend::LearnerBackend;
 use burn::module::AutodiffModule;
-use burn_rlhf_algos::{Registry, RlBackend};
+use burn_rlhf_algos::Registry;
 use burn_rlhf_models::{CausalLm, Tokenizer, TransformerConfig, ValueModel};
 use burn_rlhf_rollout::encode::filter_overlong;
 use burn_rlhf_rollout::{PromptRecord, PromptSampler, RewardRegistry};
@@ -230,9 +230,9 @@ impl<B: LearnerBackend> Learner<B> {
             val,
             sampler,
             dp: DataParallel::solo(),
-            shape_bucket: settings
-                .model
-                .shape_bucket_for(<B::InnerBackend as RlBackend>::compiles_kernels()),
+            shape_bucket: crate::backend::shape_bucket::<B::InnerBackend>(
+                settings.model.shape_bucket,
+            ),
             global_step: 0,
             actor_updates: 0,
             critic_updates: 0,

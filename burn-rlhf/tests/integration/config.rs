@@ -366,6 +366,30 @@ fn cross_field_rules_are_enforced_in_words() {
     }
     let e = invalid(&["algorithm.rollout_correction.rollout_rs=token_k1"]);
     assert!(e.contains("rollout_rs_threshold must be provided"), "{e}");
+    // The algorithms name their parameter; the check reports it under its key.
+    for (args, key) in [
+        (
+            &[
+                "algorithm.rollout_correction.rollout_rs=token_k1",
+                "algorithm.rollout_correction.rollout_rs_threshold=0.9_0.5",
+            ][..],
+            "`algorithm.rollout_correction.rollout_rs_threshold` ",
+        ),
+        (
+            &[
+                "algorithm.rollout_correction.rollout_is=token",
+                "algorithm.rollout_correction.rollout_is_threshold=x",
+            ][..],
+            "`algorithm.rollout_correction.rollout_is_threshold` ",
+        ),
+        (
+            &["actor_rollout_ref.actor.policy_loss.loss_mode=dro"][..],
+            "`actor_rollout_ref.actor.policy_loss.dro_beta` must be > 0",
+        ),
+    ] {
+        let e = invalid(args);
+        assert!(e.contains(key), "{args:?}: {e}");
+    }
     let e = invalid(&[
         "algorithm.rollout_correction.bypass_mode=true",
         "actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
