@@ -47,9 +47,14 @@ pub struct BypassMode {
     pub ppo: VanillaPpo,
 }
 
+impl BypassMode {
+    /// verl's name of the loss (`apply_bypass_mode` sets `policy_loss.loss_mode` to it).
+    pub const NAME: &'static str = "bypass_mode";
+}
+
 impl<B: RlBackend> PolicyLoss<B> for BypassMode {
     fn name(&self) -> &str {
-        "bypass_mode"
+        Self::NAME
     }
 
     fn compute(&self, input: &PolicyLossInput<B>) -> Result<PolicyLossOutput<B>, AlgoError> {
@@ -103,7 +108,7 @@ impl<B: RlBackend> PolicyLoss<B> for BypassMode {
 /// The loss of this file under verl's name.
 pub(super) fn builtin<B: RlBackend>() -> Vec<(&'static str, PolicyLossFactory<B>)> {
     vec![(
-        "bypass_mode",
+        BypassMode::NAME,
         policy_loss_factory(|p| {
             VanillaPpo::check_clip_ratio_c(p.clip_ratio_c)?;
             Ok(Box::new(BypassMode {

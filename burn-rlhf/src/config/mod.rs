@@ -1,6 +1,13 @@
 //! One configuration tree with verl's key names and defaults, loaded from RON with
-//! `key.path=value` overrides, checked ([`validate`](RlhfConfig::validate)) and decoded once into
-//! typed [`Settings`], which is all the rest of the crate reads.
+//! `key.path=value` overrides and decoded once into typed [`Settings`], which is all the rest of
+//! the crate reads. Decoding is validation ([`RlhfConfig::validate`]): every key is parsed into
+//! its type and every rule checked, and all problems are reported together.
+//!
+//! One file per section holds the section's keys with verl's defaults, its typed settings and
+//! its rules: `data.rs`, `model.rs`, `actor.rs` (with `optim.rs`), `rollout.rs` (and the
+//! reference pass), `critic.rs`, `reward.rs`, `algorithm.rs` (with `rollout_correction.rs`),
+//! `trainer.rs`; `tree.rs` is the root and verl's derived keys, `settings.rs` the decoded root
+//! and the rules across sections, `sft.rs` the SFT trainer's tree.
 //!
 //! ```no_run
 //! use burn_rlhf::config::load_config;
@@ -13,15 +20,37 @@
 //! # Ok::<(), burn_rlhf::config::ConfigError>(())
 //! ```
 
-mod decode;
+mod actor;
+mod algorithm;
+mod critic;
+mod data;
 mod load;
+mod model;
+mod names;
+mod optim;
+mod problems;
+mod reward;
+mod rollout;
+mod rollout_correction;
 pub mod settings;
 mod sft;
+mod trainer;
 mod tree;
-mod validate;
 
+pub use actor::{ActorConfig, PolicyLossConfig};
+pub use algorithm::{AlgorithmConfig, FilterGroupsConfig, KlCtrlConfig};
+pub use critic::{CriticConfig, CriticModelConfig};
+pub use data::DataConfig;
 pub use load::{config_from_ron_str, config_to_ron, load_config, load_typed, ConfigError};
+pub use model::{ModelConfig, DEFAULT_LOGITS_CHUNK};
+pub use names::KnownNames;
+pub use optim::OptimConfig;
+pub use reward::{CustomRewardFunctionConfig, OverlongBufferConfig, RewardModelConfig};
+pub use rollout::{RefConfig, RolloutConfig, ValKwargsConfig};
+pub use rollout_correction::{RolloutCorrectionConfig, ThresholdSpec};
 pub use settings::Settings;
-pub use sft::{SftConfig, SftDataConfig, SftModelConfig, SftOptimConfig, SftTrainerConfig};
-pub use tree::*;
-pub use validate::KnownNames;
+pub use sft::{
+    SftConfig, SftDataConfig, SftModelConfig, SftOptimConfig, SftSettings, SftTrainerConfig,
+};
+pub use trainer::TrainerConfig;
+pub use tree::{ActorRolloutRefConfig, RlhfConfig};

@@ -3,10 +3,13 @@
 
 use std::path::Path;
 
+use burn_rlhf_rollout::Truncation;
 use serde::{Deserialize, Serialize};
 
 use super::load::{load_typed, ConfigError};
-use super::validate::Problems;
+use super::optim::ScheduleKind;
+use super::problems::Problems;
+use super::trainer::LOGGERS;
 
 /// `data.*` (verl's `sft_trainer.yaml`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -164,6 +167,11 @@ impl SftConfig {
 
     /// Checks values that cannot work, every problem reported with its key.
     pub fn validate(&self, origin: &str) -> Result<(), ConfigError> {
+        self.decode(origin).map(|_| ())
+    }
+
+    /// Parses the names once and checks every rule, every problem reported with its key.
+    pub fn decode(&self, origin: &str) -> Result<SftSettings, ConfigError> {
         let mut p = Problems::default();
         let (d, o, t) = (&self.data, &self.optim, &self.trainer);
         p.check(d.train_batch_size >= 1, || {
@@ -178,33 +186,57 @@ impl SftConfig {
         p.check(d.max_length >= 2, || {
             "`data.max_length` must be >= 2 (a prompt token and a target)".into()
         });
-        p.one_of_str(
+        let truncation = p.name(
             "data.truncation",
             &d.truncation,
             &["error", "left", "right"],
+            Truncation::from_name(&d.truncation).ok(),
         );
         p.check(!d.train_files.is_empty(), || {
             "`data.train_files` names no files".into()
         });
         p.check(o.lr > 0.0, || "`optim.lr` must be > 0".into());
-        p.one_of_str(
+        let schedule = p.name(
             "optim.lr_scheduler",
             &o.lr_scheduler,
-            &["cosine", "constant"],
+            &ScheduleKind::NAMES,
+            ScheduleKind::from_name(&o.lr_scheduler),
         );
         p.check((0.0..1.0).contains(&o.warmup_steps_ratio), || {
             "`optim.warmup_steps_ratio` must be in [0, 1)".into()
         });
         for logger in &t.logger {
-            p.one_of_str("trainer.logger", logger, &["console", "jsonl"]);
+            p.one_of_str("trainer.logger", logger, LOGGERS);
         }
         p.check(t.nnodes * t.n_gpus_per_node == 1, || {
             "`trainer.n_gpus_per_node` x `trainer.nnodes` must be 1: the SFT trainer runs on one \
              device (data parallelism is for `train`)"
                 .into()
         });
-        p.into_result(origin)
+        let settings = truncation
+            .zip(schedule)
+            .map(|(truncation, schedule)| SftSettings {
+                truncation,
+                schedule,
+                console: t.logger.iter().any(|l| l == "console"),
+                jsonl: t.logger.iter().any(|l| l == "jsonl"),
+            });
+        p.finish(origin, settings)
     }
+}
+
+/// The SFT config's named values, parsed once ([`SftConfig::decode`]); its numbers and paths need
+/// no decoding and are read from the tree.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SftSettings {
+    /// `data.truncation`.
+    pub truncation: Truncation,
+    /// `optim.lr_scheduler`: the curve after the warm-up.
+    pub schedule: ScheduleKind,
+    /// `trainer.logger` has `console`.
+    pub console: bool,
+    /// `trainer.logger` has `jsonl`.
+    pub jsonl: bool,
 }
 
 #[cfg(test)]

@@ -106,10 +106,7 @@ impl<B: LearnerBackend> LearnerParts<B> {
 
     /// The names this learner's registries can build, for decoding a config against them.
     pub fn known_names(&self) -> KnownNames {
-        KnownNames {
-            reward_functions: self.rewards.names(),
-            ..KnownNames::from_registry(&self.registry)
-        }
+        KnownNames::from_registry(&self.registry).with_reward_functions(self.rewards.names())
     }
 }
 
@@ -355,7 +352,7 @@ fn build_algorithms<B: LearnerBackend>(
         )?),
         None => None,
     };
-    let policy_loss = registry.policy_loss(&settings.actor.loss_mode, &settings.actor.loss)?;
+    let policy_loss = registry.policy_loss(&settings.actor.loss_name, &settings.actor.loss)?;
     let kl_ctrl = registry.kl_controller(&alg.kl_ctrl, &alg.kl_ctrl_params)?;
     let reward = rewards.get(settings.reward.function.as_deref().unwrap_or("default"))?;
     Ok(Algorithms {

@@ -77,7 +77,7 @@ pub fn train_on<B: LearnerBackend>(
         "{} with `{}` advantages and the `{}` loss{}",
         settings.model.path,
         settings.algorithm.adv_estimator,
-        settings.actor.loss_mode,
+        settings.actor.loss_name,
         if settings.critic.is_some() {
             ", with a critic"
         } else {

@@ -13,7 +13,7 @@ use burn::module::AutodiffModule;
 use burn_rlhf_models::pretrained::{expand_home, save_pretrained};
 use burn_rlhf_models::{CausalLm, ChatMessage, LoraConfig, Tokenizer};
 use burn_rlhf_rollout::data::{read_pairs, TextPair};
-use burn_rlhf_rollout::{PromptSampler, RolloutBatch, RolloutError, Sample};
+use burn_rlhf_rollout::{PromptSampler, RolloutBatch, RolloutError, Sample, Truncation};
 
 use super::logger::MetricsLogger;
 use super::metrics::Metrics;
@@ -37,7 +37,7 @@ pub fn encode_pair(
     tokenizer: &Tokenizer,
     pair: &TextPair,
     max_length: usize,
-    truncation: &str,
+    truncation: Truncation,
 ) -> Result<SftExample, String> {
     let mut prompt = if tokenizer.has_chat_template() {
         tokenizer.encode_chat(&[ChatMessage::user(&pair.prompt)], true)
@@ -54,7 +54,7 @@ pub fn encode_pair(
     let total = prompt.len() + response.len();
     if total > max_length {
         match truncation {
-            "left" => {
+            Truncation::Left => {
                 let cut = total - max_length;
                 if cut >= prompt.len() {
                     // Keep at least one prompt token as context.
@@ -66,7 +66,7 @@ pub fn encode_pair(
                     prompt.drain(..cut);
                 }
             }
-            "right" => {
+            Truncation::Right => {
                 if prompt.len() >= max_length {
                     return Err(format!(
                         "the prompt alone has {} tokens, data.max_length is {max_length}",
@@ -75,7 +75,7 @@ pub fn encode_pair(
                 }
                 response.truncate(max_length - prompt.len());
             }
-            _ => {
+            Truncation::Error => {
                 return Err(format!(
                     "{total} tokens > data.max_length {max_length} (data.truncation=error)"
                 ))
@@ -118,6 +118,7 @@ fn load_examples(
     specs: &[String],
     default_split: &str,
     data: &SftDataConfig,
+    truncation: Truncation,
     tokenizer: &Tokenizer,
 ) -> Result<Vec<SftExample>, TrainError> {
     let mut out = Vec::new();
@@ -125,13 +126,14 @@ fn load_examples(
         let path = crate::datasets::data_file_path(spec, default_split)?;
         let pairs = read_pairs(&path, &data.prompt_key, &data.response_key)?;
         for (row, pair) in pairs.iter().enumerate() {
-            let example = encode_pair(tokenizer, pair, data.max_length, &data.truncation).map_err(
-                |message| RolloutError::Row {
-                    path: path.clone(),
-                    row: row + 1,
-                    message,
-                },
-            )?;
+            let example =
+                encode_pair(tokenizer, pair, data.max_length, truncation).map_err(|message| {
+                    RolloutError::Row {
+                        path: path.clone(),
+                        row: row + 1,
+                        message,
+                    }
+                })?;
             out.push(example);
         }
     }
@@ -140,16 +142,12 @@ fn load_examples(
 
 /// The learning rate per step of a run of `total` steps: linear warm-up over
 /// `warmup_steps_ratio`, then `lr_scheduler` down to 0 (verl's SFT trainer).
-fn schedule(optim: &SftOptimConfig, total: usize) -> LrSchedule {
+fn schedule(optim: &SftOptimConfig, kind: ScheduleKind, total: usize) -> LrSchedule {
     LrSchedule {
         lr: optim.lr,
         warmup_steps: (optim.warmup_steps_ratio * total as f64) as usize,
         total_steps: total,
-        kind: if optim.lr_scheduler == "cosine" {
-            ScheduleKind::Cosine
-        } else {
-            ScheduleKind::Constant
-        },
+        kind,
         min_lr_ratio: 0.0,
         num_cycles: 0.5,
     }
@@ -197,7 +195,7 @@ pub fn fit_sft<B: LearnerBackend>(
     device: &B::Device,
     stop: &AtomicBool,
 ) -> Result<SftOutputs, TrainError> {
-    config.validate("the SFT config")?;
+    let settings = config.decode("the SFT config")?;
     B::seed(device, config.trainer.seed);
     let m = &config.model;
     let policy = load_policy::<B>(
@@ -214,11 +212,11 @@ pub fn fit_sft<B: LearnerBackend>(
     });
     let mut model: CausalLm<B> = with_lora(policy.model, lora.as_ref(), device);
     let d = &config.data;
-    let train = load_examples(&d.train_files, "train", d, &tokenizer)?;
+    let train = load_examples(&d.train_files, "train", d, settings.truncation, &tokenizer)?;
     let val = if d.val_files.is_empty() {
         Vec::new()
     } else {
-        load_examples(&d.val_files, "test", d, &tokenizer)?
+        load_examples(&d.val_files, "test", d, settings.truncation, &tokenizer)?
     };
     if train.len() < d.train_batch_size {
         return Err(TrainError::config(
@@ -239,16 +237,11 @@ pub fn fit_sft<B: LearnerBackend>(
         .unwrap_or(t.total_epochs * sampler.batches_per_epoch(bs))
         .max(1);
     let o = &config.optim;
-    let schedule = schedule(o, total);
+    let schedule = schedule(o, settings.schedule, total);
     let mut optim = adamw(o.betas, o.weight_decay);
     let root = expand_home(&t.default_local_dir);
-    let jsonl = t
-        .logger
-        .iter()
-        .any(|l| l == "jsonl")
-        .then(|| root.join("metrics.jsonl"));
-    let console = t.logger.iter().any(|l| l == "console");
-    let mut logger = MetricsLogger::new(console, 10, jsonl.clone(), None, total, 0)?;
+    let jsonl = settings.jsonl.then(|| root.join("metrics.jsonl"));
+    let mut logger = MetricsLogger::new(settings.console, 10, jsonl.clone(), None, total, 0)?;
     let pad = tokenizer.pad_token_id;
     // Rows per micro-batch, tokens per chunk of logits.
     let micro = (d.micro_batch_size_per_gpu, config.model.logits_chunk_size);
@@ -320,16 +313,16 @@ mod tests {
     fn pairs_encode_with_eos_and_truncate_as_asked() {
         let t = tokenizer();
         let eos = t.eos_token_ids[0];
-        let e = encode_pair(&t, &pair("12+34=", "46"), 16, "error").unwrap();
+        let e = encode_pair(&t, &pair("12+34=", "46"), 16, Truncation::Error).unwrap();
         assert_eq!(e.prompt.len(), 6);
         assert_eq!(e.response.len(), 3);
         assert_eq!(*e.response.last().unwrap(), eos);
-        assert!(encode_pair(&t, &pair("12+34=", "46"), 8, "error")
+        assert!(encode_pair(&t, &pair("12+34=", "46"), 8, Truncation::Error)
             .unwrap_err()
             .contains("data.max_length"));
-        let left = encode_pair(&t, &pair("12+34=", "46"), 8, "left").unwrap();
+        let left = encode_pair(&t, &pair("12+34=", "46"), 8, Truncation::Left).unwrap();
         assert_eq!((left.prompt.len(), left.response.len()), (5, 3));
-        let right = encode_pair(&t, &pair("12+34=", "46"), 8, "right").unwrap();
+        let right = encode_pair(&t, &pair("12+34=", "46"), 8, Truncation::Right).unwrap();
         assert_eq!((right.prompt.len(), right.response.len()), (6, 2));
     }
 }

@@ -461,7 +461,11 @@ fn a_users_registered_estimator_is_a_known_name() {
 }
 
 /// Every leaf key of the tree, as a dotted path, with its default value.
-fn leaf_keys(value: &serde_json::Value, path: &str, out: &mut Vec<(String, serde_json::Value)>) {
+pub(crate) fn leaf_keys(
+    value: &serde_json::Value,
+    path: &str,
+    out: &mut Vec<(String, serde_json::Value)>,
+) {
     match value {
         serde_json::Value::Object(map) if !map.is_empty() => {
             for (k, v) in map {

@@ -8,6 +8,7 @@ use burn::backend::{Autodiff, Flex};
 mod actor_update;
 mod config;
 mod data_parallel;
+mod extending;
 mod learner_logprobs;
 mod on_policy;
 mod ppo_loop;

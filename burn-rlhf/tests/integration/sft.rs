@@ -12,6 +12,7 @@ use burn_rlhf::minibatch::sft_loss;
 use burn_rlhf::models::pretrained::{load_pretrained, save_pretrained};
 use burn_rlhf::models::CausalLm;
 use burn_rlhf::rollout::data::{write_parquet, TextPair};
+use burn_rlhf::rollout::Truncation;
 use burn_rlhf::tasks;
 use burn_rlhf::trainer::logger::read_jsonl;
 use burn_rlhf::trainer::sft::{encode_pair, sft_rollout_batch};
@@ -66,7 +67,7 @@ fn loss_counts_only_response_tokens() {
             response: "85".into(),
         },
         32,
-        "error",
+        Truncation::Error,
     )
     .unwrap();
     let batch = sft_rollout_batch(&[&example], t.pad_token_id);

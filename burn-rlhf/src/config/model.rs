@@ -1,0 +1,135 @@
+//! `actor_rollout_ref.model.*`: the policy to load — the tree with verl's defaults, the typed
+//! settings and their rules.
+
+use burn::tensor::FloatDType;
+use burn_rlhf_models::LoraConfig;
+use serde::{Deserialize, Serialize};
+
+use super::problems::Problems;
+
+/// Response tokens per chunk of LM-head logits unless configured
+/// (`actor_rollout_ref.model.logits_chunk_size`, SFT's `model.logits_chunk_size`): 512 tokens of
+/// logits are 100 MB for a 49k vocabulary, 300 MB for Qwen's 152k, and keep the matrix products
+/// large enough to run at full speed.
+pub const DEFAULT_LOGITS_CHUNK: usize = 512;
+
+/// The dtype names the config accepts (verl's and their short forms).
+const DTYPE_NAMES: &[&str] = &["float32", "fp32", "bfloat16", "bf16", "float16", "fp16"];
+
+/// A dtype key (`model.dtype`, `rollout.dtype`): `Some(None)` for float32, `Some(Some(half))`
+/// for the half precision it names, `None` (a problem) for anything else.
+pub(super) fn dtype(p: &mut Problems, key: &str, name: &str) -> Option<Option<FloatDType>> {
+    let parsed = match name {
+        "bfloat16" | "bf16" => Some(Some(FloatDType::BF16)),
+        "float16" | "fp16" => Some(Some(FloatDType::F16)),
+        "float32" | "fp32" => Some(None),
+        _ => None,
+    };
+    p.name(key, name, DTYPE_NAMES, parsed)
+}
+
+/// A model to load: a hub id, a local HF folder or a `.gguf` file.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ModelConfig {
+    pub path: String,
+    /// `None`: the model's own tokenizer (`path`).
+    pub tokenizer_path: Option<String>,
+    /// The policy's compute dtype: `float32`, or `bfloat16`/`float16` where the backend has them.
+    /// Half precision runs the old- and reference-log-prob passes on a half copy and the updates'
+    /// forward and backward in it (verl's FSDP `param_dtype`), with f32 master weights, AdamW
+    /// state and gradient accumulation (`reduce_dtype`); the critic computes in it too.
+    pub dtype: String,
+    pub enable_gradient_checkpointing: bool,
+    /// The fused RL kernels on CubeCL backends (log-probs and entropy, the PPO and value losses,
+    /// the GAE scan); off runs their reference tensor ops. burn-rlhf's default is on.
+    pub use_fused_kernels: bool,
+    pub lora_rank: usize,
+    pub lora_alpha: f64,
+    /// `all-linear` or a list of module names such as `[q_proj, v_proj]`.
+    pub target_modules: Vec<String>,
+    /// Sequence lengths (prompts, responses, the KV cache) are padded up to multiples of this many
+    /// tokens, the last micro-batch of a pass to the others' row count, and generation keeps one
+    /// shape per decode step: GPU backends then compile and tune each kernel once per bucket.
+    /// `1`: exact shapes. `None`: 64 on CubeCL backends (cuda, wgpu), 1 on CPU backends.
+    /// burn-rlhf's key.
+    pub shape_bucket: Option<usize>,
+    /// Response tokens per chunk when log-probs and entropies are read from the last hidden
+    /// state (old, reference, update, validation passes): the LM head's `[chunk, vocab]` logits
+    /// and their gradient are all that exist at once, never `[tokens, vocab]`. burn-rlhf's key.
+    pub logits_chunk_size: usize,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        Self {
+            path: "~/models/deepseek-llm-7b-chat".into(),
+            tokenizer_path: None,
+            dtype: "float32".into(),
+            enable_gradient_checkpointing: true,
+            use_fused_kernels: true,
+            lora_rank: 0,
+            lora_alpha: 16.0,
+            target_modules: vec!["all-linear".into()],
+            shape_bucket: None,
+            logits_chunk_size: DEFAULT_LOGITS_CHUNK,
+        }
+    }
+}
+
+/// `actor_rollout_ref.model.*`, decoded.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelSettings {
+    /// A hub id, an HF folder or a `.gguf` file.
+    pub path: String,
+    /// Where the tokenizer is (the model's own by default).
+    pub tokenizer_path: String,
+    /// The fused RL kernels on CubeCL backends.
+    pub use_fused_kernels: bool,
+    /// LoRA adapters on the policy (`lora_rank > 0`).
+    pub lora: Option<LoraConfig>,
+    /// Tokens per length bucket (1: exact shapes); `None`: chosen by the backend
+    /// (`crate::backend::shape_bucket`).
+    pub shape_bucket: Option<usize>,
+    /// `logits_chunk_size`: response tokens per chunk of LM-head logits.
+    pub logits_chunk_size: usize,
+    /// `dtype`: the policy's and critic's compute dtype (bf16/f16); `None`: float32. The old- and
+    /// reference-log-prob passes run on a copy of the model cast to it, the updates' forward and
+    /// backward on the f32 weights cast to it (autocast: f32 master weights, AdamW state and
+    /// gradients). Losses, advantages and log-prob reductions are f32 either way.
+    pub dtype: Option<FloatDType>,
+    /// `enable_gradient_checkpointing` (the critic's agrees when there is one): train on an
+    /// autodiff backend that recomputes activations in the backward pass
+    /// ([`crate::with_train_backend`]).
+    pub gradient_checkpointing: bool,
+}
+
+impl ModelConfig {
+    pub(super) fn decode(&self, p: &mut Problems) -> Option<ModelSettings> {
+        let key = |k: &str| format!("actor_rollout_ref.model.{k}");
+        let dtype = dtype(p, &key("dtype"), &self.dtype);
+        let tokenizer_path = p.derived(&key("tokenizer_path"), self.tokenizer_path.clone());
+        p.check(self.shape_bucket != Some(0), || {
+            "`actor_rollout_ref.model.shape_bucket` must be >= 1 (1: exact shapes)".into()
+        });
+        p.check(self.logits_chunk_size >= 1, || {
+            "`actor_rollout_ref.model.logits_chunk_size` must be >= 1 (response tokens per chunk \
+             of LM-head logits)"
+                .into()
+        });
+        Some(ModelSettings {
+            path: self.path.clone(),
+            tokenizer_path: tokenizer_path?,
+            use_fused_kernels: self.use_fused_kernels,
+            lora: (self.lora_rank > 0).then(|| LoraConfig {
+                rank: self.lora_rank,
+                alpha: self.lora_alpha,
+                target_modules: self.target_modules.clone(),
+            }),
+            shape_bucket: self.shape_bucket,
+            logits_chunk_size: self.logits_chunk_size,
+            dtype: dtype?,
+            gradient_checkpointing: self.enable_gradient_checkpointing,
+        })
+    }
+}

@@ -1,0 +1,138 @@
+//! `*.optim.*` (the actor's and the critic's): AdamW with a warm-up and a schedule — the tree
+//! with verl's defaults, the typed settings and their rules.
+
+use serde::{Deserialize, Serialize};
+
+use super::problems::Problems;
+
+/// `optim.*` as written.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct OptimConfig {
+    pub lr: f64,
+    pub betas: [f64; 2],
+    pub weight_decay: f64,
+    /// Warm-up steps; negative: use `lr_warmup_steps_ratio`.
+    pub lr_warmup_steps: i64,
+    pub lr_warmup_steps_ratio: f64,
+    /// `constant` or `cosine`.
+    pub lr_scheduler_type: String,
+    pub min_lr_ratio: f64,
+    pub num_cycles: f64,
+    /// Filled by the trainer from the run length when negative.
+    pub total_training_steps: i64,
+}
+
+impl OptimConfig {
+    /// verl's optimiser defaults with this learning rate (the actor's 1e-6, the critic's 1e-5).
+    pub(super) fn with_lr(lr: f64) -> Self {
+        Self {
+            lr,
+            betas: [0.9, 0.999],
+            weight_decay: 0.01,
+            lr_warmup_steps: -1,
+            lr_warmup_steps_ratio: 0.0,
+            lr_scheduler_type: "constant".into(),
+            min_lr_ratio: 0.0,
+            num_cycles: 0.5,
+            total_training_steps: -1,
+        }
+    }
+}
+
+impl Default for OptimConfig {
+    fn default() -> Self {
+        Self::with_lr(1e-6)
+    }
+}
+
+/// `optim.*`, decoded.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OptimSettings {
+    /// The base learning rate.
+    pub lr: f64,
+    /// AdamW's betas.
+    pub betas: [f64; 2],
+    /// Decoupled weight decay.
+    pub weight_decay: f64,
+    /// Linear warm-up from 0.
+    pub warmup: Warmup,
+    /// The curve after the warm-up.
+    pub schedule: ScheduleKind,
+    /// The cosine's floor, as a fraction of `lr`.
+    pub min_lr_ratio: f64,
+    /// Cosine waves over the run.
+    pub num_cycles: f64,
+    /// The schedule's length in optimiser steps; `None`: the run's steps.
+    pub total_steps: Option<usize>,
+}
+
+/// How long the warm-up is.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Warmup {
+    /// This many steps (`lr_warmup_steps > 0`).
+    Steps(usize),
+    /// `int(ratio * total_steps)` (`lr_warmup_steps_ratio`).
+    Ratio(f64),
+}
+
+/// Which curve follows the warm-up (`lr_scheduler_type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScheduleKind {
+    /// Flat at the base rate.
+    Constant,
+    /// Half a cosine (with `num_cycles = 0.5`) down to `min_lr_ratio` of the base rate.
+    Cosine,
+}
+
+impl ScheduleKind {
+    /// verl's names, in the order of the variants.
+    pub(super) const NAMES: [&'static str; 2] = ["constant", "cosine"];
+
+    pub(super) fn from_name(name: &str) -> Option<Self> {
+        match name {
+            "constant" => Some(Self::Constant),
+            "cosine" => Some(Self::Cosine),
+            _ => None,
+        }
+    }
+}
+
+impl OptimConfig {
+    /// Decodes the section at `key` (`actor_rollout_ref.actor.optim`, `critic.optim`).
+    pub(super) fn decode(&self, p: &mut Problems, key: &str) -> Option<OptimSettings> {
+        let schedule = p.name(
+            &format!("{key}.lr_scheduler_type"),
+            &self.lr_scheduler_type,
+            &ScheduleKind::NAMES,
+            ScheduleKind::from_name(&self.lr_scheduler_type),
+        );
+        p.check(self.lr >= 0.0, || {
+            format!("`{key}.lr` must be >= 0, got {}", self.lr)
+        });
+        p.check(self.betas.iter().all(|b| (0.0..1.0).contains(b)), || {
+            format!("`{key}.betas` must both be in [0, 1), got {:?}", self.betas)
+        });
+        p.check((0.0..=1.0).contains(&self.lr_warmup_steps_ratio), || {
+            format!(
+                "`{key}.lr_warmup_steps_ratio` must be in [0, 1], got {}",
+                self.lr_warmup_steps_ratio
+            )
+        });
+        Some(OptimSettings {
+            lr: self.lr,
+            betas: self.betas,
+            weight_decay: self.weight_decay,
+            warmup: if self.lr_warmup_steps > 0 {
+                Warmup::Steps(self.lr_warmup_steps as usize)
+            } else {
+                Warmup::Ratio(self.lr_warmup_steps_ratio)
+            },
+            schedule: schedule?,
+            min_lr_ratio: self.min_lr_ratio,
+            num_cycles: self.num_cycles,
+            total_steps: (self.total_training_steps > 0)
+                .then_some(self.total_training_steps as usize),
+        })
+    }
+}

@@ -1,0 +1,257 @@
+//! `actor_rollout_ref.rollout.*` (sampling, the old-log-prob pass) and `actor_rollout_ref.ref.*`
+//! (the reference pass) — the trees with verl's defaults, the typed settings and their rules.
+
+use burn::tensor::FloatDType;
+use burn_rlhf_rollout::LogprobsMode;
+use serde::{Deserialize, Serialize};
+
+use super::data::DataConfig;
+use super::model::dtype;
+use super::problems::Problems;
+
+/// `actor_rollout_ref.rollout.val_kwargs.*` as written: sampling for validation.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ValKwargsConfig {
+    pub temperature: f64,
+    pub top_k: i64,
+    pub top_p: f64,
+    pub do_sample: bool,
+    pub n: usize,
+}
+
+impl Default for ValKwargsConfig {
+    fn default() -> Self {
+        Self {
+            temperature: 0.0,
+            top_k: -1,
+            top_p: 1.0,
+            do_sample: false,
+            n: 1,
+        }
+    }
+}
+
+/// `actor_rollout_ref.rollout.*` as written: sampling for training rollouts.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RolloutConfig {
+    /// Samples per prompt.
+    pub n: usize,
+    pub temperature: f64,
+    /// `-1`: off.
+    pub top_k: i64,
+    pub top_p: f64,
+    pub do_sample: bool,
+    /// `None`: `data.max_prompt_length`.
+    pub prompt_length: Option<usize>,
+    /// `None`: `data.max_response_length`.
+    pub response_length: Option<usize>,
+    /// `raw_logprobs` or `processed_logprobs` (after temperature/top-k/top-p).
+    pub logprobs_mode: String,
+    /// The dtype generation runs in (vLLM's, which verl passes through); `None`:
+    /// `actor_rollout_ref.model.dtype`.
+    pub dtype: Option<String>,
+    pub log_prob_micro_batch_size_per_gpu: Option<usize>,
+    /// Old log-probs in micro-batches of at most `log_prob_max_token_len_per_gpu` tokens;
+    /// `None`: `actor.use_dynamic_bsz`.
+    pub log_prob_use_dynamic_bsz: Option<bool>,
+    /// `None`: `actor.ppo_max_token_len_per_gpu`.
+    pub log_prob_max_token_len_per_gpu: Option<usize>,
+    /// Extra token ids that end a response besides the model's eos.
+    pub stop_token_ids: Vec<u32>,
+    /// Responses generated at once at most (vLLM's key, which verl passes through).
+    pub max_num_seqs: usize,
+    /// Prompt tokens prefilled at once at most (vLLM's key); a chunk holds at least one prompt.
+    pub max_num_batched_tokens: usize,
+    pub val_kwargs: ValKwargsConfig,
+}
+
+impl Default for RolloutConfig {
+    fn default() -> Self {
+        Self {
+            n: 1,
+            temperature: 1.0,
+            top_k: -1,
+            top_p: 1.0,
+            do_sample: true,
+            prompt_length: None,
+            response_length: None,
+            logprobs_mode: "processed_logprobs".into(),
+            dtype: None,
+            log_prob_micro_batch_size_per_gpu: None,
+            log_prob_use_dynamic_bsz: None,
+            log_prob_max_token_len_per_gpu: None,
+            stop_token_ids: Vec::new(),
+            max_num_seqs: 1024,
+            max_num_batched_tokens: 8192,
+            val_kwargs: ValKwargsConfig::default(),
+        }
+    }
+}
+
+/// `actor_rollout_ref.ref.*` as written: the frozen reference policy's pass.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(default, deny_unknown_fields)]
+pub struct RefConfig {
+    pub log_prob_micro_batch_size_per_gpu: Option<usize>,
+    /// Reference log-probs in micro-batches of at most `log_prob_max_token_len_per_gpu` tokens;
+    /// `None`: `actor.use_dynamic_bsz`.
+    pub log_prob_use_dynamic_bsz: Option<bool>,
+    /// `None`: `actor.ppo_max_token_len_per_gpu`.
+    pub log_prob_max_token_len_per_gpu: Option<usize>,
+}
+
+/// Sampling for one kind of generation (training or validation), decoded.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingSettings {
+    /// Responses per prompt.
+    pub n: usize,
+    /// Softmax temperature.
+    pub temperature: f64,
+    /// Keep the k most likely tokens (`None`: all).
+    pub top_k: Option<usize>,
+    /// Nucleus threshold.
+    pub top_p: f64,
+    /// Sample; `false` (or temperature 0) decodes greedily.
+    pub do_sample: bool,
+}
+
+impl SamplingSettings {
+    /// Whether these settings decode greedily.
+    pub fn greedy(&self) -> bool {
+        !self.do_sample || self.temperature == 0.0
+    }
+}
+
+/// `actor_rollout_ref.rollout.*`, decoded.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RolloutSettings {
+    /// Training rollouts (`n`, `temperature`, `top_k`, `top_p`, `do_sample`).
+    pub train: SamplingSettings,
+    /// Validation (`val_kwargs.*`).
+    pub val: SamplingSettings,
+    /// Tokens generated at most (`response_length`).
+    pub response_length: usize,
+    /// Which log-probs the rollout records.
+    pub logprobs_mode: LogprobsMode,
+    /// Generation's dtype (`rollout.dtype`, by default the model's); `None`: float32.
+    pub dtype: Option<FloatDType>,
+    /// Sequences per forward pass of the old log-probs (`None`: all of a rank's rows).
+    pub log_prob_micro_batch_size: Option<usize>,
+    /// `log_prob_max_token_len_per_gpu` when `log_prob_use_dynamic_bsz`: micro-batches of at most
+    /// this many tokens instead.
+    pub log_prob_max_token_len: Option<usize>,
+    /// Ids that end a response besides the tokenizer's EOS.
+    pub stop_token_ids: Vec<u32>,
+    /// Responses generated at once at most.
+    pub max_num_seqs: usize,
+    /// Prompt tokens prefilled at once at most.
+    pub max_num_batched_tokens: usize,
+}
+
+impl RolloutConfig {
+    pub(super) fn decode(&self, p: &mut Problems, data: &DataConfig) -> Option<RolloutSettings> {
+        let key = |k: &str| format!("actor_rollout_ref.rollout.{k}");
+        let logprobs_mode = p.name(
+            &key("logprobs_mode"),
+            &self.logprobs_mode,
+            &["raw_logprobs", "processed_logprobs"],
+            LogprobsMode::from_name(&self.logprobs_mode).ok(),
+        );
+        let dtype = p
+            .derived(&key("dtype"), self.dtype.as_deref())
+            .and_then(|name| dtype(p, &key("dtype"), name));
+        let response_length = p.derived(&key("response_length"), self.response_length);
+        if let Some(len) = self.prompt_length {
+            p.check(len == data.max_prompt_length, || {
+                format!(
+                    "`actor_rollout_ref.rollout.prompt_length` ({len}) must equal \
+                     `data.max_prompt_length` ({}): prompts are cut to that length",
+                    data.max_prompt_length
+                )
+            });
+        }
+        p.check(self.n >= 1, || {
+            "`actor_rollout_ref.rollout.n` must be >= 1".into()
+        });
+        p.check(self.temperature >= 0.0, || {
+            "`actor_rollout_ref.rollout.temperature` must be >= 0".into()
+        });
+        p.check(self.top_p > 0.0 && self.top_p <= 1.0, || {
+            format!(
+                "`actor_rollout_ref.rollout.top_p` must be in (0, 1], got {}",
+                self.top_p
+            )
+        });
+        p.check(self.top_k == -1 || self.top_k > 0, || {
+            format!(
+                "`actor_rollout_ref.rollout.top_k` must be -1 (off) or > 0, got {}",
+                self.top_k
+            )
+        });
+        p.check(self.val_kwargs.n >= 1, || {
+            "`actor_rollout_ref.rollout.val_kwargs.n` must be >= 1".into()
+        });
+        p.check(self.max_num_seqs >= self.n.max(self.val_kwargs.n), || {
+            format!(
+                "`actor_rollout_ref.rollout.max_num_seqs` ({}) must hold one prompt's responses \
+                 (`rollout.n` = {}, `val_kwargs.n` = {})",
+                self.max_num_seqs, self.n, self.val_kwargs.n
+            )
+        });
+        p.check(self.max_num_batched_tokens >= 1, || {
+            "`actor_rollout_ref.rollout.max_num_batched_tokens` must be >= 1".into()
+        });
+        let log_prob_max_token_len = p.token_budget(
+            &key("log_prob_use_dynamic_bsz"),
+            self.log_prob_use_dynamic_bsz,
+            &key("log_prob_max_token_len_per_gpu"),
+            self.log_prob_max_token_len_per_gpu,
+            data.longest_sequence(),
+        );
+        let v = &self.val_kwargs;
+        Some(RolloutSettings {
+            train: SamplingSettings {
+                n: self.n,
+                temperature: self.temperature,
+                top_k: (self.top_k > 0).then_some(self.top_k as usize),
+                top_p: self.top_p,
+                do_sample: self.do_sample,
+            },
+            val: SamplingSettings {
+                n: v.n,
+                temperature: v.temperature,
+                top_k: (v.top_k > 0).then_some(v.top_k as usize),
+                top_p: v.top_p,
+                do_sample: v.do_sample,
+            },
+            response_length: response_length?,
+            logprobs_mode: logprobs_mode?,
+            dtype: dtype?,
+            log_prob_micro_batch_size: self.log_prob_micro_batch_size_per_gpu,
+            log_prob_max_token_len: log_prob_max_token_len?,
+            stop_token_ids: self.stop_token_ids.clone(),
+            max_num_seqs: self.max_num_seqs,
+            max_num_batched_tokens: self.max_num_batched_tokens,
+        })
+    }
+}
+
+impl RefConfig {
+    /// The reference pass's token budget (`log_prob_max_token_len_per_gpu` when
+    /// `log_prob_use_dynamic_bsz`).
+    pub(super) fn decode_budget(
+        &self,
+        p: &mut Problems,
+        data: &DataConfig,
+    ) -> Option<Option<usize>> {
+        p.token_budget(
+            "actor_rollout_ref.ref.log_prob_use_dynamic_bsz",
+            self.log_prob_use_dynamic_bsz,
+            "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+            self.log_prob_max_token_len_per_gpu,
+            data.longest_sequence(),
+        )
+    }
+}

@@ -1,0 +1,208 @@
+//! `trainer.*`: the run (length, devices, checkpoints, logging) — the tree with verl's defaults,
+//! the typed settings and their rules.
+
+use std::path::PathBuf;
+
+use burn_rlhf_models::pretrained::expand_home;
+use serde::{Deserialize, Serialize};
+
+use super::problems::Problems;
+
+/// `trainer.*` as written.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TrainerConfig {
+    pub total_epochs: usize,
+    /// `None`: epochs x batches per epoch.
+    pub total_training_steps: Option<usize>,
+    pub project_name: String,
+    pub experiment_name: String,
+    /// Any of `console`, `jsonl`.
+    pub logger: Vec<String>,
+    /// Processes (hosts) in the run; more than one needs `burn-rlhf train --nnodes N --node-rank
+    /// R --master-addr HOST:PORT` on each.
+    pub nnodes: usize,
+    /// Devices (ranks) per process, one worker thread each. verl's default is 8 GPUs; here 1, so
+    /// a config without the key runs on one device (a CPU backend has one device; several ranks
+    /// on it only share its cores).
+    pub n_gpus_per_node: usize,
+    /// Split rows across ranks by token count (verl's `balance_batch`).
+    pub balance_batch: bool,
+    /// 0: every rank keeps the whole optimiser state; 1: ZeRO-1, each keeps the AdamW moments of
+    /// its 1/world of the parameters.
+    pub zero_stage: u8,
+    /// Seconds a rank waits for another (a step's slowest phase must fit) before reporting it;
+    /// a rank whose process exits is reported at once.
+    pub collective_timeout_s: u64,
+    /// Steps between checkpoints; `-1`: only at the end.
+    pub save_freq: i64,
+    /// Steps between validations; `-1`: never.
+    pub test_freq: i64,
+    pub val_before_train: bool,
+    /// Steps during which only the critic is trained.
+    pub critic_warmup: usize,
+    /// NeMo-RL's name for the step the policy starts training at: `critic_warmup` when set (the
+    /// actor is updated from step `max(critic_warmup, this)`).
+    pub policy_training_start_step: Option<usize>,
+    /// SPIN: the reference becomes a copy of the actor every this many steps (0: never).
+    pub ref_update_freq: usize,
+    /// `None`: `checkpoints/{project_name}/{experiment_name}`.
+    pub default_local_dir: Option<String>,
+    /// `auto`, `disable` or `resume_path`.
+    pub resume_mode: String,
+    pub resume_from_path: Option<String>,
+    pub seed: u64,
+}
+
+impl Default for TrainerConfig {
+    fn default() -> Self {
+        Self {
+            total_epochs: 30,
+            total_training_steps: None,
+            project_name: "verl_examples".into(),
+            experiment_name: "gsm8k".into(),
+            logger: vec!["console".into()],
+            nnodes: 1,
+            n_gpus_per_node: 1,
+            balance_batch: true,
+            zero_stage: 0,
+            collective_timeout_s: 1800,
+            save_freq: -1,
+            test_freq: -1,
+            val_before_train: true,
+            critic_warmup: 0,
+            policy_training_start_step: None,
+            ref_update_freq: 0,
+            default_local_dir: None,
+            resume_mode: "auto".into(),
+            resume_from_path: None,
+            seed: 1,
+        }
+    }
+}
+
+/// `trainer.*`, decoded.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TrainerSettings {
+    /// Passes over the training prompts.
+    pub total_epochs: usize,
+    /// Steps in the run; `None`: epochs times batches per epoch (known once data is loaded).
+    pub total_training_steps: Option<usize>,
+    /// A progress bar and metric tables.
+    pub console: bool,
+    /// `{checkpoint_dir}/metrics.jsonl`.
+    pub jsonl: bool,
+    /// Processes in the run.
+    pub nnodes: usize,
+    /// Devices (ranks) per process.
+    pub n_gpus_per_node: usize,
+    /// Rows go to ranks balanced by token count.
+    pub balance_batch: bool,
+    /// ZeRO-1: each rank keeps the optimiser state of its share of the parameters.
+    pub shard_optimizer: bool,
+    /// How long a rank waits for another.
+    pub collective_timeout: std::time::Duration,
+    /// Steps between checkpoints; `None`: only at the end.
+    pub save_freq: Option<usize>,
+    /// Steps between validations; `None`: never.
+    pub test_freq: Option<usize>,
+    /// Validate before the first step.
+    pub val_before_train: bool,
+    /// The first step that updates the actor (`max(critic_warmup, policy_training_start_step)`).
+    pub actor_start_step: usize,
+    /// SPIN: the reference becomes the actor every this many steps; `None`: never.
+    pub ref_update_freq: Option<usize>,
+    /// Checkpoints and metrics (`default_local_dir`, `~` expanded).
+    pub checkpoint_dir: PathBuf,
+    /// Where a run continues from.
+    pub resume: ResumeMode,
+    /// The run's seed (sampling streams, fresh heads, Clip-Cov).
+    pub seed: u64,
+}
+
+/// `trainer.resume_mode`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ResumeMode {
+    /// The newest checkpoint under the checkpoint folder, if any.
+    Auto,
+    /// Start over.
+    Disable,
+    /// This checkpoint folder (`resume_from_path`).
+    Path(PathBuf),
+}
+
+/// The loggers `trainer.logger` may list.
+pub(super) const LOGGERS: &[&str] = &["console", "jsonl"];
+
+impl TrainerConfig {
+    pub(super) fn decode(&self, p: &mut Problems) -> Option<TrainerSettings> {
+        for logger in &self.logger {
+            p.one_of_str("trainer.logger", logger, LOGGERS);
+        }
+        let resume = match self.resume_mode.as_str() {
+            "auto" => Some(ResumeMode::Auto),
+            "disable" => Some(ResumeMode::Disable),
+            "resume_path" => {
+                let path = self.resume_from_path.as_deref();
+                p.check(path.is_some(), || {
+                    "`trainer.resume_mode` = `resume_path` needs `trainer.resume_from_path`".into()
+                });
+                path.map(|path| ResumeMode::Path(expand_home(path)))
+            }
+            other => p.name(
+                "trainer.resume_mode",
+                other,
+                &["auto", "disable", "resume_path"],
+                None,
+            ),
+        };
+        p.check(self.nnodes >= 1, || "`trainer.nnodes` must be >= 1".into());
+        p.check(self.n_gpus_per_node >= 1, || {
+            "`trainer.n_gpus_per_node` must be >= 1".into()
+        });
+        p.check(self.zero_stage <= 1, || {
+            "`trainer.zero_stage` must be 0 (off) or 1 (sharded optimiser state)".into()
+        });
+        p.check(self.collective_timeout_s >= 1, || {
+            "`trainer.collective_timeout_s` must be >= 1".into()
+        });
+        p.check(self.save_freq == -1 || self.save_freq > 0, || {
+            format!(
+                "`trainer.save_freq` must be -1 (only at the end) or > 0, got {}",
+                self.save_freq
+            )
+        });
+        p.check(self.test_freq == -1 || self.test_freq > 0, || {
+            format!(
+                "`trainer.test_freq` must be -1 (never) or > 0, got {}",
+                self.test_freq
+            )
+        });
+        let dir = p.derived(
+            "trainer.default_local_dir",
+            self.default_local_dir.as_deref(),
+        );
+        let positive = |v: i64| (v > 0).then_some(v as usize);
+        Some(TrainerSettings {
+            total_epochs: self.total_epochs,
+            total_training_steps: self.total_training_steps,
+            console: self.logger.iter().any(|l| l == "console"),
+            jsonl: self.logger.iter().any(|l| l == "jsonl"),
+            nnodes: self.nnodes,
+            n_gpus_per_node: self.n_gpus_per_node,
+            balance_batch: self.balance_batch,
+            shard_optimizer: self.zero_stage >= 1,
+            collective_timeout: std::time::Duration::from_secs(self.collective_timeout_s),
+            save_freq: positive(self.save_freq),
+            test_freq: positive(self.test_freq),
+            val_before_train: self.val_before_train,
+            actor_start_step: self
+                .critic_warmup
+                .max(self.policy_training_start_step.unwrap_or(0)),
+            ref_update_freq: (self.ref_update_freq > 0).then_some(self.ref_update_freq),
+            checkpoint_dir: expand_home(dir?),
+            resume: resume?,
+            seed: self.seed,
+        })
+    }
+}
