@@ -17,7 +17,7 @@
 use std::path::{Path, PathBuf};
 
 use burn_rlhf::backend::backend_name;
-use burn_rlhf::trainer::run::train_from_file;
+use burn_rlhf::trainer::commands::{checked_config, train};
 
 #[global_allocator]
 static GLOBAL: burn_rlhf::runtime::MiMalloc = burn_rlhf::runtime::MiMalloc;
@@ -32,7 +32,7 @@ fn main() -> anyhow::Result<()> {
         Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/ppo_gsm8k.ron")
     };
     eprintln!("backend: {}; config: {}", backend_name(), config.display());
-    let out = train_from_file(&config, &args, None)?;
+    let out = train(checked_config(&config, &args)?, None)?;
     for (what, path) in [("metrics", &out.jsonl), ("plot", &out.plot)] {
         if let Some(p) = path {
             println!("{what}: {}", p.display());

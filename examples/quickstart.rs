@@ -33,7 +33,7 @@ use burn_rlhf::optim::ReplicaSync;
 use burn_rlhf::rollout::data::write_parquet;
 use burn_rlhf::rollout::{PromptRecord, PromptSampler, RewardRegistry};
 use burn_rlhf::tasks;
-use burn_rlhf::trainer::run::stop_on_ctrl_c;
+use burn_rlhf::trainer::stop_on_ctrl_c;
 use burn_rlhf::trainer::{Learner, LearnerParts};
 use clap::Parser;
 

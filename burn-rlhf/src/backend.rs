@@ -90,7 +90,7 @@ pub type TrainBackendCheckpointed = burn::backend::Autodiff<
 /// [`TrainBackend`] otherwise. Both share the selected backend's devices.
 ///
 /// ```text
-/// let out = with_train_backend!(settings.model.gradient_checkpointing, B => train_on::<B>(..));
+/// let out = with_train_backend!(settings.model.gradient_checkpointing, B => launch::<B>(..));
 /// ```
 #[macro_export]
 macro_rules! with_train_backend {

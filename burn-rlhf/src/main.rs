@@ -210,7 +210,7 @@ enum ConfigCommand {
     },
 }
 
-use burn_rlhf::trainer::run::{checked_config, config_origin as origin};
+use burn_rlhf::trainer::commands::{checked_config, config_origin as origin};
 
 fn run_generate(args: GenerateArgs) -> anyhow::Result<()> {
     use std::io::Write;
@@ -354,7 +354,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     })
                 }
             };
-            let out = burn_rlhf::trainer::run::train(settings, node.as_ref())?;
+            let out = burn_rlhf::trainer::commands::train(settings, node.as_ref())?;
             report(&out);
         }
         Command::Sft { config, overrides } => {
@@ -363,7 +363,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             use burn_rlhf::trainer::sft::fit_sft;
             let cfg = SftConfig::load(&config, &overrides)?;
             cfg.validate(&config.display().to_string())?;
-            let stop = burn_rlhf::trainer::run::stop_on_ctrl_c();
+            let stop = burn_rlhf::trainer::stop_on_ctrl_c();
             let out = burn_rlhf::with_train_backend!(
                 cfg.model.enable_gradient_checkpointing,
                 B => fit_sft::<B>(&cfg, &default_device(), stop)
@@ -377,12 +377,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             }
         }
         Command::Eval { config, overrides } => {
-            use burn_rlhf::backend::{default_device, TrainBackend};
-            let metrics = burn_rlhf::trainer::run::eval_from_file::<TrainBackend>(
-                &config,
-                &overrides,
-                &default_device(),
-            )?;
+            let metrics = burn_rlhf::trainer::commands::eval(checked_config(&config, &overrides)?)?;
             println!("{}", burn_rlhf::trainer::logger::table(0, &metrics));
         }
         Command::Data(DataCommand::Gsm8k { input, output }) => run_data_gsm8k(&input, &output)?,

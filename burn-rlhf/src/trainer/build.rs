@@ -1,5 +1,5 @@
-//! Building a [`Learner`]: from a config (models and data loaded from its paths) or from parts
-//! built in code; the config is decoded into [`Settings`] once, here.
+//! Building a [`Learner`]: [`LearnerParts`] (built in code or loaded from the paths a config
+//! names) and decoded [`Settings`] go into one builder, [`Learner::from_settings`].
 
 use std::sync::Arc;
 
@@ -10,16 +10,16 @@ use burn_rlhf_models::{CausalLm, Tokenizer, TransformerConfig, ValueModel};
 use burn_rlhf_rollout::encode::filter_overlong;
 use burn_rlhf_rollout::{PromptRecord, PromptSampler, RewardRegistry};
 
-use super::learner::{Algorithms, CriticState, Learner};
+use super::learner::{Algorithms, CriticState, Learner, ModelOptimizer};
 use crate::config::{KnownNames, RlhfConfig, Settings};
 use crate::datasets::load_data_files;
 use crate::distributed::{sync_params, DataParallel, ShardPlan};
 use crate::error::TrainError;
 use crate::loading::{load_policy, load_value_model, with_lora};
-use crate::optim::{adamw, LrSchedule, ReplicaSync};
+use crate::optim::ReplicaSync;
 
-/// What a [`Learner`] is made of. Build it from a config with
-/// [`Learner::from_config`], or by hand for models built in code.
+/// What a [`Learner`] is made of: loaded from the paths a config names
+/// ([`LearnerParts::load`]), or built in code ([`LearnerParts::new`]).
 pub struct LearnerParts<B: LearnerBackend> {
     /// The policy.
     pub actor: CausalLm<B>,
@@ -60,7 +60,10 @@ impl<B: LearnerBackend> LearnerParts<B> {
         }
     }
 
-    /// The models and data `settings` name (see [`Learner::from_config`]).
+    /// The models and data `settings` name: the actor (and critic) from
+    /// `actor_rollout_ref.model.path` (`critic.model.path`), a local HF folder, a `.gguf` file or
+    /// a hub id; the data from `data.train_files` and, when validation runs, `data.val_files`.
+    /// `training: false` loads only the actor and the validation data.
     pub fn load(
         settings: &Settings,
         device: &B::Device,
@@ -111,26 +114,8 @@ impl<B: LearnerBackend> LearnerParts<B> {
 }
 
 impl<B: LearnerBackend> Learner<B> {
-    /// Loads the actor (and critic) from `actor_rollout_ref.model.path` (`critic.model.path`): a
-    /// local HF folder, a `.gguf` file or a hub id; the data from `data.train_files` and, when
-    /// validation runs, `data.val_files`.
-    pub fn from_config(config: RlhfConfig, device: &B::Device) -> Result<Self, TrainError> {
-        Self::from_config_with(config, device, true)
-    }
-
-    /// [`Learner::from_config`]; `training: false` loads only the actor and the validation data.
-    pub fn from_config_with(
-        config: RlhfConfig,
-        device: &B::Device,
-        training: bool,
-    ) -> Result<Self, TrainError> {
-        let settings = Settings::from_config(&config, &KnownNames::default(), "the config")?;
-        let parts = LearnerParts::load(&settings, device, training)?;
-        Self::from_settings(settings, parts, device)
-    }
-
-    /// Builds a learner from parts and a config; the config is checked against the parts'
-    /// registries and decoded.
+    /// Builds a learner from a config and parts: the config is decoded against the parts'
+    /// registries, then [`Learner::from_settings`].
     pub fn new(
         config: RlhfConfig,
         parts: LearnerParts<B>,
@@ -140,7 +125,9 @@ impl<B: LearnerBackend> Learner<B> {
         Self::from_settings(settings, parts, device)
     }
 
-    /// Builds a learner from parts and decoded settings; checks that the parts fit them.
+    /// The builder every learner comes from: decoded settings and parts (built in code with
+    /// [`LearnerParts::new`], or loaded from the paths the settings name with
+    /// [`LearnerParts::load`]); checks that the parts fit the settings.
     pub fn from_settings(
         settings: Settings,
         parts: LearnerParts<B>,
@@ -204,17 +191,12 @@ impl<B: LearnerBackend> Learner<B> {
             (Some(cs), Some((model, config))) => Some(CriticState {
                 model,
                 config,
-                optim: adamw(cs.optim.betas, cs.optim.weight_decay),
-                schedule: LrSchedule::new(&cs.optim, total_steps),
-                sync: ReplicaSync::default(),
+                optimizer: ModelOptimizer::new(&cs.optim, total_steps),
             }),
             _ => None,
         };
-        let optim = &settings.actor.optim;
         Ok(Self {
-            actor_optim: adamw(optim.betas, optim.weight_decay),
-            actor_schedule: LrSchedule::new(optim, total_steps),
-            actor_sync: ReplicaSync::default(),
+            actor_optimizer: ModelOptimizer::new(&settings.actor.optim, total_steps),
             device: device.clone(),
             tokenizer: parts.tokenizer,
             model_config: parts.model_config,
@@ -231,8 +213,6 @@ impl<B: LearnerBackend> Learner<B> {
                 settings.model.shape_bucket,
             ),
             global_step: 0,
-            actor_updates: 0,
-            critic_updates: 0,
             total_steps,
             settings,
         })
@@ -241,7 +221,7 @@ impl<B: LearnerBackend> Learner<B> {
     /// Makes this learner rank `dp.rank()` of a data-parallel run: checks that every mini-batch
     /// has a row for each rank, gives every rank rank 0's weights (fresh heads are drawn per
     /// process), and with `dp.shard_optimizer` deals the optimiser state out (ZeRO-1).
-    pub fn with_data_parallel(mut self, dp: DataParallel) -> Result<Self, TrainError> {
+    pub(crate) fn with_data_parallel(mut self, dp: DataParallel) -> Result<Self, TrainError> {
         let world = dp.world();
         let n = self.settings.n();
         let rows = self.settings.data.train_batch_size * n;
@@ -270,21 +250,17 @@ impl<B: LearnerBackend> Learner<B> {
         let shards =
             |m: &dyn Fn() -> ShardPlan| (dp.shard_optimizer && world > 1).then(|| Arc::new(m()));
         let actor_plan = shards(&|| ShardPlan::new::<B, _>(&self.actor, world));
-        self.actor_sync = ReplicaSync {
+        self.actor_optimizer.sync = ReplicaSync {
             dp: dp.clone(),
             shards: actor_plan,
         };
-        if let Some(c) = self.critic.take() {
-            let model = sync_params(c.model, &rank0, &dp)?;
-            let plan = shards(&|| ShardPlan::new::<B, _>(&model, world));
-            self.critic = Some(CriticState {
-                model,
-                sync: ReplicaSync {
-                    dp: dp.clone(),
-                    shards: plan,
-                },
-                ..c
-            });
+        if let Some(mut c) = self.critic.take() {
+            c.model = sync_params(c.model, &rank0, &dp)?;
+            c.optimizer.sync = ReplicaSync {
+                dp: dp.clone(),
+                shards: shards(&|| ShardPlan::new::<B, _>(&c.model, world)),
+            };
+            self.critic = Some(c);
         }
         self.dp = dp;
         Ok(self)

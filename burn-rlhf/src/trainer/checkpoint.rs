@@ -25,10 +25,10 @@ use burn_rlhf_models::{CausalLm, LoraConfig, ValueModel};
 use burn_rlhf_rollout::SamplerState;
 use serde::{Deserialize, Serialize};
 
-use super::learner::Learner;
+use super::learner::{Learner, ModelOptimizer};
 use crate::config::settings::ResumeMode;
 use crate::error::TrainError;
-use crate::optim::{AdamWOf, ReplicaSync};
+use crate::optim::AdamWOf;
 
 /// The file naming the newest complete checkpoint (verl's name).
 pub const LATEST_FILE: &str = "latest_checkpointed_iteration.txt";
@@ -72,16 +72,6 @@ fn io(path: &Path, e: impl std::fmt::Display) -> TrainError {
     TrainError::checkpoint(path, e)
 }
 
-/// The optimiser file's stem: `optimizer`, or with ZeRO-1 each rank's own
-/// `optimizer_rank{r}_of_{world}`.
-fn optimizer_stem(sync: &ReplicaSync) -> String {
-    if sync.shards.is_some() {
-        format!("optimizer_rank{}_of_{}", sync.dp.rank(), sync.dp.world())
-    } else {
-        "optimizer".into()
-    }
-}
-
 /// The parameter order the optimiser state belongs to (written once, by rank 0).
 fn save_param_order<B: LearnerBackend, M: AutodiffModule<B>>(
     dir: &Path,
@@ -96,15 +86,36 @@ fn save_param_order<B: LearnerBackend, M: AutodiffModule<B>>(
         .map_err(|e| io(&ids_path, e))
 }
 
-fn save_optimizer<B: LearnerBackend, M: AutodiffModule<B>>(
-    dir: &Path,
-    optim: &AdamWOf<M, B>,
-    stem: &str,
-) -> Result<(), TrainError> {
-    BinFileRecorder::<FullPrecisionSettings>::new()
-        .record(optim.to_record(), dir.join(stem))
-        .map_err(|e| io(&dir.join(format!("{stem}.bin")), e))?;
-    Ok(())
+impl<M: AutodiffModule<B>, B: LearnerBackend> ModelOptimizer<M, B> {
+    /// The optimiser file's stem: `optimizer`, or with ZeRO-1 each rank's own
+    /// `optimizer_rank{r}_of_{world}`.
+    fn stem(&self) -> String {
+        if self.sync.shards.is_some() {
+            let dp = &self.sync.dp;
+            format!("optimizer_rank{}_of_{}", dp.rank(), dp.world())
+        } else {
+            "optimizer".into()
+        }
+    }
+
+    /// Writes the optimiser state into the model's checkpoint folder `dir`: rank 0 the whole
+    /// state (`main`), every rank its shard under ZeRO-1.
+    fn save(&self, dir: &Path, main: bool) -> Result<(), TrainError> {
+        if !main && self.sync.shards.is_none() {
+            return Ok(());
+        }
+        let stem = self.stem();
+        BinFileRecorder::<FullPrecisionSettings>::new()
+            .record(self.optim.to_record(), dir.join(&stem))
+            .map_err(|e| io(&dir.join(format!("{stem}.bin")), e))?;
+        Ok(())
+    }
+
+    /// Reads the optimiser state saved in `dir` for `module` (a fresh load of the saved weights).
+    fn load(&mut self, dir: &Path, module: &M, device: &B::Device) -> Result<(), TrainError> {
+        self.optim = load_optimizer(dir, module, self.optim.clone(), &self.stem(), device)?;
+        Ok(())
+    }
 }
 
 /// Loads the optimiser state saved beside a module into `optim` for `module` (a fresh load of the
@@ -251,8 +262,8 @@ impl<B: LearnerBackend> Learner<B> {
                 sampler: self.sampler.state(),
                 kl_ctrl: self.algorithms.kl_ctrl.state(),
                 policy_loss_stream: self.algorithms.policy_loss.stream_position(),
-                actor_updates: self.actor_updates,
-                critic_updates: self.critic_updates,
+                actor_updates: self.actor_optimizer.updates,
+                critic_updates: self.critic.as_ref().map_or(0, |c| c.optimizer.updates),
                 reference_refreshed_at: self.reference_refreshed_at,
             };
             // A reference that is no longer the starting model (SPIN) is part of the state.
@@ -274,17 +285,9 @@ impl<B: LearnerBackend> Learner<B> {
         }
         // The folders exist now; optimiser states are written by their holders.
         self.dp.barrier()?;
-        if main || self.actor_sync.shards.is_some() {
-            save_optimizer(
-                &actor_dir,
-                &self.actor_optim,
-                &optimizer_stem(&self.actor_sync),
-            )?;
-        }
+        self.actor_optimizer.save(&actor_dir, main)?;
         if let Some(c) = &self.critic {
-            if main || c.sync.shards.is_some() {
-                save_optimizer(&critic_dir, &c.optim, &optimizer_stem(&c.sync))?;
-            }
+            c.optimizer.save(&critic_dir, main)?;
         }
         self.dp.barrier()?;
         if main {
@@ -376,16 +379,14 @@ impl<B: LearnerBackend> Learner<B> {
                 load_pretrained(&actor_dir.display().to_string())?.causal_lm(&self.device)?
             }
         };
-        let optim = self.actor_optim.clone();
-        let stem = optimizer_stem(&self.actor_sync);
-        self.actor_optim = load_optimizer(&actor_dir, &actor, optim, &stem, &self.device)?;
+        self.actor_optimizer
+            .load(&actor_dir, &actor, &self.device)?;
         self.actor = actor;
         if let Some(c) = self.critic.as_mut() {
             let critic_dir = dir.join("critic");
             let model: ValueModel<B> =
                 load_pretrained(&critic_dir.display().to_string())?.value_model(&self.device)?;
-            let stem = optimizer_stem(&c.sync);
-            c.optim = load_optimizer(&critic_dir, &model, c.optim.clone(), &stem, &self.device)?;
+            c.optimizer.load(&critic_dir, &model, &self.device)?;
             c.model = model;
         }
         if state.reference_refreshed_at.is_some() {
@@ -402,8 +403,10 @@ impl<B: LearnerBackend> Learner<B> {
             .restore_stream_position(state.policy_loss_stream);
         self.sampler.restore(state.sampler);
         self.global_step = state.global_step;
-        self.actor_updates = state.actor_updates;
-        self.critic_updates = state.critic_updates;
+        self.actor_optimizer.updates = state.actor_updates;
+        if let Some(c) = self.critic.as_mut() {
+            c.optimizer.updates = state.critic_updates;
+        }
         Ok(())
     }
 }

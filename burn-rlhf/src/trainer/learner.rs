@@ -11,21 +11,55 @@
 use std::sync::Arc;
 
 use crate::backend::LearnerBackend;
+use burn::module::AutodiffModule;
 use burn_rlhf_algos::{AdvantageEstimator, KlController, PolicyLoss};
 use burn_rlhf_models::{CausalLm, Tokenizer, TransformerConfig, ValueModel};
 use burn_rlhf_rollout::{PromptRecord, PromptSampler, RewardFn};
 
+use crate::config::settings::OptimSettings;
 use crate::config::Settings;
 use crate::distributed::DataParallel;
-use crate::optim::{AdamWOf, LrSchedule, ReplicaSync};
+use crate::minibatch::OptimizerStep;
+use crate::optim::{adamw, AdamWOf, LrSchedule, ReplicaSync};
+
+/// What trains one model (the actor, the critic): AdamW and its state, the learning-rate
+/// schedule and its position, and how the model's gradients meet the other ranks'.
+pub(crate) struct ModelOptimizer<M: AutodiffModule<B>, B: LearnerBackend> {
+    pub optim: AdamWOf<M, B>,
+    pub schedule: LrSchedule,
+    pub sync: ReplicaSync,
+    /// Updates so far: the schedule's position (it moves once per update, as verl's scheduler
+    /// steps once per `update_policy`).
+    pub updates: usize,
+}
+
+impl<M: AutodiffModule<B>, B: LearnerBackend> ModelOptimizer<M, B> {
+    /// AdamW and the schedule of `settings` over a run of `total_steps`, on one rank.
+    pub fn new(settings: &OptimSettings, total_steps: usize) -> Self {
+        Self {
+            optim: adamw(settings.betas, settings.weight_decay),
+            schedule: LrSchedule::new(settings, total_steps),
+            sync: ReplicaSync::default(),
+            updates: 0,
+        }
+    }
+
+    /// One optimiser step of this update, at its learning rate, clipped at `grad_clip`.
+    pub fn step(&mut self, grad_clip: f64) -> OptimizerStep<'_, AdamWOf<M, B>> {
+        OptimizerStep {
+            lr: self.schedule.lr(self.updates),
+            optimizer: &mut self.optim,
+            grad_clip,
+            sync: &self.sync,
+        }
+    }
+}
 
 /// The critic and what trains it.
 pub(crate) struct CriticState<B: LearnerBackend> {
     pub model: ValueModel<B>,
     pub config: TransformerConfig,
-    pub optim: AdamWOf<ValueModel<B>, B>,
-    pub schedule: LrSchedule,
-    pub sync: ReplicaSync,
+    pub optimizer: ModelOptimizer<ValueModel<B>, B>,
 }
 
 /// The algorithm objects a config names, built once.
@@ -53,9 +87,7 @@ pub struct Learner<B: LearnerBackend> {
     pub model_config: TransformerConfig,
     /// The policy.
     pub actor: CausalLm<B>,
-    pub(crate) actor_optim: AdamWOf<CausalLm<B>, B>,
-    pub(crate) actor_schedule: LrSchedule,
-    pub(crate) actor_sync: ReplicaSync,
+    pub(crate) actor_optimizer: ModelOptimizer<CausalLm<B>, B>,
     pub(crate) critic: Option<CriticState<B>>,
     /// The frozen reference policy (when KL is used).
     pub reference: Option<CausalLm<B::InnerBackend>>,
@@ -70,9 +102,6 @@ pub struct Learner<B: LearnerBackend> {
     pub(crate) shape_bucket: usize,
     /// Completed training steps.
     pub global_step: usize,
-    /// Optimiser steps taken by the actor and the critic (the schedules' positions).
-    pub(crate) actor_updates: usize,
-    pub(crate) critic_updates: usize,
     pub(crate) total_steps: usize,
 }
 
@@ -87,10 +116,10 @@ impl<B: LearnerBackend> Learner<B> {
     pub fn optimizer_state_bytes(&self) -> (usize, usize) {
         use crate::distributed::optimizer_state_bytes;
         (
-            optimizer_state_bytes::<CausalLm<B>, B, _>(&self.actor_optim),
+            optimizer_state_bytes::<CausalLm<B>, B, _>(&self.actor_optimizer.optim),
             self.critic
                 .as_ref()
-                .map(|c| optimizer_state_bytes::<ValueModel<B>, B, _>(&c.optim))
+                .map(|c| optimizer_state_bytes::<ValueModel<B>, B, _>(&c.optimizer.optim))
                 .unwrap_or(0),
         )
     }

@@ -1,18 +1,28 @@
 //! Training. The shared [`Learner`] runs verl's PPO step (and the critic-free family through the
 //! same loop), one file per phase: `build`, `rollout` (generation, rewards), `scoring` (log-probs,
-//! values, KL, advantages), `update`, `step`, `validation`; with its metrics and sinks,
-//! checkpoints, the run loop, data-parallel launching, and the SFT trainer.
+//! values, KL, advantages), `update`, `step`, `validation`; with its metrics and sinks and
+//! checkpoints; and the SFT trainer.
+//!
+//! One way in, in three layers:
+//! - [`Learner::new`] (a config and [`LearnerParts`]) or [`Learner::from_settings`] (decoded
+//!   settings and parts) builds one rank's learner; both end in the same builder;
+//! - [`Learner::fit`] (`fit.rs`) is the run loop every rank runs: resume, validate, step, log,
+//!   checkpoint;
+//! - [`launch`] (`launch.rs`) starts the ranks: one device in one process runs `fit` on the calling
+//!   thread, several devices a thread each, several processes joined over TCP. `commands.rs` is
+//!   what the `train` and `eval` commands run on top: a file, the selected backend, the loaded
+//!   parts, then `launch`.
 
 mod build;
 mod checkpoint;
-mod data_parallel;
+pub mod commands;
 mod fit;
+mod launch;
 mod learner;
 pub mod logger;
 pub mod metrics;
 mod plot;
 mod rollout;
-pub mod run;
 mod scoring;
 pub mod sft;
 mod step;
@@ -23,11 +33,11 @@ mod validation;
 pub use crate::error::TrainError;
 pub use build::LearnerParts;
 pub use checkpoint::{TrainerState, LATEST_FILE};
-pub use data_parallel::{fit_data_parallel, fit_data_parallel_with, NodeLaunch};
+pub use commands::stop_on_ctrl_c;
 pub use fit::RunOutputs;
+pub use launch::{launch, NodeLaunch};
 pub use learner::Learner;
 pub use logger::MetricsLogger;
 pub use metrics::Metrics;
 pub use plot::plot_history;
-pub use run::stop_on_ctrl_c;
 pub use scoring::Rows;

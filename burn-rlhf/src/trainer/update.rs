@@ -10,7 +10,7 @@ use crate::error::TrainError;
 use crate::forward::LogprobHead;
 use crate::minibatch::{
     actor_update, critic_update, rows_of, ActorLossConfig, ActorTargets, CriticLossConfig,
-    CriticTargets, OnPolicyLogProbs, OptimizerStep,
+    CriticTargets, OnPolicyLogProbs,
 };
 
 /// One epoch's mini-batches of `prompts_per_mini_batch * n` of `rows` rows: in order (verl's
@@ -71,7 +71,6 @@ impl<B: LearnerBackend> Learner<B> {
             else {
                 return Ok(Metrics::new());
             };
-            let lr = state.schedule.lr(self.critic_updates);
             let r = batch.response_len;
             let mut means = MeanMetrics::default();
             for epoch in 0..settings.ppo_epochs {
@@ -87,15 +86,9 @@ impl<B: LearnerBackend> Learner<B> {
                         values: rows_of(values, rows, r),
                         returns: rows_of(returns, rows, r),
                     };
-                    let step = OptimizerStep {
-                        optimizer: &mut state.optim,
-                        lr,
-                        grad_clip: settings.grad_clip,
-                        sync: &state.sync,
-                    };
                     let (model, m) = critic_update(
                         state.model.clone(),
-                        step,
+                        state.optimizer.step(settings.grad_clip),
                         &batch.select(rows),
                         &targets,
                         &CriticLossConfig {
@@ -109,7 +102,7 @@ impl<B: LearnerBackend> Learner<B> {
                     means.add(m);
                 }
             }
-            self.critic_updates += 1;
+            state.optimizer.updates += 1;
             Ok(means.finish())
         })
     }
@@ -131,7 +124,6 @@ impl<B: LearnerBackend> Learner<B> {
                 temperature: self.settings.rollout.train.temperature,
                 chunk: self.settings.model.logits_chunk_size,
             };
-            let lr = self.actor_schedule.lr(self.actor_updates);
             let r = batch.response_len;
             let unit = self.algorithms.policy_loss.rows_per_unit();
             let mut means = MeanMetrics::default();
@@ -157,15 +149,9 @@ impl<B: LearnerBackend> Learner<B> {
                         ref_log_probs: ref_log_probs.map(|v| rows_of(v, rows, r)),
                         rollout_is_weights: is_weights.map(|v| rows_of(v, rows, r)),
                     };
-                    let step = OptimizerStep {
-                        optimizer: &mut self.actor_optim,
-                        lr,
-                        grad_clip: settings.grad_clip,
-                        sync: &self.actor_sync,
-                    };
                     let (actor, m, own) = actor_update(
                         self.actor.clone(),
-                        step,
+                        self.actor_optimizer.step(settings.grad_clip),
                         self.algorithms.policy_loss.as_ref(),
                         &batch.select(rows),
                         &targets,
@@ -183,7 +169,7 @@ impl<B: LearnerBackend> Learner<B> {
                     on_policy = own.map(|own| unshuffle(own, rows, r));
                 }
             }
-            self.actor_updates += 1;
+            self.actor_optimizer.updates += 1;
             Ok((means.finish(), on_policy))
         })
     }

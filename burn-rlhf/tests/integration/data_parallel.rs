@@ -12,14 +12,14 @@ use std::time::{Duration, Instant};
 
 use burn::backend::{Autodiff, Flex};
 use burn::module::AutodiffModule;
-use burn_rlhf::config::RlhfConfig;
+use burn_rlhf::config::{RlhfConfig, Settings};
 use burn_rlhf::models::weights::WeightMap;
 use burn_rlhf::models::{CausalLm, ValueModel};
 use burn_rlhf::rollout::{RewardFn, RewardInput, RolloutError};
 use burn_rlhf::tasks;
 use burn_rlhf::trainer::logger::read_jsonl;
-use burn_rlhf::trainer::{fit_data_parallel, NodeLaunch};
-use burn_rlhf::trainer::{Learner, LearnerParts, Metrics};
+use burn_rlhf::trainer::{launch, NodeLaunch};
+use burn_rlhf::trainer::{Learner, LearnerParts, Metrics, TrainError};
 use burn_rlhf_test_assets::temp_dir;
 
 type B = Autodiff<Flex>;
@@ -89,7 +89,10 @@ fn one_device(dir: &Path) -> PathBuf {
 fn two_devices(config: RlhfConfig, reward: Arc<dyn RewardFn>) -> Result<PathBuf, String> {
     let node = NodeLaunch::single(Duration::from_secs(60));
     let devices = vec![Default::default(); 2];
-    fit_data_parallel(config, parts(reward), &devices, &node, stop_flag())
+    let parts = parts(reward);
+    Settings::from_config(&config, &parts.known_names(), "test")
+        .map_err(TrainError::from)
+        .and_then(|settings| launch(settings, parts, &devices, &node, stop_flag()))
         .map(|out| out.checkpoint.unwrap())
         .map_err(|e| e.to_string())
 }

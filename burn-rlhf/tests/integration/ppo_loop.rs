@@ -10,7 +10,7 @@ use std::sync::atomic::AtomicBool;
 use burn::backend::{Autodiff, Flex};
 use burn::module::{AutodiffModule, Module};
 use burn::tensor::{Int, Tensor, TensorData};
-use burn_rlhf::config::{RlhfConfig, ThresholdSpec};
+use burn_rlhf::config::{KnownNames, RlhfConfig, Settings, ThresholdSpec};
 use burn_rlhf::models::pretrained::load_pretrained;
 use burn_rlhf::models::weights::WeightMap;
 use burn_rlhf::models::{CausalLm, ValueModel};
@@ -816,7 +816,9 @@ fn a_dataset_smaller_than_one_batch_is_refused() {
     c.actor_rollout_ref.model.path = model.display().to_string();
     c.critic.model.path = model.display().to_string();
     c.data.train_files = vec![data.display().to_string()];
-    let e = Learner::<B>::from_config(c, &Default::default())
+    let settings = Settings::from_config(&c, &KnownNames::default(), "test").unwrap();
+    let e = LearnerParts::<B>::load(&settings, &Default::default(), true)
+        .and_then(|parts| Learner::from_settings(settings, parts, &Default::default()))
         .unwrap_err()
         .to_string();
     for part in [

@@ -1,6 +1,7 @@
-//! Starting a data-parallel run: one worker thread per device of this process, each a rank with
-//! its own replica of the models and optimisers; with several processes (`nnodes`), every rank
-//! joins rank 0's [`TcpGroup`].
+//! Launching a run's ranks, the one way every run starts ([`launch`]): one rank (one device, one
+//! process) runs [`Learner::fit`] on the calling thread; several devices get a worker thread each,
+//! every rank with its own replica of the models and optimisers; with several processes
+//! (`nnodes`), every rank joins rank 0's [`TcpGroup`].
 
 use std::net::SocketAddr;
 use std::sync::atomic::AtomicBool;
@@ -14,7 +15,7 @@ use burn::module::Module;
 use super::build::LearnerParts;
 use super::fit::RunOutputs;
 use super::learner::Learner;
-use crate::config::{RlhfConfig, Settings};
+use crate::config::Settings;
 use crate::distributed::{
     AbortFlag, BurnCollective, Collective, DataParallel, DistributedError, Solo, TcpGroup,
 };
@@ -75,24 +76,14 @@ fn fingerprint(settings: &Settings) -> u64 {
     h.finish()
 }
 
-/// Trains with `trainer.n_gpus_per_node` = `devices.len()` ranks in this process (one thread
-/// each) and `node.nnodes` processes; returns rank 0's outputs (on the other processes, their
-/// first rank's, which logs nothing). `parts` are loaded once and copied to each device. A rank
-/// that fails stops the others: they return within `node.timeout` at the latest, and the error
-/// returned is the failing rank's.
-pub fn fit_data_parallel<B: LearnerBackend>(
-    config: RlhfConfig,
-    parts: LearnerParts<B>,
-    devices: &[B::Device],
-    node: &NodeLaunch,
-    stop: &'static AtomicBool,
-) -> Result<RunOutputs, TrainError> {
-    let settings = Settings::from_config(&config, &parts.known_names(), "the config")?;
-    fit_data_parallel_with(settings, parts, devices, node, stop)
-}
-
-/// [`fit_data_parallel`] with decoded settings.
-pub fn fit_data_parallel_with<B: LearnerBackend>(
+/// Trains with `devices.len()` ranks in this process (`trainer.n_gpus_per_node`) and
+/// `node.nnodes` processes, each rank running [`Learner::fit`] on a learner built from `settings`
+/// and its copy of `parts`. One rank in all runs on the calling thread with `parts` as they are;
+/// otherwise each device gets a thread (`parts` are loaded once and copied to each device), and
+/// the call returns rank 0's outputs (on the other processes, their first rank's, which logs
+/// nothing). A rank that fails stops the others: they return within `node.timeout` at the
+/// latest, and the error returned is the failing rank's.
+pub fn launch<B: LearnerBackend>(
     settings: Settings,
     parts: LearnerParts<B>,
     devices: &[B::Device],
@@ -101,6 +92,9 @@ pub fn fit_data_parallel_with<B: LearnerBackend>(
 ) -> Result<RunOutputs, TrainError> {
     let local = devices.len();
     let group = GroupPlan::new(&settings, local, node)?;
+    if group.world == 1 {
+        return Learner::from_settings(settings, parts, &devices[0])?.fit(stop);
+    }
     let abort = Arc::new(AbortFlag::default());
     if node.nnodes == 1 && local > 1 {
         BurnCollective::<B::InnerBackend>::reset_group();
