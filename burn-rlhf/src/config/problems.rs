@@ -3,7 +3,7 @@
 
 use burn_rlhf_algos::AlgoError;
 
-use super::load::ConfigError;
+use super::error::ConfigError;
 
 /// The problems found so far.
 #[derive(Default)]

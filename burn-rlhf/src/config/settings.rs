@@ -11,7 +11,7 @@ pub use super::algorithm::{AlgorithmSettings, FilterGroups, FilterMetric, KlInRe
 use super::critic::CriticContext;
 pub use super::critic::CriticSettings;
 pub use super::data::DataSettings;
-use super::load::ConfigError;
+use super::error::ConfigError;
 pub use super::model::ModelSettings;
 use super::names::KnownNames;
 pub use super::optim::{OptimSettings, ScheduleKind, Warmup};
@@ -141,7 +141,7 @@ fn decode(c: &RlhfConfig, known: &KnownNames, p: &mut Problems) -> Option<Settin
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::load::ConfigError;
+    use crate::config::error::ConfigError;
     use crate::config::names::KnownNames;
     use crate::config::tree::RlhfConfig;
     use burn_rlhf_algos::LossAggMode;

@@ -6,7 +6,8 @@ use std::path::Path;
 use burn_rlhf_rollout::Truncation;
 use serde::{Deserialize, Serialize};
 
-use super::load::{load_typed, ConfigError};
+use super::error::ConfigError;
+use super::load::load_typed;
 use super::optim::ScheduleKind;
 use super::problems::Problems;
 use super::trainer::LOGGERS;
