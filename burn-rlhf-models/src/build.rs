@@ -92,15 +92,25 @@ fn norm<B: Backend>(
     c: &TransformerConfig,
     device: &B::Device,
 ) -> Result<RmsNorm<B>, ModelError> {
+    sized_norm(w, name, c.hidden_size, c, device)
+}
+
+fn sized_norm<B: Backend>(
+    w: &mut WeightMap,
+    name: &str,
+    width: usize,
+    c: &TransformerConfig,
+    device: &B::Device,
+) -> Result<RmsNorm<B>, ModelError> {
     Ok(RmsNorm {
-        weight: Param::from_tensor(tensor1(w.take(name, &[c.hidden_size])?, device)),
+        weight: Param::from_tensor(tensor1(w.take(name, &[width])?, device)),
         eps: c.rms_norm_eps,
     })
 }
 
-fn init_norm<B: Backend>(c: &TransformerConfig, device: &B::Device) -> RmsNorm<B> {
+fn init_norm<B: Backend>(c: &TransformerConfig, width: usize, device: &B::Device) -> RmsNorm<B> {
     RmsNorm {
-        weight: Param::from_tensor(Tensor::ones([c.hidden_size], device)),
+        weight: Param::from_tensor(Tensor::ones([width], device)),
         eps: c.rms_norm_eps,
     }
 }
@@ -114,6 +124,7 @@ impl TransformerConfig {
             self.num_key_value_heads * self.head_dim,
             self.intermediate_size,
         );
+        let qk_norm = self.model_type.qk_norm();
         let layers = (0..self.num_hidden_layers)
             .map(|_| DecoderLayer {
                 self_attn: Attention {
@@ -121,6 +132,8 @@ impl TransformerConfig {
                     k_proj: LoraLinear::init(h, kv, self.qkv_bias, device),
                     v_proj: LoraLinear::init(h, kv, self.qkv_bias, device),
                     o_proj: LoraLinear::init(q, h, self.o_bias, device),
+                    q_norm: qk_norm.then(|| init_norm(self, self.head_dim, device)),
+                    k_norm: qk_norm.then(|| init_norm(self, self.head_dim, device)),
                     num_heads: self.num_attention_heads,
                     num_kv_heads: self.num_key_value_heads,
                     head_dim: self.head_dim,
@@ -130,16 +143,15 @@ impl TransformerConfig {
                     up_proj: LoraLinear::init(h, i, self.mlp_bias, device),
                     down_proj: LoraLinear::init(i, h, self.mlp_bias, device),
                 },
-                input_layernorm: init_norm(self, device),
-                post_attention_layernorm: init_norm(self, device),
+                input_layernorm: init_norm(self, h, device),
+                post_attention_layernorm: init_norm(self, h, device),
             })
             .collect();
         Transformer {
             embed_tokens: EmbeddingConfig::new(self.vocab_size, h).init(device),
             layers,
-            norm: init_norm(self, device),
-            rope_theta: self.rope_theta,
-            head_dim: self.head_dim,
+            norm: init_norm(self, h, device),
+            rotary: self.rotary_frequencies(),
         }
     }
 
@@ -172,6 +184,13 @@ impl<B: Backend> Transformer<B> {
             weight: Param::from_tensor(tensor2(embed.data, [c.vocab_size, h], device)),
         };
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
+        // Qwen3's per-head query and key norms, `[head_dim]` each.
+        let head_norm = |w: &mut WeightMap, name: &str| {
+            c.model_type
+                .qk_norm()
+                .then(|| sized_norm(w, name, c.head_dim, c, device))
+                .transpose()
+        };
         for n in 0..c.num_hidden_layers {
             let p = format!("model.layers.{n}");
             let lin = |w: &mut WeightMap,
@@ -195,6 +214,8 @@ impl<B: Backend> Transformer<B> {
                     k_proj: lin(w, "self_attn.k_proj", h, kv, c.qkv_bias)?,
                     v_proj: lin(w, "self_attn.v_proj", h, kv, c.qkv_bias)?,
                     o_proj: lin(w, "self_attn.o_proj", q, h, c.o_bias)?,
+                    q_norm: head_norm(w, &format!("{p}.self_attn.q_norm.weight"))?,
+                    k_norm: head_norm(w, &format!("{p}.self_attn.k_norm.weight"))?,
                     num_heads: c.num_attention_heads,
                     num_kv_heads: c.num_key_value_heads,
                     head_dim: c.head_dim,
@@ -217,8 +238,7 @@ impl<B: Backend> Transformer<B> {
             embed_tokens,
             layers,
             norm: norm(w, "model.norm.weight", c, device)?,
-            rope_theta: c.rope_theta,
-            head_dim: c.head_dim,
+            rotary: c.rotary_frequencies(),
         })
     }
 
@@ -235,6 +255,11 @@ impl<B: Backend> Transformer<B> {
             export_linear(&a.k_proj, &format!("{p}.self_attn.k_proj"), out);
             export_linear(&a.v_proj, &format!("{p}.self_attn.v_proj"), out);
             export_linear(&a.o_proj, &format!("{p}.self_attn.o_proj"), out);
+            for (name, head_norm) in [("q_norm", &a.q_norm), ("k_norm", &a.k_norm)] {
+                if let Some(n) = head_norm {
+                    out.insert(format!("{p}.self_attn.{name}.weight"), host(n.weight.val()));
+                }
+            }
             export_linear(&layer.mlp.gate_proj, &format!("{p}.mlp.gate_proj"), out);
             export_linear(&layer.mlp.up_proj, &format!("{p}.mlp.up_proj"), out);
             export_linear(&layer.mlp.down_proj, &format!("{p}.mlp.down_proj"), out);
@@ -264,7 +289,10 @@ impl<B: Backend> Transformer<B> {
                         l.no_grad()
                     })
                 });
-                let layer = layer.expect("adapting cannot fail");
+                let mut layer = layer.expect("adapting cannot fail");
+                let attn = &mut layer.self_attn;
+                attn.q_norm = attn.q_norm.take().map(|n| n.no_grad());
+                attn.k_norm = attn.k_norm.take().map(|n| n.no_grad());
                 DecoderLayer {
                     input_layernorm: layer.input_layernorm.no_grad(),
                     post_attention_layernorm: layer.post_attention_layernorm.no_grad(),

@@ -1,18 +1,90 @@
 //! The decoder's configuration, read from HF `config.json` (transformers 4.x or 5.x) or from GGUF
-//! metadata, and written back as HF `config.json`.
+//! metadata, and written back as HF `config.json`. The file is read as [`HfConfig`], a serde
+//! struct whose fields are the file's keys, then checked into a [`TransformerConfig`].
 
 use std::path::Path;
 
 use burn::config::Config;
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use crate::error::ModelError;
+use crate::rope::RopeScaling;
 
-/// The shape of a Qwen2/Llama decoder.
+/// The architectures the decoder builds, by HF `model_type`; HF loading and saving and GGUF
+/// loading all read this one list.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ModelType {
+    /// Llama 1-3: no biases (`attention_bias` adds them to q/k/v/o).
+    Llama,
+    /// Mistral: Llama's layers.
+    Mistral,
+    /// Qwen2 / Qwen2.5: biases on q/k/v.
+    Qwen2,
+    /// Qwen3 (dense): RMSNorm over each query and key head before the rotation, no biases.
+    Qwen3,
+}
+
+impl ModelType {
+    /// Every supported architecture.
+    pub const ALL: [Self; 4] = [Self::Llama, Self::Mistral, Self::Qwen2, Self::Qwen3];
+
+    /// HF's (and llama.cpp's) name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Llama => "llama",
+            Self::Mistral => "mistral",
+            Self::Qwen2 => "qwen2",
+            Self::Qwen3 => "qwen3",
+        }
+    }
+
+    /// The architecture named `name`; an unknown one is an error naming it and the supported list.
+    pub fn from_name(name: &str) -> Result<Self, String> {
+        Self::ALL
+            .into_iter()
+            .find(|t| t.name() == name)
+            .ok_or_else(|| {
+                let supported: Vec<&str> = Self::ALL.iter().map(|t| t.name()).collect();
+                format!(
+                    "model_type `{name}` is not supported (supported: {})",
+                    supported.join(", ")
+                )
+            })
+    }
+
+    /// HF's class-name prefix (`Qwen2` in `Qwen2ForCausalLM`).
+    fn class_prefix(self) -> &'static str {
+        match self {
+            Self::Llama => "Llama",
+            Self::Mistral => "Mistral",
+            Self::Qwen2 => "Qwen2",
+            Self::Qwen3 => "Qwen3",
+        }
+    }
+
+    /// The class transformers loads the policy with (`Qwen2ForCausalLM`).
+    pub fn causal_lm_class(self) -> String {
+        format!("{}ForCausalLM", self.class_prefix())
+    }
+
+    /// The class transformers loads a critic with (`Qwen2ForTokenClassification`).
+    pub fn token_classification_class(self) -> String {
+        format!("{}ForTokenClassification", self.class_prefix())
+    }
+
+    /// Whether each attention head's queries and keys are RMS-normalised before the rotation.
+    pub fn qk_norm(self) -> bool {
+        self == Self::Qwen3
+    }
+}
+
+/// The shape of a decoder of one of the [`ModelType`]s.
 #[derive(Config, Debug, PartialEq)]
 pub struct TransformerConfig {
-    /// `llama`, `qwen2` or `mistral` (the same decoder; Qwen2 adds biases to the q/k/v projections).
-    pub model_type: String,
+    /// The architecture.
+    pub model_type: ModelType,
     /// Vocabulary size.
     pub vocab_size: usize,
     /// Model width.
@@ -25,7 +97,7 @@ pub struct TransformerConfig {
     pub num_attention_heads: usize,
     /// Key/value heads (grouped-query attention when fewer than query heads).
     pub num_key_value_heads: usize,
-    /// Per-head width.
+    /// Per-head width (Qwen3's differs from `hidden_size / heads`).
     pub head_dim: usize,
     /// RMSNorm epsilon.
     #[config(default = 1e-6)]
@@ -33,6 +105,9 @@ pub struct TransformerConfig {
     /// RoPE base.
     #[config(default = 10000.0)]
     pub rope_theta: f64,
+    /// How the rotary frequencies are scaled (`rope_parameters.rope_type`).
+    #[config(default = "RopeScaling::Default")]
+    pub rope_scaling: RopeScaling,
     /// Biases on q/k/v (Qwen2; Llama's `attention_bias`).
     #[config(default = false)]
     pub qkv_bias: bool,
@@ -57,28 +132,175 @@ pub struct TransformerConfig {
     pub pad_token_id: Option<u32>,
 }
 
-fn usize_key(v: &Value, key: &str, path: &Path) -> Result<usize, ModelError> {
-    v.get(key)
-        .and_then(Value::as_u64)
-        .map(|x| x as usize)
-        .ok_or_else(|| ModelError::config(path, format!("`{key}` is missing or not an integer")))
+/// A token id field that a config may write as one id or a list of ids.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+enum TokenIds {
+    One(u32),
+    Many(Vec<u32>),
+}
+
+impl TokenIds {
+    fn into_vec(self) -> Vec<u32> {
+        match self {
+            Self::One(id) => vec![id],
+            Self::Many(ids) => ids,
+        }
+    }
 }
 
 /// A token id field that a config may write as one id or a list of ids.
 pub(crate) fn token_ids(v: Option<&Value>) -> Vec<u32> {
-    match v {
-        Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
-        Some(Value::Array(a)) => a
-            .iter()
-            .filter_map(Value::as_u64)
-            .map(|x| x as u32)
-            .collect(),
-        _ => Vec::new(),
+    v.and_then(|v| serde_json::from_value::<TokenIds>(v.clone()).ok())
+        .map(TokenIds::into_vec)
+        .unwrap_or_default()
+}
+
+fn default_eps() -> f64 {
+    1e-6
+}
+
+/// An HF `config.json` of a decoder, field names as the file's keys (transformers 4.x and 5.x).
+#[derive(Debug, Clone, Deserialize)]
+pub struct HfConfig {
+    /// `llama` when absent (old Llama checkpoints).
+    pub model_type: Option<String>,
+    /// Vocabulary size.
+    pub vocab_size: usize,
+    /// Model width.
+    pub hidden_size: usize,
+    /// MLP width.
+    pub intermediate_size: usize,
+    /// Decoder layers.
+    pub num_hidden_layers: usize,
+    /// Query heads.
+    pub num_attention_heads: usize,
+    /// `None`: `num_attention_heads`.
+    pub num_key_value_heads: Option<usize>,
+    /// `None`: `hidden_size / num_attention_heads`.
+    pub head_dim: Option<usize>,
+    /// RMSNorm epsilon (1e-6 when absent).
+    #[serde(default = "default_eps")]
+    pub rms_norm_eps: f64,
+    /// transformers 4.x's RoPE base.
+    pub rope_theta: Option<f64>,
+    /// transformers 5's RoPE settings: `rope_theta`, `rope_type` and the scaling's keys.
+    pub rope_parameters: Option<Value>,
+    /// transformers 4.x's scaling: `rope_type` (or `type`) and its keys.
+    pub rope_scaling: Option<Value>,
+    /// Llama's biases on q/k/v/o (Qwen2 has q/k/v biases whatever this says).
+    #[serde(default)]
+    pub attention_bias: bool,
+    /// Biases on the MLP projections.
+    #[serde(default)]
+    pub mlp_bias: bool,
+    /// The LM head reuses the embeddings.
+    #[serde(default)]
+    pub tie_word_embeddings: bool,
+    /// The context the model was trained for (4096 when absent).
+    pub max_position_embeddings: Option<usize>,
+    /// Beginning-of-sequence id.
+    pub bos_token_id: Option<u32>,
+    /// End-of-sequence id or ids.
+    eos_token_id: Option<TokenIds>,
+    /// Padding id.
+    pub pad_token_id: Option<u32>,
+    /// The MLP's activation: `silu` (SwiGLU) is what the decoder computes.
+    pub hidden_act: Option<String>,
+    /// Rotary dimensions as a fraction of `head_dim`: only 1 is supported.
+    pub partial_rotary_factor: Option<f64>,
+}
+
+impl HfConfig {
+    /// The language model's config: a multimodal config keeps it under `text_config`.
+    pub fn from_value(v: &Value, path: &Path) -> Result<Self, ModelError> {
+        let v = v.get("text_config").unwrap_or(v);
+        serde_json::from_value(v.clone()).map_err(|e| ModelError::config(path, e.to_string()))
+    }
+
+    /// The RoPE base and scaling, from either transformers version's keys.
+    fn rope(&self) -> Result<(f64, RopeScaling), String> {
+        let params = self
+            .rope_parameters
+            .as_ref()
+            .or(self.rope_scaling.as_ref())
+            .filter(|p| !p.is_null());
+        let theta = params
+            .and_then(|p| p.get("rope_theta"))
+            .and_then(Value::as_f64)
+            .or(self.rope_theta)
+            .unwrap_or(10000.0);
+        let Some(Value::Object(map)) = params else {
+            return Ok((theta, RopeScaling::Default));
+        };
+        let mut map = map.clone();
+        // transformers 4.x's older spelling.
+        if let (false, Some(kind)) = (map.contains_key("rope_type"), map.get("type").cloned()) {
+            map.insert("rope_type".into(), kind);
+        }
+        map.entry("rope_type").or_insert_with(|| json!("default"));
+        let scaling = serde_json::from_value(Value::Object(map)).map_err(|e| {
+            format!(
+                "rope_type: {e} (supported: {})",
+                RopeScaling::NAMES.join(", ")
+            )
+        })?;
+        Ok((theta, scaling))
+    }
+
+    /// The checked decoder shape; `path` names the file in messages.
+    pub fn decoder(self, path: &Path) -> Result<TransformerConfig, ModelError> {
+        let err = |m: String| ModelError::config(path, m);
+        let model_type =
+            ModelType::from_name(self.model_type.as_deref().unwrap_or("llama")).map_err(err)?;
+        let heads = self.num_attention_heads;
+        let kv_heads = self.num_key_value_heads.unwrap_or(heads);
+        if heads == 0 || kv_heads == 0 || heads % kv_heads != 0 {
+            return Err(err(format!(
+                "num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv_heads})"
+            )));
+        }
+        if let Some(act) = self.hidden_act.as_deref().filter(|a| *a != "silu") {
+            return Err(err(format!(
+                "hidden_act `{act}` is not supported (the decoder's MLP is SwiGLU: `silu`)"
+            )));
+        }
+        if let Some(f) = self.partial_rotary_factor.filter(|f| *f != 1.0) {
+            return Err(err(format!(
+                "partial_rotary_factor {f} is not supported (only 1.0)"
+            )));
+        }
+        let (rope_theta, rope_scaling) = self.rope().map_err(err)?;
+        let qwen2 = model_type == ModelType::Qwen2;
+        Ok(TransformerConfig {
+            model_type,
+            vocab_size: self.vocab_size,
+            hidden_size: self.hidden_size,
+            intermediate_size: self.intermediate_size,
+            num_hidden_layers: self.num_hidden_layers,
+            num_attention_heads: heads,
+            num_key_value_heads: kv_heads,
+            head_dim: self.head_dim.unwrap_or(self.hidden_size / heads),
+            rms_norm_eps: self.rms_norm_eps,
+            rope_theta,
+            rope_scaling,
+            qkv_bias: qwen2 || self.attention_bias,
+            o_bias: !qwen2 && self.attention_bias,
+            mlp_bias: self.mlp_bias,
+            tie_word_embeddings: self.tie_word_embeddings,
+            max_position_embeddings: self.max_position_embeddings.unwrap_or(4096),
+            bos_token_id: self.bos_token_id,
+            eos_token_ids: self
+                .eos_token_id
+                .map(TokenIds::into_vec)
+                .unwrap_or_default(),
+            pad_token_id: self.pad_token_id,
+        })
     }
 }
 
 impl TransformerConfig {
-    /// Reads an HF `config.json` of a Llama or Qwen2 model.
+    /// Reads an HF `config.json`.
     pub fn from_hf_json(path: &Path) -> Result<Self, ModelError> {
         let text = std::fs::read_to_string(path).map_err(|e| ModelError::io(path, e))?;
         let v: Value = serde_json::from_str(&text)
@@ -88,123 +310,21 @@ impl TransformerConfig {
 
     /// Reads the parsed contents of an HF `config.json`; `path` is for messages.
     pub fn from_hf_value(v: &Value, path: &Path) -> Result<Self, ModelError> {
-        // A multimodal or nested config keeps the language model under `text_config`.
-        let v = v.get("text_config").unwrap_or(v);
-        let model_type = v
-            .get("model_type")
-            .and_then(Value::as_str)
-            .unwrap_or("llama")
-            .to_string();
-        if !matches!(model_type.as_str(), "llama" | "qwen2" | "mistral") {
-            return Err(ModelError::config(
-                path,
-                format!(
-                    "model_type `{model_type}` is not supported (supported: llama, qwen2, mistral)"
-                ),
-            ));
-        }
-        let hidden_size = usize_key(v, "hidden_size", path)?;
-        let num_attention_heads = usize_key(v, "num_attention_heads", path)?;
-        let num_key_value_heads = v
-            .get("num_key_value_heads")
-            .and_then(Value::as_u64)
-            .map(|x| x as usize)
-            .unwrap_or(num_attention_heads);
-        let head_dim = v
-            .get("head_dim")
-            .and_then(Value::as_u64)
-            .map(|x| x as usize)
-            .unwrap_or(hidden_size / num_attention_heads);
-        if num_attention_heads % num_key_value_heads != 0 {
-            return Err(ModelError::config(
-                path,
-                format!("num_attention_heads ({num_attention_heads}) is not a multiple of num_key_value_heads ({num_key_value_heads})"),
-            ));
-        }
-        // transformers 5 writes `rope_parameters.rope_theta`; 4.x a top-level `rope_theta`.
-        let rope_theta = v
-            .get("rope_parameters")
-            .and_then(|r| r.get("rope_theta"))
-            .or_else(|| v.get("rope_theta"))
-            .and_then(Value::as_f64)
-            .unwrap_or(10000.0);
-        if let Some(kind) = v
-            .get("rope_parameters")
-            .and_then(|r| r.get("rope_type"))
-            .and_then(Value::as_str)
-        {
-            if kind != "default" {
-                return Err(ModelError::config(
-                    path,
-                    format!("rope_type `{kind}` is not supported (only `default`)"),
-                ));
-            }
-        }
-        if let Some(scaling) = v.get("rope_scaling") {
-            if !scaling.is_null() {
-                return Err(ModelError::config(
-                    path,
-                    "rope_scaling is not supported".to_string(),
-                ));
-            }
-        }
-        let attention_bias = v
-            .get("attention_bias")
-            .and_then(Value::as_bool)
-            .unwrap_or(false);
-        let is_qwen2 = model_type == "qwen2";
-        Ok(Self {
-            vocab_size: usize_key(v, "vocab_size", path)?,
-            hidden_size,
-            intermediate_size: usize_key(v, "intermediate_size", path)?,
-            num_hidden_layers: usize_key(v, "num_hidden_layers", path)?,
-            num_attention_heads,
-            num_key_value_heads,
-            head_dim,
-            rms_norm_eps: v
-                .get("rms_norm_eps")
-                .and_then(Value::as_f64)
-                .unwrap_or(1e-6),
-            rope_theta,
-            qkv_bias: is_qwen2 || attention_bias,
-            o_bias: !is_qwen2 && attention_bias,
-            mlp_bias: v.get("mlp_bias").and_then(Value::as_bool).unwrap_or(false),
-            tie_word_embeddings: v
-                .get("tie_word_embeddings")
-                .and_then(Value::as_bool)
-                .unwrap_or(false),
-            max_position_embeddings: v
-                .get("max_position_embeddings")
-                .and_then(Value::as_u64)
-                .unwrap_or(4096) as usize,
-            bos_token_id: v
-                .get("bos_token_id")
-                .and_then(Value::as_u64)
-                .map(|x| x as u32),
-            eos_token_ids: token_ids(v.get("eos_token_id")),
-            pad_token_id: v
-                .get("pad_token_id")
-                .and_then(Value::as_u64)
-                .map(|x| x as u32),
-            model_type,
-        })
+        HfConfig::from_value(v, path)?.decoder(path)
     }
 
     /// The HF `config.json` contents for this model, readable by transformers 4.x and 5.x.
     pub fn to_hf_json(&self) -> Value {
-        let arch = match self.model_type.as_str() {
-            "qwen2" => "Qwen2ForCausalLM",
-            "mistral" => "MistralForCausalLM",
-            _ => "LlamaForCausalLM",
-        };
         let eos = match self.eos_token_ids.as_slice() {
             [] => Value::Null,
             [one] => json!(one),
             many => json!(many),
         };
+        let mut rope = serde_json::to_value(&self.rope_scaling).expect("RoPE settings serialise");
+        rope["rope_theta"] = json!(self.rope_theta);
         let mut v = json!({
-            "architectures": [arch],
-            "model_type": self.model_type,
+            "architectures": [self.model_type.causal_lm_class()],
+            "model_type": self.model_type.name(),
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -215,7 +335,7 @@ impl TransformerConfig {
             "hidden_act": "silu",
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
-            "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"},
+            "rope_parameters": rope.clone(),
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
             "mlp_bias": self.mlp_bias,
@@ -225,7 +345,11 @@ impl TransformerConfig {
             "torch_dtype": "float32",
             "dtype": "float32",
         });
-        if self.model_type != "qwen2" {
+        if self.rope_scaling != RopeScaling::Default {
+            // transformers 4.x reads the scaling from here.
+            v["rope_scaling"] = rope;
+        }
+        if self.model_type != ModelType::Qwen2 {
             v["attention_bias"] = json!(self.qkv_bias);
         }
         v
@@ -234,6 +358,12 @@ impl TransformerConfig {
     /// Query heads per key/value head.
     pub fn kv_groups(&self) -> usize {
         self.num_attention_heads / self.num_key_value_heads
+    }
+
+    /// The rotary frequencies of this model.
+    pub fn rotary_frequencies(&self) -> crate::rope::RotaryFrequencies {
+        self.rope_scaling
+            .frequencies(self.head_dim, self.rope_theta, self.max_position_embeddings)
     }
 }
 
@@ -257,6 +387,7 @@ mod tests {
         );
         assert_eq!(c4.eos_token_ids, vec![2, 3]);
         assert_eq!((c5.rope_theta, c5.qkv_bias), (700.0, true));
+        assert_eq!(c5.model_type, ModelType::Qwen2);
         assert_eq!(
             TransformerConfig::from_hf_value(&c5.to_hf_json(), p).unwrap(),
             c5
@@ -265,10 +396,24 @@ mod tests {
             TransformerConfig::from_hf_value(&c4.to_hf_json(), p).unwrap(),
             c4
         );
-        let bad = json!({"model_type": "gpt2"});
-        assert!(TransformerConfig::from_hf_value(&bad, p)
+        let bad = json!({"model_type": "gpt2", "vocab_size": 10, "hidden_size": 8,
+            "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2});
+        let e = TransformerConfig::from_hf_value(&bad, p)
             .unwrap_err()
-            .to_string()
-            .contains("gpt2"));
+            .to_string();
+        assert!(e.contains("gpt2") && e.contains("qwen3"), "{e}");
+        let mut scaled = v4.clone();
+        scaled["rope_scaling"] = json!({"type": "linear", "factor": 2.0});
+        let c = TransformerConfig::from_hf_value(&scaled, p).unwrap();
+        assert_eq!(c.rope_scaling, RopeScaling::Linear { factor: 2.0 });
+        assert_eq!(
+            TransformerConfig::from_hf_value(&c.to_hf_json(), p).unwrap(),
+            c
+        );
+        scaled["rope_scaling"] = json!({"rope_type": "longrope", "factor": 2.0});
+        let e = TransformerConfig::from_hf_value(&scaled, p)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("longrope") && e.contains("llama3, yarn"), "{e}");
     }
 }

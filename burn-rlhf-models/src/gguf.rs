@@ -10,7 +10,7 @@ use std::path::Path;
 
 use serde_json::{json, Value};
 
-use crate::config::TransformerConfig;
+use crate::config::{ModelType, TransformerConfig};
 use crate::error::ModelError;
 use crate::weights::{HostTensor, WeightMap};
 
@@ -324,13 +324,10 @@ impl GgufFile {
 
     /// The model's config from the metadata (used when no `config.json` is beside the file).
     pub fn config(&self) -> Result<TransformerConfig, ModelError> {
+        // llama.cpp's architecture names are HF's `model_type`s for these families.
         let arch = self.arch().to_string();
-        if !matches!(arch.as_str(), "llama" | "qwen2") {
-            return Err(ModelError::config(
-                &self.path,
-                format!("GGUF architecture `{arch}` is not supported (llama, qwen2)"),
-            ));
-        }
+        ModelType::from_name(&arch)
+            .map_err(|e| ModelError::config(&self.path, format!("GGUF architecture: {e}")))?;
         let a = |k: &str| format!("{arch}.{k}");
         let hidden = self.meta_u64("embedding_length")? as usize;
         let heads = self.meta_u64("attention.head_count")? as usize;
@@ -386,6 +383,24 @@ impl GgufFile {
             "eos_token_id": tok("tokenizer.ggml.eos_token_id"),
             "pad_token_id": tok("tokenizer.ggml.padding_token_id"),
         });
+        let mut v = v;
+        // llama.cpp's rotary scaling keys (Llama 3's is a `rope_freqs` tensor, which has no HF
+        // name and is refused with the tensors).
+        let scaling = self
+            .metadata
+            .get(&a("rope.scaling.type"))
+            .and_then(GgufValue::as_str);
+        if let Some(kind) = scaling.filter(|k| *k != "none") {
+            let meta_f64 = |k: &str| self.metadata.get(&a(k)).and_then(GgufValue::as_f64);
+            v["rope_scaling"] = json!({
+                "rope_type": kind,
+                "factor": meta_f64("rope.scaling.factor"),
+                "original_max_position_embeddings": self
+                    .metadata
+                    .get(&a("rope.scaling.original_context_length"))
+                    .and_then(GgufValue::as_u64),
+            });
+        }
         TransformerConfig::from_hf_value(&v, &self.path)
     }
 
@@ -490,6 +505,8 @@ fn hf_name(gguf: &str) -> Option<String> {
                 "attn_k" => "self_attn.k_proj",
                 "attn_v" => "self_attn.v_proj",
                 "attn_output" => "self_attn.o_proj",
+                "attn_q_norm" => "self_attn.q_norm",
+                "attn_k_norm" => "self_attn.k_norm",
                 "attn_norm" => "input_layernorm",
                 "ffn_norm" => "post_attention_layernorm",
                 "ffn_gate" => "mlp.gate_proj",

@@ -21,17 +21,19 @@ pub mod gguf;
 pub mod kernels;
 pub mod lora;
 pub mod pretrained;
+pub mod rope;
 pub mod tokenizer;
 pub mod transformer;
 pub mod weights;
 
 pub use cache::KvCache;
-pub use config::TransformerConfig;
+pub use config::{HfConfig, ModelType, TransformerConfig};
 pub use error::ModelError;
 pub use kernels::DecoderBackend;
 pub use lora::LoraConfig;
 pub use pretrained::{
     load_pretrained, locate, save_pretrained, ModelFiles, Pretrained, WeightsFile,
 };
+pub use rope::{RopeScaling, RotaryFrequencies};
 pub use tokenizer::{ChatMessage, Tokenizer};
 pub use transformer::{cast_weights, CausalLm, Transformer, ValueModel};

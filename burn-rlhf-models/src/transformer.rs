@@ -1,5 +1,6 @@
-//! The Qwen2/Llama decoder: RMSNorm, rotary attention with grouped-query heads, SwiGLU MLP, and
-//! the heads built on it (LM, value). Field names follow HF's module tree
+//! The decoder of Llama, Mistral, Qwen2 and Qwen3: RMSNorm, rotary attention with grouped-query
+//! heads (Qwen3: RMS-normalised query and key heads), SwiGLU MLP, and the heads built on it (LM,
+//! value). Field names follow HF's module tree
 //! (`model.layers.N.self_attn.q_proj`), so HF tensor names map one to one.
 
 use burn::module::{Module, Param};
@@ -10,6 +11,7 @@ use burn::tensor::{DType, FloatDType, Int, Tensor, TensorData};
 use crate::cache::KvCache;
 use crate::kernels::{self, AttentionMask, DecoderBackend};
 use crate::lora::LoraLinear;
+use crate::rope::RotaryFrequencies;
 
 /// RMSNorm (`x / sqrt(mean(x^2) + eps) * weight`), with HF's field name `weight`.
 #[derive(Module, Debug)]
@@ -39,6 +41,10 @@ pub struct Attention<B: Backend> {
     pub v_proj: LoraLinear<B>,
     /// `[heads * head_dim] → [hidden]`.
     pub o_proj: LoraLinear<B>,
+    /// Qwen3: RMSNorm over each query head (`[head_dim]`), before the rotation.
+    pub q_norm: Option<RmsNorm<B>>,
+    /// Qwen3: RMSNorm over each key head.
+    pub k_norm: Option<RmsNorm<B>>,
     /// Query heads.
     pub num_heads: usize,
     /// Key/value heads.
@@ -55,26 +61,26 @@ pub struct Rope<B: Backend> {
 }
 
 impl<B: Backend> Rope<B> {
-    /// HF's default rotary embedding for integer positions: `inv_freq_i = theta^(-2i/d)`,
-    /// angles `pos * inv_freq` repeated over both halves. Computed on the host in f64.
+    /// HF's rotary embedding for integer positions: angles `pos * inv_freq` repeated over both
+    /// halves, cos and sin times the attention factor (YaRN's; 1 otherwise). Computed on the host
+    /// in f64.
     ///
     /// Shapes: `positions` is `[B][L]` → tables `[B, 1, L, head_dim]`.
-    pub fn new(positions: &[Vec<i64>], head_dim: usize, theta: f64, device: &B::Device) -> Self {
+    pub fn new(positions: &[Vec<i64>], freqs: &RotaryFrequencies, device: &B::Device) -> Self {
         let (b, l) = (positions.len(), positions.first().map_or(0, Vec::len));
-        let half = head_dim / 2;
-        let inv: Vec<f64> = (0..half)
-            .map(|i| 1.0 / theta.powf(2.0 * i as f64 / head_dim as f64))
-            .collect();
+        let inv = &freqs.inv_freq;
+        let head_dim = 2 * inv.len();
+        let scale = freqs.attention_factor;
         let mut cos = Vec::with_capacity(b * l * head_dim);
         let mut sin = Vec::with_capacity(b * l * head_dim);
         for row in positions {
             for &p in row {
                 // HF's `cat(freqs, freqs)`: both halves use the same angles.
                 for _half in 0..2 {
-                    for f in &inv {
+                    for f in inv {
                         let angle = p as f64 * f;
-                        cos.push(angle.cos() as f32);
-                        sin.push(angle.sin() as f32);
+                        cos.push((angle.cos() * scale) as f32);
+                        sin.push((angle.sin() * scale) as f32);
                     }
                 }
             }
@@ -109,8 +115,9 @@ impl<B: DecoderBackend> Attention<B> {
     ) -> Tensor<B, 3> {
         let [b, l, _] = x.dims();
         let (h, kv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
-        let q = rope.apply(self.q_proj.forward(x.clone()).reshape([b, l, h, d]));
-        let k = rope.apply(self.k_proj.forward(x.clone()).reshape([b, l, kv, d]));
+        let q = per_head_norm(&self.q_norm, self.q_proj.forward(x.clone()), [b, l, h, d]);
+        let k = per_head_norm(&self.k_norm, self.k_proj.forward(x.clone()), [b, l, kv, d]);
+        let (q, k) = (rope.apply(q), rope.apply(k));
         let v = self
             .v_proj
             .forward(x)
@@ -124,6 +131,21 @@ impl<B: DecoderBackend> Attention<B> {
             .swap_dims(1, 2)
             .reshape([b, l, h * d]);
         self.o_proj.forward(out)
+    }
+}
+
+/// A projection's output viewed per head, RMS-normalised over each head when `norm` is set
+/// (Qwen3). Shapes: `[B, L, heads * head_dim]` → `[B, L, heads, head_dim]`.
+fn per_head_norm<B: DecoderBackend>(
+    norm: &Option<RmsNorm<B>>,
+    x: Tensor<B, 3>,
+    [b, l, heads, d]: [usize; 4],
+) -> Tensor<B, 4> {
+    match norm {
+        Some(norm) => norm
+            .forward(x.reshape([b, l * heads, d]))
+            .reshape([b, l, heads, d]),
+        None => x.reshape([b, l, heads, d]),
     }
 }
 
@@ -186,10 +208,9 @@ pub struct Transformer<B: Backend> {
     pub layers: Vec<DecoderLayer<B>>,
     /// Final norm.
     pub norm: RmsNorm<B>,
-    /// RoPE base.
-    pub rope_theta: f64,
-    /// Per-head width.
-    pub head_dim: usize,
+    /// The rotary frequencies (the config's base and scaling).
+    #[module(skip)]
+    pub rotary: RotaryFrequencies,
 }
 
 /// Host-side integer matrix `[B][L]` from an Int tensor.
@@ -237,7 +258,7 @@ impl<B: DecoderBackend> Transformer<B> {
         let device = input_ids.device();
         let [_, l] = input_ids.dims();
         let past = cache.as_ref().map_or(0, |c| c.len());
-        let rope = Rope::new(position_ids, self.head_dim, self.rope_theta, &device);
+        let rope = Rope::new(position_ids, &self.rotary, &device);
         let mask = AttentionMask::new(attention_mask, past);
         let mut x = self.embed_tokens.forward(input_ids);
         for (i, layer) in self.layers.iter().enumerate() {

@@ -407,14 +407,22 @@ fn smollm2_gguf_matches_transformers() {
 /// without a KV cache in their dtype. The CPU backend (flex) supports both dtypes.
 #[test]
 fn half_precision_copies_track_the_f32_model() {
+    for dir in burn_rlhf_test_assets::fixture_models() {
+        half_precision_copy_tracks(&dir);
+    }
+}
+
+fn half_precision_copy_tracks(dir: &Path) {
     use burn::tensor::{DType, FloatDType};
-    let dir = burn_rlhf_test_assets::fixtures_subdir("models").join("tiny-qwen2");
     let pre = load_pretrained(dir.to_str().unwrap()).unwrap();
     let config = pre.config.clone();
     let device = Default::default();
     let model = pre.causal_lm::<B>(&device).unwrap();
     let (b, l) = (2, 12);
-    let ids: Vec<i64> = (0..b * l).map(|i| (i as i64 * 37 + 11) % 900 + 5).collect();
+    let vocab = config.vocab_size as i64;
+    let ids: Vec<i64> = (0..b * l)
+        .map(|i| (i as i64 * 37 + 11) % (vocab - 5) + 5)
+        .collect();
     let int = |v: Vec<i64>| Tensor::<B, 2, Int>::from_data(TensorData::new(v, [b, l]), &device);
     let pos: Vec<i64> = (0..b * l).map(|i| (i % l) as i64).collect();
     let run = |m: &CausalLm<B>, cache: Option<&mut KvCache<B>>| {
@@ -445,9 +453,14 @@ fn half_precision_copies_track_the_f32_model() {
             println!("{dtype:?}: max |logit diff| {diff} (max |logit| {scale})");
             assert!(
                 diff < tol * scale.max(1.0),
-                "{dtype:?}: {diff} vs scale {scale}"
+                "{}: {dtype:?}: {diff} vs scale {scale}",
+                dir.display()
             );
-            assert!(diff > 0.0, "{dtype:?} should not be computed in f32");
+            assert!(
+                diff > 0.0,
+                "{}: {dtype:?} should not be computed in f32",
+                dir.display()
+            );
         }
     }
 }

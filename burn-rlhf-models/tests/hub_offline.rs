@@ -1,16 +1,12 @@
 //! Hub ids through hf-hub's cache with `HF_HUB_OFFLINE=1`. Its own test binary: it sets process
 //! environment variables, which no other test thread may read meanwhile.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use burn::backend::Flex;
 use burn_rlhf_models::load_pretrained;
 
 type B = Flex;
-
-fn tiny(name: &str) -> PathBuf {
-    burn_rlhf_test_assets::fixtures_subdir("models").join(name)
-}
 
 /// The hub cache layout hf-hub reads: `hub/models--org--name/{refs/main, snapshots/<rev>/...}`.
 fn fake_hub_cache(root: &Path, id: &str, files_from: &Path) {
@@ -30,15 +26,21 @@ fn fake_hub_cache(root: &Path, id: &str, files_from: &Path) {
 #[test]
 fn hub_ids_load_from_the_cache_when_offline() {
     let home = burn_rlhf_test_assets::temp_dir("hf-home");
-    fake_hub_cache(&home, "tiny-org/tiny-qwen2", &tiny("tiny-qwen2"));
+    let models = burn_rlhf_test_assets::fixture_models();
+    for (i, dir) in models.iter().enumerate() {
+        fake_hub_cache(&home, &format!("tiny-org/model-{i}"), dir);
+    }
     // SAFETY: the only test in this binary, so no other thread reads the environment meanwhile.
     unsafe {
         std::env::set_var("HF_HOME", &home);
         std::env::set_var("HF_HUB_OFFLINE", "1");
     }
-    let pre = load_pretrained("tiny-org/tiny-qwen2").unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(pre.config.vocab_size, 1000);
-    pre.causal_lm::<B>(&Default::default()).unwrap();
+    for (i, dir) in models.iter().enumerate() {
+        let pre = load_pretrained(&format!("tiny-org/model-{i}")).unwrap_or_else(|e| panic!("{e}"));
+        let local = load_pretrained(dir.to_str().unwrap()).unwrap();
+        assert_eq!(pre.config, local.config, "{}", dir.display());
+        pre.causal_lm::<B>(&Default::default()).unwrap();
+    }
     let err = load_pretrained("tiny-org/not-cached")
         .unwrap_err()
         .to_string();

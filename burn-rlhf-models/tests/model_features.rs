@@ -14,8 +14,16 @@ use burn_rlhf_models::{load_pretrained, save_pretrained, CausalLm, LoraConfig, V
 type B = Flex;
 type AD = Autodiff<Flex>;
 
-fn tiny(name: &str) -> PathBuf {
-    burn_rlhf_test_assets::fixtures_subdir("models").join(name)
+/// Every fixture model, loaded, with its folder's name for messages.
+fn fixture_models() -> Vec<(String, PathBuf, burn_rlhf_models::Pretrained)> {
+    burn_rlhf_test_assets::fixture_models()
+        .into_iter()
+        .map(|dir| {
+            let name = dir.file_name().unwrap().to_string_lossy().to_string();
+            let pre = load_pretrained(dir.to_str().unwrap()).unwrap_or_else(|e| panic!("{e}"));
+            (name, dir, pre)
+        })
+        .collect()
 }
 
 fn batch<BB: burn::tensor::backend::Backend>(
@@ -35,11 +43,10 @@ fn max_abs_diff<const D: usize>(a: Tensor<B, D>, b: Tensor<B, D>) -> f32 {
 
 #[test]
 fn saved_model_loads_back_with_identical_logits_and_config() {
-    for name in ["tiny-llama", "tiny-qwen2"] {
-        let pre = load_pretrained(tiny(name).to_str().unwrap()).unwrap();
+    for (name, _, pre) in fixture_models() {
         let config = pre.config.clone();
         let model: CausalLm<B> = pre.causal_lm(&Default::default()).unwrap();
-        let out = burn_rlhf_test_assets::temp_dir(name);
+        let out = burn_rlhf_test_assets::temp_dir(&name);
         save_pretrained(&out, &config, &model.export(), None, None).unwrap();
         let again = load_pretrained(out.to_str().unwrap()).unwrap();
         assert_eq!(again.config, config, "{name}: config.json round trip");
@@ -56,8 +63,11 @@ fn saved_model_loads_back_with_identical_logits_and_config() {
 }
 
 /// Copies a tiny model and rewrites its tensors with `edit`.
-fn corrupted(name: &str, tag: &str, edit: impl Fn(&mut BTreeMap<String, HostTensor>)) -> PathBuf {
-    let src = tiny(name);
+fn corrupted(
+    src: &std::path::Path,
+    tag: &str,
+    edit: impl Fn(&mut BTreeMap<String, HostTensor>),
+) -> PathBuf {
     let dir = burn_rlhf_test_assets::temp_dir(tag);
     std::fs::copy(src.join("config.json"), dir.join("config.json")).unwrap();
     let mut map = WeightMap::new("src");
@@ -75,8 +85,9 @@ fn corrupted(name: &str, tag: &str, edit: impl Fn(&mut BTreeMap<String, HostTens
 
 #[test]
 fn broken_checkpoints_fail_naming_file_and_tensor() {
-    let missing = corrupted("tiny-llama", "missing", |t| {
-        t.remove("model.layers.1.mlp.up_proj.weight");
+    let src = burn_rlhf_test_assets::fixture_models().remove(0);
+    let missing = corrupted(&src, "missing", |t| {
+        t.remove("model.layers.0.mlp.up_proj.weight");
     });
     let err = load_pretrained(missing.to_str().unwrap())
         .unwrap()
@@ -84,12 +95,12 @@ fn broken_checkpoints_fail_naming_file_and_tensor() {
         .unwrap_err()
         .to_string();
     assert!(
-        err.contains("missing tensor `model.layers.1.mlp.up_proj.weight`")
+        err.contains("missing tensor `model.layers.0.mlp.up_proj.weight`")
             && err.contains("model.safetensors"),
         "{err}"
     );
 
-    let unexpected = corrupted("tiny-llama", "unexpected", |t| {
+    let unexpected = corrupted(&src, "unexpected", |t| {
         let extra = t["model.norm.weight"].clone();
         t.insert("model.extra.weight".into(), extra);
     });
@@ -103,10 +114,16 @@ fn broken_checkpoints_fail_naming_file_and_tensor() {
         "{err}"
     );
 
-    let shape = corrupted("tiny-qwen2", "shape", |t| {
-        let w = t.get_mut("model.layers.0.self_attn.k_proj.bias").unwrap();
-        w.data.push(0.0);
-        w.shape = vec![w.data.len()];
+    let k = "model.layers.0.self_attn.k_proj.weight";
+    let [rows, cols] = {
+        let pre = load_pretrained(src.to_str().unwrap()).unwrap();
+        let c = pre.config;
+        [c.num_key_value_heads * c.head_dim, c.hidden_size]
+    };
+    let shape = corrupted(&src, "shape", |t| {
+        let w = t.get_mut(k).unwrap();
+        w.data.extend(std::iter::repeat_n(0.0, cols));
+        w.shape = vec![rows + 1, cols];
     });
     let err = load_pretrained(shape.to_str().unwrap())
         .unwrap()
@@ -114,8 +131,8 @@ fn broken_checkpoints_fail_naming_file_and_tensor() {
         .unwrap_err()
         .to_string();
     assert!(
-        err.contains("`model.layers.0.self_attn.k_proj.bias` has shape [33]")
-            && err.contains("[32]"),
+        err.contains(&format!("`{k}` has shape [{}, {cols}]", rows + 1))
+            && err.contains(&format!("[{rows}, {cols}]")),
         "{err}"
     );
     for d in [missing, unexpected, shape] {
@@ -129,49 +146,58 @@ fn broken_checkpoints_fail_naming_file_and_tensor() {
 
 #[test]
 fn value_head_gradients_reach_head_and_backbone() {
-    let pre = load_pretrained(tiny("tiny-qwen2").to_str().unwrap()).unwrap();
-    let critic: ValueModel<AD> = pre.value_model(&Default::default()).unwrap();
-    let (i, m, p) = batch::<AD>(1000);
-    let values = critic.forward(i, m, p);
-    assert_eq!(values.dims(), [2, 6]);
-    let grads = values.sum().backward();
-    let g_head = critic
-        .score
-        .weight
-        .grad(&grads)
-        .expect("value head gradient");
-    let g_q = critic.model.layers[0]
-        .self_attn
-        .q_proj
-        .base
-        .weight
-        .grad(&grads)
-        .expect("backbone gradient");
-    assert!(g_head.abs().sum().into_scalar() > 0.0 && g_q.abs().sum().into_scalar() > 0.0);
-    // Saved critics load back as critics (score.weight/score.bias), not as fresh heads.
-    let out = burn_rlhf_test_assets::temp_dir("critic");
-    save_pretrained(
-        &out,
-        &load_pretrained(tiny("tiny-qwen2").to_str().unwrap())
-            .unwrap()
-            .config,
-        &critic.valid().export(),
-        Some("Qwen2ForTokenClassification"),
-        None,
-    )
-    .unwrap();
-    let again: ValueModel<B> = load_pretrained(out.to_str().unwrap())
-        .unwrap()
-        .value_model(&Default::default())
+    for (name, _, pre) in fixture_models() {
+        let config = pre.config.clone();
+        let critic: ValueModel<AD> = pre.value_model(&Default::default()).unwrap();
+        let (i, m, p) = batch::<AD>(config.vocab_size);
+        let values = critic.forward(i, m, p);
+        assert_eq!(values.dims(), [2, 6]);
+        let grads = values.sum().backward();
+        let g_head = critic
+            .score
+            .weight
+            .grad(&grads)
+            .expect("value head gradient");
+        let g_q = critic.model.layers[0]
+            .self_attn
+            .q_proj
+            .base
+            .weight
+            .grad(&grads)
+            .expect("backbone gradient");
+        assert!(
+            g_head.abs().sum().into_scalar() > 0.0 && g_q.abs().sum().into_scalar() > 0.0,
+            "{name}"
+        );
+        // Saved critics load back as critics (score.weight/score.bias), not as fresh heads.
+        let out = burn_rlhf_test_assets::temp_dir("critic");
+        save_pretrained(
+            &out,
+            &config,
+            &critic.valid().export(),
+            Some(&config.model_type.token_classification_class()),
+            None,
+        )
         .unwrap();
-    let d = max_abs_diff(again.score.weight.val(), critic.valid().score.weight.val());
-    assert_eq!(d, 0.0);
-    std::fs::remove_dir_all(out).ok();
+        let again: ValueModel<B> = load_pretrained(out.to_str().unwrap())
+            .unwrap()
+            .value_model(&Default::default())
+            .unwrap();
+        let d = max_abs_diff(again.score.weight.val(), critic.valid().score.weight.val());
+        assert_eq!(d, 0.0, "{name}");
+        std::fs::remove_dir_all(out).ok();
+    }
 }
 
 #[test]
 fn lora_trains_only_adapters_and_merges_exactly() {
-    let pre = load_pretrained(tiny("tiny-llama").to_str().unwrap()).unwrap();
+    for (name, _, pre) in fixture_models() {
+        lora_trains_only_adapters(&name, pre);
+    }
+}
+
+fn lora_trains_only_adapters(name: &str, pre: burn_rlhf_models::Pretrained) {
+    let vocab = pre.config.vocab_size;
     let model: CausalLm<AD> = pre.causal_lm(&Default::default()).unwrap();
     let lora = LoraConfig {
         rank: 4,
@@ -180,7 +206,7 @@ fn lora_trains_only_adapters_and_merges_exactly() {
     };
     let model = model.with_lora(&lora, &Default::default());
     let before = model.valid();
-    let (i, m, p) = batch::<AD>(512);
+    let (i, m, p) = batch::<AD>(vocab);
     let mut optim = SgdConfig::new().init();
     let mut model = model;
     for _ in 0..2 {
@@ -223,27 +249,36 @@ fn lora_trains_only_adapters_and_merges_exactly() {
         ),
         0.0
     );
-    assert_eq!(
-        max_abs_diff(
-            before.lm_head.as_ref().unwrap().base.weight.val(),
-            after.lm_head.as_ref().unwrap().base.weight.val()
-        ),
-        0.0
-    );
+    if let (Some(b), Some(a)) = (&before.lm_head, &after.lm_head) {
+        assert_eq!(
+            max_abs_diff(b.base.weight.val(), a.base.weight.val()),
+            0.0,
+            "{name}"
+        );
+    }
+    for (b, a) in [
+        (&l0b.self_attn.q_norm, &l0a.self_attn.q_norm),
+        (&l0b.self_attn.k_norm, &l0a.self_attn.k_norm),
+    ] {
+        if let (Some(b), Some(a)) = (b, a) {
+            let d = max_abs_diff(b.weight.val(), a.weight.val());
+            assert_eq!(d, 0.0, "{name}: a head norm moved");
+        }
+    }
     assert!(l0a.self_attn.k_proj.lora.is_none());
     // ...and the adapters moved.
     let lb = l0a.self_attn.q_proj.lora.as_ref().unwrap();
     assert!(
         lb.lora_b.val().abs().sum().into_scalar() > 0.0,
-        "the adapter was not trained"
+        "{name}: the adapter was not trained"
     );
     // Merged equals unmerged.
-    let (i, m, p) = batch::<B>(512);
+    let (i, m, p) = batch::<B>(vocab);
     let unmerged = after.forward(i.clone(), m.clone(), p.clone(), None);
     let merged = after.clone().merge_lora();
     assert!(merged.model.layers[0].self_attn.q_proj.lora.is_none());
     let d = max_abs_diff(unmerged, merged.forward(i, m, p, None));
-    assert!(d < 1e-5, "merged LoRA differs by {d}");
+    assert!(d < 1e-5, "{name}: merged LoRA differs by {d}");
 }
 
 #[test]
@@ -308,37 +343,46 @@ fn bare_gguf_carries_config_and_tokenizer() {
 fn gradient_checkpointing_gives_the_same_gradients() {
     use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
     type Ckpt = Autodiff<Flex, BalancedCheckpointing>;
-    let dir = tiny("tiny-llama");
-    let plain: CausalLm<AD> = load_pretrained(dir.to_str().unwrap())
-        .unwrap()
-        .causal_lm(&Default::default())
-        .unwrap();
-    let ckpt: CausalLm<Ckpt> = load_pretrained(dir.to_str().unwrap())
-        .unwrap()
-        .causal_lm(&Default::default())
-        .unwrap();
-    let (i, m, p) = batch::<AD>(512);
-    let g_plain = plain
-        .forward(i, m, p, None)
-        .powi_scalar(2)
-        .mean()
-        .backward();
-    let (i, m, p) = batch::<Ckpt>(512);
-    let g_ckpt = ckpt.forward(i, m, p, None).powi_scalar(2).mean().backward();
-    let a = plain.model.layers[0]
-        .mlp
-        .gate_proj
-        .base
-        .weight
-        .grad(&g_plain)
-        .unwrap();
-    let b = ckpt.model.layers[0]
-        .mlp
-        .gate_proj
-        .base
-        .weight
-        .grad(&g_ckpt)
-        .unwrap();
-    let d = max_abs_diff(a, b);
-    assert!(d < 1e-6, "checkpointed gradients differ by {d}");
+    for dir in burn_rlhf_test_assets::fixture_models() {
+        let vocab = load_pretrained(dir.to_str().unwrap())
+            .unwrap()
+            .config
+            .vocab_size;
+        let plain: CausalLm<AD> = load_pretrained(dir.to_str().unwrap())
+            .unwrap()
+            .causal_lm(&Default::default())
+            .unwrap();
+        let ckpt: CausalLm<Ckpt> = load_pretrained(dir.to_str().unwrap())
+            .unwrap()
+            .causal_lm(&Default::default())
+            .unwrap();
+        let (i, m, p) = batch::<AD>(vocab);
+        let g_plain = plain
+            .forward(i, m, p, None)
+            .powi_scalar(2)
+            .mean()
+            .backward();
+        let (i, m, p) = batch::<Ckpt>(vocab);
+        let g_ckpt = ckpt.forward(i, m, p, None).powi_scalar(2).mean().backward();
+        let a = plain.model.layers[0]
+            .mlp
+            .gate_proj
+            .base
+            .weight
+            .grad(&g_plain)
+            .unwrap();
+        let b = ckpt.model.layers[0]
+            .mlp
+            .gate_proj
+            .base
+            .weight
+            .grad(&g_ckpt)
+            .unwrap();
+        let d = max_abs_diff(a, b);
+        assert!(
+            d < 1e-6,
+            "{}: checkpointed gradients differ by {d}",
+            dir.display()
+        );
+    }
 }

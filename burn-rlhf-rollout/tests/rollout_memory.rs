@@ -14,14 +14,18 @@ static GLOBAL: CountingAlloc = CountingAlloc;
 
 #[test]
 fn chunked_rollout_peak_does_not_grow_with_the_batch() {
-    let dir = burn_rlhf_test_assets::fixtures_subdir("models").join("tiny-qwen2");
+    let dir = burn_rlhf_test_assets::largest_fixture_model();
     let pre = load_pretrained(dir.to_str().unwrap()).unwrap();
     let config = pre.config.clone();
     let device = Default::default();
     let model = pre.causal_lm::<Flex>(&device).unwrap();
     let prompts = |count: usize| -> Vec<Vec<u32>> {
         (0..count)
-            .map(|i| (0..24).map(|t| (5 + 7 * i + t) as u32 % 990 + 5).collect())
+            .map(|i| {
+                (0..24)
+                    .map(|t| (5 + 7 * i + t) as u32 % (config.vocab_size as u32 - 10) + 5)
+                    .collect()
+            })
             .collect()
     };
     for shapes in [DecodeShapes::Exact, DecodeShapes::Bucketed { bucket: 16 }] {

@@ -2,7 +2,7 @@
 //! `"85"`), a character-level tokenizer built in code, a small model shape, and an exact-match
 //! reward. Nothing is downloaded or read from disk.
 
-use burn_rlhf_models::{ChatMessage, Tokenizer, TransformerConfig};
+use burn_rlhf_models::{ChatMessage, ModelType, Tokenizer, TransformerConfig};
 use burn_rlhf_rollout::data::ExtraInfo;
 use burn_rlhf_rollout::{PromptRecord, RewardFn, RewardInput, RolloutBatch, RolloutError, Sample};
 use rand::seq::SliceRandom;
@@ -55,7 +55,7 @@ pub fn tokenizer() -> Tokenizer {
 /// A small Llama-shaped decoder for the task: `hidden` wide, `layers` deep, 4 heads.
 pub fn model_config(hidden: usize, layers: usize) -> TransformerConfig {
     TransformerConfig::new(
-        "llama".into(),
+        ModelType::Llama,
         VOCAB.len(),
         hidden,
         hidden * 4,

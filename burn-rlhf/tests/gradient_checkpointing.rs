@@ -23,8 +23,17 @@ const LEN: usize = 128;
 
 fn config() -> TransformerConfig {
     // Wide enough that activations, not weights, dominate a backward pass.
-    TransformerConfig::new("qwen2".into(), 512, 128, 512, 4, 4, 2, 32)
-        .with_max_position_embeddings(LEN)
+    TransformerConfig::new(
+        burn_rlhf::models::ModelType::Qwen2,
+        512,
+        128,
+        512,
+        4,
+        4,
+        2,
+        32,
+    )
+    .with_max_position_embeddings(LEN)
 }
 
 /// The weights after one SGD step of rate 1 on a token-mean log-likelihood over `[ROWS, LEN]`

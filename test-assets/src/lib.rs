@@ -71,6 +71,56 @@ pub fn files_with_ext(dir: &Path, ext: &str) -> Vec<PathBuf> {
     files
 }
 
+/// Every model folder of the fixture set (`models/<name>/` with a `config.json`), sorted. Panics
+/// when there is none. Tests take the models from here, never by folder name, so that any fixture
+/// set of the same schema serves.
+pub fn fixture_models() -> Vec<PathBuf> {
+    let dir = fixtures_subdir("models");
+    let mut models: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("cannot read {}: {e}", dir.display()))
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.join("config.json").is_file())
+        .collect();
+    models.sort();
+    assert!(!models.is_empty(), "no model folders in {}", dir.display());
+    models
+}
+
+/// A model folder's `config.json`, parsed.
+pub fn model_config_json(dir: &Path) -> serde_json::Value {
+    let path = dir.join("config.json");
+    let text = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// The first fixture model whose `config.json` satisfies `pick` (say, `model_type` and tied
+/// embeddings); panics naming `what` when the fixture set has none.
+pub fn fixture_model_where(what: &str, pick: impl Fn(&serde_json::Value) -> bool) -> PathBuf {
+    fixture_models()
+        .into_iter()
+        .find(|dir| pick(&model_config_json(dir)))
+        .unwrap_or_else(|| panic!("the fixture set has no model that is {what}"))
+}
+
+/// The largest fixture model (by vocabulary times width), for tests that measure one model.
+pub fn largest_fixture_model() -> PathBuf {
+    let size = |dir: &PathBuf| {
+        let c = model_config_json(dir);
+        let get = |k: &str| {
+            c["text_config"]
+                .get(k)
+                .or(c.get(k))
+                .and_then(|v| v.as_u64())
+        };
+        get("vocab_size").unwrap_or(0) * get("hidden_size").unwrap_or(0)
+    };
+    fixture_models()
+        .into_iter()
+        .max_by_key(size)
+        .expect("fixture_models is not empty")
+}
+
 /// Whether CI asked for every asset to be present.
 pub fn assets_required() -> bool {
     std::env::var("RLHF_REQUIRE_ASSETS")

@@ -201,15 +201,6 @@ fn replaced_dir(root: &Path, step: usize) -> PathBuf {
     root.join(format!(".global_step_{step}.replaced"))
 }
 
-/// `<arch prefix>ForTokenClassification`, the class transformers loads a critic with.
-fn critic_architecture(model_type: &str) -> &'static str {
-    match model_type {
-        "qwen2" => "Qwen2ForTokenClassification",
-        "mistral" => "MistralForTokenClassification",
-        _ => "LlamaForTokenClassification",
-    }
-}
-
 impl<B: LearnerBackend> Learner<B> {
     /// Where checkpoints go (`trainer.default_local_dir`).
     pub fn checkpoint_root(&self) -> PathBuf {
@@ -252,7 +243,7 @@ impl<B: LearnerBackend> Learner<B> {
                     &critic_dir,
                     &c.config,
                     &c.model.valid().export(),
-                    Some(critic_architecture(&c.config.model_type)),
+                    Some(&c.config.model_type.token_classification_class()),
                     Some(&self.tokenizer),
                 )?;
                 save_param_order::<B, _>(&critic_dir, &c.model)?;

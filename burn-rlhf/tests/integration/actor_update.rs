@@ -14,8 +14,7 @@ use burn_rlhf::rollout::{Generator, RolloutBatch, SamplingParams};
 
 type B = Autodiff<Flex>;
 
-fn actor() -> (CausalLm<B>, burn_rlhf::models::TransformerConfig) {
-    let dir = burn_rlhf_test_assets::fixtures_subdir("models").join("tiny-qwen2");
+fn actor(dir: &std::path::Path) -> (CausalLm<B>, burn_rlhf::models::TransformerConfig) {
     let pre = load_pretrained(dir.to_str().unwrap()).unwrap();
     let config = pre.config.clone();
     (pre.causal_lm(&Default::default()).unwrap(), config)
@@ -23,10 +22,14 @@ fn actor() -> (CausalLm<B>, burn_rlhf::models::TransformerConfig) {
 
 /// A generated batch of ragged responses with old log-probs shifted from the policy's (so that
 /// some ratios clip), a shifted reference, varied advantages and IS weights.
-fn fixture() -> (CausalLm<B>, RolloutBatch, ActorTargets) {
+fn fixture(dir: &std::path::Path) -> (CausalLm<B>, RolloutBatch, ActorTargets) {
     let device = Default::default();
-    let (model, config) = actor();
-    let prompts = vec![vec![5, 17, 300, 41], vec![9, 2], vec![600, 601, 602]];
+    let (model, config) = actor(dir);
+    let v = config.vocab_size as u32;
+    let prompts: Vec<Vec<u32>> = [&[5, 17, 300, 41][..], &[9, 2], &[600, 601, 602]]
+        .iter()
+        .map(|p| p.iter().map(|t| t % v).collect())
+        .collect();
     let params = SamplingParams {
         n: 2,
         max_new_tokens: 8,
@@ -113,9 +116,15 @@ fn loss_config(mode: LossAggMode) -> ActorLossConfig {
 
 #[test]
 fn micro_batch_size_does_not_change_the_update() {
+    for dir in burn_rlhf_test_assets::fixture_models() {
+        micro_batch_size_does_not_change_the_update_on(&dir);
+    }
+}
+
+fn micro_batch_size_does_not_change_the_update_on(dir: &std::path::Path) {
     let device = Default::default();
-    let (_, batch, targets) = fixture();
-    let inner = actor().0.valid();
+    let (_, batch, targets) = fixture(dir);
+    let inner = actor(dir).0.valid();
     let rows = batch.rows();
     let loss = Registry::<B>::builtin()
         .policy_loss("vanilla", &PolicyLossParams::default())
@@ -135,7 +144,7 @@ fn micro_batch_size_does_not_change_the_update() {
             };
             let mut optim = SgdConfig::new().init();
             let (updated, metrics, _) = actor_update(
-                actor().0,
+                actor(dir).0,
                 OptimizerStep {
                     optimizer: &mut optim,
                     lr: 0.5,
@@ -221,9 +230,15 @@ fn micro_batch_size_does_not_change_the_update() {
 /// path really ran.
 #[test]
 fn bf16_autocast_updates_f32_master_weights() {
+    for dir in burn_rlhf_test_assets::fixture_models() {
+        bf16_autocast_updates_f32_master_weights_on(&dir);
+    }
+}
+
+fn bf16_autocast_updates_f32_master_weights_on(dir: &std::path::Path) {
     let device = Default::default();
-    let (_, batch, targets) = fixture();
-    let before = actor().0.valid().export();
+    let (_, batch, targets) = fixture(dir);
+    let before = actor(dir).0.valid().export();
     let loss = Registry::<B>::builtin()
         .policy_loss("vanilla", &PolicyLossParams::default())
         .unwrap();
@@ -235,7 +250,7 @@ fn bf16_autocast_updates_f32_master_weights() {
         };
         let mut optim = SgdConfig::new().init();
         let (updated, metrics, _) = actor_update(
-            actor().0,
+            actor(dir).0,
             OptimizerStep {
                 optimizer: &mut optim,
                 lr: 0.5,

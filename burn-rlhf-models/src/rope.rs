@@ -1,0 +1,211 @@
+//! Rotary position embeddings' frequencies: HF's default and the scalings a config names in
+//! `rope_parameters` (transformers 5) or `rope_scaling` (4.x), computed as transformers'
+//! `modeling_rope_utils` does.
+
+use serde::{Deserialize, Serialize};
+
+/// How the rotary frequencies are scaled (HF `rope_type`). An unknown `rope_type` does not
+/// deserialize, naming the ones supported.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(tag = "rope_type", rename_all = "lowercase")]
+pub enum RopeScaling {
+    /// `inv_freq_i = theta^(-2i/d)`.
+    #[default]
+    Default,
+    /// Positions divided by `factor`.
+    Linear {
+        /// The stretch of the context.
+        factor: f64,
+    },
+    /// Llama 3.1's: low frequencies divided by `factor`, high ones kept, a smooth ramp between.
+    Llama3 {
+        /// The stretch of the low frequencies.
+        factor: f64,
+        /// Wavelengths above `original / low_freq_factor` are scaled.
+        low_freq_factor: f64,
+        /// Wavelengths below `original / high_freq_factor` are kept.
+        high_freq_factor: f64,
+        /// The context the model was pretrained with.
+        original_max_position_embeddings: usize,
+    },
+    /// YaRN: interpolation and extrapolation blended by a ramp over the dimensions, and cos/sin
+    /// scaled by an attention factor.
+    Yarn {
+        /// The stretch; `None`: `max_position_embeddings / original_max_position_embeddings`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        factor: Option<f64>,
+        /// The context the model was pretrained with.
+        original_max_position_embeddings: usize,
+        /// Multiplies cos and sin; `None`: from `factor` (and `mscale`, `mscale_all_dim`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        attention_factor: Option<f64>,
+        /// The ramp's fast end in rotations (32 when unset).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        beta_fast: Option<f64>,
+        /// The ramp's slow end in rotations (1 when unset).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        beta_slow: Option<f64>,
+        /// DeepSeek's numerator scale of the attention factor.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        mscale: Option<f64>,
+        /// DeepSeek's denominator scale of the attention factor.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        mscale_all_dim: Option<f64>,
+        /// Round the ramp's ends to whole dimensions (true when unset).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        truncate: Option<bool>,
+    },
+}
+
+/// The rotary frequencies of a model: one inverse frequency per pair of dimensions, and the
+/// factor cos and sin are multiplied by.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RotaryFrequencies {
+    /// `[head_dim / 2]`.
+    pub inv_freq: Vec<f64>,
+    /// YaRN's attention factor; 1 otherwise.
+    pub attention_factor: f64,
+}
+
+impl RopeScaling {
+    /// The `rope_type` names supported.
+    pub const NAMES: [&'static str; 4] = ["default", "linear", "llama3", "yarn"];
+
+    /// The frequencies for `head_dim`-wide heads with base `theta` in a model whose context is
+    /// `max_position_embeddings`.
+    pub fn frequencies(
+        &self,
+        head_dim: usize,
+        theta: f64,
+        max_position_embeddings: usize,
+    ) -> RotaryFrequencies {
+        let dim = head_dim as f64;
+        let base: Vec<f64> = (0..head_dim / 2)
+            .map(|i| 1.0 / theta.powf(2.0 * i as f64 / dim))
+            .collect();
+        let plain = |inv_freq| RotaryFrequencies {
+            inv_freq,
+            attention_factor: 1.0,
+        };
+        match self {
+            Self::Default => plain(base),
+            Self::Linear { factor } => plain(base.iter().map(|f| f / factor).collect()),
+            Self::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            } => {
+                let old = *original_max_position_embeddings as f64;
+                let (low_wavelen, high_wavelen) = (old / low_freq_factor, old / high_freq_factor);
+                plain(
+                    base.iter()
+                        .map(|&f| {
+                            let wavelen = 2.0 * std::f64::consts::PI / f;
+                            if wavelen < high_wavelen {
+                                f
+                            } else if wavelen > low_wavelen {
+                                f / factor
+                            } else {
+                                let smooth = (old / wavelen - low_freq_factor)
+                                    / (high_freq_factor - low_freq_factor);
+                                (1.0 - smooth) * f / factor + smooth * f
+                            }
+                        })
+                        .collect(),
+                )
+            }
+            Self::Yarn {
+                factor,
+                original_max_position_embeddings,
+                attention_factor,
+                beta_fast,
+                beta_slow,
+                mscale,
+                mscale_all_dim,
+                truncate,
+            } => {
+                let original = *original_max_position_embeddings as f64;
+                let factor = factor.unwrap_or(max_position_embeddings as f64 / original);
+                let get_mscale = |scale: f64, m: f64| {
+                    if scale <= 1.0 {
+                        1.0
+                    } else {
+                        0.1 * m * scale.ln() + 1.0
+                    }
+                };
+                let attention_factor = attention_factor.unwrap_or(match (mscale, mscale_all_dim) {
+                    (Some(m), Some(all)) if *m != 0.0 && *all != 0.0 => {
+                        get_mscale(factor, *m) / get_mscale(factor, *all)
+                    }
+                    _ => get_mscale(factor, 1.0),
+                });
+                let correction_dim = |rotations: f64| {
+                    dim * (original / (rotations * 2.0 * std::f64::consts::PI)).ln()
+                        / (2.0 * theta.ln())
+                };
+                let (mut low, mut high) = (
+                    correction_dim(beta_fast.unwrap_or(32.0)),
+                    correction_dim(beta_slow.unwrap_or(1.0)),
+                );
+                if truncate.unwrap_or(true) {
+                    (low, high) = (low.floor(), high.ceil());
+                }
+                let (low, mut high) = (low.max(0.0), high.min(dim - 1.0));
+                if low == high {
+                    high += 0.001;
+                }
+                RotaryFrequencies {
+                    inv_freq: base
+                        .iter()
+                        .enumerate()
+                        .map(|(i, &f)| {
+                            let ramp = ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+                            let extrapolation = 1.0 - ramp;
+                            f / factor * (1.0 - extrapolation) + f * extrapolation
+                        })
+                        .collect(),
+                    attention_factor,
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scalings_leave_high_frequencies_and_stretch_low_ones() {
+        let base = RopeScaling::Default.frequencies(8, 10000.0, 256);
+        assert_eq!(base.inv_freq[0], 1.0);
+        let linear = RopeScaling::Linear { factor: 2.0 }.frequencies(8, 10000.0, 256);
+        assert_eq!(linear.inv_freq[3], base.inv_freq[3] / 2.0);
+        let llama3 = RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 32,
+        }
+        .frequencies(8, 10000.0, 256);
+        // Wavelength 2π < 32 / 4: kept; the slowest (wavelength ~6283 > 32): divided by 8.
+        assert_eq!(llama3.inv_freq[0], base.inv_freq[0]);
+        assert!((llama3.inv_freq[3] - base.inv_freq[3] / 8.0).abs() < 1e-15);
+        let yarn: RopeScaling = serde_json::from_value(serde_json::json!({
+            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+            "rope_theta": 10000.0}))
+        .unwrap();
+        let f = yarn.frequencies(8, 10000.0, 256);
+        assert!((f.attention_factor - (0.1 * 4f64.ln() + 1.0)).abs() < 1e-12);
+        assert_eq!(f.inv_freq[0], base.inv_freq[0]);
+        let unknown = serde_json::from_value::<RopeScaling>(serde_json::json!({
+            "rope_type": "longrope"}))
+        .unwrap_err()
+        .to_string();
+        assert!(
+            unknown.contains("longrope") && unknown.contains("yarn"),
+            "{unknown}"
+        );
+    }
+}
