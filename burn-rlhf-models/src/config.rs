@@ -255,7 +255,7 @@ impl HfConfig {
             ModelType::from_name(self.model_type.as_deref().unwrap_or("llama")).map_err(err)?;
         let heads = self.num_attention_heads;
         let kv_heads = self.num_key_value_heads.unwrap_or(heads);
-        if heads == 0 || kv_heads == 0 || heads % kv_heads != 0 {
+        if heads == 0 || kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
             return Err(err(format!(
                 "num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv_heads})"
             )));
