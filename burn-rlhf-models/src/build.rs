@@ -126,7 +126,7 @@ impl TransformerConfig {
         );
         let qk_norm = self.model_type.qk_norm();
         let layers = (0..self.num_hidden_layers)
-            .map(|_| DecoderLayer {
+            .map(|n| DecoderLayer {
                 self_attn: Attention {
                     q_proj: LoraLinear::init(h, q, self.qkv_bias, device),
                     k_proj: LoraLinear::init(h, kv, self.qkv_bias, device),
@@ -137,6 +137,7 @@ impl TransformerConfig {
                     num_heads: self.num_attention_heads,
                     num_kv_heads: self.num_key_value_heads,
                     head_dim: self.head_dim,
+                    sliding_window: self.layer_window(n),
                 },
                 mlp: Mlp {
                     gate_proj: LoraLinear::init(h, i, self.mlp_bias, device),
@@ -219,6 +220,7 @@ impl<B: Backend> Transformer<B> {
                     num_heads: c.num_attention_heads,
                     num_kv_heads: c.num_key_value_heads,
                     head_dim: c.head_dim,
+                    sliding_window: c.layer_window(n),
                 },
                 mlp: Mlp {
                     gate_proj: lin(w, "mlp.gate_proj", h, i, c.mlp_bias)?,

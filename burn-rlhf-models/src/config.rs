@@ -80,6 +80,16 @@ impl ModelType {
     }
 }
 
+/// What one decoder layer attends to (HF `layer_types`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LayerAttention {
+    /// Every earlier position.
+    FullAttention,
+    /// The `sliding_window` latest positions.
+    SlidingAttention,
+}
+
 /// The shape of a decoder of one of the [`ModelType`]s.
 #[derive(Config, Debug, PartialEq)]
 pub struct TransformerConfig {
@@ -108,6 +118,13 @@ pub struct TransformerConfig {
     /// How the rotary frequencies are scaled (`rope_parameters.rope_type`).
     #[config(default = "RopeScaling::Default")]
     pub rope_scaling: RopeScaling,
+    /// The window of the sliding-window layers (`sliding_window`, where the architecture and
+    /// `use_sliding_window` make it apply).
+    #[config(default = "None")]
+    pub sliding_window: Option<usize>,
+    /// Per layer, full or sliding-window attention; empty: every layer full.
+    #[config(default = "Vec::new()")]
+    pub layer_types: Vec<LayerAttention>,
     /// Biases on q/k/v (Qwen2; Llama's `attention_bias`).
     #[config(default = false)]
     pub qkv_bias: bool,
@@ -209,6 +226,15 @@ pub struct HfConfig {
     pub hidden_act: Option<String>,
     /// Rotary dimensions as a fraction of `head_dim`: only 1 is supported.
     pub partial_rotary_factor: Option<f64>,
+    /// The window of sliding-window attention (Mistral: every layer; Qwen: the layers
+    /// `layer_types` or `max_window_layers` name, when `use_sliding_window`).
+    pub sliding_window: Option<usize>,
+    /// Qwen's switch for `sliding_window`.
+    pub use_sliding_window: Option<bool>,
+    /// Qwen (transformers 4.x): layers from this index on slide when `use_sliding_window`.
+    pub max_window_layers: Option<usize>,
+    /// transformers 5: `full_attention` or `sliding_attention` per layer.
+    pub layer_types: Option<Vec<String>>,
 }
 
 impl HfConfig {
@@ -248,6 +274,65 @@ impl HfConfig {
         Ok((theta, scaling))
     }
 
+    /// The sliding window and which layers use it, as transformers decides per architecture.
+    fn sliding(
+        &self,
+        model_type: ModelType,
+    ) -> Result<(Option<usize>, Vec<LayerAttention>), String> {
+        let layers = self.num_hidden_layers;
+        let window = match model_type {
+            // Llama's attention has no window.
+            ModelType::Llama => None,
+            ModelType::Mistral => self.sliding_window,
+            ModelType::Qwen2 | ModelType::Qwen3 => self
+                .sliding_window
+                .filter(|_| self.use_sliding_window.unwrap_or(false)),
+        };
+        let Some(window) = window else {
+            return Ok((None, Vec::new()));
+        };
+        let types = match &self.layer_types {
+            Some(names) => {
+                if names.len() != layers {
+                    return Err(format!(
+                        "layer_types has {} entries for {layers} layers",
+                        names.len()
+                    ));
+                }
+                names
+                    .iter()
+                    .map(|name| {
+                        serde_json::from_value(json!(name)).map_err(|_| {
+                            format!(
+                                "layer_types: `{name}` is not supported (full_attention, \
+                                 sliding_attention)"
+                            )
+                        })
+                    })
+                    .collect::<Result<Vec<_>, _>>()?
+            }
+            None => {
+                let first = match model_type {
+                    ModelType::Mistral => 0,
+                    _ => self.max_window_layers.unwrap_or(0),
+                };
+                (0..layers)
+                    .map(|i| {
+                        if i >= first {
+                            LayerAttention::SlidingAttention
+                        } else {
+                            LayerAttention::FullAttention
+                        }
+                    })
+                    .collect()
+            }
+        };
+        if window == 0 {
+            return Err("sliding_window must be >= 1".into());
+        }
+        Ok((Some(window), types))
+    }
+
     /// The checked decoder shape; `path` names the file in messages.
     pub fn decoder(self, path: &Path) -> Result<TransformerConfig, ModelError> {
         let err = |m: String| ModelError::config(path, m);
@@ -271,6 +356,7 @@ impl HfConfig {
             )));
         }
         let (rope_theta, rope_scaling) = self.rope().map_err(err)?;
+        let (sliding_window, layer_types) = self.sliding(model_type).map_err(err)?;
         let qwen2 = model_type == ModelType::Qwen2;
         Ok(TransformerConfig {
             model_type,
@@ -284,6 +370,8 @@ impl HfConfig {
             rms_norm_eps: self.rms_norm_eps,
             rope_theta,
             rope_scaling,
+            sliding_window,
+            layer_types,
             qkv_bias: qwen2 || self.attention_bias,
             o_bias: !qwen2 && self.attention_bias,
             mlp_bias: self.mlp_bias,
@@ -352,7 +440,40 @@ impl TransformerConfig {
         if self.model_type != ModelType::Qwen2 {
             v["attention_bias"] = json!(self.qkv_bias);
         }
+        v["sliding_window"] = json!(self.sliding_window);
+        if matches!(self.model_type, ModelType::Qwen2 | ModelType::Qwen3) {
+            v["use_sliding_window"] = json!(self.sliding_window.is_some());
+        }
+        // Mistral slides on every layer and has no `layer_types` (transformers would load a
+        // Mistral config that has them as Ministral).
+        if self.sliding_window.is_some() && self.model_type != ModelType::Mistral {
+            let types: Vec<LayerAttention> = (0..self.num_hidden_layers)
+                .map(|i| self.layer_attention(i))
+                .collect();
+            // transformers 4.x's Qwen reads the first sliding layer from here.
+            let first = types
+                .iter()
+                .position(|t| *t == LayerAttention::SlidingAttention)
+                .unwrap_or(self.num_hidden_layers);
+            v["max_window_layers"] = json!(first);
+            v["layer_types"] = json!(types);
+        }
         v
+    }
+
+    /// Layer `i`'s attention.
+    pub fn layer_attention(&self, i: usize) -> LayerAttention {
+        match (self.sliding_window, self.layer_types.get(i)) {
+            (Some(_), Some(t)) => *t,
+            _ => LayerAttention::FullAttention,
+        }
+    }
+
+    /// Layer `i`'s sliding window, if it slides.
+    pub fn layer_window(&self, i: usize) -> Option<usize> {
+        (self.layer_attention(i) == LayerAttention::SlidingAttention)
+            .then_some(self.sliding_window)
+            .flatten()
     }
 
     /// Query heads per key/value head.

@@ -51,6 +51,9 @@ pub struct Attention<B: Backend> {
     pub num_kv_heads: usize,
     /// Per-head width.
     pub head_dim: usize,
+    /// Sliding-window layers: the window (the mask passed in is narrowed to it).
+    #[module(skip)]
+    pub sliding_window: Option<usize>,
 }
 
 /// Rotary tables for one forward: `[B, 1, L, head_dim]` each.
@@ -260,10 +263,25 @@ impl<B: DecoderBackend> Transformer<B> {
         let past = cache.as_ref().map_or(0, |c| c.len());
         let rope = Rope::new(position_ids, &self.rotary, &device);
         let mask = AttentionMask::new(attention_mask, past);
+        // One windowed mask per window size the layers use (one, in every supported family).
+        let mut windowed: Vec<(usize, AttentionMask)> = Vec::new();
         let mut x = self.embed_tokens.forward(input_ids);
         for (i, layer) in self.layers.iter().enumerate() {
             let layer_cache = cache.as_deref_mut().map(|c| (c, i));
-            x = layer.forward(x, &rope, &mask, layer_cache);
+            let layer_mask = match layer.self_attn.sliding_window {
+                None => &mask,
+                Some(w) => {
+                    if !windowed.iter().any(|(size, _)| *size == w) {
+                        windowed.push((w, mask.with_window(w)));
+                    }
+                    &windowed
+                        .iter()
+                        .find(|(size, _)| *size == w)
+                        .expect("just added")
+                        .1
+                }
+            };
+            x = layer.forward(x, &rope, layer_mask, layer_cache);
         }
         if let Some(c) = cache {
             c.advance(l);

@@ -25,9 +25,10 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Tensor, TensorPrimitive};
 
 /// Which keys each query sees: key `j` of row `b` is visible to query `i` (absolute position
-/// `past + i`) when `j <= past + i` and the key is a real token. A query that sees no key (a
-/// padding query) attends every key uniformly, as HF's eager attention does with its `min_dtype`
-/// mask; it passes no gradient to queries or keys.
+/// `past + i`) when `j <= past + i`, the key is a real token and, with a sliding window `w`,
+/// `past + i - j < w` (HF's `sliding_window_overlay`). A query that sees no key (a padding query)
+/// attends every key uniformly, as HF's eager attention does with its `min_dtype` mask; it passes
+/// no gradient to queries or keys.
 #[derive(Debug, Clone)]
 pub struct AttentionMask {
     /// `[B * S]`, row-major: 1 where key `j` of row `b` is a real token.
@@ -35,6 +36,8 @@ pub struct AttentionMask {
     batch: usize,
     keys_len: usize,
     past: usize,
+    /// Sliding-window layers: each query sees at most this many keys back (itself included).
+    window: Option<usize>,
 }
 
 impl AttentionMask {
@@ -54,7 +57,24 @@ impl AttentionMask {
             batch: attention_mask.len(),
             keys_len,
             past,
+            window: None,
         }
+    }
+
+    /// This mask for a sliding-window layer: each query also sees only the `window` latest
+    /// positions (itself included).
+    pub fn with_window(&self, window: usize) -> Self {
+        Self {
+            window: Some(window),
+            ..self.clone()
+        }
+    }
+
+    /// The first key query `i` may see (0 without a window).
+    #[inline]
+    pub fn window_start(&self, i: usize) -> usize {
+        self.window
+            .map_or(0, |w| (self.past + i + 1).saturating_sub(w))
     }
 
     /// Rows `B`.
@@ -70,7 +90,7 @@ impl AttentionMask {
     /// Whether query `i` of row `b` sees key `j`.
     #[inline]
     pub fn visible(&self, b: usize, i: usize, j: usize) -> bool {
-        j <= self.past + i && self.keys[b * self.keys_len + j] != 0
+        j <= self.past + i && j >= self.window_start(i) && self.keys[b * self.keys_len + j] != 0
     }
 
     /// Keys `0..end` hold every key visible to the queries before `i_end`.
@@ -381,7 +401,8 @@ mod tests {
     }
 
     /// Shapes and masks that cover the cases: grouped heads, several query blocks of both
-    /// implementations, left padding (padding queries see no key), and queries after a cache.
+    /// implementations, left padding (padding queries see no key), queries after a cache, and
+    /// sliding windows.
     fn cases() -> Vec<([usize; 4], usize, AttentionMask)> {
         vec![
             // [B, H, L, D], KV heads, mask over S = L keys.
@@ -389,6 +410,13 @@ mod tests {
             ([2, 3, 9, 8], 3, padded_mask(&[2, 0], 9, 0)),
             // Decoding 2 queries after 30 cached keys (S = 32), one row padded.
             ([2, 4, 2, 8], 1, padded_mask(&[0, 4], 32, 30)),
+            // Sliding-window layers: a window shorter than a query block, and while decoding.
+            (
+                [3, 4, 150, 16],
+                2,
+                padded_mask(&[0, 5, 70], 150, 0).with_window(40),
+            ),
+            ([2, 4, 2, 8], 1, padded_mask(&[0, 4], 32, 30).with_window(7)),
         ]
     }
 

@@ -83,9 +83,10 @@ fn softmax_rows(
         .enumerate()
         .map(|(r, row)| {
             let limit = mask.causal_end(i0 + r + 1).min(keys);
-            let visible = |j: usize| j < limit && key_row[j] != 0;
+            let start = mask.window_start(i0 + r);
+            let visible = |j: usize| j >= start && j < limit && key_row[j] != 0;
             let mut max = f32::NEG_INFINITY;
-            for (j, &s) in row.iter().enumerate().take(limit) {
+            for (j, &s) in row.iter().enumerate().take(limit).skip(start) {
                 if key_row[j] != 0 && s > max {
                     max = s;
                 }
@@ -238,10 +239,11 @@ pub(super) fn attention_backward_f32(
                     for (r, row) in probs.chunks_mut(keys).enumerate() {
                         let i = i0 + r;
                         let limit = mask.causal_end(i + 1).min(keys);
+                        let start = mask.window_start(i);
                         let row_lse = lse[(bi * h + hi) * l + i];
                         let mut any = false;
                         for (j, p) in row.iter_mut().enumerate() {
-                            if j < limit && key_row[j] != 0 {
+                            if j >= start && j < limit && key_row[j] != 0 {
                                 *p = (*p - row_lse).exp();
                                 any = true;
                             } else {
