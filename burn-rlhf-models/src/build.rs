@@ -105,13 +105,17 @@ fn sized_norm<B: Backend>(
     Ok(RmsNorm {
         weight: Param::from_tensor(tensor1(w.take(name, &[width])?, device)),
         eps: c.rms_norm_eps,
+        offset: c.norm_offset(),
     })
 }
 
 fn init_norm<B: Backend>(c: &TransformerConfig, width: usize, device: &B::Device) -> RmsNorm<B> {
+    // The identity scale either way: Gemma's `(1 + weight)` starts from zeros, as HF's.
+    let init = if c.model_type.gemma() { 0.0 } else { 1.0 };
     RmsNorm {
-        weight: Param::from_tensor(Tensor::ones([width], device)),
+        weight: Param::from_tensor(Tensor::full([width], init, device)),
         eps: c.rms_norm_eps,
+        offset: c.norm_offset(),
     }
 }
 
@@ -125,6 +129,7 @@ impl TransformerConfig {
             self.intermediate_size,
         );
         let qk_norm = self.model_type.qk_norm();
+        let gemma = self.model_type.gemma();
         let layers = (0..self.num_hidden_layers)
             .map(|n| DecoderLayer {
                 self_attn: Attention {
@@ -138,14 +143,18 @@ impl TransformerConfig {
                     num_kv_heads: self.num_key_value_heads,
                     head_dim: self.head_dim,
                     sliding_window: self.layer_window(n),
+                    query_scale: self.query_scale(),
                 },
                 mlp: Mlp {
                     gate_proj: LoraLinear::init(h, i, self.mlp_bias, device),
                     up_proj: LoraLinear::init(h, i, self.mlp_bias, device),
                     down_proj: LoraLinear::init(i, h, self.mlp_bias, device),
+                    act: self.hidden_act,
                 },
                 input_layernorm: init_norm(self, h, device),
                 post_attention_layernorm: init_norm(self, h, device),
+                pre_feedforward_layernorm: gemma.then(|| init_norm(self, h, device)),
+                post_feedforward_layernorm: gemma.then(|| init_norm(self, h, device)),
             })
             .collect();
         Transformer {
@@ -153,6 +162,8 @@ impl TransformerConfig {
             layers,
             norm: init_norm(self, h, device),
             rotary: self.rotary_frequencies(),
+            local_rotary: self.local_rotary_frequencies(),
+            embed_scale: self.embed_scale(),
         }
     }
 
@@ -185,7 +196,14 @@ impl<B: Backend> Transformer<B> {
             weight: Param::from_tensor(tensor2(embed.data, [c.vocab_size, h], device)),
         };
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
-        // Qwen3's per-head query and key norms, `[head_dim]` each.
+        // Gemma's norms around the MLP.
+        let gemma_norm = |w: &mut WeightMap, name: &str| {
+            c.model_type
+                .gemma()
+                .then(|| norm(w, name, c, device))
+                .transpose()
+        };
+        // Qwen3's and Gemma's per-head query and key norms, `[head_dim]` each.
         let head_norm = |w: &mut WeightMap, name: &str| {
             c.model_type
                 .qk_norm()
@@ -221,11 +239,13 @@ impl<B: Backend> Transformer<B> {
                     num_kv_heads: c.num_key_value_heads,
                     head_dim: c.head_dim,
                     sliding_window: c.layer_window(n),
+                    query_scale: c.query_scale(),
                 },
                 mlp: Mlp {
                     gate_proj: lin(w, "mlp.gate_proj", h, i, c.mlp_bias)?,
                     up_proj: lin(w, "mlp.up_proj", h, i, c.mlp_bias)?,
                     down_proj: lin(w, "mlp.down_proj", i, h, c.mlp_bias)?,
+                    act: c.hidden_act,
                 },
                 input_layernorm: norm(w, &format!("{p}.input_layernorm.weight"), c, device)?,
                 post_attention_layernorm: norm(
@@ -234,6 +254,14 @@ impl<B: Backend> Transformer<B> {
                     c,
                     device,
                 )?,
+                pre_feedforward_layernorm: gemma_norm(
+                    w,
+                    &format!("{p}.pre_feedforward_layernorm.weight"),
+                )?,
+                post_feedforward_layernorm: gemma_norm(
+                    w,
+                    &format!("{p}.post_feedforward_layernorm.weight"),
+                )?,
             });
         }
         Ok(Self {
@@ -241,6 +269,8 @@ impl<B: Backend> Transformer<B> {
             layers,
             norm: norm(w, "model.norm.weight", c, device)?,
             rotary: c.rotary_frequencies(),
+            local_rotary: c.local_rotary_frequencies(),
+            embed_scale: c.embed_scale(),
         })
     }
 
@@ -273,6 +303,20 @@ impl<B: Backend> Transformer<B> {
                 format!("{p}.post_attention_layernorm.weight"),
                 host(layer.post_attention_layernorm.weight.val()),
             );
+            for (name, norm) in [
+                (
+                    "pre_feedforward_layernorm",
+                    &layer.pre_feedforward_layernorm,
+                ),
+                (
+                    "post_feedforward_layernorm",
+                    &layer.post_feedforward_layernorm,
+                ),
+            ] {
+                if let Some(n) = norm {
+                    out.insert(format!("{p}.{name}.weight"), host(n.weight.val()));
+                }
+            }
         }
         out.insert("model.norm.weight".into(), host(self.norm.weight.val()));
     }
@@ -298,6 +342,10 @@ impl<B: Backend> Transformer<B> {
                 DecoderLayer {
                     input_layernorm: layer.input_layernorm.no_grad(),
                     post_attention_layernorm: layer.post_attention_layernorm.no_grad(),
+                    pre_feedforward_layernorm: layer.pre_feedforward_layernorm.map(|n| n.no_grad()),
+                    post_feedforward_layernorm: layer
+                        .post_feedforward_layernorm
+                        .map(|n| n.no_grad()),
                     ..layer
                 }
             })
@@ -356,6 +404,7 @@ impl<B: Backend> DecoderLayer<B> {
                 gate_proj: f(LAYER_LINEARS[4], m.gate_proj)?,
                 up_proj: f(LAYER_LINEARS[5], m.up_proj)?,
                 down_proj: f(LAYER_LINEARS[6], m.down_proj)?,
+                act: m.act,
             },
             ..self
         })

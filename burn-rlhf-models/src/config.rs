@@ -24,11 +24,22 @@ pub enum ModelType {
     Qwen2,
     /// Qwen3 (dense): RMSNorm over each query and key head before the rotation, no biases.
     Qwen3,
+    /// Gemma 3's language model: scaled embeddings, `(1 + weight)` RMSNorms, head norms, norms
+    /// after attention and around the MLP, GeGLU, `query_pre_attn_scalar`, interleaved
+    /// sliding-window and global layers with their own RoPE.
+    #[serde(rename = "gemma3_text")]
+    Gemma3Text,
 }
 
 impl ModelType {
     /// Every supported architecture.
-    pub const ALL: [Self; 4] = [Self::Llama, Self::Mistral, Self::Qwen2, Self::Qwen3];
+    pub const ALL: [Self; 5] = [
+        Self::Llama,
+        Self::Mistral,
+        Self::Qwen2,
+        Self::Qwen3,
+        Self::Gemma3Text,
+    ];
 
     /// HF's (and llama.cpp's) name.
     pub fn name(self) -> &'static str {
@@ -37,6 +48,7 @@ impl ModelType {
             Self::Mistral => "mistral",
             Self::Qwen2 => "qwen2",
             Self::Qwen3 => "qwen3",
+            Self::Gemma3Text => "gemma3_text",
         }
     }
 
@@ -61,6 +73,7 @@ impl ModelType {
             Self::Mistral => "Mistral",
             Self::Qwen2 => "Qwen2",
             Self::Qwen3 => "Qwen3",
+            Self::Gemma3Text => "Gemma3",
         }
     }
 
@@ -76,8 +89,35 @@ impl ModelType {
 
     /// Whether each attention head's queries and keys are RMS-normalised before the rotation.
     pub fn qk_norm(self) -> bool {
-        self == Self::Qwen3
+        matches!(self, Self::Qwen3 | Self::Gemma3Text)
     }
+
+    /// Gemma's layout: RMSNorms scale by `1 + weight`, embeddings are multiplied by
+    /// `sqrt(hidden_size)`, and each block's output is normalised too (`post_attention_layernorm`
+    /// after attention, `pre_`/`post_feedforward_layernorm` around the MLP).
+    pub fn gemma(self) -> bool {
+        self == Self::Gemma3Text
+    }
+}
+
+/// The MLP's gate activation (HF `hidden_act` / `hidden_activation`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Activation {
+    /// SwiGLU.
+    #[default]
+    Silu,
+    /// GeGLU with the tanh approximation of GELU (Gemma).
+    GeluPytorchTanh,
+}
+
+/// The RoPE of the sliding-window layers when it differs from the global layers' (Gemma 3).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LocalRope {
+    /// The local layers' base.
+    pub rope_theta: f64,
+    /// The local layers' scaling.
+    pub rope_scaling: RopeScaling,
 }
 
 /// What one decoder layer attends to (HF `layer_types`).
@@ -118,6 +158,16 @@ pub struct TransformerConfig {
     /// How the rotary frequencies are scaled (`rope_parameters.rope_type`).
     #[config(default = "RopeScaling::Default")]
     pub rope_scaling: RopeScaling,
+    /// The sliding-window layers' own RoPE (Gemma 3); `None`: the global one.
+    #[config(default = "None")]
+    pub local_rope: Option<LocalRope>,
+    /// The MLP's gate activation.
+    #[config(default = "Activation::Silu")]
+    pub hidden_act: Activation,
+    /// Attention scores are scaled by `query_pre_attn_scalar^-0.5` instead of `head_dim^-0.5`
+    /// (Gemma).
+    #[config(default = "None")]
+    pub query_pre_attn_scalar: Option<f64>,
     /// The window of the sliding-window layers (`sliding_window`, where the architecture and
     /// `use_sliding_window` make it apply).
     #[config(default = "None")]
@@ -222,8 +272,23 @@ pub struct HfConfig {
     eos_token_id: Option<TokenIds>,
     /// Padding id.
     pub pad_token_id: Option<u32>,
-    /// The MLP's activation: `silu` (SwiGLU) is what the decoder computes.
+    /// The MLP's activation: `silu` (SwiGLU) or `gelu_pytorch_tanh` (GeGLU).
     pub hidden_act: Option<String>,
+    /// Gemma's name for `hidden_act`.
+    pub hidden_activation: Option<String>,
+    /// Gemma: attention scores scaled by this to the power -0.5.
+    pub query_pre_attn_scalar: Option<f64>,
+    /// Gemma 2's soft-capping of attention scores: refused when set.
+    pub attn_logit_softcapping: Option<f64>,
+    /// Gemma's soft-capping of the logits: refused when set.
+    pub final_logit_softcapping: Option<f64>,
+    /// Gemma 3 (transformers 4.x): the sliding-window layers' RoPE base.
+    pub rope_local_base_freq: Option<f64>,
+    /// Gemma 3 (transformers 4.x): every this-many-th layer is global.
+    #[serde(alias = "_sliding_window_pattern")]
+    pub sliding_window_pattern: Option<usize>,
+    /// Gemma 3's bidirectional attention (its vision tokens): refused when true.
+    pub use_bidirectional_attention: Option<bool>,
     /// Rotary dimensions as a fraction of `head_dim`: only 1 is supported.
     pub partial_rotary_factor: Option<f64>,
     /// The window of sliding-window attention (Mistral: every layer; Qwen: the layers
@@ -244,17 +309,53 @@ impl HfConfig {
         serde_json::from_value(v.clone()).map_err(|e| ModelError::config(path, e.to_string()))
     }
 
-    /// The RoPE base and scaling, from either transformers version's keys.
-    fn rope(&self) -> Result<(f64, RopeScaling), String> {
-        let params = self
+    /// The global and, when they differ, the sliding-window layers' RoPE, from either
+    /// transformers version's keys (transformers 5 nests them per layer type).
+    fn ropes(&self) -> Result<(f64, RopeScaling, Option<LocalRope>), String> {
+        let nested = self
             .rope_parameters
             .as_ref()
-            .or(self.rope_scaling.as_ref())
-            .filter(|p| !p.is_null());
+            .filter(|p| p.get("full_attention").is_some() || p.get("sliding_attention").is_some());
+        if let Some(nested) = nested {
+            let read = |kind: &str| -> Result<(f64, RopeScaling), String> {
+                let params = nested.get(kind).cloned().unwrap_or(Value::Null);
+                Self::rope_of(Some(&params), self.rope_theta)
+            };
+            let (theta, scaling) = read("full_attention")?;
+            let local = match nested.get("sliding_attention") {
+                Some(_) => {
+                    let (rope_theta, rope_scaling) = read("sliding_attention")?;
+                    Some(LocalRope {
+                        rope_theta,
+                        rope_scaling,
+                    })
+                }
+                None => None,
+            };
+            return Ok((theta, scaling, local));
+        }
+        let (theta, scaling) = self.rope()?;
+        let local = self.rope_local_base_freq.map(|rope_theta| LocalRope {
+            rope_theta,
+            rope_scaling: RopeScaling::Default,
+        });
+        Ok((theta, scaling, local))
+    }
+
+    /// The RoPE base and scaling, from either transformers version's keys.
+    fn rope(&self) -> Result<(f64, RopeScaling), String> {
+        let params = self.rope_parameters.as_ref().or(self.rope_scaling.as_ref());
+        Self::rope_of(params, self.rope_theta)
+    }
+
+    /// The base and scaling of one set of RoPE parameters (`rope_theta` from them, else
+    /// `theta`, else 10000).
+    fn rope_of(params: Option<&Value>, theta: Option<f64>) -> Result<(f64, RopeScaling), String> {
+        let params = params.filter(|p| !p.is_null());
         let theta = params
             .and_then(|p| p.get("rope_theta"))
             .and_then(Value::as_f64)
-            .or(self.rope_theta)
+            .or(theta)
             .unwrap_or(10000.0);
         let Some(Value::Object(map)) = params else {
             return Ok((theta, RopeScaling::Default));
@@ -287,6 +388,7 @@ impl HfConfig {
             ModelType::Qwen2 | ModelType::Qwen3 => self
                 .sliding_window
                 .filter(|_| self.use_sliding_window.unwrap_or(false)),
+            ModelType::Gemma3Text => Some(self.sliding_window.unwrap_or(4096)),
         };
         let Some(window) = window else {
             return Ok((None, Vec::new()));
@@ -316,9 +418,16 @@ impl HfConfig {
                     ModelType::Mistral => 0,
                     _ => self.max_window_layers.unwrap_or(0),
                 };
+                // Gemma 3: every `pattern`-th layer is global, the others slide.
+                let pattern = (model_type == ModelType::Gemma3Text)
+                    .then(|| self.sliding_window_pattern.unwrap_or(6));
                 (0..layers)
                     .map(|i| {
-                        if i >= first {
+                        let sliding = match pattern {
+                            Some(p) => (i + 1) % p.max(1) != 0,
+                            None => i >= first,
+                        };
+                        if sliding {
                             LayerAttention::SlidingAttention
                         } else {
                             LayerAttention::FullAttention
@@ -345,17 +454,37 @@ impl HfConfig {
                 "num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv_heads})"
             )));
         }
-        if let Some(act) = self.hidden_act.as_deref().filter(|a| *a != "silu") {
-            return Err(err(format!(
-                "hidden_act `{act}` is not supported (the decoder's MLP is SwiGLU: `silu`)"
-            )));
+        // Gemma 3's defaults where its config leaves a key out (transformers' `Gemma3TextConfig`).
+        let gemma = model_type.gemma();
+        let act_name = self
+            .hidden_activation
+            .as_deref()
+            .or(self.hidden_act.as_deref())
+            .unwrap_or(if gemma { "gelu_pytorch_tanh" } else { "silu" });
+        let hidden_act: Activation = serde_json::from_value(json!(act_name)).map_err(|_| {
+            err(format!(
+                "hidden_act `{act_name}` is not supported (silu, gelu_pytorch_tanh)"
+            ))
+        })?;
+        for (key, value) in [
+            ("attn_logit_softcapping", self.attn_logit_softcapping),
+            ("final_logit_softcapping", self.final_logit_softcapping),
+        ] {
+            if let Some(v) = value {
+                return Err(err(format!("{key} ({v}) is not supported")));
+            }
+        }
+        if self.use_bidirectional_attention == Some(true) {
+            return Err(err(
+                "use_bidirectional_attention is not supported (a causal decoder)".into(),
+            ));
         }
         if let Some(f) = self.partial_rotary_factor.filter(|f| *f != 1.0) {
             return Err(err(format!(
                 "partial_rotary_factor {f} is not supported (only 1.0)"
             )));
         }
-        let (rope_theta, rope_scaling) = self.rope().map_err(err)?;
+        let (rope_theta, rope_scaling, local_rope) = self.ropes().map_err(err)?;
         let (sliding_window, layer_types) = self.sliding(model_type).map_err(err)?;
         let qwen2 = model_type == ModelType::Qwen2;
         Ok(TransformerConfig {
@@ -370,6 +499,9 @@ impl HfConfig {
             rms_norm_eps: self.rms_norm_eps,
             rope_theta,
             rope_scaling,
+            local_rope,
+            hidden_act,
+            query_pre_attn_scalar: self.query_pre_attn_scalar.or(gemma.then_some(256.0)),
             sliding_window,
             layer_types,
             qkv_bias: qwen2 || self.attention_bias,
@@ -420,7 +552,7 @@ impl TransformerConfig {
             "num_attention_heads": self.num_attention_heads,
             "num_key_value_heads": self.num_key_value_heads,
             "head_dim": self.head_dim,
-            "hidden_act": "silu",
+            "hidden_act": self.hidden_act,
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
             "rope_parameters": rope.clone(),
@@ -435,7 +567,27 @@ impl TransformerConfig {
         });
         if self.rope_scaling != RopeScaling::Default {
             // transformers 4.x reads the scaling from here.
-            v["rope_scaling"] = rope;
+            v["rope_scaling"] = rope.clone();
+        }
+        if let Some(local) = &self.local_rope {
+            let mut local_params =
+                serde_json::to_value(&local.rope_scaling).expect("RoPE settings serialise");
+            local_params["rope_theta"] = json!(local.rope_theta);
+            v["rope_parameters"] =
+                json!({"full_attention": rope, "sliding_attention": local_params});
+            v["rope_local_base_freq"] = json!(local.rope_theta);
+        }
+        if self.model_type.gemma() {
+            v["hidden_activation"] = json!(self.hidden_act);
+            v["use_bidirectional_attention"] = json!(false);
+        }
+        if let Some(q) = self.query_pre_attn_scalar {
+            // transformers' Gemma config types it as an integer.
+            v["query_pre_attn_scalar"] = if q.fract() == 0.0 {
+                json!(q as u64)
+            } else {
+                json!(q)
+            };
         }
         if self.model_type != ModelType::Qwen2 {
             v["attention_bias"] = json!(self.qkv_bias);
@@ -481,10 +633,41 @@ impl TransformerConfig {
         self.num_attention_heads / self.num_key_value_heads
     }
 
-    /// The rotary frequencies of this model.
+    /// The rotary frequencies of this model (of its global layers).
     pub fn rotary_frequencies(&self) -> crate::rope::RotaryFrequencies {
         self.rope_scaling
             .frequencies(self.head_dim, self.rope_theta, self.max_position_embeddings)
+    }
+
+    /// Added to every RMSNorm weight: Gemma's norms scale by `1 + weight`.
+    pub fn norm_offset(&self) -> f64 {
+        if self.model_type.gemma() {
+            1.0
+        } else {
+            0.0
+        }
+    }
+
+    /// Gemma multiplies the embeddings by `sqrt(hidden_size)`.
+    pub fn embed_scale(&self) -> Option<f64> {
+        self.model_type
+            .gemma()
+            .then(|| (self.hidden_size as f64).sqrt())
+    }
+
+    /// What the queries are multiplied by so that the attention's `head_dim^-0.5` becomes
+    /// `query_pre_attn_scalar^-0.5`.
+    pub fn query_scale(&self) -> Option<f64> {
+        self.query_pre_attn_scalar
+            .map(|q| (self.head_dim as f64 / q).sqrt())
+    }
+
+    /// The sliding-window layers' rotary frequencies when they have their own (Gemma 3).
+    pub fn local_rotary_frequencies(&self) -> Option<crate::rope::RotaryFrequencies> {
+        self.local_rope.as_ref().map(|l| {
+            l.rope_scaling
+                .frequencies(self.head_dim, l.rope_theta, self.max_position_embeddings)
+        })
     }
 }
 

@@ -9,24 +9,33 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{DType, FloatDType, Int, Tensor, TensorData};
 
 use crate::cache::KvCache;
+use crate::config::Activation;
 use crate::kernels::{self, AttentionMask, DecoderBackend};
 use crate::lora::LoraLinear;
 use crate::rope::RotaryFrequencies;
 
-/// RMSNorm (`x / sqrt(mean(x^2) + eps) * weight`), with HF's field name `weight`.
+/// RMSNorm (`x / sqrt(mean(x^2) + eps) * (offset + weight)`), with HF's field name `weight`.
 #[derive(Module, Debug)]
 pub struct RmsNorm<B: Backend> {
     /// `[hidden]`.
     pub weight: Param<Tensor<B, 1>>,
     /// Added to the mean square.
     pub eps: f64,
+    /// Added to the weight: 1 for Gemma's `(1 + weight)`, 0 otherwise.
+    pub offset: f64,
 }
 
 impl<B: DecoderBackend> RmsNorm<B> {
     /// Shapes: `[B, L, H]` → `[B, L, H]`. The statistics are f32 whatever the model's dtype (as
     /// HF's), the result in it.
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        kernels::rms_norm(x, self.weight.val(), self.eps)
+        let weight = self.weight.val();
+        let weight = if self.offset == 0.0 {
+            weight
+        } else {
+            weight.add_scalar(self.offset)
+        };
+        kernels::rms_norm(x, weight, self.eps)
     }
 }
 
@@ -54,6 +63,10 @@ pub struct Attention<B: Backend> {
     /// Sliding-window layers: the window (the mask passed in is narrowed to it).
     #[module(skip)]
     pub sliding_window: Option<usize>,
+    /// Multiplies the queries when the scores are scaled by other than `head_dim^-0.5`
+    /// (Gemma's `query_pre_attn_scalar`: `sqrt(head_dim / query_pre_attn_scalar)`).
+    #[module(skip)]
+    pub query_scale: Option<f64>,
 }
 
 /// Rotary tables for one forward: `[B, 1, L, head_dim]` each.
@@ -121,6 +134,10 @@ impl<B: DecoderBackend> Attention<B> {
         let q = per_head_norm(&self.q_norm, self.q_proj.forward(x.clone()), [b, l, h, d]);
         let k = per_head_norm(&self.k_norm, self.k_proj.forward(x.clone()), [b, l, kv, d]);
         let (q, k) = (rope.apply(q), rope.apply(k));
+        let q = match self.query_scale {
+            Some(scale) => q.mul_scalar(scale),
+            None => q,
+        };
         let v = self
             .v_proj
             .forward(x)
@@ -152,7 +169,7 @@ fn per_head_norm<B: DecoderBackend>(
     }
 }
 
-/// SwiGLU: `down(silu(gate(x)) * up(x))`.
+/// A gated MLP: `down(act(gate(x)) * up(x))`, SwiGLU (`silu`) or GeGLU (Gemma's tanh GELU).
 #[derive(Module, Debug)]
 pub struct Mlp<B: Backend> {
     /// `[hidden] → [intermediate]`.
@@ -161,15 +178,30 @@ pub struct Mlp<B: Backend> {
     pub up_proj: LoraLinear<B>,
     /// `[intermediate] → [hidden]`.
     pub down_proj: LoraLinear<B>,
+    /// The gate's activation.
+    #[module(skip)]
+    pub act: Activation,
 }
 
 impl<B: DecoderBackend> Mlp<B> {
     /// Shapes: `[B, L, H]` → `[B, L, H]`.
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         let gate = self.gate_proj.forward(x.clone());
-        self.down_proj
-            .forward(kernels::swiglu(gate, self.up_proj.forward(x)))
+        let up = self.up_proj.forward(x);
+        let hidden = match self.act {
+            Activation::Silu => kernels::swiglu(gate, up),
+            Activation::GeluPytorchTanh => gelu_tanh(gate) * up,
+        };
+        self.down_proj.forward(hidden)
     }
+}
+
+/// GELU with the tanh approximation (PyTorch's `gelu(approximate="tanh")`), as tensor ops:
+/// `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`. Shapes: any → the same.
+fn gelu_tanh<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
+    let inner = (x.clone() + x.clone().powi_scalar(3).mul_scalar(0.044715))
+        .mul_scalar((2.0 / std::f64::consts::PI).sqrt());
+    x.clone().mul_scalar(0.5) * (inner.tanh().add_scalar(1.0))
 }
 
 /// One pre-norm decoder layer.
@@ -181,8 +213,13 @@ pub struct DecoderLayer<B: Backend> {
     pub mlp: Mlp<B>,
     /// Norm before attention.
     pub input_layernorm: RmsNorm<B>,
-    /// Norm before the MLP.
+    /// Norm before the MLP (Llama, Qwen); of the attention's output (Gemma, which has the two
+    /// norms below).
     pub post_attention_layernorm: RmsNorm<B>,
+    /// Gemma: norm before the MLP.
+    pub pre_feedforward_layernorm: Option<RmsNorm<B>>,
+    /// Gemma: norm of the MLP's output.
+    pub post_feedforward_layernorm: Option<RmsNorm<B>>,
 }
 
 impl<B: DecoderBackend> DecoderLayer<B> {
@@ -194,11 +231,23 @@ impl<B: DecoderBackend> DecoderLayer<B> {
         mask: &AttentionMask,
         cache: Option<(&mut KvCache<B>, usize)>,
     ) -> Tensor<B, 3> {
-        let h = x.clone()
-            + self
-                .self_attn
-                .forward(self.input_layernorm.forward(x), rope, mask, cache);
-        h.clone() + self.mlp.forward(self.post_attention_layernorm.forward(h))
+        let attn =
+            self.self_attn
+                .forward(self.input_layernorm.forward(x.clone()), rope, mask, cache);
+        match (
+            &self.pre_feedforward_layernorm,
+            &self.post_feedforward_layernorm,
+        ) {
+            (Some(pre), Some(post)) => {
+                // Gemma: every block's output is normalised before the residual.
+                let h = x + self.post_attention_layernorm.forward(attn);
+                h.clone() + post.forward(self.mlp.forward(pre.forward(h)))
+            }
+            _ => {
+                let h = x + attn;
+                h.clone() + self.mlp.forward(self.post_attention_layernorm.forward(h))
+            }
+        }
     }
 }
 
@@ -214,6 +263,12 @@ pub struct Transformer<B: Backend> {
     /// The rotary frequencies (the config's base and scaling).
     #[module(skip)]
     pub rotary: RotaryFrequencies,
+    /// The sliding-window layers' own rotary frequencies (Gemma 3).
+    #[module(skip)]
+    pub local_rotary: Option<RotaryFrequencies>,
+    /// Multiplies the embeddings (Gemma: `sqrt(hidden_size)`, in the model's dtype).
+    #[module(skip)]
+    pub embed_scale: Option<f64>,
 }
 
 /// Host-side integer matrix `[B][L]` from an Int tensor.
@@ -262,10 +317,21 @@ impl<B: DecoderBackend> Transformer<B> {
         let [_, l] = input_ids.dims();
         let past = cache.as_ref().map_or(0, |c| c.len());
         let rope = Rope::new(position_ids, &self.rotary, &device);
+        let local_rope = self
+            .local_rotary
+            .as_ref()
+            .map(|freqs| Rope::new(position_ids, freqs, &device));
         let mask = AttentionMask::new(attention_mask, past);
         // One windowed mask per window size the layers use (one, in every supported family).
         let mut windowed: Vec<(usize, AttentionMask)> = Vec::new();
         let mut x = self.embed_tokens.forward(input_ids);
+        if let Some(scale) = self.embed_scale {
+            // HF multiplies by the scale cast to the weights' dtype.
+            let scale = Tensor::<B, 1>::from_floats([scale as f32], &device)
+                .cast(x.dtype())
+                .reshape([1, 1, 1]);
+            x = x * scale;
+        }
         for (i, layer) in self.layers.iter().enumerate() {
             let layer_cache = cache.as_deref_mut().map(|c| (c, i));
             let layer_mask = match layer.self_attn.sliding_window {
@@ -281,7 +347,11 @@ impl<B: DecoderBackend> Transformer<B> {
                         .1
                 }
             };
-            x = layer.forward(x, &rope, layer_mask, layer_cache);
+            let layer_rope = match (&local_rope, layer.self_attn.sliding_window) {
+                (Some(local), Some(_)) => local,
+                _ => &rope,
+            };
+            x = layer.forward(x, layer_rope, layer_mask, layer_cache);
         }
         if let Some(c) = cache {
             c.advance(l);
