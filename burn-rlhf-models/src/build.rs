@@ -122,11 +122,10 @@ fn init_norm<B: Backend>(c: &TransformerConfig, width: usize, device: &B::Device
 impl TransformerConfig {
     /// A randomly initialised decoder (Burn's default initialisers), for training from scratch.
     pub fn init<B: Backend>(&self, device: &B::Device) -> Transformer<B> {
-        let (h, q, kv, i) = (
+        let (h, q, kv) = (
             self.hidden_size,
             self.num_attention_heads * self.head_dim,
             self.num_key_value_heads * self.head_dim,
-            self.intermediate_size,
         );
         let qk_norm = self.model_type.qk_norm();
         let gemma = self.model_type.gemma();
@@ -145,12 +144,7 @@ impl TransformerConfig {
                     sliding_window: self.layer_window(n),
                     query_scale: self.query_scale(),
                 },
-                mlp: Mlp {
-                    gate_proj: LoraLinear::init(h, i, self.mlp_bias, device),
-                    up_proj: LoraLinear::init(h, i, self.mlp_bias, device),
-                    down_proj: LoraLinear::init(i, h, self.mlp_bias, device),
-                    act: self.hidden_act,
-                },
+                mlp: self.init_feed_forward(n, device),
                 input_layernorm: init_norm(self, h, device),
                 post_attention_layernorm: init_norm(self, h, device),
                 pre_feedforward_layernorm: gemma.then(|| init_norm(self, h, device)),
@@ -164,6 +158,30 @@ impl TransformerConfig {
             rotary: self.rotary_frequencies(),
             local_rotary: self.local_rotary_frequencies(),
             embed_scale: self.embed_scale(),
+        }
+    }
+
+    /// Layer `n`'s feed-forward block, randomly initialised: a dense MLP, or a router and
+    /// experts.
+    fn init_feed_forward<B: Backend>(&self, n: usize, device: &B::Device) -> FeedForward<B> {
+        let h = self.hidden_size;
+        let mlp = |width: usize| Mlp {
+            gate_proj: LoraLinear::init(h, width, self.mlp_bias, device),
+            up_proj: LoraLinear::init(h, width, self.mlp_bias, device),
+            down_proj: LoraLinear::init(width, h, self.mlp_bias, device),
+            act: self.hidden_act,
+        };
+        match self.moe.as_ref().filter(|_| self.layer_is_sparse(n)) {
+            Some(moe) => FeedForward::Sparse(SparseMoe {
+                gate: LoraLinear::init(h, moe.num_experts, false, device),
+                experts: (0..moe.num_experts)
+                    .map(|_| mlp(moe.expert_intermediate_size))
+                    .collect(),
+                top_k: moe.num_experts_per_tok,
+                norm_topk_prob: moe.norm_topk_prob,
+                model_type: self.model_type,
+            }),
+            None => FeedForward::Dense(mlp(self.intermediate_size)),
         }
     }
 
@@ -241,11 +259,34 @@ impl<B: Backend> Transformer<B> {
                     sliding_window: c.layer_window(n),
                     query_scale: c.query_scale(),
                 },
-                mlp: Mlp {
-                    gate_proj: lin(w, "mlp.gate_proj", h, i, c.mlp_bias)?,
-                    up_proj: lin(w, "mlp.up_proj", h, i, c.mlp_bias)?,
-                    down_proj: lin(w, "mlp.down_proj", i, h, c.mlp_bias)?,
-                    act: c.hidden_act,
+                mlp: match c.moe.as_ref().filter(|_| c.layer_is_sparse(n)) {
+                    None => FeedForward::Dense(Mlp {
+                        gate_proj: lin(w, "mlp.gate_proj", h, i, c.mlp_bias)?,
+                        up_proj: lin(w, "mlp.up_proj", h, i, c.mlp_bias)?,
+                        down_proj: lin(w, "mlp.down_proj", i, h, c.mlp_bias)?,
+                        act: c.hidden_act,
+                    }),
+                    Some(moe) => {
+                        let (block, [gate, up, down]) = c.model_type.moe_names();
+                        let width = moe.expert_intermediate_size;
+                        let mut experts = Vec::with_capacity(moe.num_experts);
+                        for e in 0..moe.num_experts {
+                            let x = format!("{block}.experts.{e}");
+                            experts.push(Mlp {
+                                gate_proj: lin(w, &format!("{x}.{gate}"), h, width, false)?,
+                                up_proj: lin(w, &format!("{x}.{up}"), h, width, false)?,
+                                down_proj: lin(w, &format!("{x}.{down}"), width, h, false)?,
+                                act: c.hidden_act,
+                            });
+                        }
+                        FeedForward::Sparse(SparseMoe {
+                            gate: lin(w, &format!("{block}.gate"), h, moe.num_experts, false)?,
+                            experts,
+                            top_k: moe.num_experts_per_tok,
+                            norm_topk_prob: moe.norm_topk_prob,
+                            model_type: c.model_type,
+                        })
+                    }
                 },
                 input_layernorm: norm(w, &format!("{p}.input_layernorm.weight"), c, device)?,
                 post_attention_layernorm: norm(
@@ -292,9 +333,23 @@ impl<B: Backend> Transformer<B> {
                     out.insert(format!("{p}.self_attn.{name}.weight"), host(n.weight.val()));
                 }
             }
-            export_linear(&layer.mlp.gate_proj, &format!("{p}.mlp.gate_proj"), out);
-            export_linear(&layer.mlp.up_proj, &format!("{p}.mlp.up_proj"), out);
-            export_linear(&layer.mlp.down_proj, &format!("{p}.mlp.down_proj"), out);
+            match &layer.mlp {
+                FeedForward::Dense(m) => {
+                    export_linear(&m.gate_proj, &format!("{p}.mlp.gate_proj"), out);
+                    export_linear(&m.up_proj, &format!("{p}.mlp.up_proj"), out);
+                    export_linear(&m.down_proj, &format!("{p}.mlp.down_proj"), out);
+                }
+                FeedForward::Sparse(moe) => {
+                    let (block, [gate, up, down]) = moe.model_type.moe_names();
+                    export_linear(&moe.gate, &format!("{p}.{block}.gate"), out);
+                    for (e, x) in moe.experts.iter().enumerate() {
+                        let x_name = format!("{p}.{block}.experts.{e}");
+                        export_linear(&x.gate_proj, &format!("{x_name}.{gate}"), out);
+                        export_linear(&x.up_proj, &format!("{x_name}.{up}"), out);
+                        export_linear(&x.down_proj, &format!("{x_name}.{down}"), out);
+                    }
+                }
+            }
             out.insert(
                 format!("{p}.input_layernorm.weight"),
                 host(layer.input_layernorm.weight.val()),
@@ -336,6 +391,9 @@ impl<B: Backend> Transformer<B> {
                     })
                 });
                 let mut layer = layer.expect("adapting cannot fail");
+                if let FeedForward::Sparse(moe) = layer.mlp {
+                    layer.mlp = FeedForward::Sparse(moe.no_grad());
+                }
                 let attn = &mut layer.self_attn;
                 attn.q_norm = attn.q_norm.take().map(|n| n.no_grad());
                 attn.k_norm = attn.k_norm.take().map(|n| n.no_grad());
@@ -371,18 +429,24 @@ const LAYER_LINEARS: [&str; 7] = [
 ];
 
 impl<B: Backend> DecoderLayer<B> {
-    /// The linear layer called `name` (one of [`LAYER_LINEARS`]).
-    fn linear(&self, name: &str) -> &LoraLinear<B> {
-        let (a, m) = (&self.self_attn, &self.mlp);
-        match name {
+    /// The linear layer called `name` (one of [`LAYER_LINEARS`]); `None` for an MLP name of a
+    /// sparse layer (its experts take no adapters).
+    fn linear(&self, name: &str) -> Option<&LoraLinear<B>> {
+        let a = &self.self_attn;
+        Some(match name {
             "self_attn.q_proj" => &a.q_proj,
             "self_attn.k_proj" => &a.k_proj,
             "self_attn.v_proj" => &a.v_proj,
             "self_attn.o_proj" => &a.o_proj,
-            "mlp.gate_proj" => &m.gate_proj,
-            "mlp.up_proj" => &m.up_proj,
-            _ => &m.down_proj,
-        }
+            _ => {
+                let m = self.mlp.dense()?;
+                match name {
+                    "mlp.gate_proj" => &m.gate_proj,
+                    "mlp.up_proj" => &m.up_proj,
+                    _ => &m.down_proj,
+                }
+            }
+        })
     }
 
     /// The layer with each linear layer replaced by `f(its name, it)`.
@@ -400,11 +464,15 @@ impl<B: Backend> DecoderLayer<B> {
                 o_proj: f(LAYER_LINEARS[3], a.o_proj)?,
                 ..a
             },
-            mlp: Mlp {
-                gate_proj: f(LAYER_LINEARS[4], m.gate_proj)?,
-                up_proj: f(LAYER_LINEARS[5], m.up_proj)?,
-                down_proj: f(LAYER_LINEARS[6], m.down_proj)?,
-                act: m.act,
+            // A sparse layer's router and experts take no adapters (LoRA adapts attention there).
+            mlp: match m {
+                FeedForward::Dense(m) => FeedForward::Dense(Mlp {
+                    gate_proj: f(LAYER_LINEARS[4], m.gate_proj)?,
+                    up_proj: f(LAYER_LINEARS[5], m.up_proj)?,
+                    down_proj: f(LAYER_LINEARS[6], m.down_proj)?,
+                    act: m.act,
+                }),
+                sparse => sparse,
             },
             ..self
         })
@@ -487,7 +555,7 @@ impl<B: Backend> CausalLm<B> {
         let mut out = BTreeMap::new();
         for (n, layer) in self.model.layers.iter().enumerate() {
             for name in LAYER_LINEARS {
-                let Some(adapter) = &layer.linear(name).lora else {
+                let Some(adapter) = layer.linear(name).and_then(|l| l.lora.as_ref()) else {
                     continue;
                 };
                 let prefix = format!("base_model.model.model.layers.{n}.{name}");

@@ -29,16 +29,23 @@ pub enum ModelType {
     /// sliding-window and global layers with their own RoPE.
     #[serde(rename = "gemma3_text")]
     Gemma3Text,
+    /// Qwen3-MoE: Qwen3's attention, sparse MoE MLPs (top-k of `num_experts`).
+    #[serde(rename = "qwen3_moe")]
+    Qwen3Moe,
+    /// Mixtral: Mistral's attention, sparse MoE MLPs (top-k of `num_local_experts`).
+    Mixtral,
 }
 
 impl ModelType {
     /// Every supported architecture.
-    pub const ALL: [Self; 5] = [
+    pub const ALL: [Self; 7] = [
         Self::Llama,
         Self::Mistral,
         Self::Qwen2,
         Self::Qwen3,
         Self::Gemma3Text,
+        Self::Qwen3Moe,
+        Self::Mixtral,
     ];
 
     /// HF's (and llama.cpp's) name.
@@ -49,6 +56,8 @@ impl ModelType {
             Self::Qwen2 => "qwen2",
             Self::Qwen3 => "qwen3",
             Self::Gemma3Text => "gemma3_text",
+            Self::Qwen3Moe => "qwen3_moe",
+            Self::Mixtral => "mixtral",
         }
     }
 
@@ -74,6 +83,8 @@ impl ModelType {
             Self::Qwen2 => "Qwen2",
             Self::Qwen3 => "Qwen3",
             Self::Gemma3Text => "Gemma3",
+            Self::Qwen3Moe => "Qwen3Moe",
+            Self::Mixtral => "Mixtral",
         }
     }
 
@@ -89,7 +100,16 @@ impl ModelType {
 
     /// Whether each attention head's queries and keys are RMS-normalised before the rotation.
     pub fn qk_norm(self) -> bool {
-        matches!(self, Self::Qwen3 | Self::Gemma3Text)
+        matches!(self, Self::Qwen3 | Self::Gemma3Text | Self::Qwen3Moe)
+    }
+
+    /// The checkpoint's name for a sparse layer's block and its experts' projections (gate, up,
+    /// down): Qwen's `mlp.experts.N.gate_proj`, Mixtral's `block_sparse_moe.experts.N.w1`.
+    pub fn moe_names(self) -> (&'static str, [&'static str; 3]) {
+        match self {
+            Self::Mixtral => ("block_sparse_moe", ["w1", "w3", "w2"]),
+            _ => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
+        }
     }
 
     /// Gemma's layout: RMSNorms scale by `1 + weight`, embeddings are multiplied by
@@ -109,6 +129,28 @@ pub enum Activation {
     Silu,
     /// GeGLU with the tanh approximation of GELU (Gemma).
     GeluPytorchTanh,
+}
+
+/// A sparse mixture of experts in place of the MLP (Qwen3-MoE, Mixtral).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MoeConfig {
+    /// Experts per sparse layer.
+    pub num_experts: usize,
+    /// Experts each token is routed to.
+    pub num_experts_per_tok: usize,
+    /// Each expert's MLP width.
+    pub expert_intermediate_size: usize,
+    /// The top-k routing weights are renormalised to sum to 1 (Mixtral always; Qwen3-MoE's
+    /// `norm_topk_prob`).
+    pub norm_topk_prob: bool,
+    /// The load-balancing loss's weight (`router_aux_loss_coef`).
+    pub router_aux_loss_coef: f64,
+    /// Whether the load-balancing loss joins the training loss (`output_router_logits`, as
+    /// transformers adds it).
+    pub output_router_logits: bool,
+    /// Per layer, sparse (true) or a dense MLP (Qwen3-MoE's `mlp_only_layers` and
+    /// `decoder_sparse_step`).
+    pub sparse_layers: Vec<bool>,
 }
 
 /// The RoPE of the sliding-window layers when it differs from the global layers' (Gemma 3).
@@ -168,6 +210,9 @@ pub struct TransformerConfig {
     /// (Gemma).
     #[config(default = "None")]
     pub query_pre_attn_scalar: Option<f64>,
+    /// Sparse mixture-of-experts layers (Qwen3-MoE, Mixtral); `None`: every MLP dense.
+    #[config(default = "None")]
+    pub moe: Option<MoeConfig>,
     /// The window of the sliding-window layers (`sliding_window`, where the architecture and
     /// `use_sliding_window` make it apply).
     #[config(default = "None")]
@@ -289,6 +334,26 @@ pub struct HfConfig {
     pub sliding_window_pattern: Option<usize>,
     /// Gemma 3's bidirectional attention (its vision tokens): refused when true.
     pub use_bidirectional_attention: Option<bool>,
+    /// Qwen3-MoE's experts per sparse layer.
+    pub num_experts: Option<usize>,
+    /// Mixtral's experts per layer.
+    pub num_local_experts: Option<usize>,
+    /// Experts each token is routed to.
+    pub num_experts_per_tok: Option<usize>,
+    /// Qwen3-MoE's expert width (`intermediate_size` is its dense layers').
+    pub moe_intermediate_size: Option<usize>,
+    /// Qwen3-MoE: renormalise the top-k routing weights.
+    pub norm_topk_prob: Option<bool>,
+    /// Qwen3-MoE: every this-many-th layer is sparse.
+    pub decoder_sparse_step: Option<usize>,
+    /// Qwen3-MoE: layers kept dense.
+    pub mlp_only_layers: Option<Vec<usize>>,
+    /// The load-balancing loss's weight.
+    pub router_aux_loss_coef: Option<f64>,
+    /// Whether transformers adds the load-balancing loss to the loss.
+    pub output_router_logits: Option<bool>,
+    /// Mixtral's training-time input jitter: refused when > 0 (it makes the update random).
+    pub router_jitter_noise: Option<f64>,
     /// Rotary dimensions as a fraction of `head_dim`: only 1 is supported.
     pub partial_rotary_factor: Option<f64>,
     /// The window of sliding-window attention (Mistral: every layer; Qwen: the layers
@@ -384,8 +449,8 @@ impl HfConfig {
         let window = match model_type {
             // Llama's attention has no window.
             ModelType::Llama => None,
-            ModelType::Mistral => self.sliding_window,
-            ModelType::Qwen2 | ModelType::Qwen3 => self
+            ModelType::Mistral | ModelType::Mixtral => self.sliding_window,
+            ModelType::Qwen2 | ModelType::Qwen3 | ModelType::Qwen3Moe => self
                 .sliding_window
                 .filter(|_| self.use_sliding_window.unwrap_or(false)),
             ModelType::Gemma3Text => Some(self.sliding_window.unwrap_or(4096)),
@@ -415,7 +480,7 @@ impl HfConfig {
             }
             None => {
                 let first = match model_type {
-                    ModelType::Mistral => 0,
+                    ModelType::Mistral | ModelType::Mixtral => 0,
                     _ => self.max_window_layers.unwrap_or(0),
                 };
                 // Gemma 3: every `pattern`-th layer is global, the others slide.
@@ -440,6 +505,57 @@ impl HfConfig {
             return Err("sliding_window must be >= 1".into());
         }
         Ok((Some(window), types))
+    }
+
+    /// The sparse layers of a mixture-of-experts architecture, with transformers' defaults.
+    fn moe(&self, model_type: ModelType) -> Result<Option<MoeConfig>, String> {
+        let layers = self.num_hidden_layers;
+        let (num_experts, width, norm, sparse_layers) = match model_type {
+            ModelType::Qwen3Moe => {
+                // transformers 5 writes Qwen3-MoE's `num_experts` as `num_local_experts`.
+                let experts = self.num_experts.or(self.num_local_experts).unwrap_or(128);
+                let step = self.decoder_sparse_step.unwrap_or(1).max(1);
+                let dense = self.mlp_only_layers.clone().unwrap_or_default();
+                let sparse: Vec<bool> = (0..layers)
+                    .map(|i| !dense.contains(&i) && experts > 0 && (i + 1) % step == 0)
+                    .collect();
+                (
+                    experts,
+                    self.moe_intermediate_size.unwrap_or(768),
+                    self.norm_topk_prob.unwrap_or(false),
+                    sparse,
+                )
+            }
+            ModelType::Mixtral => {
+                if let Some(j) = self.router_jitter_noise.filter(|j| *j > 0.0) {
+                    return Err(format!(
+                        "router_jitter_noise ({j}) is not supported: it makes the update random"
+                    ));
+                }
+                (
+                    self.num_local_experts.unwrap_or(8),
+                    self.intermediate_size,
+                    true,
+                    vec![true; layers],
+                )
+            }
+            _ => return Ok(None),
+        };
+        let top_k = self.num_experts_per_tok.unwrap_or(2);
+        if top_k == 0 || top_k > num_experts {
+            return Err(format!(
+                "num_experts_per_tok ({top_k}) must be in 1..={num_experts} (the experts)"
+            ));
+        }
+        Ok(Some(MoeConfig {
+            num_experts,
+            num_experts_per_tok: top_k,
+            expert_intermediate_size: width,
+            norm_topk_prob: norm,
+            router_aux_loss_coef: self.router_aux_loss_coef.unwrap_or(0.001),
+            output_router_logits: self.output_router_logits.unwrap_or(false),
+            sparse_layers,
+        }))
     }
 
     /// The checked decoder shape; `path` names the file in messages.
@@ -486,6 +602,7 @@ impl HfConfig {
         }
         let (rope_theta, rope_scaling, local_rope) = self.ropes().map_err(err)?;
         let (sliding_window, layer_types) = self.sliding(model_type).map_err(err)?;
+        let moe = self.moe(model_type).map_err(err)?;
         let qwen2 = model_type == ModelType::Qwen2;
         Ok(TransformerConfig {
             model_type,
@@ -502,6 +619,7 @@ impl HfConfig {
             local_rope,
             hidden_act,
             query_pre_attn_scalar: self.query_pre_attn_scalar.or(gemma.then_some(256.0)),
+            moe,
             sliding_window,
             layer_types,
             qkv_bias: qwen2 || self.attention_bias,
@@ -581,6 +699,25 @@ impl TransformerConfig {
             v["hidden_activation"] = json!(self.hidden_act);
             v["use_bidirectional_attention"] = json!(false);
         }
+        if let Some(moe) = &self.moe {
+            v["num_experts_per_tok"] = json!(moe.num_experts_per_tok);
+            v["router_aux_loss_coef"] = json!(moe.router_aux_loss_coef);
+            v["output_router_logits"] = json!(moe.output_router_logits);
+            if self.model_type == ModelType::Mixtral {
+                v["num_local_experts"] = json!(moe.num_experts);
+                v["router_jitter_noise"] = json!(0.0);
+            } else {
+                v["num_experts"] = json!(moe.num_experts);
+                v["num_local_experts"] = json!(moe.num_experts);
+                v["moe_intermediate_size"] = json!(moe.expert_intermediate_size);
+                v["norm_topk_prob"] = json!(moe.norm_topk_prob);
+                v["decoder_sparse_step"] = json!(1);
+                let dense: Vec<usize> = (0..self.num_hidden_layers)
+                    .filter(|&i| !moe.sparse_layers.get(i).copied().unwrap_or(false))
+                    .collect();
+                v["mlp_only_layers"] = json!(dense);
+            }
+        }
         if let Some(q) = self.query_pre_attn_scalar {
             // transformers' Gemma config types it as an integer.
             v["query_pre_attn_scalar"] = if q.fract() == 0.0 {
@@ -593,12 +730,17 @@ impl TransformerConfig {
             v["attention_bias"] = json!(self.qkv_bias);
         }
         v["sliding_window"] = json!(self.sliding_window);
-        if matches!(self.model_type, ModelType::Qwen2 | ModelType::Qwen3) {
+        if matches!(
+            self.model_type,
+            ModelType::Qwen2 | ModelType::Qwen3 | ModelType::Qwen3Moe
+        ) {
             v["use_sliding_window"] = json!(self.sliding_window.is_some());
         }
         // Mistral slides on every layer and has no `layer_types` (transformers would load a
         // Mistral config that has them as Ministral).
-        if self.sliding_window.is_some() && self.model_type != ModelType::Mistral {
+        if self.sliding_window.is_some()
+            && !matches!(self.model_type, ModelType::Mistral | ModelType::Mixtral)
+        {
             let types: Vec<LayerAttention> = (0..self.num_hidden_layers)
                 .map(|i| self.layer_attention(i))
                 .collect();
@@ -637,6 +779,13 @@ impl TransformerConfig {
     pub fn rotary_frequencies(&self) -> crate::rope::RotaryFrequencies {
         self.rope_scaling
             .frequencies(self.head_dim, self.rope_theta, self.max_position_embeddings)
+    }
+
+    /// Whether layer `i` is a sparse mixture of experts.
+    pub fn layer_is_sparse(&self, i: usize) -> bool {
+        self.moe
+            .as_ref()
+            .is_some_and(|m| m.sparse_layers.get(i).copied().unwrap_or(false))
     }
 
     /// Added to every RMSNorm weight: Gemma's norms scale by `1 + weight`.

@@ -9,7 +9,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{DType, FloatDType, Int, Tensor, TensorData};
 
 use crate::cache::KvCache;
-use crate::config::Activation;
+use crate::config::{Activation, ModelType};
 use crate::kernels::{self, AttentionMask, DecoderBackend};
 use crate::lora::LoraLinear;
 use crate::rope::RotaryFrequencies;
@@ -196,6 +196,116 @@ impl<B: DecoderBackend> Mlp<B> {
     }
 }
 
+/// A layer's feed-forward block: a dense gated MLP, or a sparse mixture of experts.
+#[derive(Module, Debug)]
+pub enum FeedForward<B: Backend> {
+    /// One MLP for every token.
+    Dense(Mlp<B>),
+    /// Each token through its top-k experts.
+    Sparse(SparseMoe<B>),
+}
+
+impl<B: Backend> FeedForward<B> {
+    /// The dense MLP, when the block is one.
+    pub fn dense(&self) -> Option<&Mlp<B>> {
+        match self {
+            Self::Dense(m) => Some(m),
+            Self::Sparse(_) => None,
+        }
+    }
+}
+
+impl<B: DecoderBackend> FeedForward<B> {
+    /// Shapes: `[B, L, H]` → `[B, L, H]`; a sparse block also pushes its router logits
+    /// (`[B * L, experts]`, f32) to `router`.
+    pub fn forward(&self, x: Tensor<B, 3>, router: Option<&mut Vec<Tensor<B, 2>>>) -> Tensor<B, 3> {
+        match self {
+            Self::Dense(m) => m.forward(x),
+            Self::Sparse(moe) => {
+                let (out, logits) = moe.forward(x);
+                if let Some(router) = router {
+                    router.push(logits);
+                }
+                out
+            }
+        }
+    }
+}
+
+/// A sparse mixture of experts (Qwen3-MoE's and Mixtral's): a router picks each token's top-k
+/// experts by softmax probability; the token's output is their outputs weighted by those
+/// probabilities (renormalised to sum to 1 with `norm_topk_prob`). Each expert runs only on the
+/// tokens routed to it (gathered, then added back), never on every token.
+#[derive(Module, Debug)]
+pub struct SparseMoe<B: Backend> {
+    /// The router, `[hidden] → [experts]` (HF `gate`, no bias).
+    pub gate: LoraLinear<B>,
+    /// The experts, each a gated MLP.
+    pub experts: Vec<Mlp<B>>,
+    /// Experts per token.
+    pub top_k: usize,
+    /// Renormalise the top-k weights.
+    pub norm_topk_prob: bool,
+    /// The architecture, for its checkpoint names ([`ModelType::moe_names`]).
+    #[module(skip)]
+    pub model_type: ModelType,
+}
+
+impl<B: DecoderBackend> SparseMoe<B> {
+    /// Shapes: `[B, L, H]` → (`[B, L, H]`, the router logits `[B * L, experts]` in f32). The
+    /// routing (which experts) is read back to the host to group tokens per expert; the weights
+    /// stay on the device, so the router is trained through them.
+    pub fn forward(&self, x: Tensor<B, 3>) -> (Tensor<B, 3>, Tensor<B, 2>) {
+        let [b, l, h] = x.dims();
+        let n = b * l;
+        let flat = x.reshape([n, h]);
+        let logits = self
+            .gate
+            .forward(flat.clone())
+            .cast(burn::tensor::DType::F32);
+        let experts = self.experts.len();
+        let probs = burn::tensor::activation::softmax(logits.clone(), 1);
+        let host: Vec<f32> = probs.clone().detach().into_data().iter::<f32>().collect();
+        let k = self.top_k;
+        // Each token's top-k experts, by probability (ties to the lower index, as torch.topk).
+        let mut chosen = vec![0i64; n * k];
+        for (t, row) in host.chunks(experts).enumerate() {
+            let mut order: Vec<usize> = (0..experts).collect();
+            order.sort_by(|&a, &c| row[c].total_cmp(&row[a]).then(a.cmp(&c)));
+            for (slot, &e) in order.iter().take(k).enumerate() {
+                chosen[t * k + slot] = e as i64;
+            }
+        }
+        let device = flat.device();
+        let index =
+            Tensor::<B, 2, Int>::from_data(TensorData::new(chosen.clone(), [n, k]), &device);
+        let mut weights = probs.gather(1, index);
+        if self.norm_topk_prob {
+            weights = weights.clone() / weights.sum_dim(1);
+        }
+        let weights = weights.cast(flat.dtype()).reshape([n * k]);
+        let mut out = Tensor::<B, 2>::zeros([n, h], &device).cast(flat.dtype());
+        for (e, expert) in self.experts.iter().enumerate() {
+            let slots: Vec<i64> = (0..n * k)
+                .filter(|&i| chosen[i] == e as i64)
+                .map(|i| i as i64)
+                .collect();
+            if slots.is_empty() {
+                continue;
+            }
+            let m = slots.len();
+            let tokens: Vec<i64> = slots.iter().map(|&i| i / k as i64).collect();
+            let tokens = Tensor::<B, 1, Int>::from_data(TensorData::new(tokens, [m]), &device);
+            let slots = Tensor::<B, 1, Int>::from_data(TensorData::new(slots, [m]), &device);
+            let routed = flat.clone().select(0, tokens.clone()).reshape([1, m, h]);
+            let y = expert.forward(routed).reshape([m, h]);
+            let w = weights.clone().select(0, slots).reshape([m, 1]);
+            out = out.select_assign(0, tokens, y * w, burn::tensor::IndexingUpdateOp::Add);
+        }
+        (out.reshape([b, l, h]), logits)
+    }
+}
+
 /// GELU with the tanh approximation (PyTorch's `gelu(approximate="tanh")`), as tensor ops:
 /// `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`. Shapes: any → the same.
 fn gelu_tanh<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
@@ -209,8 +319,8 @@ fn gelu_tanh<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
 pub struct DecoderLayer<B: Backend> {
     /// Attention block.
     pub self_attn: Attention<B>,
-    /// MLP block.
-    pub mlp: Mlp<B>,
+    /// Feed-forward block (dense or a mixture of experts).
+    pub mlp: FeedForward<B>,
     /// Norm before attention.
     pub input_layernorm: RmsNorm<B>,
     /// Norm before the MLP (Llama, Qwen); of the attention's output (Gemma, which has the two
@@ -223,13 +333,14 @@ pub struct DecoderLayer<B: Backend> {
 }
 
 impl<B: DecoderBackend> DecoderLayer<B> {
-    /// Shapes: `[B, L, H]` → `[B, L, H]`.
+    /// Shapes: `[B, L, H]` → `[B, L, H]`; a sparse layer pushes its router logits to `router`.
     pub fn forward(
         &self,
         x: Tensor<B, 3>,
         rope: &Rope<B>,
         mask: &AttentionMask,
         cache: Option<(&mut KvCache<B>, usize)>,
+        router: Option<&mut Vec<Tensor<B, 2>>>,
     ) -> Tensor<B, 3> {
         let attn =
             self.self_attn
@@ -241,11 +352,14 @@ impl<B: DecoderBackend> DecoderLayer<B> {
             (Some(pre), Some(post)) => {
                 // Gemma: every block's output is normalised before the residual.
                 let h = x + self.post_attention_layernorm.forward(attn);
-                h.clone() + post.forward(self.mlp.forward(pre.forward(h)))
+                h.clone() + post.forward(self.mlp.forward(pre.forward(h), router))
             }
             _ => {
                 let h = x + attn;
-                h.clone() + self.mlp.forward(self.post_attention_layernorm.forward(h))
+                h.clone()
+                    + self
+                        .mlp
+                        .forward(self.post_attention_layernorm.forward(h), router)
             }
         }
     }
@@ -311,7 +425,21 @@ impl<B: DecoderBackend> Transformer<B> {
         input_ids: Tensor<B, 2, Int>,
         attention_mask: &[Vec<i64>],
         position_ids: &[Vec<i64>],
+        cache: Option<&mut KvCache<B>>,
+    ) -> Tensor<B, 3> {
+        self.forward_routed(input_ids, attention_mask, position_ids, cache, None)
+    }
+
+    /// [`Transformer::forward_rows`] that also collects each sparse layer's router logits
+    /// (`[B * L, experts]`, f32) in `router`, for the load-balancing loss
+    /// ([`load_balancing_loss`]).
+    pub fn forward_routed(
+        &self,
+        input_ids: Tensor<B, 2, Int>,
+        attention_mask: &[Vec<i64>],
+        position_ids: &[Vec<i64>],
         mut cache: Option<&mut KvCache<B>>,
+        mut router: Option<&mut Vec<Tensor<B, 2>>>,
     ) -> Tensor<B, 3> {
         let device = input_ids.device();
         let [_, l] = input_ids.dims();
@@ -351,7 +479,13 @@ impl<B: DecoderBackend> Transformer<B> {
                 (Some(local), Some(_)) => local,
                 _ => &rope,
             };
-            x = layer.forward(x, layer_rope, layer_mask, layer_cache);
+            x = layer.forward(
+                x,
+                layer_rope,
+                layer_mask,
+                layer_cache,
+                router.as_deref_mut(),
+            );
         }
         if let Some(c) = cache {
             c.advance(l);
@@ -443,6 +577,63 @@ impl<B: Backend> CausalLm<B> {
             Some(_) => None,
         }
     }
+}
+
+/// transformers' `load_balancing_loss_func` (Switch Transformer's auxiliary loss): over every
+/// sparse layer's router logits (`[B * L, experts]` each) and the real tokens of
+/// `attention_mask` (`[B][L]`), `experts * sum_e(f_e * P_e)` with `f_e` the fraction of top-k
+/// assignments to expert `e` and `P_e` its mean router probability. Differentiable through
+/// `P_e`. Shapes: → `[1]`, f32; 0 without sparse layers.
+pub fn load_balancing_loss<B: Backend>(
+    router: &[Tensor<B, 2>],
+    top_k: usize,
+    attention_mask: &[Vec<i64>],
+) -> Tensor<B, 1> {
+    let Some(first) = router.first() else {
+        return Tensor::zeros([1], &Default::default());
+    };
+    let device = first.device();
+    let [n, experts] = first.dims();
+    let mask: Vec<f32> = attention_mask
+        .iter()
+        .flatten()
+        .map(|&m| (m != 0) as u8 as f32)
+        .collect();
+    assert_eq!(
+        mask.len(),
+        n,
+        "the attention mask covers every routed token"
+    );
+    let rows = mask.iter().sum::<f32>() * router.len() as f32;
+    let mask_t =
+        Tensor::<B, 1>::from_data(TensorData::new(mask.clone(), [n]), &device).reshape([n, 1]);
+    let mut tokens_per_expert = vec![0.0f32; experts];
+    let mut prob_sum = Tensor::<B, 1>::zeros([experts], &device);
+    for logits in router {
+        let probs = burn::tensor::activation::softmax(logits.clone(), 1);
+        let host: Vec<f32> = probs.clone().detach().into_data().iter::<f32>().collect();
+        for (t, row) in host.chunks(experts).enumerate() {
+            let mut order: Vec<usize> = (0..experts).collect();
+            order.sort_by(|&a, &c| row[c].total_cmp(&row[a]).then(a.cmp(&c)));
+            for &e in order.iter().take(top_k) {
+                tokens_per_expert[e] += mask[t];
+            }
+        }
+        prob_sum = prob_sum + (probs * mask_t.clone()).sum_dim(0).reshape([experts]);
+    }
+    let f = Tensor::<B, 1>::from_data(
+        TensorData::new(
+            tokens_per_expert
+                .iter()
+                .map(|c| c / rows)
+                .collect::<Vec<f32>>(),
+            [experts],
+        ),
+        &device,
+    );
+    (f * prob_sum.div_scalar(rows))
+        .sum()
+        .mul_scalar(experts as f64)
 }
 
 /// `module` with every float weight cast to `dtype`. On an autodiff backend the cast is part of

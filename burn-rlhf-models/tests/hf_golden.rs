@@ -214,6 +214,53 @@ fn check_greedy(
     Ok(())
 }
 
+/// The load-balancing loss over the sparse layers' router logits, as transformers' `aux_loss`.
+#[allow(clippy::too_many_arguments)]
+fn check_router_aux_loss(
+    model: &CausalLm<B>,
+    config: &TransformerConfig,
+    want: f64,
+    ids: &[f64],
+    mask: &[f64],
+    pos: &[f64],
+    [b, l]: [usize; 2],
+    golden: &Golden,
+) -> Result<(), String> {
+    let rows = |v: &[f64]| -> Vec<Vec<i64>> {
+        v.chunks(l)
+            .map(|r| r.iter().map(|&x| x as i64).collect())
+            .collect()
+    };
+    let mut router = Vec::new();
+    model.model.forward_routed(
+        int2(&[b, l], ids),
+        &rows(mask),
+        &rows(pos),
+        None,
+        Some(&mut router),
+    );
+    let moe = config
+        .moe
+        .as_ref()
+        .ok_or("a router_aux_loss for a dense model")?;
+    assert_eq!(
+        router.len(),
+        moe.sparse_layers.iter().filter(|s| **s).count(),
+        "one router per sparse layer"
+    );
+    let ours: f32 = burn_rlhf_models::transformer::load_balancing_loss(
+        &router,
+        moe.num_experts_per_tok,
+        &rows(mask),
+    )
+    .into_scalar();
+    if close(ours as f64, want, golden.atol, golden.rtol) {
+        Ok(())
+    } else {
+        Err(format!("router_aux_loss: ours {ours}, HF {want}"))
+    }
+}
+
 fn check_fixture_model(dir: &Path) -> Result<(), String> {
     let golden = read_golden(&dir.join("golden.json"));
     let pretrained = load_pretrained(dir.to_str().unwrap()).map_err(|e| e.to_string())?;
@@ -268,6 +315,10 @@ fn check_fixture_model(dir: &Path) -> Result<(), String> {
             }
         }
         check_greedy(&model, &config, case, ci, &ids, &mask, &pos, b, l, true)?;
+        if let Some(want) = case.get("router_aux_loss").and_then(Value::as_f64) {
+            check_router_aux_loss(&model, &config, want, &ids, &mask, &pos, [b, l], &golden)
+                .map_err(|e| format!("case {ci}: {e}"))?;
+        }
     }
     Ok(())
 }

@@ -365,15 +365,15 @@ fn gradient_checkpointing_gives_the_same_gradients() {
         let (i, m, p) = batch::<Ckpt>(vocab);
         let g_ckpt = ckpt.forward(i, m, p, None).powi_scalar(2).mean().backward();
         let a = plain.model.layers[0]
-            .mlp
-            .gate_proj
+            .self_attn
+            .q_proj
             .base
             .weight
             .grad(&g_plain)
             .unwrap();
         let b = ckpt.model.layers[0]
-            .mlp
-            .gate_proj
+            .self_attn
+            .q_proj
             .base
             .weight
             .grad(&g_ckpt)

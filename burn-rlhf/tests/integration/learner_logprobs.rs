@@ -7,6 +7,7 @@ use burn_rlhf::forward::{
     SequenceTensors,
 };
 use burn_rlhf::models::load_pretrained;
+use burn_rlhf::models::transformer::FeedForward;
 use burn_rlhf::rollout::{Generator, RolloutBatch, SamplingParams};
 
 #[test]
@@ -116,13 +117,19 @@ fn recomputed_logprobs_equal_the_rollouts(dir: &std::path::Path) {
         },
     );
     let grads = (lp * seq.response_mask.clone()).sum().backward();
-    assert!(actor.model.layers[1]
-        .mlp
-        .up_proj
-        .base
-        .weight
-        .grad(&grads)
-        .is_some());
+    // The gradient reaches the MLP: a dense one's projections, or a sparse one's router and the
+    // experts tokens were routed to.
+    let reached = match &actor.model.layers[1].mlp {
+        FeedForward::Dense(m) => m.up_proj.base.weight.grad(&grads).is_some(),
+        FeedForward::Sparse(moe) => {
+            moe.gate.base.weight.grad(&grads).is_some()
+                && moe
+                    .experts
+                    .iter()
+                    .any(|e| e.up_proj.base.weight.grad(&grads).is_some())
+        }
+    };
+    assert!(reached, "{}: no gradient in the MLP", dir.display());
     let values = response_values(&critic, &seq);
     assert_eq!(values.dims(), [6, batch.response_len]);
     let grads = values.sum().backward();
