@@ -27,7 +27,9 @@ pub mod transformer;
 pub mod weights;
 
 pub use cache::KvCache;
-pub use config::{Activation, HfConfig, LayerAttention, LocalRope, ModelType, TransformerConfig};
+pub use config::{
+    Activation, HfConfig, LayerAttention, LocalRope, ModelType, MoeConfig, TransformerConfig,
+};
 pub use error::ModelError;
 pub use kernels::DecoderBackend;
 pub use lora::LoraConfig;

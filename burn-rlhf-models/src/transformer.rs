@@ -197,6 +197,8 @@ impl<B: DecoderBackend> Mlp<B> {
 }
 
 /// A layer's feed-forward block: a dense gated MLP, or a sparse mixture of experts.
+// One per layer: the size difference of the variants costs nothing worth a box.
+#[allow(clippy::large_enum_variant)]
 #[derive(Module, Debug)]
 pub enum FeedForward<B: Backend> {
     /// One MLP for every token.
