@@ -702,3 +702,26 @@ impl<B: Backend> ValueModel<B> {
         cast_weights(self, dtype)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// By hand: two tokens routed to one expert each out of two; with both tokens, each expert
+    /// gets half the assignments and half the probability (loss 1); without the second token,
+    /// expert 1 takes the first token's assignment at probability 0.75 (loss 2 * 0.75).
+    #[test]
+    fn load_balancing_loss_is_switch_transformers() {
+        type B = burn::backend::Flex;
+        let ln3 = 3f32.ln();
+        let logits = Tensor::<B, 2>::from_data(
+            TensorData::new(vec![0.0, ln3, ln3, 0.0], [2, 2]),
+            &Default::default(),
+        );
+        let both: f32 =
+            load_balancing_loss(std::slice::from_ref(&logits), 1, &[vec![1, 1]]).into_scalar();
+        assert!((both - 1.0).abs() < 1e-6, "{both}");
+        let first: f32 = load_balancing_loss(&[logits], 1, &[vec![1, 0]]).into_scalar();
+        assert!((first - 1.5).abs() < 1e-6, "{first}");
+    }
+}

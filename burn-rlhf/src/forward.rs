@@ -101,7 +101,18 @@ pub fn response_logprobs<B: ComputeBackend>(
     seq: &SequenceTensors<B>,
     head: LogprobHead,
 ) -> (Tensor<B, 2>, Tensor<B, 2>) {
-    let hidden = response_hidden(model, seq);
+    response_logprobs_routed(model, seq, head, None)
+}
+
+/// [`response_logprobs`] that also collects a mixture-of-experts model's router logits (one
+/// `[B * L, experts]` per sparse layer) in `router`, for its load-balancing loss.
+pub fn response_logprobs_routed<B: ComputeBackend>(
+    model: &CausalLm<B>,
+    seq: &SequenceTensors<B>,
+    head: LogprobHead,
+    router: Option<&mut Vec<Tensor<B, 2>>>,
+) -> (Tensor<B, 2>, Tensor<B, 2>) {
+    let hidden = response_hidden(model, seq, router);
     let [b, r, h] = hidden.dims();
     let (entropy, logprobs) = match model.head_weight() {
         Some(weight) => {
@@ -134,7 +145,7 @@ pub fn response_logprobs_and_sum_pi_squared<B: ComputeBackend>(
     head: LogprobHead,
 ) -> (Tensor<B, 2>, Tensor<B, 2>, Tensor<B, 2>) {
     let (logprobs, entropy) = response_logprobs(model, seq, head);
-    let hidden = response_hidden(model, seq);
+    let hidden = response_hidden(model, seq, None);
     let [b, r, _] = hidden.dims();
     let per = head.chunk.div_ceil(r.max(1)).max(1);
     let sums = (0..b)
@@ -153,13 +164,15 @@ pub fn response_logprobs_and_sum_pi_squared<B: ComputeBackend>(
 fn response_hidden<B: ComputeBackend>(
     model: &CausalLm<B>,
     seq: &SequenceTensors<B>,
+    router: Option<&mut Vec<Tensor<B, 2>>>,
 ) -> Tensor<B, 3> {
     let [b, l] = seq.input_ids.dims();
-    let hidden = model.model.forward_rows(
+    let hidden = model.model.forward_routed(
         seq.input_ids.clone(),
         &seq.attention_mask,
         &seq.position_ids,
         None,
+        router,
     );
     // Only the positions that predict response tokens go through the LM head.
     hidden.slice([0..b, seq.prompt_len - 1..l - 1])

@@ -17,7 +17,8 @@ use burn_rlhf_rollout::RolloutBatch;
 
 use crate::config::settings::ActorSettings;
 use crate::error::TrainError;
-use crate::forward::{response_logprobs, LogprobHead, SequenceTensors};
+use crate::forward::{response_logprobs_routed, LogprobHead, SequenceTensors};
+use burn_rlhf_models::transformer::load_balancing_loss;
 
 use super::step::{MicroGradients, OptimizerStep};
 use super::{micro_batches, rows_of};
@@ -65,6 +66,32 @@ pub struct ActorLossConfig {
     /// `Some(dtype)`: the forward and backward run on the weights cast to it (autocast; the
     /// weights, their gradients and the optimiser state stay f32). `model.dtype`.
     pub compute_dtype: Option<FloatDType>,
+    /// A mixture-of-experts policy's load-balancing loss: measured as
+    /// `actor/router_aux_loss`, and added to the loss times its coefficient when the model's
+    /// config says so (`output_router_logits`, as transformers adds it).
+    pub router_aux: Option<RouterAux>,
+}
+
+/// The load-balancing loss of a mixture-of-experts policy (its model config's keys).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RouterAux {
+    /// Experts per token (`num_experts_per_tok`).
+    pub top_k: usize,
+    /// `router_aux_loss_coef`.
+    pub coef: f64,
+    /// `output_router_logits`: the loss joins the training loss.
+    pub in_loss: bool,
+}
+
+impl RouterAux {
+    /// The load-balancing loss `model_config` asks for; `None` for a dense model.
+    pub fn of(model_config: &burn_rlhf_models::TransformerConfig) -> Option<Self> {
+        model_config.moe.as_ref().map(|m| Self {
+            top_k: m.num_experts_per_tok,
+            coef: m.router_aux_loss_coef,
+            in_loss: m.output_router_logits,
+        })
+    }
 }
 
 impl ActorLossConfig {
@@ -82,6 +109,7 @@ impl ActorLossConfig {
             max_token_len: actor.max_token_len,
             shape_bucket: 1,
             compute_dtype: None,
+            router_aux: None,
         }
     }
 }
@@ -171,7 +199,13 @@ pub fn actor_update<B: LearnerBackend, O: Optimizer<CausalLm<B>, B>>(
             Some(dtype) => actor.clone().cast(dtype),
             None => actor.clone(),
         };
-        let (log_prob, entropy) = response_logprobs(&model, &seq, config.head);
+        let mut router = Vec::new();
+        let (log_prob, entropy) = response_logprobs_routed(
+            &model,
+            &seq,
+            config.head,
+            config.router_aux.is_some().then_some(&mut router),
+        );
         let old_log_prob = match &mut old {
             OldLogProbs::Given(v) => from_rows::<B>(cut(v), n, w, device),
             OldLogProbs::Own(own) => {
@@ -219,6 +253,16 @@ pub fn actor_update<B: LearnerBackend, O: Optimizer<CausalLm<B>, B>>(
         }
         let tokens: f64 = cut(local.loss_mask()).iter().map(|&m| m as f64).sum();
         let share = tokens / total_tokens * dp.world() as f64;
+        if let Some(aux) = config.router_aux {
+            // Per micro-batch, as transformers computes it per forward; weighted by its share of
+            // the mini-batch's tokens, as the other terms.
+            let aux_loss = load_balancing_loss(&router, aux.top_k, &seq.attention_mask);
+            *metrics.entry("actor/router_aux_loss".into()).or_default() +=
+                to_scalar(aux_loss.clone().detach()) * share;
+            if aux.in_loss {
+                loss = loss + aux_loss.mul_scalar(aux.coef * share);
+            }
+        }
         for (name, value) in out.metrics {
             *metrics.entry(name).or_default() += value * share;
         }

@@ -10,7 +10,7 @@ mod packing;
 mod sft;
 mod step;
 
-pub use actor::{actor_update, ActorLossConfig, ActorTargets, OnPolicyLogProbs};
+pub use actor::{actor_update, ActorLossConfig, ActorTargets, OnPolicyLogProbs, RouterAux};
 pub use critic::{critic_update, CriticLossConfig, CriticTargets};
 pub use packing::token_budget_partitions;
 pub use sft::{sft_loss, sft_update};

@@ -10,7 +10,7 @@ use crate::error::TrainError;
 use crate::forward::LogprobHead;
 use crate::minibatch::{
     actor_update, critic_update, rows_of, ActorLossConfig, ActorTargets, CriticLossConfig,
-    CriticTargets, OnPolicyLogProbs,
+    CriticTargets, OnPolicyLogProbs, RouterAux,
 };
 
 /// One epoch's mini-batches of `prompts_per_mini_batch * n` of `rows` rows: in order (verl's
@@ -158,6 +158,7 @@ impl<B: LearnerBackend> Learner<B> {
                         &ActorLossConfig {
                             shape_bucket: self.shape_bucket,
                             compute_dtype: self.settings.model.dtype,
+                            router_aux: RouterAux::of(&self.model_config),
                             ..ActorLossConfig::from_settings(settings, head, rows.len())
                         },
                         &self.device,

@@ -111,6 +111,7 @@ fn loss_config(mode: LossAggMode) -> ActorLossConfig {
         max_token_len: None,
         shape_bucket: 1,
         compute_dtype: None,
+        router_aux: None,
     }
 }
 
@@ -309,4 +310,79 @@ fn bf16_autocast_updates_f32_master_weights_on(dir: &std::path::Path) {
         );
     }
     eprintln!("bf16 autocast: update cosine {cosine:.5}, relative error {relative:.4}, max weight diff {differs:e}");
+}
+
+/// A mixture-of-experts policy reports its load-balancing loss (`actor/router_aux_loss`) and,
+/// with `output_router_logits`, trains its router on it too: the router moves differently with
+/// the loss in than with it out, the experts' attention does not see it. Runs on every fixture
+/// model with experts.
+#[test]
+fn router_aux_loss_is_reported_and_trains_the_router() {
+    for dir in burn_rlhf_test_assets::fixture_models() {
+        let config = load_pretrained(dir.to_str().unwrap()).unwrap().config;
+        if let Some(aux) = burn_rlhf::minibatch::RouterAux::of(&config) {
+            router_aux_on(&dir, aux);
+        }
+    }
+}
+
+fn router_aux_on(dir: &std::path::Path, aux: burn_rlhf::minibatch::RouterAux) {
+    use burn_rlhf::models::transformer::FeedForward;
+    let device = Default::default();
+    let (_, batch, targets) = fixture(dir);
+    let loss = Registry::<B>::builtin()
+        .policy_loss("vanilla", &PolicyLossParams::default())
+        .unwrap();
+    let run = |in_loss: bool| {
+        let cfg = ActorLossConfig {
+            router_aux: Some(burn_rlhf::minibatch::RouterAux {
+                in_loss,
+                coef: 1.0,
+                ..aux
+            }),
+            ..loss_config(LossAggMode::TokenMean)
+        };
+        let mut optim = SgdConfig::new().init();
+        let (updated, metrics, _) = actor_update(
+            actor(dir).0,
+            OptimizerStep {
+                optimizer: &mut optim,
+                lr: 0.5,
+                grad_clip: 1e9,
+                sync: &ReplicaSync::default(),
+            },
+            loss.as_ref(),
+            &batch,
+            &targets,
+            &cfg,
+            &device,
+        )
+        .unwrap();
+        let router = updated
+            .valid()
+            .model
+            .layers
+            .iter()
+            .find_map(|l| match &l.mlp {
+                FeedForward::Sparse(moe) => Some(moe.gate.base.weight.val()),
+                FeedForward::Dense(_) => None,
+            })
+            .expect("a sparse layer");
+        (router, metrics)
+    };
+    let (out, m_out) = run(false);
+    let (with, m_with) = run(true);
+    let reported = m_out["actor/router_aux_loss"];
+    assert!(
+        reported.is_finite() && reported > 0.0,
+        "{}: actor/router_aux_loss = {reported}",
+        dir.display()
+    );
+    assert!((m_with["actor/router_aux_loss"] - reported).abs() < 1e-9);
+    let moved: f32 = (out - with).abs().max().into_scalar();
+    assert!(
+        moved > 0.0,
+        "{}: the load-balancing loss did not reach the router",
+        dir.display()
+    );
 }
