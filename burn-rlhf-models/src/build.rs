@@ -158,6 +158,7 @@ impl TransformerConfig {
             rotary: self.rotary_frequencies(),
             local_rotary: self.local_rotary_frequencies(),
             embed_scale: self.embed_scale(),
+            final_logit_softcapping: self.final_logit_softcapping,
         }
     }
 
@@ -312,6 +313,7 @@ impl<B: Backend> Transformer<B> {
             rotary: c.rotary_frequencies(),
             local_rotary: c.local_rotary_frequencies(),
             embed_scale: c.embed_scale(),
+            final_logit_softcapping: c.final_logit_softcapping,
         })
     }
 

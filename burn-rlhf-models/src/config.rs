@@ -210,6 +210,9 @@ pub struct TransformerConfig {
     /// (Gemma).
     #[config(default = "None")]
     pub query_pre_attn_scalar: Option<f64>,
+    /// The logits become `cap * tanh(logits / cap)` (Gemma's `final_logit_softcapping`).
+    #[config(default = "None")]
+    pub final_logit_softcapping: Option<f64>,
     /// Sparse mixture-of-experts layers (Qwen3-MoE, Mixtral); `None`: every MLP dense.
     #[config(default = "None")]
     pub moe: Option<MoeConfig>,
@@ -582,13 +585,10 @@ impl HfConfig {
                 "hidden_act `{act_name}` is not supported (silu, gelu_pytorch_tanh)"
             ))
         })?;
-        for (key, value) in [
-            ("attn_logit_softcapping", self.attn_logit_softcapping),
-            ("final_logit_softcapping", self.final_logit_softcapping),
-        ] {
-            if let Some(v) = value {
-                return Err(err(format!("{key} ({v}) is not supported")));
-            }
+        if let Some(v) = self.attn_logit_softcapping {
+            return Err(err(format!(
+                "attn_logit_softcapping ({v}) is not supported (Gemma 2's; Gemma 3 has none)"
+            )));
         }
         if self.use_bidirectional_attention == Some(true) {
             return Err(err(
@@ -620,6 +620,7 @@ impl HfConfig {
             hidden_act,
             query_pre_attn_scalar: self.query_pre_attn_scalar.or(gemma.then_some(256.0)),
             moe,
+            final_logit_softcapping: self.final_logit_softcapping,
             sliding_window,
             layer_types,
             qkv_bias: qwen2 || self.attention_bias,
@@ -698,6 +699,9 @@ impl TransformerConfig {
         if self.model_type.gemma() {
             v["hidden_activation"] = json!(self.hidden_act);
             v["use_bidirectional_attention"] = json!(false);
+        }
+        if let Some(cap) = self.final_logit_softcapping {
+            v["final_logit_softcapping"] = json!(cap);
         }
         if let Some(moe) = &self.moe {
             v["num_experts_per_tok"] = json!(moe.num_experts_per_tok);

@@ -385,6 +385,10 @@ pub struct Transformer<B: Backend> {
     /// Multiplies the embeddings (Gemma: `sqrt(hidden_size)`, in the model's dtype).
     #[module(skip)]
     pub embed_scale: Option<f64>,
+    /// The LM head's logits become `cap * tanh(logits / cap)` (Gemma's
+    /// `final_logit_softcapping`).
+    #[module(skip)]
+    pub final_logit_softcapping: Option<f64>,
 }
 
 /// Host-side integer matrix `[B][L]` from an Int tensor.
@@ -543,7 +547,11 @@ impl<B: DecoderBackend> CausalLm<B> {
                 kernels::linear(hidden.reshape([b * l, h]), w.transpose()).reshape([b, l, v])
             }
         };
-        logits.cast(DType::F32)
+        let logits = logits.cast(DType::F32);
+        match self.model.final_logit_softcapping {
+            Some(cap) => logits.div_scalar(cap).tanh().mul_scalar(cap),
+            None => logits,
+        }
     }
 }
 
@@ -568,9 +576,12 @@ impl<B: Backend> CausalLm<B> {
     }
 
     /// The LM head as a `[vocab, hidden]` matrix (the embeddings when tied), when it is a plain
-    /// linear map; `None` for a head with a LoRA adapter or a bias, which only
-    /// [`CausalLm::logits`] applies.
+    /// linear map; `None` for a head with a LoRA adapter or a bias, or soft-capped logits, which
+    /// only [`CausalLm::logits`] applies.
     pub fn head_weight(&self) -> Option<Tensor<B, 2>> {
+        if self.model.final_logit_softcapping.is_some() {
+            return None;
+        }
         match &self.lm_head {
             None => Some(self.model.embed_tokens.weight.val()),
             Some(head) if head.lora.is_none() && head.base.bias.is_none() => {
