@@ -18,6 +18,7 @@ pub mod cache;
 mod config;
 mod error;
 pub mod gguf;
+mod hf_config;
 pub mod kernels;
 pub mod lora;
 pub mod pretrained;
@@ -27,10 +28,9 @@ pub mod transformer;
 pub mod weights;
 
 pub use cache::KvCache;
-pub use config::{
-    Activation, HfConfig, LayerAttention, LocalRope, ModelType, MoeConfig, TransformerConfig,
-};
+pub use config::{Activation, LayerAttention, LocalRope, ModelType, MoeConfig, TransformerConfig};
 pub use error::ModelError;
+pub use hf_config::HfConfig;
 pub use kernels::DecoderBackend;
 pub use lora::LoraConfig;
 pub use pretrained::{

@@ -235,7 +235,7 @@ fn generation_eos(dir: &Path) -> Vec<u32> {
     let Ok(v) = serde_json::from_str::<Value>(&text) else {
         return Vec::new();
     };
-    crate::config::token_ids(v.get("eos_token_id"))
+    crate::hf_config::token_ids(v.get("eos_token_id"))
 }
 
 /// Locates and reads a model (see [`locate`]).
