@@ -17,6 +17,13 @@ pub enum RopeScaling {
         /// The stretch of the context.
         factor: f64,
     },
+    /// Dynamic NTK: past `max_position_embeddings`, the base grows with the sequence's length
+    /// (`theta * (factor * len / max - (factor - 1))^(d / (d - 2))`); shorter sequences keep the
+    /// default frequencies.
+    Dynamic {
+        /// The stretch the base's growth is computed with.
+        factor: f64,
+    },
     /// Llama 3.1's: low frequencies divided by `factor`, high ones kept, a smooth ramp between.
     Llama3 {
         /// The stretch of the low frequencies.
@@ -61,15 +68,62 @@ pub enum RopeScaling {
 /// factor cos and sin are multiplied by.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RotaryFrequencies {
-    /// `[head_dim / 2]`.
+    /// `[head_dim / 2]`: the frequencies of a sequence within the model's context.
     pub inv_freq: Vec<f64>,
     /// YaRN's attention factor; 1 otherwise.
     pub attention_factor: f64,
+    /// Dynamic NTK: the frequencies of a longer sequence depend on its length.
+    pub dynamic: Option<DynamicNtk>,
+}
+
+/// What dynamic NTK scaling recomputes the frequencies from (transformers'
+/// `_compute_dynamic_ntk_parameters`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct DynamicNtk {
+    /// `rope_parameters.factor`.
+    pub factor: f64,
+    /// The configured base.
+    pub theta: f64,
+    /// The length past which the base grows: the config's `max_position_embeddings`.
+    pub max_position_embeddings: usize,
+}
+
+impl RotaryFrequencies {
+    /// The inverse frequencies for a sequence whose last position is `last_position`: the
+    /// stored ones, or under dynamic NTK past the context, those of the grown base.
+    ///
+    /// transformers computes the length from the largest position in the whole padded batch and
+    /// keeps the largest length its rotary module has seen until a sequence within the context
+    /// resets it; here each sequence uses its own length, so a row's numbers do not depend on its
+    /// batch mates (equal to transformers on each sequence alone, and through one `generate`).
+    pub fn for_length(&self, last_position: i64) -> std::borrow::Cow<'_, [f64]> {
+        let len = (last_position + 1).max(0) as usize;
+        match &self.dynamic {
+            Some(ntk) if len > ntk.max_position_embeddings => {
+                let dim = (2 * self.inv_freq.len()) as f64;
+                let stretch = ntk.factor * len as f64 / ntk.max_position_embeddings as f64
+                    - (ntk.factor - 1.0);
+                std::borrow::Cow::Owned(inverse_frequencies(
+                    ntk.theta * stretch.powf(dim / (dim - 2.0)),
+                    self.inv_freq.len() * 2,
+                ))
+            }
+            _ => std::borrow::Cow::Borrowed(&self.inv_freq),
+        }
+    }
+}
+
+/// `inv_freq_i = theta^(-2i/d)` for `head_dim`-wide heads.
+fn inverse_frequencies(theta: f64, head_dim: usize) -> Vec<f64> {
+    let dim = head_dim as f64;
+    (0..head_dim / 2)
+        .map(|i| 1.0 / theta.powf(2.0 * i as f64 / dim))
+        .collect()
 }
 
 impl RopeScaling {
     /// The `rope_type` names supported.
-    pub const NAMES: [&'static str; 4] = ["default", "linear", "llama3", "yarn"];
+    pub const NAMES: [&'static str; 5] = ["default", "dynamic", "linear", "llama3", "yarn"];
 
     /// The frequencies for `head_dim`-wide heads with base `theta` in a model whose context is
     /// `max_position_embeddings`.
@@ -80,15 +134,23 @@ impl RopeScaling {
         max_position_embeddings: usize,
     ) -> RotaryFrequencies {
         let dim = head_dim as f64;
-        let base: Vec<f64> = (0..head_dim / 2)
-            .map(|i| 1.0 / theta.powf(2.0 * i as f64 / dim))
-            .collect();
+        let base = inverse_frequencies(theta, head_dim);
         let plain = |inv_freq| RotaryFrequencies {
             inv_freq,
             attention_factor: 1.0,
+            dynamic: None,
         };
         match self {
             Self::Default => plain(base),
+            Self::Dynamic { factor } => RotaryFrequencies {
+                inv_freq: base,
+                attention_factor: 1.0,
+                dynamic: Some(DynamicNtk {
+                    factor: *factor,
+                    theta,
+                    max_position_embeddings,
+                }),
+            },
             Self::Linear { factor } => plain(base.iter().map(|f| f / factor).collect()),
             Self::Llama3 {
                 factor,
@@ -166,6 +228,7 @@ impl RopeScaling {
                         })
                         .collect(),
                     attention_factor,
+                    dynamic: None,
                 }
             }
         }
@@ -199,6 +262,13 @@ mod tests {
         let f = yarn.frequencies(8, 10000.0, 256);
         assert!((f.attention_factor - (0.1 * 4f64.ln() + 1.0)).abs() < 1e-12);
         assert_eq!(f.inv_freq[0], base.inv_freq[0]);
+        // Dynamic NTK: the default frequencies within the context, a grown base past it.
+        let dynamic = RopeScaling::Dynamic { factor: 2.0 }.frequencies(8, 10000.0, 16);
+        assert_eq!(dynamic.for_length(15).as_ref(), base.inv_freq.as_slice());
+        let grown = 10000.0 * (2.0f64 * 32.0 / 16.0 - 1.0).powf(8.0 / 6.0);
+        let long = dynamic.for_length(31);
+        assert!((long[1] - 1.0 / grown.powf(2.0 / 8.0)).abs() < 1e-15);
+        assert!(long[1] < base.inv_freq[1] && long[0] == 1.0);
         let unknown = serde_json::from_value::<RopeScaling>(serde_json::json!({
             "rope_type": "longrope"}))
         .unwrap_err()

@@ -84,16 +84,17 @@ impl<B: Backend> Rope<B> {
     /// Shapes: `positions` is `[B][L]` → tables `[B, 1, L, head_dim]`.
     pub fn new(positions: &[Vec<i64>], freqs: &RotaryFrequencies, device: &B::Device) -> Self {
         let (b, l) = (positions.len(), positions.first().map_or(0, Vec::len));
-        let inv = &freqs.inv_freq;
-        let head_dim = 2 * inv.len();
+        let head_dim = 2 * freqs.inv_freq.len();
         let scale = freqs.attention_factor;
         let mut cos = Vec::with_capacity(b * l * head_dim);
         let mut sin = Vec::with_capacity(b * l * head_dim);
         for row in positions {
+            // Dynamic NTK: the row's frequencies follow its length (its last position).
+            let inv = freqs.for_length(row.iter().copied().max().unwrap_or(0));
             for &p in row {
                 // HF's `cat(freqs, freqs)`: both halves use the same angles.
                 for _half in 0..2 {
-                    for f in inv {
+                    for f in inv.iter() {
                         let angle = p as f64 * f;
                         cos.push((angle.cos() * scale) as f32);
                         sin.push((angle.sin() * scale) as f32);

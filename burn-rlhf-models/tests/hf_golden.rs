@@ -8,7 +8,9 @@ use std::path::Path;
 use burn::backend::Flex;
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{Int, Tensor, TensorData};
-use burn_rlhf_models::{load_pretrained, CausalLm, ChatMessage, KvCache, TransformerConfig};
+use burn_rlhf_models::{
+    load_pretrained, CausalLm, ChatMessage, KvCache, RopeScaling, TransformerConfig,
+};
 use serde_json::Value;
 
 type B = Flex;
@@ -115,9 +117,13 @@ fn greedy_with_cache(
     for step in 0..steps {
         let s = logits.dims()[1];
         let last = logits.clone().slice([0..b, s - 1..s]).squeeze_dim::<2>(1);
-        if check_cache && step > 0 {
+        let n = all_ids[0].len();
+        // Dynamic NTK past the context: the cached keys were rotated at the shorter lengths'
+        // frequencies, which a full forward does not reproduce (nor does transformers').
+        let grown = matches!(config.rope_scaling, RopeScaling::Dynamic { .. })
+            && n > config.max_position_embeddings;
+        if check_cache && step > 0 && !grown {
             // The same step from scratch, no cache.
-            let n = all_ids[0].len();
             let flat =
                 |m: &Vec<Vec<i64>>| m.iter().flatten().map(|&x| x as f64).collect::<Vec<_>>();
             let full_pos: Vec<f64> = all_mask
