@@ -324,11 +324,10 @@ impl GgufFile {
 
     /// The model's config from the metadata (used when no `config.json` is beside the file).
     pub fn config(&self) -> Result<TransformerConfig, ModelError> {
-        // llama.cpp's architecture names are HF's `model_type`s for these families.
         let arch = self.arch().to_string();
-        ModelType::from_name(&arch)
-            .map_err(|e| ModelError::config(&self.path, format!("GGUF architecture: {e}")))?;
         let a = |k: &str| format!("{arch}.{k}");
+        let meta_u64 = |k: &str| self.metadata.get(&a(k)).and_then(GgufValue::as_u64);
+        let model_type = self.model_type()?;
         let hidden = self.meta_u64("embedding_length")? as usize;
         let heads = self.meta_u64("attention.head_count")? as usize;
         let kv = self
@@ -366,11 +365,23 @@ impl GgufFile {
                 .and_then(GgufValue::as_u64)
                 .map(|x| x as u32)
         };
+        let expert_width = meta_u64("expert_feed_forward_length");
+        let intermediate = match (meta_u64("feed_forward_length"), expert_width) {
+            (Some(w), _) | (None, Some(w)) => w,
+            (None, None) => self.meta_u64("feed_forward_length")?,
+        };
         let v = json!({
-            "model_type": arch,
+            "model_type": model_type.name(),
             "vocab_size": vocab,
             "hidden_size": hidden,
-            "intermediate_size": self.meta_u64("feed_forward_length")?,
+            "intermediate_size": intermediate,
+            // Mixtral's and Qwen3-MoE's experts (llama.cpp always renormalises Qwen3-MoE's top-k
+            // weights: `norm_topk_prob`).
+            "num_local_experts": meta_u64("expert_count"),
+            "num_experts": meta_u64("expert_count"),
+            "num_experts_per_tok": meta_u64("expert_used_count"),
+            "moe_intermediate_size": expert_width,
+            "norm_topk_prob": true,
             "num_hidden_layers": self.meta_u64("block_count")?,
             "num_attention_heads": heads,
             "num_key_value_heads": kv,
@@ -404,10 +415,29 @@ impl GgufFile {
         TransformerConfig::from_hf_value(&v, &self.path)
     }
 
-    /// Every tensor, dequantized and renamed to its HF name, Q/K unpermuted for llama.
+    /// The HF `model_type` of llama.cpp's architecture: the same name for the dense families,
+    /// `llama` with experts for Mixtral (llama.cpp converts it as a Llama), `qwen3moe`.
+    fn model_type(&self) -> Result<ModelType, ModelError> {
+        let arch = self.arch();
+        let experts = self.metadata.contains_key(&format!("{arch}.expert_count"));
+        let name = match (arch, experts) {
+            ("llama", true) => "mixtral",
+            ("qwen3moe", _) => "qwen3_moe",
+            (other, _) => other,
+        };
+        ModelType::from_name(name)
+            .map_err(|e| ModelError::config(&self.path, format!("GGUF architecture `{arch}`: {e}")))
+    }
+
+    /// Every tensor, dequantized and renamed to its HF name, Q/K unpermuted for llama, stacked
+    /// experts split into HF's one tensor per expert.
     pub fn weights(&self, config: &TransformerConfig) -> Result<WeightMap, ModelError> {
         let mut map = WeightMap::new(self.path.display().to_string());
         let permuted = self.arch() == "llama";
+        let moe_block = match self.model_type()? {
+            ModelType::Mixtral => "block_sparse_moe",
+            _ => "mlp",
+        };
         for t in &self.tensors {
             let n: usize = t.dims.iter().product();
             let err =
@@ -421,7 +451,41 @@ impl GgufFile {
                 .ok_or_else(|| err("data runs past the end of the file".into()))?;
             let mut data = dequantize(t.kind, bytes, n).map_err(err)?;
             let shape: Vec<usize> = t.dims.iter().rev().cloned().collect();
-            let name = hf_name(&t.name)
+            if let Some((layer, projection)) = expert_tensor(&t.name) {
+                let [experts, rows, cols] = shape[..] else {
+                    return Err(err(format!("stacked experts of shape {shape:?}")));
+                };
+                for (e, data) in data.chunks(rows * cols).take(experts).enumerate() {
+                    let name = match moe_block {
+                        "block_sparse_moe" => format!(
+                            "model.layers.{layer}.block_sparse_moe.experts.{e}.{}.weight",
+                            projection.mixtral
+                        ),
+                        _ => format!(
+                            "model.layers.{layer}.mlp.experts.{e}.{}.weight",
+                            projection.qwen
+                        ),
+                    };
+                    let shape = vec![rows, cols];
+                    map.insert(
+                        name,
+                        HostTensor {
+                            shape,
+                            data: data.to_vec(),
+                        },
+                    );
+                }
+                continue;
+            }
+            if t.name == "rope_freqs.weight" {
+                return Err(err(
+                    "llama.cpp's per-frequency RoPE factors (Llama 3.1's scaling) \
+                     have no HF config; load the model's HF folder, whose config.json carries \
+                     `rope_scaling`"
+                        .into(),
+                ));
+            }
+            let name = hf_name(&t.name, moe_block)
                 .ok_or_else(|| err("no HF equivalent for this tensor name".into()))?;
             if permuted && shape.len() == 2 {
                 let cols = shape[1];
@@ -491,7 +555,30 @@ impl GgufFile {
 }
 
 /// llama.cpp's tensor names → HF names.
-fn hf_name(gguf: &str) -> Option<String> {
+/// One of an expert's projections under its HF names.
+struct ExpertProjection {
+    /// Qwen3-MoE's (`gate_proj`, `up_proj`, `down_proj`).
+    qwen: &'static str,
+    /// Mixtral's (`w1`, `w3`, `w2`).
+    mixtral: &'static str,
+}
+
+/// The layer and projection of llama.cpp's stacked expert tensors (`blk.N.ffn_gate_exps.weight`:
+/// `[experts, rows, cols]`).
+fn expert_tensor(gguf: &str) -> Option<(&str, ExpertProjection)> {
+    let (layer, part) = gguf.strip_prefix("blk.")?.split_once('.')?;
+    let (qwen, mixtral) = match part {
+        "ffn_gate_exps.weight" => ("gate_proj", "w1"),
+        "ffn_up_exps.weight" => ("up_proj", "w3"),
+        "ffn_down_exps.weight" => ("down_proj", "w2"),
+        _ => return None,
+    };
+    Some((layer, ExpertProjection { qwen, mixtral }))
+}
+
+/// The HF name of a GGUF tensor; `moe_block` is the module holding a MoE layer's router
+/// (`block_sparse_moe` in Mixtral, `mlp` in Qwen3-MoE).
+fn hf_name(gguf: &str, moe_block: &str) -> Option<String> {
     Some(match gguf {
         "token_embd.weight" => "model.embed_tokens.weight".into(),
         "output_norm.weight" => "model.norm.weight".into(),
@@ -512,6 +599,9 @@ fn hf_name(gguf: &str) -> Option<String> {
                 "ffn_gate" => "mlp.gate_proj",
                 "ffn_up" => "mlp.up_proj",
                 "ffn_down" => "mlp.down_proj",
+                "ffn_gate_inp" => {
+                    return Some(format!("model.layers.{layer}.{moe_block}.gate.{kind}"))
+                }
                 _ => return None,
             };
             format!("model.layers.{layer}.{hf}.{kind}")
@@ -569,17 +659,17 @@ mod tests {
     #[test]
     fn names_map_to_hf() {
         assert_eq!(
-            hf_name("blk.3.attn_q.weight").unwrap(),
+            hf_name("blk.3.attn_q.weight", "mlp").unwrap(),
             "model.layers.3.self_attn.q_proj.weight"
         );
         assert_eq!(
-            hf_name("blk.0.attn_k.bias").unwrap(),
+            hf_name("blk.0.attn_k.bias", "mlp").unwrap(),
             "model.layers.0.self_attn.k_proj.bias"
         );
         assert_eq!(
-            hf_name("blk.1.ffn_norm.weight").unwrap(),
+            hf_name("blk.1.ffn_norm.weight", "mlp").unwrap(),
             "model.layers.1.post_attention_layernorm.weight"
         );
-        assert!(hf_name("rope_freqs.weight").is_none());
+        assert!(hf_name("rope_freqs.weight", "mlp").is_none());
     }
 }

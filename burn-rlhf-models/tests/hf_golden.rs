@@ -353,6 +353,42 @@ fn fixture_models_match_transformers() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
+/// GGUFs written by llama.cpp's own converter from the tiny transformers models
+/// (`tests/fixtures/gen/gguf_goldens.py`), each loaded bare (config from the metadata) and held
+/// to its model's transformers golden. A fixture set without a `gguf/` folder is checked against
+/// the repository's own.
+#[test]
+fn gguf_fixtures_match_transformers() {
+    let mut root = burn_rlhf_test_assets::fixtures_dir().join("gguf");
+    if !root.is_dir() {
+        root = burn_rlhf_test_assets::repo_root().join("tests/fixtures/gguf");
+    }
+    let mut dirs: Vec<_> = std::fs::read_dir(&root)
+        .unwrap_or_else(|e| panic!("cannot read {}: {e}", root.display()))
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.is_dir())
+        .collect();
+    dirs.sort();
+    assert!(!dirs.is_empty(), "no GGUF folders in {}", root.display());
+    let mut failures = Vec::new();
+    for dir in &dirs {
+        assert!(
+            !dir.join("config.json").exists(),
+            "{}: a GGUF fixture must carry its config in the GGUF alone",
+            dir.display()
+        );
+        if let Err(e) = check_fixture_model(dir) {
+            failures.push(format!("{}: {e}", dir.display()));
+        }
+    }
+    println!(
+        "gguf golden: {} of {} GGUF fixtures passed",
+        dirs.len() - failures.len(),
+        dirs.len()
+    );
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
 #[test]
 fn smollm2_gguf_matches_transformers() {
     let Some(dir) = burn_rlhf_test_assets::smollm2_dir("smollm2_gguf_matches_transformers") else {
