@@ -270,15 +270,7 @@ impl<B: DecoderBackend> SparseMoe<B> {
         let probs = burn::tensor::activation::softmax(logits.clone(), 1);
         let host: Vec<f32> = probs.clone().detach().into_data().iter::<f32>().collect();
         let k = self.top_k;
-        // Each token's top-k experts, by probability (ties to the lower index, as torch.topk).
-        let mut chosen = vec![0i64; n * k];
-        for (t, row) in host.chunks(experts).enumerate() {
-            let mut order: Vec<usize> = (0..experts).collect();
-            order.sort_by(|&a, &c| row[c].total_cmp(&row[a]).then(a.cmp(&c)));
-            for (slot, &e) in order.iter().take(k).enumerate() {
-                chosen[t * k + slot] = e as i64;
-            }
-        }
+        let chosen: Vec<i64> = top_k_experts(&host, experts, k).map(|e| e as i64).collect();
         let device = flat.device();
         let index =
             Tensor::<B, 2, Int>::from_data(TensorData::new(chosen.clone(), [n, k]), &device);
@@ -593,6 +585,17 @@ impl<B: Backend> CausalLm<B> {
     }
 }
 
+/// Each token's `k` experts by router probability, highest first (ties to the lower index, as
+/// torch.topk). Shapes: `probs` is `[tokens * experts]` → `tokens * k` expert indices.
+fn top_k_experts(probs: &[f32], experts: usize, k: usize) -> impl Iterator<Item = usize> + '_ {
+    probs.chunks(experts).flat_map(move |row| {
+        let mut order: Vec<usize> = (0..experts).collect();
+        order.sort_by(|&a, &c| row[c].total_cmp(&row[a]).then(a.cmp(&c)));
+        order.truncate(k);
+        order
+    })
+}
+
 /// transformers' `load_balancing_loss_func` (Switch Transformer's auxiliary loss): over every
 /// sparse layer's router logits (`[B * L, experts]` each) and the real tokens of
 /// `attention_mask` (`[B][L]`), `experts * sum_e(f_e * P_e)` with `f_e` the fraction of top-k
@@ -626,12 +629,8 @@ pub fn load_balancing_loss<B: Backend>(
     for logits in router {
         let probs = burn::tensor::activation::softmax(logits.clone(), 1);
         let host: Vec<f32> = probs.clone().detach().into_data().iter::<f32>().collect();
-        for (t, row) in host.chunks(experts).enumerate() {
-            let mut order: Vec<usize> = (0..experts).collect();
-            order.sort_by(|&a, &c| row[c].total_cmp(&row[a]).then(a.cmp(&c)));
-            for &e in order.iter().take(top_k) {
-                tokens_per_expert[e] += mask[t];
-            }
+        for (slot, e) in top_k_experts(&host, experts, top_k).enumerate() {
+            tokens_per_expert[e] += mask[slot / top_k];
         }
         prob_sum = prob_sum + (probs * mask_t.clone()).sum_dim(0).reshape([experts]);
     }
