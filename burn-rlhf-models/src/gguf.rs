@@ -412,7 +412,64 @@ impl GgufFile {
                     .and_then(GgufValue::as_u64),
             });
         }
+        if model_type == ModelType::Gemma3Text {
+            self.gemma3_keys(&mut v, head_dim, hidden, heads);
+        }
         TransformerConfig::from_hf_value(&v, &self.path)
+    }
+
+    /// What llama.cpp's Gemma 3 reads beyond the common keys, as transformers' config keys: the
+    /// window and which layers slide (`attention.sliding_window_pattern`, else llama.cpp's five
+    /// sliding layers then a global one), the local layers' RoPE base (`rope.freq_base_swa`,
+    /// else 10000, unscaled), the query scale (llama.cpp: `head_dim`, or `hidden / heads` for the
+    /// 62-layer 27B) and the final soft-capping.
+    fn gemma3_keys(&self, v: &mut Value, head_dim: usize, hidden: usize, heads: usize) {
+        let key = |k: &str| self.metadata.get(&format!("gemma3.{k}"));
+        let layers = v["num_hidden_layers"].as_u64().unwrap_or(0) as usize;
+        let window = key("attention.sliding_window").and_then(GgufValue::as_u64);
+        let sliding: Vec<bool> = match (window, key("attention.sliding_window_pattern")) {
+            (None | Some(0), _) => vec![false; layers],
+            (_, Some(GgufValue::Array(flags))) => flags
+                .iter()
+                .map(|f| matches!(f, GgufValue::Bool(true)))
+                .collect(),
+            (_, pattern) => {
+                let n = pattern.and_then(GgufValue::as_u64).unwrap_or(6) as usize;
+                (0..layers).map(|i| n == 0 || i % n < n - 1).collect()
+            }
+        };
+        v["layer_types"] = json!(sliding
+            .iter()
+            .map(|&s| if s {
+                "sliding_attention"
+            } else {
+                "full_attention"
+            })
+            .collect::<Vec<_>>());
+        v["sliding_window"] = json!(window.filter(|&w| w > 0).unwrap_or(4096));
+        let mut global = v
+            .get("rope_scaling")
+            .cloned()
+            .unwrap_or_else(|| json!({"rope_type": "default"}));
+        global["rope_theta"] = v["rope_theta"].clone();
+        let local_theta = key("rope.freq_base_swa")
+            .and_then(GgufValue::as_f64)
+            .unwrap_or(10000.0);
+        v["rope_parameters"] = json!({
+            "full_attention": global,
+            "sliding_attention": {"rope_type": "default", "rope_theta": local_theta},
+        });
+        if let Some(map) = v.as_object_mut() {
+            map.remove("rope_scaling");
+        }
+        v["query_pre_attn_scalar"] = json!(if layers == 62 {
+            hidden / heads
+        } else {
+            head_dim
+        });
+        if let Some(cap) = key("final_logit_softcapping").and_then(GgufValue::as_f64) {
+            v["final_logit_softcapping"] = json!(cap);
+        }
     }
 
     /// The HF `model_type` of llama.cpp's architecture: the same name for the dense families,
@@ -423,6 +480,7 @@ impl GgufFile {
         let name = match (arch, experts) {
             ("llama", true) => "mixtral",
             ("qwen3moe", _) => "qwen3_moe",
+            ("gemma3", _) => "gemma3_text",
             (other, _) => other,
         };
         ModelType::from_name(name)
@@ -434,10 +492,12 @@ impl GgufFile {
     pub fn weights(&self, config: &TransformerConfig) -> Result<WeightMap, ModelError> {
         let mut map = WeightMap::new(self.path.display().to_string());
         let permuted = self.arch() == "llama";
-        let moe_block = match self.model_type()? {
+        let model_type = self.model_type()?;
+        let moe_block = match model_type {
             ModelType::Mixtral => "block_sparse_moe",
             _ => "mlp",
         };
+        let gemma = model_type == ModelType::Gemma3Text;
         for t in &self.tensors {
             let n: usize = t.dims.iter().product();
             let err =
@@ -485,8 +545,15 @@ impl GgufFile {
                         .into(),
                 ));
             }
-            let name = hf_name(&t.name, moe_block)
-                .ok_or_else(|| err("no HF equivalent for this tensor name".into()))?;
+            let name = match gemma {
+                true => gemma3_name(&t.name),
+                false => hf_name(&t.name, moe_block),
+            }
+            .ok_or_else(|| err("no HF equivalent for this tensor name".into()))?;
+            if gemma && name.ends_with("norm.weight") {
+                // llama.cpp's converter stores Gemma's `(1 + weight)` norms with the 1 added.
+                data.iter_mut().for_each(|w| *w -= 1.0);
+            }
             if permuted && shape.len() == 2 {
                 let cols = shape[1];
                 if name.ends_with("self_attn.q_proj.weight") {
@@ -574,6 +641,21 @@ fn expert_tensor(gguf: &str) -> Option<(&str, ExpertProjection)> {
         _ => return None,
     };
     Some((layer, ExpertProjection { qwen, mixtral }))
+}
+
+/// Gemma 3's HF names: its four norms per layer, the rest as [`hf_name`].
+fn gemma3_name(gguf: &str) -> Option<String> {
+    let (layer, part) = match gguf.strip_prefix("blk.").and_then(|r| r.split_once('.')) {
+        Some(split) => split,
+        None => return hf_name(gguf, "mlp"),
+    };
+    let norm = match part {
+        "post_attention_norm.weight" => "post_attention_layernorm",
+        "ffn_norm.weight" => "pre_feedforward_layernorm",
+        "post_ffw_norm.weight" => "post_feedforward_layernorm",
+        _ => return hf_name(gguf, "mlp"),
+    };
+    Some(format!("model.layers.{layer}.{norm}.weight"))
 }
 
 /// The HF name of a GGUF tensor; `moe_block` is the module holding a MoE layer's router
