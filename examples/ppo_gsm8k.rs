@@ -32,7 +32,7 @@ fn main() -> anyhow::Result<()> {
         Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/ppo_gsm8k.ron")
     };
     eprintln!("backend: {}; config: {}", backend_name(), config.display());
-    let out = train(checked_config(&config, &args)?, None)?;
+    let out = train(checked_config(&config, &args)?)?;
     for (what, path) in [("metrics", &out.jsonl), ("plot", &out.plot)] {
         if let Some(p) = path {
             println!("{what}: {}", p.display());

@@ -121,10 +121,14 @@ pub fn default_device() -> Device {
 /// The selected backend's first `n` devices, for data-parallel ranks (`trainer.n_gpus_per_node`):
 /// GPUs 0..n on cuda/wgpu. A CPU backend has one device, which every rank then shares.
 pub fn devices(n: usize) -> Vec<Device> {
+    devices_from(0, n)
+}
+
+/// The selected backend's devices `first..first + n` (an MPI process's share of its host's).
+pub fn devices_from(first: usize, n: usize) -> Vec<Device> {
     use burn::tensor::backend::{Device as _, DeviceId, DeviceOps};
-    let first = default_device();
-    let kind = first.id().type_id;
-    (0..n.max(1))
+    let kind = default_device().id().type_id;
+    (first..first + n.max(1))
         .map(|i| Device::from_id(DeviceId::new(kind, i as u16)))
         .collect()
 }

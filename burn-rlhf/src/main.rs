@@ -38,22 +38,14 @@ enum Command {
     ///
     /// Example: `burn-rlhf train configs/ppo_gsm8k.ron data.train_batch_size=8`
     ///
-    /// Several devices: `trainer.n_gpus_per_node=N`. Several hosts: start the same command on each
-    /// with `--nnodes`, its own `--node-rank` and rank 0's `--master-addr` (see README).
+    /// Several devices: `trainer.n_gpus_per_node=N`. Several processes or hosts (a build with
+    /// `--features mpi`): `mpirun -np P burn-rlhf train ...` or `srun`, with
+    /// `trainer.nnodes` hosts of `trainer.n_gpus_per_node` devices (see README).
     Train {
         /// The RON config file.
         config: PathBuf,
         /// `key.path=value` overrides, applied in order after the file.
         overrides: Vec<String>,
-        /// Processes in the run (overrides `trainer.nnodes`).
-        #[arg(long)]
-        nnodes: Option<usize>,
-        /// This process's place, 0..nnodes; node 0 holds rank 0.
-        #[arg(long, default_value_t = 0)]
-        node_rank: usize,
-        /// Rank 0's HOST:PORT: node 0 listens on exactly this address, the others connect to it.
-        #[arg(long)]
-        master_addr: Option<String>,
     },
     /// Supervised fine-tuning with verl's SFT trainer keys (`data.prompt_key`, `response_key`,
     /// `max_length`, `truncation`, `micro_batch_size_per_gpu`, `model.partial_pretrain`, `optim.*`,
@@ -319,42 +311,12 @@ fn report(out: &burn_rlhf::trainer::RunOutputs) {
     }
 }
 
-/// `HOST:PORT` to one socket address (the first the name resolves to).
-fn resolve_addr(addr: &str) -> anyhow::Result<std::net::SocketAddr> {
-    use std::net::ToSocketAddrs;
-    addr.to_socket_addrs()
-        .map_err(|e| anyhow::anyhow!("--master-addr `{addr}`: {e} (expected HOST:PORT)"))?
-        .next()
-        .ok_or_else(|| anyhow::anyhow!("--master-addr `{addr}` resolves to no address"))
-}
-
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Generate(args) => run_generate(args)?,
-        Command::Train {
-            config,
-            overrides,
-            nnodes,
-            node_rank,
-            master_addr,
-        } => {
+        Command::Train { config, overrides } => {
             let settings = checked_config(&config, &overrides)?;
-            let node = match (nnodes, master_addr) {
-                (None, None) if node_rank == 0 => None,
-                (nnodes, addr) => {
-                    let master_addr = match addr {
-                        Some(a) => Some(resolve_addr(&a)?),
-                        None => None,
-                    };
-                    Some(burn_rlhf::trainer::NodeLaunch {
-                        nnodes: nnodes.unwrap_or(settings.trainer.nnodes),
-                        node_rank,
-                        master_addr,
-                        timeout: settings.trainer.collective_timeout,
-                    })
-                }
-            };
-            let out = burn_rlhf::trainer::commands::train(settings, node.as_ref())?;
+            let out = burn_rlhf::trainer::commands::train(settings)?;
             report(&out);
         }
         Command::Sft { config, overrides } => {

@@ -19,8 +19,8 @@ pub struct TrainerConfig {
     pub experiment_name: String,
     /// Any of `console`, `jsonl`.
     pub logger: Vec<String>,
-    /// Processes (hosts) in the run; more than one needs `burn-rlhf train --nnodes N --node-rank
-    /// R --master-addr HOST:PORT` on each.
+    /// Hosts in the run; more than one runs as an MPI job (`mpirun`/`srun`, the `mpi` feature),
+    /// whose host count must equal it.
     pub nnodes: usize,
     /// Devices (ranks) per process, one worker thread each. verl's default is 8 GPUs; here 1, so
     /// a config without the key runs on one device (a CPU backend has one device; several ranks
@@ -31,8 +31,8 @@ pub struct TrainerConfig {
     /// 0: every rank keeps the whole optimiser state; 1: ZeRO-1, each keeps the AdamW moments of
     /// its 1/world of the parameters.
     pub zero_stage: u8,
-    /// Seconds a rank waits for another (a step's slowest phase must fit) before reporting it;
-    /// a rank whose process exits is reported at once.
+    /// Seconds the ranks of one process wait for each other after one failed, before returning
+    /// its error (at most 60); across MPI processes the launcher stops them instead.
     pub collective_timeout_s: u64,
     /// Steps between checkpoints; `-1`: only at the end.
     pub save_freq: i64,

@@ -11,14 +11,14 @@
 //! Transports ([`Collective`]):
 //! - [`Solo`]: one rank, nothing to exchange.
 //! - [`BurnCollective`]: devices of one process, through burn-collective's all-reduce.
-//! - [`TcpGroup`]: ranks in several processes, over TCP to rank 0 on the address it is given.
-//!   burn-collective 0.21's multi-process mode hangs on its second all-reduce and its servers
-//!   listen on every interface; `docs/distributed.md` has the cause and a reproduction.
+//! - [`mpi::MpiRank`] (the `mpi` feature): ranks in the processes of an MPI job (`mpirun`,
+//!   `srun`), through the MPI library.
 
 mod balance;
 mod local;
+#[cfg(feature = "mpi")]
+pub mod mpi;
 mod params;
-mod tcp;
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -32,7 +32,6 @@ use crate::error::TrainError;
 pub use balance::balanced_partitions;
 pub use local::BurnCollective;
 pub use params::{all_reduce_grads, optimizer_state_bytes, sync_params, ShardPlan};
-pub use tcp::TcpGroup;
 
 /// How the ranks of one run exchange data. Every rank calls the same operations in the same
 /// order; a rank that fails calls [`Collective::abort`] so the others stop instead of waiting.

@@ -9,6 +9,8 @@ use crate::backend::LearnerBackend;
 
 use super::build::LearnerParts;
 use super::fit::RunOutputs;
+#[cfg(feature = "mpi")]
+use super::launch::Processes;
 use super::launch::{launch, NodeLaunch};
 use super::learner::Learner;
 use super::metrics::Metrics;
@@ -38,39 +40,112 @@ pub fn checked_config(config: &Path, overrides: &[String]) -> Result<Settings, T
 /// `burn-rlhf train` on decoded settings ([`checked_config`]): on the backend the Cargo features
 /// select ([`crate::backend`]), with gradient checkpointing when
 /// `actor_rollout_ref.model.enable_gradient_checkpointing` says so, loads the models and data the
-/// settings name and [`launch`]es the run on the backend's first `trainer.n_gpus_per_node`
-/// devices and the processes of `node` (`None`: this one, `trainer.nnodes` of them); Ctrl-C
-/// stops after the current step with a checkpoint.
-pub fn train(settings: Settings, node: Option<&NodeLaunch>) -> Result<RunOutputs, TrainError> {
-    let devices = crate::backend::devices(settings.trainer.n_gpus_per_node);
-    crate::with_train_backend!(settings.model.gradient_checkpointing, B => {
-        load_and_launch::<B>(settings, node, &devices)
-    })
+/// settings name and [`launch`]es the run: `trainer.nnodes` hosts of `trainer.n_gpus_per_node`
+/// devices, this process's share of them ([`this_process`]). Ctrl-C stops after the current step
+/// with a checkpoint.
+pub fn train(settings: Settings) -> Result<RunOutputs, TrainError> {
+    let (node, first, count) = this_process(&settings)?;
+    let devices = crate::backend::devices_from(first, count);
+    let out = crate::with_train_backend!(settings.model.gradient_checkpointing, B => {
+        load_and_launch::<B>(settings, &node, &devices)
+    });
+    #[cfg(feature = "mpi")]
+    if let Processes::Mpi(process) = &node.processes {
+        process.finish();
+    }
+    out
+}
+
+/// This process's place and devices (the first device's index and how many): all
+/// `trainer.n_gpus_per_node` devices when it runs alone; under an MPI launcher (the `mpi`
+/// feature), an equal share of its host's devices, the job spanning `trainer.nnodes` hosts.
+pub fn this_process(settings: &Settings) -> Result<(NodeLaunch, usize, usize), TrainError> {
+    let t = &settings.trainer;
+    let alone = NodeLaunch::single(t.collective_timeout);
+    #[cfg(not(feature = "mpi"))]
+    {
+        if ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"]
+            .iter()
+            .any(|v| std::env::var_os(v).is_some())
+        {
+            return Err(TrainError::config(
+                "trainer.nnodes",
+                "started by an MPI launcher, but this build has no MPI: build with \
+                 `--features mpi`",
+            ));
+        }
+        if t.nnodes > 1 {
+            return Err(TrainError::config(
+                "trainer.nnodes",
+                format!(
+                    "{} hosts run as one MPI job: build with `--features mpi` and start it with \
+                     `mpirun` or `srun`",
+                    t.nnodes
+                ),
+            ));
+        }
+        Ok((alone, 0, t.n_gpus_per_node))
+    }
+    #[cfg(feature = "mpi")]
+    {
+        use crate::distributed::mpi::{launched_by_mpi, MpiProcess};
+        if !launched_by_mpi() {
+            if t.nnodes > 1 {
+                return Err(TrainError::config(
+                    "trainer.nnodes",
+                    format!(
+                        "{} hosts run as one MPI job: start it with `mpirun` or `srun`",
+                        t.nnodes
+                    ),
+                ));
+            }
+            return Ok((alone, 0, t.n_gpus_per_node));
+        }
+        let process = MpiProcess::start()?;
+        let place = process.place();
+        if place.hosts != t.nnodes {
+            return Err(TrainError::config(
+                "trainer.nnodes",
+                format!(
+                    "the MPI job spans {} host(s), the config says {}",
+                    place.hosts, t.nnodes
+                ),
+            ));
+        }
+        if !t.n_gpus_per_node.is_multiple_of(place.local_processes) {
+            return Err(TrainError::config(
+                "trainer.n_gpus_per_node",
+                format!(
+                    "{} devices per host cannot be shared equally by this host's {} MPI \
+                     processes",
+                    t.n_gpus_per_node, place.local_processes
+                ),
+            ));
+        }
+        let share = t.n_gpus_per_node / place.local_processes;
+        let node = NodeLaunch {
+            processes: Processes::Mpi(process),
+            ..alone
+        };
+        Ok((node, place.local_process * share, share))
+    }
 }
 
 fn load_and_launch<B: LearnerBackend>(
-    mut settings: Settings,
-    node: Option<&NodeLaunch>,
+    settings: Settings,
+    node: &NodeLaunch,
     devices: &[B::Device],
 ) -> Result<RunOutputs, TrainError> {
-    let node = match node {
-        Some(n) => n.clone(),
-        None => NodeLaunch {
-            nnodes: settings.trainer.nnodes,
-            ..NodeLaunch::single(settings.trainer.collective_timeout)
-        },
-    };
-    // `--nnodes` wins over `trainer.nnodes`; every rank then fingerprints the same settings.
-    settings.trainer.nnodes = node.nnodes;
     let t = &settings.trainer;
     let parts = LearnerParts::<B>::load(&settings, &devices[0], true)?;
-    if node.node_rank == 0 {
+    let processes = node.processes.count();
+    if node.processes.index() == 0 {
         eprintln!(
-            "training on {} x {} ranks (nodes x devices){}: {} with `{}` advantages and the `{}` \
-             loss{}{}",
-            node.nnodes,
+            "training on {} x {} ranks (processes x devices){}: {} with `{}` advantages and the \
+             `{}` loss{}{}",
+            processes,
             devices.len(),
-            if t.shard_optimizer && node.nnodes * devices.len() > 1 {
+            if t.shard_optimizer && processes * devices.len() > 1 {
                 ", optimiser state sharded"
             } else {
                 ""
@@ -90,7 +165,7 @@ fn load_and_launch<B: LearnerBackend>(
             },
         );
     }
-    launch(settings, parts, devices, &node, stop_on_ctrl_c())
+    launch(settings, parts, devices, node, stop_on_ctrl_c())
 }
 
 /// `burn-rlhf eval` on decoded settings ([`checked_config`]): validation only (the actor at

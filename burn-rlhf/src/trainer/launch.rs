@@ -1,9 +1,9 @@
 //! Launching a run's ranks, the one way every run starts ([`launch`]): one rank (one device, one
 //! process) runs [`Learner::fit`] on the calling thread; several devices get a worker thread each,
-//! every rank with its own replica of the models and optimisers; with several processes
-//! (`nnodes`), every rank joins rank 0's [`TcpGroup`].
+//! every rank with its own replica of the models and optimisers; the devices of one process sum
+//! through burn-collective, and processes started by an MPI launcher (the `mpi` feature) through
+//! MPI ([`crate::distributed::mpi`]).
 
-use std::net::SocketAddr;
 use std::sync::atomic::AtomicBool;
 use std::sync::mpsc;
 use std::sync::Arc;
@@ -16,22 +16,51 @@ use super::build::LearnerParts;
 use super::fit::RunOutputs;
 use super::learner::Learner;
 use crate::config::Settings;
+#[cfg(feature = "mpi")]
+use crate::distributed::mpi::{MpiProcess, MpiRank};
 use crate::distributed::{
-    AbortFlag, BurnCollective, Collective, DataParallel, DistributedError, Solo, TcpGroup,
+    AbortFlag, BurnCollective, Collective, DataParallel, DistributedError, Solo,
 };
 use crate::error::TrainError;
 
-/// Where this process sits in a multi-process run.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// The processes of a run.
+#[derive(Debug, Clone, Default)]
+pub enum Processes {
+    /// This process alone.
+    #[default]
+    Alone,
+    /// The processes of an MPI job (`mpirun`, `srun`).
+    #[cfg(feature = "mpi")]
+    Mpi(Arc<MpiProcess>),
+}
+
+impl Processes {
+    /// This process, `0..count()`.
+    pub fn index(&self) -> usize {
+        match self {
+            Self::Alone => 0,
+            #[cfg(feature = "mpi")]
+            Self::Mpi(p) => p.place().process,
+        }
+    }
+
+    /// Processes in the run.
+    pub fn count(&self) -> usize {
+        match self {
+            Self::Alone => 1,
+            #[cfg(feature = "mpi")]
+            Self::Mpi(p) => p.place().processes,
+        }
+    }
+}
+
+/// Where this process sits in a run.
+#[derive(Debug, Clone)]
 pub struct NodeLaunch {
-    /// Processes in the run (`trainer.nnodes`, `--nnodes`).
-    pub nnodes: usize,
-    /// This process, `0..nnodes` (`--node-rank`).
-    pub node_rank: usize,
-    /// Rank 0's address: it listens there, the others connect (`--master-addr`); required with
-    /// several processes.
-    pub master_addr: Option<SocketAddr>,
-    /// How long a rank waits for another before reporting it (`trainer.collective_timeout_s`).
+    /// The run's processes.
+    pub processes: Processes,
+    /// How long the ranks of this process wait for each other after one failed
+    /// (`trainer.collective_timeout_s`).
     pub timeout: Duration,
 }
 
@@ -39,9 +68,7 @@ impl NodeLaunch {
     /// One process.
     pub fn single(timeout: Duration) -> Self {
         Self {
-            nnodes: 1,
-            node_rank: 0,
-            master_addr: None,
+            processes: Processes::Alone,
             timeout,
         }
     }
@@ -69,6 +96,7 @@ impl<B: LearnerBackend> LearnerParts<B> {
 }
 
 /// A fingerprint of the settings every rank must share (the same file and overrides).
+#[cfg(feature = "mpi")]
 fn fingerprint(settings: &Settings) -> u64 {
     use std::hash::{Hash, Hasher};
     let mut h = std::collections::hash_map::DefaultHasher::new();
@@ -76,13 +104,14 @@ fn fingerprint(settings: &Settings) -> u64 {
     h.finish()
 }
 
-/// Trains with `devices.len()` ranks in this process (`trainer.n_gpus_per_node`) and
-/// `node.nnodes` processes, each rank running [`Learner::fit`] on a learner built from `settings`
-/// and its copy of `parts`. One rank in all runs on the calling thread with `parts` as they are;
-/// otherwise each device gets a thread (`parts` are loaded once and copied to each device), and
-/// the call returns rank 0's outputs (on the other processes, their first rank's, which logs
-/// nothing). A rank that fails stops the others: they return within `node.timeout` at the
-/// latest, and the error returned is the failing rank's.
+/// Trains with `devices.len()` ranks in each of `node`'s processes, each rank running
+/// [`Learner::fit`] on a learner built from `settings` and its copy of `parts`. One rank in all
+/// runs on the calling thread with `parts` as they are; otherwise each device gets a thread
+/// (`parts` are loaded once and copied to each device), and the call returns rank 0's outputs (on
+/// the other processes, their first rank's, which logs nothing). A rank that fails stops the
+/// others: in one process they return within `node.timeout` at the latest, and the error
+/// returned is the failing rank's; across MPI processes the failing rank prints its error and
+/// aborts the job, which the launcher reports naming it.
 pub fn launch<B: LearnerBackend>(
     settings: Settings,
     parts: LearnerParts<B>,
@@ -96,14 +125,16 @@ pub fn launch<B: LearnerBackend>(
         return Learner::from_settings(settings, parts, &devices[0])?.fit(stop);
     }
     let abort = Arc::new(AbortFlag::default());
-    if node.nnodes == 1 && local > 1 {
+    let mut joins = group.joins(local, &node.processes)?;
+    if group.processes == 1 && local > 1 {
         BurnCollective::<B::InnerBackend>::reset_group();
     }
     let (tx, rx) = mpsc::channel::<(usize, Result<RunOutputs, TrainError>)>();
     let mut handles = Vec::with_capacity(local);
     for (i, device) in devices.iter().enumerate() {
-        let rank = node.node_rank * local + i;
+        let rank = node.processes.index() * local + i;
         let parts = parts.replicate(device);
+        let join = joins.remove(0);
         let (device, settings, group, abort, tx) = (
             device.clone(),
             settings.clone(),
@@ -118,7 +149,7 @@ pub fn launch<B: LearnerBackend>(
                 let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                     // Config errors surface before joining, identically on every rank.
                     let learner = Learner::from_settings(settings, parts, &device)?;
-                    let collective = group.join::<B>(rank, &device, &abort)?;
+                    let collective = join.into_collective::<B>(rank, &device, &abort)?;
                     joined = Some(collective.clone());
                     let mut learner =
                         learner.with_data_parallel(group.data_parallel(collective))?;
@@ -149,16 +180,44 @@ pub fn launch<B: LearnerBackend>(
 #[derive(Debug, Clone)]
 struct GroupPlan {
     world: usize,
-    nnodes: usize,
-    master: Option<SocketAddr>,
-    timeout: Duration,
-    fingerprint: u64,
+    processes: usize,
     shard_optimizer: bool,
     balance_batch: bool,
 }
 
+/// How one rank joins: alone, through burn-collective, or as an MPI rank.
+enum Join {
+    Solo,
+    Local {
+        world: usize,
+    },
+    #[cfg(feature = "mpi")]
+    Mpi(MpiRank),
+}
+
+impl Join {
+    fn into_collective<B: LearnerBackend>(
+        self,
+        rank: usize,
+        device: &B::Device,
+        abort: &Arc<AbortFlag>,
+    ) -> Result<Arc<dyn Collective>, TrainError> {
+        Ok(match self {
+            Self::Solo => Arc::new(Solo),
+            Self::Local { world } => Arc::new(BurnCollective::<B::InnerBackend>::register(
+                rank,
+                world,
+                device.clone(),
+                abort.clone(),
+            )?),
+            #[cfg(feature = "mpi")]
+            Self::Mpi(rank) => Arc::new(rank),
+        })
+    }
+}
+
 impl GroupPlan {
-    /// Checks the launch (`local` devices here, `node`'s place) and plans the group.
+    /// Checks the launch (`local` devices here, `node`'s processes) and plans the group.
     fn new(settings: &Settings, local: usize, node: &NodeLaunch) -> Result<Self, TrainError> {
         if local == 0 {
             return Err(TrainError::config(
@@ -166,55 +225,35 @@ impl GroupPlan {
                 "no devices to train on",
             ));
         }
-        if node.nnodes == 0 || node.node_rank >= node.nnodes {
-            return Err(TrainError::config(
-                "trainer.nnodes",
-                format!(
-                    "node rank {} is outside {} node(s)",
-                    node.node_rank, node.nnodes
-                ),
-            ));
-        }
-        if node.nnodes > 1 && node.master_addr.is_none() {
-            return Err(TrainError::config(
-                "--master-addr",
-                "several nodes need rank 0's address (HOST:PORT)",
-            ));
+        #[cfg(feature = "mpi")]
+        if let Processes::Mpi(process) = &node.processes {
+            process.check_same(fingerprint(settings))?;
         }
         Ok(Self {
-            world: local * node.nnodes,
-            nnodes: node.nnodes,
-            master: node.master_addr,
-            timeout: node.timeout,
-            fingerprint: fingerprint(settings),
+            world: local * node.processes.count(),
+            processes: node.processes.count(),
             shard_optimizer: settings.trainer.shard_optimizer,
             balance_batch: settings.trainer.balance_batch,
         })
     }
 
-    /// Rank `rank`'s transport: none alone, TCP across processes, burn-collective across the
-    /// devices of one process.
-    fn join<B: LearnerBackend>(
+    /// Each local rank's way to join, in device order: none alone, MPI across processes,
+    /// burn-collective across the devices of one process.
+    fn joins(
         &self,
-        rank: usize,
-        device: &B::Device,
-        abort: &Arc<AbortFlag>,
-    ) -> Result<Arc<dyn Collective>, TrainError> {
-        Ok(match (self.world, self.master) {
-            (1, _) => Arc::new(Solo),
-            (_, Some(master)) if self.nnodes > 1 => Arc::new(TcpGroup::connect(
-                rank,
-                self.world,
-                master,
-                self.timeout,
-                self.fingerprint,
-            )?),
-            _ => Arc::new(BurnCollective::<B::InnerBackend>::register(
-                rank,
-                self.world,
-                device.clone(),
-                abort.clone(),
-            )?),
+        local: usize,
+        processes: &Processes,
+    ) -> Result<Vec<Join>, TrainError> {
+        Ok(match processes {
+            _ if self.world == 1 => vec![Join::Solo],
+            Processes::Alone => (0..local)
+                .map(|_| Join::Local { world: self.world })
+                .collect(),
+            #[cfg(feature = "mpi")]
+            Processes::Mpi(process) => MpiRank::for_devices(process, local)
+                .into_iter()
+                .map(Join::Mpi)
+                .collect(),
         })
     }
 
@@ -256,6 +295,32 @@ fn finish_rank<B: LearnerBackend>(
     }
 }
 
+/// The next rank's result, or `None` past `deadline` or when every rank's sender is gone. On a
+/// thread of rayon's pool (`burn-rlhf` runs there, [`crate::runtime::on_compute_threads`]) the
+/// wait runs the pool's pending work meanwhile: the ranks' tensor operations are that work, and a
+/// pool of one thread (a process bound to one core, as `mpirun` binds by default) would otherwise
+/// wait on itself.
+fn receive_working<T>(rx: &mpsc::Receiver<T>, deadline: Option<Instant>) -> Option<T> {
+    loop {
+        match rx.try_recv() {
+            Ok(v) => return Some(v),
+            Err(mpsc::TryRecvError::Disconnected) => return None,
+            Err(mpsc::TryRecvError::Empty) => {}
+        }
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            return None;
+        }
+        match rayon::yield_now() {
+            Some(rayon::Yield::Executed) => {}
+            _ => match rx.recv_timeout(Duration::from_millis(1)) {
+                Ok(v) => return Some(v),
+                Err(mpsc::RecvTimeoutError::Disconnected) => return None,
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+            },
+        }
+    }
+}
+
 /// Waits for every rank of this process; after a failure, waits for the others at most
 /// `timeout` more, then returns the failure that is not a consequence of another.
 fn collect(
@@ -268,13 +333,7 @@ fn collect(
     let mut results: Vec<(usize, Result<RunOutputs, TrainError>)> = Vec::new();
     let mut deadline: Option<Instant> = None;
     while results.len() < local {
-        let received = match deadline {
-            None => rx.recv().ok(),
-            Some(d) => rx
-                .recv_timeout(d.saturating_duration_since(Instant::now()))
-                .ok(),
-        };
-        let Some((rank, result)) = received else {
+        let Some((rank, result)) = receive_working(&rx, deadline) else {
             break;
         };
         if result.is_err() && deadline.is_none() {

@@ -1,11 +1,9 @@
-//! Data parallelism on CPU devices and loopback: two devices in one process and two processes
-//! reproduce one device with the same global batch; ZeRO-1 gives the same parameters with about
-//! half the optimiser state per rank and resumes from its shards; a rank that dies stops the others with a clear error.
+//! Data parallelism on CPU devices: two devices in one process and (the `mpi` feature) MPI
+//! processes reproduce one device with the same global batch; ZeRO-1 gives the same parameters
+//! with about half the optimiser state per rank and resumes from its shards; a rank that fails or
+//! dies stops the others with a clear error.
 
-use std::io::Read;
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -329,158 +327,235 @@ fn a_failing_device_rank_stops_the_other_with_its_error() {
     assert!(ok.is_ok(), "{ok:?}");
 }
 
-/// The tiny model and the task's data as files, for the CLI.
-fn cli_assets(dir: &Path) -> (PathBuf, PathBuf) {
-    super::cli_assets(dir, 7, 16)
-}
+/// Runs of `burn-rlhf train` as MPI jobs (`mpirun` on this host).
+#[cfg(feature = "mpi")]
+mod processes {
+    use std::io::Read;
+    use std::path::{Path, PathBuf};
+    use std::process::{Child, Command, Stdio};
+    use std::time::{Duration, Instant};
 
-fn cli_args(model: &Path, data: &Path, out: &Path, steps: usize) -> Vec<String> {
-    let path = |p: &Path| p.display().to_string();
-    let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/ppo_gsm8k.ron");
-    vec![
-        "train".into(),
-        path(&config),
-        format!("actor_rollout_ref.model.path={}", path(model)),
-        format!("critic.model.path={}", path(model)),
-        format!("data.train_files=[{}]", path(data)),
-        "data.max_prompt_length=8".into(),
-        "data.max_response_length=4".into(),
-        "data.train_batch_size=8".into(),
-        "data.filter_overlong_prompts=false".into(),
-        "actor_rollout_ref.rollout.n=2".into(),
-        "actor_rollout_ref.actor.ppo_mini_batch_size=4".into(),
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2".into(),
-        "critic.ppo_micro_batch_size_per_gpu=2".into(),
-        "actor_rollout_ref.actor.optim.lr=0.001".into(),
-        "critic.optim.lr=0.001".into(),
-        "algorithm.use_kl_in_reward=true".into(),
-        "custom_reward_function.name=arithmetic".into(),
-        format!("trainer.total_training_steps={steps}"),
-        "trainer.test_freq=-1".into(),
-        "trainer.save_freq=-1".into(),
-        "trainer.logger=[jsonl]".into(),
-        "trainer.resume_mode=disable".into(),
-        "trainer.collective_timeout_s=60".into(),
-        format!("trainer.default_local_dir={}", path(out)),
-    ]
-}
+    use super::{assert_same_metrics, assert_same_weights, temp_dir, STEPS};
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-fn spawn_rank(args: &[String], rank: usize, port: u16) -> Child {
-    Command::new(env!("CARGO_BIN_EXE_burn-rlhf"))
-        .args(args)
-        .args([
-            "--nnodes".to_string(),
-            "2".into(),
-            "--node-rank".into(),
-            rank.to_string(),
-            "--master-addr".into(),
-            format!("127.0.0.1:{port}"),
-        ])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap()
-}
-
-/// Waits for a child at most `limit`; kills it past that. Returns its success and stderr.
-fn wait_bounded(mut child: Child, limit: Duration) -> (bool, String) {
-    let start = Instant::now();
-    let status = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break Some(s);
-        }
-        if start.elapsed() > limit {
-            child.kill().ok();
-            child.wait().ok();
-            break None;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    let mut err = String::new();
-    if let Some(mut e) = child.stderr.take() {
-        e.read_to_string(&mut err).ok();
+    /// The tiny model and the task's data as files, for the CLI.
+    fn cli_assets(dir: &Path) -> (PathBuf, PathBuf) {
+        super::super::cli_assets(dir, 7, 16)
     }
-    (status.is_some_and(|s| s.success()), err)
-}
 
-/// `burn-rlhf train` as one process with one device, then as 2 processes on 127.0.0.1 with
-/// `devices` devices each: same weights and metrics.
-fn processes_reproduce_one_process(name: &str, devices: usize) {
-    let dir = temp_dir(name);
-    let (model, data) = cli_assets(&dir);
-    let single = dir.join("single");
-    let status = Command::new(env!("CARGO_BIN_EXE_burn-rlhf"))
-        .args(cli_args(&model, &data, &single, STEPS))
-        .stdout(Stdio::null())
-        .status()
-        .unwrap();
-    assert!(status.success());
-    let multi = dir.join("multi");
-    let mut args = cli_args(&model, &data, &multi, STEPS);
-    args.push(format!("trainer.n_gpus_per_node={devices}"));
-    let port = free_port();
-    let ranks: Vec<Child> = (0..2).map(|r| spawn_rank(&args, r, port)).collect();
-    for (r, child) in ranks.into_iter().enumerate() {
-        let (ok, err) = wait_bounded(child, Duration::from_secs(300));
-        assert!(ok, "process {r} failed or ran past 300 s:\n{err}");
+    fn cli_args(model: &Path, data: &Path, out: &Path, steps: usize) -> Vec<String> {
+        let path = |p: &Path| p.display().to_string();
+        let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/ppo_gsm8k.ron");
+        vec![
+            "train".into(),
+            path(&config),
+            format!("actor_rollout_ref.model.path={}", path(model)),
+            format!("critic.model.path={}", path(model)),
+            format!("data.train_files=[{}]", path(data)),
+            "data.max_prompt_length=8".into(),
+            "data.max_response_length=4".into(),
+            "data.train_batch_size=8".into(),
+            "data.filter_overlong_prompts=false".into(),
+            "actor_rollout_ref.rollout.n=2".into(),
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4".into(),
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2".into(),
+            "critic.ppo_micro_batch_size_per_gpu=2".into(),
+            "actor_rollout_ref.actor.optim.lr=0.001".into(),
+            "critic.optim.lr=0.001".into(),
+            "algorithm.use_kl_in_reward=true".into(),
+            "custom_reward_function.name=arithmetic".into(),
+            format!("trainer.total_training_steps={steps}"),
+            "trainer.test_freq=-1".into(),
+            "trainer.save_freq=-1".into(),
+            "trainer.logger=[jsonl]".into(),
+            "trainer.resume_mode=disable".into(),
+            format!("trainer.default_local_dir={}", path(out)),
+        ]
     }
-    let step = format!("global_step_{STEPS}");
-    let what = format!("2 processes x {devices} device(s) vs 1");
-    assert_same_weights(&single.join(&step), &multi.join(&step), &what);
-    assert_same_metrics(&single.join(&step), &multi.join(&step), &what);
-}
 
-#[test]
-fn two_processes_on_loopback_reproduce_one_process() {
-    processes_reproduce_one_process("dp-processes", 1);
-}
+    /// `mpirun -np {np}` of `burn-rlhf` with `args` (OpenMPI's; allowed to run as root, and more
+    /// processes than cores).
+    fn mpirun(np: usize, args: &[String]) -> Child {
+        Command::new("mpirun")
+            .args(["--oversubscribe", "-np", &np.to_string()])
+            .arg(env!("CARGO_BIN_EXE_burn-rlhf"))
+            .args(args)
+            .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+            .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("mpirun (install OpenMPI: apt-get install openmpi-bin libopenmpi-dev)")
+    }
 
-#[test]
-fn two_processes_of_two_devices_reproduce_one_process() {
-    // World 4: every device thread of both processes is a rank of the TCP group.
-    processes_reproduce_one_process("dp-processes-devices", 2);
-}
+    /// Waits for `mpirun` at most `limit`; past that, stops it (SIGTERM, which it passes on to
+    /// its processes) and then kills it. Returns its success and stderr.
+    fn wait_bounded(mut child: Child, limit: Duration) -> (bool, String) {
+        let start = Instant::now();
+        let status = loop {
+            if let Some(s) = child.try_wait().unwrap() {
+                break Some(s);
+            }
+            if start.elapsed() > limit {
+                Command::new("kill")
+                    .args(["-TERM", &child.id().to_string()])
+                    .status()
+                    .ok();
+                std::thread::sleep(Duration::from_secs(5));
+                child.kill().ok();
+                child.wait().ok();
+                break None;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        let mut err = String::new();
+        if let Some(mut e) = child.stderr.take() {
+            e.read_to_string(&mut err).ok();
+        }
+        (status.is_some_and(|s| s.success()), err)
+    }
 
-#[test]
-fn a_killed_process_stops_the_other_with_a_clear_error() {
-    let dir = temp_dir("dp-kill");
-    let (model, data) = cli_assets(&dir);
-    let out = dir.join("run");
-    let args = cli_args(&model, &data, &out, 10_000);
-    let port = free_port();
-    let rank0 = spawn_rank(&args, 0, port);
-    let mut rank1 = spawn_rank(&args, 1, port);
-    // Kill rank 1 once the run is under way (rank 0 has logged a step).
-    let log = out.join("metrics.jsonl");
-    let start = Instant::now();
-    while !std::fs::read_to_string(&log).is_ok_and(|s| s.lines().count() >= 1) {
-        assert!(
-            start.elapsed() < Duration::from_secs(120),
-            "no step logged in 120 s"
+    /// `burn-rlhf train` as one process with one device, then as an MPI job of 2 processes with
+    /// `devices` devices each: same weights and metrics.
+    fn mpi_job_reproduces_one_process(name: &str, devices: usize) {
+        let dir = temp_dir(name);
+        let (model, data) = cli_assets(&dir);
+        let single = dir.join("single");
+        let status = Command::new(env!("CARGO_BIN_EXE_burn-rlhf"))
+            .args(cli_args(&model, &data, &single, STEPS))
+            .stdout(Stdio::null())
+            .status()
+            .unwrap();
+        assert!(status.success());
+        let multi = dir.join("multi");
+        let mut args = cli_args(&model, &data, &multi, STEPS);
+        args.push(format!("trainer.n_gpus_per_node={}", 2 * devices));
+        let (ok, err) = wait_bounded(mpirun(2, &args), Duration::from_secs(300));
+        assert!(ok, "the MPI job failed or ran past 300 s:\n{err}");
+        let step = format!("global_step_{STEPS}");
+        let what = format!("2 MPI processes x {devices} device(s) vs 1");
+        assert_same_weights(&single.join(&step), &multi.join(&step), &what);
+        assert_same_metrics(&single.join(&step), &multi.join(&step), &what);
+    }
+
+    #[test]
+    fn two_mpi_processes_reproduce_one_process() {
+        mpi_job_reproduces_one_process("dp-mpi", 1);
+    }
+
+    #[test]
+    fn two_mpi_processes_of_two_devices_reproduce_one_process() {
+        // World 4: each process's two device threads meet, then the processes sum through MPI.
+        mpi_job_reproduces_one_process("dp-mpi-devices", 2);
+    }
+
+    /// The processes `mpirun` (`pid`) started, with their MPI rank
+    /// (`OMPI_COMM_WORLD_RANK` in their environment).
+    fn mpi_ranks(pid: u32) -> Vec<(u32, usize)> {
+        let mut found = Vec::new();
+        let mut parents = vec![pid];
+        while let Some(parent) = parents.pop() {
+            for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+                let Ok(child) = entry.file_name().to_string_lossy().parse::<u32>() else {
+                    continue;
+                };
+                let stat = std::fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
+                // `pid (comm) state ppid ...`: the parent is the second field after the name.
+                let ppid = stat
+                    .rsplit_once(')')
+                    .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+                    .and_then(|p| p.parse::<u32>().ok());
+                if ppid != Some(parent) {
+                    continue;
+                }
+                parents.push(child);
+                let environ = std::fs::read(entry.path().join("environ")).unwrap_or_default();
+                let rank = environ
+                    .split(|&b| b == 0)
+                    .filter_map(|kv| std::str::from_utf8(kv).ok())
+                    .find_map(|kv| kv.strip_prefix("OMPI_COMM_WORLD_RANK="))
+                    .and_then(|r| r.parse().ok());
+                if let Some(rank) = rank {
+                    found.push((child, rank));
+                }
+            }
+        }
+        found
+    }
+
+    #[test]
+    fn a_killed_mpi_process_stops_the_job_naming_it() {
+        let dir = temp_dir("dp-mpi-kill");
+        let (model, data) = cli_assets(&dir);
+        let out = dir.join("run");
+        let mut args = cli_args(&model, &data, &out, 10_000);
+        args.push("trainer.n_gpus_per_node=2".into());
+        let job = mpirun(2, &args);
+        // Kill rank 1 once the run is under way (rank 0 has logged a step).
+        let log = out.join("metrics.jsonl");
+        let start = Instant::now();
+        while !std::fs::read_to_string(&log).is_ok_and(|s| s.lines().count() >= 1) {
+            assert!(
+                start.elapsed() < Duration::from_secs(120),
+                "no step logged in 120 s"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let ranks = mpi_ranks(job.id());
+        let (pid, _) = ranks
+            .iter()
+            .find(|(_, r)| *r == 1)
+            .unwrap_or_else(|| panic!("no process of MPI rank 1 among {ranks:?}"));
+        Command::new("kill")
+            .args(["-9", &pid.to_string()])
+            .status()
+            .unwrap();
+        let killed = Instant::now();
+        let (ok, err) = wait_bounded(job, Duration::from_secs(60));
+        println!(
+            "the job stopped {:?} after rank 1 was killed: {}",
+            killed.elapsed(),
+            err.lines().find(|l| l.contains("rank 1")).unwrap_or("")
         );
-        std::thread::sleep(Duration::from_millis(50));
+        assert!(!ok, "the job should fail when rank 1 dies");
+        assert!(
+            killed.elapsed() < Duration::from_secs(60),
+            "the job did not stop within 60 s"
+        );
+        assert!(err.contains("rank 1"), "{err}");
     }
-    rank1.kill().unwrap();
-    rank1.wait().unwrap();
-    let killed = Instant::now();
-    let (ok, err) = wait_bounded(rank0, Duration::from_secs(60));
-    println!(
-        "rank 0 stopped {:?} after rank 1 was killed: {}",
-        killed.elapsed(),
-        err.lines().last().unwrap_or("")
-    );
-    assert!(!ok, "rank 0 should fail when rank 1 dies");
-    assert!(
-        killed.elapsed() < Duration::from_secs(60),
-        "rank 0 did not stop within 60 s"
-    );
-    assert!(err.contains("rank 1 disconnected"), "{err}");
+
+    #[test]
+    fn processes_with_other_settings_are_refused_naming_them() {
+        let dir = temp_dir("dp-mpi-settings");
+        let (model, data) = cli_assets(&dir);
+        let args = |lr: &str| {
+            let mut a = cli_args(&model, &data, &dir.join("run"), STEPS);
+            a.push("trainer.n_gpus_per_node=2".into());
+            a.push(format!("actor_rollout_ref.actor.optim.lr={lr}"));
+            a
+        };
+        // MPMD: process 0 and process 1 get different learning rates.
+        let job = Command::new("mpirun")
+            .args([
+                "--oversubscribe",
+                "-np",
+                "1",
+                env!("CARGO_BIN_EXE_burn-rlhf"),
+            ])
+            .args(args("0.001"))
+            .args([":", "-np", "1", env!("CARGO_BIN_EXE_burn-rlhf")])
+            .args(args("0.002"))
+            .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+            .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let (ok, err) = wait_bounded(job, Duration::from_secs(120));
+        assert!(!ok);
+        assert!(
+            err.contains("processes 1 run with other settings than process 0"),
+            "{err}"
+        );
+    }
 }

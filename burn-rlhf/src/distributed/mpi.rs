@@ -1,0 +1,360 @@
+//! Ranks in several processes through MPI (the `mpi` feature; OpenMPI or MPICH underneath):
+//! `mpirun -np N burn-rlhf train ...` or Slurm's `srun`. The launcher gives each process its
+//! place; a process drives one or more devices, each a rank.
+//!
+//! MPI is called from one thread per process (`MPI_THREAD_FUNNELED`), the one that initialised
+//! it: the device threads of a process first add their buffers together there, in device order,
+//! and the last one to arrive hands the sum to the MPI thread. Sums are `MPI_Reduce` to process 0
+//! then `MPI_Bcast`, so every rank gets the same bits (an `MPI_Allreduce` may round differently
+//! on different ranks). A failing rank calls `MPI_Abort` after printing why; the launcher then
+//! stops every process and names the one that aborted, as it does for a process that dies.
+
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::{Arc, Condvar, Mutex};
+
+use mpi::collective::SystemOperation;
+use mpi::environment::Threading;
+use mpi::topology::Communicator;
+use mpi::traits::{CommunicatorCollectives, Root};
+
+use super::{Collective, DistributedError};
+
+/// Whether an MPI launcher started this process (OpenMPI's, PMI's or PMIx's variables).
+pub fn launched_by_mpi() -> bool {
+    ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"]
+        .iter()
+        .any(|v| std::env::var_os(v).is_some())
+}
+
+/// This process's place in the MPI job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MpiPlace {
+    /// This process, `0..processes`.
+    pub process: usize,
+    /// Processes in the job.
+    pub processes: usize,
+    /// This process among those of its host.
+    pub local_process: usize,
+    /// Processes on this host.
+    pub local_processes: usize,
+    /// Hosts in the job.
+    pub hosts: usize,
+}
+
+enum Request {
+    /// Sum over processes, answered on the sender.
+    Sum(Vec<f32>, Sender<Vec<f32>>),
+    /// Every process's value, in process order.
+    GatherU64(u64, Sender<Vec<u64>>),
+    /// Print the reason and stop the job.
+    Abort(String),
+}
+
+/// The process's MPI: the thread that owns it, and the device threads' meeting point.
+pub struct MpiProcess {
+    place: MpiPlace,
+    requests: Mutex<Option<Sender<Request>>>,
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for MpiProcess {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MpiProcess")
+            .field("place", &self.place)
+            .finish()
+    }
+}
+
+impl MpiProcess {
+    /// Initialises MPI on a thread of its own and learns this process's place.
+    pub fn start() -> Result<Arc<Self>, DistributedError> {
+        let (tx, rx) = mpsc::channel::<Request>();
+        let (place_tx, place_rx) = mpsc::channel::<Result<MpiPlace, String>>();
+        let thread = std::thread::Builder::new()
+            .name("burn-rlhf-mpi".into())
+            .spawn(move || serve(rx, place_tx))
+            .map_err(|e| transport(format!("cannot start the MPI thread: {e}")))?;
+        let place = place_rx
+            .recv()
+            .map_err(|_| transport("the MPI thread stopped while starting".into()))?
+            .map_err(transport)?;
+        Ok(Arc::new(Self {
+            place,
+            requests: Mutex::new(Some(tx)),
+            thread: Mutex::new(Some(thread)),
+        }))
+    }
+
+    /// This process's place.
+    pub fn place(&self) -> MpiPlace {
+        self.place
+    }
+
+    fn send(&self, request: Request) -> Result<(), DistributedError> {
+        let requests = self.requests.lock().unwrap_or_else(|e| e.into_inner());
+        requests
+            .as_ref()
+            .and_then(|tx| tx.send(request).ok())
+            .ok_or_else(|| transport("MPI has already finished in this process".into()))
+    }
+
+    fn sum(&self, data: Vec<f32>) -> Result<Vec<f32>, DistributedError> {
+        let (tx, rx) = mpsc::channel();
+        self.send(Request::Sum(data, tx))?;
+        rx.recv()
+            .map_err(|_| transport("the MPI thread stopped during a sum".into()))
+    }
+
+    /// Checks that every process runs with the same settings (their `fingerprint`), naming the
+    /// processes that differ from process 0.
+    pub fn check_same(&self, fingerprint: u64) -> Result<(), DistributedError> {
+        let (tx, rx) = mpsc::channel();
+        self.send(Request::GatherU64(fingerprint, tx))?;
+        let all = rx
+            .recv()
+            .map_err(|_| transport("the MPI thread stopped during the settings check".into()))?;
+        let differ: Vec<String> = all
+            .iter()
+            .enumerate()
+            .filter(|(_, f)| **f != all[0])
+            .map(|(p, _)| p.to_string())
+            .collect();
+        if differ.is_empty() {
+            Ok(())
+        } else {
+            Err(transport(format!(
+                "processes {} run with other settings than process 0 (the same config file and \
+                 overrides must be given to every process)",
+                differ.join(", ")
+            )))
+        }
+    }
+
+    /// Finalises MPI (after every rank of this process is done); later calls fail.
+    pub fn finish(&self) {
+        drop(
+            self.requests
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .take(),
+        );
+        if let Some(thread) = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+impl Drop for MpiProcess {
+    fn drop(&mut self) {
+        self.finish();
+    }
+}
+
+fn transport(message: String) -> DistributedError {
+    DistributedError::Transport { rank: 0, message }
+}
+
+/// The MPI thread: initialises MPI, reports the place, serves requests until the sender is
+/// dropped, then finalises.
+fn serve(requests: Receiver<Request>, place_tx: Sender<Result<MpiPlace, String>>) {
+    let Some((universe, _threading)) = mpi::initialize_with_threading(Threading::Funneled) else {
+        let _ = place_tx.send(Err("MPI was already initialised in this process".into()));
+        return;
+    };
+    let world = universe.world();
+    let process = world.rank() as usize;
+    let processes = world.size() as usize;
+    let host = world.split_shared(world.rank());
+    let local_process = host.rank() as usize;
+    let local_processes = host.size() as usize;
+    // Freed now: a communicator dropped after MPI_Finalize aborts the job.
+    drop(host);
+    let mut hosts = 0i32;
+    world.all_reduce_into(
+        &i32::from(local_process == 0),
+        &mut hosts,
+        SystemOperation::sum(),
+    );
+    let _ = place_tx.send(Ok(MpiPlace {
+        process,
+        processes,
+        local_process,
+        local_processes,
+        hosts: hosts as usize,
+    }));
+    let root = world.process_at_rank(0);
+    for request in requests {
+        match request {
+            Request::Sum(data, reply) => {
+                let mut sum = vec![0.0f32; data.len()];
+                if process == 0 {
+                    root.reduce_into_root(&data[..], &mut sum[..], SystemOperation::sum());
+                } else {
+                    root.reduce_into(&data[..], SystemOperation::sum());
+                }
+                root.broadcast_into(&mut sum[..]);
+                let _ = reply.send(sum);
+            }
+            Request::GatherU64(value, reply) => {
+                let mut all = vec![0u64; processes];
+                world.all_gather_into(&value, &mut all[..]);
+                let _ = reply.send(all);
+            }
+            Request::Abort(reason) => {
+                eprintln!("burn-rlhf: MPI process {process}: {reason}; stopping the job");
+                world.abort(1);
+            }
+        }
+    }
+    drop(universe);
+}
+
+/// Where the device threads of a process meet for each sum.
+#[derive(Default)]
+struct Meeting {
+    state: Mutex<MeetingState>,
+    done: Condvar,
+}
+
+#[derive(Default)]
+struct MeetingState {
+    /// Sums completed so far.
+    round: u64,
+    /// This round's buffers, by device.
+    slots: Vec<Option<Vec<f32>>>,
+    arrived: usize,
+    /// The last round's result.
+    result: Option<Arc<Result<Vec<f32>, DistributedError>>>,
+}
+
+/// One rank of an MPI job: a device of a process.
+pub struct MpiRank {
+    process: Arc<MpiProcess>,
+    meeting: Arc<Meeting>,
+    device: usize,
+    devices: usize,
+}
+
+impl MpiRank {
+    /// The ranks of this process's `devices` devices.
+    pub fn for_devices(process: &Arc<MpiProcess>, devices: usize) -> Vec<Self> {
+        let meeting = Arc::new(Meeting {
+            state: Mutex::new(MeetingState {
+                slots: vec![None; devices],
+                ..Default::default()
+            }),
+            done: Condvar::new(),
+        });
+        (0..devices)
+            .map(|device| Self {
+                process: process.clone(),
+                meeting: meeting.clone(),
+                device,
+                devices,
+            })
+            .collect()
+    }
+
+    fn with_rank(&self, e: DistributedError) -> DistributedError {
+        match e {
+            DistributedError::Transport { message, .. } => DistributedError::Transport {
+                rank: self.rank(),
+                message,
+            },
+            other => other,
+        }
+    }
+}
+
+impl Collective for MpiRank {
+    fn rank(&self) -> usize {
+        self.process.place.process * self.devices + self.device
+    }
+
+    fn world(&self) -> usize {
+        self.process.place.processes * self.devices
+    }
+
+    fn all_reduce_sum(&self, data: Vec<f32>) -> Result<Vec<f32>, DistributedError> {
+        if self.devices == 1 {
+            return self.process.sum(data).map_err(|e| self.with_rank(e));
+        }
+        let mut state = self.meeting.state.lock().unwrap_or_else(|e| e.into_inner());
+        let round = state.round;
+        state.slots[self.device] = Some(data);
+        state.arrived += 1;
+        if state.arrived == self.devices {
+            // The last device to arrive sums the process's buffers in device order and takes
+            // the sum to MPI.
+            let parts: Vec<Vec<f32>> = state.slots.iter_mut().filter_map(Option::take).collect();
+            state.arrived = 0;
+            drop(state);
+            let result = local_sum(parts).and_then(|sum| self.process.sum(sum));
+            let mut state = self.meeting.state.lock().unwrap_or_else(|e| e.into_inner());
+            state.result = Some(Arc::new(result));
+            state.round += 1;
+            self.meeting.done.notify_all();
+            let result = state.result.clone().expect("just set");
+            return (*result).clone().map_err(|e| self.with_rank(e));
+        }
+        while state.round == round {
+            state = self
+                .meeting
+                .done
+                .wait(state)
+                .unwrap_or_else(|e| e.into_inner());
+        }
+        // Round `round + 1` cannot complete before this rank joins it, so this is round's.
+        let result = state
+            .result
+            .clone()
+            .expect("a completed round has a result");
+        (*result).clone().map_err(|e| self.with_rank(e))
+    }
+
+    fn abort(&self, reason: &str) {
+        let reason = format!("rank {} failed: {reason}", self.rank());
+        if self.process.send(Request::Abort(reason.clone())).is_err() {
+            eprintln!("burn-rlhf: {reason}");
+            std::process::exit(1);
+        }
+        // MPI_Abort ends this process; wait for it rather than return into a half-stopped run.
+        loop {
+            std::thread::park();
+        }
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+/// The element-wise sum of equal-length buffers, in their order.
+fn local_sum(parts: Vec<Vec<f32>>) -> Result<Vec<f32>, DistributedError> {
+    let mut parts = parts.into_iter();
+    let mut sum = parts.next().unwrap_or_default();
+    for part in parts {
+        if part.len() != sum.len() {
+            return Err(transport(format!(
+                "devices of one process sent {} and {} values to one sum",
+                sum.len(),
+                part.len()
+            )));
+        }
+        sum.iter_mut().zip(part).for_each(|(s, x)| *s += x);
+    }
+    Ok(sum)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn local_sums_add_in_device_order_and_refuse_ragged_buffers() {
+        let sum = local_sum(vec![vec![1.0, 2.0], vec![0.5, 0.25], vec![4.0, 8.0]]).unwrap();
+        assert_eq!(sum, vec![5.5, 10.25]);
+        let e = local_sum(vec![vec![1.0], vec![1.0, 2.0]]).unwrap_err();
+        assert!(e.to_string().contains("1 and 2 values"), "{e}");
+    }
+}
