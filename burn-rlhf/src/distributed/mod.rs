@@ -33,7 +33,9 @@ pub use balance::balanced_partitions;
 pub use local::BurnCollective;
 pub use params::{all_reduce_grads, optimizer_state_bytes, sync_params, ShardPlan};
 
-/// How the ranks of one run exchange data. Every rank calls the same operations in the same
+/// How the ranks of one run exchange data: the collectives the trainer uses, on host f32
+/// buffers. An engine implements the sum; the gather, scatter, broadcast and barrier default to
+/// sums and an engine may do them natively. Every rank calls the same operations in the same
 /// order; a rank that fails calls [`Collective::abort`] so the others stop instead of waiting.
 pub trait Collective: Send + Sync {
     /// This rank, `0..world()`.
@@ -43,6 +45,50 @@ pub trait Collective: Send + Sync {
     /// Element-wise sum of `data` over all ranks; every rank gets the same bits. Shapes: `[n]` on
     /// every rank → `[n]`.
     fn all_reduce_sum(&self, data: Vec<f32>) -> Result<Vec<f32>, DistributedError>;
+    /// Every rank's `mine`, in rank order (lengths may differ). Shapes: `[n_r]` on rank `r` →
+    /// `world x [n_r]`. By default two sums: the lengths, then each rank's values at its offset.
+    fn all_gather(&self, mine: Vec<f32>) -> Result<Vec<Vec<f32>>, DistributedError> {
+        let (world, rank) = (self.world(), self.rank());
+        let mut lengths = vec![0.0f32; world];
+        lengths[rank] = mine.len() as f32;
+        let lengths: Vec<usize> = self
+            .all_reduce_sum(lengths)?
+            .into_iter()
+            .map(|n| n as usize)
+            .collect();
+        let offset: usize = lengths[..rank].iter().sum();
+        let mut all = vec![0.0f32; lengths.iter().sum()];
+        all[offset..offset + mine.len()].copy_from_slice(&mine);
+        let all = self.all_reduce_sum(all)?;
+        let mut start = 0;
+        Ok(lengths
+            .iter()
+            .map(|&n| {
+                start += n;
+                all[start - n..start].to_vec()
+            })
+            .collect())
+    }
+    /// The sum over ranks of `data`, of which this rank keeps its [`chunk`] (the first
+    /// `len % world` ranks one value more). Shapes: `[n]` → `[chunk(n, world, rank).len()]`.
+    fn reduce_scatter(&self, data: Vec<f32>) -> Result<Vec<f32>, DistributedError> {
+        let range = chunk(data.len(), self.world(), self.rank());
+        Ok(self.all_reduce_sum(data)?[range].to_vec())
+    }
+    /// Rank `root`'s `data` on every rank (the others pass a buffer of the same length, whose
+    /// values are ignored). Shapes: `[n]` → `[n]`.
+    fn broadcast(&self, root: usize, data: Vec<f32>) -> Result<Vec<f32>, DistributedError> {
+        let data = if self.rank() == root {
+            data
+        } else {
+            vec![0.0; data.len()]
+        };
+        self.all_reduce_sum(data)
+    }
+    /// Returns once every rank has called it.
+    fn barrier(&self) -> Result<(), DistributedError> {
+        self.all_reduce_sum(vec![0.0]).map(|_| ())
+    }
     /// Tells the other ranks that this one failed (`reason`), so their pending and next
     /// operations fail with it.
     fn abort(&self, reason: &str);
@@ -239,7 +285,7 @@ impl DataParallel {
 
     /// Waits until every rank gets here.
     pub fn barrier(&self) -> Result<(), DistributedError> {
-        self.all_reduce_f64(&[0.0]).map(|_| ())
+        self.collective.barrier()
     }
 }
 
@@ -284,6 +330,79 @@ mod tests {
         let parts: Vec<_> = (0..3).map(|r| chunk(7, 3, r)).collect();
         assert_eq!(parts, vec![0..3, 3..5, 5..7]);
         assert_eq!(chunk(2, 3, 2), 2..2);
+    }
+
+    /// Ranks as threads of one test, summing through a shared buffer.
+    struct Threads {
+        rank: usize,
+        world: usize,
+        shared: Arc<(std::sync::Mutex<Vec<f32>>, std::sync::Barrier)>,
+    }
+
+    impl Collective for Threads {
+        fn rank(&self) -> usize {
+            self.rank
+        }
+        fn world(&self) -> usize {
+            self.world
+        }
+        fn all_reduce_sum(&self, data: Vec<f32>) -> Result<Vec<f32>, DistributedError> {
+            let (sum, barrier) = &*self.shared;
+            if barrier.wait().is_leader() {
+                *sum.lock().unwrap() = vec![0.0; data.len()];
+            }
+            barrier.wait();
+            sum.lock()
+                .unwrap()
+                .iter_mut()
+                .zip(&data)
+                .for_each(|(s, x)| *s += x);
+            barrier.wait();
+            let out = sum.lock().unwrap().clone();
+            barrier.wait();
+            Ok(out)
+        }
+        fn abort(&self, _reason: &str) {}
+        fn as_any(&self) -> &dyn std::any::Any {
+            self
+        }
+    }
+
+    #[test]
+    fn gather_scatter_and_broadcast_from_sums() {
+        let world = 3;
+        let shared = Arc::new((
+            std::sync::Mutex::new(Vec::new()),
+            std::sync::Barrier::new(world),
+        ));
+        let handles: Vec<_> = (0..world)
+            .map(|rank| {
+                let c = Threads {
+                    rank,
+                    world,
+                    shared: shared.clone(),
+                };
+                std::thread::spawn(move || {
+                    let mine = vec![rank as f32; rank + 1];
+                    let gathered = c.all_gather(mine).unwrap();
+                    let scattered = c.reduce_scatter(vec![1.0, 2.0, 3.0, 4.0]).unwrap();
+                    let sent = vec![10.0 + rank as f32, 20.0];
+                    let broadcast = c.broadcast(1, sent).unwrap();
+                    c.barrier().unwrap();
+                    (gathered, scattered, broadcast)
+                })
+            })
+            .collect();
+        for (rank, h) in handles.into_iter().enumerate() {
+            let (gathered, scattered, broadcast) = h.join().unwrap();
+            assert_eq!(
+                gathered,
+                vec![vec![0.0], vec![1.0, 1.0], vec![2.0, 2.0, 2.0]]
+            );
+            let want: Vec<f32> = [3.0, 6.0, 9.0, 12.0][chunk(4, world, rank)].to_vec();
+            assert_eq!(scattered, want, "rank {rank}");
+            assert_eq!(broadcast, vec![11.0, 20.0]);
+        }
     }
 
     #[test]

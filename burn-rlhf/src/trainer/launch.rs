@@ -239,11 +239,7 @@ impl GroupPlan {
 
     /// Each local rank's way to join, in device order: none alone, MPI across processes,
     /// burn-collective across the devices of one process.
-    fn joins(
-        &self,
-        local: usize,
-        processes: &Processes,
-    ) -> Result<Vec<Join>, TrainError> {
+    fn joins(&self, local: usize, processes: &Processes) -> Result<Vec<Join>, TrainError> {
         Ok(match processes {
             _ if self.world == 1 => vec![Join::Solo],
             Processes::Alone => (0..local)
