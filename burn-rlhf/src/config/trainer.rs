@@ -51,6 +51,10 @@ pub struct TrainerConfig {
     /// `auto`, `disable` or `resume_path`.
     pub resume_mode: String,
     pub resume_from_path: Option<String>,
+    /// Actor checkpoints kept (the newest); `None` or 0: all (verl's default, null).
+    pub max_actor_ckpt_to_keep: Option<usize>,
+    /// Critic checkpoints kept (the newest); `None` or 0: all.
+    pub max_critic_ckpt_to_keep: Option<usize>,
     pub seed: u64,
 }
 
@@ -76,6 +80,8 @@ impl Default for TrainerConfig {
             default_local_dir: None,
             resume_mode: "auto".into(),
             resume_from_path: None,
+            max_actor_ckpt_to_keep: None,
+            max_critic_ckpt_to_keep: None,
             seed: 1,
         }
     }
@@ -116,6 +122,10 @@ pub struct TrainerSettings {
     pub checkpoint_dir: PathBuf,
     /// Where a run continues from.
     pub resume: ResumeMode,
+    /// The newest actor checkpoints kept; `None`: all.
+    pub keep_actor_checkpoints: Option<usize>,
+    /// The newest critic checkpoints kept; `None`: all.
+    pub keep_critic_checkpoints: Option<usize>,
     /// The run's seed (sampling streams, fresh heads, Clip-Cov).
     pub seed: u64,
 }
@@ -202,6 +212,9 @@ impl TrainerConfig {
             ref_update_freq: (self.ref_update_freq > 0).then_some(self.ref_update_freq),
             checkpoint_dir: expand_home(dir?),
             resume: resume?,
+            // verl keeps every checkpoint unless the count is a positive integer.
+            keep_actor_checkpoints: self.max_actor_ckpt_to_keep.filter(|&n| n > 0),
+            keep_critic_checkpoints: self.max_critic_ckpt_to_keep.filter(|&n| n > 0),
             seed: self.seed,
         })
     }

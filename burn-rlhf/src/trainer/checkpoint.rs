@@ -196,6 +196,48 @@ fn save_adapters<B: burn::tensor::backend::Backend>(
         .map_err(|e| io(&path, e))
 }
 
+/// Keeps the newest `keep_actor` actor folders and `keep_critic` critic folders
+/// (`trainer.max_actor_ckpt_to_keep`, `max_critic_ckpt_to_keep`; `None`: all) among the
+/// `global_step_N` checkpoints under `root`, as verl's checkpoint managers do with the folders
+/// they saved; a step left with neither is removed whole. Steps saved before a resume count too.
+pub fn prune_checkpoints(
+    root: &Path,
+    keep_actor: Option<usize>,
+    keep_critic: Option<usize>,
+) -> Result<(), TrainError> {
+    if keep_actor.is_none() && keep_critic.is_none() {
+        return Ok(());
+    }
+    let entries = std::fs::read_dir(root).map_err(|e| io(root, e))?;
+    let mut steps: Vec<(usize, PathBuf)> = entries
+        .filter_map(|e| e.ok())
+        .filter_map(|e| {
+            let name = e.file_name();
+            let step = name.to_str()?.strip_prefix("global_step_")?.parse().ok()?;
+            Some((step, e.path()))
+        })
+        .collect();
+    steps.sort();
+    for (part, keep) in [("actor", keep_actor), ("critic", keep_critic)] {
+        let Some(keep) = keep else { continue };
+        let with_part: Vec<&PathBuf> = steps
+            .iter()
+            .map(|(_, dir)| dir)
+            .filter(|dir| dir.join(part).is_dir())
+            .collect();
+        for dir in &with_part[..with_part.len().saturating_sub(keep)] {
+            let old = dir.join(part);
+            std::fs::remove_dir_all(&old).map_err(|e| io(&old, e))?;
+        }
+    }
+    for (_, dir) in &steps {
+        if !dir.join("actor").exists() && !dir.join("critic").exists() {
+            std::fs::remove_dir_all(dir).map_err(|e| io(dir, e))?;
+        }
+    }
+    Ok(())
+}
+
 /// Where a re-saved step's previous folder waits until the new one is in place.
 fn replaced_dir(root: &Path, step: usize) -> PathBuf {
     root.join(format!(".global_step_{step}.replaced"))
@@ -302,6 +344,9 @@ impl<B: LearnerBackend> Learner<B> {
             std::fs::write(&latest_tmp, self.global_step.to_string())
                 .map_err(|e| io(&latest_tmp, e))?;
             std::fs::rename(&latest_tmp, &latest).map_err(|e| io(&latest, e))?;
+            // Only now, with the new step in place and named as the latest, do older ones go.
+            let t = &self.settings.trainer;
+            prune_checkpoints(&root, t.keep_actor_checkpoints, t.keep_critic_checkpoints)?;
         }
         self.dp.barrier()?;
         Ok(done)
@@ -399,5 +444,32 @@ impl<B: LearnerBackend> Learner<B> {
             c.optimizer.updates = state.critic_updates;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pruning_keeps_the_newest_of_each_part_and_removes_emptied_steps() {
+        let root = std::env::temp_dir().join(format!("burn-rlhf-prune-{}", std::process::id()));
+        for step in [1, 2, 3, 10] {
+            for part in ["actor", "critic"] {
+                std::fs::create_dir_all(root.join(format!("global_step_{step}/{part}"))).unwrap();
+            }
+        }
+        std::fs::create_dir_all(root.join("other")).unwrap();
+        prune_checkpoints(&root, None, None).unwrap();
+        assert!(root.join("global_step_1/actor").is_dir());
+        prune_checkpoints(&root, Some(2), Some(3)).unwrap();
+        let has = |p: &str| root.join(p).is_dir();
+        // Step 10 is newer than 3 (numbers, not names, order the steps).
+        assert!(!has("global_step_1"), "neither part left");
+        assert!(!has("global_step_2/actor") && has("global_step_2/critic"));
+        assert!(has("global_step_3/actor") && has("global_step_10/actor"));
+        assert!(has("global_step_3/critic") && has("global_step_10/critic"));
+        assert!(has("other"));
+        std::fs::remove_dir_all(root).ok();
     }
 }

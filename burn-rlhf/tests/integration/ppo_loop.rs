@@ -468,6 +468,52 @@ fn re_saving_a_step_never_leaves_latest_pointing_at_nothing() {
     std::fs::remove_dir_all(dir).ok();
 }
 
+/// `trainer.max_actor_ckpt_to_keep=2` / `max_critic_ckpt_to_keep=1`: after each save only the
+/// newest two actor and one critic folders remain, the newest step is whole, and a learner resumes
+/// from it.
+#[test]
+fn checkpoint_retention_keeps_the_newest_and_resumes() {
+    let dir = temp_dir("retention");
+    let (actor, critic) = tiny_models();
+    let mut config = tiny_config("gae", &dir);
+    config.trainer.resume_mode = "auto".into();
+    config.trainer.max_actor_ckpt_to_keep = Some(2);
+    config.trainer.max_critic_ckpt_to_keep = Some(1);
+    let mut l = learner(config.clone(), actor, critic);
+    let has = |step: usize, part: &str| dir.join(format!("global_step_{step}/{part}")).is_dir();
+    for step in 1..=4 {
+        l.step().unwrap();
+        l.global_step = step;
+        l.save_checkpoint().unwrap();
+        assert!(
+            has(step, "actor") && has(step, "critic"),
+            "step {step} whole"
+        );
+        if step >= 2 {
+            assert!(
+                has(step - 1, "actor") && !has(step - 1, "critic"),
+                "step {step}"
+            );
+        }
+        if step >= 3 {
+            assert!(
+                !dir.join(format!("global_step_{}", step - 2)).exists(),
+                "step {step}"
+            );
+        }
+    }
+    let (actor, critic) = tiny_models();
+    let mut resumed = learner(config, actor, critic);
+    let from = resumed.checkpoint_to_resume().unwrap().unwrap();
+    assert_eq!(from, dir.join("global_step_4"));
+    resumed.load_checkpoint(&from).unwrap();
+    assert_eq!(
+        max_diff(&params(&resumed.actor.valid()), &params(&l.actor.valid())),
+        0.0
+    );
+    std::fs::remove_dir_all(dir).ok();
+}
+
 /// Writes the tiny model (with its tokenizer) and the task's data where the CLI can read them.
 fn cli_assets(dir: &Path) -> (PathBuf, PathBuf) {
     super::cli_assets(dir, 5, 10)
