@@ -10,7 +10,7 @@ use super::error::ConfigError;
 use super::load::load_typed;
 use super::optim::ScheduleKind;
 use super::problems::Problems;
-use super::trainer::LOGGERS;
+use super::trainer::decode_loggers;
 
 /// `data.*` (verl's `sft_trainer.yaml`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -121,7 +121,7 @@ pub struct SftTrainerConfig {
     pub total_epochs: usize,
     /// `None`: epochs x full batches per epoch.
     pub total_training_steps: Option<usize>,
-    /// Any of `console`, `jsonl`.
+    /// Any of `console`, `jsonl`, `tensorboard`.
     pub logger: Vec<String>,
     pub seed: u64,
     /// Steps between checkpoints; `-1`: only at the end.
@@ -206,9 +206,8 @@ impl SftConfig {
         p.check((0.0..1.0).contains(&o.warmup_steps_ratio), || {
             "`optim.warmup_steps_ratio` must be in [0, 1)".into()
         });
-        for logger in &t.logger {
-            p.one_of_str("trainer.logger", logger, LOGGERS);
-        }
+        let (console, jsonl, tensorboard) =
+            decode_loggers(&mut p, &t.logger, &t.project_name, &t.experiment_name);
         p.check(t.nnodes * t.n_gpus_per_node == 1, || {
             "`trainer.n_gpus_per_node` x `trainer.nnodes` must be 1: the SFT trainer runs on one \
              device (data parallelism is for `train`)"
@@ -219,8 +218,9 @@ impl SftConfig {
             .map(|(truncation, schedule)| SftSettings {
                 truncation,
                 schedule,
-                console: t.logger.iter().any(|l| l == "console"),
-                jsonl: t.logger.iter().any(|l| l == "jsonl"),
+                console,
+                jsonl,
+                tensorboard,
             });
         p.finish(origin, settings)
     }
@@ -228,7 +228,7 @@ impl SftConfig {
 
 /// The SFT config's named values, parsed once ([`SftConfig::decode`]); its numbers and paths need
 /// no decoding and are read from the tree.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SftSettings {
     /// `data.truncation`.
     pub truncation: Truncation,
@@ -238,6 +238,9 @@ pub struct SftSettings {
     pub console: bool,
     /// `trainer.logger` has `jsonl`.
     pub jsonl: bool,
+    /// `trainer.logger` has `tensorboard`: its folder (`$TENSORBOARD_DIR`, else
+    /// `tensorboard_log/{project_name}/{experiment_name}`).
+    pub tensorboard: Option<std::path::PathBuf>,
 }
 
 #[cfg(test)]

@@ -1,7 +1,7 @@
 //! `trainer.*`: the run (length, devices, checkpoints, logging) — the tree with verl's defaults,
 //! the typed settings and their rules.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use burn_rlhf_models::pretrained::expand_home;
 use serde::{Deserialize, Serialize};
@@ -17,7 +17,7 @@ pub struct TrainerConfig {
     pub total_training_steps: Option<usize>,
     pub project_name: String,
     pub experiment_name: String,
-    /// Any of `console`, `jsonl`.
+    /// Any of `console`, `jsonl`, `tensorboard`.
     pub logger: Vec<String>,
     /// Hosts in the run; more than one runs as an MPI job (`mpirun`/`srun`, the `mpi` feature),
     /// whose host count must equal it.
@@ -98,6 +98,8 @@ pub struct TrainerSettings {
     pub console: bool,
     /// `{checkpoint_dir}/metrics.jsonl`.
     pub jsonl: bool,
+    /// TensorBoard event files go to this folder.
+    pub tensorboard: Option<PathBuf>,
     /// Processes in the run.
     pub nnodes: usize,
     /// Devices (ranks) per process.
@@ -142,13 +144,54 @@ pub enum ResumeMode {
 }
 
 /// The loggers `trainer.logger` may list.
-pub(super) const LOGGERS: &[&str] = &["console", "jsonl"];
+pub(super) const LOGGERS: &[&str] = &["console", "jsonl", "tensorboard"];
+
+/// verl's hosted trackers, which burn-rlhf does not send to.
+const HOSTED: &[&str] = &[
+    "wandb",
+    "mlflow",
+    "swanlab",
+    "vemlp_wandb",
+    "clearml",
+    "trackio",
+];
+
+/// `trainer.logger` decoded: which loggers, and where TensorBoard's files go (verl's place:
+/// `$TENSORBOARD_DIR`, else `tensorboard_log/{project_name}/{experiment_name}`).
+pub(super) fn decode_loggers(
+    p: &mut Problems,
+    names: &[String],
+    project_name: &str,
+    experiment_name: &str,
+) -> (bool, bool, Option<PathBuf>) {
+    for name in names {
+        if HOSTED.contains(&name.as_str()) {
+            p.check(false, || {
+                format!(
+                    "`trainer.logger` = `{name}`: burn-rlhf sends metrics to no hosted tracker; \
+                     supported: {} (wandb can import the TensorBoard files: `wandb sync \
+                     --sync-tensorboard DIR`)",
+                    LOGGERS.join(", ")
+                )
+            });
+        } else {
+            p.one_of_str("trainer.logger", name, LOGGERS);
+        }
+    }
+    let has = |l: &str| names.iter().any(|n| n == l);
+    let tensorboard = has("tensorboard").then(|| match std::env::var_os("TENSORBOARD_DIR") {
+        Some(dir) if !dir.is_empty() => PathBuf::from(dir),
+        _ => Path::new("tensorboard_log")
+            .join(project_name)
+            .join(experiment_name),
+    });
+    (has("console"), has("jsonl"), tensorboard)
+}
 
 impl TrainerConfig {
     pub(super) fn decode(&self, p: &mut Problems) -> Option<TrainerSettings> {
-        for logger in &self.logger {
-            p.one_of_str("trainer.logger", logger, LOGGERS);
-        }
+        let (console, jsonl, tensorboard) =
+            decode_loggers(p, &self.logger, &self.project_name, &self.experiment_name);
         let resume = match self.resume_mode.as_str() {
             "auto" => Some(ResumeMode::Auto),
             "disable" => Some(ResumeMode::Disable),
@@ -196,8 +239,9 @@ impl TrainerConfig {
         Some(TrainerSettings {
             total_epochs: self.total_epochs,
             total_training_steps: self.total_training_steps,
-            console: self.logger.iter().any(|l| l == "console"),
-            jsonl: self.logger.iter().any(|l| l == "jsonl"),
+            console,
+            jsonl,
+            tensorboard,
             nnodes: self.nnodes,
             n_gpus_per_node: self.n_gpus_per_node,
             balance_batch: self.balance_batch,

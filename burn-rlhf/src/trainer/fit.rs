@@ -48,7 +48,7 @@ impl<B: LearnerBackend> Learner<B> {
         let jsonl = (t.jsonl && main).then(|| root.join("metrics.jsonl"));
         let console = main && t.console;
         let total = self.total_steps();
-        let mut logger = MetricsLogger::new(
+        let logger = MetricsLogger::new(
             console,
             10,
             jsonl.clone(),
@@ -56,6 +56,10 @@ impl<B: LearnerBackend> Learner<B> {
             total,
             self.global_step,
         )?;
+        let mut logger = match (&t.tensorboard, main) {
+            (Some(dir), true) => logger.with_tensorboard(dir, self.global_step)?,
+            _ => logger,
+        };
         let say = |logger: &MetricsLogger, line: &str| {
             if main {
                 logger.println(line)

@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use super::metrics::Metrics;
+use super::tensorboard::EventWriter;
 use crate::error::TrainError;
 
 /// The metrics a compact console line shows, when present.
@@ -26,6 +27,7 @@ pub struct MetricsLogger {
     table_every: usize,
     jsonl: Option<(PathBuf, std::fs::File)>,
     plot: Option<PathBuf>,
+    tensorboard: Option<EventWriter>,
     history: Vec<(usize, Metrics)>,
     total_steps: usize,
 }
@@ -86,9 +88,19 @@ impl MetricsLogger {
             table_every: table_every.max(1),
             jsonl,
             plot,
+            tensorboard: None,
             history,
             total_steps,
         })
+    }
+
+    /// Also writes each step's metrics to a new TensorBoard event file in `dir`; a run resumed
+    /// after step `first_step` > 0 marks it so TensorBoard drops the older files' later steps.
+    pub fn with_tensorboard(mut self, dir: &Path, first_step: usize) -> Result<Self, TrainError> {
+        let writer = EventWriter::create(dir, (first_step > 0).then_some(first_step))?;
+        self.println(&format!("tensorboard: {}", writer.path().display()));
+        self.tensorboard = Some(writer);
+        Ok(self)
     }
 
     /// Prints a line outside the progress bar.
@@ -113,6 +125,9 @@ impl MetricsLogger {
                     message: e.to_string(),
                 }
             })?;
+        }
+        if let Some(writer) = &mut self.tensorboard {
+            writer.scalars(step, metrics)?;
         }
         if let Some(bar) = &self.bar {
             let msg: Vec<String> = HEADLINE

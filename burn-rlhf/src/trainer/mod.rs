@@ -26,6 +26,7 @@ mod rollout;
 mod scoring;
 pub mod sft;
 mod step;
+pub mod tensorboard;
 mod update;
 pub mod usage;
 mod validation;

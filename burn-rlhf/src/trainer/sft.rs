@@ -242,6 +242,9 @@ pub fn fit_sft<B: LearnerBackend>(
     let root = expand_home(&t.default_local_dir);
     let jsonl = settings.jsonl.then(|| root.join("metrics.jsonl"));
     let mut logger = MetricsLogger::new(settings.console, 10, jsonl.clone(), None, total, 0)?;
+    if let Some(dir) = &settings.tensorboard {
+        logger = logger.with_tensorboard(dir, 0)?;
+    }
     let pad = tokenizer.pad_token_id;
     // Rows per micro-batch, tokens per chunk of logits.
     let micro = (d.micro_batch_size_per_gpu, config.model.logits_chunk_size);

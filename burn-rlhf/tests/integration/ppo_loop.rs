@@ -537,7 +537,7 @@ fn train_cli(model: &Path, data: &Path, out: &Path, steps: usize) {
         format!("trainer.total_training_steps={steps}"),
         "trainer.test_freq=-1".into(),
         "trainer.save_freq=-1".into(),
-        "trainer.logger=[jsonl]".into(),
+        "trainer.logger=[jsonl,tensorboard]".into(),
         "trainer.resume_mode=auto".into(),
         format!("trainer.default_local_dir={}", path(out)),
     ];
@@ -545,6 +545,7 @@ fn train_cli(model: &Path, data: &Path, out: &Path, steps: usize) {
         .arg("train")
         .arg(&config)
         .args(&args)
+        .env("TENSORBOARD_DIR", out.join("tb"))
         .status()
         .unwrap();
     assert!(
@@ -616,7 +617,37 @@ fn resuming_in_a_new_process_continues_as_if_never_stopped() {
             );
         }
     }
+    // TensorBoard: one event file per process, each framed record intact; the resumed file
+    // starts with a session start at step 3, so TensorBoard drops the first file's step 3.
+    assert_eq!(event_records(&straight.join("tb")), vec![1 + 4]);
+    assert_eq!(event_records(&resumed.join("tb")), vec![1 + 2, 1 + 1 + 2]);
     std::fs::remove_dir_all(dir).ok();
+}
+
+/// Records per TensorBoard event file under `dir`, oldest first, each checked to be framed as
+/// TFRecord (its re-framing equal to the bytes).
+fn event_records(dir: &Path) -> Vec<usize> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    files.sort_by_key(|p| std::fs::metadata(p).unwrap().modified().unwrap());
+    files
+        .iter()
+        .map(|f| {
+            let bytes = std::fs::read(f).unwrap();
+            let (mut at, mut n) = (0, 0);
+            while at < bytes.len() {
+                let len = u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap()) as usize;
+                let data = &bytes[at + 12..at + 12 + len];
+                let framed = burn_rlhf::trainer::tensorboard::record(data);
+                assert_eq!(&bytes[at..at + 16 + len], &framed[..], "{}", f.display());
+                at += 16 + len;
+                n += 1;
+            }
+            n
+        })
+        .collect()
 }
 
 /// `burn-rlhf bench` runs a config's generation, forward+backward and PPO steps and prints one
