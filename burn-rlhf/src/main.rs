@@ -373,6 +373,15 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 )
             })?;
         }
+        Command::Config(ConfigCommand::Show { config, overrides })
+            if burn_rlhf::config::is_sft_config(&config)? =>
+        {
+            let sft = burn_rlhf::config::SftConfig::load(&config, &overrides)?;
+            println!("{}", ron::ser::to_string_pretty(&sft, Default::default())?);
+            if let Err(e) = sft.validate(&origin(&config, &overrides)) {
+                eprintln!("warning: {e}");
+            }
+        }
         Command::Config(ConfigCommand::Show { config, overrides }) => {
             let resolved = load_config(&config, &overrides)?;
             println!("{}", config_to_ron(&resolved));
@@ -380,6 +389,14 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             if let Err(e) = resolved.validate(&origin(&config, &overrides)) {
                 eprintln!("warning: {e}");
             }
+        }
+        Command::Config(ConfigCommand::Validate { config, overrides })
+            if burn_rlhf::config::is_sft_config(&config)? =>
+        {
+            // An SFT config (a top-level `model`), checked against `burn-rlhf sft`'s schema.
+            let sft = burn_rlhf::config::SftConfig::load(&config, &overrides)?;
+            sft.validate(&origin(&config, &overrides))?;
+            println!("{}: ok (an SFT config)", origin(&config, &overrides));
         }
         Command::Config(ConfigCommand::Validate { config, overrides }) => {
             checked_config(&config, &overrides)?;

@@ -55,6 +55,20 @@ pub(crate) fn schema() -> Value {
 }
 
 /// Parses RON text into a generic tree. RON's `Some(x)` becomes `x`, `None` becomes null.
+/// Which trainer a config file is for: an SFT config has a top-level `model` section (verl's
+/// `sft_trainer.yaml`) and no `actor_rollout_ref`; anything else is an RL config.
+pub fn is_sft_config(path: &Path) -> Result<bool, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let tree = parse_ron_tree(&text).map_err(|message| ConfigError::Syntax {
+        path: path.to_path_buf(),
+        message,
+    })?;
+    Ok(tree.get("model").is_some() && tree.get("actor_rollout_ref").is_none())
+}
+
 fn parse_ron_tree(text: &str) -> Result<Value, String> {
     let options =
         ron::Options::default().with_default_extension(ron::extensions::Extensions::IMPLICIT_SOME);

@@ -43,7 +43,7 @@ pub use algorithm::{AlgorithmConfig, FilterGroupsConfig, KlCtrlConfig};
 pub use critic::{CriticConfig, CriticModelConfig};
 pub use data::DataConfig;
 pub use error::ConfigError;
-pub use load::{config_from_ron_str, config_to_ron, load_config, load_typed};
+pub use load::{config_from_ron_str, config_to_ron, is_sft_config, load_config, load_typed};
 pub use model::{ModelConfig, DEFAULT_LOGITS_CHUNK};
 pub use names::KnownNames;
 pub use optim::OptimConfig;

@@ -10,7 +10,8 @@ use super::error::ConfigError;
 use super::load::load_typed;
 use super::optim::ScheduleKind;
 use super::problems::Problems;
-use super::trainer::decode_loggers;
+use super::trainer::{decode_loggers, decode_resume, ResumeMode};
+use burn_rlhf_models::pretrained::expand_home;
 
 /// `data.*` (verl's `sft_trainer.yaml`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -114,8 +115,9 @@ impl Default for SftOptimConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct SftTrainerConfig {
-    /// Checkpoints (`global_step_N/`) and `metrics.jsonl` go here.
-    pub default_local_dir: String,
+    /// Checkpoints (`global_step_N/`) and `metrics.jsonl` go here; `None`:
+    /// `checkpoints/{project_name}/{experiment_name}` (verl's default).
+    pub default_local_dir: Option<String>,
     pub project_name: String,
     pub experiment_name: String,
     pub total_epochs: usize,
@@ -130,12 +132,15 @@ pub struct SftTrainerConfig {
     pub test_freq: i64,
     pub nnodes: usize,
     pub n_gpus_per_node: usize,
+    /// `auto` (the newest checkpoint in `default_local_dir`, if any), `disable` or `resume_path`.
+    pub resume_mode: String,
+    pub resume_from_path: Option<String>,
 }
 
 impl Default for SftTrainerConfig {
     fn default() -> Self {
         Self {
-            default_local_dir: "checkpoints/sft".into(),
+            default_local_dir: None,
             project_name: "gsm8k-sft".into(),
             experiment_name: "test".into(),
             total_epochs: 4,
@@ -146,6 +151,8 @@ impl Default for SftTrainerConfig {
             test_freq: -1,
             nnodes: 1,
             n_gpus_per_node: 1,
+            resume_mode: "auto".into(),
+            resume_from_path: None,
         }
     }
 }
@@ -213,15 +220,24 @@ impl SftConfig {
              device (data parallelism is for `train`)"
                 .into()
         });
-        let settings = truncation
-            .zip(schedule)
-            .map(|(truncation, schedule)| SftSettings {
-                truncation,
-                schedule,
-                console,
-                jsonl,
-                tensorboard,
-            });
+        let resume = decode_resume(&mut p, &t.resume_mode, t.resume_from_path.as_deref());
+        let checkpoint_dir = expand_home(t.default_local_dir.as_deref().unwrap_or(&format!(
+            "checkpoints/{}/{}",
+            t.project_name, t.experiment_name
+        )));
+        let settings =
+            truncation
+                .zip(schedule)
+                .zip(resume)
+                .map(|((truncation, schedule), resume)| SftSettings {
+                    truncation,
+                    schedule,
+                    console,
+                    jsonl,
+                    tensorboard,
+                    checkpoint_dir,
+                    resume,
+                });
         p.finish(origin, settings)
     }
 }
@@ -241,6 +257,11 @@ pub struct SftSettings {
     /// `trainer.logger` has `tensorboard`: its folder (`$TENSORBOARD_DIR`, else
     /// `tensorboard_log/{project_name}/{experiment_name}`).
     pub tensorboard: Option<std::path::PathBuf>,
+    /// Checkpoints and metrics (`default_local_dir`, else
+    /// `checkpoints/{project_name}/{experiment_name}`; `~` expanded).
+    pub checkpoint_dir: std::path::PathBuf,
+    /// Where a run continues from.
+    pub resume: ResumeMode,
 }
 
 #[cfg(test)]

@@ -143,6 +143,30 @@ pub enum ResumeMode {
     Path(PathBuf),
 }
 
+/// `trainer.resume_mode` (`auto`, `disable`, `resume_path`) with `trainer.resume_from_path`.
+pub(super) fn decode_resume(
+    p: &mut Problems,
+    mode: &str,
+    path: Option<&str>,
+) -> Option<ResumeMode> {
+    match mode {
+        "auto" => Some(ResumeMode::Auto),
+        "disable" => Some(ResumeMode::Disable),
+        "resume_path" => {
+            p.check(path.is_some(), || {
+                "`trainer.resume_mode` = `resume_path` needs `trainer.resume_from_path`".into()
+            });
+            path.map(|path| ResumeMode::Path(expand_home(path)))
+        }
+        other => p.name(
+            "trainer.resume_mode",
+            other,
+            &["auto", "disable", "resume_path"],
+            None,
+        ),
+    }
+}
+
 /// The loggers `trainer.logger` may list.
 pub(super) const LOGGERS: &[&str] = &["console", "jsonl", "tensorboard"];
 
@@ -192,23 +216,7 @@ impl TrainerConfig {
     pub(super) fn decode(&self, p: &mut Problems) -> Option<TrainerSettings> {
         let (console, jsonl, tensorboard) =
             decode_loggers(p, &self.logger, &self.project_name, &self.experiment_name);
-        let resume = match self.resume_mode.as_str() {
-            "auto" => Some(ResumeMode::Auto),
-            "disable" => Some(ResumeMode::Disable),
-            "resume_path" => {
-                let path = self.resume_from_path.as_deref();
-                p.check(path.is_some(), || {
-                    "`trainer.resume_mode` = `resume_path` needs `trainer.resume_from_path`".into()
-                });
-                path.map(|path| ResumeMode::Path(expand_home(path)))
-            }
-            other => p.name(
-                "trainer.resume_mode",
-                other,
-                &["auto", "disable", "resume_path"],
-                None,
-            ),
-        };
+        let resume = decode_resume(p, &self.resume_mode, self.resume_from_path.as_deref());
         p.check(self.nnodes >= 1, || "`trainer.nnodes` must be >= 1".into());
         p.check(self.n_gpus_per_node >= 1, || {
             "`trainer.n_gpus_per_node` must be >= 1".into()

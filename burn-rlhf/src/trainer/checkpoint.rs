@@ -73,7 +73,7 @@ fn io(path: &Path, e: impl std::fmt::Display) -> TrainError {
 }
 
 /// The parameter order the optimiser state belongs to (written once, by rank 0).
-fn save_param_order<B: LearnerBackend, M: AutodiffModule<B>>(
+pub(crate) fn save_param_order<B: LearnerBackend, M: AutodiffModule<B>>(
     dir: &Path,
     module: &M,
 ) -> Result<(), TrainError> {
@@ -100,7 +100,7 @@ impl<M: AutodiffModule<B>, B: LearnerBackend> ModelOptimizer<M, B> {
 
     /// Writes the optimiser state into the model's checkpoint folder `dir`: rank 0 the whole
     /// state (`main`), every rank its shard under ZeRO-1.
-    fn save(&self, dir: &Path, main: bool) -> Result<(), TrainError> {
+    pub(crate) fn save(&self, dir: &Path, main: bool) -> Result<(), TrainError> {
         if !main && self.sync.shards.is_none() {
             return Ok(());
         }
@@ -112,7 +112,12 @@ impl<M: AutodiffModule<B>, B: LearnerBackend> ModelOptimizer<M, B> {
     }
 
     /// Reads the optimiser state saved in `dir` for `module` (a fresh load of the saved weights).
-    fn load(&mut self, dir: &Path, module: &M, device: &B::Device) -> Result<(), TrainError> {
+    pub(crate) fn load(
+        &mut self,
+        dir: &Path,
+        module: &M,
+        device: &B::Device,
+    ) -> Result<(), TrainError> {
         self.optim = load_optimizer(dir, module, self.optim.clone(), &self.stem(), device)?;
         Ok(())
     }
@@ -194,6 +199,45 @@ fn save_adapters<B: burn::tensor::backend::Backend>(
     let path = dir.join("adapter_config.json");
     std::fs::write(&path, serde_json::to_string_pretty(&config).expect("JSON"))
         .map_err(|e| io(&path, e))
+}
+
+/// The checkpoint `resume` points at under `root`: `auto` the newest (named by
+/// `latest_checkpointed_iteration.txt`; none: a fresh start), a path that path, `disable` none.
+pub(crate) fn checkpoint_to_resume(
+    root: &Path,
+    resume: &ResumeMode,
+) -> Result<Option<PathBuf>, TrainError> {
+    match resume {
+        ResumeMode::Disable => Ok(None),
+        ResumeMode::Auto => {
+            let latest = root.join(LATEST_FILE);
+            let Ok(text) = std::fs::read_to_string(&latest) else {
+                return Ok(None);
+            };
+            let step: usize = text
+                .trim()
+                .parse()
+                .map_err(|_| io(&latest, format!("`{}` is not a step number", text.trim())))?;
+            let dir = root.join(format!("global_step_{step}"));
+            let aside = replaced_dir(root, step);
+            // Killed between moving a re-saved step's old folder aside and renaming the new
+            // one in: the old one is complete.
+            Ok(Some(if !dir.exists() && aside.exists() {
+                aside
+            } else {
+                dir
+            }))
+        }
+        ResumeMode::Path(path) => Ok(Some(path.clone())),
+    }
+}
+
+/// Names `step` as the newest complete checkpoint under `root` (written aside, then renamed).
+pub(crate) fn write_latest(root: &Path, step: usize) -> Result<(), TrainError> {
+    let latest = root.join(LATEST_FILE);
+    let latest_tmp = root.join(format!(".{LATEST_FILE}.partial"));
+    std::fs::write(&latest_tmp, step.to_string()).map_err(|e| io(&latest_tmp, e))?;
+    std::fs::rename(&latest_tmp, &latest).map_err(|e| io(&latest, e))
 }
 
 /// Keeps the newest `keep_actor` actor folders and `keep_critic` critic folders
@@ -339,11 +383,7 @@ impl<B: LearnerBackend> Learner<B> {
             if aside.exists() {
                 std::fs::remove_dir_all(&aside).map_err(|e| io(&aside, e))?;
             }
-            let latest = root.join(LATEST_FILE);
-            let latest_tmp = root.join(format!(".{LATEST_FILE}.partial"));
-            std::fs::write(&latest_tmp, self.global_step.to_string())
-                .map_err(|e| io(&latest_tmp, e))?;
-            std::fs::rename(&latest_tmp, &latest).map_err(|e| io(&latest, e))?;
+            write_latest(&root, self.global_step)?;
             // Only now, with the new step in place and named as the latest, do older ones go.
             let t = &self.settings.trainer;
             prune_checkpoints(&root, t.keep_actor_checkpoints, t.keep_critic_checkpoints)?;
@@ -356,30 +396,7 @@ impl<B: LearnerBackend> Learner<B> {
     /// root (none: a fresh start), `resume_path` `trainer.resume_from_path` (must exist),
     /// `disable` none.
     pub fn checkpoint_to_resume(&self) -> Result<Option<PathBuf>, TrainError> {
-        match &self.settings.trainer.resume {
-            ResumeMode::Disable => Ok(None),
-            ResumeMode::Auto => {
-                let root = self.checkpoint_root();
-                let Ok(text) = std::fs::read_to_string(root.join(LATEST_FILE)) else {
-                    return Ok(None);
-                };
-                let latest = root.join(LATEST_FILE);
-                let step: usize = text
-                    .trim()
-                    .parse()
-                    .map_err(|_| io(&latest, format!("`{}` is not a step number", text.trim())))?;
-                let dir = root.join(format!("global_step_{step}"));
-                let aside = replaced_dir(&root, step);
-                // Killed between moving a re-saved step's old folder aside and renaming the new
-                // one in: the old one is complete.
-                Ok(Some(if !dir.exists() && aside.exists() {
-                    aside
-                } else {
-                    dir
-                }))
-            }
-            ResumeMode::Path(path) => Ok(Some(path.clone())),
-        }
+        checkpoint_to_resume(&self.checkpoint_root(), &self.settings.trainer.resume)
     }
 
     /// Restores weights, optimiser states and trainer state from a checkpoint folder.

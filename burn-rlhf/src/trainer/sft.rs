@@ -5,22 +5,24 @@
 //! `test_freq` steps; checkpoints as HF model folders that start a PPO run
 //! (`actor_rollout_ref.model.path=.../global_step_N`).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::backend::LearnerBackend;
 use burn::module::AutodiffModule;
-use burn_rlhf_models::pretrained::{expand_home, save_pretrained};
+use burn_rlhf_models::pretrained::save_pretrained;
 use burn_rlhf_models::{CausalLm, ChatMessage, LoraConfig, Tokenizer};
 use burn_rlhf_rollout::data::{read_pairs, TextPair};
 use burn_rlhf_rollout::{PromptSampler, RolloutBatch, RolloutError, Sample, Truncation};
 
+use super::checkpoint::{checkpoint_to_resume, save_param_order, write_latest};
+use super::learner::ModelOptimizer;
 use super::logger::MetricsLogger;
 use super::metrics::Metrics;
 use crate::config::{SftConfig, SftDataConfig, SftOptimConfig};
 use crate::error::TrainError;
 use crate::loading::{load_policy, with_lora};
-use crate::minibatch::{sft_loss, sft_update, OptimizerStep};
+use crate::minibatch::{sft_loss, sft_update};
 use crate::optim::{adamw, LrSchedule, ReplicaSync, ScheduleKind};
 
 /// One tokenized example: prompt ids (context) and response ids (targets, EOS last).
@@ -177,6 +179,58 @@ fn val_loss<B: crate::backend::ComputeBackend>(
     Some(nll / tokens.max(1.0))
 }
 
+/// What a resumed SFT run needs besides the weights and the AdamW state
+/// (`global_step_N/trainer_state.json`).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+struct SftState {
+    /// Completed steps (the schedule's position too).
+    global_step: usize,
+    /// Where the example sampler is.
+    sampler: burn_rlhf_rollout::data::SamplerState,
+}
+
+const STATE_FILE: &str = "trainer_state.json";
+
+fn read_state(dir: &Path) -> Result<SftState, TrainError> {
+    let path = dir.join(STATE_FILE);
+    let text = std::fs::read_to_string(&path).map_err(|e| {
+        TrainError::checkpoint(&path, format!("{e}: not a checkpoint of `burn-rlhf sft`"))
+    })?;
+    serde_json::from_str(&text).map_err(|e| TrainError::checkpoint(&path, e))
+}
+
+/// Writes step `state.global_step` as `root/global_step_N`: the HF model folder (a PPO run starts
+/// from it), the AdamW state with its parameter order, and `trainer_state.json`; written aside
+/// and renamed into place, then named in `latest_checkpointed_iteration.txt`.
+fn save_checkpoint<B: LearnerBackend>(
+    root: &Path,
+    model: &CausalLm<B>,
+    optimizer: &ModelOptimizer<CausalLm<B>, B>,
+    state: &SftState,
+    config: &burn_rlhf_models::TransformerConfig,
+    tokenizer: &Tokenizer,
+) -> Result<PathBuf, TrainError> {
+    let step = state.global_step;
+    let done = root.join(format!("global_step_{step}"));
+    let tmp = root.join(format!(".global_step_{step}.partial"));
+    let io = |path: &Path, e: std::io::Error| TrainError::checkpoint(path, e);
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
+    }
+    save_pretrained(&tmp, config, &model.valid().export(), None, Some(tokenizer))?;
+    optimizer.save(&tmp, true)?;
+    save_param_order::<B, _>(&tmp, model)?;
+    let path = tmp.join(STATE_FILE);
+    std::fs::write(&path, serde_json::to_string_pretty(state).expect("JSON"))
+        .map_err(|e| io(&path, e))?;
+    if done.exists() {
+        std::fs::remove_dir_all(&done).map_err(|e| io(&done, e))?;
+    }
+    std::fs::rename(&tmp, &done).map_err(|e| io(&done, e))?;
+    write_latest(root, step)?;
+    Ok(done)
+}
+
 /// What an SFT run left.
 #[derive(Debug, Clone)]
 pub struct SftOutputs {
@@ -198,12 +252,34 @@ pub fn fit_sft<B: LearnerBackend>(
     let settings = config.decode("the SFT config")?;
     B::seed(device, config.trainer.seed);
     let m = &config.model;
-    let policy = load_policy::<B>(
-        &m.partial_pretrain,
-        m.tokenizer_path.as_deref(),
-        ("model.partial_pretrain", "model.tokenizer_path"),
-        device,
-    )?;
+    let root = settings.checkpoint_dir.clone();
+    let resume_from = checkpoint_to_resume(&root, &settings.resume)?;
+    let state = match &resume_from {
+        Some(dir) => Some(read_state(dir)?),
+        None => None,
+    };
+    if let (Some(dir), true) = (&resume_from, m.lora_rank > 0) {
+        return Err(TrainError::config(
+            "model.lora_rank",
+            format!(
+                "{} is a checkpoint of this run, and resuming a LoRA SFT run is not supported: \
+                 set trainer.resume_mode=disable to start over",
+                dir.display()
+            ),
+        ));
+    }
+    // A resumed run continues from the checkpoint's weights (an HF folder with its tokenizer).
+    let (source, keys) = match &resume_from {
+        Some(dir) => (
+            dir.display().to_string(),
+            ("trainer.resume_from_path", "model.tokenizer_path"),
+        ),
+        None => (
+            m.partial_pretrain.clone(),
+            ("model.partial_pretrain", "model.tokenizer_path"),
+        ),
+    };
+    let policy = load_policy::<B>(&source, m.tokenizer_path.as_deref(), keys, device)?;
     let (model_config, tokenizer) = (policy.config, policy.tokenizer);
     let lora = (m.lora_rank > 0).then(|| LoraConfig {
         rank: m.lora_rank,
@@ -232,35 +308,40 @@ pub fn fit_sft<B: LearnerBackend>(
     let bs = d.train_batch_size;
     let t = &config.trainer;
     let mut sampler = PromptSampler::new(train.len(), t.seed, true);
+    let start = state.as_ref().map_or(0, |s| s.global_step);
+    if let Some(state) = &state {
+        sampler.restore(state.sampler);
+    }
     let total = t
         .total_training_steps
         .unwrap_or(t.total_epochs * sampler.batches_per_epoch(bs))
         .max(1);
     let o = &config.optim;
-    let schedule = schedule(o, settings.schedule, total);
-    let mut optim = adamw(o.betas, o.weight_decay);
-    let root = expand_home(&t.default_local_dir);
+    let mut optimizer = ModelOptimizer::<CausalLm<B>, B> {
+        optim: adamw(o.betas, o.weight_decay),
+        schedule: schedule(o, settings.schedule, total),
+        sync: ReplicaSync::default(),
+        updates: start,
+    };
+    if let Some(dir) = &resume_from {
+        optimizer.load(dir, &model, device)?;
+        eprintln!("resumed from {} (step {start})", dir.display());
+    }
     let jsonl = settings.jsonl.then(|| root.join("metrics.jsonl"));
-    let mut logger = MetricsLogger::new(settings.console, 10, jsonl.clone(), None, total, 0)?;
+    let mut logger = MetricsLogger::new(settings.console, 10, jsonl.clone(), None, total, start)?;
     if let Some(dir) = &settings.tensorboard {
-        logger = logger.with_tensorboard(dir, 0)?;
+        logger = logger.with_tensorboard(dir, start)?;
     }
     let pad = tokenizer.pad_token_id;
     // Rows per micro-batch, tokens per chunk of logits.
     let micro = (d.micro_batch_size_per_gpu, config.model.logits_chunk_size);
     let mut last_val = None;
     let mut checkpoint = None;
-    for step in 1..=total {
+    for step in start + 1..=total {
         let picked: Vec<&SftExample> = sampler.next_batch(bs).iter().map(|&i| &train[i]).collect();
         let batch = sft_rollout_batch(&picked, pad);
-        let lr = schedule.lr(step - 1);
-        let step_of = OptimizerStep {
-            optimizer: &mut optim,
-            lr,
-            grad_clip: o.clip_grad,
-            sync: &ReplicaSync::default(),
-        };
-        let (updated, m) = sft_update(model, step_of, &batch, micro, device)?;
+        let (updated, m) = sft_update(model, optimizer.step(o.clip_grad), &batch, micro, device)?;
+        optimizer.updates += 1;
         model = updated;
         let mut metrics: Metrics = m.into_iter().collect();
         metrics.insert("train/epoch".into(), sampler.state().epoch as f64);
@@ -274,14 +355,12 @@ pub fn fit_sft<B: LearnerBackend>(
         logger.log(step, &metrics)?;
         let stopping = stop.load(Ordering::SeqCst);
         if (t.save_freq > 0 && step as i64 % t.save_freq == 0) || last || stopping {
-            let dir = root.join(format!("global_step_{step}"));
-            save_pretrained(
-                &dir,
-                &model_config,
-                &model.valid().export(),
-                None,
-                Some(&tokenizer),
-            )?;
+            let state = SftState {
+                global_step: step,
+                sampler: sampler.state(),
+            };
+            let dir =
+                save_checkpoint(&root, &model, &optimizer, &state, &model_config, &tokenizer)?;
             checkpoint = Some(dir);
         }
         if stopping {

@@ -27,10 +27,8 @@ fn every_shipped_config_validates_and_round_trips() {
         files.len()
     );
     for file in files {
-        if file
-            .file_name()
-            .is_some_and(|n| n.to_string_lossy().starts_with("sft"))
-        {
+        // Told apart by their keys (`config validate` does the same), not by name.
+        if burn_rlhf::config::is_sft_config(&file).unwrap() {
             // The SFT trainer's own tree (verl's sft_trainer keys).
             let sft =
                 burn_rlhf::config::SftConfig::load(&file, &[]).unwrap_or_else(|e| panic!("{e}"));
@@ -52,6 +50,34 @@ fn every_shipped_config_validates_and_round_trips() {
             file.display()
         );
     }
+}
+
+/// `burn-rlhf config validate` checks an SFT config against the SFT schema (it used to report
+/// `unknown key data.max_length`), and an RL config against the RL one.
+#[test]
+fn config_validate_tells_sft_configs_from_rl_ones() {
+    let validate = |file: &str, extra: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_burn-rlhf"))
+            .args(["config", "validate"])
+            .arg(repo_root().join(file))
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let sft = validate("configs/sft_gsm8k.ron", &[]);
+    assert!(
+        sft.status.success(),
+        "{}",
+        String::from_utf8_lossy(&sft.stderr)
+    );
+    assert!(String::from_utf8_lossy(&sft.stdout).contains("ok (an SFT config)"));
+    let bad = validate("configs/sft_gsm8k.ron", &["data.truncation=middle"]);
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("data.truncation"));
+    let rl = validate("configs/ppo_gsm8k.ron", &[]);
+    assert!(rl.status.success());
+    assert!(!String::from_utf8_lossy(&rl.stdout).contains("SFT"));
+    assert!(!burn_rlhf::config::is_sft_config(&repo_root().join("configs/ppo_gsm8k.ron")).unwrap());
 }
 
 /// The shipped PPO run, as the trainer will execute it: the decoded settings after verl's

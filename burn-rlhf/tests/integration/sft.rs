@@ -179,3 +179,99 @@ fn sft_command_lowers_the_loss_and_its_checkpoint_starts_ppo() {
         .join("ppo/global_step_1/actor/model.safetensors")
         .exists());
 }
+
+/// `burn-rlhf sft` stopped after 3 steps and run again to 6 (a new process, `resume_mode=auto`)
+/// ends with the weights and metrics of 6 uninterrupted steps.
+#[test]
+fn sft_resumes_in_a_new_process_as_if_never_stopped() {
+    let dir = temp_dir("sft-resume");
+    let (model_dir, train, test) = assets(&dir);
+    let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/sft_gsm8k.ron");
+    let run = |out: &Path, steps: usize| {
+        let status = Command::new(env!("CARGO_BIN_EXE_burn-rlhf"))
+            .arg("sft")
+            .arg(&config)
+            .args([
+                format!("model.partial_pretrain={}", model_dir.display()),
+                format!("data.train_files={}", ron_list(&train)),
+                format!("data.val_files={}", ron_list(&test)),
+                "data.max_length=16".into(),
+                "data.train_batch_size=8".into(),
+                "data.micro_batch_size_per_gpu=3".into(),
+                "optim.lr=0.003".into(),
+                "optim.lr_scheduler=constant".into(),
+                format!("trainer.total_training_steps={steps}"),
+                "trainer.test_freq=2".into(),
+                "trainer.logger=[jsonl]".into(),
+                format!("trainer.default_local_dir={}", out.display()),
+            ])
+            .status()
+            .unwrap();
+        assert!(status.success(), "sft {steps} steps into {}", out.display());
+    };
+    let (straight, resumed) = (dir.join("straight"), dir.join("resumed"));
+    run(&straight, 6);
+    run(&resumed, 3);
+    run(&resumed, 6);
+    let weights = |root: &Path| {
+        let mut w = burn_rlhf::models::weights::WeightMap::new("sft".to_string());
+        w.read_safetensors(&root.join("global_step_6/model.safetensors"))
+            .unwrap();
+        let mut names = w.remaining();
+        names.sort();
+        names
+            .into_iter()
+            .map(|n| (n.clone(), w.take_any(&n).unwrap().data))
+            .collect::<Vec<_>>()
+    };
+    let (a, b) = (weights(&straight), weights(&resumed));
+    let start = weights_of_start(&model_dir);
+    let mut moved = 0.0f32;
+    for ((name, x), (_, y)) in a.iter().zip(&b) {
+        let diff = x
+            .iter()
+            .zip(y)
+            .map(|(u, v)| (u - v).abs())
+            .fold(0.0, f32::max);
+        assert!(diff <= 1e-6, "{name}: {diff}");
+        if let Some(s) = start.get(name) {
+            moved = moved.max(
+                x.iter()
+                    .zip(s)
+                    .map(|(u, v)| (u - v).abs())
+                    .fold(0.0, f32::max),
+            );
+        }
+    }
+    assert!(moved > 1e-4, "the weights did not move ({moved})");
+    let (x, y) = (
+        read_jsonl(&straight.join("metrics.jsonl")).unwrap(),
+        read_jsonl(&resumed.join("metrics.jsonl")).unwrap(),
+    );
+    assert_eq!(
+        y.iter().map(|(s, _)| *s).collect::<Vec<_>>(),
+        vec![1, 2, 3, 4, 5, 6]
+    );
+    for ((s, m), (_, n)) in x.iter().zip(&y) {
+        for (k, v) in m {
+            if burn_rlhf::trainer::usage::measures_the_machine(k) {
+                continue;
+            }
+            let w = n[k];
+            assert!(
+                (v - w).abs() <= 1e-6 * v.abs().max(1.0),
+                "step {s} {k}: {v} vs {w}"
+            );
+        }
+    }
+}
+
+/// The starting model's tensors by name.
+fn weights_of_start(dir: &Path) -> std::collections::HashMap<String, Vec<f32>> {
+    let mut w = burn_rlhf::models::weights::WeightMap::new("start".to_string());
+    w.read_safetensors(&dir.join("model.safetensors")).unwrap();
+    w.remaining()
+        .into_iter()
+        .map(|n| (n.clone(), w.take_any(&n).unwrap().data))
+        .collect()
+}
