@@ -2,7 +2,7 @@
 //! groups of 8, and PPO's loss forward+backward on [256, 1024], on the default CPU backend (the
 //! host-scan / plain-tensor fallback) and, with `--features wgpu`, through the fused kernels (on
 //! lavapipe here), against verl's torch code measured in the same run
-//! (`../shared/bench/peer_bench.py --cases gae,grpo,ppo_loss`). With wgpu it also reports the device
+//! (`benches/peers/cases.py --cases gae,grpo,ppo_loss`). With wgpu it also reports the device
 //! memory of log-probs + entropy forward+backward at vocab 49,152, fused against unfused.
 
 use std::time::Instant;

@@ -1,8 +1,8 @@
 //! Forward+backward tokens/s of SmolLM2-135M at batch 4 x 256 on the default CPU backend, and the
-//! same figure from HF transformers (`../shared/bench/peer_bench.py --cases fwd_bwd`) measured in
+//! same figure from HF transformers (`benches/peers/cases.py --cases fwd_bwd`) measured in
 //! the same run, as a ratio. A benchmark: it prints, it never asserts on time.
 //!
-//! `cargo bench -p burn-rlhf-models` (env: `RLHF_SMOLLM2_DIR`, `PEER_PYTHON` for the peer venv,
+//! `cargo bench -p burn-rlhf-models` (env: `RLHF_SMOLLM2_DIR`, `RLHF_PEER_PYTHON` for the peer venv,
 //! default `/tmp/peer-venv/bin/python`; `RLHF_BENCH_SKIP_PEER=1` to skip the peer).
 
 use std::time::Instant;

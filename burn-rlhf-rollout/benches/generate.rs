@@ -1,6 +1,6 @@
 //! Generated tokens/s for SmolLM2-135M: batch 8, prompt 64, 128 new tokens, sampling at
 //! temperature 1, against HF transformers' `generate` on the same CPU
-//! (`../shared/bench/peer_bench.py --cases generate`), as a ratio. Prints; never asserts on time.
+//! (`benches/peers/cases.py --cases generate`), as a ratio. Prints; never asserts on time.
 
 use std::time::Instant;
 

@@ -165,28 +165,29 @@ pub fn gsm8k_dir(test: &str) -> Option<PathBuf> {
     optional_asset("RLHF_GSM8K_DIR", "../shared/data/gsm8k", "GSM8K", test)
 }
 
-/// Runs `../shared/bench/peer_bench.py --cases CASES` (HF transformers, verl's torch code) with the
-/// peer venv's Python (`PEER_PYTHON`, default `/tmp/peer-venv/bin/python`) and returns the
-/// `unit_per_s` of its `case` line, printing that line. `None` (with a line saying why) when the
-/// peers are not set up or `RLHF_BENCH_SKIP_PEER=1`; benchmarks then print only their own figure.
+/// Runs the repository's `benches/peers/cases.py --cases CASES` (verl's torch code, HF
+/// transformers on `RLHF_SMOLLM2_DIR`) with the peer venv's Python (`RLHF_PEER_PYTHON`, default
+/// `/tmp/peer-venv/bin/python`; set up by `benches/peers/setup.sh`) and returns the `unit_per_s`
+/// of its `case` line, printing that line. `None` (with a line saying why) when the peers are not
+/// set up or `RLHF_BENCH_SKIP_PEER=1`; benchmarks then print only their own figure.
 pub fn peer_rate(cases: &str, case: &str) -> Option<f64> {
     if std::env::var("RLHF_BENCH_SKIP_PEER").is_ok_and(|v| v == "1") {
         println!("peer: skipped (RLHF_BENCH_SKIP_PEER=1)");
         return None;
     }
     let python =
-        std::env::var("PEER_PYTHON").unwrap_or_else(|_| "/tmp/peer-venv/bin/python".into());
-    let script = repo_root().join("../shared/bench/peer_bench.py");
-    if !Path::new(&python).exists() || !script.exists() {
-        println!(
-            "peer: not measured ({python} or {} missing; run ../shared/bench/setup_peers.sh)",
-            script.display()
-        );
+        std::env::var("RLHF_PEER_PYTHON").unwrap_or_else(|_| "/tmp/peer-venv/bin/python".into());
+    let script = repo_root().join("benches/peers/cases.py");
+    if !Path::new(&python).exists() {
+        println!("peer: not measured ({python} missing; run benches/peers/setup.sh)");
         return None;
     }
+    let model = from_env("RLHF_SMOLLM2_DIR", "../shared/models/smollm2-135m-instruct");
     let out = match std::process::Command::new(&python)
         .arg(&script)
         .args(["--cases", cases])
+        .arg("--model")
+        .arg(&model)
         .output()
     {
         Ok(out) => out,

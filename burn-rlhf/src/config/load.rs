@@ -11,6 +11,7 @@ use serde_json::{Map, Value};
 
 use super::error::ConfigError;
 use super::tree::RlhfConfig;
+use super::verl_keys::{value_is, Treatment};
 
 /// Reads `path` (RON), applies `overrides` (`a.b.c=value`, in order), fills verl's derived keys
 /// and returns the typed tree. Cross-field rules are checked separately by
@@ -181,7 +182,26 @@ fn apply_override(tree: &mut Value, schema: &Value, arg: &str) -> Result<(), Con
             message: "expected `key.path=value`".into(),
         });
     };
-    let key = key.trim().trim_start_matches('+');
+    let mut key = key.trim().trim_start_matches('+');
+    // verl's keys with no key of their own here: read under another name, read at the value
+    // whose meaning holds, or refused with why.
+    match super::verl_keys::treatment(key) {
+        Some(Treatment::Alias(to)) => key = to,
+        Some(Treatment::OnlyAt(accepted, _)) if value_is(raw, accepted) => return Ok(()),
+        Some(Treatment::OnlyAt(accepted, why)) => {
+            return Err(ConfigError::Override {
+                arg: arg.to_string(),
+                message: format!("`{key}` is read only as {}: {why}", accepted.join(" or ")),
+            })
+        }
+        Some(Treatment::Refused(why)) => {
+            return Err(ConfigError::Override {
+                arg: arg.to_string(),
+                message: format!("`{key}` (verl) is not read here: {why}"),
+            })
+        }
+        None => {}
+    }
     if key.is_empty() || key.split('.').any(str::is_empty) {
         return Err(ConfigError::Override {
             arg: arg.to_string(),

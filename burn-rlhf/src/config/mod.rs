@@ -37,6 +37,7 @@ pub mod settings;
 mod sft;
 mod trainer;
 mod tree;
+pub mod verl_keys;
 
 pub use actor::{ActorConfig, PolicyLossConfig};
 pub use algorithm::{AlgorithmConfig, FilterGroupsConfig, KlCtrlConfig};

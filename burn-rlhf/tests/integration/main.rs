@@ -14,6 +14,7 @@ mod on_policy;
 mod ppo_loop;
 mod recipes;
 mod sft;
+mod verl_scripts;
 
 /// Burn's RNG is one per process: code that seeds it and draws from it (random model
 /// initialisation, fresh heads and adapters) holds this lock, so that what it draws does not
