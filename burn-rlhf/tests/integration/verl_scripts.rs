@@ -29,7 +29,11 @@ fn overrides() -> Vec<(String, String, String)> {
         .map(|e| e.unwrap().path())
         .collect();
     files.sort();
-    assert!(files.len() >= 3, "the PPO, GRPO and DAPO scripts in {}", dir.display());
+    assert!(
+        files.len() >= 3,
+        "the PPO, GRPO and DAPO scripts in {}",
+        dir.display()
+    );
     let mut all = Vec::new();
     for file in files {
         let name = file.file_stem().unwrap().to_string_lossy().into_owned();
@@ -39,7 +43,11 @@ fn overrides() -> Vec<(String, String, String)> {
                 continue;
             }
             let (key, value) = line.split_once('=').unwrap();
-            all.push((name.clone(), key.trim_start_matches('+').to_string(), value.to_string()));
+            all.push((
+                name.clone(),
+                key.trim_start_matches('+').to_string(),
+                value.to_string(),
+            ));
         }
     }
     all
