@@ -320,16 +320,11 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             report(&out);
         }
         Command::Sft { config, overrides } => {
-            use burn_rlhf::backend::default_device;
             use burn_rlhf::config::SftConfig;
-            use burn_rlhf::trainer::sft::fit_sft;
             let cfg = SftConfig::load(&config, &overrides)?;
             cfg.validate(&config.display().to_string())?;
             let stop = burn_rlhf::trainer::stop_on_ctrl_c();
-            let out = burn_rlhf::with_train_backend!(
-                cfg.model.enable_gradient_checkpointing,
-                B => fit_sft::<B>(&cfg, &default_device(), stop)
-            )?;
+            let out = burn_rlhf::trainer::sft::sft(&cfg, stop)?;
             if let Some(v) = out.val_loss {
                 println!("validation loss: {v:.4}");
             }

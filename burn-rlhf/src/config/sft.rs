@@ -215,10 +215,8 @@ impl SftConfig {
         });
         let (console, jsonl, tensorboard) =
             decode_loggers(&mut p, &t.logger, &t.project_name, &t.experiment_name);
-        p.check(t.nnodes * t.n_gpus_per_node == 1, || {
-            "`trainer.n_gpus_per_node` x `trainer.nnodes` must be 1: the SFT trainer runs on one \
-             device (data parallelism is for `train`)"
-                .into()
+        p.check(t.nnodes >= 1 && t.n_gpus_per_node >= 1, || {
+            "`trainer.nnodes` and `trainer.n_gpus_per_node` must be >= 1".into()
         });
         let resume = decode_resume(&mut p, &t.resume_mode, t.resume_from_path.as_deref());
         let checkpoint_dir = expand_home(t.default_local_dir.as_deref().unwrap_or(&format!(
@@ -272,7 +270,7 @@ mod tests {
     fn bad_settings_name_their_key() {
         let mut c = SftConfig::default();
         c.data.truncation = "middle".into();
-        c.trainer.n_gpus_per_node = 2;
+        c.trainer.n_gpus_per_node = 0;
         c.trainer.logger = vec!["console".into(), "wandb".into()];
         let message = c.validate("test").unwrap_err().to_string();
         for key in [

@@ -43,8 +43,10 @@ fn head(chunk: usize) -> LogprobHead {
 }
 
 /// One SFT optimiser step on `batch` (responses are the targets; prompts are context only), in
-/// micro-batches of `micro_batch_size` rows with `chunk` tokens per chunk of logits. Returns the
-/// model and `train/loss`, `train/grad_norm`, `train/lr`.
+/// micro-batches of `micro_batch_size` rows with `chunk` tokens per chunk of logits; with several
+/// ranks (`step.sync.dp`) each takes its share of the rows and the step averages the gradients.
+/// Returns the model and `train/loss` (this rank's part: the ranks' mean is the batch's),
+/// `train/grad_norm`, `train/lr`.
 pub fn sft_update<B: LearnerBackend, O: Optimizer<CausalLm<B>, B>>(
     model: CausalLm<B>,
     step: OptimizerStep<'_, O>,
@@ -53,13 +55,18 @@ pub fn sft_update<B: LearnerBackend, O: Optimizer<CausalLm<B>, B>>(
     device: &B::Device,
 ) -> Result<(CausalLm<B>, BTreeMap<String, f64>), TrainError> {
     let (rows, r) = (batch.rows(), batch.response_len);
+    let dp = &step.sync.dp;
+    // Normalised by the whole batch's tokens on every rank and the world size, so the ranks'
+    // averaged gradients are the batch's (verl's `agg_loss` with `dp_size`).
     let global = GlobalBatchInfo::from_mask(
         &from_rows::<B>(batch.response_mask.clone(), rows, r, device),
-        1,
+        dp.world(),
     );
+    let mine = dp.my_rows(batch, 1, "data.train_batch_size")?;
+    let local = batch.select(&mine);
     let mut gradients = MicroGradients::default();
     let mut loss_sum = 0.0;
-    for part in batch.split(micro_batch_size.max(1)).expect("size >= 1") {
+    for part in local.split(micro_batch_size.max(1)).expect("size >= 1") {
         let seq = SequenceTensors::<B>::from_batch(&part, device);
         let (logp, _) = response_logprobs(&model, &seq, head(chunk));
         let loss = agg_loss(

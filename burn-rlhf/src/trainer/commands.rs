@@ -61,7 +61,17 @@ pub fn train(settings: Settings) -> Result<RunOutputs, TrainError> {
 /// feature), an equal share of its host's devices, the job spanning `trainer.nnodes` hosts.
 pub fn this_process(settings: &Settings) -> Result<(NodeLaunch, usize, usize), TrainError> {
     let t = &settings.trainer;
-    let alone = NodeLaunch::single(t.collective_timeout);
+    processes_and_devices(t.nnodes, t.n_gpus_per_node, t.collective_timeout)
+}
+
+/// [`this_process`] for `nnodes` hosts of `n_gpus_per_node` devices (the keys of RL and SFT);
+/// `timeout` bounds the wait of one process's ranks for each other after one failed.
+pub fn processes_and_devices(
+    nnodes: usize,
+    n_gpus_per_node: usize,
+    timeout: std::time::Duration,
+) -> Result<(NodeLaunch, usize, usize), TrainError> {
+    let alone = NodeLaunch::single(timeout);
     #[cfg(not(feature = "mpi"))]
     {
         if ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"]
@@ -74,55 +84,55 @@ pub fn this_process(settings: &Settings) -> Result<(NodeLaunch, usize, usize), T
                  `--features mpi`",
             ));
         }
-        if t.nnodes > 1 {
+        if nnodes > 1 {
             return Err(TrainError::config(
                 "trainer.nnodes",
                 format!(
                     "{} hosts run as one MPI job: build with `--features mpi` and start it with \
                      `mpirun` or `srun`",
-                    t.nnodes
+                    nnodes
                 ),
             ));
         }
-        Ok((alone, 0, t.n_gpus_per_node))
+        Ok((alone, 0, n_gpus_per_node))
     }
     #[cfg(feature = "mpi")]
     {
         use crate::distributed::mpi::{launched_by_mpi, MpiProcess};
         if !launched_by_mpi() {
-            if t.nnodes > 1 {
+            if nnodes > 1 {
                 return Err(TrainError::config(
                     "trainer.nnodes",
                     format!(
                         "{} hosts run as one MPI job: start it with `mpirun` or `srun`",
-                        t.nnodes
+                        nnodes
                     ),
                 ));
             }
-            return Ok((alone, 0, t.n_gpus_per_node));
+            return Ok((alone, 0, n_gpus_per_node));
         }
         let process = MpiProcess::start()?;
         let place = process.place();
-        if place.hosts != t.nnodes {
+        if place.hosts != nnodes {
             return Err(TrainError::config(
                 "trainer.nnodes",
                 format!(
                     "the MPI job spans {} host(s), the config says {}",
-                    place.hosts, t.nnodes
+                    place.hosts, nnodes
                 ),
             ));
         }
-        if !t.n_gpus_per_node.is_multiple_of(place.local_processes) {
+        if !n_gpus_per_node.is_multiple_of(place.local_processes) {
             return Err(TrainError::config(
                 "trainer.n_gpus_per_node",
                 format!(
                     "{} devices per host cannot be shared equally by this host's {} MPI \
                      processes",
-                    t.n_gpus_per_node, place.local_processes
+                    n_gpus_per_node, place.local_processes
                 ),
             ));
         }
-        let share = t.n_gpus_per_node / place.local_processes;
+        let share = n_gpus_per_node / place.local_processes;
         let node = NodeLaunch {
             processes: Processes::Mpi(process),
             ..alone

@@ -95,12 +95,13 @@ impl<B: LearnerBackend> LearnerParts<B> {
     }
 }
 
-/// A fingerprint of the settings every rank must share (the same file and overrides).
+/// A fingerprint of the settings every rank must share (the same file and overrides), from their
+/// debug text.
 #[cfg(feature = "mpi")]
-fn fingerprint(settings: &Settings) -> u64 {
+pub(crate) fn fingerprint(settings: &str) -> u64 {
     use std::hash::{Hash, Hasher};
     let mut h = std::collections::hash_map::DefaultHasher::new();
-    format!("{settings:?}").hash(&mut h);
+    settings.hash(&mut h);
     h.finish()
 }
 
@@ -119,41 +120,85 @@ pub fn launch<B: LearnerBackend>(
     node: &NodeLaunch,
     stop: &'static AtomicBool,
 ) -> Result<RunOutputs, TrainError> {
-    let local = devices.len();
-    let group = GroupPlan::new(&settings, local, node)?;
+    let group = GroupPlan {
+        shard_optimizer: settings.trainer.shard_optimizer,
+        balance_batch: settings.trainer.balance_batch,
+        ..GroupPlan::new(devices.len(), node)?
+    };
+    #[cfg(feature = "mpi")]
+    group.check_same_settings(node, fingerprint(&format!("{settings:?}")))?;
     if group.world == 1 {
         return Learner::from_settings(settings, parts, &devices[0])?.fit(stop);
     }
+    let parts: Vec<_> = devices.iter().map(|d| parts.replicate(d)).collect();
+    let parts = std::sync::Mutex::new(parts.into_iter().map(Some).collect::<Vec<_>>());
+    run_ranks::<B, RunOutputs>(devices, node, &group, move |i, device, joiner| {
+        let parts = parts.lock().unwrap_or_else(|e| e.into_inner())[i]
+            .take()
+            .expect("each rank takes its own parts once");
+        // Config errors surface before joining, identically on every rank.
+        let learner = Learner::from_settings(settings.clone(), parts, device)?;
+        let mut learner = learner.with_data_parallel(joiner.join()?)?;
+        learner.fit(stop)
+    })
+}
+
+/// A rank's way into the group, joined when its work is ready to exchange (so that errors before
+/// then surface the same way on every rank).
+pub(crate) struct Joiner<B: LearnerBackend> {
+    join: Option<Join>,
+    rank: usize,
+    device: B::Device,
+    abort: Arc<AbortFlag>,
+    group: GroupPlan,
+    joined: Option<Arc<dyn Collective>>,
+}
+
+impl<B: LearnerBackend> Joiner<B> {
+    /// Joins the group; this rank's place in it.
+    pub(crate) fn join(&mut self) -> Result<DataParallel, TrainError> {
+        let join = self.join.take().expect("a rank joins its group once");
+        let collective = join.into_collective::<B>(self.rank, &self.device, &self.abort)?;
+        self.joined = Some(collective.clone());
+        Ok(self.group.data_parallel(collective))
+    }
+}
+
+/// Runs `body` on each of this process's `devices` on a thread of its own (`body(i, device,
+/// joiner)` for the `i`-th device, which joins the group through `joiner`), and returns the first
+/// device's result, or the failure that is not a consequence of another rank's. A rank that fails
+/// stops the others (see [`launch`]).
+pub(crate) fn run_ranks<B: LearnerBackend, T: Send + 'static>(
+    devices: &[B::Device],
+    node: &NodeLaunch,
+    group: &GroupPlan,
+    body: impl Fn(usize, &B::Device, &mut Joiner<B>) -> Result<T, TrainError> + Send + Sync + 'static,
+) -> Result<T, TrainError> {
+    let local = devices.len();
     let abort = Arc::new(AbortFlag::default());
     let mut joins = group.joins(local, &node.processes)?;
     if group.processes == 1 && local > 1 {
         BurnCollective::<B::InnerBackend>::reset_group();
     }
-    let (tx, rx) = mpsc::channel::<(usize, Result<RunOutputs, TrainError>)>();
+    let body = Arc::new(body);
+    let (tx, rx) = mpsc::channel::<(usize, Result<T, TrainError>)>();
     let mut handles = Vec::with_capacity(local);
     for (i, device) in devices.iter().enumerate() {
         let rank = node.processes.index() * local + i;
-        let parts = parts.replicate(device);
-        let join = joins.remove(0);
-        let (device, settings, group, abort, tx) = (
-            device.clone(),
-            settings.clone(),
-            group.clone(),
-            abort.clone(),
-            tx.clone(),
-        );
+        let mut joiner = Joiner::<B> {
+            join: Some(joins.remove(0)),
+            rank,
+            device: device.clone(),
+            abort: abort.clone(),
+            group: group.clone(),
+            joined: None,
+        };
+        let (device, body, abort, tx) = (device.clone(), body.clone(), abort.clone(), tx.clone());
         let handle = std::thread::Builder::new()
             .name(format!("burn-rlhf-rank-{rank}"))
             .spawn(move || {
-                let mut joined: Option<Arc<dyn Collective>> = None;
                 let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    // Config errors surface before joining, identically on every rank.
-                    let learner = Learner::from_settings(settings, parts, &device)?;
-                    let collective = join.into_collective::<B>(rank, &device, &abort)?;
-                    joined = Some(collective.clone());
-                    let mut learner =
-                        learner.with_data_parallel(group.data_parallel(collective))?;
-                    learner.fit(stop)
+                    body(i, &device, &mut joiner)
                 }));
                 let result = run.unwrap_or_else(|panic| {
                     Err(TrainError::Distributed(DistributedError::Transport {
@@ -161,7 +206,7 @@ pub fn launch<B: LearnerBackend>(
                         message: format!("panicked: {}", panic_message(panic.as_ref())),
                     }))
                 });
-                finish_rank::<B>(rank, &result, joined.as_ref(), &abort);
+                finish_rank::<B, T>(rank, &result, joiner.joined.as_ref(), &abort);
                 let _ = tx.send((rank, result));
             })
             .map_err(|e| {
@@ -178,11 +223,13 @@ pub fn launch<B: LearnerBackend>(
 
 /// What every rank of this process needs to join the group.
 #[derive(Debug, Clone)]
-struct GroupPlan {
-    world: usize,
+pub(crate) struct GroupPlan {
+    pub(crate) world: usize,
     processes: usize,
-    shard_optimizer: bool,
-    balance_batch: bool,
+    /// ZeRO-1 (`trainer.zero_stage=1`).
+    pub(crate) shard_optimizer: bool,
+    /// `trainer.balance_batch`.
+    pub(crate) balance_batch: bool,
 }
 
 /// How one rank joins: alone, through burn-collective, or as an MPI rank.
@@ -217,24 +264,35 @@ impl Join {
 }
 
 impl GroupPlan {
-    /// Checks the launch (`local` devices here, `node`'s processes) and plans the group.
-    fn new(settings: &Settings, local: usize, node: &NodeLaunch) -> Result<Self, TrainError> {
+    /// Checks the launch (`local` devices here, `node`'s processes) and plans the group (no
+    /// sharding, rows balanced by token count).
+    pub(crate) fn new(local: usize, node: &NodeLaunch) -> Result<Self, TrainError> {
         if local == 0 {
             return Err(TrainError::config(
                 "trainer.n_gpus_per_node",
                 "no devices to train on",
             ));
         }
-        #[cfg(feature = "mpi")]
-        if let Processes::Mpi(process) = &node.processes {
-            process.check_same(fingerprint(settings))?;
-        }
         Ok(Self {
             world: local * node.processes.count(),
             processes: node.processes.count(),
-            shard_optimizer: settings.trainer.shard_optimizer,
-            balance_batch: settings.trainer.balance_batch,
+            shard_optimizer: false,
+            balance_batch: true,
         })
+    }
+
+    /// Refuses a run whose processes were started with different settings (`fingerprint` of
+    /// each's), naming them.
+    #[cfg(feature = "mpi")]
+    pub(crate) fn check_same_settings(
+        &self,
+        node: &NodeLaunch,
+        fingerprint: u64,
+    ) -> Result<(), TrainError> {
+        if let Processes::Mpi(process) = &node.processes {
+            process.check_same(fingerprint)?;
+        }
+        Ok(())
     }
 
     /// Each local rank's way to join, in device order: none alone, MPI across processes,
@@ -273,9 +331,9 @@ fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
 
 /// After a rank's run: a failure stops the other ranks (through the group when joined, else
 /// through this process's flag); a successful in-process rank leaves burn-collective's group.
-fn finish_rank<B: LearnerBackend>(
+fn finish_rank<B: LearnerBackend, T>(
     rank: usize,
-    result: &Result<RunOutputs, TrainError>,
+    result: &Result<T, TrainError>,
     joined: Option<&Arc<dyn Collective>>,
     abort: &AbortFlag,
 ) {
@@ -319,14 +377,14 @@ fn receive_working<T>(rx: &mpsc::Receiver<T>, deadline: Option<Instant>) -> Opti
 
 /// Waits for every rank of this process; after a failure, waits for the others at most
 /// `timeout` more, then returns the failure that is not a consequence of another.
-fn collect(
-    rx: mpsc::Receiver<(usize, Result<RunOutputs, TrainError>)>,
+fn collect<T>(
+    rx: mpsc::Receiver<(usize, Result<T, TrainError>)>,
     handles: Vec<std::thread::JoinHandle<()>>,
     local: usize,
     timeout: Duration,
     abort: &AbortFlag,
-) -> Result<RunOutputs, TrainError> {
-    let mut results: Vec<(usize, Result<RunOutputs, TrainError>)> = Vec::new();
+) -> Result<T, TrainError> {
+    let mut results: Vec<(usize, Result<T, TrainError>)> = Vec::new();
     let mut deadline: Option<Instant> = None;
     while results.len() < local {
         let Some((rank, result)) = receive_working(&rx, deadline) else {

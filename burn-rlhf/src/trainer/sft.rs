@@ -7,6 +7,7 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 use crate::backend::LearnerBackend;
 use burn::module::AutodiffModule;
@@ -16,10 +17,12 @@ use burn_rlhf_rollout::data::{read_pairs, TextPair};
 use burn_rlhf_rollout::{PromptSampler, RolloutBatch, RolloutError, Sample, Truncation};
 
 use super::checkpoint::{checkpoint_to_resume, save_param_order, write_latest};
+use super::launch::{run_ranks, GroupPlan};
 use super::learner::ModelOptimizer;
 use super::logger::MetricsLogger;
 use super::metrics::Metrics;
 use crate::config::{SftConfig, SftDataConfig, SftOptimConfig};
+use crate::distributed::DataParallel;
 use crate::error::TrainError;
 use crate::loading::{load_policy, with_lora};
 use crate::minibatch::{sft_loss, sft_update};
@@ -242,14 +245,61 @@ pub struct SftOutputs {
     pub val_loss: Option<f64>,
 }
 
-/// Fine-tunes `config.model.partial_pretrain` on the pairs of `config.data`; stops after the
-/// current step (with a checkpoint) once `stop` is set.
+/// `burn-rlhf sft`: fine-tunes on `trainer.nnodes` hosts of `trainer.n_gpus_per_node` devices
+/// (in this process, or an MPI job's processes: [`super::commands::this_process`]), every rank a
+/// replica on its share of each batch's rows, as [`super::launch`] does for RL; returns rank 0's
+/// outputs. Runs on the backend the Cargo features select, with gradient checkpointing when
+/// `model.enable_gradient_checkpointing`. Stops after the current step (with a checkpoint) once
+/// `stop` is set.
+pub fn sft(config: &SftConfig, stop: &'static AtomicBool) -> Result<SftOutputs, TrainError> {
+    let t = &config.trainer;
+    config.decode("the SFT config")?;
+    let (node, first, count) = super::commands::processes_and_devices(
+        t.nnodes,
+        t.n_gpus_per_node,
+        Duration::from_secs(60),
+    )?;
+    let devices = crate::backend::devices_from(first, count);
+    let out = crate::with_train_backend!(config.model.enable_gradient_checkpointing, B => {
+        sft_on::<B>(config, &node, &devices, stop)
+    });
+    #[cfg(feature = "mpi")]
+    if let super::launch::Processes::Mpi(process) = &node.processes {
+        process.finish();
+    }
+    out
+}
+
+fn sft_on<B: LearnerBackend>(
+    config: &SftConfig,
+    node: &super::launch::NodeLaunch,
+    devices: &[B::Device],
+    stop: &'static AtomicBool,
+) -> Result<SftOutputs, TrainError> {
+    let group = GroupPlan::new(devices.len(), node)?;
+    #[cfg(feature = "mpi")]
+    group.check_same_settings(node, super::launch::fingerprint(&format!("{config:?}")))?;
+    if group.world == 1 {
+        return fit_sft::<B>(config, &devices[0], DataParallel::solo(), stop);
+    }
+    let config = config.clone();
+    run_ranks::<B, SftOutputs>(devices, node, &group, move |_, device, joiner| {
+        // Errors of the config and data surface on every rank before it joins.
+        config.decode("the SFT config")?;
+        let dp = joiner.join()?;
+        fit_sft::<B>(&config, device, dp, stop)
+    })
+}
+
+/// One rank of an SFT run (`dp`: its place among the ranks; [`DataParallel::solo`] alone).
 pub fn fit_sft<B: LearnerBackend>(
     config: &SftConfig,
     device: &B::Device,
+    dp: DataParallel,
     stop: &AtomicBool,
 ) -> Result<SftOutputs, TrainError> {
     let settings = config.decode("the SFT config")?;
+    let main = dp.is_main();
     B::seed(device, config.trainer.seed);
     let m = &config.model;
     let root = settings.checkpoint_dir.clone();
@@ -320,16 +370,29 @@ pub fn fit_sft<B: LearnerBackend>(
     let mut optimizer = ModelOptimizer::<CausalLm<B>, B> {
         optim: adamw(o.betas, o.weight_decay),
         schedule: schedule(o, settings.schedule, total),
-        sync: ReplicaSync::default(),
+        sync: ReplicaSync {
+            dp: dp.clone(),
+            shards: None,
+        },
         updates: start,
     };
     if let Some(dir) = &resume_from {
         optimizer.load(dir, &model, device)?;
-        eprintln!("resumed from {} (step {start})", dir.display());
+        if main {
+            eprintln!("resumed from {} (step {start})", dir.display());
+        }
     }
-    let jsonl = settings.jsonl.then(|| root.join("metrics.jsonl"));
-    let mut logger = MetricsLogger::new(settings.console, 10, jsonl.clone(), None, total, start)?;
-    if let Some(dir) = &settings.tensorboard {
+    // Rank 0 logs and checkpoints; every rank holds the same metrics.
+    let jsonl = (settings.jsonl && main).then(|| root.join("metrics.jsonl"));
+    let mut logger = MetricsLogger::new(
+        settings.console && main,
+        10,
+        jsonl.clone(),
+        None,
+        total,
+        start,
+    )?;
+    if let (Some(dir), true) = (&settings.tensorboard, main) {
         logger = logger.with_tensorboard(dir, start)?;
     }
     let pad = tokenizer.pad_token_id;
@@ -343,24 +406,28 @@ pub fn fit_sft<B: LearnerBackend>(
         let (updated, m) = sft_update(model, optimizer.step(o.clip_grad), &batch, micro, device)?;
         optimizer.updates += 1;
         model = updated;
-        let mut metrics: Metrics = m.into_iter().collect();
+        let mut metrics: Metrics = dp.mean_metrics(m.into_iter().collect())?;
         metrics.insert("train/epoch".into(), sampler.state().epoch as f64);
         let last = step == total;
-        if (t.test_freq > 0 && step as i64 % t.test_freq == 0) || last {
+        if main && ((t.test_freq > 0 && step as i64 % t.test_freq == 0) || last) {
             if let Some(v) = val_loss(&model.valid(), &val, bs, pad, micro, device) {
                 metrics.insert("val/loss".into(), v);
                 last_val = Some(v);
             }
         }
         logger.log(step, &metrics)?;
-        let stopping = stop.load(Ordering::SeqCst);
+        // Every rank stops after the same step when any saw the request.
+        let stopping = dp.any(stop.load(Ordering::SeqCst))?;
         if (t.save_freq > 0 && step as i64 % t.save_freq == 0) || last || stopping {
             let state = SftState {
                 global_step: step,
                 sampler: sampler.state(),
             };
-            let dir =
+            let dir = root.join(format!("global_step_{step}"));
+            if main {
                 save_checkpoint(&root, &model, &optimizer, &state, &model_config, &tokenizer)?;
+            }
+            dp.barrier()?;
             checkpoint = Some(dir);
         }
         if stopping {

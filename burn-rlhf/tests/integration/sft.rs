@@ -180,78 +180,82 @@ fn sft_command_lowers_the_loss_and_its_checkpoint_starts_ppo() {
         .exists());
 }
 
-/// `burn-rlhf sft` stopped after 3 steps and run again to 6 (a new process, `resume_mode=auto`)
-/// ends with the weights and metrics of 6 uninterrupted steps.
-#[test]
-fn sft_resumes_in_a_new_process_as_if_never_stopped() {
-    let dir = temp_dir("sft-resume");
-    let (model_dir, train, test) = assets(&dir);
+/// `burn-rlhf sft` on the tiny assets of `dir` for `steps` steps into `out`, with `extra`
+/// overrides.
+fn sft_cli(dir: &Path, out: &Path, steps: usize, extra: &[&str]) {
+    let (model, train, test) = (
+        dir.join("model"),
+        dir.join("train.jsonl"),
+        dir.join("test.jsonl"),
+    );
     let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/sft_gsm8k.ron");
-    let run = |out: &Path, steps: usize| {
-        let status = Command::new(env!("CARGO_BIN_EXE_burn-rlhf"))
-            .arg("sft")
-            .arg(&config)
-            .args([
-                format!("model.partial_pretrain={}", model_dir.display()),
-                format!("data.train_files={}", ron_list(&train)),
-                format!("data.val_files={}", ron_list(&test)),
-                "data.max_length=16".into(),
-                "data.train_batch_size=8".into(),
-                "data.micro_batch_size_per_gpu=3".into(),
-                "optim.lr=0.003".into(),
-                "optim.lr_scheduler=constant".into(),
-                format!("trainer.total_training_steps={steps}"),
-                "trainer.test_freq=2".into(),
-                "trainer.logger=[jsonl]".into(),
-                format!("trainer.default_local_dir={}", out.display()),
-            ])
-            .status()
-            .unwrap();
-        assert!(status.success(), "sft {steps} steps into {}", out.display());
-    };
-    let (straight, resumed) = (dir.join("straight"), dir.join("resumed"));
-    run(&straight, 6);
-    run(&resumed, 3);
-    run(&resumed, 6);
-    let weights = |root: &Path| {
-        let mut w = burn_rlhf::models::weights::WeightMap::new("sft".to_string());
-        w.read_safetensors(&root.join("global_step_6/model.safetensors"))
-            .unwrap();
-        let mut names = w.remaining();
-        names.sort();
-        names
-            .into_iter()
-            .map(|n| (n.clone(), w.take_any(&n).unwrap().data))
-            .collect::<Vec<_>>()
-    };
-    let (a, b) = (weights(&straight), weights(&resumed));
-    let start = weights_of_start(&model_dir);
+    let status = Command::new(env!("CARGO_BIN_EXE_burn-rlhf"))
+        .arg("sft")
+        .arg(&config)
+        .args([
+            format!("model.partial_pretrain={}", model.display()),
+            format!("data.train_files={}", ron_list(&train)),
+            format!("data.val_files={}", ron_list(&test)),
+            "data.max_length=16".into(),
+            "data.train_batch_size=8".into(),
+            "data.micro_batch_size_per_gpu=3".into(),
+            "optim.lr=0.003".into(),
+            "optim.lr_scheduler=constant".into(),
+            format!("trainer.total_training_steps={steps}"),
+            "trainer.test_freq=2".into(),
+            "trainer.logger=[jsonl]".into(),
+            format!("trainer.default_local_dir={}", out.display()),
+        ])
+        .args(extra)
+        .status()
+        .unwrap();
+    assert!(status.success(), "sft {steps} steps into {}", out.display());
+}
+
+/// The tensors of a checkpoint's `model.safetensors`, by name.
+fn checkpoint_tensors(path: &Path) -> Vec<(String, Vec<f32>)> {
+    let mut w = burn_rlhf::models::weights::WeightMap::new("sft".to_string());
+    w.read_safetensors(path).unwrap();
+    let mut names = w.remaining();
+    names.sort();
+    names
+        .into_iter()
+        .map(|n| (n.clone(), w.take_any(&n).unwrap().data))
+        .collect()
+}
+
+fn max_abs_diff(x: &[f32], y: &[f32]) -> f32 {
+    x.iter()
+        .zip(y)
+        .map(|(u, v)| (u - v).abs())
+        .fold(0.0, f32::max)
+}
+
+/// Runs `a` and `b` end at step `step` with weights within `tol` (and moved from the start in
+/// `model_dir`), and every metric `a` logged `b` logged too, equal (a run that ended at a step
+/// also validated there).
+fn assert_same_sft_runs(a: &Path, b: &Path, step: usize, model_dir: &Path, tol: f32) {
+    let file = |root: &Path| root.join(format!("global_step_{step}/model.safetensors"));
+    let (x, y) = (checkpoint_tensors(&file(a)), checkpoint_tensors(&file(b)));
+    let start = weights_of_start(model_dir);
     let mut moved = 0.0f32;
-    for ((name, x), (_, y)) in a.iter().zip(&b) {
-        let diff = x
-            .iter()
-            .zip(y)
-            .map(|(u, v)| (u - v).abs())
-            .fold(0.0, f32::max);
-        assert!(diff <= 1e-6, "{name}: {diff}");
+    for ((name, u), (_, v)) in x.iter().zip(&y) {
+        let diff = max_abs_diff(u, v);
+        assert!(diff <= tol, "{name}: {diff}");
         if let Some(s) = start.get(name) {
-            moved = moved.max(
-                x.iter()
-                    .zip(s)
-                    .map(|(u, v)| (u - v).abs())
-                    .fold(0.0, f32::max),
-            );
+            moved = moved.max(max_abs_diff(u, s));
         }
     }
     assert!(moved > 1e-4, "the weights did not move ({moved})");
     let (x, y) = (
-        read_jsonl(&straight.join("metrics.jsonl")).unwrap(),
-        read_jsonl(&resumed.join("metrics.jsonl")).unwrap(),
+        read_jsonl(&a.join("metrics.jsonl")).unwrap(),
+        read_jsonl(&b.join("metrics.jsonl")).unwrap(),
     );
     assert_eq!(
         y.iter().map(|(s, _)| *s).collect::<Vec<_>>(),
-        vec![1, 2, 3, 4, 5, 6]
+        (1..=step).collect::<Vec<_>>()
     );
+    let rel = f64::from(tol).max(1e-6);
     for ((s, m), (_, n)) in x.iter().zip(&y) {
         for (k, v) in m {
             if burn_rlhf::trainer::usage::measures_the_machine(k) {
@@ -259,11 +263,61 @@ fn sft_resumes_in_a_new_process_as_if_never_stopped() {
             }
             let w = n[k];
             assert!(
-                (v - w).abs() <= 1e-6 * v.abs().max(1.0),
+                (v - w).abs() <= rel * v.abs().max(1.0),
                 "step {s} {k}: {v} vs {w}"
             );
         }
     }
+}
+
+/// `burn-rlhf sft` stopped after 3 steps and run again to 6 (a new process, `resume_mode=auto`)
+/// ends with the weights and metrics of 6 uninterrupted steps.
+#[test]
+fn sft_resumes_in_a_new_process_as_if_never_stopped() {
+    let dir = temp_dir("sft-resume");
+    let (model_dir, _, _) = assets(&dir);
+    let (straight, resumed) = (dir.join("straight"), dir.join("resumed"));
+    sft_cli(&dir, &straight, 6, &[]);
+    sft_cli(&dir, &resumed, 3, &[]);
+    sft_cli(&dir, &resumed, 6, &[]);
+    assert_same_sft_runs(&straight, &resumed, 6, &model_dir, 1e-6);
+}
+
+/// `burn-rlhf sft` on two devices (each rank half of every batch, gradients averaged through the
+/// collectives RL uses) ends where one device does, with the same metrics.
+#[test]
+fn sft_on_two_devices_reproduces_one() {
+    let dir = temp_dir("sft-dp");
+    let (model_dir, _, _) = assets(&dir);
+    let (one, two) = (dir.join("one"), dir.join("two"));
+    sft_cli(&dir, &one, 4, &[]);
+    sft_cli(&dir, &two, 4, &["trainer.n_gpus_per_node=2"]);
+    assert_same_sft_runs(&one, &two, 4, &model_dir, 1e-5);
+    // Two ranks really split the batch: one row cannot be shared by two.
+    let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/sft_gsm8k.ron");
+    let out = Command::new(env!("CARGO_BIN_EXE_burn-rlhf"))
+        .arg("sft")
+        .arg(&config)
+        .args([
+            format!("model.partial_pretrain={}", model_dir.display()),
+            format!("data.train_files={}", ron_list(&dir.join("train.jsonl"))),
+            "data.val_files=[]".into(),
+            "data.max_length=16".into(),
+            "data.train_batch_size=1".into(),
+            "trainer.n_gpus_per_node=2".into(),
+            "trainer.total_training_steps=1".into(),
+            format!(
+                "trainer.default_local_dir={}",
+                dir.join("one-row").display()
+            ),
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("cannot be split over 2 ranks"),
+        "{err}"
+    );
 }
 
 /// The starting model's tensors by name.
