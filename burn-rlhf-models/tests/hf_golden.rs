@@ -329,28 +329,35 @@ fn check_fixture_model(dir: &Path) -> Result<(), String> {
     Ok(())
 }
 
-#[test]
-fn fixture_models_match_transformers() {
-    let root = burn_rlhf_test_assets::fixtures_subdir("models");
-    let mut dirs: Vec<_> = std::fs::read_dir(&root)
-        .unwrap()
+/// The model folders under `root`, sorted; each checked by [`check_fixture_model`] (after
+/// `also`), every failure listed.
+fn check_model_folders(root: &Path, what: &str, also: impl Fn(&Path)) {
+    let mut dirs: Vec<_> = std::fs::read_dir(root)
+        .unwrap_or_else(|e| panic!("cannot read {}: {e}", root.display()))
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.is_dir())
         .collect();
     dirs.sort();
-    assert!(!dirs.is_empty(), "no model folders in {}", root.display());
+    assert!(!dirs.is_empty(), "no {what} folders in {}", root.display());
     let mut failures = Vec::new();
     for dir in &dirs {
+        also(dir);
         if let Err(e) = check_fixture_model(dir) {
             failures.push(format!("{}: {e}", dir.display()));
         }
     }
     println!(
-        "hf golden: {} of {} fixture models passed",
+        "{what}: {} of {} passed",
         dirs.len() - failures.len(),
         dirs.len()
     );
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
+fn fixture_models_match_transformers() {
+    let root = burn_rlhf_test_assets::fixtures_subdir("models");
+    check_model_folders(&root, "fixture models", |_| {});
 }
 
 /// GGUFs written by llama.cpp's own converter from the tiny transformers models
@@ -363,30 +370,13 @@ fn gguf_fixtures_match_transformers() {
     if !root.is_dir() {
         root = burn_rlhf_test_assets::repo_root().join("tests/fixtures/gguf");
     }
-    let mut dirs: Vec<_> = std::fs::read_dir(&root)
-        .unwrap_or_else(|e| panic!("cannot read {}: {e}", root.display()))
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.is_dir())
-        .collect();
-    dirs.sort();
-    assert!(!dirs.is_empty(), "no GGUF folders in {}", root.display());
-    let mut failures = Vec::new();
-    for dir in &dirs {
+    check_model_folders(&root, "GGUF fixtures", |dir| {
         assert!(
             !dir.join("config.json").exists(),
             "{}: a GGUF fixture must carry its config in the GGUF alone",
             dir.display()
         );
-        if let Err(e) = check_fixture_model(dir) {
-            failures.push(format!("{}: {e}", dir.display()));
-        }
-    }
-    println!(
-        "gguf golden: {} of {} GGUF fixtures passed",
-        dirs.len() - failures.len(),
-        dirs.len()
-    );
-    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    });
 }
 
 #[test]

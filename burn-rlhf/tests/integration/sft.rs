@@ -112,30 +112,14 @@ fn ron_list(p: &Path) -> String {
 #[test]
 fn sft_command_lowers_the_loss_and_its_checkpoint_starts_ppo() {
     let dir = temp_dir("sft-run");
-    let (model_dir, train, test) = assets(&dir);
+    assets(&dir);
     let out = dir.join("out");
-    let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/sft_gsm8k.ron");
-    let status = Command::new(env!("CARGO_BIN_EXE_burn-rlhf"))
-        .arg("sft")
-        .arg(&config)
-        .args([
-            format!("model.partial_pretrain={}", model_dir.display()),
-            format!("data.train_files={}", ron_list(&train)),
-            format!("data.val_files={}", ron_list(&test)),
-            "data.max_length=16".into(),
-            "data.train_batch_size=8".into(),
-            "data.micro_batch_size_per_gpu=3".into(),
-            "optim.lr=0.003".into(),
-            "optim.warmup_steps_ratio=0".into(),
-            "optim.lr_scheduler=constant".into(),
-            "trainer.total_training_steps=20".into(),
-            "trainer.test_freq=10".into(),
-            "trainer.logger=[jsonl]".into(),
-            format!("trainer.default_local_dir={}", out.display()),
-        ])
-        .status()
-        .unwrap();
-    assert!(status.success());
+    sft_cli(
+        &dir,
+        &out,
+        20,
+        &["optim.warmup_steps_ratio=0", "trainer.test_freq=10"],
+    );
     let log = read_jsonl(&out.join("metrics.jsonl")).unwrap();
     assert_eq!(log.len(), 20);
     let loss = |s: usize| log[s - 1].1["train/loss"];
