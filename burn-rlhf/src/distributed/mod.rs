@@ -289,6 +289,14 @@ impl DataParallel {
     }
 }
 
+/// Whether an MPI launcher started this process (OpenMPI's, PMI's or PMIx's variables); asked
+/// with or without the `mpi` feature, so a build without it can say why it cannot join.
+pub fn launched_by_mpi() -> bool {
+    ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"]
+        .iter()
+        .any(|v| std::env::var_os(v).is_some())
+}
+
 /// Rank `rank`'s equal consecutive share of `0..n` (the first `n % world` ranks get one more).
 pub fn chunk(n: usize, world: usize, rank: usize) -> std::ops::Range<usize> {
     let (base, extra) = (n / world, n % world);

@@ -19,13 +19,6 @@ use mpi::traits::{CommunicatorCollectives, Root};
 
 use super::{Collective, DistributedError};
 
-/// Whether an MPI launcher started this process (OpenMPI's, PMI's or PMIx's variables).
-pub fn launched_by_mpi() -> bool {
-    ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"]
-        .iter()
-        .any(|v| std::env::var_os(v).is_some())
-}
-
 /// This process's place in the MPI job.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MpiPlace {

@@ -74,10 +74,7 @@ pub fn processes_and_devices(
     let alone = NodeLaunch::single(timeout);
     #[cfg(not(feature = "mpi"))]
     {
-        if ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"]
-            .iter()
-            .any(|v| std::env::var_os(v).is_some())
-        {
+        if crate::distributed::launched_by_mpi() {
             return Err(TrainError::config(
                 "trainer.nnodes",
                 "started by an MPI launcher, but this build has no MPI: build with \
@@ -98,7 +95,7 @@ pub fn processes_and_devices(
     }
     #[cfg(feature = "mpi")]
     {
-        use crate::distributed::mpi::{launched_by_mpi, MpiProcess};
+        use crate::distributed::{launched_by_mpi, mpi::MpiProcess};
         if !launched_by_mpi() {
             if nnodes > 1 {
                 return Err(TrainError::config(
