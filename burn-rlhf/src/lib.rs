@@ -21,6 +21,7 @@ pub mod trainer;
 pub mod minibatch;
 
 pub mod forward;
+pub mod offload;
 pub mod optim;
 
 pub mod distributed;

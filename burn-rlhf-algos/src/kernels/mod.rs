@@ -39,6 +39,23 @@ pub type KernelBackend = CubeBackend<CudaRuntime, f32, i32, u8>;
 #[cfg(all(feature = "wgpu", not(feature = "cuda")))]
 pub type KernelBackend = CubeBackend<burn::backend::wgpu::WgpuRuntime, f32, i32, u32>;
 
+/// The CubeCL runtime of [`KernelBackend`].
+#[cfg(feature = "cuda")]
+pub type KernelRuntime = CudaRuntime;
+/// The CubeCL runtime of [`KernelBackend`].
+#[cfg(all(feature = "wgpu", not(feature = "cuda")))]
+pub type KernelRuntime = burn::backend::wgpu::WgpuRuntime;
+
+/// Bytes of device memory held by live tensors on `device` (CubeCL's allocator: slices in use,
+/// without the pools' reserve), after the device's queued work.
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+pub fn device_bytes_in_use(device: &burn::tensor::Device<KernelBackend>) -> u64 {
+    use cubecl::Runtime;
+    let client = KernelRuntime::client(device);
+    // An error here is a lost device; report it as nothing in use rather than panic a probe.
+    client.memory_usage().map(|m| m.bytes_in_use).unwrap_or(0)
+}
+
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use burn::tensor::backend::Backend;

@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use super::data::DataConfig;
 use super::names::KnownNames;
-use super::optim::{OptimConfig, OptimSettings};
+use super::optim::{FsdpConfig, OptimConfig, OptimSettings};
 use super::problems::Problems;
 use super::rollout::RolloutConfig;
 use super::rollout_correction::RolloutCorrectionSettings;
@@ -61,6 +61,8 @@ impl Default for PolicyLossConfig {
 #[serde(default, deny_unknown_fields)]
 pub struct ActorConfig {
     pub optim: OptimConfig,
+    /// verl's offload switches (`optimizer_offload`; `param_offload` refused).
+    pub fsdp_config: FsdpConfig,
     /// Prompts per mini-batch (multiplied by `rollout.n` into sequences, as verl).
     pub ppo_mini_batch_size: usize,
     /// Sequences per forward/backward; `None`: the whole mini-batch.
@@ -96,6 +98,7 @@ impl Default for ActorConfig {
         let p = PolicyLossParams::default();
         Self {
             optim: OptimConfig::default(),
+            fsdp_config: FsdpConfig::default(),
             ppo_mini_batch_size: 256,
             ppo_micro_batch_size_per_gpu: None,
             use_dynamic_bsz: false,
@@ -189,7 +192,9 @@ impl ActorConfig {
     ) -> Option<ActorSettings> {
         let key = |k: &str| format!("actor_rollout_ref.actor.{k}");
         let pl = &self.policy_loss;
-        let optim = self.optim.decode(p, &key("optim"));
+        let mut optim = self.optim.decode(p, &key("optim"));
+        self.fsdp_config
+            .decode(p, &key("fsdp_config"), optim.as_mut());
         let loss_agg_mode = p.algo(
             &key("loss_agg_mode"),
             |_| key("loss_agg_mode"),

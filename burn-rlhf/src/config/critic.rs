@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 
 use super::data::DataConfig;
 use super::model::ModelConfig;
-use super::optim::{OptimConfig, OptimSettings};
+use super::optim::{FsdpConfig, OptimConfig, OptimSettings};
 use super::problems::Problems;
 
 /// `critic.model.*` as written.
@@ -17,6 +17,8 @@ pub struct CriticModelConfig {
     /// `None`: `actor_rollout_ref.model.path`.
     pub tokenizer_path: Option<String>,
     pub enable_gradient_checkpointing: bool,
+    /// verl's offload switches (`optimizer_offload`; `param_offload` refused).
+    pub fsdp_config: FsdpConfig,
 }
 
 impl Default for CriticModelConfig {
@@ -25,6 +27,7 @@ impl Default for CriticModelConfig {
             path: "~/models/deepseek-llm-7b-chat".into(),
             tokenizer_path: None,
             enable_gradient_checkpointing: true,
+            fsdp_config: FsdpConfig::default(),
         }
     }
 }
@@ -140,7 +143,10 @@ impl CriticConfig {
                     LossAggMode::from_name(mode),
                 )
             });
-        let optim = self.optim.decode(p, "critic.optim");
+        let mut optim = self.optim.decode(p, "critic.optim");
+        self.model
+            .fsdp_config
+            .decode(p, "critic.model.fsdp_config", optim.as_mut());
         let mini = p.derived("critic.ppo_mini_batch_size", self.ppo_mini_batch_size);
         if let (Some(cmini), Some(cmicro)) = (mini, self.ppo_micro_batch_size_per_gpu) {
             p.check(cmicro >= 1 && (cmini * n).is_multiple_of(cmicro), || {

@@ -65,6 +65,8 @@ pub struct OptimSettings {
     pub num_cycles: f64,
     /// The schedule's length in optimiser steps; `None`: the run's steps.
     pub total_steps: Option<usize>,
+    /// AdamW's moments in host memory between steps (`fsdp_config.optimizer_offload`).
+    pub offload: bool,
 }
 
 /// How long the warm-up is.
@@ -133,6 +135,36 @@ impl OptimConfig {
             num_cycles: self.num_cycles,
             total_steps: (self.total_training_steps > 0)
                 .then_some(self.total_training_steps as usize),
+            offload: false,
         })
+    }
+}
+
+/// `fsdp_config.*` of a trained model as written: verl's offload switches.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct FsdpConfig {
+    /// The model's parameters in host memory between uses: refused for a trained model (it is on
+    /// the device in every phase that touches it: generation runs on the trained weights, there is
+    /// no second copy to make room for).
+    pub param_offload: bool,
+    /// AdamW's moments in host memory between steps, streamed through the device one parameter
+    /// at a time.
+    pub optimizer_offload: bool,
+}
+
+impl FsdpConfig {
+    /// Checks the section at `key` (`actor_rollout_ref.actor.fsdp_config`,
+    /// `critic.model.fsdp_config`) and puts the optimiser's offload into `optim`.
+    pub(super) fn decode(&self, p: &mut Problems, key: &str, optim: Option<&mut OptimSettings>) {
+        p.check(!self.param_offload, || {
+            format!(
+                "`{key}.param_offload=true` is not read: {}",
+                super::verl_keys::NO_PARAM_OFFLOAD
+            )
+        });
+        if let Some(optim) = optim {
+            optim.offload = self.optimizer_offload;
+        }
     }
 }

@@ -100,6 +100,16 @@ pub struct RefConfig {
     pub log_prob_use_dynamic_bsz: Option<bool>,
     /// `None`: `actor.ppo_max_token_len_per_gpu`.
     pub log_prob_max_token_len_per_gpu: Option<usize>,
+    /// The reference's offload switch (`param_offload`).
+    pub fsdp_config: RefFsdpConfig,
+}
+
+/// `actor_rollout_ref.ref.fsdp_config.*` as written.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(default, deny_unknown_fields)]
+pub struct RefFsdpConfig {
+    /// The reference's weights in host memory except during its log-prob pass.
+    pub param_offload: bool,
 }
 
 /// Sampling for one kind of generation (training or validation), decoded.
@@ -239,6 +249,11 @@ impl RolloutConfig {
 }
 
 impl RefConfig {
+    /// Whether the reference's weights stay in host memory between its passes.
+    pub(super) fn offloads_params(&self) -> bool {
+        self.fsdp_config.param_offload
+    }
+
     /// The reference pass's token budget (`log_prob_max_token_len_per_gpu` when
     /// `log_prob_use_dynamic_bsz`).
     pub(super) fn decode_budget(

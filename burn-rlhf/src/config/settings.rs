@@ -37,6 +37,9 @@ pub struct Settings {
     /// `actor_rollout_ref.ref.log_prob_max_token_len_per_gpu` when `log_prob_use_dynamic_bsz`:
     /// micro-batches of at most this many tokens instead.
     pub ref_max_token_len: Option<usize>,
+    /// `actor_rollout_ref.ref.fsdp_config.param_offload`: the reference's weights in host memory
+    /// except during its pass.
+    pub ref_param_offload: bool,
     /// `critic.*`; `None` when the estimator reads no values (verl's `critic.enable` default).
     pub critic: Option<CriticSettings>,
     /// `reward_model.*` and `custom_reward_function.*`.
@@ -131,6 +134,7 @@ fn decode(c: &RlhfConfig, known: &KnownNames, p: &mut Problems) -> Option<Settin
         rollout: rollout?,
         ref_micro_batch_size: arr.reference.log_prob_micro_batch_size_per_gpu,
         ref_max_token_len: ref_max_token_len?,
+        ref_param_offload: arr.reference.offloads_params(),
         critic: critic?,
         reward: reward?,
         algorithm: algorithm.settings?,

@@ -15,10 +15,16 @@ pub enum Treatment {
     Refused(&'static str),
 }
 
-const NO_OFFLOAD: &str =
-    "offloading to host memory is not built yet (the GPU-scale work, issue 26): \
-     every model and its AdamW state stay on the device; `trainer.zero_stage=1` shards the AdamW \
-     state across data-parallel ranks instead";
+/// Also `FsdpConfig::decode`'s reason, for the key written in a config file.
+pub(super) const NO_PARAM_OFFLOAD: &str =
+    "a trained model is on the device in every phase that uses it (generation runs on the \
+     trained weights: there is no second copy to make room for); \
+     `fsdp_config.optimizer_offload=true` keeps AdamW's moments in host memory, \
+     `trainer.zero_stage=1` shards them, and `actor_rollout_ref.ref.fsdp_config.param_offload=true` \
+     keeps the reference in host memory between its passes";
+const NO_GRAD_OFFLOAD: &str = "gradients stay on the device (verl 0.9.1 has no such key): \
+     `fsdp_config.optimizer_offload=true` keeps AdamW's moments in host memory and \
+     `trainer.zero_stage=1` shards them across data-parallel ranks";
 const NO_MODEL_PARALLEL: &str =
     "tensor and sequence parallelism are not built yet (issue 26): each rank holds whole models \
      and whole sequences; use data parallelism (`trainer.n_gpus_per_node`, `trainer.nnodes`)";
@@ -45,12 +51,9 @@ pub const VERL_KEYS: &[(&str, Treatment)] = &[
         ),
     ),
     // FSDP offload and layout.
-    ("actor_rollout_ref.actor.fsdp_config.param_offload", Treatment::OnlyAt(&["false"], NO_OFFLOAD)),
-    ("actor_rollout_ref.actor.fsdp_config.optimizer_offload", Treatment::OnlyAt(&["false"], NO_OFFLOAD)),
-    ("actor_rollout_ref.actor.fsdp_config.grad_offload", Treatment::OnlyAt(&["false"], NO_OFFLOAD)),
-    ("actor_rollout_ref.ref.fsdp_config.param_offload", Treatment::OnlyAt(&["false"], NO_OFFLOAD)),
-    ("critic.model.fsdp_config.param_offload", Treatment::OnlyAt(&["false"], NO_OFFLOAD)),
-    ("critic.model.fsdp_config.optimizer_offload", Treatment::OnlyAt(&["false"], NO_OFFLOAD)),
+    ("actor_rollout_ref.actor.fsdp_config.param_offload", Treatment::OnlyAt(&["false"], NO_PARAM_OFFLOAD)),
+    ("actor_rollout_ref.actor.fsdp_config.grad_offload", Treatment::OnlyAt(&["false"], NO_GRAD_OFFLOAD)),
+    ("critic.model.fsdp_config.param_offload", Treatment::OnlyAt(&["false"], NO_PARAM_OFFLOAD)),
     (
         "actor_rollout_ref.actor.fsdp_config.fsdp_size",
         Treatment::OnlyAt(

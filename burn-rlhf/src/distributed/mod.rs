@@ -31,7 +31,7 @@ use crate::error::TrainError;
 
 pub use balance::balanced_partitions;
 pub use local::BurnCollective;
-pub use params::{all_reduce_grads, optimizer_state_bytes, sync_params, ShardPlan};
+pub use params::{all_reduce_grads, sync_params, ShardPlan};
 
 /// How the ranks of one run exchange data: the collectives the trainer uses, on host f32
 /// buffers. An engine implements the sum; the gather, scatter, broadcast and barrier default to

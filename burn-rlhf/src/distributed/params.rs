@@ -8,8 +8,7 @@
 use std::collections::HashSet;
 
 use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
-use burn::optim::{GradientsParams, Optimizer};
-use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
+use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Tensor, TensorData, TensorPrimitive};
 
@@ -260,15 +259,4 @@ impl ShardPlan {
     pub fn is_empty(&self) -> bool {
         self.ids.is_empty()
     }
-}
-
-/// Bytes of an optimiser's state (moments and step counts), as Burn serialises it at full
-/// precision: what ZeRO-1 divides by the world size.
-pub fn optimizer_state_bytes<M: AutodiffModule<B>, B: AutodiffBackend, O: Optimizer<M, B>>(
-    optimizer: &O,
-) -> usize {
-    BinBytesRecorder::<FullPrecisionSettings>::default()
-        .record(optimizer.to_record(), ())
-        .map(|b| b.len())
-        .unwrap_or(0)
 }

@@ -16,6 +16,7 @@ use crate::datasets::load_data_files;
 use crate::distributed::{sync_params, DataParallel, ShardPlan};
 use crate::error::TrainError;
 use crate::loading::{load_policy, load_value_model, with_lora};
+use crate::offload::Parked;
 use crate::optim::ReplicaSync;
 
 /// What a [`Learner`] is made of: loaded from the paths a config names
@@ -169,7 +170,8 @@ impl<B: LearnerBackend> Learner<B> {
             Some(r) => Some(r),
             None if uses_kl => Some(parts.actor.valid()),
             None => None,
-        };
+        }
+        .map(|r| Parked::new(r, settings.ref_param_offload));
         let (train, val) = if settings.data.filter_overlong_prompts {
             let max = settings.data.max_prompt_length;
             (

@@ -344,7 +344,7 @@ impl<B: LearnerBackend> Learner<B> {
                 reference_refreshed_at: self.reference_refreshed_at,
             };
             // A reference that is no longer the starting model (SPIN) is part of the state.
-            if let (Some(_), Some(r)) = (self.reference_refreshed_at, &self.reference) {
+            if let (Some(_), Some(r)) = (self.reference_refreshed_at, self.reference()) {
                 save_pretrained(
                     &tmp.join("ref"),
                     &self.model_config,
@@ -444,10 +444,9 @@ impl<B: LearnerBackend> Learner<B> {
         }
         if state.reference_refreshed_at.is_some() {
             let ref_dir = dir.join("ref");
-            self.reference = Some(
-                load_pretrained(&ref_dir.display().to_string())?
-                    .causal_lm::<B::InnerBackend>(&self.device)?,
-            );
+            let reference = load_pretrained(&ref_dir.display().to_string())?
+                .causal_lm::<B::InnerBackend>(&self.device)?;
+            self.reference = Some(self.park_reference(reference));
         }
         self.reference_refreshed_at = state.reference_refreshed_at;
         self.algorithms.kl_ctrl.load_state(&state.kl_ctrl)?;

@@ -20,7 +20,8 @@ use crate::config::settings::OptimSettings;
 use crate::config::Settings;
 use crate::distributed::DataParallel;
 use crate::minibatch::OptimizerStep;
-use crate::optim::{adamw, AdamWOf, LrSchedule, ReplicaSync};
+use crate::offload::Parked;
+use crate::optim::{adamw, adamw_state_bytes, AdamWOf, LrSchedule, ReplicaSync, StateBytes};
 
 /// What trains one model (the actor, the critic): AdamW and its state, the learning-rate
 /// schedule and its position, and how the model's gradients meet the other ranks'.
@@ -37,7 +38,7 @@ impl<M: AutodiffModule<B>, B: LearnerBackend> ModelOptimizer<M, B> {
     /// AdamW and the schedule of `settings` over a run of `total_steps`, on one rank.
     pub fn new(settings: &OptimSettings, total_steps: usize) -> Self {
         Self {
-            optim: adamw(settings.betas, settings.weight_decay),
+            optim: adamw(settings.betas, settings.weight_decay, settings.offload),
             schedule: LrSchedule::new(settings, total_steps),
             sync: ReplicaSync::default(),
             updates: 0,
@@ -89,8 +90,9 @@ pub struct Learner<B: LearnerBackend> {
     pub actor: CausalLm<B>,
     pub(crate) actor_optimizer: ModelOptimizer<CausalLm<B>, B>,
     pub(crate) critic: Option<CriticState<B>>,
-    /// The frozen reference policy (when KL is used).
-    pub reference: Option<CausalLm<B::InnerBackend>>,
+    /// The frozen reference policy (when KL is used), in host memory between its passes when
+    /// `ref.fsdp_config.param_offload`.
+    pub(crate) reference: Option<Parked<B::InnerBackend, CausalLm<B::InnerBackend>>>,
     /// The step the reference was last replaced by the actor (`trainer.ref_update_freq`).
     pub(crate) reference_refreshed_at: Option<usize>,
     pub(crate) algorithms: Algorithms<B>,
@@ -106,21 +108,40 @@ pub struct Learner<B: LearnerBackend> {
 }
 
 impl<B: LearnerBackend> Learner<B> {
+    /// The frozen reference policy, on the device (a copy uploaded from host memory when it is
+    /// offloaded), when there is one.
+    pub fn reference(&self) -> Option<CausalLm<B::InnerBackend>> {
+        self.reference.as_ref().map(|r| r.on_device(&self.device))
+    }
+
+    /// Bytes of the reference's weights on the device and in host memory.
+    pub fn reference_memory(&self) -> (usize, usize) {
+        self.reference.as_ref().map_or((0, 0), Parked::bytes)
+    }
+
+    /// `model` as this run keeps its reference.
+    pub(crate) fn park_reference(
+        &self,
+        model: CausalLm<B::InnerBackend>,
+    ) -> Parked<B::InnerBackend, CausalLm<B::InnerBackend>> {
+        Parked::new(model, self.settings.ref_param_offload)
+    }
+
     /// This learner's place in a data-parallel run.
     pub fn data_parallel(&self) -> &DataParallel {
         &self.dp
     }
 
-    /// Bytes of the actor's and the critic's optimiser state held by this rank (ZeRO-1 divides
-    /// them by the world size).
-    pub fn optimizer_state_bytes(&self) -> (usize, usize) {
-        use crate::distributed::optimizer_state_bytes;
+    /// Bytes of the actor's and the critic's AdamW moments held by this rank, on the device and in
+    /// host memory (ZeRO-1 divides them by the world size; `fsdp_config.optimizer_offload` moves
+    /// them to the host).
+    pub fn optimizer_memory(&self) -> (StateBytes, StateBytes) {
         (
-            optimizer_state_bytes::<CausalLm<B>, B, _>(&self.actor_optimizer.optim),
+            adamw_state_bytes(&self.actor_optimizer.optim),
             self.critic
                 .as_ref()
-                .map(|c| optimizer_state_bytes::<ValueModel<B>, B, _>(&c.optimizer.optim))
-                .unwrap_or(0),
+                .map(|c| adamw_state_bytes(&c.optimizer.optim))
+                .unwrap_or_default(),
         )
     }
 

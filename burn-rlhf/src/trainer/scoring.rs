@@ -184,8 +184,9 @@ impl<B: LearnerBackend> Learner<B> {
                         self.settings.ref_max_token_len,
                         "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
                     );
-                    let mut out =
-                        self.log_probs_of(&self.for_scoring(r.clone()), batch, plan, false)?;
+                    // An offloaded reference is uploaded for this pass and freed after it.
+                    let model = self.for_scoring(r.on_device(&self.device));
+                    let mut out = self.log_probs_of(&model, batch, plan, false)?;
                     Ok(Some(out.swap_remove(0)))
                 }
                 None => Ok(None),

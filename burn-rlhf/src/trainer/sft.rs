@@ -368,7 +368,7 @@ pub fn fit_sft<B: LearnerBackend>(
         .max(1);
     let o = &config.optim;
     let mut optimizer = ModelOptimizer::<CausalLm<B>, B> {
-        optim: adamw(o.betas, o.weight_decay),
+        optim: adamw(o.betas, o.weight_decay, false),
         schedule: schedule(o, settings.schedule, total),
         sync: ReplicaSync {
             dp: dp.clone(),

@@ -1,6 +1,7 @@
 //! The same tiny PPO run (GAE with a critic, KL in the reward) on wgpu with the fused kernels on
 //! and off gives the same metrics: `cargo test --release -p burn-rlhf --features wgpu --test gpu
-//! -- --test-threads=1 kernels_training` (lavapipe on a CPU machine); with `--features cuda`, on CUDA.
+//! -- --test-threads=1 kernels_training` (lavapipe on a CPU machine); with `--features cuda`, on CUDA. Offloaded AdamW moments
+//! leave the device.
 
 use burn::module::AutodiffModule;
 use burn::tensor::backend::Backend;
@@ -126,4 +127,44 @@ fn two_learners_keep_their_own_kernel_switch() {
     assert_eq!(fused_during(&mut off), 0);
     assert!(fused_during(&mut on) > 0);
     assert_eq!(fused_during(&mut off), 0);
+}
+
+/// `fsdp_config.optimizer_offload`: after two PPO steps the device holds the moments of the
+/// actor and the critic, or (offloaded) none of them; the run's numbers are the same.
+#[test]
+fn offloaded_adamw_moments_hold_no_device_memory() {
+    use burn_rlhf::algos::kernels::device_bytes_in_use;
+    let (actor, critic) = models();
+    let device = Default::default();
+    let run = |offload: bool| {
+        let mut c = config(true);
+        c.actor_rollout_ref.actor.fsdp_config.optimizer_offload = offload;
+        c.critic.model.fsdp_config.optimizer_offload = offload;
+        let mut l = learner(c, actor.clone(), critic.clone()).unwrap();
+        let metrics: Vec<Metrics> = (0..2).map(|_| l.step().unwrap()).collect();
+        let in_use = device_bytes_in_use(&device);
+        let (a, c) = l.optimizer_memory();
+        (metrics, in_use, a + c)
+    };
+    let (plain, plain_in_use, plain_state) = run(false);
+    let (off, off_in_use, off_state) = run(true);
+    println!(
+        "device bytes in use after 2 steps: {plain_in_use} with AdamW's moments on the device \
+         ({plain_state:?}), {off_in_use} offloaded ({off_state:?})"
+    );
+    assert_eq!((off_state.device, off_state.host), (0, plain_state.device));
+    // What offloading freed on the device is the moments (within the allocator's alignment).
+    let freed = plain_in_use as i64 - off_in_use as i64;
+    let moments = plain_state.device as i64;
+    assert!(
+        (freed - moments).abs() <= moments / 100,
+        "freed {freed} bytes, the moments are {moments}"
+    );
+    for (a, b) in plain.iter().zip(&off) {
+        for (k, x) in a {
+            if !burn_rlhf::trainer::usage::measures_the_machine(k) {
+                assert_eq!(*x, b[k], "{k}");
+            }
+        }
+    }
 }

@@ -13,6 +13,7 @@ use burn::module::AutodiffModule;
 use burn_rlhf::config::{RlhfConfig, Settings};
 use burn_rlhf::models::weights::WeightMap;
 use burn_rlhf::models::{CausalLm, ValueModel};
+use burn_rlhf::optim::StateBytes;
 use burn_rlhf::rollout::{RewardFn, RewardInput, RolloutError};
 use burn_rlhf::tasks;
 use burn_rlhf::trainer::logger::read_jsonl;
@@ -282,6 +283,72 @@ fn sharded_optimizer_state_gives_the_same_parameters_with_half_the_state_per_ran
     let resumed = two_devices(c, Arc::new(tasks::ExactAnswer)).unwrap();
     assert_same_weights(&zero, &resumed, "ZeRO-1 resumed vs straight");
     assert_same_metrics(&zero, &resumed, "ZeRO-1 resumed vs straight");
+}
+
+/// `config` with AdamW's moments of the actor and the critic and the reference's weights in host
+/// memory.
+fn offloaded(mut c: RlhfConfig) -> RlhfConfig {
+    c.actor_rollout_ref.actor.fsdp_config.optimizer_offload = true;
+    c.critic.model.fsdp_config.optimizer_offload = true;
+    c.actor_rollout_ref.reference.fsdp_config.param_offload = true;
+    c
+}
+
+/// One device's run of `config`: its checkpoint, the actor's and critic's optimiser bytes and
+/// the reference's weight bytes, each (device, host).
+fn one_device_run(config: RlhfConfig) -> (PathBuf, [StateBytes; 3]) {
+    let mut l = Learner::new(
+        config,
+        parts(Arc::new(tasks::ExactAnswer)),
+        &Default::default(),
+    )
+    .unwrap();
+    let checkpoint = l.fit(stop_flag()).unwrap().checkpoint.unwrap();
+    let (actor, critic) = l.optimizer_memory();
+    let (device, host) = l.reference_memory();
+    (checkpoint, [actor, critic, StateBytes { device, host }])
+}
+
+#[test]
+fn offloaded_optimizer_state_and_reference_give_the_same_parameters_with_none_on_the_device() {
+    let _turn = ONE_GROUP_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    let dir = temp_dir("offload");
+    let (plain, on_device) = one_device_run(config(&dir.join("plain")));
+    let (off, in_host) = one_device_run(offloaded(config(&dir.join("off"))));
+    assert_same_weights(&plain, &off, "optimizer_offload vs on the device");
+    assert_same_metrics(&plain, &off, "optimizer_offload vs on the device");
+    let parts = [
+        "actor AdamW moments",
+        "critic AdamW moments",
+        "reference weights",
+    ];
+    for (part, (d, h)) in parts.iter().zip(on_device.iter().zip(&in_host)) {
+        println!("{part}: on the device {d:?}; offloaded {h:?}");
+        assert!(d.device > 0 && d.host == 0, "{part}: {d:?}");
+        assert_eq!((h.device, h.host), (0, d.device), "{part}");
+    }
+    // An offloaded run resumes from its checkpoint (the state loads into host memory).
+    let resumed_dir = dir.join("resumed");
+    let mut c = offloaded(config(&resumed_dir));
+    c.trainer.total_training_steps = Some(STEPS - 1);
+    one_device_run(c);
+    let mut c = offloaded(config(&resumed_dir));
+    c.trainer.resume_mode = "auto".into();
+    let (resumed, memory) = one_device_run(c);
+    assert_same_weights(&off, &resumed, "offloaded, resumed vs straight");
+    assert_same_metrics(&off, &resumed, "offloaded, resumed vs straight");
+    assert_eq!(
+        memory, in_host,
+        "the resumed state is where the run keeps it"
+    );
+    // With ZeRO-1 over two devices, each rank keeps its shard in host memory.
+    let mut c = offloaded(config(&dir.join("zero-off")));
+    c.trainer.zero_stage = 1;
+    let zero_off = two_devices(c, Arc::new(tasks::ExactAnswer)).unwrap();
+    let full = two_devices(config(&dir.join("full")), Arc::new(tasks::ExactAnswer)).unwrap();
+    assert_same_weights(&full, &zero_off, "ZeRO-1 offloaded vs unsharded");
 }
 
 /// The arithmetic reward, except that on rank 1 its second batch fails.

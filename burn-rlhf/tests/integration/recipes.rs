@@ -402,7 +402,7 @@ fn spin_refreshes_its_reference_every_ref_update_freq_steps() {
     c.trainer.ref_update_freq = 2;
     let reward = || Arc::new(Recipe(|_, r: &RewardInput<'_>| r.response.len() as f64));
     let mut l = learner(c.clone(), reward());
-    let start = flat(l.reference.as_ref().unwrap());
+    let start = flat(&l.reference().unwrap());
     let mut refs = vec![start.clone()];
     for step in 1..=4 {
         let m = l.step().unwrap();
@@ -414,7 +414,7 @@ fn spin_refreshes_its_reference_every_ref_update_freq_steps() {
             );
         }
         assert!(m["actor/dpo_reward_acc"].is_finite());
-        let now = flat(l.reference.as_ref().unwrap());
+        let now = flat(&l.reference().unwrap());
         let actor = flat(&l.actor.valid());
         if step % 2 == 0 {
             assert_eq!(now, actor, "step {step}: the reference is the actor");
@@ -430,9 +430,13 @@ fn spin_refreshes_its_reference_every_ref_update_freq_steps() {
     }
     assert_ne!(refs[2], start);
     assert_ne!(refs[4], refs[2]);
-    // A checkpoint keeps the refreshed reference.
+    // A checkpoint keeps the refreshed reference; a run that offloads its reference loads it
+    // into host memory.
     let saved = l.save_checkpoint().unwrap();
+    c.actor_rollout_ref.reference.fsdp_config.param_offload = true;
     let mut again = learner(c, reward());
     again.load_checkpoint(&saved).unwrap();
-    assert_eq!(flat(again.reference.as_ref().unwrap()), refs[4]);
+    assert_eq!(flat(&again.reference().unwrap()), refs[4]);
+    let (on_device, in_host) = again.reference_memory();
+    assert_eq!((on_device, in_host), (0, refs[4].len() * 4));
 }

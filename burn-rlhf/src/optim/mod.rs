@@ -2,11 +2,14 @@
 //! the backends' fused AdamW kernel, the learning-rate schedules (constant or cosine, both with
 //! linear warm-up), clipping by the *global* gradient norm, as torch's `clip_grad_norm_` does
 //! (Burn's `GradientClipping::Norm` clips each parameter alone), and the optimiser step shared by
-//! data-parallel replicas.
+//! data-parallel replicas. AdamW's moments stay on the device or, offloaded, in host memory
+//! ([`moments`]).
+
+mod moments;
 
 use burn::module::{AutodiffModule, ModuleVisitor, Param};
 use burn::optim::adaptor::OptimizerAdaptor;
-use burn::optim::{AdamWState, AdaptiveMomentumState, GradientsParams, SimpleOptimizer};
+use burn::optim::{GradientsParams, SimpleOptimizer};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::Tensor;
 use burn_rlhf_algos::kernels::{adamw_step, AdamWStep, RlBackend};
@@ -14,20 +17,25 @@ use burn_rlhf_algos::kernels::{adamw_step, AdamWStep, RlBackend};
 pub use crate::config::settings::ScheduleKind;
 use crate::config::settings::{OptimSettings, Warmup};
 use crate::distributed::{all_reduce_grads, sync_params, DataParallel, ShardPlan};
+pub use moments::{adamw_state_bytes, AdamWMoments, Moments, MomentsOf, StateBytes};
 
 /// AdamW as torch's (decoupled weight decay, `eps = 1e-8`) with Burn's `AdamW` numbers and
 /// state record (checkpoints are interchangeable with it), each parameter stepped by
 /// [`adamw_step`]: one pass over the parameter and its moments on every core where the backend
-/// has the kernel, instead of a chain of nine tensor ops.
+/// has the kernel, instead of a chain of nine tensor ops. Offloaded (`offload`), each
+/// parameter's moments live in host memory between steps and pass through the device one
+/// parameter at a time: the same kernel and the same numbers, with the device holding at most one
+/// parameter's moments.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct FusedAdamW {
     betas: [f32; 2],
     epsilon: f32,
     weight_decay: f32,
+    offload: bool,
 }
 
 impl<B: RlBackend> SimpleOptimizer<B> for FusedAdamW {
-    type State<const D: usize> = AdamWState<B, D>;
+    type State<const D: usize> = AdamWMoments<B, D>;
 
     /// Shapes: tensor and grad alike (any rank).
     fn step<const D: usize>(
@@ -37,7 +45,7 @@ impl<B: RlBackend> SimpleOptimizer<B> for FusedAdamW {
         grad: Tensor<B, D>,
         state: Option<Self::State<D>>,
     ) -> (Tensor<B, D>, Option<Self::State<D>>) {
-        let time = state.as_ref().map_or(0, |s| s.momentum.time) + 1;
+        let time = state.as_ref().map_or(0, |s| s.time) + 1;
         let step = AdamWStep {
             lr,
             beta_1: self.betas[0],
@@ -46,18 +54,34 @@ impl<B: RlBackend> SimpleOptimizer<B> for FusedAdamW {
             weight_decay: self.weight_decay,
             time,
         };
-        let moments = state.map(|s| (s.momentum.moment_1, s.momentum.moment_2));
+        let device = tensor.device();
+        let moments = state.map(|s| s.on_device(&device));
         let (tensor, moment_1, moment_2) = adamw_step(tensor, grad, moments, step);
-        let momentum = AdaptiveMomentumState::new(time, moment_1, moment_2);
-        (tensor, Some(AdamWState::new(momentum)))
+        let state = AdamWMoments::kept(time, moment_1, moment_2, self.offload);
+        (tensor, Some(state))
     }
 
+    /// Device moments follow the parameter; host ones stay in host memory.
     fn to_device<const D: usize>(
-        mut state: Self::State<D>,
+        state: Self::State<D>,
         device: &burn::tensor::Device<B>,
     ) -> Self::State<D> {
-        state.momentum = state.momentum.to_device(device);
-        state
+        match state.moments {
+            Moments::Device(m, v) => AdamWMoments {
+                time: state.time,
+                moments: Moments::Device(m.to_device(device), v.to_device(device)),
+            },
+            host => AdamWMoments {
+                time: state.time,
+                moments: host,
+            },
+        }
+    }
+}
+
+impl<B: RlBackend> MomentsOf<B> for FusedAdamW {
+    fn bytes_of<const D: usize>(state: &Self::State<D>) -> StateBytes {
+        state.bytes()
     }
 }
 
@@ -65,8 +89,8 @@ impl<B: RlBackend> SimpleOptimizer<B> for FusedAdamW {
 pub type AdamWOf<M, B> = OptimizerAdaptor<FusedAdamW, M, B>;
 
 /// AdamW with `betas` and decoupled `weight_decay`, `eps = 1e-8` (torch's default), for the
-/// actor, the critic and SFT.
-pub fn adamw<B, M>(betas: [f64; 2], weight_decay: f64) -> AdamWOf<M, B>
+/// actor, the critic and SFT; its moments in host memory when `offload`.
+pub fn adamw<B, M>(betas: [f64; 2], weight_decay: f64, offload: bool) -> AdamWOf<M, B>
 where
     B: AutodiffBackend<InnerBackend: RlBackend>,
     M: AutodiffModule<B>,
@@ -75,6 +99,7 @@ where
         betas: [betas[0] as f32, betas[1] as f32],
         epsilon: 1e-8,
         weight_decay: weight_decay as f32,
+        offload,
     })
 }
 
@@ -326,21 +351,48 @@ mod tests {
             .with_epsilon(1e-8)
             .with_weight_decay(0.1)
             .init::<B, Two<B>>();
-        let mut ours = adamw::<B, Two<B>>([0.9, 0.95], 0.1);
-        let (mut mb, mut mo) = (start(), start());
+        let mut ours = adamw::<B, Two<B>>([0.9, 0.95], 0.1, false);
+        let mut offloaded = adamw::<B, Two<B>>([0.9, 0.95], 0.1, true);
+        let (mut mb, mut mo, mut mf) = (start(), start(), start());
         for _ in 0..3 {
-            let (gb, go) = (grads(&mb), grads(&mo));
+            let (gb, go, gf) = (grads(&mb), grads(&mo), grads(&mf));
             mb = burns.step(1e-2, mb, gb);
             mo = ours.step(1e-2, mo, go);
+            mf = offloaded.step(1e-2, mf, gf);
             assert_eq!(values(&mb), values(&mo));
+            assert_eq!(values(&mo), values(&mf), "offloading changes no number");
         }
+        // Six parameters' two f32 moments: on the device, or all in host memory.
+        let on_device = StateBytes {
+            device: 48,
+            host: 0,
+        };
+        assert_eq!(adamw_state_bytes(&ours), on_device);
+        let in_host = StateBytes {
+            device: 0,
+            host: 48,
+        };
+        assert_eq!(adamw_state_bytes(&offloaded), in_host);
         let recorder = BinBytesRecorder::<FullPrecisionSettings>::default();
         let bytes = recorder.record(burns.to_record(), ()).unwrap();
-        let mut resumed = adamw::<B, Two<B>>([0.9, 0.95], 0.1)
+        let mut resumed = adamw::<B, Two<B>>([0.9, 0.95], 0.1, false)
             .load_record(recorder.load(bytes, &d).expect("Burn's AdamW record loads"));
-        let (gb, go) = (grads(&mb), grads(&mb));
-        let (next_b, next_o) = (burns.step(1e-2, mb.clone(), gb), resumed.step(1e-2, mb, go));
+        // An offloaded state saved loads into Burn's AdamW.
+        let bytes = recorder.record(offloaded.to_record(), ()).unwrap();
+        let mut burns_from_offloaded = AdamWConfig::new()
+            .with_beta_1(0.9)
+            .with_beta_2(0.95)
+            .with_epsilon(1e-8)
+            .with_weight_decay(0.1)
+            .init::<B, Two<B>>()
+            .load_record(recorder.load(bytes, &d).expect("an offloaded record loads"));
+        // (Records are keyed by parameter id: each optimiser steps the module it trained.)
+        let (gb, go, gf) = (grads(&mb), grads(&mb), grads(&mf));
+        let next_b = burns.step(1e-2, mb.clone(), gb);
+        let next_f = burns_from_offloaded.step(1e-2, mf, gf);
+        let next_o = resumed.step(1e-2, mb, go);
         assert_eq!(values(&next_b), values(&next_o));
+        assert_eq!(values(&next_b), values(&next_f));
         assert_ne!(values(&next_o), values(&start()));
     }
 
@@ -355,6 +407,7 @@ mod tests {
             min_lr_ratio: 0.0,
             num_cycles: 0.5,
             total_steps: None,
+            offload: false,
         };
         let constant = LrSchedule::new(&optim, 20);
         assert_eq!(
