@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One-time set-up of every benchmark peer in benches/peers/: a Python venv with PyTorch, HF
 # transformers, TRL 1.16 and datasets (trl_grpo.py, hf_model.py), verl 0.9.1's algorithm code
-# (cases.py) and TensorBoard (tests/fixtures/gen/tensorboard_events.py). About 6 GB and a few
-# minutes. Usage: setup.sh [VENV] (default /tmp/peer-venv); the benchmarks find it through
+# (cases.py) and TensorBoard (tests/fixtures/gen/tensorboard_events.py); collectives.py needs
+# only torch. About 6 GB and a few minutes. Usage: setup.sh [VENV] (default /tmp/peer-venv); the benchmarks find it through
 # RLHF_PEER_PYTHON (default /tmp/peer-venv/bin/python).
 set -eu
 venv=${1:-/tmp/peer-venv}

@@ -112,6 +112,36 @@ enum Command {
         )]
         peer_python: PathBuf,
     },
+    /// Time the collectives the trainer uses (all-reduce, all-gather, reduce-scatter, broadcast)
+    /// on this launch's transport, 4 KiB up to `--max-mib`: JSON lines with nccl-tests' algorithm
+    /// and bus bandwidths. With `--peer`, torch.distributed (gloo) runs the same operations over
+    /// as many processes and a table of both follows.
+    ///
+    /// Example: `burn-rlhf bench-collectives --devices 2 --peer benches/peers/collectives.py`;
+    /// processes (a build with `--features mpi`): `mpirun -np 2 --bind-to none burn-rlhf
+    /// bench-collectives --devices 2`
+    BenchCollectives {
+        /// Hosts of the job (`trainer.nnodes`).
+        #[arg(long, default_value_t = 1)]
+        nnodes: usize,
+        /// Devices per host (`trainer.n_gpus_per_node`): this process's ranks, or shared by the
+        /// host's MPI processes.
+        #[arg(long, default_value_t = 2)]
+        devices: usize,
+        /// The largest buffer, MiB.
+        #[arg(long, default_value_t = 64)]
+        max_mib: usize,
+        /// The peer script (`benches/peers/collectives.py`).
+        #[arg(long)]
+        peer: Option<PathBuf>,
+        /// The Python that runs the peer (its venv: `benches/peers/setup.sh`).
+        #[arg(
+            long,
+            env = "RLHF_PEER_PYTHON",
+            default_value = "/tmp/peer-venv/bin/python"
+        )]
+        peer_python: PathBuf,
+    },
 }
 
 #[derive(clap::Args, Debug)]
@@ -367,6 +397,31 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     backend_name(),
                 )
             })?;
+        }
+        Command::BenchCollectives {
+            nnodes,
+            devices,
+            max_mib,
+            peer,
+            peer_python,
+        } => {
+            use burn_rlhf::bench::{bench_collectives, collectives_table, run_collectives_peer};
+            if let Some((transport, rows)) = bench_collectives(nnodes, devices, max_mib << 20)? {
+                for row in &rows {
+                    println!("{}", row.to_json(transport));
+                }
+                if let Some(script) = peer {
+                    let ranks = rows.first().map_or(1, |r| r.ranks);
+                    let theirs = run_collectives_peer(&peer_python, &script, ranks, max_mib << 20)?;
+                    for row in &theirs {
+                        println!("{}", row.to_json("torch.distributed gloo (processes)"));
+                    }
+                    println!(
+                        "burn-rlhf: {transport}; peer: torch.distributed gloo; {ranks} ranks\n{}",
+                        collectives_table(&rows, &theirs)
+                    );
+                }
+            }
         }
         Command::Config(ConfigCommand::Show { config, overrides })
             if burn_rlhf::config::is_sft_config(&config)? =>

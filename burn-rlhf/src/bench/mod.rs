@@ -13,7 +13,13 @@
 //! ([`BenchOptions::peer`], `peer.rs`) the steps are then run by TRL on the same model, data and
 //! sizes, and a table of both and their ratios follows.
 
+mod collectives;
 mod peer;
+
+pub use collectives::{
+    bench_collectives, collectives_table, measure_collectives, run_collectives,
+    run_collectives_peer, transport_name, CollectiveRow,
+};
 
 pub use peer::{compare, run_peer, table, Peer, Side};
 

@@ -17,7 +17,7 @@ mod build;
 mod checkpoint;
 pub mod commands;
 mod fit;
-mod launch;
+pub(crate) mod launch;
 mod learner;
 pub mod logger;
 pub mod metrics;

@@ -351,6 +351,24 @@ fn offloaded_optimizer_state_and_reference_give_the_same_parameters_with_none_on
     assert_same_weights(&full, &zero_off, "ZeRO-1 offloaded vs unsharded");
 }
 
+/// `burn-rlhf bench-collectives` between two devices of this process: every operation at every
+/// size, timed on both ranks.
+#[test]
+fn the_collectives_benchmark_times_every_operation_on_two_ranks() {
+    let _turn = ONE_GROUP_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    let (transport, rows) = burn_rlhf::bench::bench_collectives(1, 2, 64 * 1024)
+        .unwrap()
+        .expect("the first rank reports");
+    assert!(transport.starts_with("burn-collective"), "{transport}");
+    assert_eq!(rows.len(), 4 * 3, "4 operations at 4, 16 and 64 KiB");
+    for row in &rows {
+        assert_eq!(row.ranks, 2);
+        assert!(row.median_s > 0.0 && row.busbw().is_finite(), "{row:?}");
+    }
+}
+
 /// The arithmetic reward, except that on rank 1 its second batch fails.
 struct FailsOnRank1 {
     calls: Mutex<usize>,

@@ -1,0 +1,308 @@
+//! `burn-rlhf bench-collectives`: the bandwidth of the collectives the trainer uses, on the
+//! transport this launch gives (burn-collective between the devices of one process, MPI between
+//! processes), as JSON lines in the convention of NVIDIA's nccl-tests: per operation and size,
+//! the median time, the algorithm bandwidth (bytes / time) and the bus bandwidth (what each link
+//! carries: all-reduce x 2(n-1)/n, all-gather and reduce-scatter x (n-1)/n, broadcast x 1). With
+//! a peer (`benches/peers/collectives.py`: torch.distributed over gloo, the same number of
+//! processes, sizes and operations), a table of both and their ratios follows.
+
+use std::path::Path;
+use std::process::Command;
+use std::time::Instant;
+
+use serde_json::{json, Value};
+
+use crate::backend::LearnerBackend;
+use crate::distributed::Collective;
+use crate::error::TrainError;
+use crate::trainer::launch::{run_ranks, GroupPlan};
+use crate::trainer::NodeLaunch;
+
+/// The operations timed, by their nccl-tests names.
+pub const OPERATIONS: [&str; 4] = ["all_reduce", "all_gather", "reduce_scatter", "broadcast"];
+
+/// One operation at one size.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CollectiveRow {
+    /// One of [`OPERATIONS`].
+    pub op: String,
+    /// Bytes of the operation's whole buffer (all-gather: the gathered result; reduce-scatter:
+    /// the input), as nccl-tests counts them.
+    pub bytes: usize,
+    /// Ranks taking part.
+    pub ranks: usize,
+    /// Median seconds per operation.
+    pub median_s: f64,
+}
+
+impl CollectiveRow {
+    /// Bytes per second of the whole buffer.
+    pub fn algbw(&self) -> f64 {
+        self.bytes as f64 / self.median_s
+    }
+
+    /// [`algbw`](Self::algbw) times what each link carries of it.
+    pub fn busbw(&self) -> f64 {
+        let n = self.ranks as f64;
+        let factor = match self.op.as_str() {
+            "all_reduce" => 2.0 * (n - 1.0) / n,
+            "all_gather" | "reduce_scatter" => (n - 1.0) / n,
+            _ => 1.0,
+        };
+        self.algbw() * factor
+    }
+
+    /// The row as a JSON line.
+    pub fn to_json(&self, transport: &str) -> Value {
+        json!({
+            "case": self.op, "bytes": self.bytes, "ranks": self.ranks, "transport": transport,
+            "median_s": self.median_s, "algbw_gb_s": self.algbw() / 1e9,
+            "busbw_gb_s": self.busbw() / 1e9,
+        })
+    }
+
+    fn from_json(v: &Value) -> Option<Self> {
+        Some(Self {
+            op: v.get("case")?.as_str()?.to_string(),
+            bytes: v.get("bytes")?.as_u64()? as usize,
+            ranks: v.get("ranks")?.as_u64()? as usize,
+            median_s: v.get("median_s")?.as_f64()?,
+        })
+    }
+}
+
+/// Buffer sizes from 4 KiB up to `max_bytes`, times 4 each.
+pub fn sizes(max_bytes: usize) -> Vec<usize> {
+    std::iter::successors(Some(4096usize), |b| Some(b * 4))
+        .take_while(|&b| b <= max_bytes.max(4096))
+        .collect()
+}
+
+/// Repetitions at `bytes`: more for small buffers, the same on every rank.
+fn repetitions(bytes: usize) -> usize {
+    (64 * 1024 * 1024 / bytes).clamp(5, 50)
+}
+
+/// One operation on a buffer of `floats` values (all-gather: each rank's `1/world` of it).
+/// Returns the values it produced on this rank.
+fn run_once(collective: &dyn Collective, op: &str, floats: usize) -> Result<usize, TrainError> {
+    let (world, rank) = (collective.world(), collective.rank());
+    let data = vec![rank as f32 + 1.0; floats];
+    Ok(match op {
+        "all_reduce" => collective.all_reduce_sum(data)?.len(),
+        "all_gather" => collective
+            .all_gather(data[..floats / world].to_vec())?
+            .iter()
+            .map(Vec::len)
+            .sum(),
+        "reduce_scatter" => collective.reduce_scatter(data)?.len(),
+        _ => collective.broadcast(0, data)?.len(),
+    })
+}
+
+/// Times every operation at every size on this rank's `collective` (every rank runs this with
+/// the same sizes). A first pass over every case warms the allocators and transports (the first
+/// large buffers otherwise pay for page faults, measured at up to 7x); then each repetition is
+/// timed alone between barriers, and the median of the slowest rank is kept.
+pub fn measure_collectives(
+    collective: &dyn Collective,
+    sizes: &[usize],
+) -> Result<Vec<CollectiveRow>, TrainError> {
+    let world = collective.world();
+    for op in OPERATIONS {
+        for &bytes in sizes {
+            run_once(collective, op, bytes / 4)?;
+        }
+    }
+    let mut rows = Vec::new();
+    for op in OPERATIONS {
+        for &bytes in sizes {
+            let floats = bytes / 4;
+            let mut times = Vec::new();
+            for _ in 0..repetitions(bytes) {
+                collective.barrier()?;
+                let start = Instant::now();
+                let produced = run_once(collective, op, floats)?;
+                times.push(start.elapsed().as_secs_f64());
+                debug_assert!(produced > 0);
+            }
+            let slowest = collective.all_reduce_max_f64(median(&mut times))?;
+            rows.push(CollectiveRow {
+                op: op.to_string(),
+                bytes: (floats / world) * world * 4,
+                ranks: world,
+                median_s: slowest,
+            });
+        }
+    }
+    Ok(rows)
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// The maximum of one value over the ranks.
+trait MaxOverRanks {
+    fn all_reduce_max_f64(&self, x: f64) -> Result<f64, TrainError>;
+}
+
+impl<C: Collective + ?Sized> MaxOverRanks for C {
+    fn all_reduce_max_f64(&self, x: f64) -> Result<f64, TrainError> {
+        let gathered = self.all_gather(vec![x as f32])?;
+        Ok(gathered
+            .iter()
+            .flatten()
+            .map(|&v| v as f64)
+            .fold(x, f64::max))
+    }
+}
+
+/// Runs [`measure_collectives`] on every rank of this launch (`devices` of this process, `node`'s
+/// processes); returns the rows on the first rank of process 0, `None` elsewhere.
+pub fn run_collectives<B: LearnerBackend>(
+    devices: &[B::Device],
+    node: &NodeLaunch,
+    max_bytes: usize,
+) -> Result<Option<Vec<CollectiveRow>>, TrainError> {
+    let group = GroupPlan::new(devices.len(), node)?;
+    let sizes = sizes(max_bytes);
+    let first = node.processes.index() == 0;
+    run_ranks::<B, _>(devices, node, &group, move |i, _device, joiner| {
+        let dp = joiner.join()?;
+        let rows = measure_collectives(dp.collective.as_ref(), &sizes)?;
+        Ok((first && i == 0).then_some(rows))
+    })
+}
+
+/// `burn-rlhf bench-collectives`: this process's share of `nnodes` hosts of `per_node`
+/// devices (alone, or its place in an MPI job), timed up to `max_bytes`. Returns the transport's
+/// name and the rows on the first rank of process 0, `None` elsewhere.
+pub fn bench_collectives(
+    nnodes: usize,
+    per_node: usize,
+    max_bytes: usize,
+) -> Result<Option<(&'static str, Vec<CollectiveRow>)>, TrainError> {
+    let timeout = std::time::Duration::from_secs(600);
+    let (node, first, count) =
+        crate::trainer::commands::processes_and_devices(nnodes, per_node, timeout)?;
+    let devices = crate::backend::devices_from(first, count);
+    let transport = transport_name(&node, devices.len());
+    let rows = run_collectives::<crate::backend::TrainBackend>(&devices, &node, max_bytes);
+    #[cfg(feature = "mpi")]
+    if let crate::trainer::Processes::Mpi(process) = &node.processes {
+        process.finish();
+    }
+    Ok(rows?.map(|rows| (transport, rows)))
+}
+
+/// The transport a launch of `devices` local ranks uses, by name.
+pub fn transport_name(node: &NodeLaunch, devices: usize) -> &'static str {
+    match (node.processes.count(), devices) {
+        (1, 1) => "none (one rank)",
+        (1, _) => "burn-collective (devices of one process)",
+        _ => "mpi (processes)",
+    }
+}
+
+/// Runs the peer script for `ranks` processes up to `max_bytes`; its rows.
+pub fn run_collectives_peer(
+    python: &Path,
+    script: &Path,
+    ranks: usize,
+    max_bytes: usize,
+) -> Result<Vec<CollectiveRow>, TrainError> {
+    let failed = |message: String| TrainError::config("bench-collectives --peer", message);
+    let out = Command::new(python)
+        .arg(script)
+        .args([
+            "--world",
+            &ranks.to_string(),
+            "--max-bytes",
+            &max_bytes.to_string(),
+        ])
+        .output()
+        .map_err(|e| {
+            failed(format!(
+                "cannot run {} {}: {e} (set up the peers with benches/peers/setup.sh)",
+                python.display(),
+                script.display()
+            ))
+        })?;
+    if !out.status.success() {
+        return Err(failed(format!(
+            "{} failed ({}): {}",
+            script.display(),
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        )));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter_map(|v| CollectiveRow::from_json(&v))
+        .collect())
+}
+
+/// Ours and the peer's rows side by side: time of each and the peer's over ours (above 1:
+/// burn-rlhf is faster), with both bus bandwidths.
+pub fn collectives_table(ours: &[CollectiveRow], peer: &[CollectiveRow]) -> String {
+    let mut out = format!(
+        "{:<15} {:>10} {:>12} {:>12} {:>8} {:>12} {:>12}\n",
+        "operation", "bytes", "ours_s", "peer_s", "ratio", "ours_bus", "peer_bus"
+    );
+    for row in ours {
+        let other = peer.iter().find(|p| p.op == row.op && p.bytes == row.bytes);
+        let (peer_s, ratio, peer_bus) = match other {
+            Some(p) => (
+                format!("{:.3e}", p.median_s),
+                format!("{:.2}x", p.median_s / row.median_s),
+                format!("{:.3} GB/s", p.busbw() / 1e9),
+            ),
+            None => ("-".into(), "-".into(), "-".into()),
+        };
+        out += &format!(
+            "{:<15} {:>10} {:>12.3e} {:>12} {:>8} {:>12} {:>12}\n",
+            row.op,
+            row.bytes,
+            row.median_s,
+            peer_s,
+            ratio,
+            format!("{:.3} GB/s", row.busbw() / 1e9),
+            peer_bus
+        );
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bus_bandwidth_follows_nccl_tests() {
+        let row = |op: &str| CollectiveRow {
+            op: op.into(),
+            bytes: 1_000_000,
+            ranks: 4,
+            median_s: 1e-3,
+        };
+        assert_eq!(row("all_reduce").algbw(), 1e9);
+        assert!((row("all_reduce").busbw() - 1.5e9).abs() < 1.0);
+        assert!((row("all_gather").busbw() - 0.75e9).abs() < 1.0);
+        assert!((row("broadcast").busbw() - 1e9).abs() < 1.0);
+        assert_eq!(sizes(64 * 1024), vec![4096, 16384, 65536]);
+        let json = row("reduce_scatter").to_json("t");
+        assert_eq!(CollectiveRow::from_json(&json), Some(row("reduce_scatter")));
+    }
+
+    #[test]
+    fn one_rank_measures_every_operation_and_size() {
+        let rows = measure_collectives(&crate::distributed::Solo, &sizes(16384)).unwrap();
+        assert_eq!(rows.len(), OPERATIONS.len() * 2);
+        assert!(rows.iter().all(|r| r.median_s > 0.0 && r.ranks == 1));
+        let table = collectives_table(&rows, &rows[..1]);
+        assert!(table.contains("1.00x") && table.contains(" - "), "{table}");
+    }
+}
