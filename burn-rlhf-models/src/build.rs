@@ -143,6 +143,8 @@ impl TransformerConfig {
                     head_dim: self.head_dim,
                     sliding_window: self.layer_window(n),
                     query_scale: self.query_scale(),
+                    tp: None,
+                    kv_head: None,
                 },
                 mlp: self.init_feed_forward(n, device),
                 input_layernorm: init_norm(self, h, device),
@@ -159,6 +161,7 @@ impl TransformerConfig {
             local_rotary: self.local_rotary_frequencies(),
             embed_scale: self.embed_scale(),
             final_logit_softcapping: self.final_logit_softcapping,
+            tp: None,
         }
     }
 
@@ -171,6 +174,7 @@ impl TransformerConfig {
             up_proj: LoraLinear::init(h, width, self.mlp_bias, device),
             down_proj: LoraLinear::init(width, h, self.mlp_bias, device),
             act: self.hidden_act,
+            tp: None,
         };
         match self.moe.as_ref().filter(|_| self.layer_is_sparse(n)) {
             Some(moe) => FeedForward::Sparse(SparseMoe {
@@ -181,6 +185,7 @@ impl TransformerConfig {
                 top_k: moe.num_experts_per_tok,
                 norm_topk_prob: moe.norm_topk_prob,
                 model_type: self.model_type,
+                tp: None,
             }),
             None => FeedForward::Dense(mlp(self.intermediate_size)),
         }
@@ -259,6 +264,8 @@ impl<B: Backend> Transformer<B> {
                     head_dim: c.head_dim,
                     sliding_window: c.layer_window(n),
                     query_scale: c.query_scale(),
+                    tp: None,
+                    kv_head: None,
                 },
                 mlp: match c.moe.as_ref().filter(|_| c.layer_is_sparse(n)) {
                     None => FeedForward::Dense(Mlp {
@@ -266,6 +273,7 @@ impl<B: Backend> Transformer<B> {
                         up_proj: lin(w, "mlp.up_proj", h, i, c.mlp_bias)?,
                         down_proj: lin(w, "mlp.down_proj", i, h, c.mlp_bias)?,
                         act: c.hidden_act,
+                        tp: None,
                     }),
                     Some(moe) => {
                         let (block, [gate, up, down]) = c.model_type.moe_names();
@@ -278,6 +286,7 @@ impl<B: Backend> Transformer<B> {
                                 up_proj: lin(w, &format!("{x}.{up}"), h, width, false)?,
                                 down_proj: lin(w, &format!("{x}.{down}"), width, h, false)?,
                                 act: c.hidden_act,
+                                tp: None,
                             });
                         }
                         FeedForward::Sparse(SparseMoe {
@@ -286,6 +295,7 @@ impl<B: Backend> Transformer<B> {
                             top_k: moe.num_experts_per_tok,
                             norm_topk_prob: moe.norm_topk_prob,
                             model_type: c.model_type,
+                            tp: None,
                         })
                     }
                 },
@@ -314,6 +324,7 @@ impl<B: Backend> Transformer<B> {
             local_rotary: c.local_rotary_frequencies(),
             embed_scale: c.embed_scale(),
             final_logit_softcapping: c.final_logit_softcapping,
+            tp: None,
         })
     }
 
@@ -473,6 +484,7 @@ impl<B: Backend> DecoderLayer<B> {
                     up_proj: f(LAYER_LINEARS[5], m.up_proj)?,
                     down_proj: f(LAYER_LINEARS[6], m.down_proj)?,
                     act: m.act,
+                    tp: m.tp,
                 }),
                 sparse => sparse,
             },

@@ -74,6 +74,14 @@ pub enum ModelError {
         /// What went wrong.
         message: String,
     },
+    /// A model that cannot be split over the tensor-parallel ranks asked for.
+    #[error("tensor parallelism over {size} ranks: {message}")]
+    TensorParallel {
+        /// The group's size.
+        size: usize,
+        /// What does not divide, or is not supported.
+        message: String,
+    },
 }
 
 impl ModelError {

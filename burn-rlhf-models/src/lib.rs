@@ -23,7 +23,9 @@ pub mod kernels;
 pub mod lora;
 pub mod pretrained;
 pub mod rope;
+pub mod tensor_parallel;
 pub mod tokenizer;
+pub mod tp_group;
 pub mod transformer;
 pub mod weights;
 

@@ -13,6 +13,7 @@ use crate::config::{Activation, ModelType};
 use crate::kernels::{self, AttentionMask, DecoderBackend};
 use crate::lora::LoraLinear;
 use crate::rope::RotaryFrequencies;
+use crate::tp_group::TpGroup;
 
 /// RMSNorm (`x / sqrt(mean(x^2) + eps) * (offset + weight)`), with HF's field name `weight`.
 #[derive(Module, Debug)]
@@ -67,6 +68,15 @@ pub struct Attention<B: Backend> {
     /// (Gemma's `query_pre_attn_scalar`: `sqrt(head_dim / query_pre_attn_scalar)`).
     #[module(skip)]
     pub query_scale: Option<f64>,
+    /// Tensor parallelism: this rank's group. The projections then hold this rank's heads
+    /// (`num_heads`, `num_kv_heads` are its own) and `o_proj` its rows; the output is summed
+    /// over the group.
+    #[module(skip)]
+    pub tp: Option<TpGroup>,
+    /// Tensor parallelism with fewer key/value heads than ranks: `k_proj`/`v_proj` are whole
+    /// (`num_kv_heads` of them) and this rank attends with head `kv_head` alone.
+    #[module(skip)]
+    pub kv_head: Option<usize>,
 }
 
 /// Rotary tables for one forward: `[B, 1, L, head_dim]` each.
@@ -132,18 +142,53 @@ impl<B: DecoderBackend> Attention<B> {
     ) -> Tensor<B, 3> {
         let [b, l, _] = x.dims();
         let (h, kv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
-        let q = per_head_norm(&self.q_norm, self.q_proj.forward(x.clone()), [b, l, h, d]);
-        let k = per_head_norm(&self.k_norm, self.k_proj.forward(x.clone()), [b, l, kv, d]);
-        let (q, k) = (rope.apply(q), rope.apply(k));
+        let tp = self.tp.as_ref();
+        // The sharded projections' input: its gradient is summed over the ranks.
+        let x_in = copy_in(x.clone(), tp);
+        let q = per_head_norm(
+            &self.q_norm,
+            self.q_proj.forward(x_in.clone()),
+            [b, l, h, d],
+            tp,
+        );
+        let q = rope.apply(q);
+        let (k, v) = match (self.kv_head, tp) {
+            (Some(head), Some(tp)) => {
+                // Whole key/value projections, identical on every rank; this rank's head taken
+                // after a copy, so the heads' gradients add up over the ranks that share them.
+                let k = per_head_norm(
+                    &self.k_norm,
+                    self.k_proj.forward(x.clone()),
+                    [b, l, kv, d],
+                    None,
+                );
+                let k = kernels::tp_copy(rope.apply(k), tp).narrow(1, head, 1);
+                let v = self
+                    .v_proj
+                    .forward(x)
+                    .reshape([b, l, kv, d])
+                    .swap_dims(1, 2);
+                (k, kernels::tp_copy(v, tp).narrow(1, head, 1))
+            }
+            _ => {
+                let k = per_head_norm(
+                    &self.k_norm,
+                    self.k_proj.forward(x_in.clone()),
+                    [b, l, kv, d],
+                    tp,
+                );
+                let v = self
+                    .v_proj
+                    .forward(x_in)
+                    .reshape([b, l, kv, d])
+                    .swap_dims(1, 2);
+                (rope.apply(k), v)
+            }
+        };
         let q = match self.query_scale {
             Some(scale) => q.mul_scalar(scale),
             None => q,
         };
-        let v = self
-            .v_proj
-            .forward(x)
-            .reshape([b, l, kv, d])
-            .swap_dims(1, 2);
         let (k, v) = match cache {
             Some((cache, layer)) => cache.append(layer, k, v),
             None => (k, v),
@@ -151,21 +196,56 @@ impl<B: DecoderBackend> Attention<B> {
         let out = kernels::attention(q, k, v, mask)
             .swap_dims(1, 2)
             .reshape([b, l, h * d]);
-        self.o_proj.forward(out)
+        reduce_out(self.o_proj.forward(out), tp)
+    }
+}
+
+/// Megatron's copy into a tensor-parallel region when there is a group (see
+/// [`kernels::tp_copy`]). Shapes: any → the same.
+fn copy_in<B: DecoderBackend, const D: usize>(
+    x: Tensor<B, D>,
+    tp: Option<&TpGroup>,
+) -> Tensor<B, D> {
+    match tp {
+        Some(g) => kernels::tp_copy(x, g),
+        None => x,
+    }
+}
+
+/// Megatron's reduction out of a tensor-parallel region when there is a group (see
+/// [`kernels::tp_reduce`]). Shapes: any → the same.
+fn reduce_out<B: DecoderBackend, const D: usize>(
+    x: Tensor<B, D>,
+    tp: Option<&TpGroup>,
+) -> Tensor<B, D> {
+    match tp {
+        Some(g) => kernels::tp_reduce(x, g),
+        None => x,
     }
 }
 
 /// A projection's output viewed per head, RMS-normalised over each head when `norm` is set
-/// (Qwen3). Shapes: `[B, L, heads * head_dim]` → `[B, L, heads, head_dim]`.
+/// (Qwen3). Under tensor parallelism (`tp`: this rank's heads only) the norm's weight is copied
+/// into the region, so its gradient sums every rank's heads. Shapes: `[B, L, heads * head_dim]`
+/// → `[B, L, heads, head_dim]`.
 fn per_head_norm<B: DecoderBackend>(
     norm: &Option<RmsNorm<B>>,
     x: Tensor<B, 3>,
     [b, l, heads, d]: [usize; 4],
+    tp: Option<&TpGroup>,
 ) -> Tensor<B, 4> {
     match norm {
-        Some(norm) => norm
-            .forward(x.reshape([b, l * heads, d]))
-            .reshape([b, l, heads, d]),
+        Some(norm) => {
+            let flat = x.reshape([b, l * heads, d]);
+            let normed = match tp {
+                Some(g) => {
+                    let weight = kernels::tp_copy(norm.weight.val().add_scalar(norm.offset), g);
+                    kernels::rms_norm(flat, weight, norm.eps)
+                }
+                None => norm.forward(flat),
+            };
+            normed.reshape([b, l, heads, d])
+        }
         None => x.reshape([b, l, heads, d]),
     }
 }
@@ -182,18 +262,24 @@ pub struct Mlp<B: Backend> {
     /// The gate's activation.
     #[module(skip)]
     pub act: Activation,
+    /// Tensor parallelism: this rank's group; `gate_proj`/`up_proj` hold this rank's columns of
+    /// the intermediate width and `down_proj` its rows, the output summed over the group. (A
+    /// mixture's experts have none: the mixture sums once.)
+    #[module(skip)]
+    pub tp: Option<TpGroup>,
 }
 
 impl<B: DecoderBackend> Mlp<B> {
     /// Shapes: `[B, L, H]` → `[B, L, H]`.
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let x = copy_in(x, self.tp.as_ref());
         let gate = self.gate_proj.forward(x.clone());
         let up = self.up_proj.forward(x);
         let hidden = match self.act {
             Activation::Silu => kernels::swiglu(gate, up),
             Activation::GeluPytorchTanh => gelu_tanh(gate) * up,
         };
-        self.down_proj.forward(hidden)
+        reduce_out(self.down_proj.forward(hidden), self.tp.as_ref())
     }
 }
 
@@ -252,6 +338,11 @@ pub struct SparseMoe<B: Backend> {
     /// The architecture, for its checkpoint names ([`ModelType::moe_names`]).
     #[module(skip)]
     pub model_type: ModelType,
+    /// Tensor parallelism: this rank's group; every expert holds this rank's share of its
+    /// intermediate width, the router is whole, and the mixture's output is summed over the
+    /// group.
+    #[module(skip)]
+    pub tp: Option<TpGroup>,
 }
 
 impl<B: DecoderBackend> SparseMoe<B> {
@@ -278,7 +369,11 @@ impl<B: DecoderBackend> SparseMoe<B> {
         if self.norm_topk_prob {
             weights = weights.clone() / weights.sum_dim(1);
         }
-        let weights = weights.cast(flat.dtype()).reshape([n * k]);
+        // Under tensor parallelism the experts' outputs are this rank's parts: the weights and
+        // the experts' input are copied into the region, so their gradients sum the ranks'.
+        let tp = self.tp.as_ref();
+        let weights = copy_in(weights.cast(flat.dtype()).reshape([n * k]), tp);
+        let flat = copy_in(flat, tp);
         let mut out = Tensor::<B, 2>::zeros([n, h], &device).cast(flat.dtype());
         for (e, expert) in self.experts.iter().enumerate() {
             let slots: Vec<i64> = (0..n * k)
@@ -297,7 +392,7 @@ impl<B: DecoderBackend> SparseMoe<B> {
             let w = weights.clone().select(0, slots).reshape([m, 1]);
             out = out.select_assign(0, tokens, y * w, burn::tensor::IndexingUpdateOp::Add);
         }
-        (out.reshape([b, l, h]), logits)
+        (reduce_out(out, tp).reshape([b, l, h]), logits)
     }
 }
 
@@ -382,6 +477,10 @@ pub struct Transformer<B: Backend> {
     /// `final_logit_softcapping`).
     #[module(skip)]
     pub final_logit_softcapping: Option<f64>,
+    /// Tensor parallelism: this rank's group. `embed_tokens` (and a tied LM head) then hold this
+    /// rank's consecutive `1/size` of the vocabulary.
+    #[module(skip)]
+    pub tp: Option<TpGroup>,
 }
 
 /// Host-side integer matrix `[B][L]` from an Int tensor.
@@ -392,6 +491,26 @@ fn rows_i64<B: Backend>(t: &Tensor<B, 2, Int>) -> Vec<Vec<i64>> {
 }
 
 impl<B: DecoderBackend> Transformer<B> {
+    /// The tokens' embeddings. Under tensor parallelism each rank looks up the tokens of its
+    /// share of the vocabulary (zeros for the others) and the ranks' rows are summed.
+    /// Shapes: `[B, L]` → `[B, L, H]`.
+    fn embed(&self, input_ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        let Some(tp) = &self.tp else {
+            return self.embed_tokens.forward(input_ids);
+        };
+        let [b, l] = input_ids.dims();
+        let [local, h] = self.embed_tokens.weight.dims();
+        let ids = input_ids.sub_scalar((tp.rank() * local) as i64);
+        let outside = ids
+            .clone()
+            .lower_elem(0)
+            .bool_or(ids.clone().greater_equal_elem(local as i64));
+        let ids = ids.mask_fill(outside.clone(), 0);
+        let x = self.embed_tokens.forward(ids);
+        let x = x.mask_fill(outside.unsqueeze_dim::<3>(2).expand([b, l, h]), 0.0);
+        kernels::tp_reduce(x, tp)
+    }
+
     /// Hidden states after the final norm.
     ///
     /// Shapes: input_ids, attention_mask, position_ids `[B, L]` → `[B, L, H]`. With a cache,
@@ -451,7 +570,7 @@ impl<B: DecoderBackend> Transformer<B> {
         let mask = AttentionMask::new(attention_mask, past);
         // One windowed mask per window size the layers use (one, in every supported family).
         let mut windowed: Vec<(usize, AttentionMask)> = Vec::new();
-        let mut x = self.embed_tokens.forward(input_ids);
+        let mut x = self.embed(input_ids);
         if let Some(scale) = self.embed_scale {
             // HF multiplies by the scale cast to the weights' dtype.
             let scale = Tensor::<B, 1>::from_floats([scale as f32], &device)
@@ -528,8 +647,21 @@ impl<B: DecoderBackend> CausalLm<B> {
     }
 
     /// The LM head on hidden states, as f32 (log-probs, entropies and sampling read f32 logits
-    /// whatever the model's dtype). Shapes: `[B, L, H]` → `[B, L, V]`.
+    /// whatever the model's dtype); under tensor parallelism every rank's share gathered, for
+    /// sampling and evaluation (no gradient flows through the gathering: training reads
+    /// [`CausalLm::local_logits`]). Shapes: `[B, L, H]` → `[B, L, V]`.
     pub fn logits(&self, hidden: Tensor<B, 3>) -> Tensor<B, 3> {
+        let local = self.local_logits(hidden);
+        match &self.model.tp {
+            None => local,
+            Some(tp) => gather_last_axis(local, tp),
+        }
+    }
+
+    /// The logits of this rank's share of the vocabulary (all of it without tensor
+    /// parallelism), as f32. Shapes: `[B, L, H]` → `[B, L, V / tp]`.
+    pub fn local_logits(&self, hidden: Tensor<B, 3>) -> Tensor<B, 3> {
+        let hidden = copy_in(hidden, self.model.tp.as_ref());
         let logits = match &self.lm_head {
             Some(head) => head.forward(hidden),
             None => {
@@ -548,6 +680,30 @@ impl<B: DecoderBackend> CausalLm<B> {
     }
 }
 
+/// Every rank's `x` side by side along the last axis, in rank order, without a gradient.
+/// Shapes: `[.., n]` → `[.., n * size]`.
+pub fn gather_last_axis<B: Backend, const D: usize>(x: Tensor<B, D>, tp: &TpGroup) -> Tensor<B, D> {
+    let dims = x.dims();
+    let device = x.device();
+    let host: Vec<f32> = x
+        .into_data()
+        .convert::<f32>()
+        .into_vec()
+        .expect("f32 values");
+    let parts = tp.gather(host);
+    let n = dims[D - 1];
+    let rows = parts[0].len() / n.max(1);
+    let mut out = Vec::with_capacity(rows * n * parts.len());
+    for r in 0..rows {
+        for part in &parts {
+            out.extend_from_slice(&part[r * n..(r + 1) * n]);
+        }
+    }
+    let mut full = dims;
+    full[D - 1] = n * parts.len();
+    Tensor::from_data(TensorData::new(out, full), &device)
+}
+
 impl<B: Backend> CausalLm<B> {
     /// The dtype the model computes in (its weights').
     pub fn float_dtype(&self) -> DType {
@@ -560,19 +716,22 @@ impl<B: Backend> CausalLm<B> {
         cast_weights(self, dtype)
     }
 
-    /// The vocabulary size (the LM head's output width).
+    /// The vocabulary size (the LM head's output width; under tensor parallelism every rank's
+    /// share together).
     pub fn vocab_size(&self) -> usize {
-        match &self.lm_head {
+        let local = match &self.lm_head {
             Some(head) => head.out_features(),
             None => self.model.embed_tokens.weight.dims()[0],
-        }
+        };
+        local * self.model.tp.as_ref().map_or(1, TpGroup::size)
     }
 
     /// The LM head as a `[vocab, hidden]` matrix (the embeddings when tied), when it is a plain
     /// linear map; `None` for a head with a LoRA adapter or a bias, or soft-capped logits, which
     /// only [`CausalLm::logits`] applies.
     pub fn head_weight(&self) -> Option<Tensor<B, 2>> {
-        if self.model.final_logit_softcapping.is_some() {
+        // A sharded head's log-probs go through the vocabulary-parallel path instead.
+        if self.model.final_logit_softcapping.is_some() || self.model.tp.is_some() {
             return None;
         }
         match &self.lm_head {

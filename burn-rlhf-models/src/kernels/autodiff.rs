@@ -23,6 +23,7 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::FloatTensor;
 
 use super::{AttentionMask, DecoderBackend};
+use crate::tp_group::TpGroup;
 
 type Ad<B, C> = Autodiff<B, C>;
 
@@ -171,7 +172,62 @@ impl<B: DecoderBackend> Backward<B, 1> for RotaryBackward {
     }
 }
 
+/// The backward of Megatron's copy into a tensor-parallel region: the gradient summed over the
+/// group.
+#[derive(Debug)]
+struct TpCopyBackward(TpGroup);
+
+impl<B: DecoderBackend> Backward<B, 1> for TpCopyBackward {
+    type State = ();
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        let summed = super::reference::tp_all_reduce::<B>(grad, &self.0);
+        register!(B, ops.parents, [summed], grads);
+    }
+}
+
+/// The backward of Megatron's reduction out of a tensor-parallel region: the gradient as it is.
+#[derive(Debug)]
+struct TpReduceBackward;
+
+impl<B: DecoderBackend> Backward<B, 1> for TpReduceBackward {
+    type State = ();
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        register!(B, ops.parents, [grad], grads);
+    }
+}
+
 impl<B: DecoderBackend, C: CheckpointStrategy> DecoderBackend for Autodiff<B, C> {
+    // Both are compute-bound, so a checkpointing backend keeps their outputs rather than
+    // running their exchanges again in the backward pass (every rank must exchange the same
+    // number of times).
+    fn dec_tp_copy(x: FloatTensor<Self>, group: &TpGroup) -> FloatTensor<Self> {
+        let out = B::dec_tp_copy(x.primitive.clone(), group);
+        match TpCopyBackward(group.clone())
+            .prepare::<C>([x.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish((), out),
+            OpsKind::UnTracked(prep) => prep.finish(out),
+        }
+    }
+
+    fn dec_tp_reduce(x: FloatTensor<Self>, group: &TpGroup) -> FloatTensor<Self> {
+        let out = B::dec_tp_reduce(x.primitive.clone(), group);
+        match TpReduceBackward
+            .prepare::<C>([x.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish((), out),
+            OpsKind::UnTracked(prep) => prep.finish(out),
+        }
+    }
+
     fn dec_attention(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,

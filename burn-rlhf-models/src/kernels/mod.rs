@@ -21,6 +21,8 @@ pub mod reference;
 use std::sync::Arc;
 
 use burn::tensor::backend::Backend;
+
+use crate::tp_group::TpGroup;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Tensor, TensorPrimitive};
 
@@ -232,6 +234,34 @@ pub trait DecoderBackend: Backend {
     ) -> FloatTensor<Self> {
         reference::rotary_backward::<Self>(grad, cos, sin)
     }
+
+    /// Megatron's copy into a tensor-parallel region: the identity, whose gradient (under
+    /// autodiff) is summed over `group`, since each rank's part of the region contributes to it.
+    fn dec_tp_copy(x: FloatTensor<Self>, _group: &TpGroup) -> FloatTensor<Self> {
+        x
+    }
+
+    /// Megatron's reduction out of a tensor-parallel region: the sum of every rank's `x`, whose
+    /// gradient (under autodiff) passes to each rank unchanged.
+    fn dec_tp_reduce(x: FloatTensor<Self>, group: &TpGroup) -> FloatTensor<Self> {
+        reference::tp_all_reduce::<Self>(x, group)
+    }
+}
+
+/// [`DecoderBackend::dec_tp_copy`] (see there). Shapes: any → the same.
+pub fn tp_copy<B: DecoderBackend, const D: usize>(
+    x: Tensor<B, D>,
+    group: &TpGroup,
+) -> Tensor<B, D> {
+    wrap(B::dec_tp_copy(prim(x), group))
+}
+
+/// [`DecoderBackend::dec_tp_reduce`] (see there). Shapes: any → the same.
+pub fn tp_reduce<B: DecoderBackend, const D: usize>(
+    x: Tensor<B, D>,
+    group: &TpGroup,
+) -> Tensor<B, D> {
+    wrap(B::dec_tp_reduce(prim(x), group))
 }
 
 fn prim<B: Backend, const D: usize>(t: Tensor<B, D>) -> FloatTensor<B> {

@@ -307,3 +307,25 @@ pub fn rotary_backward<B: Backend>(
     let dx = grad * cos.cast(dtype) + Tensor::cat(vec![s2, s1.neg()], 3);
     prim(dx.swap_dims(1, 2))
 }
+
+/// The sum of `x` over the ranks of `group`, through host f32 (the group's transports carry f32),
+/// in `x`'s dtype. Shapes: any → the same.
+pub fn tp_all_reduce<B: Backend>(
+    x: FloatTensor<B>,
+    group: &crate::tp_group::TpGroup,
+) -> FloatTensor<B> {
+    use burn::tensor::TensorMetadata;
+    let (shape, dtype) = (x.shape(), x.dtype());
+    let n = shape.num_elements();
+    let flat = Tensor::<B, 1>::from_primitive(burn::tensor::TensorPrimitive::Float(
+        B::float_reshape(x, burn::tensor::Shape::new([n])),
+    ));
+    let device = flat.device();
+    let host: Vec<f32> = flat
+        .into_data()
+        .convert::<f32>()
+        .into_vec()
+        .expect("f32 values");
+    let sum = Tensor::<B, 1>::from_data(TensorData::new(group.sum(host), [n]), &device).cast(dtype);
+    B::float_reshape(prim(sum), shape)
+}
