@@ -51,7 +51,7 @@ fn split_of(name: &str, kv_whole: bool) -> Split {
 /// Whether the key/value heads are too few to split over `size` ranks (each rank then keeps
 /// them whole).
 fn kv_whole(c: &TransformerConfig, size: usize) -> bool {
-    c.num_key_value_heads % size != 0
+    !c.num_key_value_heads.is_multiple_of(size)
 }
 
 /// One rank's shape of `c` over `size` ranks: its heads, key/value heads, intermediate widths
@@ -60,7 +60,7 @@ fn kv_whole(c: &TransformerConfig, size: usize) -> bool {
 pub fn local_config(c: &TransformerConfig, size: usize) -> Result<TransformerConfig, ModelError> {
     let fail = |message: String| ModelError::TensorParallel { size, message };
     let divides = |what: &str, n: usize| {
-        if n % size == 0 {
+        if n.is_multiple_of(size) {
             Ok(n / size)
         } else {
             Err(fail(format!("{what} ({n}) is not a multiple of it")))
@@ -69,7 +69,7 @@ pub fn local_config(c: &TransformerConfig, size: usize) -> Result<TransformerCon
     let mut local = c.clone();
     local.num_attention_heads = divides("num_attention_heads", c.num_attention_heads)?;
     if kv_whole(c, size) {
-        if size % c.num_key_value_heads != 0 {
+        if !size.is_multiple_of(c.num_key_value_heads) {
             return Err(fail(format!(
                 "num_key_value_heads ({}) neither divides it nor is a multiple of it",
                 c.num_key_value_heads
@@ -230,6 +230,53 @@ pub fn shard_value_model<B: Backend>(
         model: attach(shard.model, c, tp),
         ..shard
     })
+}
+
+/// The parameters of a shard (of a model of shape `c` over `size` ranks) that hold only this
+/// rank's part: the ones whose gradient norms add up over the ranks. The others are whole and
+/// equal on every rank.
+pub fn split_param_ids<B: Backend, M: burn::module::Module<B>>(
+    module: &M,
+    c: &TransformerConfig,
+    size: usize,
+) -> std::collections::HashSet<burn::module::ParamId> {
+    struct Split {
+        path: Vec<String>,
+        kv_whole: bool,
+        ids: std::collections::HashSet<burn::module::ParamId>,
+    }
+    impl<B: Backend> burn::module::ModuleVisitor<B> for Split {
+        fn enter_module(&mut self, name: &str, _container: &str) {
+            self.path.push(name.to_string());
+        }
+        fn exit_module(&mut self, _name: &str, _container: &str) {
+            self.path.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<B, D>>) {
+            let split = self.path.iter().any(|p| {
+                matches!(
+                    p.as_str(),
+                    "embed_tokens"
+                        | "lm_head"
+                        | "q_proj"
+                        | "gate_proj"
+                        | "up_proj"
+                        | "o_proj"
+                        | "down_proj"
+                ) || (!self.kv_whole && matches!(p.as_str(), "k_proj" | "v_proj"))
+            });
+            if split {
+                self.ids.insert(param.id);
+            }
+        }
+    }
+    let mut v = Split {
+        path: Vec::new(),
+        kv_whole: kv_whole(c, size),
+        ids: Default::default(),
+    };
+    module.visit(&mut v);
+    v.ids
 }
 
 fn refuse_lora(has_lora: bool, size: usize) -> Result<(), ModelError> {

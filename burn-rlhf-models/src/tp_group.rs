@@ -101,7 +101,7 @@ struct Round {
 
 impl LocalTpGroup {
     /// `size` ranks' handles, in rank order.
-    pub fn new(size: usize) -> Vec<TpGroup> {
+    pub fn group(size: usize) -> Vec<TpGroup> {
         let shared = Arc::new(Shared {
             size,
             round: Mutex::new(Round {
@@ -171,7 +171,7 @@ mod tests {
 
     #[test]
     fn threads_sum_and_gather_in_rank_order() {
-        let groups = LocalTpGroup::new(3);
+        let groups = LocalTpGroup::group(3);
         let handles: Vec<_> = groups
             .into_iter()
             .map(|g| {

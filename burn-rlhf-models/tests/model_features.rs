@@ -412,17 +412,33 @@ fn tensor_parallel_shards_compute_and_train_as_the_whole_model() {
         let loss = (logprobs + entropy * 0.1).sum();
         (loss, model.logits(hidden))
     }
+    // Bytes of a module's parameters and of the gradients a backward pass gives them.
+    fn bytes_of(model: &CausalLm<AD>, grads: &GradientsParams) -> (usize, usize) {
+        struct Sizes<'a>(usize, usize, &'a GradientsParams);
+        impl burn::module::ModuleVisitor<AD> for Sizes<'_> {
+            fn visit_float<const D: usize>(&mut self, p: &burn::module::Param<Tensor<AD, D>>) {
+                self.0 += p.val().shape().num_elements() * 4;
+                if let Some(g) = self.2.get::<B, D>(p.id) {
+                    self.1 += g.shape().num_elements() * 4;
+                }
+            }
+        }
+        let mut sizes = Sizes(0, 0, grads);
+        burn::module::Module::visit(model, &mut sizes);
+        (sizes.0, sizes.1)
+    }
     let step = |model: CausalLm<AD>, tp: bool| {
         let (loss, logits) = loss_of(&model, tp);
         let grads = GradientsParams::from_grads(loss.clone().backward(), &model);
+        let bytes = bytes_of(&model, &grads);
         let model = SgdConfig::new().init().step(0.1, model, grads);
-        (loss.into_scalar(), logits.inner(), model)
+        (loss.into_scalar(), logits.inner(), model, bytes)
     };
     let mut tested = Vec::new();
     for (name, _, pre) in fixture_models() {
         let config = pre.config.clone();
         let whole: CausalLm<AD> = pre.causal_lm(&Default::default()).unwrap();
-        let (whole_loss, whole_logits, stepped) = step(whole.clone(), false);
+        let (whole_loss, whole_logits, stepped, whole_bytes) = step(whole.clone(), false);
         let expected = stepped.valid().export();
         let start = whole.valid().export();
         let mut sizes = 0usize;
@@ -437,21 +453,40 @@ fn tensor_parallel_shards_compute_and_train_as_the_whole_model() {
                 continue;
             }
             sizes += 1;
-            let ranks: Vec<_> = LocalTpGroup::new(size)
+            let ranks: Vec<_> = LocalTpGroup::group(size)
                 .into_iter()
                 .map(|tp| {
                     let (whole, config) = (whole.clone(), config.clone());
                     std::thread::spawn(move || {
                         let device = Default::default();
                         let shard = shard_causal_lm(&whole, &config, &tp, &device).unwrap();
-                        let (loss, logits, stepped) = step(shard, true);
+                        let (loss, logits, stepped, bytes) = step(shard, true);
                         let gathered = gather_weights(stepped.valid().export(), &config, &tp);
-                        (loss, logits, gathered)
+                        (loss, logits, gathered, bytes)
                     })
                 })
                 .collect();
             for (rank, r) in ranks.into_iter().enumerate() {
-                let (loss, logits, gathered) = r.join().unwrap();
+                let (loss, logits, gathered, bytes) = r.join().unwrap();
+                // Each rank holds about 1/size of the weights and gradients (the whole norms
+                // and routers, and whole key/value heads when they are fewer, are the rest).
+                let share = |part: usize, whole: usize| part as f64 / whole as f64;
+                let (params, grads) =
+                    (share(bytes.0, whole_bytes.0), share(bytes.1, whole_bytes.1));
+                if rank == 0 {
+                    println!(
+                        "{name} tp={size}: per rank {:.3} of the parameter bytes, {:.3} of the gradient bytes",
+                        params, grads
+                    );
+                }
+                assert!(
+                    params < 1.0 / size as f64 + 0.12,
+                    "{name} tp={size}: {params}"
+                );
+                assert!(
+                    grads < 1.0 / size as f64 + 0.12,
+                    "{name} tp={size}: {grads}"
+                );
                 let logit_diff = max_abs_diff(logits, whole_logits.clone());
                 // Relative to each tensor's largest step (the SGD step is 0.1 x its gradient).
                 let mut weight_diff = 0.0f32;

@@ -5,6 +5,7 @@ use crate::backend::ComputeBackend;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_rlhf_algos::kernels::{entropy_and_logprobs, linear_entropy_and_logprobs};
+use burn_rlhf_models::tensor_parallel::vocab_parallel_entropy_and_logprobs;
 use burn_rlhf_models::{CausalLm, DecoderBackend, ValueModel};
 use burn_rlhf_rollout::RolloutBatch;
 
@@ -114,6 +115,18 @@ pub fn response_logprobs_routed<B: ComputeBackend>(
 ) -> (Tensor<B, 2>, Tensor<B, 2>) {
     let hidden = response_hidden(model, seq, router);
     let [b, r, h] = hidden.dims();
+    if let Some(tp) = &model.model.tp {
+        // A split head: each rank's share of the vocabulary, never gathered.
+        let local = model.local_logits(hidden);
+        let v = local.dims()[2];
+        let (entropy, logprobs) = vocab_parallel_entropy_and_logprobs(
+            local.reshape([b * r, v]),
+            seq.response_ids.clone().reshape([b * r]),
+            head.temperature,
+            Some(tp),
+        );
+        return (logprobs.reshape([b, r]), entropy.reshape([b, r]));
+    }
     let (entropy, logprobs) = match model.head_weight() {
         Some(weight) => {
             let (entropy, logprobs) = linear_entropy_and_logprobs(

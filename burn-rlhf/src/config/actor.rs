@@ -56,6 +56,24 @@ impl Default for PolicyLossConfig {
     }
 }
 
+/// `actor_rollout_ref.actor.megatron.*` as written: the model's split over devices (verl's
+/// Megatron engine keys).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ActorMegatronConfig {
+    /// Ranks each model (actor, critic, reference) is split over, Megatron-style; the run's
+    /// devices are `tensor_model_parallel_size` x data-parallel replicas.
+    pub tensor_model_parallel_size: usize,
+}
+
+impl Default for ActorMegatronConfig {
+    fn default() -> Self {
+        Self {
+            tensor_model_parallel_size: 1,
+        }
+    }
+}
+
 /// `actor_rollout_ref.actor.*` as written.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -63,6 +81,8 @@ pub struct ActorConfig {
     pub optim: OptimConfig,
     /// verl's offload switches (`optimizer_offload`; `param_offload` refused).
     pub fsdp_config: FsdpConfig,
+    /// Tensor parallelism.
+    pub megatron: ActorMegatronConfig,
     /// Prompts per mini-batch (multiplied by `rollout.n` into sequences, as verl).
     pub ppo_mini_batch_size: usize,
     /// Sequences per forward/backward; `None`: the whole mini-batch.
@@ -99,6 +119,7 @@ impl Default for ActorConfig {
         Self {
             optim: OptimConfig::default(),
             fsdp_config: FsdpConfig::default(),
+            megatron: ActorMegatronConfig::default(),
             ppo_mini_batch_size: 256,
             ppo_micro_batch_size_per_gpu: None,
             use_dynamic_bsz: false,
@@ -158,6 +179,8 @@ pub struct ActorSettings {
     pub kl_loss_type: KlPenalty,
     /// Global gradient-norm limit.
     pub grad_clip: f64,
+    /// Ranks each model is split over (`megatron.tensor_model_parallel_size`).
+    pub tensor_parallel_size: usize,
 }
 
 /// The config key of a policy-loss parameter the loss names ([`PolicyLossParams`]'s fields are
@@ -274,6 +297,9 @@ impl ActorConfig {
             )
         });
         self.check_batches(p, cx, unit.unwrap_or(1));
+        p.check(self.megatron.tensor_model_parallel_size >= 1, || {
+            "`actor_rollout_ref.actor.megatron.tensor_model_parallel_size` must be >= 1".into()
+        });
         p.check(self.ppo_epochs >= 1, || {
             "`actor_rollout_ref.actor.ppo_epochs` must be >= 1".into()
         });
@@ -309,6 +335,7 @@ impl ActorConfig {
             kl_loss_coef: self.use_kl_loss.then_some(self.kl_loss_coef),
             kl_loss_type: kl_loss_type?,
             grad_clip: self.grad_clip,
+            tensor_parallel_size: self.megatron.tensor_model_parallel_size,
         })
     }
 

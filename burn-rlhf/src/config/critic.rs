@@ -32,6 +32,14 @@ impl Default for CriticModelConfig {
     }
 }
 
+/// `critic.megatron.*` as written.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CriticMegatronConfig {
+    /// The critic is split as the actor is (one grid of devices); `None`: the actor's.
+    pub tensor_model_parallel_size: Option<usize>,
+}
+
 /// `critic.*` as written.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -40,6 +48,8 @@ pub struct CriticConfig {
     pub enable: Option<bool>,
     pub model: CriticModelConfig,
     pub optim: OptimConfig,
+    /// Tensor parallelism: the actor's.
+    pub megatron: CriticMegatronConfig,
     /// `None`: the actor's.
     pub ppo_mini_batch_size: Option<usize>,
     pub ppo_micro_batch_size_per_gpu: Option<usize>,
@@ -68,6 +78,7 @@ impl Default for CriticConfig {
             enable: None,
             model: CriticModelConfig::default(),
             optim: OptimConfig::with_lr(1e-5),
+            megatron: CriticMegatronConfig::default(),
             ppo_mini_batch_size: None,
             ppo_micro_batch_size_per_gpu: None,
             use_dynamic_bsz: None,
@@ -127,6 +138,19 @@ pub(super) struct CriticContext<'a> {
 }
 
 impl CriticConfig {
+    /// Checks that the critic is split as the actor (`actor_tp`).
+    pub(super) fn check_tensor_parallel(&self, p: &mut Problems, actor_tp: usize) {
+        if let Some(n) = self.megatron.tensor_model_parallel_size {
+            p.check(n == actor_tp, || {
+                format!(
+                    "`critic.megatron.tensor_model_parallel_size` ({n}) must equal \
+                     `actor_rollout_ref.actor.megatron.tensor_model_parallel_size` ({actor_tp}): \
+                     every model is split over the same devices"
+                )
+            });
+        }
+    }
+
     /// `Some(None)`: no critic (the estimator reads no values).
     pub(super) fn decode(
         &self,

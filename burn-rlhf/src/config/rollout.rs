@@ -64,6 +64,9 @@ pub struct RolloutConfig {
     pub max_num_seqs: usize,
     /// Prompt tokens prefilled at once at most (vLLM's key); a chunk holds at least one prompt.
     pub max_num_batched_tokens: usize,
+    /// Generation's tensor parallelism: generation runs on the trained model, so it is the
+    /// actor's (`actor.megatron.tensor_model_parallel_size`); `None`: that.
+    pub tensor_model_parallel_size: Option<usize>,
     pub val_kwargs: ValKwargsConfig,
 }
 
@@ -85,6 +88,7 @@ impl Default for RolloutConfig {
             stop_token_ids: Vec::new(),
             max_num_seqs: 1024,
             max_num_batched_tokens: 8192,
+            tensor_model_parallel_size: None,
             val_kwargs: ValKwargsConfig::default(),
         }
     }
@@ -245,6 +249,21 @@ impl RolloutConfig {
             max_num_seqs: self.max_num_seqs,
             max_num_batched_tokens: self.max_num_batched_tokens,
         })
+    }
+}
+
+impl RolloutConfig {
+    /// Checks that generation's tensor parallelism is the actor's (`actor_tp`).
+    pub(super) fn check_tensor_parallel(&self, p: &mut Problems, actor_tp: usize) {
+        if let Some(n) = self.tensor_model_parallel_size {
+            p.check(n == actor_tp, || {
+                format!(
+                    "`actor_rollout_ref.rollout.tensor_model_parallel_size` ({n}) must equal \
+                     `actor_rollout_ref.actor.megatron.tensor_model_parallel_size` ({actor_tp}): \
+                     generation runs on the trained, split model"
+                )
+            });
+        }
     }
 }
 

@@ -119,6 +119,22 @@ fn decode(c: &RlhfConfig, known: &KnownNames, p: &mut Problems) -> Option<Settin
         c.data.max_response_length,
     );
     let trainer = c.trainer.decode(p);
+    let tp = arr.actor.megatron.tensor_model_parallel_size.max(1);
+    arr.rollout.check_tensor_parallel(p, tp);
+    c.critic.check_tensor_parallel(p, tp);
+    let devices = c.trainer.nnodes * c.trainer.n_gpus_per_node;
+    p.check(devices.is_multiple_of(tp), || {
+        format!(
+            "`actor_rollout_ref.actor.megatron.tensor_model_parallel_size` ({tp}) must divide the \
+             run's devices (`trainer.nnodes` x `trainer.n_gpus_per_node` = {devices})"
+        )
+    });
+    p.check(tp == 1 || arr.model.lora_rank == 0, || {
+        "`actor_rollout_ref.model.lora_rank` with `actor_rollout_ref.actor.megatron.\
+         tensor_model_parallel_size` > 1: LoRA adapters are not split across ranks; train LoRA \
+         with data parallelism"
+            .into()
+    });
     p.check(
         !(c.algorithm.use_kl_in_reward && arr.actor.use_kl_loss),
         || {

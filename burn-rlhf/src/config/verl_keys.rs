@@ -26,8 +26,9 @@ const NO_GRAD_OFFLOAD: &str = "gradients stay on the device (verl 0.9.1 has no s
      `fsdp_config.optimizer_offload=true` keeps AdamW's moments in host memory and \
      `trainer.zero_stage=1` shards them across data-parallel ranks";
 const NO_MODEL_PARALLEL: &str =
-    "tensor and sequence parallelism are not built yet (issue 26): each rank holds whole models \
-     and whole sequences; use data parallelism (`trainer.n_gpus_per_node`, `trainer.nnodes`)";
+    "sequence parallelism is not built: each rank holds whole sequences; split models with \
+     `actor_rollout_ref.actor.megatron.tensor_model_parallel_size` and add data parallelism \
+     (`trainer.n_gpus_per_node`, `trainer.nnodes`)";
 const GLOBAL_MICRO_BATCH: &str = "verl's deprecated global micro-batch: set the `_per_gpu` key \
      instead, to this value divided by `trainer.nnodes` x `trainer.n_gpus_per_node`";
 const NO_DROPOUT: &str = "burn-rlhf's decoders have no dropout: 0 is their behaviour";
@@ -64,7 +65,6 @@ pub const VERL_KEYS: &[(&str, Treatment)] = &[
         ),
     ),
     // Model parallelism.
-    ("actor_rollout_ref.rollout.tensor_model_parallel_size", Treatment::OnlyAt(&["1"], NO_MODEL_PARALLEL)),
     ("actor_rollout_ref.actor.ulysses_sequence_parallel_size", Treatment::OnlyAt(&["1"], NO_MODEL_PARALLEL)),
     ("actor_rollout_ref.ref.ulysses_sequence_parallel_size", Treatment::OnlyAt(&["1"], NO_MODEL_PARALLEL)),
     // The rollout engine.

@@ -13,12 +13,15 @@
 //! - [`BurnCollective`]: devices of one process, through burn-collective's all-reduce.
 //! - [`mpi::MpiRank`] (the `mpi` feature): ranks in the processes of an MPI job (`mpirun`,
 //!   `srun`), through the MPI library.
+//! - [`Subgroup`]: the data-parallel ranks of one place in the tensor-parallel groups, inside
+//!   one of the above.
 
 mod balance;
 mod local;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 mod params;
+mod subgroup;
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -30,8 +33,10 @@ pub use crate::error::DistributedError;
 use crate::error::TrainError;
 
 pub use balance::balanced_partitions;
+use burn_rlhf_models::tensor_parallel::TpGroup;
 pub use local::BurnCollective;
 pub use params::{all_reduce_grads, sync_params, ShardPlan};
+pub use subgroup::Subgroup;
 
 /// How the ranks of one run exchange data: the collectives the trainer uses, on host f32
 /// buffers. An engine implements the sum; the gather, scatter, broadcast and barrier default to
@@ -127,6 +132,9 @@ pub struct DataParallel {
     /// Rows go to ranks balanced by token count (`trainer.balance_batch`), else in equal
     /// consecutive chunks.
     pub balance_batch: bool,
+    /// Tensor parallelism: the ranks this rank's models are split over (this rank's replica);
+    /// `collective` then joins the replicas' ranks of the same place in their groups.
+    pub tp: Option<TpGroup>,
 }
 
 impl Default for DataParallel {
@@ -152,6 +160,7 @@ impl DataParallel {
             collective: Arc::new(Solo),
             shard_optimizer: false,
             balance_batch: true,
+            tp: None,
         }
     }
 
@@ -214,9 +223,9 @@ impl DataParallel {
         self.collective.world()
     }
 
-    /// Whether this rank writes logs and checkpoints.
+    /// Whether this rank writes logs and checkpoints: the first rank of the first replica.
     pub fn is_main(&self) -> bool {
-        self.rank() == 0
+        self.rank() == 0 && self.tp.as_ref().is_none_or(|tp| tp.rank() == 0)
     }
 
     /// Sum over ranks of `f64` values, to about f64 precision: each value travels as an f32 and
@@ -280,12 +289,21 @@ impl DataParallel {
 
     /// Whether any rank has `flag` set (a stop request seen by one rank stops all at one step).
     pub fn any(&self, flag: bool) -> Result<bool, DistributedError> {
-        Ok(self.all_reduce_f64(&[flag as u8 as f64])?[0] > 0.0)
+        let any = self.all_reduce_f64(&[flag as u8 as f64])?[0] > 0.0;
+        // Over the replica's tensor-parallel ranks too, so that all of them agree.
+        Ok(match &self.tp {
+            Some(tp) => tp.sum(vec![any as u8 as f32])[0] > 0.0,
+            None => any,
+        })
     }
 
-    /// Waits until every rank gets here.
+    /// Waits until every rank gets here (the replica's tensor-parallel ranks too).
     pub fn barrier(&self) -> Result<(), DistributedError> {
-        self.collective.barrier()
+        self.collective.barrier()?;
+        if let Some(tp) = &self.tp {
+            tp.sum(vec![0.0]);
+        }
+        Ok(())
     }
 }
 

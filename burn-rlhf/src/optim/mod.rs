@@ -7,12 +7,17 @@
 
 mod moments;
 
-use burn::module::{AutodiffModule, ModuleVisitor, Param};
+use std::collections::HashSet;
+use std::sync::Arc;
+
+use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{GradientsParams, SimpleOptimizer};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::Tensor;
 use burn_rlhf_algos::kernels::{adamw_step, AdamWStep, RlBackend};
+use burn_rlhf_models::tensor_parallel::{split_param_ids, TpGroup};
+use burn_rlhf_models::TransformerConfig;
 
 pub use crate::config::settings::ScheduleKind;
 use crate::config::settings::{OptimSettings, Warmup};
@@ -164,25 +169,42 @@ impl LrSchedule {
     }
 }
 
-/// Sums the squares of every parameter's gradient.
+/// Sums the squares of every parameter's gradient: of the tensor-parallel split parameters
+/// (`split`) apart.
 struct SquaredNorm<'a> {
     grads: &'a GradientsParams,
+    split: Option<&'a HashSet<ParamId>>,
     sum: f64,
+    split_sum: f64,
 }
 
 impl<B: AutodiffBackend> ModuleVisitor<B> for SquaredNorm<'_> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         if let Some(g) = self.grads.get::<B::InnerBackend, D>(param.id) {
             // f32 squares summed on the device, the per-tensor sums added in f64 here.
-            self.sum += g
+            let sq = g
                 .square()
                 .sum()
                 .into_data()
                 .iter::<f64>()
                 .next()
                 .unwrap_or(f64::NAN);
+            match self.split {
+                Some(split) if split.contains(&param.id) => self.split_sum += sq,
+                _ => self.sum += sq,
+            }
         }
     }
+}
+
+/// A tensor-parallel shard's group and its model's whole shape, for the gradient norm of the
+/// whole model.
+#[derive(Debug, Clone)]
+pub struct TpSplit {
+    /// The replica's tensor-parallel ranks.
+    pub group: TpGroup,
+    /// The whole model's shape (which of its parameters are split).
+    pub config: Arc<TransformerConfig>,
 }
 
 /// Multiplies every gradient by `scale`.
@@ -208,13 +230,28 @@ pub fn clip_grad_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
     module: &M,
     mut grads: GradientsParams,
     max_norm: f64,
+    tp: Option<&TpSplit>,
 ) -> (GradientsParams, f64) {
+    // Found each time (a walk of the module, no tensor work): a reloaded shard has new ids.
+    let split = tp.map(|t| split_param_ids(module, &t.config, t.group.size()));
     let mut norm = SquaredNorm {
         grads: &grads,
+        split: split.as_ref(),
         sum: 0.0,
+        split_sum: 0.0,
     };
     module.visit(&mut norm);
-    let total = norm.sum.sqrt();
+    // A split parameter's squares add up over the ranks; a whole one's are the same on each.
+    let split_sum = match tp {
+        Some(t) => {
+            // In two f32 parts, to about f64 precision.
+            let hi = norm.split_sum as f32;
+            let sum = t.group.sum(vec![hi, (norm.split_sum - hi as f64) as f32]);
+            sum[0] as f64 + sum[1] as f64
+        }
+        None => norm.split_sum,
+    };
+    let total = (norm.sum + split_sum).sqrt();
     if !total.is_finite() {
         return (grads, total);
     }
@@ -235,6 +272,8 @@ pub struct ReplicaSync {
     pub dp: DataParallel,
     /// ZeRO-1: which rank keeps each parameter's optimiser state (`None`: every rank keeps all).
     pub shards: Option<std::sync::Arc<ShardPlan>>,
+    /// Tensor parallelism: the module is this rank's shard.
+    pub tp: Option<TpSplit>,
 }
 
 /// One optimiser step of a replicated module: the gradients are averaged over the ranks, clipped
@@ -255,7 +294,7 @@ where
     O: burn::optim::Optimizer<M, B>,
 {
     let grads = all_reduce_grads(&module, grads, &sync.dp)?;
-    let (grads, grad_norm) = clip_grad_norm(&module, grads, grad_clip);
+    let (grads, grad_norm) = clip_grad_norm(&module, grads, grad_clip, sync.tp.as_ref());
     if !grad_norm.is_finite() {
         return Ok((module, grad_norm));
     }
@@ -302,7 +341,7 @@ mod tests {
             )),
         };
         // Norm of (3, 4) is 5.
-        let (g, norm) = clip_grad_norm(&m, grads_of(&m), 1.0);
+        let (g, norm) = clip_grad_norm(&m, grads_of(&m), 1.0, None);
         assert!((norm - 5.0).abs() < 1e-6);
         let ga: f32 = g.get::<Flex, 1>(m.a.id).unwrap().into_scalar();
         let gb: f32 = g.get::<Flex, 2>(m.b.id).unwrap().sum().into_scalar();
@@ -311,7 +350,7 @@ mod tests {
             ((ga as f64) - 3.0 * scale).abs() < 1e-6 && ((gb as f64) - 4.0 * scale).abs() < 1e-6
         );
         // Below the limit nothing changes.
-        let (g, _) = clip_grad_norm(&m, grads_of(&m), 10.0);
+        let (g, _) = clip_grad_norm(&m, grads_of(&m), 10.0, None);
         assert_eq!(g.get::<Flex, 1>(m.a.id).unwrap().into_scalar(), 3.0);
     }
 

@@ -18,6 +18,8 @@ use crate::error::TrainError;
 use crate::loading::{load_policy, load_value_model, with_lora};
 use crate::offload::Parked;
 use crate::optim::ReplicaSync;
+use crate::optim::TpSplit;
+use burn_rlhf_models::tensor_parallel::{shard_causal_lm, shard_value_model};
 
 /// What a [`Learner`] is made of: loaded from the paths a config names
 /// ([`LearnerParts::load`]), or built in code ([`LearnerParts::new`]).
@@ -224,6 +226,10 @@ impl<B: LearnerBackend> Learner<B> {
     /// has a row for each rank, gives every rank rank 0's weights (fresh heads are drawn per
     /// process), and with `dp.shard_optimizer` deals the optimiser state out (ZeRO-1).
     pub(crate) fn with_data_parallel(mut self, dp: DataParallel) -> Result<Self, TrainError> {
+        if dp.tp.is_some() {
+            self.dp.tp = dp.tp.clone();
+            self = self.split_models()?;
+        }
         let world = dp.world();
         let n = self.settings.n();
         let rows = self.settings.data.train_batch_size * n;
@@ -252,20 +258,72 @@ impl<B: LearnerBackend> Learner<B> {
         let shards =
             |m: &dyn Fn() -> ShardPlan| (dp.shard_optimizer && world > 1).then(|| Arc::new(m()));
         let actor_plan = shards(&|| ShardPlan::new::<B, _>(&self.actor, world));
+        let split = |config: &TransformerConfig| {
+            dp.tp.as_ref().map(|tp| TpSplit {
+                group: tp.clone(),
+                config: Arc::new(config.clone()),
+            })
+        };
         self.actor_optimizer.sync = ReplicaSync {
             dp: dp.clone(),
             shards: actor_plan,
+            tp: split(&self.model_config),
         };
         if let Some(mut c) = self.critic.take() {
             c.model = sync_params(c.model, &rank0, &dp)?;
             c.optimizer.sync = ReplicaSync {
                 dp: dp.clone(),
                 shards: shards(&|| ShardPlan::new::<B, _>(&c.model, world)),
+                tp: split(&c.config),
             };
             self.critic = Some(c);
         }
         self.dp = dp;
         Ok(self)
+    }
+
+    /// This rank's shards of the actor, critic and reference in its tensor-parallel group
+    /// (every rank holds the whole models until here).
+    fn split_models(mut self) -> Result<Self, TrainError> {
+        self.actor = self.split_lm(self.actor.clone())?;
+        if let Some(mut c) = self.critic.take() {
+            c.model = self.split_critic(c.model, &c.config)?;
+            self.critic = Some(c);
+        }
+        if let Some(r) = self.reference.take() {
+            let shard = self.split_lm(r.on_device(&self.device))?;
+            self.reference = Some(self.park_reference(shard));
+        }
+        Ok(self)
+    }
+
+    /// This rank's shard of a whole LM of the policy's shape (itself without tensor
+    /// parallelism).
+    pub(crate) fn split_lm<M: burn::tensor::backend::Backend>(
+        &self,
+        model: CausalLm<M>,
+    ) -> Result<CausalLm<M>, TrainError>
+    where
+        M::Device: From<B::Device>,
+    {
+        Ok(match &self.dp.tp {
+            Some(tp) => {
+                shard_causal_lm(&model, &self.model_config, tp, &self.device.clone().into())?
+            }
+            None => model,
+        })
+    }
+
+    /// This rank's shard of a whole critic of shape `config`.
+    pub(crate) fn split_critic(
+        &self,
+        model: ValueModel<B>,
+        config: &TransformerConfig,
+    ) -> Result<ValueModel<B>, TrainError> {
+        Ok(match &self.dp.tp {
+            Some(tp) => shard_value_model(&model, config, tp, &self.device)?,
+            None => model,
+        })
     }
 }
 

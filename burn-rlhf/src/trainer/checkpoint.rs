@@ -10,6 +10,11 @@
 //! adapters in PEFT's layout (`adapter_model.safetensors`, `adapter_config.json`); it resumes
 //! from them onto the base model it was started from.
 
+use std::collections::BTreeMap;
+
+use burn_rlhf_models::tensor_parallel::{gather_weights, shard_value_model};
+use burn_rlhf_models::weights::HostTensor;
+use burn_rlhf_models::TransformerConfig;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -77,32 +82,64 @@ pub(crate) fn save_param_order<B: LearnerBackend, M: AutodiffModule<B>>(
     dir: &Path,
     module: &M,
 ) -> Result<(), TrainError> {
+    write_param_order::<B, M>(dir, module, PARAMS_FILE)
+}
+
+/// The file of the parameter order of an unsplit model's optimiser state.
+const PARAMS_FILE: &str = "optimizer_params.json";
+
+fn write_param_order<B: LearnerBackend, M: AutodiffModule<B>>(
+    dir: &Path,
+    module: &M,
+    file: &str,
+) -> Result<(), TrainError> {
     let ids: Vec<String> = param_order::<B, M>(module)
         .into_iter()
         .map(|id| id.serialize())
         .collect();
-    let ids_path = dir.join("optimizer_params.json");
+    let ids_path = dir.join(file);
     std::fs::write(&ids_path, serde_json::to_string(&ids).expect("JSON"))
         .map_err(|e| io(&ids_path, e))
 }
 
 impl<M: AutodiffModule<B>, B: LearnerBackend> ModelOptimizer<M, B> {
-    /// The optimiser file's stem: `optimizer`, or with ZeRO-1 each rank's own
-    /// `optimizer_rank{r}_of_{world}`.
+    /// The optimiser file's stem: `optimizer`; under tensor parallelism each shard's
+    /// `_tp{t}_of_{size}`, and with ZeRO-1 each rank's `_rank{r}_of_{world}` after it.
     fn stem(&self) -> String {
+        let mut stem = String::from("optimizer");
+        if let Some(tp) = &self.sync.tp {
+            stem += &format!("_tp{}_of_{}", tp.group.rank(), tp.group.size());
+        }
         if self.sync.shards.is_some() {
             let dp = &self.sync.dp;
-            format!("optimizer_rank{}_of_{}", dp.rank(), dp.world())
-        } else {
-            "optimizer".into()
+            stem += &format!("_rank{}_of_{}", dp.rank(), dp.world());
+        }
+        stem
+    }
+
+    /// The file of the parameter order of this state: a tensor-parallel shard's own (its
+    /// parameters are its own), else the model's.
+    fn params_file(&self) -> String {
+        match &self.sync.tp {
+            Some(tp) => format!(
+                "optimizer_params_tp{}_of_{}.json",
+                tp.group.rank(),
+                tp.group.size()
+            ),
+            None => PARAMS_FILE.into(),
         }
     }
 
-    /// Writes the optimiser state into the model's checkpoint folder `dir`: rank 0 the whole
-    /// state (`main`), every rank its shard under ZeRO-1.
-    pub(crate) fn save(&self, dir: &Path, main: bool) -> Result<(), TrainError> {
-        if !main && self.sync.shards.is_none() {
+    /// Writes the optimiser state of `module` into its checkpoint folder `dir`: rank 0 the
+    /// whole state (`main`), every rank its shard under ZeRO-1, and under tensor parallelism
+    /// each rank of the first replica its shard's, with its parameter order.
+    pub(crate) fn save(&self, dir: &Path, main: bool, module: &M) -> Result<(), TrainError> {
+        let tp_shard = self.sync.tp.is_some() && self.sync.dp.rank() == 0;
+        if !main && self.sync.shards.is_none() && !tp_shard {
             return Ok(());
+        }
+        if tp_shard {
+            write_param_order::<B, M>(dir, module, &self.params_file())?;
         }
         let stem = self.stem();
         BinFileRecorder::<FullPrecisionSettings>::new()
@@ -118,7 +155,8 @@ impl<M: AutodiffModule<B>, B: LearnerBackend> ModelOptimizer<M, B> {
         module: &M,
         device: &B::Device,
     ) -> Result<(), TrainError> {
-        self.optim = load_optimizer(dir, module, self.optim.clone(), &self.stem(), device)?;
+        let (stem, params) = (self.stem(), self.params_file());
+        self.optim = load_optimizer(dir, module, self.optim.clone(), (&stem, &params), device)?;
         Ok(())
     }
 }
@@ -129,17 +167,17 @@ fn load_optimizer<B: LearnerBackend, M: AutodiffModule<B>>(
     dir: &Path,
     module: &M,
     optim: AdamWOf<M, B>,
-    stem: &str,
+    (stem, params_file): (&str, &str),
     device: &B::Device,
 ) -> Result<AdamWOf<M, B>, TrainError> {
     let file = dir.join(format!("{stem}.bin"));
     if !file.exists() {
         return Err(io(
             &file,
-            "missing: a sharded optimiser state (trainer.zero_stage=1) is resumed with the same number of ranks, and an unsharded one without sharding",
+            "missing: a sharded optimiser state (trainer.zero_stage=1, or tensor parallelism) is resumed with the same number of ranks and tensor-parallel size, and an unsharded one without sharding",
         ));
     }
-    let ids_path = dir.join("optimizer_params.json");
+    let ids_path = dir.join(params_file);
     let text = std::fs::read_to_string(&ids_path).map_err(|e| io(&ids_path, e))?;
     let saved: Vec<String> = serde_json::from_str(&text).map_err(|e| io(&ids_path, e))?;
     let current = param_order::<B, M>(module);
@@ -298,6 +336,24 @@ impl<B: LearnerBackend> Learner<B> {
     /// once the checkpoint is in place.
     pub fn save_checkpoint(&self) -> Result<PathBuf, TrainError> {
         let main = self.dp.is_main();
+        // Under tensor parallelism the first replica's ranks gather the whole models (an
+        // exchange each of them makes) and the first of them writes.
+        let gathers = self.dp.rank() == 0;
+        let whole =
+            |local: BTreeMap<String, HostTensor>, config: &TransformerConfig| match &self.dp.tp {
+                Some(tp) => gather_weights(local, config, tp),
+                None => local,
+            };
+        let actor_weights = gathers.then(|| whole(self.actor.valid().export(), &self.model_config));
+        let critic_weights = self
+            .critic
+            .as_ref()
+            .filter(|_| gathers)
+            .map(|c| whole(c.model.valid().export(), &c.config));
+        let reference_weights = match (self.reference_refreshed_at, self.reference()) {
+            (Some(_), Some(r)) if gathers => Some(whole(r.export(), &self.model_config)),
+            _ => None,
+        };
         let root = self.checkpoint_root();
         let name = format!("global_step_{}", self.global_step);
         let done = root.join(&name);
@@ -311,11 +367,13 @@ impl<B: LearnerBackend> Learner<B> {
             save_pretrained(
                 &actor_dir,
                 &self.model_config,
-                &self.actor.valid().export(),
+                actor_weights.as_ref().expect("the main rank gathers"),
                 None,
                 Some(&self.tokenizer),
             )?;
-            save_param_order::<B, _>(&actor_dir, &self.actor)?;
+            if self.dp.tp.is_none() {
+                save_param_order::<B, _>(&actor_dir, &self.actor)?;
+            }
             if let Some(lora) = &self.settings.model.lora {
                 save_adapters(
                     &actor_dir,
@@ -324,15 +382,17 @@ impl<B: LearnerBackend> Learner<B> {
                     &self.settings.model.path,
                 )?;
             }
-            if let Some(c) = &self.critic {
+            if let (Some(c), Some(weights)) = (&self.critic, &critic_weights) {
                 save_pretrained(
                     &critic_dir,
                     &c.config,
-                    &c.model.valid().export(),
+                    weights,
                     Some(&c.config.model_type.token_classification_class()),
                     Some(&self.tokenizer),
                 )?;
-                save_param_order::<B, _>(&critic_dir, &c.model)?;
+                if self.dp.tp.is_none() {
+                    save_param_order::<B, _>(&critic_dir, &c.model)?;
+                }
             }
             let state = TrainerState {
                 global_step: self.global_step,
@@ -344,11 +404,11 @@ impl<B: LearnerBackend> Learner<B> {
                 reference_refreshed_at: self.reference_refreshed_at,
             };
             // A reference that is no longer the starting model (SPIN) is part of the state.
-            if let (Some(_), Some(r)) = (self.reference_refreshed_at, self.reference()) {
+            if let Some(weights) = &reference_weights {
                 save_pretrained(
                     &tmp.join("ref"),
                     &self.model_config,
-                    &r.export(),
+                    weights,
                     None,
                     Some(&self.tokenizer),
                 )?;
@@ -362,9 +422,9 @@ impl<B: LearnerBackend> Learner<B> {
         }
         // The folders exist now; optimiser states are written by their holders.
         self.dp.barrier()?;
-        self.actor_optimizer.save(&actor_dir, main)?;
+        self.actor_optimizer.save(&actor_dir, main, &self.actor)?;
         if let Some(c) = &self.critic {
-            c.optimizer.save(&critic_dir, main)?;
+            c.optimizer.save(&critic_dir, main, &c.model)?;
         }
         self.dp.barrier()?;
         if main {
@@ -428,9 +488,9 @@ impl<B: LearnerBackend> Learner<B> {
                     "this checkpoint is of a LoRA run: set `actor_rollout_ref.model.lora_rank` (and its other LoRA keys) as that run did",
                 ))
             }
-            (None, false) => {
-                load_pretrained(&actor_dir.display().to_string())?.causal_lm(&self.device)?
-            }
+            (None, false) => self.split_lm(
+                load_pretrained(&actor_dir.display().to_string())?.causal_lm(&self.device)?,
+            )?,
         };
         self.actor_optimizer
             .load(&actor_dir, &actor, &self.device)?;
@@ -439,6 +499,10 @@ impl<B: LearnerBackend> Learner<B> {
             let critic_dir = dir.join("critic");
             let model: ValueModel<B> =
                 load_pretrained(&critic_dir.display().to_string())?.value_model(&self.device)?;
+            let model = match &self.dp.tp {
+                Some(tp) => shard_value_model(&model, &c.config, tp, &self.device)?,
+                None => model,
+            };
             c.optimizer.load(&critic_dir, &model, &self.device)?;
             c.model = model;
         }
@@ -446,7 +510,7 @@ impl<B: LearnerBackend> Learner<B> {
             let ref_dir = dir.join("ref");
             let reference = load_pretrained(&ref_dir.display().to_string())?
                 .causal_lm::<B::InnerBackend>(&self.device)?;
-            self.reference = Some(self.park_reference(reference));
+            self.reference = Some(self.park_reference(self.split_lm(reference)?));
         }
         self.reference_refreshed_at = state.reference_refreshed_at;
         self.algorithms.kl_ctrl.load_state(&state.kl_ctrl)?;

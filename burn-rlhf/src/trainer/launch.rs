@@ -19,9 +19,10 @@ use crate::config::Settings;
 #[cfg(feature = "mpi")]
 use crate::distributed::mpi::{MpiProcess, MpiRank};
 use crate::distributed::{
-    AbortFlag, BurnCollective, Collective, DataParallel, DistributedError, Solo,
+    AbortFlag, BurnCollective, Collective, DataParallel, DistributedError, Solo, Subgroup,
 };
 use crate::error::TrainError;
+use burn_rlhf_models::tensor_parallel::{LocalTpGroup, TpGroup};
 
 /// The processes of a run.
 #[derive(Debug, Clone, Default)]
@@ -123,6 +124,7 @@ pub fn launch<B: LearnerBackend>(
     let group = GroupPlan {
         shard_optimizer: settings.trainer.shard_optimizer,
         balance_batch: settings.trainer.balance_batch,
+        tp: settings.actor.tensor_parallel_size,
         ..GroupPlan::new(devices.len(), node)?
     };
     #[cfg(feature = "mpi")]
@@ -152,6 +154,8 @@ pub(crate) struct Joiner<B: LearnerBackend> {
     abort: Arc<AbortFlag>,
     group: GroupPlan,
     joined: Option<Arc<dyn Collective>>,
+    /// This rank's tensor-parallel group (with `tensor_model_parallel_size` > 1).
+    tp: Option<TpGroup>,
 }
 
 impl<B: LearnerBackend> Joiner<B> {
@@ -160,7 +164,15 @@ impl<B: LearnerBackend> Joiner<B> {
         let join = self.join.take().expect("a rank joins its group once");
         let collective = join.into_collective::<B>(self.rank, &self.device, &self.abort)?;
         self.joined = Some(collective.clone());
-        Ok(self.group.data_parallel(collective))
+        // One replica has no data-parallel peers (its ranks joined alone).
+        let collective: Arc<dyn Collective> = match self.group.tp {
+            tp if tp > 1 && collective.world() > 1 => Arc::new(Subgroup::new(collective, tp)),
+            _ => collective,
+        };
+        Ok(DataParallel {
+            tp: self.tp.clone(),
+            ..self.group.data_parallel(collective)
+        })
     }
 }
 
@@ -180,6 +192,10 @@ pub(crate) fn run_ranks<B: LearnerBackend, T: Send + 'static>(
     if group.processes == 1 && local > 1 {
         BurnCollective::<B::InnerBackend>::reset_group();
     }
+    // A replica's tensor-parallel ranks are consecutive devices of one process.
+    let mut tp_groups: Vec<TpGroup> = (0..local / group.tp.max(1))
+        .flat_map(|_| LocalTpGroup::group(group.tp))
+        .collect();
     let body = Arc::new(body);
     let (tx, rx) = mpsc::channel::<(usize, Result<T, TrainError>)>();
     let mut handles = Vec::with_capacity(local);
@@ -192,6 +208,7 @@ pub(crate) fn run_ranks<B: LearnerBackend, T: Send + 'static>(
             abort: abort.clone(),
             group: group.clone(),
             joined: None,
+            tp: (group.tp > 1).then(|| tp_groups.remove(0)),
         };
         let (device, body, abort, tx) = (device.clone(), body.clone(), abort.clone(), tx.clone());
         let handle = std::thread::Builder::new()
@@ -225,6 +242,8 @@ pub(crate) fn run_ranks<B: LearnerBackend, T: Send + 'static>(
 #[derive(Debug, Clone)]
 pub(crate) struct GroupPlan {
     pub(crate) world: usize,
+    /// Ranks per tensor-parallel group (1: none); the data-parallel replicas are `world / tp`.
+    pub(crate) tp: usize,
     processes: usize,
     /// ZeRO-1 (`trainer.zero_stage=1`).
     pub(crate) shard_optimizer: bool,
@@ -275,6 +294,7 @@ impl GroupPlan {
         }
         Ok(Self {
             world: local * node.processes.count(),
+            tp: 1,
             processes: node.processes.count(),
             shard_optimizer: false,
             balance_batch: true,
@@ -298,8 +318,19 @@ impl GroupPlan {
     /// Each local rank's way to join, in device order: none alone, MPI across processes,
     /// burn-collective across the devices of one process.
     fn joins(&self, local: usize, processes: &Processes) -> Result<Vec<Join>, TrainError> {
+        if !local.is_multiple_of(self.tp) {
+            return Err(TrainError::config(
+                "actor_rollout_ref.actor.megatron.tensor_model_parallel_size",
+                format!(
+                    "a tensor-parallel group of {} runs in one process, which has {local} \
+                     device(s): give each process a multiple of it",
+                    self.tp
+                ),
+            ));
+        }
         Ok(match processes {
-            _ if self.world == 1 => vec![Join::Solo],
+            // One replica: its ranks exchange only within their tensor-parallel group.
+            _ if self.world == self.tp => (0..local).map(|_| Join::Solo).collect(),
             Processes::Alone => (0..local)
                 .map(|_| Join::Local { world: self.world })
                 .collect(),
@@ -316,6 +347,7 @@ impl GroupPlan {
             collective,
             shard_optimizer: self.shard_optimizer,
             balance_batch: self.balance_batch,
+            tp: None,
         }
     }
 }

@@ -19,6 +19,7 @@ use burn_rlhf_rollout::{PromptRecord, PromptSampler, RewardFn};
 use crate::config::settings::OptimSettings;
 use crate::config::Settings;
 use crate::distributed::DataParallel;
+use crate::error::TrainError;
 use crate::minibatch::OptimizerStep;
 use crate::offload::Parked;
 use crate::optim::{adamw, adamw_state_bytes, AdamWOf, LrSchedule, ReplicaSync, StateBytes};
@@ -125,6 +126,17 @@ impl<B: LearnerBackend> Learner<B> {
         model: CausalLm<B::InnerBackend>,
     ) -> Parked<B::InnerBackend, CausalLm<B::InnerBackend>> {
         Parked::new(model, self.settings.ref_param_offload)
+    }
+
+    /// The shape generation's KV cache takes: the policy's, or under tensor parallelism one
+    /// rank's key/value heads.
+    pub(crate) fn cache_config(&self) -> Result<TransformerConfig, TrainError> {
+        Ok(match &self.dp.tp {
+            Some(tp) => {
+                burn_rlhf_models::tensor_parallel::cache_config(&self.model_config, tp.size())?
+            }
+            None => self.model_config.clone(),
+        })
     }
 
     /// This learner's place in a data-parallel run.

@@ -103,9 +103,10 @@ impl<B: LearnerBackend> Learner<B> {
         let keys: Vec<u64> = indices[share.clone()].iter().map(|&i| i as u64).collect();
         let policy = self.for_generation(self.actor.valid());
         let pad = self.tokenizer.pad_token_id;
+        let cache_config = self.cache_config()?;
         let mine = Generator {
             model: &policy,
-            config: &self.model_config,
+            config: &cache_config,
             pad_id: pad,
             params,
             device: &self.device,

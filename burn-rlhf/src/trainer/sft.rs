@@ -221,7 +221,7 @@ fn save_checkpoint<B: LearnerBackend>(
         std::fs::remove_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
     }
     save_pretrained(&tmp, config, &model.valid().export(), None, Some(tokenizer))?;
-    optimizer.save(&tmp, true)?;
+    optimizer.save(&tmp, true, model)?;
     save_param_order::<B, _>(&tmp, model)?;
     let path = tmp.join(STATE_FILE);
     std::fs::write(&path, serde_json::to_string_pretty(state).expect("JSON"))
@@ -373,6 +373,7 @@ pub fn fit_sft<B: LearnerBackend>(
         sync: ReplicaSync {
             dp: dp.clone(),
             shards: None,
+            tp: None,
         },
         updates: start,
     };

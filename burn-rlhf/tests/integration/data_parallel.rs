@@ -61,7 +61,33 @@ fn config(dir: &Path) -> RlhfConfig {
 
 fn parts(reward: Arc<dyn RewardFn>) -> LearnerParts<B> {
     let (actor, critic) = tiny_models();
-    let mc = tasks::model_config(32, 1);
+    parts_of(actor, critic, tasks::model_config(32, 1), reward)
+}
+
+/// The tiny models with a vocabulary of 16 (two rows the tokenizer never uses), which divides
+/// over 4 tensor-parallel ranks.
+fn wide_vocab_models() -> (
+    CausalLm<B>,
+    ValueModel<B>,
+    burn_rlhf::models::TransformerConfig,
+) {
+    let mut mc = tasks::model_config(32, 1);
+    mc.vocab_size = 16;
+    let actor: CausalLm<B> = super::seeded(11, || mc.init_causal_lm(&Default::default()));
+    let mut w = WeightMap::new("tiny actor, 16 tokens");
+    for (k, v) in actor.valid().export() {
+        w.insert(k, v);
+    }
+    let critic = ValueModel::from_weights(&mc, w, &Default::default()).unwrap();
+    (actor, critic, mc)
+}
+
+fn parts_of(
+    actor: CausalLm<B>,
+    critic: ValueModel<B>,
+    mc: burn_rlhf::models::TransformerConfig,
+    reward: Arc<dyn RewardFn>,
+) -> LearnerParts<B> {
     let (train, val) = tasks::split_problems(16, 20, 1);
     let mut parts = LearnerParts::new(actor, mc.clone(), tasks::tokenizer());
     parts.critic = Some((critic, mc));
@@ -86,9 +112,16 @@ fn one_device(dir: &Path) -> PathBuf {
 }
 
 fn two_devices(config: RlhfConfig, reward: Arc<dyn RewardFn>) -> Result<PathBuf, String> {
+    n_devices(config, reward, 2)
+}
+
+fn n_devices(config: RlhfConfig, reward: Arc<dyn RewardFn>, n: usize) -> Result<PathBuf, String> {
+    n_devices_of(config, parts(reward), n)
+}
+
+fn n_devices_of(config: RlhfConfig, parts: LearnerParts<B>, n: usize) -> Result<PathBuf, String> {
     let node = NodeLaunch::single(Duration::from_secs(60));
-    let devices = vec![Default::default(); 2];
-    let parts = parts(reward);
+    let devices = vec![Default::default(); n];
     Settings::from_config(&config, &parts.known_names(), "test")
         .map_err(TrainError::from)
         .and_then(|settings| launch(settings, parts, &devices, &node, stop_flag()))
@@ -121,7 +154,12 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
 /// Actor and critic weights of two checkpoints agree within 1e-5, and they moved from the
 /// starting weights (which both runs load), so agreeing is not agreeing on nothing.
 fn assert_same_weights(a: &Path, b: &Path, what: &str) {
-    let start = tiny_models().0.valid().export();
+    assert_same_weights_from(a, b, what, &tiny_models().0);
+}
+
+/// [`assert_same_weights`] for runs that started from the actor `start`.
+fn assert_same_weights_from(a: &Path, b: &Path, what: &str, start: &CausalLm<B>) {
+    let start = start.valid().export();
     for part in ["actor", "critic"] {
         let file = |root: &Path| root.join(format!("{part}/model.safetensors"));
         let (x, y) = (tensors(&file(a)), tensors(&file(b)));
@@ -351,6 +389,58 @@ fn offloaded_optimizer_state_and_reference_give_the_same_parameters_with_none_on
     assert_same_weights(&full, &zero_off, "ZeRO-1 offloaded vs unsharded");
 }
 
+/// `config` with every model split over `tp` of `devices` devices (the rest data parallelism).
+fn tensor_parallel(mut c: RlhfConfig, tp: usize, devices: usize) -> RlhfConfig {
+    c.actor_rollout_ref
+        .actor
+        .megatron
+        .tensor_model_parallel_size = tp;
+    c.trainer.n_gpus_per_node = devices;
+    c
+}
+
+#[test]
+fn tensor_parallel_ranks_reproduce_one_device() {
+    let _turn = ONE_GROUP_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    let dir = temp_dir("dp-tp");
+    let single = one_device(&dir.join("one"));
+    for (tp, devices) in [(2, 2), (2, 4)] {
+        let what = format!("tp={tp} over {devices} devices");
+        let c = tensor_parallel(config(&dir.join(format!("tp{tp}x{devices}"))), tp, devices);
+        let run = n_devices(c, Arc::new(tasks::ExactAnswer), devices).unwrap();
+        assert_same_weights(&single, &run, &what);
+        assert_same_metrics(&single, &run, &what);
+    }
+    // A split run resumes from its whole-model checkpoint and its shards' optimiser states.
+    let resumed_dir = dir.join("tp-resumed");
+    let mut c = tensor_parallel(config(&resumed_dir), 2, 4);
+    c.trainer.total_training_steps = Some(STEPS - 1);
+    n_devices(c, Arc::new(tasks::ExactAnswer), 4).unwrap();
+    let mut c = tensor_parallel(config(&resumed_dir), 2, 4);
+    c.trainer.resume_mode = "auto".into();
+    let resumed = n_devices(c, Arc::new(tasks::ExactAnswer), 4).unwrap();
+    assert_same_weights(&single, &resumed, "tp=2 over 4 devices, resumed");
+    assert_same_metrics(&single, &resumed, "tp=2 over 4 devices, resumed");
+    for t in 0..2 {
+        assert!(resumed
+            .join(format!("actor/optimizer_tp{t}_of_2.bin"))
+            .exists());
+    }
+    // Four ranks: a vocabulary that divides by 4.
+    let wide = || {
+        let (actor, critic, mc) = wide_vocab_models();
+        parts_of(actor, critic, mc, Arc::new(tasks::ExactAnswer))
+    };
+    let single = n_devices_of(config(&dir.join("wide-one")), wide(), 1).unwrap();
+    let c = tensor_parallel(config(&dir.join("wide-tp4")), 4, 4);
+    let run = n_devices_of(c, wide(), 4).unwrap();
+    let start = wide_vocab_models().0;
+    assert_same_weights_from(&single, &run, "tp=4 over 4 devices", &start);
+    assert_same_metrics(&single, &run, "tp=4 over 4 devices");
+}
+
 /// `burn-rlhf bench-collectives` between two devices of this process: every operation at every
 /// size, timed on both ranks.
 #[test]
@@ -502,6 +592,11 @@ mod processes {
     /// `burn-rlhf train` as one process with one device, then as an MPI job of 2 processes with
     /// `devices` devices each: same weights and metrics.
     fn mpi_job_reproduces_one_process(name: &str, devices: usize) {
+        mpi_job_of(name, devices, &[]);
+    }
+
+    /// [`mpi_job_reproduces_one_process`] with `extra` overrides for the MPI job.
+    fn mpi_job_of(name: &str, devices: usize, extra: &[&str]) {
         let dir = temp_dir(name);
         let (model, data) = cli_assets(&dir);
         let single = dir.join("single");
@@ -514,10 +609,11 @@ mod processes {
         let multi = dir.join("multi");
         let mut args = cli_args(&model, &data, &multi, STEPS);
         args.push(format!("trainer.n_gpus_per_node={}", 2 * devices));
+        args.extend(extra.iter().map(|e| e.to_string()));
         let (ok, err) = wait_bounded(mpirun(2, &args), Duration::from_secs(300));
         assert!(ok, "the MPI job failed or ran past 300 s:\n{err}");
         let step = format!("global_step_{STEPS}");
-        let what = format!("2 MPI processes x {devices} device(s) vs 1");
+        let what = format!("2 MPI processes x {devices} device(s) {extra:?} vs 1");
         assert_same_weights(&single.join(&step), &multi.join(&step), &what);
         assert_same_metrics(&single.join(&step), &multi.join(&step), &what);
     }
@@ -525,6 +621,17 @@ mod processes {
     #[test]
     fn two_mpi_processes_reproduce_one_process() {
         mpi_job_reproduces_one_process("dp-mpi", 1);
+    }
+
+    /// Tensor parallelism inside each process (2 devices, one replica each), data parallelism
+    /// across the two processes through MPI.
+    #[test]
+    fn two_mpi_processes_of_a_tensor_parallel_pair_each_reproduce_one_process() {
+        mpi_job_of(
+            "dp-mpi-tp",
+            2,
+            &["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"],
+        );
     }
 
     #[test]
