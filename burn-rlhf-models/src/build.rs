@@ -10,6 +10,7 @@ use burn::tensor::{Distribution, Tensor, TensorData};
 
 use crate::config::TransformerConfig;
 use crate::error::ModelError;
+use crate::heads::*;
 use crate::lora::{LoraConfig, LoraLinear};
 use crate::transformer::*;
 use crate::weights::{HostTensor, WeightMap};

@@ -11,8 +11,8 @@ use serde_json::{json, Value};
 use crate::config::TransformerConfig;
 use crate::error::ModelError;
 use crate::gguf::GgufFile;
+use crate::heads::{CausalLm, ValueModel};
 use crate::tokenizer::Tokenizer;
-use crate::transformer::{CausalLm, ValueModel};
 use crate::weights::{write_safetensors, HostTensor, WeightMap};
 
 /// Where the weights are.

@@ -17,8 +17,9 @@ use burn::tensor::{Int, Tensor, TensorData};
 
 use crate::config::TransformerConfig;
 use crate::error::ModelError;
+use crate::heads::{CausalLm, ValueModel};
 use crate::kernels::{self, DecoderBackend};
-use crate::transformer::{CausalLm, FeedForward, Transformer, ValueModel};
+use crate::transformer::{FeedForward, Transformer};
 use crate::weights::{HostTensor, WeightMap};
 
 pub use crate::tp_group::{LocalTpGroup, TpComm, TpGroup};

@@ -1,12 +1,12 @@
 //! The decoder of Llama, Mistral, Qwen2 and Qwen3: RMSNorm, rotary attention with grouped-query
-//! heads (Qwen3: RMS-normalised query and key heads), SwiGLU MLP, and the heads built on it (LM,
-//! value). Field names follow HF's module tree
+//! heads (Qwen3: RMS-normalised query and key heads), SwiGLU MLP, mixtures of experts, and their
+//! tensor-parallel split (the heads on it are `heads.rs`). Field names follow HF's module tree
 //! (`model.layers.N.self_attn.q_proj`), so HF tensor names map one to one.
 
 use burn::module::{Module, Param};
-use burn::nn::{Embedding, Linear};
+use burn::nn::Embedding;
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, FloatDType, Int, Tensor, TensorData};
+use burn::tensor::{Int, Tensor, TensorData};
 
 use crate::cache::KvCache;
 use crate::config::{Activation, ModelType};
@@ -202,7 +202,7 @@ impl<B: DecoderBackend> Attention<B> {
 
 /// Megatron's copy into a tensor-parallel region when there is a group (see
 /// [`kernels::tp_copy`]). Shapes: any → the same.
-fn copy_in<B: DecoderBackend, const D: usize>(
+pub(crate) fn copy_in<B: DecoderBackend, const D: usize>(
     x: Tensor<B, D>,
     tp: Option<&TpGroup>,
 ) -> Tensor<B, D> {
@@ -484,7 +484,7 @@ pub struct Transformer<B: Backend> {
 }
 
 /// Host-side integer matrix `[B][L]` from an Int tensor.
-fn rows_i64<B: Backend>(t: &Tensor<B, 2, Int>) -> Vec<Vec<i64>> {
+pub(crate) fn rows_i64<B: Backend>(t: &Tensor<B, 2, Int>) -> Vec<Vec<i64>> {
     let [b, l] = t.dims();
     let flat: Vec<i64> = t.to_data().iter::<i64>().collect();
     (0..b).map(|r| flat[r * l..(r + 1) * l].to_vec()).collect()
@@ -612,138 +612,6 @@ impl<B: DecoderBackend> Transformer<B> {
     }
 }
 
-/// A causal language model: the decoder and its LM head (tied to the embeddings when the
-/// checkpoint has no `lm_head.weight`).
-#[derive(Module, Debug)]
-pub struct CausalLm<B: Backend> {
-    /// The decoder (HF `model.*`).
-    pub model: Transformer<B>,
-    /// `None`: tied to `model.embed_tokens`.
-    pub lm_head: Option<LoraLinear<B>>,
-}
-
-impl<B: DecoderBackend> CausalLm<B> {
-    /// Logits over the vocabulary. Shapes: `[B, L]` each → `[B, L, V]`.
-    pub fn forward(
-        &self,
-        input_ids: Tensor<B, 2, Int>,
-        attention_mask: Tensor<B, 2, Int>,
-        position_ids: Tensor<B, 2, Int>,
-        cache: Option<&mut KvCache<B>>,
-    ) -> Tensor<B, 3> {
-        let hidden = self
-            .model
-            .forward(input_ids, attention_mask, position_ids, cache);
-        self.logits(hidden)
-    }
-
-    /// Logits at the last position only, as generation's prefill needs (the `[B, L, V]` logits of
-    /// a long prompt would dwarf everything else). Shapes: `[B, L, H]` → `[B, V]`.
-    pub fn last_logits(&self, hidden: Tensor<B, 3>) -> Tensor<B, 2> {
-        let [b, l, h] = hidden.dims();
-        let last = hidden.slice([0..b, l - 1..l, 0..h]);
-        let v = self.vocab_size();
-        self.logits(last).reshape([b, v])
-    }
-
-    /// The LM head on hidden states, as f32 (log-probs, entropies and sampling read f32 logits
-    /// whatever the model's dtype); under tensor parallelism every rank's share gathered, for
-    /// sampling and evaluation (no gradient flows through the gathering: training reads
-    /// [`CausalLm::local_logits`]). Shapes: `[B, L, H]` → `[B, L, V]`.
-    pub fn logits(&self, hidden: Tensor<B, 3>) -> Tensor<B, 3> {
-        let local = self.local_logits(hidden);
-        match &self.model.tp {
-            None => local,
-            Some(tp) => gather_last_axis(local, tp),
-        }
-    }
-
-    /// The logits of this rank's share of the vocabulary (all of it without tensor
-    /// parallelism), as f32. Shapes: `[B, L, H]` → `[B, L, V / tp]`.
-    pub fn local_logits(&self, hidden: Tensor<B, 3>) -> Tensor<B, 3> {
-        let hidden = copy_in(hidden, self.model.tp.as_ref());
-        let logits = match &self.lm_head {
-            Some(head) => head.forward(hidden),
-            None => {
-                // Tied: the embeddings `[V, H]` read transposed in place.
-                let [b, l, h] = hidden.dims();
-                let w = self.model.embed_tokens.weight.val();
-                let v = w.dims()[0];
-                kernels::linear(hidden.reshape([b * l, h]), w.transpose()).reshape([b, l, v])
-            }
-        };
-        let logits = logits.cast(DType::F32);
-        match self.model.final_logit_softcapping {
-            Some(cap) => logits.div_scalar(cap).tanh().mul_scalar(cap),
-            None => logits,
-        }
-    }
-}
-
-/// Every rank's `x` side by side along the last axis, in rank order, without a gradient.
-/// Shapes: `[.., n]` → `[.., n * size]`.
-pub fn gather_last_axis<B: Backend, const D: usize>(x: Tensor<B, D>, tp: &TpGroup) -> Tensor<B, D> {
-    let dims = x.dims();
-    let device = x.device();
-    let host: Vec<f32> = x
-        .into_data()
-        .convert::<f32>()
-        .into_vec()
-        .expect("f32 values");
-    let parts = tp.gather(host);
-    let n = dims[D - 1];
-    let rows = parts[0].len() / n.max(1);
-    let mut out = Vec::with_capacity(rows * n * parts.len());
-    for r in 0..rows {
-        for part in &parts {
-            out.extend_from_slice(&part[r * n..(r + 1) * n]);
-        }
-    }
-    let mut full = dims;
-    full[D - 1] = n * parts.len();
-    Tensor::from_data(TensorData::new(out, full), &device)
-}
-
-impl<B: Backend> CausalLm<B> {
-    /// The dtype the model computes in (its weights').
-    pub fn float_dtype(&self) -> DType {
-        self.model.embed_tokens.weight.val().dtype()
-    }
-
-    /// The model with every weight cast to `dtype` (bf16/f16 inference copies of an f32 model).
-    /// Hidden states then stay in `dtype`; norms, attention scores and the logits are f32.
-    pub fn cast(self, dtype: FloatDType) -> Self {
-        cast_weights(self, dtype)
-    }
-
-    /// The vocabulary size (the LM head's output width; under tensor parallelism every rank's
-    /// share together).
-    pub fn vocab_size(&self) -> usize {
-        let local = match &self.lm_head {
-            Some(head) => head.out_features(),
-            None => self.model.embed_tokens.weight.dims()[0],
-        };
-        local * self.model.tp.as_ref().map_or(1, TpGroup::size)
-    }
-
-    /// The LM head as a `[vocab, hidden]` matrix (the embeddings when tied), when it is a plain
-    /// linear map; `None` for a head with a LoRA adapter or a bias, or soft-capped logits, which
-    /// only [`CausalLm::logits`] applies.
-    pub fn head_weight(&self) -> Option<Tensor<B, 2>> {
-        // A sharded head's log-probs go through the vocabulary-parallel path instead.
-        if self.model.final_logit_softcapping.is_some() || self.model.tp.is_some() {
-            return None;
-        }
-        match &self.lm_head {
-            None => Some(self.model.embed_tokens.weight.val()),
-            Some(head) if head.lora.is_none() && head.base.bias.is_none() => {
-                Some(head.base.weight.val().transpose())
-            }
-            Some(_) => None,
-        }
-    }
-}
-
 /// Each token's `k` experts by router probability, highest first (ties to the lower index, as
 /// torch.topk). Shapes: `probs` is `[tokens * experts]` → `tokens * k` expert indices.
 fn top_k_experts(probs: &[f32], experts: usize, k: usize) -> impl Iterator<Item = usize> + '_ {
@@ -806,71 +674,6 @@ pub fn load_balancing_loss<B: Backend>(
     (f * prob_sum.div_scalar(rows))
         .sum()
         .mul_scalar(experts as f64)
-}
-
-/// `module` with every float weight cast to `dtype`. On an autodiff backend the cast is part of
-/// the graph: a forward on the result computes in `dtype` and the backward brings each weight's
-/// gradient back to the original weight's dtype (autocast with master weights).
-pub fn cast_weights<B: Backend, M: Module<B>>(module: M, dtype: FloatDType) -> M {
-    struct CastWeights(FloatDType);
-    impl<B: Backend> burn::module::ModuleMapper<B> for CastWeights {
-        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-            let dtype = self.0;
-            param.map(|t| t.cast(dtype))
-        }
-    }
-    module.map(&mut CastWeights(dtype))
-}
-
-/// The critic: the decoder and a `Linear(hidden, 1)` value head (HF `*ForTokenClassification` with
-/// one label, as verl's critic).
-#[derive(Module, Debug)]
-pub struct ValueModel<B: Backend> {
-    /// The decoder.
-    pub model: Transformer<B>,
-    /// `[hidden] → [1]`, with bias.
-    pub score: Linear<B>,
-}
-
-impl<B: DecoderBackend> ValueModel<B> {
-    /// One value per token. Shapes: `[B, L]` each → `[B, L]`.
-    pub fn forward(
-        &self,
-        input_ids: Tensor<B, 2, Int>,
-        attention_mask: Tensor<B, 2, Int>,
-        position_ids: Tensor<B, 2, Int>,
-    ) -> Tensor<B, 2> {
-        self.forward_rows(
-            input_ids,
-            &rows_i64(&attention_mask),
-            &rows_i64(&position_ids),
-        )
-    }
-
-    /// [`ValueModel::forward`] with the mask and positions as host rows (see
-    /// [`Transformer::forward_rows`]). Shapes: input_ids `[B, L]` → `[B, L]`.
-    pub fn forward_rows(
-        &self,
-        input_ids: Tensor<B, 2, Int>,
-        attention_mask: &[Vec<i64>],
-        position_ids: &[Vec<i64>],
-    ) -> Tensor<B, 2> {
-        let hidden = self
-            .model
-            .forward_rows(input_ids, attention_mask, position_ids, None);
-        // Values in f32 whatever the model's dtype: the value loss and GAE read them.
-        self.score
-            .forward(hidden)
-            .squeeze_dim::<2>(2)
-            .cast(DType::F32)
-    }
-}
-
-impl<B: Backend> ValueModel<B> {
-    /// The model with every weight cast to `dtype` (see [`cast_weights`]).
-    pub fn cast(self, dtype: FloatDType) -> Self {
-        cast_weights(self, dtype)
-    }
 }
 
 #[cfg(test)]
