@@ -57,11 +57,7 @@ impl<B: Backend, M: Module<B>> Parked<B, M> {
     /// Bytes of parameters on the device and in host memory.
     pub fn bytes(&self) -> (usize, usize) {
         match self {
-            Self::Device(m) => {
-                let mut sizes = Sizes(0);
-                m.visit(&mut sizes);
-                (sizes.0, 0)
-            }
+            Self::Device(m) => (param_bytes(m), 0),
             Self::Host { weights, .. } => (0, weights.iter().map(|w| w.bytes.len()).sum()),
         }
     }
@@ -94,6 +90,12 @@ impl<B: Backend> ModuleMapper<B> for ToDevice<'_, B> {
 }
 
 /// Bytes of a module's float parameters.
+pub fn param_bytes<B: Backend, M: Module<B>>(module: &M) -> usize {
+    let mut sizes = Sizes(0);
+    module.visit(&mut sizes);
+    sizes.0
+}
+
 struct Sizes(usize);
 
 impl<B: Backend> burn::module::ModuleVisitor<B> for Sizes {

@@ -9,6 +9,7 @@ use super::learner::Learner;
 use super::logger::MetricsLogger;
 use super::metrics::Metrics;
 use crate::error::TrainError;
+use crate::optim::StateBytes;
 
 /// Where a run's metrics go: `{default_local_dir}/metrics.jsonl` and `metrics.png`.
 pub struct RunOutputs {
@@ -22,9 +23,31 @@ pub struct RunOutputs {
     pub validation: Option<Metrics>,
     /// Whether the run stopped early on request.
     pub interrupted: bool,
+    /// What the returning rank held at the end.
+    pub memory: RankMemory,
+}
+
+/// What one rank holds of the trained models, in bytes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RankMemory {
+    /// The actor's and the critic's parameters (this rank's shards under tensor parallelism).
+    pub parameters: usize,
+    /// Their AdamW moments, on the device and in host memory.
+    pub optimizer: StateBytes,
 }
 
 impl<B: LearnerBackend> Learner<B> {
+    /// What this rank holds of the actor and the critic.
+    pub fn rank_memory(&self) -> RankMemory {
+        use crate::offload::param_bytes;
+        let (actor, critic) = self.optimizer_memory();
+        let critic_params = self.critic.as_ref().map_or(0, |c| param_bytes(&c.model));
+        RankMemory {
+            parameters: param_bytes(&self.actor) + critic_params,
+            optimizer: actor + critic,
+        }
+    }
+
     /// Trains to `total_steps`: resumes per `trainer.resume_mode`, validates before training
     /// (`val_before_train`) and every `test_freq` steps, checkpoints every `save_freq` steps and at
     /// the end, and stops after the current step (with a checkpoint) once `stop` is set.
@@ -103,6 +126,7 @@ impl<B: LearnerBackend> Learner<B> {
             checkpoint,
             validation,
             interrupted,
+            memory: self.rank_memory(),
         })
     }
 }

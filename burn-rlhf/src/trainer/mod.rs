@@ -35,7 +35,7 @@ pub use crate::error::TrainError;
 pub use build::LearnerParts;
 pub use checkpoint::{TrainerState, LATEST_FILE};
 pub use commands::stop_on_ctrl_c;
-pub use fit::RunOutputs;
+pub use fit::{RankMemory, RunOutputs};
 pub use launch::{launch, NodeLaunch, Processes};
 pub use learner::Learner;
 pub use logger::MetricsLogger;

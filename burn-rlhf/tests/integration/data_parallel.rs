@@ -18,7 +18,7 @@ use burn_rlhf::rollout::{RewardFn, RewardInput, RolloutError};
 use burn_rlhf::tasks;
 use burn_rlhf::trainer::logger::read_jsonl;
 use burn_rlhf::trainer::{launch, NodeLaunch};
-use burn_rlhf::trainer::{Learner, LearnerParts, Metrics, TrainError};
+use burn_rlhf::trainer::{Learner, LearnerParts, Metrics, RankMemory, TrainError};
 use burn_rlhf_test_assets::temp_dir;
 
 type B = Autodiff<Flex>;
@@ -120,12 +120,21 @@ fn n_devices(config: RlhfConfig, reward: Arc<dyn RewardFn>, n: usize) -> Result<
 }
 
 fn n_devices_of(config: RlhfConfig, parts: LearnerParts<B>, n: usize) -> Result<PathBuf, String> {
+    n_devices_memory(config, parts, n).map(|(checkpoint, _)| checkpoint)
+}
+
+/// [`n_devices_of`] and what rank 0 held at the end.
+fn n_devices_memory(
+    config: RlhfConfig,
+    parts: LearnerParts<B>,
+    n: usize,
+) -> Result<(PathBuf, RankMemory), String> {
     let node = NodeLaunch::single(Duration::from_secs(60));
     let devices = vec![Default::default(); n];
     Settings::from_config(&config, &parts.known_names(), "test")
         .map_err(TrainError::from)
         .and_then(|settings| launch(settings, parts, &devices, &node, stop_flag()))
-        .map(|out| out.checkpoint.unwrap())
+        .map(|out| (out.checkpoint.unwrap(), out.memory))
         .map_err(|e| e.to_string())
 }
 
@@ -433,12 +442,34 @@ fn tensor_parallel_ranks_reproduce_one_device() {
         let (actor, critic, mc) = wide_vocab_models();
         parts_of(actor, critic, mc, Arc::new(tasks::ExactAnswer))
     };
-    let single = n_devices_of(config(&dir.join("wide-one")), wide(), 1).unwrap();
-    let c = tensor_parallel(config(&dir.join("wide-tp4")), 4, 4);
-    let run = n_devices_of(c, wide(), 4).unwrap();
-    let start = wide_vocab_models().0;
-    assert_same_weights_from(&single, &run, "tp=4 over 4 devices", &start);
-    assert_same_metrics(&single, &run, "tp=4 over 4 devices");
+    let (single, whole) = n_devices_memory(config(&dir.join("wide-one")), wide(), 1).unwrap();
+    let mut shares = Vec::new();
+    for tp in [2, 4] {
+        let c = tensor_parallel(config(&dir.join(format!("wide-tp{tp}"))), tp, tp);
+        let (run, memory) = n_devices_memory(c, wide(), tp).unwrap();
+        if tp == 4 {
+            let start = wide_vocab_models().0;
+            assert_same_weights_from(&single, &run, "tp=4 over 4 devices", &start);
+            assert_same_metrics(&single, &run, "tp=4 over 4 devices");
+        }
+        shares.push((tp, memory));
+    }
+    // Rank 0's actor and critic parameters and AdamW moments: about 1/tp of one device's (the
+    // whole norms, value head and, at 4, the whole key/value heads are the rest).
+    println!("one device: {whole:?}");
+    for (tp, m) in &shares {
+        let part = |x: usize, of: usize| x as f64 / of as f64;
+        let (params, moments) = (
+            part(m.parameters, whole.parameters),
+            part(m.optimizer.device, whole.optimizer.device),
+        );
+        println!("tp={tp}: rank 0 holds {params:.3} of the parameter bytes, {moments:.3} of the AdamW bytes ({m:?})");
+        assert!(params < 1.0 / *tp as f64 + 0.1, "tp={tp}: {params}");
+        assert!(
+            (moments - params).abs() < 1e-9,
+            "tp={tp}: moments follow the parameters"
+        );
+    }
 }
 
 /// `burn-rlhf bench-collectives` between two devices of this process: every operation at every
