@@ -28,6 +28,15 @@ pub trait TpComm: Send + Sync {
     }
 }
 
+/// The panic of a rank whose exchange failed (another rank of the group failed, or the transport).
+#[derive(Debug, Clone)]
+pub struct TpExchangeFailed {
+    /// This rank, in its group.
+    pub rank: usize,
+    /// Why.
+    pub reason: String,
+}
+
 /// A rank's handle on its tensor-parallel group (cheap to clone; carried by the sharded layers).
 #[derive(Clone)]
 pub struct TpGroup(Arc<dyn TpComm>);
@@ -55,11 +64,19 @@ impl TpGroup {
     }
 
     /// The sum over the ranks. A failed exchange cannot be returned from inside a backward pass:
-    /// it panics with the transport's message, which the trainer's rank reports.
+    /// it panics with a [`TpExchangeFailed`], which the trainer's rank reports as its group's
+    /// failure.
     pub fn sum(&self, data: Vec<f32>) -> Vec<f32> {
         self.0
             .all_reduce_sum(data)
-            .unwrap_or_else(|e| panic!("tensor-parallel rank {}: {e}", self.rank()))
+            .unwrap_or_else(|e| self.failed(e))
+    }
+
+    fn failed<T>(&self, reason: String) -> T {
+        std::panic::panic_any(TpExchangeFailed {
+            rank: self.rank(),
+            reason,
+        })
     }
 
     /// Stops the group's pending and later exchanges (this rank failed with `reason`).
@@ -69,9 +86,7 @@ impl TpGroup {
 
     /// Every rank's values in rank order (panics as [`TpGroup::sum`]).
     pub fn gather(&self, mine: Vec<f32>) -> Vec<Vec<f32>> {
-        self.0
-            .all_gather(mine)
-            .unwrap_or_else(|e| panic!("tensor-parallel rank {}: {e}", self.rank()))
+        self.0.all_gather(mine).unwrap_or_else(|e| self.failed(e))
     }
 }
 

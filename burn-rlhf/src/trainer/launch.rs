@@ -23,6 +23,7 @@ use crate::distributed::{
 };
 use crate::error::TrainError;
 use burn_rlhf_models::tensor_parallel::{LocalTpGroup, TpGroup};
+use burn_rlhf_models::tp_group::TpExchangeFailed;
 
 /// The processes of a run.
 #[derive(Debug, Clone, Default)]
@@ -218,12 +219,25 @@ pub(crate) fn run_ranks<B: LearnerBackend, T: Send + 'static>(
                     body(i, &device, &mut joiner)
                 }));
                 let result = run.unwrap_or_else(|panic| {
-                    Err(TrainError::Distributed(DistributedError::Transport {
-                        rank,
-                        message: format!("panicked: {}", panic_message(panic.as_ref())),
-                    }))
+                    // A tensor-parallel exchange that failed with its group: the other rank's
+                    // failure is the one to report.
+                    let error = match panic.downcast_ref::<TpExchangeFailed>() {
+                        Some(f) => DistributedError::PeerFailed {
+                            rank,
+                            reason: f.reason.clone(),
+                        },
+                        None => DistributedError::Transport {
+                            rank,
+                            message: format!("panicked: {}", panic_message(panic.as_ref())),
+                        },
+                    };
+                    Err(TrainError::Distributed(error))
                 });
                 finish_rank::<B, T>(rank, &result, joiner.joined.as_ref(), &abort);
+                // A replica's other tensor-parallel ranks may be waiting on this one's exchange.
+                if let (Err(e), Some(tp)) = (&result, &joiner.tp) {
+                    tp.abort(&e.to_string());
+                }
                 let _ = tx.send((rank, result));
             })
             .map_err(|e| {

@@ -531,6 +531,25 @@ fn a_failing_device_rank_stops_the_other_with_its_error() {
     // The next group in this process starts cleanly.
     let ok = two_devices(config(&dir.join("after")), Arc::new(tasks::ExactAnswer));
     assert!(ok.is_ok(), "{ok:?}");
+    // A tensor-parallel rank that fails stops its group's other rank, waiting in an exchange.
+    let start = Instant::now();
+    let err = two_devices(
+        tensor_parallel(config(&dir.join("tp")), 2, 2),
+        Arc::new(FailsOnRank1 {
+            calls: Mutex::new(0),
+        }),
+    )
+    .unwrap_err();
+    println!(
+        "tensor-parallel pair stopped after {:?}: {err}",
+        start.elapsed()
+    );
+    assert!(err.contains("the reward server went away"), "{err}");
+    assert!(
+        !err.contains("panicked"),
+        "the failing rank's error is reported: {err}"
+    );
+    assert!(start.elapsed() < Duration::from_secs(30));
 }
 
 /// Runs of `burn-rlhf train` as MPI jobs (`mpirun` on this host).
