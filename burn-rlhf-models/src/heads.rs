@@ -85,12 +85,7 @@ impl<B: DecoderBackend> CausalLm<B> {
 pub fn gather_last_axis<B: Backend, const D: usize>(x: Tensor<B, D>, tp: &TpGroup) -> Tensor<B, D> {
     let dims = x.dims();
     let device = x.device();
-    let host: Vec<f32> = x
-        .into_data()
-        .convert::<f32>()
-        .into_vec()
-        .expect("f32 values");
-    let parts = tp.gather(host);
+    let parts = tp.gather(kernels::reference::host_f32(x));
     let n = dims[D - 1];
     let rows = parts[0].len() / n.max(1);
     let mut out = Vec::with_capacity(rows * n * parts.len());

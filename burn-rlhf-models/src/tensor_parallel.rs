@@ -19,7 +19,7 @@ use crate::config::TransformerConfig;
 use crate::error::ModelError;
 use crate::heads::{CausalLm, ValueModel};
 use crate::kernels::{self, DecoderBackend};
-use crate::transformer::{FeedForward, Transformer};
+use crate::transformer::{reduce_out, FeedForward, Transformer};
 use crate::weights::{HostTensor, WeightMap};
 
 pub use crate::tp_group::{LocalTpGroup, TpComm, TpGroup};
@@ -311,12 +311,7 @@ pub fn vocab_parallel_entropy_and_logprobs<B: DecoderBackend>(
     let local_max = z.clone().detach().max_dim(1).reshape([n]);
     let max = match tp {
         Some(tp) => {
-            let host: Vec<f32> = local_max
-                .into_data()
-                .convert::<f32>()
-                .into_vec()
-                .expect("f32");
-            let all = tp.gather(host);
+            let all = tp.gather(kernels::reference::host_f32(local_max));
             let max: Vec<f32> = (0..n)
                 .map(|i| all.iter().map(|p| p[i]).fold(f32::NEG_INFINITY, f32::max))
                 .collect();
@@ -324,10 +319,7 @@ pub fn vocab_parallel_entropy_and_logprobs<B: DecoderBackend>(
         }
         None => local_max,
     };
-    let reduce = |x: Tensor<B, 1>| match tp {
-        Some(tp) => kernels::tp_reduce(x, tp),
-        None => x,
-    };
+    let reduce = |x: Tensor<B, 1>| reduce_out(x, tp);
     let shifted = z.clone() - max.clone().reshape([n, 1]);
     let exp = shifted.exp();
     let sum = reduce(exp.clone().sum_dim(1).reshape([n]));

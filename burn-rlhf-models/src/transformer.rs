@@ -214,7 +214,7 @@ pub(crate) fn copy_in<B: DecoderBackend, const D: usize>(
 
 /// Megatron's reduction out of a tensor-parallel region when there is a group (see
 /// [`kernels::tp_reduce`]). Shapes: any → the same.
-fn reduce_out<B: DecoderBackend, const D: usize>(
+pub(crate) fn reduce_out<B: DecoderBackend, const D: usize>(
     x: Tensor<B, D>,
     tp: Option<&TpGroup>,
 ) -> Tensor<B, D> {

@@ -308,6 +308,15 @@ pub fn rotary_backward<B: Backend>(
     prim(dx.swap_dims(1, 2))
 }
 
+/// A tensor's values read to the host as f32, in row-major order (what the tensor-parallel
+/// transports carry).
+pub fn host_f32<B: Backend, const D: usize>(x: Tensor<B, D>) -> Vec<f32> {
+    x.into_data()
+        .convert::<f32>()
+        .into_vec()
+        .expect("a float tensor converts to f32")
+}
+
 /// The sum of `x` over the ranks of `group`, through host f32 (the group's transports carry f32),
 /// in `x`'s dtype. Shapes: any → the same.
 pub fn tp_all_reduce<B: Backend>(
@@ -321,11 +330,7 @@ pub fn tp_all_reduce<B: Backend>(
         B::float_reshape(x, burn::tensor::Shape::new([n])),
     ));
     let device = flat.device();
-    let host: Vec<f32> = flat
-        .into_data()
-        .convert::<f32>()
-        .into_vec()
-        .expect("f32 values");
+    let host = host_f32(flat);
     let sum = Tensor::<B, 1>::from_data(TensorData::new(group.sum(host), [n]), &device).cast(dtype);
     B::float_reshape(prim(sum), shape)
 }
