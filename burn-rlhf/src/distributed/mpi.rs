@@ -12,10 +12,13 @@
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Condvar, Mutex};
 
+use burn_rlhf_models::tensor_parallel::{TpComm, TpGroup};
 use mpi::collective::SystemOperation;
+use mpi::datatype::PartitionMut;
 use mpi::environment::Threading;
-use mpi::topology::Communicator;
+use mpi::topology::{Color, Communicator, SimpleCommunicator};
 use mpi::traits::{CommunicatorCollectives, Root};
+use mpi::Count;
 
 use super::{Collective, DistributedError};
 
@@ -39,6 +42,11 @@ enum Request {
     Sum(Vec<f32>, Sender<Vec<f32>>),
     /// Every process's value, in process order.
     GatherU64(u64, Sender<Vec<u64>>),
+    /// Splits the job into tensor-parallel groups of `size` consecutive processes (every
+    /// process sends it at the same point, before any exchange of those groups).
+    SplitTp(usize, Sender<()>),
+    /// Every member's buffer, in member order, from this process's tensor-parallel group.
+    TpGather(Vec<f32>, Sender<Vec<Vec<f32>>>),
     /// Print the reason and stop the job.
     Abort(String),
 }
@@ -123,6 +131,18 @@ impl MpiProcess {
         }
     }
 
+    /// Prints `reason` and stops the job (`MPI_Abort`); never returns.
+    fn abort(&self, reason: &str) -> ! {
+        if self.send(Request::Abort(reason.to_string())).is_err() {
+            eprintln!("burn-rlhf: {reason}");
+            std::process::exit(1);
+        }
+        // MPI_Abort ends this process; wait for it rather than return into a half-stopped run.
+        loop {
+            std::thread::park();
+        }
+    }
+
     /// Finalises MPI (after every rank of this process is done); later calls fail.
     pub fn finish(&self) {
         drop(
@@ -176,6 +196,7 @@ fn serve(requests: Receiver<Request>, place_tx: Sender<Result<MpiPlace, String>>
         hosts: hosts as usize,
     }));
     let root = world.process_at_rank(0);
+    let mut tp: Option<SimpleCommunicator> = None;
     for request in requests {
         match request {
             Request::Sum(data, reply) => {
@@ -193,13 +214,99 @@ fn serve(requests: Receiver<Request>, place_tx: Sender<Result<MpiPlace, String>>
                 world.all_gather_into(&value, &mut all[..]);
                 let _ = reply.send(all);
             }
+            Request::SplitTp(size, reply) => {
+                tp = world.split_by_color(Color::with_value((process / size) as i32));
+                let _ = reply.send(());
+            }
+            Request::TpGather(data, reply) => {
+                let group = tp
+                    .as_ref()
+                    .expect("the tensor-parallel groups are split first");
+                let _ = reply.send(gather_varcount(group, &data));
+            }
             Request::Abort(reason) => {
                 eprintln!("burn-rlhf: MPI process {process}: {reason}; stopping the job");
                 world.abort(1);
             }
         }
     }
+    // Freed before MPI_Finalize (see `host`).
+    drop(tp);
     drop(universe);
+}
+
+/// Every member's `mine` (lengths may differ), in member order.
+fn gather_varcount(group: &SimpleCommunicator, mine: &[f32]) -> Vec<Vec<f32>> {
+    let mut counts = vec![0 as Count; group.size() as usize];
+    group.all_gather_into(&(mine.len() as Count), &mut counts[..]);
+    let displs: Vec<Count> = counts
+        .iter()
+        .scan(0, |at, &c| {
+            let d = *at;
+            *at += c;
+            Some(d)
+        })
+        .collect();
+    let mut all = vec![0.0f32; counts.iter().sum::<Count>() as usize];
+    group.all_gather_varcount_into(
+        mine,
+        &mut PartitionMut::new(&mut all[..], &counts[..], &displs[..]),
+    );
+    counts
+        .iter()
+        .zip(&displs)
+        .map(|(&c, &d)| all[d as usize..(d + c) as usize].to_vec())
+        .collect()
+}
+
+/// A tensor-parallel group of consecutive processes with one device each (one process per GPU,
+/// as `mpirun` and `srun` place them): its exchanges go through MPI's thread like the sums.
+pub struct MpiTpRank {
+    process: Arc<MpiProcess>,
+    size: usize,
+}
+
+impl MpiTpRank {
+    /// This process's handle on its group of `size` consecutive processes; every process calls
+    /// it at the same point of the run (it splits MPI's communicator).
+    pub fn group(process: &Arc<MpiProcess>, size: usize) -> Result<TpGroup, DistributedError> {
+        let (tx, rx) = mpsc::channel();
+        process.send(Request::SplitTp(size, tx))?;
+        rx.recv().map_err(|_| {
+            transport("the MPI thread stopped while splitting tensor-parallel groups".into())
+        })?;
+        Ok(TpGroup::new(Arc::new(Self {
+            process: process.clone(),
+            size,
+        })))
+    }
+}
+
+impl TpComm for MpiTpRank {
+    fn rank(&self) -> usize {
+        self.process.place.process % self.size
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn all_gather(&self, mine: Vec<f32>) -> Result<Vec<Vec<f32>>, String> {
+        let (tx, rx) = mpsc::channel();
+        self.process
+            .send(Request::TpGather(mine, tx))
+            .map_err(|e| e.to_string())?;
+        rx.recv()
+            .map_err(|_| "the MPI thread stopped during a tensor-parallel exchange".to_string())
+    }
+
+    fn abort(&self, reason: &str) {
+        self.process.abort(&format!(
+            "process {} (tensor-parallel rank {}) failed: {reason}",
+            self.process.place.process,
+            self.rank()
+        ))
+    }
 }
 
 /// Where the device threads of a process meet for each sum.
@@ -306,15 +413,8 @@ impl Collective for MpiRank {
     }
 
     fn abort(&self, reason: &str) {
-        let reason = format!("rank {} failed: {reason}", self.rank());
-        if self.process.send(Request::Abort(reason.clone())).is_err() {
-            eprintln!("burn-rlhf: {reason}");
-            std::process::exit(1);
-        }
-        // MPI_Abort ends this process; wait for it rather than return into a half-stopped run.
-        loop {
-            std::thread::park();
-        }
+        self.process
+            .abort(&format!("rank {} failed: {reason}", self.rank()))
     }
 
     fn as_any(&self) -> &dyn std::any::Any {

@@ -17,7 +17,7 @@ use super::fit::RunOutputs;
 use super::learner::Learner;
 use crate::config::Settings;
 #[cfg(feature = "mpi")]
-use crate::distributed::mpi::{MpiProcess, MpiRank};
+use crate::distributed::mpi::{MpiProcess, MpiRank, MpiTpRank};
 use crate::distributed::{
     AbortFlag, BurnCollective, Collective, DataParallel, DistributedError, Solo, Subgroup,
 };
@@ -193,10 +193,7 @@ pub(crate) fn run_ranks<B: LearnerBackend, T: Send + 'static>(
     if group.processes == 1 && local > 1 {
         BurnCollective::<B::InnerBackend>::reset_group();
     }
-    // A replica's tensor-parallel ranks are consecutive devices of one process.
-    let mut tp_groups: Vec<TpGroup> = (0..local / group.tp.max(1))
-        .flat_map(|_| LocalTpGroup::group(group.tp))
-        .collect();
+    let mut tp_groups = group.tp_groups(local, &node.processes)?;
     let body = Arc::new(body);
     let (tx, rx) = mpsc::channel::<(usize, Result<T, TrainError>)>();
     let mut handles = Vec::with_capacity(local);
@@ -332,16 +329,7 @@ impl GroupPlan {
     /// Each local rank's way to join, in device order: none alone, MPI across processes,
     /// burn-collective across the devices of one process.
     fn joins(&self, local: usize, processes: &Processes) -> Result<Vec<Join>, TrainError> {
-        if !local.is_multiple_of(self.tp) {
-            return Err(TrainError::config(
-                "actor_rollout_ref.actor.megatron.tensor_model_parallel_size",
-                format!(
-                    "a tensor-parallel group of {} runs in one process, which has {local} \
-                     device(s): give each process a multiple of it",
-                    self.tp
-                ),
-            ));
-        }
+        self.check_tp_layout(local, processes)?;
         Ok(match processes {
             // One replica: its ranks exchange only within their tensor-parallel group.
             _ if self.world == self.tp => (0..local).map(|_| Join::Solo).collect(),
@@ -354,6 +342,59 @@ impl GroupPlan {
                 .map(Join::Mpi)
                 .collect(),
         })
+    }
+
+    /// A tensor-parallel group is consecutive devices of one process, or consecutive MPI
+    /// processes of one device each (one process per GPU).
+    fn check_tp_layout(&self, local: usize, processes: &Processes) -> Result<(), TrainError> {
+        let key = "actor_rollout_ref.actor.megatron.tensor_model_parallel_size";
+        let spans_processes = self.tp > local;
+        if !spans_processes && local.is_multiple_of(self.tp) {
+            return Ok(());
+        }
+        if spans_processes && matches!(processes, Processes::Alone) {
+            return Err(TrainError::config(
+                key,
+                format!(
+                    "a tensor-parallel group of {} needs that many devices in this process (it \
+                     has {local}), or that many MPI processes",
+                    self.tp
+                ),
+            ));
+        }
+        if !spans_processes || local != 1 || !self.processes.is_multiple_of(self.tp) {
+            return Err(TrainError::config(
+                key,
+                format!(
+                    "a tensor-parallel group of {} is either in one process (give each a \
+                     multiple of it; this one has {local} device(s)) or spans that many MPI \
+                     processes of one device each ({} process(es) of {local} here)",
+                    self.tp, self.processes
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// This process's devices' tensor-parallel groups, in device order (none without tensor
+    /// parallelism).
+    fn tp_groups(&self, local: usize, processes: &Processes) -> Result<Vec<TpGroup>, TrainError> {
+        if self.tp == 1 {
+            return Ok(Vec::new());
+        }
+        if self.tp <= local {
+            return Ok((0..local / self.tp)
+                .flat_map(|_| LocalTpGroup::group(self.tp))
+                .collect());
+        }
+        match processes {
+            #[cfg(feature = "mpi")]
+            Processes::Mpi(process) => Ok(vec![MpiTpRank::group(process, self.tp)?]),
+            _ => Err(TrainError::config(
+                "actor_rollout_ref.actor.megatron.tensor_model_parallel_size",
+                "a tensor-parallel group across processes needs MPI",
+            )),
+        }
     }
 
     fn data_parallel(&self, collective: Arc<dyn Collective>) -> DataParallel {
@@ -474,4 +515,37 @@ fn collect<T>(
     }
     let (_, first) = results.swap_remove(0);
     first
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan(local: usize, tp: usize) -> GroupPlan {
+        GroupPlan {
+            tp,
+            ..GroupPlan::new(local, &NodeLaunch::single(Duration::from_secs(1))).unwrap()
+        }
+    }
+
+    #[test]
+    fn tensor_parallel_layouts_one_process_cannot_hold_are_refused_naming_the_key() {
+        let alone = Processes::Alone;
+        assert!(plan(4, 2).check_tp_layout(4, &alone).is_ok());
+        assert!(plan(2, 2).check_tp_layout(2, &alone).is_ok());
+        assert_eq!(plan(4, 2).tp_groups(4, &alone).unwrap().len(), 4);
+        for (local, tp, says) in [
+            (1, 2, "or that many MPI processes"),
+            (3, 2, "give each a multiple of it"),
+        ] {
+            let message = plan(local, tp)
+                .check_tp_layout(local, &alone)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                message.contains("tensor_model_parallel_size") && message.contains(says),
+                "{local} device(s), tp {tp}: {message}"
+            );
+        }
+    }
 }

@@ -647,6 +647,12 @@ mod processes {
 
     /// [`mpi_job_reproduces_one_process`] with `extra` overrides for the MPI job.
     fn mpi_job_of(name: &str, devices: usize, extra: &[&str]) {
+        mpi_job_of_processes(name, 2, devices, extra)
+    }
+
+    /// `burn-rlhf train` as one process with one device, then as an MPI job of `np` processes
+    /// with `devices` devices each and `extra` overrides: same weights and metrics.
+    fn mpi_job_of_processes(name: &str, np: usize, devices: usize, extra: &[&str]) {
         let dir = temp_dir(name);
         let (model, data) = cli_assets(&dir);
         let single = dir.join("single");
@@ -658,12 +664,12 @@ mod processes {
         assert!(status.success());
         let multi = dir.join("multi");
         let mut args = cli_args(&model, &data, &multi, STEPS);
-        args.push(format!("trainer.n_gpus_per_node={}", 2 * devices));
+        args.push(format!("trainer.n_gpus_per_node={}", np * devices));
         args.extend(extra.iter().map(|e| e.to_string()));
-        let (ok, err) = wait_bounded(mpirun(2, &args), Duration::from_secs(300));
+        let (ok, err) = wait_bounded(mpirun(np, &args), Duration::from_secs(300));
         assert!(ok, "the MPI job failed or ran past 300 s:\n{err}");
         let step = format!("global_step_{STEPS}");
-        let what = format!("2 MPI processes x {devices} device(s) {extra:?} vs 1");
+        let what = format!("{np} MPI processes x {devices} device(s) {extra:?} vs 1");
         assert_same_weights(&single.join(&step), &multi.join(&step), &what);
         assert_same_metrics(&single.join(&step), &multi.join(&step), &what);
     }
@@ -680,6 +686,30 @@ mod processes {
         mpi_job_of(
             "dp-mpi-tp",
             2,
+            &["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"],
+        );
+    }
+
+    /// One process per device (as on GPU hosts): a tensor-parallel pair spans two processes,
+    /// its exchanges through MPI.
+    #[test]
+    fn a_tensor_parallel_pair_across_two_mpi_processes_reproduces_one_process() {
+        mpi_job_of_processes(
+            "dp-mpi-tp-across",
+            2,
+            1,
+            &["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"],
+        );
+    }
+
+    /// Four processes of one device: two replicas of a pair that spans two processes, the
+    /// replicas' ranks at each place a data-parallel group through MPI.
+    #[test]
+    fn two_replicas_of_a_tensor_parallel_pair_across_four_mpi_processes_reproduce_one_process() {
+        mpi_job_of_processes(
+            "dp-mpi-tp-across-2x2",
+            4,
+            1,
             &["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"],
         );
     }
