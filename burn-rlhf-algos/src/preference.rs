@@ -1,4 +1,5 @@
-//! Preference losses: SPIN's online DPO and SPPO (verl's former in-tree recipes).
+//! Preference losses: SPIN's online DPO and SPPO (verl's former in-tree recipes), and the
+//! Bradley-Terry loss reward models are trained with (TRL's `RewardTrainer`).
 
 use burn::tensor::activation::log_sigmoid;
 use burn::tensor::backend::Backend;
@@ -30,6 +31,62 @@ pub fn online_dpo_loss<B: Backend>(
     let logits = (policy_chosen_logps - policy_rejected_logps)
         - (reference_chosen_logps - reference_rejected_logps);
     dpo_pair_losses(logits, beta, label_smoothing, loss_type).mean()
+}
+
+/// The Bradley-Terry loss of each preference pair, as TRL's `RewardTrainer` computes it:
+/// `-log σ(r_c - r_r - m) + c (r_c + r_r)²`, with `m` the pair's margin (none: 0) and `c` TRL's
+/// `center_rewards_coefficient` (none: 0), which pulls the rewards towards zero. TRL's loss is the
+/// mean over the pairs ([`bradley_terry_loss`]); a trainer that splits a batch sums these and
+/// divides by the batch's pairs.
+///
+/// Shapes: rewards_chosen, rewards_rejected, margin `[N]` → `[N]`.
+pub fn bradley_terry_pair_losses<B: Backend>(
+    rewards_chosen: Tensor<B, 1>,
+    rewards_rejected: Tensor<B, 1>,
+    margin: Option<Tensor<B, 1>>,
+    center_rewards_coefficient: Option<f64>,
+) -> Tensor<B, 1> {
+    let diff = rewards_chosen.clone() - rewards_rejected.clone();
+    let diff = match margin {
+        Some(m) => diff - m,
+        None => diff,
+    };
+    let loss = log_sigmoid(diff).neg();
+    match center_rewards_coefficient {
+        Some(c) => loss + (rewards_chosen + rewards_rejected).square() * c,
+        None => loss,
+    }
+}
+
+/// The mean of [`bradley_terry_pair_losses`]: TRL's `RewardTrainer` loss of one batch.
+///
+/// Shapes: rewards_chosen, rewards_rejected, margin `[N]` → `[1]`.
+pub fn bradley_terry_loss<B: Backend>(
+    rewards_chosen: Tensor<B, 1>,
+    rewards_rejected: Tensor<B, 1>,
+    margin: Option<Tensor<B, 1>>,
+    center_rewards_coefficient: Option<f64>,
+) -> Tensor<B, 1> {
+    bradley_terry_pair_losses(
+        rewards_chosen,
+        rewards_rejected,
+        margin,
+        center_rewards_coefficient,
+    )
+    .mean()
+}
+
+/// What TRL's `RewardTrainer` reports of a batch of pairs: the share where the chosen side scores
+/// strictly higher (`accuracy`) and the mean of `r_c - r_r` (`margin`, the data's margins not
+/// subtracted), summed in f64.
+pub fn reward_pair_stats(rewards_chosen: &[f32], rewards_rejected: &[f32]) -> (f64, f64) {
+    let n = rewards_chosen.len().max(1) as f64;
+    let (mut right, mut margin) = (0.0, 0.0);
+    for (&c, &r) in rewards_chosen.iter().zip(rewards_rejected) {
+        right += f64::from(u8::from(c > r));
+        margin += f64::from(c) - f64::from(r);
+    }
+    (right / n, margin / n)
 }
 
 /// The DPO loss of each pair from its margin `h` (see [`online_dpo_loss`]).

@@ -1,6 +1,7 @@
 //! Every fixture in `$RLHF_FIXTURES_DIR/algos`: verl 0.9.1's own inputs, outputs and gradients,
 //! recomputed in f32 through this crate's public API (the registry's trait objects for estimators
-//! and losses) and compared within each file's tolerance.
+//! and losses) and compared within each file's tolerance; and likewise TRL's reward-model loss
+//! (`trl/`).
 //!
 //! The test fails on an unknown kind or name, on an output or gradient it cannot produce, on an
 //! empty or missing directory, and lists every mismatch.
@@ -13,7 +14,10 @@ use burn::tensor::{Int, Tensor, TensorData};
 use burn_rlhf_algos::functional::{entropy_and_logprobs, masked_whiten, to_vec};
 use burn_rlhf_algos::kl::{kl_penalty, AdaptiveKlController, KlController};
 use burn_rlhf_algos::policy_loss::BypassLossType;
-use burn_rlhf_algos::preference::{online_dpo_loss, sppo_centered_rewards, sppo_loss, DpoLossType};
+use burn_rlhf_algos::preference::{
+    bradley_terry_loss, online_dpo_loss, reward_pair_stats, sppo_centered_rewards, sppo_loss,
+    DpoLossType,
+};
 use burn_rlhf_algos::rollout_correction::RolloutCorrection;
 use burn_rlhf_algos::{
     agg_loss, value_loss, AdvantageInput, EstimatorParams, GlobalBatchInfo, KlPenalty, LossAggMode,
@@ -485,6 +489,30 @@ fn compute(case: &Case) -> Result<Ours, String> {
             }
             other => return Err(format!("unknown preference_loss `{other}`")),
         },
+        "reward_loss" => {
+            if case.name != "bradley_terry" {
+                return Err(format!("unknown reward_loss `{}`", case.name));
+            }
+            let chosen = case.input("rewards_chosen")?.t1().require_grad();
+            let rejected = case.input("rewards_rejected")?.t1().require_grad();
+            let margin = case.inputs.get("margin").map(Fx::t1);
+            let loss = bradley_terry_loss(
+                chosen.clone(),
+                rejected.clone(),
+                margin,
+                case.f("center_rewards_coefficient"),
+            );
+            let grads = loss.backward();
+            ours.grad("rewards_chosen", &chosen, &grads)?;
+            ours.grad("rewards_rejected", &rejected, &grads)?;
+            ours.out("loss", loss);
+            let (accuracy, margin) = reward_pair_stats(
+                &case.input("rewards_chosen")?.f32s(),
+                &case.input("rewards_rejected")?.f32s(),
+            );
+            ours.scalar("accuracy", accuracy);
+            ours.scalar("margin", margin);
+        }
         "rollout_correction" => {
             if case.name != "rollout_correction" {
                 return Err(format!("unknown rollout_correction case `{}`", case.name));
@@ -533,7 +561,7 @@ fn compare(what: &str, theirs: &Fx, ours: &[f64], atol: f64, rtol: f64) -> Resul
     match worst {
         None => Ok(()),
         Some((i, r, o)) => Err(format!(
-            "{what}[{i}]: verl {r}, ours {o} (|diff| {:.3e} > atol {atol} + rtol {rtol})",
+            "{what}[{i}]: reference {r}, ours {o} (|diff| {:.3e} > atol {atol} + rtol {rtol})",
             (o - r).abs()
         )),
     }
@@ -577,8 +605,19 @@ fn check(path: &Path) -> Result<(), String> {
 
 #[test]
 fn verl_fixtures() {
-    let dir = burn_rlhf_test_assets::fixtures_subdir("algos");
-    let files = burn_rlhf_test_assets::files_with_ext(&dir, ".json");
+    check_folder(&burn_rlhf_test_assets::fixtures_subdir("algos"), "verl");
+}
+
+/// TRL's `RewardTrainer` loss (`tests/fixtures/gen/trl_reward_loss.py`): the fixture set's `trl/`,
+/// or the repository's own when that set has none.
+#[test]
+fn trl_fixtures() {
+    check_folder(&burn_rlhf_test_assets::fixtures_subdir_or_own("trl"), "TRL");
+}
+
+/// Every fixture file in `dir`, each listed when it fails.
+fn check_folder(dir: &Path, reference: &str) {
+    let files = burn_rlhf_test_assets::files_with_ext(dir, ".json");
     let mut failures = Vec::new();
     for file in &files {
         if let Err(e) = check(file) {
@@ -589,7 +628,7 @@ fn verl_fixtures() {
         }
     }
     let passed = files.len() - failures.len();
-    println!("verl fixtures: {passed} passed");
+    println!("{reference} fixtures: {passed} passed");
     assert!(
         failures.is_empty(),
         "{} of {} fixtures failed:\n{}",

@@ -366,10 +366,7 @@ fn fixture_models_match_transformers() {
 /// the repository's own.
 #[test]
 fn gguf_fixtures_match_transformers() {
-    let mut root = burn_rlhf_test_assets::fixtures_dir().join("gguf");
-    if !root.is_dir() {
-        root = burn_rlhf_test_assets::repo_root().join("tests/fixtures/gguf");
-    }
+    let root = burn_rlhf_test_assets::fixtures_subdir_or_own("gguf");
     check_model_folders(&root, "GGUF fixtures", |dir| {
         assert!(
             !dir.join("config.json").exists(),

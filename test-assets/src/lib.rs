@@ -59,6 +59,24 @@ pub fn fixtures_subdir(name: &str) -> PathBuf {
     dir
 }
 
+/// A fixture sub-folder that is this repository's addition to the shared schema (`gguf`,
+/// `metrics`, `reward_models`, `trl`): the fixture set's own when it has one, else the
+/// repository's. Panics when the folder found is missing or empty.
+pub fn fixtures_subdir_or_own(name: &str) -> PathBuf {
+    let dir = fixtures_dir().join(name);
+    let dir = if dir.is_dir() {
+        dir
+    } else {
+        repo_root().join("tests/fixtures").join(name)
+    };
+    assert!(
+        is_nonempty_dir(&dir),
+        "fixture directory {} is missing or empty",
+        dir.display()
+    );
+    dir
+}
+
 /// The files in `dir` whose name ends with `ext`, sorted. Panics when there are none.
 pub fn files_with_ext(dir: &Path, ext: &str) -> Vec<PathBuf> {
     let mut files: Vec<PathBuf> = std::fs::read_dir(dir)

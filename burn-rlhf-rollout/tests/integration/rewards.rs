@@ -37,12 +37,7 @@ fn gsm8k_rewards_equal_verls() {
 /// `metrics/` of `RLHF_FIXTURES_DIR`, or the repository's own when that set has none (the
 /// validation-metric fixtures are this repository's addition to the shared schema).
 fn metrics_fixtures() -> std::path::PathBuf {
-    let dir = burn_rlhf_test_assets::fixtures_dir().join("metrics");
-    if dir.is_dir() {
-        dir
-    } else {
-        burn_rlhf_test_assets::repo_root().join("tests/fixtures/metrics")
-    }
+    burn_rlhf_test_assets::fixtures_subdir_or_own("metrics")
 }
 
 /// verl's `process_validation_metrics` (bootstrapped best/worst/maj included) and its `val-core`
