@@ -624,8 +624,8 @@ impl<B: Backend> CausalLm<B> {
     }
 }
 
-/// The value head's initialisation: normal(0, 0.02) weight and zero bias, as HF initialises a new
-/// `score` layer (`initializer_range`).
+/// A new `score` head's initialisation: normal(0, 0.02) weight and zero bias, as HF initialises a
+/// new `score` layer (`initializer_range`).
 fn init_value_head<B: Backend>(hidden: usize, bias: bool, device: &B::Device) -> Linear<B> {
     let weight = Tensor::random([hidden, 1], Distribution::Normal(0.0, 0.02), device);
     let mut l = LinearConfig::new(hidden, 1).with_bias(bias).init(device);
@@ -661,6 +661,70 @@ impl<B: Backend> ValueModel<B> {
         Self {
             model: c.init(device),
             score: init_value_head(c.hidden_size, true, device),
+        }
+    }
+
+    /// Every tensor under HF names (`model.*` and `score.*`).
+    pub fn export(&self) -> BTreeMap<String, HostTensor> {
+        let mut out = BTreeMap::new();
+        self.model.export(&mut out);
+        export_linear(&LoraLinear::new(self.score.clone()), "score", &mut out);
+        out
+    }
+}
+
+impl<B: Backend> RewardModel<B> {
+    /// The reward model of a checkpoint: a `*ForSequenceClassification` one (`score.weight`
+    /// `[1, hidden]`, a bias if it has one), or with `new_head` an LM checkpoint (its LM head
+    /// dropped, a score head initialised as transformers initialises one: TRL's way to start a
+    /// reward model from an SFT model). Without `new_head`, a checkpoint without a score head is
+    /// refused as not a reward model, and a head of several labels as another kind of classifier.
+    pub fn from_weights(
+        c: &TransformerConfig,
+        mut w: WeightMap,
+        new_head: bool,
+        device: &B::Device,
+    ) -> Result<Self, ModelError> {
+        let kind = |message: String, w: &WeightMap| ModelError::Kind {
+            source_desc: w.source().to_string(),
+            message,
+        };
+        let score =
+            match w.shape("score.weight").map(<[usize]>::to_vec) {
+                Some(shape) if shape.len() == 2 && shape[0] != 1 => {
+                    return Err(kind(
+                        format!(
+                        "its score head has {} labels (`score.weight` {shape:?}); a reward model \
+                         has one",
+                        shape[0]
+                    ),
+                        &w,
+                    ))
+                }
+                Some(_) => {
+                    let bias = w.contains("score.bias");
+                    linear(&mut w, "score", c.hidden_size, 1, bias, device)?
+                }
+                None if new_head => init_value_head(c.hidden_size, false, device),
+                None => return Err(kind(
+                    "no score head (`score.weight`): not a reward model; a reward model is an HF \
+                     `*ForSequenceClassification` checkpoint with one label, as `burn-rlhf rm` \
+                     writes"
+                        .into(),
+                    &w,
+                )),
+            };
+        let model = Transformer::from_weights(c, &mut w, device)?;
+        w.take_optional("lm_head.weight", &[c.vocab_size, c.hidden_size])?;
+        w.finish()?;
+        Ok(Self { model, score })
+    }
+
+    /// A randomly initialised reward model.
+    pub fn init(c: &TransformerConfig, device: &B::Device) -> Self {
+        Self {
+            model: c.init(device),
+            score: init_value_head(c.hidden_size, false, device),
         }
     }
 

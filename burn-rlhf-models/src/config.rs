@@ -95,6 +95,11 @@ impl ModelType {
         format!("{}ForTokenClassification", self.class_prefix())
     }
 
+    /// The class transformers loads a reward model with (`Qwen2ForSequenceClassification`).
+    pub fn sequence_classification_class(self) -> String {
+        format!("{}ForSequenceClassification", self.class_prefix())
+    }
+
     /// Whether each attention head's queries and keys are RMS-normalised before the rotation.
     pub fn qk_norm(self) -> bool {
         matches!(self, Self::Qwen3 | Self::Gemma3Text | Self::Qwen3Moe)

@@ -74,6 +74,15 @@ pub enum ModelError {
         /// What went wrong.
         message: String,
     },
+    /// A checkpoint that is not the kind of model asked for (a reward model without its score
+    /// head, or with several labels).
+    #[error("{source_desc}: {message}")]
+    Kind {
+        /// The checkpoint (file or folder).
+        source_desc: String,
+        /// What it is, and what was asked for.
+        message: String,
+    },
     /// A model that cannot be split over the tensor-parallel ranks asked for.
     #[error("tensor parallelism over {size} ranks: {message}")]
     TensorParallel {

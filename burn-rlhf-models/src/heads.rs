@@ -1,5 +1,6 @@
 //! The heads on the decoder: the causal LM (its LM head, tied or not, and under tensor
-//! parallelism its share of the vocabulary) and the critic's value head.
+//! parallelism its share of the vocabulary), the critic's value head and a reward model's score
+//! head.
 
 use burn::module::{Module, Param};
 use burn::nn::Linear;
@@ -201,5 +202,84 @@ impl<B: Backend> ValueModel<B> {
     /// The model with every weight cast to `dtype` (see [`cast_weights`]).
     pub fn cast(self, dtype: FloatDType) -> Self {
         cast_weights(self, dtype)
+    }
+}
+
+/// A reward model: the decoder and a `Linear(hidden, 1)` score head without bias (HF
+/// `*ForSequenceClassification` with one label), one score per sequence read where transformers
+/// reads it ([`score_positions`]).
+#[derive(Module, Debug)]
+pub struct RewardModel<B: Backend> {
+    /// The decoder.
+    pub model: Transformer<B>,
+    /// `[hidden] → [1]`.
+    pub score: Linear<B>,
+}
+
+impl<B: DecoderBackend> RewardModel<B> {
+    /// The score of each row, read at `positions` (one per row, from [`score_positions`]), in
+    /// f32. Only those positions' hidden states meet the score head. Shapes: input_ids `[B, L]`,
+    /// host rows `B x L` → `[B]`.
+    pub fn forward_rows(
+        &self,
+        input_ids: Tensor<B, 2, Int>,
+        attention_mask: &[Vec<i64>],
+        position_ids: &[Vec<i64>],
+        positions: &[usize],
+    ) -> Tensor<B, 1> {
+        let device = input_ids.device();
+        let [b, l] = input_ids.dims();
+        let hidden = self
+            .model
+            .forward_rows(input_ids, attention_mask, position_ids, None);
+        let h = hidden.dims()[2];
+        let flat: Vec<i64> = positions
+            .iter()
+            .enumerate()
+            .map(|(r, &p)| (r * l + p) as i64)
+            .collect();
+        let picked = hidden
+            .reshape([b * l, h])
+            .select(0, Tensor::from_data(TensorData::new(flat, [b]), &device));
+        self.score.forward(picked).reshape([b]).cast(DType::F32)
+    }
+}
+
+impl<B: Backend> RewardModel<B> {
+    /// The model with every weight cast to `dtype` (see [`cast_weights`]).
+    pub fn cast(self, dtype: FloatDType) -> Self {
+        cast_weights(self, dtype)
+    }
+}
+
+/// Where transformers' `*ForSequenceClassification` reads each row's score: the rightmost
+/// position whose id is not `pad_token_id` (whatever the attention mask says, so a sequence whose
+/// own tokens end with the pad id, as a tokenizer whose pad is its EOS gives, is read before
+/// them; position 0 when every id is the pad id), or the last position when the model has no
+/// pad id. Shapes: `B` rows of `L` ids → `B` positions.
+pub fn score_positions(input_ids: &[Vec<u32>], pad_token_id: Option<u32>) -> Vec<usize> {
+    input_ids
+        .iter()
+        .map(|row| match pad_token_id {
+            Some(pad) => row.iter().rposition(|&t| t != pad).unwrap_or(0),
+            None => row.len().saturating_sub(1),
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::score_positions;
+
+    #[test]
+    fn scores_are_read_at_the_rightmost_token_that_is_not_the_pad_id() {
+        let rows = vec![
+            vec![5, 6, 7, 0, 0],
+            vec![0, 0, 5, 6, 7],
+            vec![5, 0, 6, 0, 0],
+            vec![0, 0, 0, 0, 0],
+        ];
+        assert_eq!(score_positions(&rows, Some(0)), vec![2, 4, 2, 0]);
+        assert_eq!(score_positions(&rows, None), vec![4; 4]);
     }
 }

@@ -1,5 +1,5 @@
 //! Burn-native Qwen2/Llama decoders for burn-rlhf: the same numbers as HF transformers on the same
-//! weights, with LM and value heads, loading from HF folders, hub ids and GGUF files,
+//! weights, with LM, value and reward heads, loading from HF folders, hub ids and GGUF files,
 //! saving in the HF layout, LoRA adapters, the tokenizer and the chat template.
 //!
 //! ```no_run
@@ -33,7 +33,7 @@ pub mod weights;
 pub use cache::KvCache;
 pub use config::{Activation, LayerAttention, LocalRope, ModelType, MoeConfig, TransformerConfig};
 pub use error::ModelError;
-pub use heads::{cast_weights, CausalLm, ValueModel};
+pub use heads::{cast_weights, score_positions, CausalLm, RewardModel, ValueModel};
 pub use hf_config::HfConfig;
 pub use kernels::DecoderBackend;
 pub use lora::LoraConfig;

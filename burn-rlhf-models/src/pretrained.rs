@@ -11,7 +11,7 @@ use serde_json::{json, Value};
 use crate::config::TransformerConfig;
 use crate::error::ModelError;
 use crate::gguf::GgufFile;
-use crate::heads::{CausalLm, ValueModel};
+use crate::heads::{CausalLm, RewardModel, ValueModel};
 use crate::tokenizer::Tokenizer;
 use crate::weights::{write_safetensors, HostTensor, WeightMap};
 
@@ -316,6 +316,16 @@ impl Pretrained {
     /// The critic, from a saved critic or an LM checkpoint.
     pub fn value_model<B: Backend>(self, device: &B::Device) -> Result<ValueModel<B>, ModelError> {
         ValueModel::from_weights(&self.config, self.weights, device)
+    }
+
+    /// The reward model of a `*ForSequenceClassification` checkpoint, or with `new_head` of an LM
+    /// checkpoint (see [`RewardModel::from_weights`]).
+    pub fn reward_model<B: Backend>(
+        self,
+        new_head: bool,
+        device: &B::Device,
+    ) -> Result<RewardModel<B>, ModelError> {
+        RewardModel::from_weights(&self.config, self.weights, new_head, device)
     }
 }
 

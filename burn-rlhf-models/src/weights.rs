@@ -39,6 +39,16 @@ impl WeightMap {
         }
     }
 
+    /// What the map was read from, for messages.
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
+    /// The shape of `name`, when present (and not yet taken).
+    pub fn shape(&self, name: &str) -> Option<&[usize]> {
+        self.tensors.get(name).map(|t| t.shape.as_slice())
+    }
+
     /// Adds a tensor.
     pub fn insert(&mut self, name: impl Into<String>, tensor: HostTensor) {
         self.tensors.insert(name.into(), tensor);

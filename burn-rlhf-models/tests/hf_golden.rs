@@ -9,7 +9,8 @@ use burn::backend::Flex;
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_rlhf_models::{
-    load_pretrained, CausalLm, ChatMessage, KvCache, RopeScaling, TransformerConfig,
+    load_pretrained, save_pretrained, score_positions, CausalLm, ChatMessage, KvCache, RewardModel,
+    RopeScaling, TransformerConfig,
 };
 use serde_json::Value;
 
@@ -374,6 +375,112 @@ fn gguf_fixtures_match_transformers() {
             dir.display()
         );
     });
+}
+
+/// The rows of a golden `[B, L]` tensor.
+fn rows<T>(shape: &[usize], data: &[f64], cast: impl Fn(f64) -> T) -> Vec<Vec<T>> {
+    data.chunks(shape[1])
+        .map(|r| r.iter().map(|&x| cast(x)).collect())
+        .collect()
+}
+
+/// A reward model's scores on every golden case, within its tolerance; the model saved as an HF
+/// `*ForSequenceClassification` folder and loaded back scores the same.
+fn check_reward_model(dir: &Path) -> Result<(), String> {
+    let golden = read_golden(&dir.join("golden.json"));
+    let device = Default::default();
+    let pretrained = load_pretrained(&dir.display().to_string()).map_err(|e| e.to_string())?;
+    let config = pretrained.config.clone();
+    let model: RewardModel<B> = pretrained
+        .reward_model(false, &device)
+        .map_err(|e| e.to_string())?;
+    let saved = std::env::temp_dir().join(format!(
+        "burn-rlhf-rm-{}-{}",
+        std::process::id(),
+        dir.file_name().unwrap().to_string_lossy()
+    ));
+    let arch = config.model_type.sequence_classification_class();
+    save_pretrained(&saved, &config, &model.export(), Some(&arch), None)
+        .map_err(|e| e.to_string())?;
+    let reloaded: RewardModel<B> = load_pretrained(&saved.display().to_string())
+        .and_then(|p| p.reward_model(false, &device))
+        .map_err(|e| e.to_string())?;
+    std::fs::remove_dir_all(&saved).ok();
+    for (c, case) in golden.cases.iter().enumerate() {
+        let (shape, ids) = tensor(case, "input_ids");
+        let mask = rows(&shape, &tensor(case, "attention_mask").1, |x| x as i64);
+        let pos = rows(&shape, &tensor(case, "position_ids").1, |x| x as i64);
+        let at = score_positions(&rows(&shape, &ids, |x| x as u32), config.pad_token_id);
+        let (_, want) = tensor(case, "scores");
+        for (which, m) in [("loaded", &model), ("saved and reloaded", &reloaded)] {
+            let got: Vec<f32> = m
+                .forward_rows(int2(&shape, &ids), &mask, &pos, &at)
+                .into_data()
+                .iter::<f32>()
+                .collect();
+            for (r, (&g, &w)) in got.iter().zip(&want).enumerate() {
+                if !close(g as f64, w, golden.atol, golden.rtol) {
+                    return Err(format!(
+                        "case {c} row {r} ({which}): score {g}, transformers {w}"
+                    ));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Tiny `*ForSequenceClassification` reward models (`gen/hf_reward_model_goldens.py`): every
+/// row's score equals transformers', read at the rightmost token that is not the pad id, padded
+/// on either side; a fixture set without a `reward_models/` folder is checked against the
+/// repository's own.
+#[test]
+fn reward_models_match_transformers() {
+    let root = burn_rlhf_test_assets::fixtures_subdir_or_own("reward_models");
+    let mut dirs: Vec<_> = std::fs::read_dir(&root)
+        .unwrap_or_else(|e| panic!("cannot read {}: {e}", root.display()))
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.join("config.json").is_file())
+        .collect();
+    dirs.sort();
+    assert!(!dirs.is_empty(), "no reward models in {}", root.display());
+    let failures: Vec<String> = dirs
+        .iter()
+        .filter_map(|d| {
+            check_reward_model(d)
+                .err()
+                .map(|e| format!("{}: {e}", d.display()))
+        })
+        .collect();
+    println!(
+        "reward models: {} of {} passed",
+        dirs.len() - failures.len(),
+        dirs.len()
+    );
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// A causal LM is not a reward model unless asked to start one: without `new_head` its missing
+/// score head is refused naming the checkpoint; with it, the LM head is dropped for a new head.
+#[test]
+fn a_causal_lm_is_refused_as_a_reward_model_unless_starting_one() {
+    let dir = burn_rlhf_test_assets::fixture_models().remove(0);
+    let device = Default::default();
+    let err = load_pretrained(&dir.display().to_string())
+        .unwrap()
+        .reward_model::<B>(false, &device)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("no score head") && err.contains(&*dir.to_string_lossy()),
+        "{err}"
+    );
+    let started = load_pretrained(&dir.display().to_string())
+        .unwrap()
+        .reward_model::<B>(true, &device)
+        .unwrap();
+    assert!(started.score.bias.is_none());
+    assert!(!started.export().contains_key("lm_head.weight"));
 }
 
 #[test]
