@@ -2,6 +2,10 @@
 //! padded to `prompt_len`, responses right padded to `response_len`; the learner turns the fields
 //! it needs into tensors.
 
+use std::sync::Arc;
+
+use burn_rlhf_models::ChatMessage;
+
 use crate::error::RolloutError;
 use crate::generate::Sample;
 
@@ -34,6 +38,10 @@ pub struct RolloutBatch {
     /// differs from `response_mask` (rollout correction's rejection sampling). The model still
     /// attends to every response token.
     pub loss_mask: Option<Vec<f32>>,
+    /// Each row's prompt as chat messages (verl's `raw_prompt`), for a reward model that renders
+    /// the conversation with its own chat template; empty when the batch was not generated from
+    /// prompt records.
+    pub raw_prompt: Vec<Arc<[ChatMessage]>>,
 }
 
 impl RolloutBatch {
@@ -82,6 +90,13 @@ impl RolloutBatch {
             b.ground_truth.push(ground_truth[s.prompt_index].clone());
         }
         b
+    }
+
+    /// The batch with each row's prompt messages (`raw_prompt[r]` for row `r`).
+    pub fn with_raw_prompts(mut self, raw_prompt: Vec<Arc<[ChatMessage]>>) -> Self {
+        debug_assert_eq!(raw_prompt.len(), self.rows());
+        self.raw_prompt = raw_prompt;
+        self
     }
 
     /// The mask the losses and advantages use: `loss_mask` when set, else `response_mask`.
@@ -148,6 +163,10 @@ impl RolloutBatch {
             ground_truth: rows.iter().map(|&i| self.ground_truth[i].clone()).collect(),
             token_level_scores: self.token_level_scores.as_ref().map(|s| pick(s, r)),
             loss_mask: self.loss_mask.as_ref().map(|s| pick(s, r)),
+            raw_prompt: match self.raw_prompt.is_empty() {
+                true => Vec::new(),
+                false => rows.iter().map(|&i| self.raw_prompt[i].clone()).collect(),
+            },
         }
     }
 
@@ -217,6 +236,7 @@ impl RolloutBatch {
                 .loss_mask
                 .as_ref()
                 .map(|s| gather(s, rows, response_cols)),
+            raw_prompt: self.raw_prompt.clone(),
         }
     }
 
@@ -244,6 +264,9 @@ impl RolloutBatch {
             ..Default::default()
         };
         let with_loss_mask = parts.iter().any(|b| b.loss_mask.is_some());
+        let with_raw_prompts = parts
+            .iter()
+            .all(|b| b.rows() == 0 || b.raw_prompt.len() == b.rows());
         let (mut scores, mut loss_mask) = (Vec::new(), Vec::new());
         for b in parts {
             for row in 0..b.rows() {
@@ -303,6 +326,9 @@ impl RolloutBatch {
             out.group_ids.extend(b.group_ids.iter().cloned());
             out.data_source.extend(b.data_source.iter().cloned());
             out.ground_truth.extend(b.ground_truth.iter().cloned());
+            if with_raw_prompts {
+                out.raw_prompt.extend(b.raw_prompt.iter().cloned());
+            }
         }
         out.token_level_scores = with_scores.then_some(scores);
         out.loss_mask = with_loss_mask.then_some(loss_mask);
@@ -371,6 +397,22 @@ mod tests {
         assert_eq!(masked.select(&[1]).loss_mask(), &[1.0, 0.0, 1.0]);
         assert_eq!(masked.padded_to(3, 4, 0).trimmed(1), masked);
         assert_eq!(b.loss_mask(), &b.response_mask[..]);
+        let chat = |t: &str| -> Arc<[ChatMessage]> { vec![ChatMessage::user(t)].into() };
+        let with_chat = b
+            .clone()
+            .with_raw_prompts(vec![chat("a"), chat("a"), chat("b")]);
+        for size in 1..=3 {
+            let parts = with_chat.split(size).unwrap();
+            assert_eq!(RolloutBatch::concat(&parts, 0), with_chat, "split({size})");
+        }
+        assert_eq!(
+            with_chat.select(&[2, 0]).raw_prompt,
+            vec![chat("b"), chat("a")]
+        );
+        assert_eq!(with_chat.padded_to(5, 4, 0).trimmed(1), with_chat);
+        assert!(RolloutBatch::concat(&[with_chat, b.clone()], 0)
+            .raw_prompt
+            .is_empty());
         let bucketed = wide.select(&[0, 2]).trimmed(4);
         assert_eq!((bucketed.prompt_len, bucketed.response_len), (4, 4));
     }

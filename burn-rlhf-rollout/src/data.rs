@@ -91,7 +91,7 @@ struct Gsm8kLine {
 
 /// The non-empty lines of a jsonl file parsed as `T`, with their 1-based line numbers; a line
 /// that does not parse is an error naming the file and line (`what` says what was expected).
-fn json_lines<T: serde::de::DeserializeOwned>(
+pub(crate) fn json_lines<T: serde::de::DeserializeOwned>(
     path: &Path,
     what: &str,
 ) -> Result<Vec<(usize, T)>, RolloutError> {
@@ -143,7 +143,7 @@ pub fn read_gsm8k_jsonl(path: &Path, split: &str) -> Result<Vec<PromptRecord>, R
 }
 
 /// Reads a whole parquet file.
-fn read_frame(path: &Path) -> Result<DataFrame, RolloutError> {
+pub(crate) fn read_frame(path: &Path) -> Result<DataFrame, RolloutError> {
     let file = File::open(path).map_err(|e| RolloutError::Io {
         path: path.into(),
         source: e,
@@ -152,7 +152,7 @@ fn read_frame(path: &Path) -> Result<DataFrame, RolloutError> {
 }
 
 /// Column `name` of `df`; a missing column is an error naming it and the file.
-fn column(df: &DataFrame, path: &Path, name: &str) -> Result<Series, RolloutError> {
+pub(crate) fn column(df: &DataFrame, path: &Path, name: &str) -> Result<Series, RolloutError> {
     df.column(name)
         .map(|c| c.as_materialized_series().clone())
         .map_err(|_| RolloutError::Data {
@@ -185,7 +185,7 @@ fn polars_err(path: &Path) -> impl Fn(PolarsError) -> RolloutError + '_ {
     }
 }
 
-fn str_series(name: &str, values: impl Iterator<Item = String>) -> Series {
+pub(crate) fn str_series(name: &str, values: impl Iterator<Item = String>) -> Series {
     Series::new(name.into(), values.collect::<Vec<_>>())
 }
 

@@ -1,6 +1,6 @@
 //! Rollout for burn-rlhf: prompt datasets (GSM8K jsonl, verl parquet), prompt encoding, batched
-//! KV-cache generation with per-token log-probs, rewards, the typed [`RolloutBatch`], and
-//! validation metrics.
+//! KV-cache generation with per-token log-probs, rewards, the typed [`RolloutBatch`], validation
+//! metrics, and preference pairs for reward models.
 
 #![warn(missing_docs)]
 
@@ -11,6 +11,7 @@ mod error;
 pub mod generate;
 pub mod metrics;
 pub mod params;
+pub mod preference;
 pub mod reward;
 pub mod sample;
 

@@ -183,6 +183,7 @@ mod tests {
             ground_truth: vec!["1".into(); 2],
             token_level_scores: None,
             loss_mask: None,
+            raw_prompt: Vec::new(),
         };
         let scores = [0.0, 1.0, 0.0, 0.0, 0.0, 0.0];
         let adv = [1.0, 2.0, 100.0, 3.0, 4.0, 5.0];

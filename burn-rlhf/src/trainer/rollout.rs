@@ -4,6 +4,7 @@
 use crate::backend::LearnerBackend;
 use burn::module::AutodiffModule;
 use burn_rlhf_algos::dapo::{keep_groups_with_spread, overlong_penalty};
+use burn_rlhf_models::ChatMessage;
 use burn_rlhf_rollout::encode::encode_prompts;
 use burn_rlhf_rollout::generate::Sample;
 use burn_rlhf_rollout::reward::token_level_scores;
@@ -117,8 +118,16 @@ impl<B: LearnerBackend> Learner<B> {
         let group_ids: Vec<u64> = (first_group..).take(indices.len()).collect();
         let sources: Vec<String> = picked.iter().map(|r| r.data_source.clone()).collect();
         let truths: Vec<String> = picked.iter().map(|r| r.ground_truth.clone()).collect();
+        let raw: Vec<std::sync::Arc<[ChatMessage]>> =
+            picked.iter().map(|r| r.prompt.as_slice().into()).collect();
         let batch =
-            RolloutBatch::from_samples(&prompts, &samples, pad, &group_ids, &sources, &truths);
+            RolloutBatch::from_samples(&prompts, &samples, pad, &group_ids, &sources, &truths)
+                .with_raw_prompts(
+                    samples
+                        .iter()
+                        .map(|s| raw[s.prompt_index].clone())
+                        .collect(),
+                );
         Ok(self.bucketed(batch))
     }
 
