@@ -8,8 +8,10 @@
 //!    reward (verl's reference setup) and the shared `Learner` trains it further.
 //! 4. Held-out accuracy (greedy, on problems never trained on) is printed before and after RL;
 //!    metrics go to `<out>/metrics.jsonl`, the plot to `<out>/metrics.png`, checkpoints beside;
-//!    the SFT model (`<out>/sft_model`) and the data (`<out>/data/{train,test}.parquet`) are kept
-//!    for the CLI recipes in docs/recipes.md.
+//!    the SFT model (`<out>/sft_model`), the data (`<out>/data/{train,test}.parquet`) and
+//!    preference pairs (`<out>/data/preferences_{train,test}.jsonl`: the right sum preferred to a
+//!    wrong one) are kept for the CLI recipes in docs/recipes.md and the reward-model commands in
+//!    README.
 //!
 //! ```text
 //! cargo run --release --example quickstart [-- --out runs/quickstart --ppo-steps 200]
@@ -157,6 +159,12 @@ fn main() -> anyhow::Result<()> {
     )?;
     for (split, records) in [("train", &train), ("test", &test)] {
         write_parquet(&args.out.join(format!("data/{split}.parquet")), records)?;
+        // Preference pairs for `burn-rlhf rm` (README: reward models).
+        let pairs = tasks::preference_pairs(records, args.seed);
+        tasks::write_jsonl(
+            &args.out.join(format!("data/preferences_{split}.jsonl")),
+            &pairs,
+        )?;
     }
 
     // PPO: the critic starts from the SFT model's backbone with a fresh value head (as verl's).

@@ -170,6 +170,12 @@ impl Tokenizer {
         self.inner.get_vocab_size(true)
     }
 
+    /// Whether `other` maps every token to the same id (added tokens included): ids of one
+    /// mean the same text in the other.
+    pub fn same_vocabulary(&self, other: &Tokenizer) -> bool {
+        self.inner.get_vocab(true) == other.inner.get_vocab(true)
+    }
+
     /// The id of a token string.
     pub fn token_to_id(&self, token: &str) -> Option<u32> {
         self.inner.token_to_id(token)

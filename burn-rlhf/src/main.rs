@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use burn_rlhf::config::{config_to_ron, load_config};
+use burn_rlhf::config::{config_kind, config_to_ron, load_config, ConfigKind};
 use clap::{Parser, Subcommand};
 
 #[global_allocator]
@@ -54,6 +54,21 @@ enum Command {
     ///
     /// Example: `burn-rlhf sft configs/sft_gsm8k.ron data.train_batch_size=8`
     Sft {
+        /// The RON config file.
+        config: PathBuf,
+        /// `key.path=value` overrides, applied in order after the file.
+        overrides: Vec<String>,
+    },
+    /// Train a reward model on preference pairs (TRL's `RewardTrainer`): an HF
+    /// `*ForSequenceClassification` model with one label, started from a reward model or from a
+    /// causal LM (a new score head), the Bradley-Terry loss (`loss.center_rewards_coefficient`,
+    /// the data's margins), accuracy and margin on `data.val_files`; checkpoints are HF folders
+    /// that `reward_model.model.path` of a PPO run reads, and transformers loads as
+    /// `AutoModelForSequenceClassification`. Keys as `sft`'s, plus `data.chosen_key`,
+    /// `rejected_key`, `margin_key` and `loss.*`.
+    ///
+    /// Example: `burn-rlhf rm configs/rm_arithmetic.ron trainer.total_training_steps=50`
+    Rm {
         /// The RON config file.
         config: PathBuf,
         /// `key.path=value` overrides, applied in order after the file.
@@ -354,14 +369,14 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let cfg = SftConfig::load(&config, &overrides)?;
             cfg.validate(&config.display().to_string())?;
             let stop = burn_rlhf::trainer::stop_on_ctrl_c();
-            let out = burn_rlhf::trainer::sft::sft(&cfg, stop)?;
-            if let Some(v) = out.val_loss {
-                println!("validation loss: {v:.4}");
-            }
-            println!("checkpoint: {}", out.checkpoint.display());
-            if let Some(p) = &out.jsonl {
-                println!("metrics: {}", p.display());
-            }
+            report_supervised(&burn_rlhf::trainer::sft::sft(&cfg, stop)?);
+        }
+        Command::Rm { config, overrides } => {
+            use burn_rlhf::config::RmConfig;
+            let cfg = RmConfig::load(&config, &overrides)?;
+            cfg.validate(&config.display().to_string())?;
+            let stop = burn_rlhf::trainer::stop_on_ctrl_c();
+            report_supervised(&burn_rlhf::trainer::rm::rm(&cfg, stop)?);
         }
         Command::Eval { config, overrides } => {
             let metrics = burn_rlhf::trainer::commands::eval(checked_config(&config, &overrides)?)?;
@@ -424,11 +439,20 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             }
         }
         Command::Config(ConfigCommand::Show { config, overrides })
-            if burn_rlhf::config::is_sft_config(&config)? =>
+            if config_kind(&config)? == ConfigKind::Sft =>
         {
             let sft = burn_rlhf::config::SftConfig::load(&config, &overrides)?;
             println!("{}", ron::ser::to_string_pretty(&sft, Default::default())?);
             if let Err(e) = sft.validate(&origin(&config, &overrides)) {
+                eprintln!("warning: {e}");
+            }
+        }
+        Command::Config(ConfigCommand::Show { config, overrides })
+            if config_kind(&config)? == ConfigKind::RewardModel =>
+        {
+            let rm = burn_rlhf::config::RmConfig::load(&config, &overrides)?;
+            println!("{}", ron::ser::to_string_pretty(&rm, Default::default())?);
+            if let Err(e) = rm.validate(&origin(&config, &overrides)) {
                 eprintln!("warning: {e}");
             }
         }
@@ -441,12 +465,22 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             }
         }
         Command::Config(ConfigCommand::Validate { config, overrides })
-            if burn_rlhf::config::is_sft_config(&config)? =>
+            if config_kind(&config)? == ConfigKind::Sft =>
         {
             // An SFT config (a top-level `model`), checked against `burn-rlhf sft`'s schema.
             let sft = burn_rlhf::config::SftConfig::load(&config, &overrides)?;
             sft.validate(&origin(&config, &overrides))?;
             println!("{}: ok (an SFT config)", origin(&config, &overrides));
+        }
+        Command::Config(ConfigCommand::Validate { config, overrides })
+            if config_kind(&config)? == ConfigKind::RewardModel =>
+        {
+            let rm = burn_rlhf::config::RmConfig::load(&config, &overrides)?;
+            rm.validate(&origin(&config, &overrides))?;
+            println!(
+                "{}: ok (a reward-model config)",
+                origin(&config, &overrides)
+            );
         }
         Command::Config(ConfigCommand::Validate { config, overrides }) => {
             checked_config(&config, &overrides)?;
@@ -454,6 +488,18 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// What `sft` and `rm` print at the end: the last validation's metrics, the checkpoint and the
+/// metrics file.
+fn report_supervised(out: &burn_rlhf::trainer::supervised::SupervisedOutputs) {
+    for (name, value) in &out.val {
+        println!("{name}: {value:.4}");
+    }
+    println!("checkpoint: {}", out.checkpoint.display());
+    if let Some(p) = &out.jsonl {
+        println!("metrics: {}", p.display());
+    }
 }
 
 fn main() -> ExitCode {

@@ -137,3 +137,19 @@ pub fn configure_kernels_with(cache_dir: Option<PathBuf>, log_dir: &std::path::P
 pub fn kernel_logs() -> Option<&'static KernelLogs> {
     KERNEL_LOGS.get()
 }
+
+/// Held while Burn's RNG (one per process) is seeded and drawn from by [`seeded`].
+static SEEDED: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// `draw` (which builds weights from Burn's RNG: fresh heads, adapters) with the RNG seeded with
+/// `seed` and no other thread of this process seeding or drawing meanwhile, so ranks of one
+/// process that seed the same draw the same weights as one rank alone.
+pub fn seeded<B: burn::tensor::backend::Backend, T>(
+    device: &B::Device,
+    seed: u64,
+    draw: impl FnOnce() -> T,
+) -> T {
+    let _only = SEEDED.lock().unwrap_or_else(|e| e.into_inner());
+    B::seed(device, seed);
+    draw()
+}

@@ -1,6 +1,6 @@
 //! A task generated in-process, for the quickstart and the tests: integer addition (`"37+48="` →
-//! `"85"`), a character-level tokenizer built in code, a small model shape, and an exact-match
-//! reward. Nothing is downloaded or read from disk.
+//! `"85"`), a character-level tokenizer built in code, a small model shape, an exact-match
+//! reward, and preference pairs for a reward model. Nothing is downloaded or read from disk.
 
 use burn_rlhf_models::{ChatMessage, ModelType, Tokenizer, TransformerConfig};
 use burn_rlhf_rollout::data::ExtraInfo;
@@ -143,6 +143,44 @@ pub fn sft_batch(tokenizer: &Tokenizer, records: &[&PromptRecord]) -> RolloutBat
     )
 }
 
+/// A preference per problem, as TRL's plain-text layout (`prompt`, `chosen`, `rejected`): the
+/// right sum preferred to a wrong one (drawn from 0 to twice the sum), for a reward model to
+/// learn to check the sum. Seeded, so the same records give the same pairs.
+pub fn preference_pairs(records: &[PromptRecord], seed: u64) -> Vec<serde_json::Value> {
+    use rand::Rng;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    records
+        .iter()
+        .map(|r| {
+            let right: i64 = r.ground_truth.parse().expect("a sum");
+            let wrong = loop {
+                let candidate = if rng.random_bool(0.5) {
+                    rng.random_range(0..=2 * right.max(9))
+                } else {
+                    right + [-3, -2, -1, 1, 2, 3][rng.random_range(0..6)]
+                };
+                if candidate != right && candidate >= 0 {
+                    break candidate;
+                }
+            };
+            serde_json::json!({
+                "prompt": r.prompt[0].content,
+                "chosen": right.to_string(),
+                "rejected": wrong.to_string(),
+            })
+        })
+        .collect()
+}
+
+/// Writes `pairs` as jsonl (one object per line), creating the folder.
+pub fn write_jsonl(path: &std::path::Path, pairs: &[serde_json::Value]) -> std::io::Result<()> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let lines: Vec<String> = pairs.iter().map(|p| p.to_string()).collect();
+    std::fs::write(path, lines.join("\n") + "\n")
+}
+
 /// 1 when the response is exactly the answer, else 0.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct ExactAnswer;
@@ -170,6 +208,20 @@ mod tests {
         let ids = t.encode("37+48=", false).unwrap();
         assert_eq!(ids, vec![5, 9, 12, 6, 10, 13]);
         assert_eq!(t.decode(&[10, 7, 1], true).unwrap(), "85");
+    }
+
+    #[test]
+    fn preference_pairs_prefer_the_right_sum_to_a_wrong_one() {
+        let (train, _) = split_problems(100, 0, 5);
+        let pairs = preference_pairs(&train, 1);
+        assert_eq!(pairs.len(), train.len());
+        for (p, r) in pairs.iter().zip(&train) {
+            assert_eq!(p["prompt"], r.prompt[0].content);
+            assert_eq!(p["chosen"], r.ground_truth);
+            assert_ne!(p["rejected"], p["chosen"]);
+            assert!(p["rejected"].as_str().unwrap().parse::<i64>().unwrap() >= 0);
+        }
+        assert_eq!(pairs, preference_pairs(&train, 1));
     }
 
     #[test]

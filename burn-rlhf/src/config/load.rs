@@ -56,9 +56,21 @@ pub(crate) fn schema() -> Value {
 }
 
 /// Parses RON text into a generic tree. RON's `Some(x)` becomes `x`, `None` becomes null.
-/// Which trainer a config file is for: an SFT config has a top-level `model` section (verl's
-/// `sft_trainer.yaml`) and no `actor_rollout_ref`; anything else is an RL config.
-pub fn is_sft_config(path: &Path) -> Result<bool, ConfigError> {
+/// Which trainer a config file is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConfigKind {
+    /// `burn-rlhf train` (anything that is not one of the others).
+    Rl,
+    /// `burn-rlhf sft`: a top-level `model` section (verl's `sft_trainer.yaml`) and no
+    /// `actor_rollout_ref`.
+    Sft,
+    /// `burn-rlhf rm`: such a `model` section with a `loss` section or a preference key
+    /// (`data.chosen_key`, `rejected_key`, `margin_key`).
+    RewardModel,
+}
+
+/// Which trainer the config file at `path` is for (see [`ConfigKind`]).
+pub fn config_kind(path: &Path) -> Result<ConfigKind, ConfigError> {
     let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
         path: path.to_path_buf(),
         source,
@@ -67,7 +79,17 @@ pub fn is_sft_config(path: &Path) -> Result<bool, ConfigError> {
         path: path.to_path_buf(),
         message,
     })?;
-    Ok(tree.get("model").is_some() && tree.get("actor_rollout_ref").is_none())
+    if tree.get("model").is_none() || tree.get("actor_rollout_ref").is_some() {
+        return Ok(ConfigKind::Rl);
+    }
+    let preference = ["chosen_key", "rejected_key", "margin_key"]
+        .iter()
+        .any(|k| tree.get("data").and_then(|d| d.get(k)).is_some());
+    Ok(if tree.get("loss").is_some() || preference {
+        ConfigKind::RewardModel
+    } else {
+        ConfigKind::Sft
+    })
 }
 
 fn parse_ron_tree(text: &str) -> Result<Value, String> {
@@ -269,7 +291,10 @@ fn parse_override_value(raw: &str, default: &Value) -> Value {
                 .collect();
             Value::Array(elems)
         }
-        _ if wants_string => Value::String(unquote(raw).to_string()),
+        // verl's `null` is None for every key (OmegaConf), strings included.
+        _ if wants_string && !matches!(raw, "null" | "None" | "~") => {
+            Value::String(unquote(raw).to_string())
+        }
         _ => parse_scalar(raw),
     }
 }

@@ -31,10 +31,12 @@ mod names;
 mod optim;
 mod problems;
 mod reward;
+mod rm;
 mod rollout;
 mod rollout_correction;
 pub mod settings;
 mod sft;
+mod supervised;
 mod trainer;
 mod tree;
 pub mod verl_keys;
@@ -44,16 +46,28 @@ pub use algorithm::{AlgorithmConfig, FilterGroupsConfig, KlCtrlConfig};
 pub use critic::{CriticConfig, CriticModelConfig};
 pub use data::DataConfig;
 pub use error::ConfigError;
-pub use load::{config_from_ron_str, config_to_ron, is_sft_config, load_config, load_typed};
+pub use load::{
+    config_from_ron_str, config_kind, config_to_ron, load_config, load_typed, ConfigKind,
+};
 pub use model::{ModelConfig, DEFAULT_LOGITS_CHUNK};
 pub use names::KnownNames;
 pub use optim::OptimConfig;
-pub use reward::{CustomRewardFunctionConfig, OverlongBufferConfig, RewardModelConfig};
+pub use reward::{
+    CustomRewardFunctionConfig, OverlongBufferConfig, RewardModelConfig, RewardModelModelConfig,
+    ACTOR_TOKENIZER,
+};
+pub use rm::{
+    PairTruncation, RmConfig, RmDataConfig, RmDefaults, RmLossConfig, RmModelConfig, RmSettings,
+};
 pub use rollout::{RefConfig, RolloutConfig, ValKwargsConfig};
 pub use rollout_correction::{RolloutCorrectionConfig, ThresholdSpec};
 pub use settings::Settings;
 pub use sft::{
-    SftConfig, SftDataConfig, SftModelConfig, SftOptimConfig, SftSettings, SftTrainerConfig,
+    SftConfig, SftDataConfig, SftDefaults, SftModelConfig, SftOptimConfig, SftSettings,
+    SftTrainerConfig,
+};
+pub use supervised::{
+    SupervisedOptimConfig, SupervisedRunSettings, SupervisedTrainerConfig, TrainerDefaults,
 };
 pub use trainer::TrainerConfig;
 pub use tree::{ActorRolloutRefConfig, RlhfConfig};

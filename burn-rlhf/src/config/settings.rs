@@ -16,7 +16,8 @@ pub use super::model::ModelSettings;
 use super::names::KnownNames;
 pub use super::optim::{OptimSettings, ScheduleKind, Warmup};
 use super::problems::Problems;
-pub use super::reward::{OverlongPenalty, RewardSettings};
+use super::reward::RewardContext;
+pub use super::reward::{OverlongPenalty, RewardModelInput, RewardModelSettings, RewardSettings};
 pub use super::rollout::{RolloutSettings, SamplingSettings};
 pub use super::trainer::{ResumeMode, TrainerSettings};
 use super::tree::RlhfConfig;
@@ -114,9 +115,18 @@ fn decode(c: &RlhfConfig, known: &KnownNames, p: &mut Problems) -> Option<Settin
     );
     let reward = c.reward_model.decode(
         p,
-        &c.custom_reward_function,
-        known,
-        c.data.max_response_length,
+        &RewardContext {
+            custom: &c.custom_reward_function,
+            known,
+            max_response_length: c.data.max_response_length,
+            actor_tokenizers: [
+                &arr.model.path,
+                arr.model
+                    .tokenizer_path
+                    .as_deref()
+                    .unwrap_or(&arr.model.path),
+            ],
+        },
     );
     let trainer = c.trainer.decode(p);
     let tp = arr.actor.megatron.tensor_model_parallel_size.max(1);

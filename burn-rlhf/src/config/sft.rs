@@ -8,10 +8,11 @@ use serde::{Deserialize, Serialize};
 
 use super::error::ConfigError;
 use super::load::load_typed;
-use super::optim::ScheduleKind;
 use super::problems::Problems;
-use super::trainer::{decode_loggers, decode_resume, ResumeMode};
-use burn_rlhf_models::pretrained::expand_home;
+use super::supervised::{
+    decode_run, SupervisedOptimConfig, SupervisedRunSettings, SupervisedTrainerConfig,
+    TrainerDefaults,
+};
 
 /// `data.*` (verl's `sft_trainer.yaml`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -83,79 +84,19 @@ impl Default for SftModelConfig {
     }
 }
 
-/// `optim.*`: AdamW with linear warm-up and a cosine or constant schedule.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct SftOptimConfig {
-    pub lr: f64,
-    pub betas: [f64; 2],
-    pub weight_decay: f64,
-    /// Warm-up steps as a fraction of all steps.
-    pub warmup_steps_ratio: f64,
-    /// Global gradient-norm limit.
-    pub clip_grad: f64,
-    /// `cosine` or `constant`.
-    pub lr_scheduler: String,
+/// `optim.*` (the supervised trainers' keys and verl's SFT defaults).
+pub type SftOptimConfig = SupervisedOptimConfig;
+
+/// The SFT trainer's `trainer.*` defaults.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SftDefaults;
+
+impl TrainerDefaults for SftDefaults {
+    const PROJECT_NAME: &'static str = "gsm8k-sft";
 }
 
-impl Default for SftOptimConfig {
-    fn default() -> Self {
-        Self {
-            lr: 1e-5,
-            betas: [0.9, 0.95],
-            weight_decay: 0.01,
-            warmup_steps_ratio: 0.1,
-            clip_grad: 1.0,
-            lr_scheduler: "cosine".into(),
-        }
-    }
-}
-
-/// `trainer.*`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct SftTrainerConfig {
-    /// Checkpoints (`global_step_N/`) and `metrics.jsonl` go here; `None`:
-    /// `checkpoints/{project_name}/{experiment_name}` (verl's default).
-    pub default_local_dir: Option<String>,
-    pub project_name: String,
-    pub experiment_name: String,
-    pub total_epochs: usize,
-    /// `None`: epochs x full batches per epoch.
-    pub total_training_steps: Option<usize>,
-    /// Any of `console`, `jsonl`, `tensorboard`.
-    pub logger: Vec<String>,
-    pub seed: u64,
-    /// Steps between checkpoints; `-1`: only at the end.
-    pub save_freq: i64,
-    /// Steps between validations; `-1`: only at the end.
-    pub test_freq: i64,
-    pub nnodes: usize,
-    pub n_gpus_per_node: usize,
-    /// `auto` (the newest checkpoint in `default_local_dir`, if any), `disable` or `resume_path`.
-    pub resume_mode: String,
-    pub resume_from_path: Option<String>,
-}
-
-impl Default for SftTrainerConfig {
-    fn default() -> Self {
-        Self {
-            default_local_dir: None,
-            project_name: "gsm8k-sft".into(),
-            experiment_name: "test".into(),
-            total_epochs: 4,
-            total_training_steps: None,
-            logger: vec!["console".into()],
-            seed: 1,
-            save_freq: -1,
-            test_freq: -1,
-            nnodes: 1,
-            n_gpus_per_node: 1,
-            resume_mode: "auto".into(),
-            resume_from_path: None,
-        }
-    }
-}
+/// `trainer.*` with verl's SFT defaults.
+pub type SftTrainerConfig = SupervisedTrainerConfig<SftDefaults>;
 
 /// The SFT trainer's config tree (verl's `sft_trainer.yaml` keys).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
@@ -203,39 +144,10 @@ impl SftConfig {
         p.check(!d.train_files.is_empty(), || {
             "`data.train_files` names no files".into()
         });
-        p.check(o.lr > 0.0, || "`optim.lr` must be > 0".into());
-        let schedule = p.name(
-            "optim.lr_scheduler",
-            &o.lr_scheduler,
-            &ScheduleKind::NAMES,
-            ScheduleKind::from_name(&o.lr_scheduler),
-        );
-        p.check((0.0..1.0).contains(&o.warmup_steps_ratio), || {
-            "`optim.warmup_steps_ratio` must be in [0, 1)".into()
-        });
-        let (console, jsonl, tensorboard) =
-            decode_loggers(&mut p, &t.logger, &t.project_name, &t.experiment_name);
-        p.check(t.nnodes >= 1 && t.n_gpus_per_node >= 1, || {
-            "`trainer.nnodes` and `trainer.n_gpus_per_node` must be >= 1".into()
-        });
-        let resume = decode_resume(&mut p, &t.resume_mode, t.resume_from_path.as_deref());
-        let checkpoint_dir = expand_home(t.default_local_dir.as_deref().unwrap_or(&format!(
-            "checkpoints/{}/{}",
-            t.project_name, t.experiment_name
-        )));
-        let settings =
-            truncation
-                .zip(schedule)
-                .zip(resume)
-                .map(|((truncation, schedule), resume)| SftSettings {
-                    truncation,
-                    schedule,
-                    console,
-                    jsonl,
-                    tensorboard,
-                    checkpoint_dir,
-                    resume,
-                });
+        let run = decode_run(&mut p, o, t);
+        let settings = truncation
+            .zip(run)
+            .map(|(truncation, run)| SftSettings { truncation, run });
         p.finish(origin, settings)
     }
 }
@@ -246,20 +158,8 @@ impl SftConfig {
 pub struct SftSettings {
     /// `data.truncation`.
     pub truncation: Truncation,
-    /// `optim.lr_scheduler`: the curve after the warm-up.
-    pub schedule: ScheduleKind,
-    /// `trainer.logger` has `console`.
-    pub console: bool,
-    /// `trainer.logger` has `jsonl`.
-    pub jsonl: bool,
-    /// `trainer.logger` has `tensorboard`: its folder (`$TENSORBOARD_DIR`, else
-    /// `tensorboard_log/{project_name}/{experiment_name}`).
-    pub tensorboard: Option<std::path::PathBuf>,
-    /// Checkpoints and metrics (`default_local_dir`, else
-    /// `checkpoints/{project_name}/{experiment_name}`; `~` expanded).
-    pub checkpoint_dir: std::path::PathBuf,
-    /// Where a run continues from.
-    pub resume: ResumeMode,
+    /// `optim.*` and `trainer.*`.
+    pub run: SupervisedRunSettings,
 }
 
 #[cfg(test)]

@@ -98,6 +98,13 @@ impl RlhfConfig {
         if critic.model.tokenizer_path.is_none() {
             critic.model.tokenizer_path = Some(self.actor_rollout_ref.model.path.clone());
         }
+        let (dynamic, forward_max_tokens) = (
+            critic.use_dynamic_bsz.unwrap_or(false),
+            critic
+                .forward_max_token_len_per_gpu
+                .unwrap_or(critic.ppo_max_token_len_per_gpu),
+        );
+        self.reward_model.resolve(dynamic, forward_max_tokens);
         let trainer = &mut self.trainer;
         if trainer.default_local_dir.is_none() {
             trainer.default_local_dir = Some(format!(

@@ -51,6 +51,14 @@ pub const VERL_KEYS: &[(&str, Treatment)] = &[
              the numbers are those of either verl layout: remove the key",
         ),
     ),
+    (
+        "reward_model.model.use_remove_padding",
+        Treatment::Refused(
+            "burn-rlhf has no packed (padding-free) layout to switch to; padding is masked, so \
+             the scores are those of either verl layout: remove the key",
+        ),
+    ),
+    ("reward_model.micro_batch_size", Treatment::Refused(GLOBAL_MICRO_BATCH)),
     // FSDP offload and layout.
     ("actor_rollout_ref.actor.fsdp_config.param_offload", Treatment::OnlyAt(&["false"], NO_PARAM_OFFLOAD)),
     ("actor_rollout_ref.actor.fsdp_config.grad_offload", Treatment::OnlyAt(&["false"], NO_GRAD_OFFLOAD)),

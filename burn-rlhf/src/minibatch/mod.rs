@@ -1,5 +1,5 @@
 //! One optimiser step on one mini-batch, for each model that trains: the actor (verl's
-//! `update_policy` for one mini-batch), the critic (`update_critic`) and SFT. Each runs the rows in
+//! `update_policy` for one mini-batch), the critic (`update_critic`), SFT and a reward model. Each runs the rows in
 //! micro-batches whose gradients are accumulated, normalised by the whole mini-batch's token and
 //! sequence counts so the step does not depend on the micro-batch size or the number of ranks,
 //! then clips by the global gradient norm and steps the optimiser.
@@ -7,12 +7,14 @@
 mod actor;
 mod critic;
 mod packing;
+mod rm;
 mod sft;
 mod step;
 
 pub use actor::{actor_update, ActorLossConfig, ActorTargets, OnPolicyLogProbs, RouterAux};
 pub use critic::{critic_update, CriticLossConfig, CriticTargets};
 pub use packing::token_budget_partitions;
+pub use rm::{rm_eval, rm_update, sequence_scores, PairExample, PairLoss, ScoreRead};
 pub use sft::{sft_loss, sft_update};
 pub use step::{MicroGradients, OptimizerStep};
 

@@ -11,6 +11,7 @@ use burn_rlhf_rollout::encode::filter_overlong;
 use burn_rlhf_rollout::{PromptRecord, PromptSampler, RewardRegistry};
 
 use super::learner::{Algorithms, CriticState, Learner, ModelOptimizer};
+use super::reward_model::{LoadedRewardModel, RewardScorer};
 use crate::config::{KnownNames, RlhfConfig, Settings};
 use crate::datasets::load_data_files;
 use crate::distributed::{sync_params, DataParallel, ShardPlan};
@@ -44,6 +45,8 @@ pub struct LearnerParts<B: LearnerBackend> {
     pub val: Vec<PromptRecord>,
     /// `false`: validation only (no critic needed, no optimiser steps).
     pub training: bool,
+    /// The learned reward model; required exactly when `reward_model.enable`.
+    pub reward_model: Option<LoadedRewardModel<B::InnerBackend>>,
 }
 
 impl<B: LearnerBackend> LearnerParts<B> {
@@ -60,6 +63,7 @@ impl<B: LearnerBackend> LearnerParts<B> {
             train: Vec::new(),
             val: Vec::new(),
             training: true,
+            reward_model: None,
         }
     }
 
@@ -96,6 +100,9 @@ impl<B: LearnerBackend> LearnerParts<B> {
         parts.training = training;
         if let (true, Some(critic)) = (training, &settings.critic) {
             parts.critic = Some(load_value_model(&critic.model_path, device)?);
+        }
+        if let Some(rm) = &settings.reward.model {
+            parts.reward_model = Some(LoadedRewardModel::load(&rm.path, device)?);
         }
         let data = &settings.data;
         if training {
@@ -174,6 +181,16 @@ impl<B: LearnerBackend> Learner<B> {
             None => None,
         }
         .map(|r| Parked::new(r, settings.ref_param_offload));
+        let reward_scorer = match (&settings.reward.model, parts.reward_model) {
+            (Some(rm), Some(loaded)) => Some(RewardScorer::new(loaded, rm, &parts.tokenizer)?),
+            (Some(_), None) => {
+                return Err(TrainError::config(
+                    "reward_model.enable",
+                    "scores come from a reward model, and none was given",
+                ))
+            }
+            (None, _) => None,
+        };
         let (train, val) = if settings.data.filter_overlong_prompts {
             let max = settings.data.max_prompt_length;
             (
@@ -208,6 +225,7 @@ impl<B: LearnerBackend> Learner<B> {
             critic,
             reference,
             reference_refreshed_at: None,
+            reward_scorer,
             algorithms,
             train,
             val,

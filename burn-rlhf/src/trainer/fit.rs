@@ -92,6 +92,8 @@ impl<B: LearnerBackend> Learner<B> {
         if t.val_before_train && self.global_step == 0 && self.has_validation_data() {
             let m = self.validate()?;
             say(&logger, &super::logger::table(0, &m));
+            // verl logs it at step 0.
+            logger.record(0, &m)?;
             validation = Some(m);
         }
         let mut checkpoint = None;

@@ -15,6 +15,7 @@ use burn::module::Module;
 use super::build::LearnerParts;
 use super::fit::RunOutputs;
 use super::learner::Learner;
+use super::reward_model::LoadedRewardModel;
 use crate::config::Settings;
 #[cfg(feature = "mpi")]
 use crate::distributed::mpi::{MpiProcess, MpiRank, MpiTpRank};
@@ -93,6 +94,11 @@ impl<B: LearnerBackend> LearnerParts<B> {
             train: self.train.clone(),
             val: self.val.clone(),
             training: self.training,
+            reward_model: self.reward_model.as_ref().map(|r| LoadedRewardModel {
+                model: r.model.clone().fork(device),
+                config: r.config.clone(),
+                tokenizer: r.tokenizer.clone(),
+            }),
         }
     }
 }

@@ -16,6 +16,7 @@ use burn_rlhf_algos::{AdvantageEstimator, KlController, PolicyLoss};
 use burn_rlhf_models::{CausalLm, Tokenizer, TransformerConfig, ValueModel};
 use burn_rlhf_rollout::{PromptRecord, PromptSampler, RewardFn};
 
+use super::reward_model::RewardScorer;
 use crate::config::settings::OptimSettings;
 use crate::config::Settings;
 use crate::distributed::DataParallel;
@@ -96,6 +97,8 @@ pub struct Learner<B: LearnerBackend> {
     pub(crate) reference: Option<Parked<B::InnerBackend, CausalLm<B::InnerBackend>>>,
     /// The step the reference was last replaced by the actor (`trainer.ref_update_freq`).
     pub(crate) reference_refreshed_at: Option<usize>,
+    /// The learned reward model, when it scores the responses (`reward_model.enable`).
+    pub(crate) reward_scorer: Option<RewardScorer<B::InnerBackend>>,
     pub(crate) algorithms: Algorithms<B>,
     pub(crate) train: Vec<PromptRecord>,
     pub(crate) val: Vec<PromptRecord>,

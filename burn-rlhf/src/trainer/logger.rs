@@ -111,8 +111,9 @@ impl MetricsLogger {
         }
     }
 
-    /// Records one step.
-    pub fn log(&mut self, step: usize, metrics: &Metrics) -> Result<(), TrainError> {
+    /// Writes `metrics` of `step` to the files only (jsonl, TensorBoard): the validation before
+    /// training, which verl logs at step 0 and the console shows as a table of its own.
+    pub fn record(&mut self, step: usize, metrics: &Metrics) -> Result<(), TrainError> {
         if let Some((path, file)) = &mut self.jsonl {
             let mut obj = serde_json::Map::new();
             obj.insert("step".into(), step.into());
@@ -129,6 +130,12 @@ impl MetricsLogger {
         if let Some(writer) = &mut self.tensorboard {
             writer.scalars(step, metrics)?;
         }
+        Ok(())
+    }
+
+    /// Records one step.
+    pub fn log(&mut self, step: usize, metrics: &Metrics) -> Result<(), TrainError> {
+        self.record(step, metrics)?;
         if let Some(bar) = &self.bar {
             let msg: Vec<String> = HEADLINE
                 .iter()

@@ -1,7 +1,8 @@
 //! Training. The shared [`Learner`] runs verl's PPO step (and the critic-free family through the
 //! same loop), one file per phase: `build`, `rollout` (generation, rewards), `scoring` (log-probs,
 //! values, KL, advantages), `update`, `step`, `validation`; with its metrics and sinks and
-//! checkpoints; and the SFT trainer.
+//! checkpoints; the learned reward model that scores rollouts (`reward_model`); and the
+//! supervised trainers, SFT and the reward model's (`supervised`, `sft`, `rm`).
 //!
 //! One way in, in three layers:
 //! - [`Learner::new`] (a config and [`LearnerParts`]) or [`Learner::from_settings`] (decoded
@@ -22,10 +23,13 @@ mod learner;
 pub mod logger;
 pub mod metrics;
 mod plot;
+pub mod reward_model;
+pub mod rm;
 mod rollout;
 mod scoring;
 pub mod sft;
 mod step;
+pub mod supervised;
 pub mod tensorboard;
 mod update;
 pub mod usage;

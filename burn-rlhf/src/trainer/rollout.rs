@@ -300,9 +300,9 @@ impl<B: LearnerBackend> Learner<B> {
         Ok((batch, kept_prompts, metrics))
     }
 
-    /// Reward: one score per row from the reward function, placed on the last valid token
-    /// (`batch.token_level_scores`) with the overlong penalty when enabled. Returns the per-row
-    /// scores with the penalty.
+    /// Reward: one score per row from the reward model (`reward_model.enable`) or else the reward
+    /// function, placed on the last valid token (`batch.token_level_scores`) with the overlong
+    /// penalty when enabled. Returns the per-row scores with the penalty.
     pub fn reward(&self, batch: &mut RolloutBatch) -> Result<Vec<f64>, TrainError> {
         Ok(self.reward_rows(batch)?.1)
     }
@@ -310,17 +310,10 @@ impl<B: LearnerBackend> Learner<B> {
     /// [`reward`](Self::reward), returning the reward function's scores and the scores with the
     /// overlong penalty.
     fn reward_rows(&self, batch: &mut RolloutBatch) -> Result<(Vec<f64>, Vec<f64>), TrainError> {
-        let texts: Vec<String> = (0..batch.rows())
-            .map(|r| self.tokenizer.decode(batch.response_tokens(r), true))
-            .collect::<Result<_, _>>()?;
-        let inputs: Vec<RewardInput<'_>> = (0..batch.rows())
-            .map(|r| RewardInput {
-                data_source: &batch.data_source[r],
-                response: &texts[r],
-                ground_truth: &batch.ground_truth[r],
-            })
-            .collect();
-        let scores = self.algorithms.reward.score(&inputs)?;
+        let scores = match &self.reward_scorer {
+            Some(rm) => rm.score(batch, &self.tokenizer, &self.dp, &self.device)?,
+            None => self.rule_scores(batch)?,
+        };
         let max_len = self.settings.data.max_response_length;
         let shaping = self
             .settings
@@ -335,6 +328,22 @@ impl<B: LearnerBackend> Learner<B> {
         );
         batch.token_level_scores = Some(tokens);
         Ok((scores, shaped))
+    }
+
+    /// The reward function's score of each row (`custom_reward_function.name`, else the built-in
+    /// function of each row's data source).
+    fn rule_scores(&self, batch: &RolloutBatch) -> Result<Vec<f64>, TrainError> {
+        let texts: Vec<String> = (0..batch.rows())
+            .map(|r| self.tokenizer.decode(batch.response_tokens(r), true))
+            .collect::<Result<_, _>>()?;
+        let inputs: Vec<RewardInput<'_>> = (0..batch.rows())
+            .map(|r| RewardInput {
+                data_source: &batch.data_source[r],
+                response: &texts[r],
+                ground_truth: &batch.ground_truth[r],
+            })
+            .collect();
+        Ok(self.algorithms.reward.score(&inputs)?)
     }
 
     /// ReMax's baseline: the reward of a greedy response to each row's prompt.

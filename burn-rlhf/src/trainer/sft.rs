@@ -5,28 +5,27 @@
 //! `test_freq` steps; checkpoints as HF model folders that start a PPO run
 //! (`actor_rollout_ref.model.path=.../global_step_N`).
 
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::collections::BTreeMap;
+use std::sync::atomic::AtomicBool;
 
 use crate::backend::LearnerBackend;
 use burn::module::AutodiffModule;
-use burn_rlhf_models::pretrained::save_pretrained;
+use burn_rlhf_models::weights::HostTensor;
 use burn_rlhf_models::{CausalLm, ChatMessage, LoraConfig, Tokenizer};
 use burn_rlhf_rollout::data::{read_pairs, TextPair};
-use burn_rlhf_rollout::{PromptSampler, RolloutBatch, RolloutError, Sample, Truncation};
+use burn_rlhf_rollout::{RolloutBatch, RolloutError, Sample, Truncation};
 
-use super::checkpoint::{checkpoint_to_resume, save_param_order, write_latest};
-use super::launch::{run_ranks, GroupPlan};
-use super::learner::ModelOptimizer;
-use super::logger::MetricsLogger;
 use super::metrics::Metrics;
-use crate::config::{SftConfig, SftDataConfig, SftOptimConfig};
+use super::supervised::{
+    launch_supervised, resume_point, SupervisedCommand, SupervisedOutputs, SupervisedRun,
+    SupervisedTask,
+};
+use crate::config::{SftConfig, SftDataConfig};
 use crate::distributed::DataParallel;
 use crate::error::TrainError;
 use crate::loading::{load_policy, with_lora};
-use crate::minibatch::{sft_loss, sft_update};
-use crate::optim::{adamw, LrSchedule, ReplicaSync, ScheduleKind};
+use crate::minibatch::{sft_loss, sft_update, OptimizerStep};
+use crate::optim::AdamWOf;
 
 /// One tokenized example: prompt ids (context) and response ids (targets, EOS last).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -145,19 +144,6 @@ fn load_examples(
     Ok(out)
 }
 
-/// The learning rate per step of a run of `total` steps: linear warm-up over
-/// `warmup_steps_ratio`, then `lr_scheduler` down to 0 (verl's SFT trainer).
-fn schedule(optim: &SftOptimConfig, kind: ScheduleKind, total: usize) -> LrSchedule {
-    LrSchedule {
-        lr: optim.lr,
-        warmup_steps: (optim.warmup_steps_ratio * total as f64) as usize,
-        total_steps: total,
-        kind,
-        min_lr_ratio: 0.0,
-        num_cycles: 0.5,
-    }
-}
-
 /// The token-mean NLL of the validation examples, in batches of `batch_size`; `None` without
 /// validation data.
 fn val_loss<B: crate::backend::ComputeBackend>(
@@ -182,113 +168,72 @@ fn val_loss<B: crate::backend::ComputeBackend>(
     Some(nll / tokens.max(1.0))
 }
 
-/// What a resumed SFT run needs besides the weights and the AdamW state
-/// (`global_step_N/trainer_state.json`).
-#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
-struct SftState {
-    /// Completed steps (the schedule's position too).
-    global_step: usize,
-    /// Where the example sampler is.
-    sampler: burn_rlhf_rollout::data::SamplerState,
+/// The SFT trainer's part of the supervised loop: a causal LM on prompt and response pairs.
+struct SftTask {
+    /// Rows per micro-batch, tokens per chunk of logits.
+    micro: (usize, usize),
+    pad: u32,
 }
 
-const STATE_FILE: &str = "trainer_state.json";
+impl<B: LearnerBackend> SupervisedTask<B> for SftTask {
+    type Model = CausalLm<B>;
+    type Example = SftExample;
 
-fn read_state(dir: &Path) -> Result<SftState, TrainError> {
-    let path = dir.join(STATE_FILE);
-    let text = std::fs::read_to_string(&path).map_err(|e| {
-        TrainError::checkpoint(&path, format!("{e}: not a checkpoint of `burn-rlhf sft`"))
-    })?;
-    serde_json::from_str(&text).map_err(|e| TrainError::checkpoint(&path, e))
-}
-
-/// Writes step `state.global_step` as `root/global_step_N`: the HF model folder (a PPO run starts
-/// from it), the AdamW state with its parameter order, and `trainer_state.json`; written aside
-/// and renamed into place, then named in `latest_checkpointed_iteration.txt`.
-fn save_checkpoint<B: LearnerBackend>(
-    root: &Path,
-    model: &CausalLm<B>,
-    optimizer: &ModelOptimizer<CausalLm<B>, B>,
-    state: &SftState,
-    config: &burn_rlhf_models::TransformerConfig,
-    tokenizer: &Tokenizer,
-) -> Result<PathBuf, TrainError> {
-    let step = state.global_step;
-    let done = root.join(format!("global_step_{step}"));
-    let tmp = root.join(format!(".global_step_{step}.partial"));
-    let io = |path: &Path, e: std::io::Error| TrainError::checkpoint(path, e);
-    if tmp.exists() {
-        std::fs::remove_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
+    fn update(
+        &self,
+        model: CausalLm<B>,
+        step: OptimizerStep<'_, AdamWOf<CausalLm<B>, B>>,
+        batch: &[&SftExample],
+        device: &B::Device,
+    ) -> Result<(CausalLm<B>, Metrics), TrainError> {
+        let batch = sft_rollout_batch(batch, self.pad);
+        let (model, m) = sft_update(model, step, &batch, self.micro, device)?;
+        Ok((model, m.into_iter().collect()))
     }
-    save_pretrained(&tmp, config, &model.valid().export(), None, Some(tokenizer))?;
-    optimizer.save(&tmp, true, model)?;
-    save_param_order::<B, _>(&tmp, model)?;
-    let path = tmp.join(STATE_FILE);
-    std::fs::write(&path, serde_json::to_string_pretty(state).expect("JSON"))
-        .map_err(|e| io(&path, e))?;
-    if done.exists() {
-        std::fs::remove_dir_all(&done).map_err(|e| io(&done, e))?;
+
+    fn validate(
+        &self,
+        model: &CausalLm<B::InnerBackend>,
+        val: &[SftExample],
+        batch_size: usize,
+        device: &B::Device,
+    ) -> Metrics {
+        let loss = val_loss(model, val, batch_size, self.pad, self.micro, device);
+        loss.map(|v| ("val/loss".to_string(), v))
+            .into_iter()
+            .collect()
     }
-    std::fs::rename(&tmp, &done).map_err(|e| io(&done, e))?;
-    write_latest(root, step)?;
-    Ok(done)
+
+    fn export(&self, model: &CausalLm<B>) -> (BTreeMap<String, HostTensor>, Option<String>) {
+        (model.valid().export(), None)
+    }
 }
 
-/// What an SFT run left.
-#[derive(Debug, Clone)]
-pub struct SftOutputs {
-    /// The last checkpoint (an HF model folder).
-    pub checkpoint: PathBuf,
-    /// `metrics.jsonl`, when `trainer.logger` has `jsonl`.
-    pub jsonl: Option<PathBuf>,
-    /// The last validation loss.
-    pub val_loss: Option<f64>,
+impl SupervisedCommand for SftConfig {
+    fn fit<B: LearnerBackend>(
+        &self,
+        device: &B::Device,
+        dp: DataParallel,
+        stop: &AtomicBool,
+    ) -> Result<SupervisedOutputs, TrainError> {
+        fit_sft::<B>(self, device, dp, stop)
+    }
 }
 
 /// `burn-rlhf sft`: fine-tunes on `trainer.nnodes` hosts of `trainer.n_gpus_per_node` devices
-/// (in this process, or an MPI job's processes: [`super::commands::this_process`]), every rank a
-/// replica on its share of each batch's rows, as [`super::launch`] does for RL; returns rank 0's
-/// outputs. Runs on the backend the Cargo features select, with gradient checkpointing when
+/// (in this process, or an MPI job's processes), every rank a replica on its share of each
+/// batch's rows, as [`super::launch`] does for RL; returns rank 0's outputs. Runs on the backend
+/// the Cargo features select, with gradient checkpointing when
 /// `model.enable_gradient_checkpointing`. Stops after the current step (with a checkpoint) once
 /// `stop` is set.
-pub fn sft(config: &SftConfig, stop: &'static AtomicBool) -> Result<SftOutputs, TrainError> {
-    let t = &config.trainer;
+pub fn sft(config: &SftConfig, stop: &'static AtomicBool) -> Result<SupervisedOutputs, TrainError> {
     config.decode("the SFT config")?;
-    let (node, first, count) = super::commands::processes_and_devices(
-        t.nnodes,
-        t.n_gpus_per_node,
-        Duration::from_secs(60),
-    )?;
-    let devices = crate::backend::devices_from(first, count);
-    let out = crate::with_train_backend!(config.model.enable_gradient_checkpointing, B => {
-        sft_on::<B>(config, &node, &devices, stop)
-    });
-    #[cfg(feature = "mpi")]
-    if let super::launch::Processes::Mpi(process) = &node.processes {
-        process.finish();
-    }
-    out
-}
-
-fn sft_on<B: LearnerBackend>(
-    config: &SftConfig,
-    node: &super::launch::NodeLaunch,
-    devices: &[B::Device],
-    stop: &'static AtomicBool,
-) -> Result<SftOutputs, TrainError> {
-    let group = GroupPlan::new(devices.len(), node)?;
-    #[cfg(feature = "mpi")]
-    group.check_same_settings(node, super::launch::fingerprint(&format!("{config:?}")))?;
-    if group.world == 1 {
-        return fit_sft::<B>(config, &devices[0], DataParallel::solo(), stop);
-    }
-    let config = config.clone();
-    run_ranks::<B, SftOutputs>(devices, node, &group, move |_, device, joiner| {
-        // Errors of the config and data surface on every rank before it joins.
-        config.decode("the SFT config")?;
-        let dp = joiner.join()?;
-        fit_sft::<B>(&config, device, dp, stop)
-    })
+    launch_supervised(
+        &config.trainer,
+        config.model.enable_gradient_checkpointing,
+        config,
+        stop,
+    )
 }
 
 /// One rank of an SFT run (`dp`: its place among the ranks; [`DataParallel::solo`] alone).
@@ -297,18 +242,11 @@ pub fn fit_sft<B: LearnerBackend>(
     device: &B::Device,
     dp: DataParallel,
     stop: &AtomicBool,
-) -> Result<SftOutputs, TrainError> {
+) -> Result<SupervisedOutputs, TrainError> {
     let settings = config.decode("the SFT config")?;
-    let main = dp.is_main();
-    B::seed(device, config.trainer.seed);
     let m = &config.model;
-    let root = settings.checkpoint_dir.clone();
-    let resume_from = checkpoint_to_resume(&root, &settings.resume)?;
-    let state = match &resume_from {
-        Some(dir) => Some(read_state(dir)?),
-        None => None,
-    };
-    if let (Some(dir), true) = (&resume_from, m.lora_rank > 0) {
+    let resumed = resume_point(&settings.run, "sft")?;
+    if let (Some((dir, _)), true) = (&resumed, m.lora_rank > 0) {
         return Err(TrainError::config(
             "model.lora_rank",
             format!(
@@ -319,8 +257,8 @@ pub fn fit_sft<B: LearnerBackend>(
         ));
     }
     // A resumed run continues from the checkpoint's weights (an HF folder with its tokenizer).
-    let (source, keys) = match &resume_from {
-        Some(dir) => (
+    let (source, keys) = match &resumed {
+        Some((dir, _)) => (
             dir.display().to_string(),
             ("trainer.resume_from_path", "model.tokenizer_path"),
         ),
@@ -330,13 +268,12 @@ pub fn fit_sft<B: LearnerBackend>(
         ),
     };
     let policy = load_policy::<B>(&source, m.tokenizer_path.as_deref(), keys, device)?;
-    let (model_config, tokenizer) = (policy.config, policy.tokenizer);
     let lora = (m.lora_rank > 0).then(|| LoraConfig {
         rank: m.lora_rank,
         alpha: m.lora_alpha,
         target_modules: m.target_modules.clone(),
     });
-    let mut model: CausalLm<B> = with_lora(policy.model, lora.as_ref(), device);
+    let tokenizer = policy.tokenizer;
     let d = &config.data;
     let train = load_examples(&d.train_files, "train", d, settings.truncation, &tokenizer)?;
     let val = if d.val_files.is_empty() {
@@ -344,104 +281,28 @@ pub fn fit_sft<B: LearnerBackend>(
     } else {
         load_examples(&d.val_files, "test", d, settings.truncation, &tokenizer)?
     };
-    if train.len() < d.train_batch_size {
-        return Err(TrainError::config(
-            "data.train_batch_size",
-            format!(
-                "the training data ({}) has {} examples, fewer than one batch of {}: lower `data.train_batch_size` or add data",
-                d.train_files.join(", "),
-                train.len(),
-                d.train_batch_size
-            ),
-        ));
-    }
-    let bs = d.train_batch_size;
-    let t = &config.trainer;
-    let mut sampler = PromptSampler::new(train.len(), t.seed, true);
-    let start = state.as_ref().map_or(0, |s| s.global_step);
-    if let Some(state) = &state {
-        sampler.restore(state.sampler);
-    }
-    let total = t
-        .total_training_steps
-        .unwrap_or(t.total_epochs * sampler.batches_per_epoch(bs))
-        .max(1);
-    let o = &config.optim;
-    let mut optimizer = ModelOptimizer::<CausalLm<B>, B> {
-        optim: adamw(o.betas, o.weight_decay, false),
-        schedule: schedule(o, settings.schedule, total),
-        sync: ReplicaSync {
-            dp: dp.clone(),
-            shards: None,
-            tp: None,
+    // LoRA adapters come from Burn's RNG: the same on every rank and in every run.
+    let model = crate::runtime::seeded::<B, _>(device, config.trainer.seed, || {
+        with_lora(policy.model, lora.as_ref(), device)
+    });
+    SupervisedRun {
+        task: SftTask {
+            micro: (d.micro_batch_size_per_gpu, m.logits_chunk_size),
+            pad: tokenizer.pad_token_id,
         },
-        updates: start,
-    };
-    if let Some(dir) = &resume_from {
-        optimizer.load(dir, &model, device)?;
-        if main {
-            eprintln!("resumed from {} (step {start})", dir.display());
-        }
+        model,
+        model_config: policy.config,
+        tokenizer,
+        train,
+        val,
+        batch_size: d.train_batch_size,
+        train_files: &d.train_files,
+        optim: &config.optim,
+        trainer: &config.trainer,
+        run: &settings.run,
+        resumed,
     }
-    // Rank 0 logs and checkpoints; every rank holds the same metrics.
-    let jsonl = (settings.jsonl && main).then(|| root.join("metrics.jsonl"));
-    let mut logger = MetricsLogger::new(
-        settings.console && main,
-        10,
-        jsonl.clone(),
-        None,
-        total,
-        start,
-    )?;
-    if let (Some(dir), true) = (&settings.tensorboard, main) {
-        logger = logger.with_tensorboard(dir, start)?;
-    }
-    let pad = tokenizer.pad_token_id;
-    // Rows per micro-batch, tokens per chunk of logits.
-    let micro = (d.micro_batch_size_per_gpu, config.model.logits_chunk_size);
-    let mut last_val = None;
-    let mut checkpoint = None;
-    for step in start + 1..=total {
-        let picked: Vec<&SftExample> = sampler.next_batch(bs).iter().map(|&i| &train[i]).collect();
-        let batch = sft_rollout_batch(&picked, pad);
-        let (updated, m) = sft_update(model, optimizer.step(o.clip_grad), &batch, micro, device)?;
-        optimizer.updates += 1;
-        model = updated;
-        let mut metrics: Metrics = dp.mean_metrics(m.into_iter().collect())?;
-        metrics.insert("train/epoch".into(), sampler.state().epoch as f64);
-        let last = step == total;
-        if main && ((t.test_freq > 0 && step as i64 % t.test_freq == 0) || last) {
-            if let Some(v) = val_loss(&model.valid(), &val, bs, pad, micro, device) {
-                metrics.insert("val/loss".into(), v);
-                last_val = Some(v);
-            }
-        }
-        logger.log(step, &metrics)?;
-        // Every rank stops after the same step when any saw the request.
-        let stopping = dp.any(stop.load(Ordering::SeqCst))?;
-        if (t.save_freq > 0 && step as i64 % t.save_freq == 0) || last || stopping {
-            let state = SftState {
-                global_step: step,
-                sampler: sampler.state(),
-            };
-            let dir = root.join(format!("global_step_{step}"));
-            if main {
-                save_checkpoint(&root, &model, &optimizer, &state, &model_config, &tokenizer)?;
-            }
-            dp.barrier()?;
-            checkpoint = Some(dir);
-        }
-        if stopping {
-            logger.println(&format!("stopped on request after step {step}"));
-            break;
-        }
-    }
-    logger.finish()?;
-    Ok(SftOutputs {
-        checkpoint: checkpoint.expect("the last step saves"),
-        jsonl,
-        val_loss: last_val,
-    })
+    .fit(dp, device, stop)
 }
 
 #[cfg(test)]

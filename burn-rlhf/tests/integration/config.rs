@@ -3,7 +3,9 @@
 
 use std::path::PathBuf;
 
-use burn_rlhf::config::{config_from_ron_str, config_to_ron, load_config, ConfigError, RlhfConfig};
+use burn_rlhf::config::{
+    config_from_ron_str, config_to_ron, load_config, ConfigError, ConfigKind, RlhfConfig,
+};
 use burn_rlhf_test_assets::{files_with_ext, repo_root};
 
 fn configs() -> Vec<PathBuf> {
@@ -28,13 +30,23 @@ fn every_shipped_config_validates_and_round_trips() {
     );
     for file in files {
         // Told apart by their keys (`config validate` does the same), not by name.
-        if burn_rlhf::config::is_sft_config(&file).unwrap() {
-            // The SFT trainer's own tree (verl's sft_trainer keys).
-            let sft =
-                burn_rlhf::config::SftConfig::load(&file, &[]).unwrap_or_else(|e| panic!("{e}"));
-            sft.validate(&file.display().to_string())
-                .unwrap_or_else(|e| panic!("{}: {e}", file.display()));
-            continue;
+        match burn_rlhf::config::config_kind(&file).unwrap() {
+            ConfigKind::Sft => {
+                // The SFT trainer's own tree (verl's sft_trainer keys).
+                let sft = burn_rlhf::config::SftConfig::load(&file, &[])
+                    .unwrap_or_else(|e| panic!("{e}"));
+                sft.validate(&file.display().to_string())
+                    .unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+                continue;
+            }
+            ConfigKind::RewardModel => {
+                let rm =
+                    burn_rlhf::config::RmConfig::load(&file, &[]).unwrap_or_else(|e| panic!("{e}"));
+                rm.validate(&file.display().to_string())
+                    .unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+                continue;
+            }
+            ConfigKind::Rl => {}
         }
         let config = load_config(&file, &[]).unwrap_or_else(|e| panic!("{e}"));
         config
@@ -53,7 +65,8 @@ fn every_shipped_config_validates_and_round_trips() {
 }
 
 /// `burn-rlhf config validate` checks an SFT config against the SFT schema (it used to report
-/// `unknown key data.max_length`), and an RL config against the RL one.
+/// `unknown key data.max_length`), a reward-model config against the `rm` one, and an RL config
+/// against the RL one.
 #[test]
 fn config_validate_tells_sft_configs_from_rl_ones() {
     let validate = |file: &str, extra: &[&str]| {
@@ -77,7 +90,19 @@ fn config_validate_tells_sft_configs_from_rl_ones() {
     let rl = validate("configs/ppo_gsm8k.ron", &[]);
     assert!(rl.status.success());
     assert!(!String::from_utf8_lossy(&rl.stdout).contains("SFT"));
-    assert!(!burn_rlhf::config::is_sft_config(&repo_root().join("configs/ppo_gsm8k.ron")).unwrap());
+    assert_eq!(
+        burn_rlhf::config::config_kind(&repo_root().join("configs/ppo_gsm8k.ron")).unwrap(),
+        ConfigKind::Rl
+    );
+    let rm = validate("configs/rm_arithmetic.ron", &[]);
+    assert!(
+        rm.status.success(),
+        "{}",
+        String::from_utf8_lossy(&rm.stderr)
+    );
+    assert!(String::from_utf8_lossy(&rm.stdout).contains("ok (a reward-model config)"));
+    let bad = validate("configs/rm_arithmetic.ron", &["data.truncation=right"]);
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("data.truncation"));
 }
 
 /// The shipped PPO run, as the trainer will execute it: the decoded settings after verl's

@@ -13,6 +13,7 @@ mod learner_logprobs;
 mod on_policy;
 mod ppo_loop;
 mod recipes;
+mod reward_model;
 mod sft;
 mod verl_scripts;
 
@@ -73,4 +74,74 @@ pub fn cli_assets(
     let data = dir.join("train.parquet");
     burn_rlhf::rollout::data::write_parquet(&data, &train).unwrap();
     (model, data)
+}
+
+/// The tensors of a safetensors file, by name (sorted).
+pub fn checkpoint_tensors(path: &std::path::Path) -> Vec<(String, Vec<f32>)> {
+    let mut w = burn_rlhf::models::weights::WeightMap::new(path.display().to_string());
+    w.read_safetensors(path).unwrap();
+    let mut names = w.remaining();
+    names.sort();
+    names
+        .into_iter()
+        .map(|n| (n.clone(), w.take_any(&n).unwrap().data))
+        .collect()
+}
+
+fn max_abs_diff(x: &[f32], y: &[f32]) -> f32 {
+    x.iter()
+        .zip(y)
+        .map(|(u, v)| (u - v).abs())
+        .fold(0.0, f32::max)
+}
+
+/// Runs `a` and `b` end at step `step` with the tensors of `global_step_{step}/{file}` within
+/// `tol` (and moved from the starting model in `start_dir`), and every metric `a` logged `b`
+/// logged too, equal (steps 1..=step, and step 0 where a run validated before training).
+pub fn assert_same_runs(
+    a: &std::path::Path,
+    b: &std::path::Path,
+    step: usize,
+    file: &str,
+    start_dir: &std::path::Path,
+    tol: f32,
+) {
+    use burn_rlhf::trainer::logger::read_jsonl;
+    let path = |root: &std::path::Path| root.join(format!("global_step_{step}/{file}"));
+    let (x, y) = (checkpoint_tensors(&path(a)), checkpoint_tensors(&path(b)));
+    assert_eq!(x.len(), y.len());
+    let start: std::collections::HashMap<String, Vec<f32>> =
+        checkpoint_tensors(&start_dir.join("model.safetensors"))
+            .into_iter()
+            .collect();
+    let mut moved = 0.0f32;
+    for ((name, u), (other, v)) in x.iter().zip(&y) {
+        assert_eq!(name, other);
+        let diff = max_abs_diff(u, v);
+        assert!(diff <= tol, "{name}: {diff}");
+        if let Some(s) = start.get(name) {
+            moved = moved.max(max_abs_diff(u, s));
+        }
+    }
+    assert!(moved > 1e-4, "the weights did not move ({moved})");
+    let (x, y) = (
+        read_jsonl(&a.join("metrics.jsonl")).unwrap(),
+        read_jsonl(&b.join("metrics.jsonl")).unwrap(),
+    );
+    let steps: Vec<usize> = y.iter().map(|(s, _)| *s).filter(|&s| s > 0).collect();
+    assert_eq!(steps, (1..=step).collect::<Vec<_>>());
+    assert_eq!(x.len(), y.len());
+    let rel = f64::from(tol).max(1e-6);
+    for ((s, m), (_, n)) in x.iter().zip(&y) {
+        for (k, v) in m {
+            if burn_rlhf::trainer::usage::measures_the_machine(k) {
+                continue;
+            }
+            let w = n[k];
+            assert!(
+                (v - w).abs() <= rel * v.abs().max(1.0),
+                "step {s} {k}: {v} vs {w}"
+            );
+        }
+    }
 }

@@ -196,64 +196,6 @@ fn sft_cli(dir: &Path, out: &Path, steps: usize, extra: &[&str]) {
     assert!(status.success(), "sft {steps} steps into {}", out.display());
 }
 
-/// The tensors of a checkpoint's `model.safetensors`, by name.
-fn checkpoint_tensors(path: &Path) -> Vec<(String, Vec<f32>)> {
-    let mut w = burn_rlhf::models::weights::WeightMap::new("sft".to_string());
-    w.read_safetensors(path).unwrap();
-    let mut names = w.remaining();
-    names.sort();
-    names
-        .into_iter()
-        .map(|n| (n.clone(), w.take_any(&n).unwrap().data))
-        .collect()
-}
-
-fn max_abs_diff(x: &[f32], y: &[f32]) -> f32 {
-    x.iter()
-        .zip(y)
-        .map(|(u, v)| (u - v).abs())
-        .fold(0.0, f32::max)
-}
-
-/// Runs `a` and `b` end at step `step` with weights within `tol` (and moved from the start in
-/// `model_dir`), and every metric `a` logged `b` logged too, equal (a run that ended at a step
-/// also validated there).
-fn assert_same_sft_runs(a: &Path, b: &Path, step: usize, model_dir: &Path, tol: f32) {
-    let file = |root: &Path| root.join(format!("global_step_{step}/model.safetensors"));
-    let (x, y) = (checkpoint_tensors(&file(a)), checkpoint_tensors(&file(b)));
-    let start = weights_of_start(model_dir);
-    let mut moved = 0.0f32;
-    for ((name, u), (_, v)) in x.iter().zip(&y) {
-        let diff = max_abs_diff(u, v);
-        assert!(diff <= tol, "{name}: {diff}");
-        if let Some(s) = start.get(name) {
-            moved = moved.max(max_abs_diff(u, s));
-        }
-    }
-    assert!(moved > 1e-4, "the weights did not move ({moved})");
-    let (x, y) = (
-        read_jsonl(&a.join("metrics.jsonl")).unwrap(),
-        read_jsonl(&b.join("metrics.jsonl")).unwrap(),
-    );
-    assert_eq!(
-        y.iter().map(|(s, _)| *s).collect::<Vec<_>>(),
-        (1..=step).collect::<Vec<_>>()
-    );
-    let rel = f64::from(tol).max(1e-6);
-    for ((s, m), (_, n)) in x.iter().zip(&y) {
-        for (k, v) in m {
-            if burn_rlhf::trainer::usage::measures_the_machine(k) {
-                continue;
-            }
-            let w = n[k];
-            assert!(
-                (v - w).abs() <= rel * v.abs().max(1.0),
-                "step {s} {k}: {v} vs {w}"
-            );
-        }
-    }
-}
-
 /// `burn-rlhf sft` stopped after 3 steps and run again to 6 (a new process, `resume_mode=auto`)
 /// ends with the weights and metrics of 6 uninterrupted steps.
 #[test]
@@ -264,7 +206,14 @@ fn sft_resumes_in_a_new_process_as_if_never_stopped() {
     sft_cli(&dir, &straight, 6, &[]);
     sft_cli(&dir, &resumed, 3, &[]);
     sft_cli(&dir, &resumed, 6, &[]);
-    assert_same_sft_runs(&straight, &resumed, 6, &model_dir, 1e-6);
+    super::assert_same_runs(
+        &straight,
+        &resumed,
+        6,
+        "model.safetensors",
+        &model_dir,
+        1e-6,
+    );
 }
 
 /// `burn-rlhf sft` on two devices (each rank half of every batch, gradients averaged through the
@@ -276,7 +225,7 @@ fn sft_on_two_devices_reproduces_one() {
     let (one, two) = (dir.join("one"), dir.join("two"));
     sft_cli(&dir, &one, 4, &[]);
     sft_cli(&dir, &two, 4, &["trainer.n_gpus_per_node=2"]);
-    assert_same_sft_runs(&one, &two, 4, &model_dir, 1e-5);
+    super::assert_same_runs(&one, &two, 4, "model.safetensors", &model_dir, 1e-5);
     // Two ranks really split the batch: one row cannot be shared by two.
     let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/sft_gsm8k.ron");
     let out = Command::new(env!("CARGO_BIN_EXE_burn-rlhf"))
@@ -302,14 +251,4 @@ fn sft_on_two_devices_reproduces_one() {
         !out.status.success() && err.contains("cannot be split over 2 ranks"),
         "{err}"
     );
-}
-
-/// The starting model's tensors by name.
-fn weights_of_start(dir: &Path) -> std::collections::HashMap<String, Vec<f32>> {
-    let mut w = burn_rlhf::models::weights::WeightMap::new("start".to_string());
-    w.read_safetensors(&dir.join("model.safetensors")).unwrap();
-    w.remaining()
-        .into_iter()
-        .map(|n| (n.clone(), w.take_any(&n).unwrap().data))
-        .collect()
 }

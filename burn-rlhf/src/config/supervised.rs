@@ -1,0 +1,152 @@
+//! The sections the supervised trainers share (`burn-rlhf sft`, `burn-rlhf rm`): `optim.*` and
+//! `trainer.*` with verl's SFT trainer keys, and their decoding into the run's settings.
+
+use std::marker::PhantomData;
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+use super::optim::ScheduleKind;
+use super::problems::Problems;
+use super::trainer::{decode_loggers, decode_resume, ResumeMode};
+use burn_rlhf_models::pretrained::expand_home;
+
+/// `optim.*`: AdamW with linear warm-up and a cosine or constant schedule.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SupervisedOptimConfig {
+    pub lr: f64,
+    pub betas: [f64; 2],
+    pub weight_decay: f64,
+    /// Warm-up steps as a fraction of all steps.
+    pub warmup_steps_ratio: f64,
+    /// Global gradient-norm limit.
+    pub clip_grad: f64,
+    /// `cosine` or `constant`.
+    pub lr_scheduler: String,
+}
+
+impl Default for SupervisedOptimConfig {
+    fn default() -> Self {
+        Self {
+            lr: 1e-5,
+            betas: [0.9, 0.95],
+            weight_decay: 0.01,
+            warmup_steps_ratio: 0.1,
+            clip_grad: 1.0,
+            lr_scheduler: "cosine".into(),
+        }
+    }
+}
+
+/// What differs between the supervised trainers' `trainer.*` defaults.
+pub trait TrainerDefaults {
+    /// `trainer.project_name`'s default (the checkpoint folder's parent).
+    const PROJECT_NAME: &'static str;
+}
+
+/// `trainer.*`, with the defaults of the trainer `D`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields, bound = "")]
+pub struct SupervisedTrainerConfig<D: TrainerDefaults> {
+    /// Checkpoints (`global_step_N/`) and `metrics.jsonl` go here; `None`:
+    /// `checkpoints/{project_name}/{experiment_name}` (verl's default).
+    pub default_local_dir: Option<String>,
+    pub project_name: String,
+    pub experiment_name: String,
+    pub total_epochs: usize,
+    /// `None`: epochs x full batches per epoch.
+    pub total_training_steps: Option<usize>,
+    /// Any of `console`, `jsonl`, `tensorboard`.
+    pub logger: Vec<String>,
+    pub seed: u64,
+    /// Steps between checkpoints; `-1`: only at the end.
+    pub save_freq: i64,
+    /// Steps between validations; `-1`: only at the end.
+    pub test_freq: i64,
+    pub nnodes: usize,
+    pub n_gpus_per_node: usize,
+    /// `auto` (the newest checkpoint in `default_local_dir`, if any), `disable` or `resume_path`.
+    pub resume_mode: String,
+    pub resume_from_path: Option<String>,
+    #[serde(skip)]
+    defaults: PhantomData<D>,
+}
+
+impl<D: TrainerDefaults> Default for SupervisedTrainerConfig<D> {
+    fn default() -> Self {
+        Self {
+            default_local_dir: None,
+            project_name: D::PROJECT_NAME.into(),
+            experiment_name: "test".into(),
+            total_epochs: 4,
+            total_training_steps: None,
+            logger: vec!["console".into()],
+            seed: 1,
+            save_freq: -1,
+            test_freq: -1,
+            nnodes: 1,
+            n_gpus_per_node: 1,
+            resume_mode: "auto".into(),
+            resume_from_path: None,
+            defaults: PhantomData,
+        }
+    }
+}
+
+/// The run settings a supervised trainer decodes from `optim.*` and `trainer.*`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SupervisedRunSettings {
+    /// `optim.lr_scheduler`: the curve after the warm-up.
+    pub schedule: ScheduleKind,
+    /// `trainer.logger` has `console`.
+    pub console: bool,
+    /// `trainer.logger` has `jsonl`.
+    pub jsonl: bool,
+    /// `trainer.logger` has `tensorboard`: its folder (`$TENSORBOARD_DIR`, else
+    /// `tensorboard_log/{project_name}/{experiment_name}`).
+    pub tensorboard: Option<PathBuf>,
+    /// Checkpoints and metrics (`default_local_dir`, else
+    /// `checkpoints/{project_name}/{experiment_name}`; `~` expanded).
+    pub checkpoint_dir: PathBuf,
+    /// Where a run continues from.
+    pub resume: ResumeMode,
+}
+
+/// Checks `optim.*` and `trainer.*` (every problem into `p`, with its key) and decodes them.
+pub(super) fn decode_run<D: TrainerDefaults>(
+    p: &mut Problems,
+    o: &SupervisedOptimConfig,
+    t: &SupervisedTrainerConfig<D>,
+) -> Option<SupervisedRunSettings> {
+    p.check(o.lr > 0.0, || "`optim.lr` must be > 0".into());
+    let schedule = p.name(
+        "optim.lr_scheduler",
+        &o.lr_scheduler,
+        &ScheduleKind::NAMES,
+        ScheduleKind::from_name(&o.lr_scheduler),
+    );
+    p.check((0.0..1.0).contains(&o.warmup_steps_ratio), || {
+        "`optim.warmup_steps_ratio` must be in [0, 1)".into()
+    });
+    let (console, jsonl, tensorboard) =
+        decode_loggers(p, &t.logger, &t.project_name, &t.experiment_name);
+    p.check(t.nnodes >= 1 && t.n_gpus_per_node >= 1, || {
+        "`trainer.nnodes` and `trainer.n_gpus_per_node` must be >= 1".into()
+    });
+    let resume = decode_resume(p, &t.resume_mode, t.resume_from_path.as_deref());
+    let checkpoint_dir = expand_home(t.default_local_dir.as_deref().unwrap_or(&format!(
+        "checkpoints/{}/{}",
+        t.project_name, t.experiment_name
+    )));
+    schedule
+        .zip(resume)
+        .map(|(schedule, resume)| SupervisedRunSettings {
+            schedule,
+            console,
+            jsonl,
+            tensorboard,
+            checkpoint_dir,
+            resume,
+        })
+}

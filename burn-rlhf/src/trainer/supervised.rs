@@ -1,0 +1,365 @@
+//! What the supervised trainers share (`burn-rlhf sft`, `burn-rlhf rm`): the launch on this
+//! process's devices (every rank a replica on its share of each batch, as RL's [`super::launch`]),
+//! resuming, the step loop (a seeded sampler over epochs, AdamW with warm-up and a schedule,
+//! validation every `test_freq` steps and at the end, metrics to the console, jsonl and
+//! TensorBoard), and checkpoints: an HF model folder that transformers loads, the AdamW state with
+//! its parameter order, and `trainer_state.json`, written aside and renamed into place, then
+//! named in `latest_checkpointed_iteration.txt`. What differs between the trainers is a
+//! [`SupervisedTask`]: the model, its examples, one update and the validation metrics.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use burn::module::AutodiffModule;
+use burn_rlhf_models::pretrained::save_pretrained;
+use burn_rlhf_models::weights::HostTensor;
+use burn_rlhf_models::{Tokenizer, TransformerConfig};
+use burn_rlhf_rollout::data::SamplerState;
+use burn_rlhf_rollout::PromptSampler;
+
+use super::checkpoint::{checkpoint_to_resume, save_param_order, write_latest};
+use super::launch::{run_ranks, GroupPlan, NodeLaunch};
+use super::learner::ModelOptimizer;
+use super::logger::MetricsLogger;
+use super::metrics::Metrics;
+use crate::backend::LearnerBackend;
+use crate::config::TrainerDefaults;
+use crate::config::{SupervisedOptimConfig, SupervisedRunSettings, SupervisedTrainerConfig};
+use crate::distributed::{sync_params, DataParallel};
+use crate::error::TrainError;
+use crate::minibatch::OptimizerStep;
+use crate::optim::{adamw, AdamWOf, LrSchedule, ReplicaSync};
+
+/// What a supervised trainer does with its own model and examples.
+pub(crate) trait SupervisedTask<B: LearnerBackend> {
+    /// The model it trains.
+    type Model: AutodiffModule<B>;
+    /// One tokenized example.
+    type Example;
+
+    /// One optimiser step on `batch` (every rank passes the whole batch and takes its share):
+    /// the updated model and its `train/*` metrics (this rank's part of each: the ranks' mean is
+    /// the batch's).
+    fn update(
+        &self,
+        model: Self::Model,
+        step: OptimizerStep<'_, AdamWOf<Self::Model, B>>,
+        batch: &[&Self::Example],
+        device: &B::Device,
+    ) -> Result<(Self::Model, Metrics), TrainError>;
+
+    /// The `val/*` metrics of `model` on `val` (not empty), in batches of `batch_size`.
+    fn validate(
+        &self,
+        model: &<Self::Model as AutodiffModule<B>>::InnerModule,
+        val: &[Self::Example],
+        batch_size: usize,
+        device: &B::Device,
+    ) -> Metrics;
+
+    /// The model's tensors under HF names, and the HF class written in `config.json` (`None`:
+    /// the causal LM's).
+    fn export(&self, model: &Self::Model) -> (BTreeMap<String, HostTensor>, Option<String>);
+}
+
+/// What a resumed supervised run needs besides the weights and the AdamW state
+/// (`global_step_N/trainer_state.json`).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub(crate) struct SupervisedState {
+    /// Completed steps (the schedule's position too).
+    pub global_step: usize,
+    /// Where the example sampler is.
+    pub sampler: SamplerState,
+}
+
+const STATE_FILE: &str = "trainer_state.json";
+
+/// The checkpoint a run continues from (`trainer.resume_mode`), with its state, or `None` to
+/// start over. `command` names the trainer whose checkpoint it must be.
+pub(crate) fn resume_point(
+    run: &SupervisedRunSettings,
+    command: &str,
+) -> Result<Option<(PathBuf, SupervisedState)>, TrainError> {
+    let Some(dir) = checkpoint_to_resume(&run.checkpoint_dir, &run.resume)? else {
+        return Ok(None);
+    };
+    let path = dir.join(STATE_FILE);
+    let text = std::fs::read_to_string(&path).map_err(|e| {
+        TrainError::checkpoint(
+            &path,
+            format!("{e}: not a checkpoint of `burn-rlhf {command}`"),
+        )
+    })?;
+    let state = serde_json::from_str(&text).map_err(|e| TrainError::checkpoint(&path, e))?;
+    Ok(Some((dir, state)))
+}
+
+/// A supervised trainer's command (its config): what one rank runs.
+pub(crate) trait SupervisedCommand: Clone + Send + Sync + 'static {
+    /// One rank's run on `device` (`dp`: its place among the ranks); stops after the current
+    /// step once `stop` is set.
+    fn fit<B: LearnerBackend>(
+        &self,
+        device: &B::Device,
+        dp: DataParallel,
+        stop: &AtomicBool,
+    ) -> Result<SupervisedOutputs, TrainError>;
+}
+
+/// Runs `command` on every rank of `trainer.nnodes` hosts of `trainer.n_gpus_per_node` devices
+/// (in this process, or an MPI job's processes: [`super::commands::processes_and_devices`]), on
+/// the backend the Cargo features select, with gradient checkpointing when `checkpointing`;
+/// returns rank 0's outputs. Every MPI process must run the same command (its debug text).
+pub(crate) fn launch_supervised<D: TrainerDefaults, C: SupervisedCommand + std::fmt::Debug>(
+    trainer: &SupervisedTrainerConfig<D>,
+    checkpointing: bool,
+    command: &C,
+    stop: &'static AtomicBool,
+) -> Result<SupervisedOutputs, TrainError> {
+    let (node, first, count) = super::commands::processes_and_devices(
+        trainer.nnodes,
+        trainer.n_gpus_per_node,
+        Duration::from_secs(60),
+    )?;
+    let devices = crate::backend::devices_from(first, count);
+    let out = crate::with_train_backend!(checkpointing, B => {
+        on_ranks::<B, C>(&node, &devices, command, stop)
+    });
+    #[cfg(feature = "mpi")]
+    if let super::launch::Processes::Mpi(process) = &node.processes {
+        process.finish();
+    }
+    out
+}
+
+fn on_ranks<B: LearnerBackend, C: SupervisedCommand + std::fmt::Debug>(
+    node: &NodeLaunch,
+    devices: &[B::Device],
+    command: &C,
+    stop: &'static AtomicBool,
+) -> Result<SupervisedOutputs, TrainError> {
+    let group = GroupPlan::new(devices.len(), node)?;
+    #[cfg(feature = "mpi")]
+    group.check_same_settings(node, super::launch::fingerprint(&format!("{command:?}")))?;
+    if group.world == 1 {
+        return command.fit::<B>(&devices[0], DataParallel::solo(), stop);
+    }
+    let command = command.clone();
+    run_ranks::<B, SupervisedOutputs>(devices, node, &group, move |_, device, joiner| {
+        let dp = joiner.join()?;
+        command.fit::<B>(device, dp, stop)
+    })
+}
+
+/// What a supervised run left.
+#[derive(Debug, Clone)]
+pub struct SupervisedOutputs {
+    /// The last checkpoint (an HF model folder).
+    pub checkpoint: PathBuf,
+    /// `metrics.jsonl`, when `trainer.logger` has `jsonl`.
+    pub jsonl: Option<PathBuf>,
+    /// The last validation's `val/*` metrics (empty without validation data).
+    pub val: Metrics,
+}
+
+/// One rank's run of a supervised trainer: what it starts from and trains on.
+pub(crate) struct SupervisedRun<'a, B: LearnerBackend, T: SupervisedTask<B>, D: TrainerDefaults> {
+    /// The trainer's own part.
+    pub task: T,
+    /// The model, from the start point or the resumed checkpoint.
+    pub model: T::Model,
+    /// Its shape (written with each checkpoint).
+    pub model_config: TransformerConfig,
+    /// Its tokenizer (written with each checkpoint).
+    pub tokenizer: Tokenizer,
+    pub train: Vec<T::Example>,
+    pub val: Vec<T::Example>,
+    /// Examples per step (`data.train_batch_size`).
+    pub batch_size: usize,
+    /// The training files, for the message when they hold less than a batch.
+    pub train_files: &'a [String],
+    pub optim: &'a SupervisedOptimConfig,
+    pub trainer: &'a SupervisedTrainerConfig<D>,
+    pub run: &'a SupervisedRunSettings,
+    /// The checkpoint resumed from, with its state.
+    pub resumed: Option<(PathBuf, SupervisedState)>,
+}
+
+impl<B: LearnerBackend, T: SupervisedTask<B>, D: TrainerDefaults> SupervisedRun<'_, B, T, D> {
+    /// Trains `trainer.total_training_steps` steps (else `total_epochs` epochs of full batches)
+    /// on this rank (`dp`: its place among the ranks; rank 0 validates, logs and checkpoints).
+    /// Stops after the current step (with a checkpoint) once `stop` is set on any rank.
+    pub fn fit(
+        self,
+        dp: DataParallel,
+        device: &B::Device,
+        stop: &AtomicBool,
+    ) -> Result<SupervisedOutputs, TrainError> {
+        let Self {
+            task,
+            model,
+            model_config,
+            tokenizer,
+            train,
+            val,
+            batch_size: bs,
+            train_files,
+            optim: o,
+            trainer: t,
+            run,
+            resumed,
+        } = self;
+        if train.len() < bs {
+            return Err(TrainError::config(
+                "data.train_batch_size",
+                format!(
+                    "the training data ({}) has {} examples, fewer than one batch of {bs}: lower \
+                     `data.train_batch_size` or add data",
+                    train_files.join(", "),
+                    train.len(),
+                ),
+            ));
+        }
+        let main = dp.is_main();
+        // Every rank starts from rank 0's weights: a fresh head (a reward model's score, LoRA
+        // adapters) is drawn from one RNG per process, so the ranks of a process draw different
+        // ones.
+        let mut model = sync_params(model, &|_| 0, &dp)?;
+        let mut sampler = PromptSampler::new(train.len(), t.seed, true);
+        let start = resumed.as_ref().map_or(0, |(_, s)| s.global_step);
+        if let Some((_, state)) = &resumed {
+            sampler.restore(state.sampler);
+        }
+        let total = t
+            .total_training_steps
+            .unwrap_or(t.total_epochs * sampler.batches_per_epoch(bs))
+            .max(1);
+        let mut optimizer = ModelOptimizer::<T::Model, B> {
+            optim: adamw(o.betas, o.weight_decay, false),
+            schedule: LrSchedule {
+                lr: o.lr,
+                warmup_steps: (o.warmup_steps_ratio * total as f64) as usize,
+                total_steps: total,
+                kind: run.schedule,
+                min_lr_ratio: 0.0,
+                num_cycles: 0.5,
+            },
+            sync: ReplicaSync {
+                dp: dp.clone(),
+                shards: None,
+                tp: None,
+            },
+            updates: start,
+        };
+        if let Some((dir, _)) = &resumed {
+            optimizer.load(dir, &model, device)?;
+            if main {
+                eprintln!("resumed from {} (step {start})", dir.display());
+            }
+        }
+        let root = &run.checkpoint_dir;
+        // Rank 0 logs and checkpoints; every rank holds the same metrics.
+        let jsonl = (run.jsonl && main).then(|| root.join("metrics.jsonl"));
+        let mut logger =
+            MetricsLogger::new(run.console && main, 10, jsonl.clone(), None, total, start)?;
+        if let (Some(dir), true) = (&run.tensorboard, main) {
+            logger = logger.with_tensorboard(dir, start)?;
+        }
+        let mut last_val = Metrics::new();
+        let mut checkpoint = None;
+        for step in start + 1..=total {
+            let picked: Vec<&T::Example> =
+                sampler.next_batch(bs).iter().map(|&i| &train[i]).collect();
+            let (updated, m) = task.update(model, optimizer.step(o.clip_grad), &picked, device)?;
+            optimizer.updates += 1;
+            model = updated;
+            let mut metrics: Metrics = dp.mean_metrics(m.into_iter().collect())?;
+            metrics.insert("train/epoch".into(), sampler.state().epoch as f64);
+            let last = step == total;
+            if main
+                && !val.is_empty()
+                && ((t.test_freq > 0 && step as i64 % t.test_freq == 0) || last)
+            {
+                last_val = task.validate(&model.valid(), &val, bs, device);
+                metrics.extend(last_val.clone());
+            }
+            logger.log(step, &metrics)?;
+            // Every rank stops after the same step when any saw the request.
+            let stopping = dp.any(stop.load(Ordering::SeqCst))?;
+            if (t.save_freq > 0 && step as i64 % t.save_freq == 0) || last || stopping {
+                let state = SupervisedState {
+                    global_step: step,
+                    sampler: sampler.state(),
+                };
+                if main {
+                    let (tensors, architecture) = task.export(&model);
+                    let files = CheckpointFiles {
+                        tensors: &tensors,
+                        architecture: architecture.as_deref(),
+                        config: &model_config,
+                        tokenizer: &tokenizer,
+                    };
+                    save_checkpoint::<B, T::Model>(root, files, &model, &optimizer, &state)?;
+                }
+                dp.barrier()?;
+                checkpoint = Some(root.join(format!("global_step_{step}")));
+            }
+            if stopping {
+                logger.println(&format!("stopped on request after step {step}"));
+                break;
+            }
+        }
+        logger.finish()?;
+        Ok(SupervisedOutputs {
+            checkpoint: checkpoint.expect("the last step saves"),
+            jsonl,
+            val: last_val,
+        })
+    }
+}
+
+/// The HF folder's contents of a checkpoint.
+struct CheckpointFiles<'a> {
+    tensors: &'a BTreeMap<String, HostTensor>,
+    architecture: Option<&'a str>,
+    config: &'a TransformerConfig,
+    tokenizer: &'a Tokenizer,
+}
+
+/// Writes step `state.global_step` as `root/global_step_N`: the HF model folder, the AdamW state
+/// with its parameter order, and `trainer_state.json`; written aside and renamed into place, then
+/// named in `latest_checkpointed_iteration.txt`.
+fn save_checkpoint<B: LearnerBackend, M: AutodiffModule<B>>(
+    root: &Path,
+    files: CheckpointFiles<'_>,
+    model: &M,
+    optimizer: &ModelOptimizer<M, B>,
+    state: &SupervisedState,
+) -> Result<(), TrainError> {
+    let step = state.global_step;
+    let done = root.join(format!("global_step_{step}"));
+    let tmp = root.join(format!(".global_step_{step}.partial"));
+    let io = |path: &Path, e: std::io::Error| TrainError::checkpoint(path, e);
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
+    }
+    save_pretrained(
+        &tmp,
+        files.config,
+        files.tensors,
+        files.architecture,
+        Some(files.tokenizer),
+    )?;
+    optimizer.save(&tmp, true, model)?;
+    save_param_order::<B, _>(&tmp, model)?;
+    let path = tmp.join(STATE_FILE);
+    std::fs::write(&path, serde_json::to_string_pretty(state).expect("JSON"))
+        .map_err(|e| io(&path, e))?;
+    if done.exists() {
+        std::fs::remove_dir_all(&done).map_err(|e| io(&done, e))?;
+    }
+    std::fs::rename(&tmp, &done).map_err(|e| io(&done, e))?;
+    write_latest(root, step)
+}
