@@ -4,4 +4,5 @@
 
 mod data;
 mod generation;
+mod preference;
 mod rewards;
