@@ -594,7 +594,15 @@ fn every_key_is_read_or_refused() {
     // Keys whose effect shows only with another key set, and that setting.
     let contexts: &[(&str, &[&str])] = &[
         (
-            "reward_model",
+            "reward_model.reward_manager",
+            &[
+                "reward_model.reward_manager=dapo",
+                "reward_model.overlong_buffer.enable=true",
+                "reward_model.overlong_buffer.len=4",
+            ],
+        ),
+        (
+            "reward_model.overlong_buffer",
             &[
                 "reward_model.reward_manager=dapo",
                 "reward_model.overlong_buffer.enable=true",
@@ -654,6 +662,42 @@ fn every_key_is_read_or_refused() {
             &[
                 "trainer.resume_mode=resume_path",
                 "trainer.resume_from_path=/tmp/ckpt",
+            ],
+        ),
+        // The reward model's keys, read when it is enabled (with its micro-batch or budget).
+        (
+            "reward_model.model",
+            &[
+                "reward_model.enable=true",
+                "reward_model.micro_batch_size_per_gpu=4",
+            ],
+        ),
+        (
+            "reward_model.micro_batch_size_per_gpu",
+            &[
+                "reward_model.enable=true",
+                "reward_model.micro_batch_size_per_gpu=4",
+            ],
+        ),
+        (
+            "reward_model.use_dynamic_bsz",
+            &[
+                "reward_model.enable=true",
+                "reward_model.micro_batch_size_per_gpu=4",
+            ],
+        ),
+        (
+            "reward_model.max_length",
+            &[
+                "reward_model.enable=true",
+                "reward_model.micro_batch_size_per_gpu=4",
+            ],
+        ),
+        (
+            "reward_model.forward_max_token_len_per_gpu",
+            &[
+                "reward_model.enable=true",
+                "reward_model.use_dynamic_bsz=true",
             ],
         ),
     ];
