@@ -654,16 +654,24 @@ mod processes {
     /// with `devices` devices each and `extra` overrides: same weights and metrics.
     fn mpi_job_of_processes(name: &str, np: usize, devices: usize, extra: &[&str]) {
         let dir = temp_dir(name);
-        let (model, data) = cli_assets(&dir);
+        mpi_job_in(&dir, np, devices, &[], extra)
+    }
+
+    /// [`mpi_job_of_processes`] in `dir`, with `both` overrides for both runs.
+    fn mpi_job_in(dir: &Path, np: usize, devices: usize, both: &[String], extra: &[&str]) {
+        let (model, data) = cli_assets(dir);
         let single = dir.join("single");
+        let mut args = cli_args(&model, &data, &single, STEPS);
+        args.extend(both.iter().cloned());
         let status = Command::new(env!("CARGO_BIN_EXE_burn-rlhf"))
-            .args(cli_args(&model, &data, &single, STEPS))
+            .args(args)
             .stdout(Stdio::null())
             .status()
             .unwrap();
         assert!(status.success());
         let multi = dir.join("multi");
         let mut args = cli_args(&model, &data, &multi, STEPS);
+        args.extend(both.iter().cloned());
         args.push(format!("trainer.n_gpus_per_node={}", np * devices));
         args.extend(extra.iter().map(|e| e.to_string()));
         let (ok, err) = wait_bounded(mpirun(np, &args), Duration::from_secs(300));
@@ -712,6 +720,27 @@ mod processes {
             1,
             &["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"],
         );
+    }
+
+    /// A reward model scores the rollouts (each process its share of the rows, the scores
+    /// gathered through MPI) as in one process.
+    #[test]
+    fn a_reward_model_scores_rollouts_in_two_mpi_processes_as_in_one() {
+        let dir = temp_dir("dp-mpi-rm");
+        let rm = crate::reward_model::reward_model_folder(&dir.join("rm"), false);
+        let both = [
+            "reward_model.enable=true".to_string(),
+            format!("reward_model.model.path={}", rm.display()),
+            "reward_model.micro_batch_size_per_gpu=3".into(),
+            "custom_reward_function.name=null".into(),
+        ];
+        mpi_job_in(&dir, 2, 1, &both, &[]);
+        // The reward model scored them (the rule gives 0 or 1).
+        let log =
+            burn_rlhf::trainer::logger::read_jsonl(&dir.join("single/metrics.jsonl")).unwrap();
+        assert!(log
+            .iter()
+            .all(|(_, m)| ![0.0, 1.0].contains(&m["critic/score/max"])));
     }
 
     #[test]
