@@ -28,14 +28,18 @@ pub struct PairExample {
     pub margin: Option<f32>,
 }
 
-/// How a reward model reads sequences: the id they are padded with (the tokenizer's) and the pad
-/// id its scores skip (its config's `pad_token_id`, where transformers reads the score).
+/// How a reward model reads sequences: the id they are padded with (the tokenizer's), the pad id
+/// its scores skip (its config's `pad_token_id`, where transformers reads the score), and the
+/// multiple their padded width is rounded up to (a GPU's shape bucket: few shapes, few kernel
+/// compilations; 1 for exact widths).
 #[derive(Debug, Clone, Copy)]
 pub struct ScoreRead {
     /// The tokenizer's padding id.
     pub pad_id: u32,
     /// The model's `pad_token_id`.
     pub score_pad: Option<u32>,
+    /// Padded widths are multiples of this.
+    pub bucket: usize,
 }
 
 /// How a reward model is trained on pairs: pairs per micro-batch, how it reads them, and TRL's
@@ -60,9 +64,11 @@ struct Padded<B: ComputeBackend> {
 }
 
 impl<B: ComputeBackend> Padded<B> {
-    /// `rows` padded with `read.pad_id`. Shapes: `n` rows → `[n, L]`.
+    /// `rows` padded with `read.pad_id` to the longest, rounded up to `read.bucket`. Shapes: `n`
+    /// rows → `[n, L]`.
     fn new(rows: &[&[u32]], read: &ScoreRead, device: &B::Device) -> Self {
-        let l = rows.iter().map(|r| r.len()).max().unwrap_or(1).max(1);
+        let longest = rows.iter().map(|r| r.len()).max().unwrap_or(1).max(1);
+        let l = longest.div_ceil(read.bucket.max(1)) * read.bucket.max(1);
         let mut ids = Vec::with_capacity(rows.len() * l);
         let (mut mask, mut positions) = (Vec::new(), Vec::new());
         for row in rows {

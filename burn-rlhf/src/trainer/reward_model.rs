@@ -159,13 +159,15 @@ impl<B: ComputeBackend> RewardScorer<B> {
     }
 
     /// One score per row of `batch` (its responses decoded with `actor_tokenizer`): this rank's
-    /// share scored, every rank's gathered (`dp`).
+    /// share scored, every rank's gathered (`dp`). With a shape `bucket` (GPUs), widths are
+    /// rounded up to it and a short micro-batch of counted sequences is filled up with copies of
+    /// its first (their scores dropped), so the passes see few shapes.
     pub fn score(
         &self,
         batch: &RolloutBatch,
         actor_tokenizer: &Tokenizer,
         dp: &DataParallel,
-        device: &B::Device,
+        (bucket, device): (usize, &B::Device),
     ) -> Result<Vec<f64>, TrainError> {
         let rows = dp.rows_of_rank(batch);
         let sequences: Vec<Vec<u32>> = rows
@@ -193,10 +195,17 @@ impl<B: ComputeBackend> RewardScorer<B> {
         let read = ScoreRead {
             pad_id: self.tokenizer.pad_token_id,
             score_pad: self.score_pad,
+            bucket,
+        };
+        let fill = match (self.settings.max_tokens, self.settings.micro_batch_size) {
+            (None, Some(micro)) if bucket > 1 => micro,
+            _ => 0,
         };
         let mut mine = vec![0.0f32; rows.len()];
         for part in parts {
-            let refs: Vec<&[u32]> = part.iter().map(|&i| sequences[i].as_slice()).collect();
+            let refs: Vec<&[u32]> = (0..part.len().max(fill))
+                .map(|k| sequences[part[k % part.len()]].as_slice())
+                .collect();
             let scores = sequence_scores(&model, &refs, &read, device);
             for (&i, s) in part.iter().zip(scores.into_data().iter::<f32>()) {
                 mine[i] = s;

@@ -234,6 +234,7 @@ pub fn fit_rm<B: LearnerBackend>(
                 read: ScoreRead {
                     pad_id: tokenizer.pad_token_id,
                     score_pad: model_config.pad_token_id,
+                    bucket: 1,
                 },
                 center_rewards_coefficient: config.loss.center_rewards_coefficient,
             },

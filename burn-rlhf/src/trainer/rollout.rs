@@ -311,7 +311,12 @@ impl<B: LearnerBackend> Learner<B> {
     /// overlong penalty.
     fn reward_rows(&self, batch: &mut RolloutBatch) -> Result<(Vec<f64>, Vec<f64>), TrainError> {
         let scores = match &self.reward_scorer {
-            Some(rm) => rm.score(batch, &self.tokenizer, &self.dp, &self.device)?,
+            Some(rm) => rm.score(
+                batch,
+                &self.tokenizer,
+                &self.dp,
+                (self.shape_bucket, &self.device),
+            )?,
             None => self.rule_scores(batch)?,
         };
         let max_len = self.settings.data.max_response_length;

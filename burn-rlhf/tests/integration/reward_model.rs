@@ -328,6 +328,16 @@ fn ppo_scored_by_a_reward_model_on_two_devices_reproduces_one() {
 /// the actor's tokens `as_they_are`: `input_tokenizer: null`), from a learner built in code on
 /// `a`'s model and prompts, with the batch's responses.
 fn rewards_of(a: &Assets, rm: &Path, as_they_are: bool) -> (Vec<f64>, Vec<Vec<u32>>) {
+    rewards_with(a, rm, as_they_are, None)
+}
+
+/// [`rewards_of`] with `actor_rollout_ref.model.shape_bucket` set to `bucket`.
+fn rewards_with(
+    a: &Assets,
+    rm: &Path,
+    as_they_are: bool,
+    bucket: Option<usize>,
+) -> (Vec<f64>, Vec<Vec<u32>>) {
     use burn_rlhf::config::{load_config, ACTOR_TOKENIZER};
     use burn_rlhf::trainer::reward_model::LoadedRewardModel;
     use burn_rlhf::trainer::{Learner, LearnerParts};
@@ -336,6 +346,8 @@ fn rewards_of(a: &Assets, rm: &Path, as_they_are: bool) -> (Vec<f64>, Vec<Vec<u3
     c.data.train_batch_size = 64;
     c.actor_rollout_ref.rollout.n = 4;
     c.reward_model.model.input_tokenizer = (!as_they_are).then(|| ACTOR_TOKENIZER.to_string());
+    c.reward_model.micro_batch_size_per_gpu = Some(48);
+    c.actor_rollout_ref.model.shape_bucket = bucket;
     let pre = burn_rlhf::models::load_pretrained(&a.model.display().to_string()).unwrap();
     let (config, tokenizer) = (pre.config.clone(), pre.tokenizer.clone().unwrap());
     let mut parts = LearnerParts::new(pre.causal_lm::<B>(&device).unwrap(), config, tokenizer);
@@ -388,6 +400,13 @@ fn rendered_rollouts_score_as_the_actor_tokens_and_other_vocabularies_are_refuse
         );
     }
     assert!(rendered.iter().all(|s| *s != 0.0));
+    // A GPU's bounded shapes (widths rounded up to 8, the last micro-batch of 48 filled up):
+    // the same scores.
+    let (bucketed, same) = rewards_with(&a, &rm, false, Some(8));
+    assert_eq!(responses, same);
+    for (r, (x, y)) in rendered.iter().zip(&bucketed).enumerate() {
+        assert!((x - y).abs() < 1e-5, "row {r}: {x} vs {y}");
+    }
 
     let other = reward_model_folder(&dir.join("other"), true);
     let mut args = SMALL_PPO.to_vec();
