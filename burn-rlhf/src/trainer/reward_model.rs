@@ -161,7 +161,7 @@ impl<B: ComputeBackend> RewardScorer<B> {
     /// One score per row of `batch` (its responses decoded with `actor_tokenizer`): this rank's
     /// share scored, every rank's gathered (`dp`). With a shape `bucket` (GPUs), widths are
     /// rounded up to it and a short micro-batch of counted sequences is filled up with copies of
-    /// its first (their scores dropped), so the passes see few shapes.
+    /// its rows (their scores dropped), so the passes see few shapes.
     pub fn score(
         &self,
         batch: &RolloutBatch,
