@@ -252,11 +252,9 @@ use burn_rlhf::trainer::commands::{checked_config, config_origin as origin};
 fn run_generate(args: GenerateArgs) -> anyhow::Result<()> {
     use std::io::Write;
 
-    use burn_rlhf::backend::{default_device, InferenceBackend};
     use burn_rlhf::models::{load_pretrained, ChatMessage};
-    use burn_rlhf::rollout::{Generator, SamplingParams};
+    use burn_rlhf::rollout::SamplingParams;
 
-    let device = default_device();
     let pretrained = load_pretrained(&args.model)?;
     let tokenizer = pretrained.tokenizer.clone().ok_or_else(|| {
         anyhow::anyhow!(
@@ -264,8 +262,6 @@ fn run_generate(args: GenerateArgs) -> anyhow::Result<()> {
             args.model
         )
     })?;
-    let config = pretrained.config.clone();
-    let model = pretrained.causal_lm::<InferenceBackend>(&device)?;
     let prompt = if args.chat {
         tokenizer.encode_chat(&[ChatMessage::user(&args.prompt)], true)?
     } else {
@@ -286,14 +282,7 @@ fn run_generate(args: GenerateArgs) -> anyhow::Result<()> {
     std::io::stdout().flush()?;
     let mut tokens = Vec::new();
     let mut printed = 0;
-    Generator {
-        model: &model,
-        config: &config,
-        pad_id: tokenizer.pad_token_id,
-        params: &params,
-        device: &device,
-    }
-    .generate_streaming(&[prompt], &mut |_, t| {
+    burn_rlhf::trainer::commands::generate(pretrained, prompt, &params, &mut |t| {
         tokens.push(t);
         // Decode everything so far and print the new suffix: a character may span tokens.
         if let Ok(text) = tokenizer.decode(&tokens, true) {
@@ -309,14 +298,8 @@ fn run_generate(args: GenerateArgs) -> anyhow::Result<()> {
 }
 
 fn run_model_export(model: &str, out: &std::path::Path) -> anyhow::Result<()> {
-    use burn_rlhf::backend::{default_device, InferenceBackend};
-    use burn_rlhf::models::{load_pretrained, save_pretrained};
-
-    let pretrained = load_pretrained(model)?;
-    let tokenizer = pretrained.tokenizer.clone();
-    let config = pretrained.config.clone();
-    let lm = pretrained.causal_lm::<InferenceBackend>(&default_device())?;
-    save_pretrained(out, &config, &lm.export(), None, tokenizer.as_ref())?;
+    let pretrained = burn_rlhf::models::load_pretrained(model)?;
+    burn_rlhf::trainer::commands::export_f32(pretrained, out)?;
     println!("{}: {} as f32", out.display(), model);
     Ok(())
 }
@@ -393,7 +376,6 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             peer,
             peer_python,
         } => {
-            use burn_rlhf::backend::{backend_name, default_device};
             let options = burn_rlhf::bench::BenchOptions {
                 gen: (generate[0], generate[1], generate[2]),
                 fwd_bwd: (fwd_bwd[0], fwd_bwd[1]),
@@ -403,15 +385,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     script,
                 }),
             };
-            let settings = checked_config(&config, &overrides)?;
-            burn_rlhf::with_train_backend!(settings.model.gradient_checkpointing, B => {
-                burn_rlhf::bench::run_bench::<B>(
-                    settings,
-                    &options,
-                    &default_device(),
-                    backend_name(),
-                )
-            })?;
+            burn_rlhf::bench::run_bench_selected(checked_config(&config, &overrides)?, &options)?;
         }
         Command::BenchCollectives {
             nnodes,

@@ -98,6 +98,19 @@ fn random_tokens(rows: usize, len: usize, vocab: usize, seed: u64) -> Vec<Vec<u3
         .collect()
 }
 
+/// [`run_bench`] on the backend the Cargo features select (checkpointed as the settings say)
+/// and its default device: the CLI's `bench`, instantiated in the library so the binary links
+/// the trainer compiled once.
+pub fn run_bench_selected(
+    settings: Settings,
+    options: &BenchOptions,
+) -> Result<Vec<Value>, TrainError> {
+    use crate::backend::{backend_name, default_device};
+    crate::with_train_backend!(settings.model.gradient_checkpointing, B => {
+        run_bench::<B>(settings, options, &default_device(), backend_name())
+    })
+}
+
 /// Runs the benchmark on `device` and prints one JSON line per measurement; returns them too.
 pub fn run_bench<B: LearnerBackend>(
     settings: Settings,

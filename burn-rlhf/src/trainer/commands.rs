@@ -1,6 +1,8 @@
 //! What `burn-rlhf train` and `eval` run: a config file decoded into settings, the backend the
 //! Cargo features select, the models and data loaded, then [`launch`] (training) or one
-//! validation; and the Ctrl-C flag that stops a run cleanly.
+//! validation; and the Ctrl-C flag that stops a run cleanly. `generate` and `model export` too:
+//! every command's generic code is instantiated here, on the selected backend, so the binary
+//! links the library's copy instead of compiling the decoder and trainer again.
 
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -16,6 +18,8 @@ use super::learner::Learner;
 use super::metrics::Metrics;
 use crate::config::{KnownNames, Settings};
 use crate::error::TrainError;
+use burn_rlhf_models::pretrained::{save_pretrained, Pretrained};
+use burn_rlhf_rollout::{Generator, SamplingParams};
 
 /// How a config names itself in messages: the file, and the overrides applied.
 pub fn config_origin(config: &Path, overrides: &[String]) -> String {
@@ -201,4 +205,38 @@ pub fn stop_on_ctrl_c() -> &'static AtomicBool {
         });
     });
     &STOP
+}
+
+/// `burn-rlhf generate`: samples one response to `prompt` (token ids) from `pretrained` on the
+/// selected backend's default device, handing each new token to `on_token` as it comes.
+pub fn generate(
+    pretrained: Pretrained,
+    prompt: Vec<u32>,
+    params: &SamplingParams,
+    on_token: &mut dyn FnMut(u32),
+) -> Result<(), TrainError> {
+    let device = crate::backend::default_device();
+    let config = pretrained.config.clone();
+    let pad_id = pretrained.tokenizer.as_ref().map_or(0, |t| t.pad_token_id);
+    let model = pretrained.causal_lm::<crate::backend::InferenceBackend>(&device)?;
+    Generator {
+        model: &model,
+        config: &config,
+        pad_id,
+        params,
+        device: &device,
+    }
+    .generate_streaming(&[prompt], &mut |_, t| on_token(t))?;
+    Ok(())
+}
+
+/// `burn-rlhf model export`: `pretrained` written to `out` as an HF folder of f32 weights (a
+/// GGUF's quantized tensors dequantized), with its tokenizer.
+pub fn export_f32(pretrained: Pretrained, out: &Path) -> Result<(), TrainError> {
+    let tokenizer = pretrained.tokenizer.clone();
+    let config = pretrained.config.clone();
+    let lm = pretrained
+        .causal_lm::<crate::backend::InferenceBackend>(&crate::backend::default_device())?;
+    save_pretrained(out, &config, &lm.export(), None, tokenizer.as_ref())?;
+    Ok(())
 }
