@@ -45,8 +45,13 @@ fn cpu_seconds_of(stat: &str) -> Option<f64> {
 /// The process's peak resident memory (`VmHWM`) in bytes since it started or since the last
 /// [`reset_peak_resident`].
 pub fn peak_resident_bytes() -> Option<u64> {
+    status_bytes("VmHWM:")
+}
+
+/// A `/proc/self/status` field given in kB (`VmHWM:`, `VmRSS:`), in bytes.
+fn status_bytes(field: &str) -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let line = status.lines().find(|l| l.starts_with(field))?;
     let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kb * 1024)
 }
@@ -162,16 +167,9 @@ impl Timing {
 mod tests {
     use super::*;
 
-    /// The resident bytes now (`VmRSS`).
+    /// The resident bytes now.
     fn resident_bytes() -> u64 {
-        let status = std::fs::read_to_string("/proc/self/status").unwrap();
-        let line = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
-        line.split_whitespace()
-            .nth(1)
-            .unwrap()
-            .parse::<u64>()
-            .unwrap()
-            * 1024
+        status_bytes("VmRSS:").unwrap()
     }
 
     /// `bytes` touched page by page, held for `inside`, then freed (glibc maps allocations this
