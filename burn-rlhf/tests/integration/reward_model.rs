@@ -153,26 +153,33 @@ fn series(metrics: &Path, key: &str) -> Vec<(usize, f64)> {
 
 /// The end-to-end check: a reward model learns the property from pairs (held-out
 /// accuracy well above chance), and PPO whose only reward is that model raises its score on
-/// held-out prompts.
+/// held-out prompts and on the prompts it trains on.
+///
+/// Runs of one seed are not repeatable bit for bit on two threads (a CI run of seed 11 took
+/// another path from this machine's), so the test must hold on any trajectory: its lengths and
+/// thresholds come from 14 starting points (seeds 1 to 11, 14, 24, 26), each measured. The reward
+/// model gets 900 steps (at 600 some reached only 0.66, and PPO on them gained little); PPO runs
+/// the shipped config's 100.
 #[test]
 fn a_reward_model_learns_the_right_sum_and_ppo_on_it_raises_its_score() {
     let dir = temp_dir("rm-e2e");
     let a = assets(&dir, 128, 300);
     let rm_out = dir.join("rm");
-    let steps = 300;
+    let steps = 900;
     ok(
         &cli(
             "rm",
             "configs/rm_arithmetic.ron",
-            &rm_args(&a, &rm_out, steps, &["trainer.test_freq=100"]),
+            &rm_args(&a, &rm_out, steps, &["trainer.test_freq=300"]),
         ),
         "burn-rlhf rm",
     );
     let accuracy = series(&rm_out.join("metrics.jsonl"), "val/accuracy");
     println!("held-out pair accuracy by step: {accuracy:?}");
-    // 200 held-out pairs: chance is 0.5 with a standard deviation of 0.035.
+    // 400 held-out pairs: chance is 0.5 with a standard deviation of 0.025, so 0.6 is four above
+    // it. Measured: 0.71 to 0.985.
     let last = accuracy.last().unwrap().1;
-    assert!(last > 0.65, "held-out accuracy {last}");
+    assert!(last > 0.6, "held-out accuracy {last}");
     let rm = rm_out.join(format!("global_step_{steps}"));
     let config: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(rm.join("config.json")).unwrap()).unwrap();
@@ -180,11 +187,12 @@ fn a_reward_model_learns_the_right_sum_and_ppo_on_it_raises_its_score() {
     assert_eq!(config["pad_token_id"], 0);
 
     let ppo_out = dir.join("ppo");
+    let ppo_steps = 100;
     ok(
         &cli(
             "train",
             "configs/ppo_rm.ron",
-            &ppo_args(&a, &rm, &ppo_out, 30, &[]),
+            &ppo_args(&a, &rm, &ppo_out, ppo_steps, &[]),
         ),
         "burn-rlhf train with the reward model",
     );
@@ -192,11 +200,27 @@ fn a_reward_model_learns_the_right_sum_and_ppo_on_it_raises_its_score() {
     let val = series(&ppo_out.join("metrics.jsonl"), &key);
     let scores = series(&ppo_out.join("metrics.jsonl"), "critic/score/mean");
     println!("held-out reward-model score: {val:?}; per step: {scores:?}");
+    // The held-out score is greedy on the same 200 prompts before and after. Measured rises: 0.07
+    // to 0.78.
     let (before, after) = (val.first().unwrap(), val.last().unwrap());
-    assert_eq!((before.0, after.0), (0, 30));
-    assert!(after.1 > before.1 + 0.02, "{before:?} -> {after:?}");
+    assert_eq!((before.0, after.0), (0, ppo_steps));
+    assert!(after.1 > before.1 + 0.03, "{before:?} -> {after:?}");
+    // Each step's mean score over its 128 sampled responses varies from batch to batch with a
+    // standard deviation of 0.11 to 0.23 (measured, the trend taken out); the difference of two
+    // quarters' means then has one of 0.03 to 0.065, against measured rises of 0.13 to 0.52
+    // (seeds 1 to 10; the weakest reward models', seeds 14, 24 and 26, rose 0.12 to 0.16 between
+    // their first and last 20 steps).
+    assert_eq!(scores.len(), ppo_steps);
     let mean = |s: &[(usize, f64)]| s.iter().map(|x| x.1).sum::<f64>() / s.len() as f64;
-    assert!(mean(&scores[25..]) > mean(&scores[..5]), "{scores:?}");
+    let quarter = ppo_steps / 4;
+    let (early, late) = (
+        mean(&scores[..quarter]),
+        mean(&scores[ppo_steps - quarter..]),
+    );
+    assert!(
+        late > early,
+        "first quarter {early}, last {late}: {scores:?}"
+    );
 }
 
 /// A random reward model of the task's shape, saved in `dir` with the task's tokenizer (with
