@@ -52,8 +52,10 @@ pub(super) fn rms_norm_backward_f32(
                 *dx = (g * w - x * inv * mean) * inv;
             }
         });
+    // Each task's sums over its rows, then added in task order. (Rayon's `reduce` pairs them
+    // as the threads happen to split the work, so the bits differed from run to run.)
     let rows_per_task = (CHUNK / h).max(1);
-    let dw = g
+    let partials: Vec<Vec<f32>> = g
         .par_chunks(h * rows_per_task)
         .zip(x.par_chunks(h * rows_per_task))
         .zip(inv.par_chunks(rows_per_task))
@@ -66,13 +68,11 @@ pub(super) fn rms_norm_backward_f32(
             }
             dw
         })
-        .reduce(
-            || vec![0.0f32; h],
-            |mut a, b| {
-                a.iter_mut().zip(b).for_each(|(a, b)| *a += b);
-                a
-            },
-        );
+        .collect();
+    let mut dw = vec![0.0f32; h];
+    for partial in partials {
+        dw.iter_mut().zip(partial).for_each(|(a, b)| *a += b);
+    }
     (dx, dw)
 }
 
@@ -98,5 +98,38 @@ pub(super) fn unrotate_row(dx: &mut [f32], g: &[f32], cos: &[f32], sin: &[f32]) 
     for j in 0..half {
         dx[j] = g[j] * cos[j] + g[j + half] * sin[j + half];
         dx[j + half] = g[j + half] * cos[j + half] - g[j] * sin[j];
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The weight gradient sums over every row: its bits must not depend on how many threads
+    /// share the rows, nor on which thread finishes first (a rayon `reduce` tree did, and two runs
+    /// of one training job drifted apart from the last bit).
+    #[test]
+    fn rms_norm_weight_gradient_is_the_same_on_any_number_of_threads() {
+        let (rows, h) = (4096, 64);
+        // Deterministic values of mixed sign and size, so that the order of the sums shows.
+        let value = |i: usize, k: u32| ((i as f32 * 0.618 + k as f32).sin() * 3.0).powi(3);
+        let g: Vec<f32> = (0..rows * h).map(|i| value(i, 1)).collect();
+        let x: Vec<f32> = (0..rows * h).map(|i| value(i, 2)).collect();
+        let w: Vec<f32> = (0..h).map(|i| value(i, 3)).collect();
+        let on = |threads: usize| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap()
+                .install(|| rms_norm_backward_f32(&g, &x, &w, 1e-6))
+        };
+        let (dx, dw) = on(1);
+        for threads in [2, 3, 4, 8] {
+            for _ in 0..10 {
+                let (dx2, dw2) = on(threads);
+                assert_eq!(dw2, dw, "dw on {threads} threads");
+                assert_eq!(dx2, dx, "dx on {threads} threads");
+            }
+        }
     }
 }
