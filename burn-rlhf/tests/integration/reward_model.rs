@@ -177,10 +177,10 @@ fn a_reward_model_learns_the_right_sum_and_ppo_on_it_raises_its_score() {
     );
     let accuracy = series(&rm_out.join("metrics.jsonl"), "val/accuracy");
     println!("held-out pair accuracy by step: {accuracy:?}");
-    // 400 held-out pairs: chance is 0.5 with a standard deviation of 0.025, so 0.6 is four above
+    // 400 held-out pairs: chance is 0.5 with a standard deviation of 0.025, so 0.65 is six above
     // it. Measured: 0.71 to 0.985.
     let last = accuracy.last().unwrap().1;
-    assert!(last > 0.6, "held-out accuracy {last}");
+    assert!(last > 0.65, "held-out accuracy {last}");
     let rm = rm_out.join(format!("global_step_{steps}"));
     let config: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(rm.join("config.json")).unwrap()).unwrap();
