@@ -47,6 +47,21 @@ impl<B: DecoderBackend> CausalLm<B> {
         self.logits(last).reshape([b, v])
     }
 
+    /// Logits at the given tokens of a pass only (a paged pass's sampling positions; a token
+    /// may repeat). Shapes: hidden `[1, T, H]` → `[rows.len(), V]`.
+    pub fn logits_at(&self, hidden: Tensor<B, 3>, rows: &[usize]) -> Tensor<B, 2> {
+        let [_, t, h] = hidden.dims();
+        let idx: Vec<i64> = rows.iter().map(|&r| r as i64).collect();
+        let idx =
+            Tensor::<B, 1, Int>::from_data(TensorData::new(idx, [rows.len()]), &hidden.device());
+        let picked = hidden
+            .reshape([t, h])
+            .select(0, idx)
+            .reshape([1, rows.len(), h]);
+        let v = self.vocab_size();
+        self.logits(picked).reshape([rows.len(), v])
+    }
+
     /// The LM head on hidden states, as f32 (log-probs, entropies and sampling read f32 logits
     /// whatever the model's dtype); under tensor parallelism every rank's share gathered, for
     /// sampling and evaluation (no gradient flows through the gathering: training reads

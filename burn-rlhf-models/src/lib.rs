@@ -22,6 +22,7 @@ pub mod heads;
 mod hf_config;
 pub mod kernels;
 pub mod lora;
+pub mod paged;
 pub mod pretrained;
 pub mod rope;
 pub mod tensor_parallel;
@@ -37,6 +38,7 @@ pub use heads::{cast_weights, score_positions, CausalLm, RewardModel, ValueModel
 pub use hf_config::HfConfig;
 pub use kernels::DecoderBackend;
 pub use lora::LoraConfig;
+pub use paged::{KvPool, PagedLayout, PagedSeq};
 pub use pretrained::{
     load_pretrained, locate, save_pretrained, ModelFiles, Pretrained, WeightsFile,
 };

@@ -12,6 +12,7 @@ use crate::cache::KvCache;
 use crate::config::{Activation, ModelType};
 use crate::kernels::{self, AttentionMask, DecoderBackend};
 use crate::lora::LoraLinear;
+use crate::paged::{KvPool, PagedLayout};
 use crate::rope::RotaryFrequencies;
 use crate::tp_group::TpGroup;
 
@@ -89,26 +90,57 @@ pub struct Rope<B: Backend> {
 impl<B: Backend> Rope<B> {
     /// HF's rotary embedding for integer positions: angles `pos * inv_freq` repeated over both
     /// halves, cos and sin times the attention factor (YaRN's; 1 otherwise). Computed on the host
-    /// in f64.
+    /// in f64. Each row's frequencies are those of its length (its last position: dynamic NTK).
     ///
     /// Shapes: `positions` is `[B][L]` → tables `[B, 1, L, head_dim]`.
     pub fn new(positions: &[Vec<i64>], freqs: &RotaryFrequencies, device: &B::Device) -> Self {
         let (b, l) = (positions.len(), positions.first().map_or(0, Vec::len));
+        let last: Vec<i64> = positions
+            .iter()
+            .flat_map(|row| {
+                let last = row.iter().copied().max().unwrap_or(0);
+                std::iter::repeat_n(last, row.len())
+            })
+            .collect();
+        Self::tables(&positions.concat(), &last, freqs, [b, l], device)
+    }
+
+    /// The tables of a paged pass: each token at its position, with its sequence's frequencies
+    /// (those of the sequence's last position in the pass). Shapes: → `[1, 1, T, head_dim]`.
+    pub fn paged(layout: &PagedLayout, freqs: &RotaryFrequencies, device: &B::Device) -> Self {
+        let positions = layout.positions();
+        let mut last = Vec::with_capacity(positions.len());
+        for seq in layout.seqs() {
+            last.extend(std::iter::repeat_n(seq.context() as i64 - 1, seq.queries));
+        }
+        last.resize(positions.len(), 0);
+        Self::tables(&positions, &last, freqs, [1, positions.len()], device)
+    }
+
+    /// Tables for `positions` (`[B * L]`), token `i` rotated at the frequencies of a sequence
+    /// whose last position is `last[i]`.
+    fn tables(
+        positions: &[i64],
+        last: &[i64],
+        freqs: &RotaryFrequencies,
+        [b, l]: [usize; 2],
+        device: &B::Device,
+    ) -> Self {
         let head_dim = 2 * freqs.inv_freq.len();
         let scale = freqs.attention_factor;
         let mut cos = Vec::with_capacity(b * l * head_dim);
         let mut sin = Vec::with_capacity(b * l * head_dim);
-        for row in positions {
-            // Dynamic NTK: the row's frequencies follow its length (its last position).
-            let inv = freqs.for_length(row.iter().copied().max().unwrap_or(0));
-            for &p in row {
-                // HF's `cat(freqs, freqs)`: both halves use the same angles.
-                for _half in 0..2 {
-                    for f in inv.iter() {
-                        let angle = p as f64 * f;
-                        cos.push((angle.cos() * scale) as f32);
-                        sin.push((angle.sin() * scale) as f32);
-                    }
+        let mut inv = freqs.for_length(last.first().copied().unwrap_or(0));
+        for (i, &p) in positions.iter().enumerate() {
+            if i > 0 && last[i] != last[i - 1] {
+                inv = freqs.for_length(last[i]);
+            }
+            // HF's `cat(freqs, freqs)`: both halves use the same angles.
+            for _half in 0..2 {
+                for f in inv.iter() {
+                    let angle = p as f64 * f;
+                    cos.push((angle.cos() * scale) as f32);
+                    sin.push((angle.sin() * scale) as f32);
                 }
             }
         }
@@ -129,17 +161,21 @@ impl<B: Backend> Rope<B> {
     }
 }
 
+/// What a layer's attention sees: the keys of its call (and a dense cache's before them) under
+/// a mask, or a paged pass's sequences through their block tables in the pool.
+pub enum Attend<'a, B: Backend> {
+    /// Under the mask (already narrowed to a sliding-window layer's window); with a cache and
+    /// this layer's index, the new keys and values are written at the cache's length and every
+    /// cached position is seen too.
+    Masked(&'a AttentionMask, Option<(&'a mut KvCache<B>, usize)>),
+    /// A paged pass: the new keys and values are written at the layout's slots of this layer's
+    /// pool (the index), and each token attends its sequence's positions there.
+    Paged(&'a mut KvPool<B>, usize, &'a PagedLayout),
+}
+
 impl<B: DecoderBackend> Attention<B> {
-    /// Shapes: x `[B, L, H]` → `[B, L, H]`, attending as `mask` says over the keys of this call
-    /// (and with a cache, every cached position before them: the new keys and values are
-    /// written at the cache's length).
-    pub fn forward(
-        &self,
-        x: Tensor<B, 3>,
-        rope: &Rope<B>,
-        mask: &AttentionMask,
-        cache: Option<(&mut KvCache<B>, usize)>,
-    ) -> Tensor<B, 3> {
+    /// Shapes: x `[B, L, H]` → `[B, L, H]`, attending as `attend` says.
+    pub fn forward(&self, x: Tensor<B, 3>, rope: &Rope<B>, attend: Attend<'_, B>) -> Tensor<B, 3> {
         let [b, l, _] = x.dims();
         let (h, kv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
         let tp = self.tp.as_ref();
@@ -189,13 +225,18 @@ impl<B: DecoderBackend> Attention<B> {
             Some(scale) => q.mul_scalar(scale),
             None => q,
         };
-        let (k, v) = match cache {
-            Some((cache, layer)) => cache.append(layer, k, v),
-            None => (k, v),
+        let out = match attend {
+            Attend::Masked(mask, Some((cache, layer))) => {
+                let (k, v) = cache.append(layer, k, v);
+                kernels::attention(q, k, v, mask)
+            }
+            Attend::Masked(mask, None) => kernels::attention(q, k, v, mask),
+            Attend::Paged(pool, layer, layout) => {
+                let (k, v) = pool.write(layer, k, v, layout);
+                kernels::paged_attention(q, k, v, layout, self.sliding_window)
+            }
         };
-        let out = kernels::attention(q, k, v, mask)
-            .swap_dims(1, 2)
-            .reshape([b, l, h * d]);
+        let out = out.swap_dims(1, 2).reshape([b, l, h * d]);
         reduce_out(self.o_proj.forward(out), tp)
     }
 }
@@ -428,13 +469,12 @@ impl<B: DecoderBackend> DecoderLayer<B> {
         &self,
         x: Tensor<B, 3>,
         rope: &Rope<B>,
-        mask: &AttentionMask,
-        cache: Option<(&mut KvCache<B>, usize)>,
+        attend: Attend<'_, B>,
         router: Option<&mut Vec<Tensor<B, 2>>>,
     ) -> Tensor<B, 3> {
-        let attn =
-            self.self_attn
-                .forward(self.input_layernorm.forward(x.clone()), rope, mask, cache);
+        let attn = self
+            .self_attn
+            .forward(self.input_layernorm.forward(x.clone()), rope, attend);
         match (
             &self.pre_feedforward_layernorm,
             &self.post_feedforward_layernorm,
@@ -572,10 +612,7 @@ impl<B: DecoderBackend> Transformer<B> {
         let mut windowed: Vec<(usize, AttentionMask)> = Vec::new();
         let mut x = self.embed(input_ids);
         if let Some(scale) = self.embed_scale {
-            // HF multiplies by the scale cast to the weights' dtype.
-            let scale = Tensor::<B, 1>::from_floats([scale as f32], &device)
-                .cast(x.dtype())
-                .reshape([1, 1, 1]);
+            let scale = embed_scale::<B>(scale, x.dtype(), &device);
             x = x * scale;
         }
         for (i, layer) in self.layers.iter().enumerate() {
@@ -600,8 +637,7 @@ impl<B: DecoderBackend> Transformer<B> {
             x = layer.forward(
                 x,
                 layer_rope,
-                layer_mask,
-                layer_cache,
+                Attend::Masked(layer_mask, layer_cache),
                 router.as_deref_mut(),
             );
         }
@@ -610,6 +646,50 @@ impl<B: DecoderBackend> Transformer<B> {
         }
         self.norm.forward(x)
     }
+
+    /// Hidden states after the final norm of a paged pass: `input_ids` are the layout's tokens
+    /// (its sequences' new tokens side by side, then padding); each token's keys and values are
+    /// written to `pool` and it attends its sequence's positions there.
+    ///
+    /// Shapes: input_ids `[1, T]` → `[1, T, H]`.
+    pub fn forward_paged(
+        &self,
+        input_ids: Tensor<B, 2, Int>,
+        layout: &PagedLayout,
+        pool: &mut KvPool<B>,
+    ) -> Tensor<B, 3> {
+        let device = input_ids.device();
+        let rope = Rope::paged(layout, &self.rotary, &device);
+        let local_rope = self
+            .local_rotary
+            .as_ref()
+            .map(|freqs| Rope::paged(layout, freqs, &device));
+        let mut x = self.embed(input_ids);
+        if let Some(scale) = self.embed_scale {
+            let scale = embed_scale::<B>(scale, x.dtype(), &device);
+            x = x * scale;
+        }
+        for (i, layer) in self.layers.iter().enumerate() {
+            let layer_rope = match (&local_rope, layer.self_attn.sliding_window) {
+                (Some(local), Some(_)) => local,
+                _ => &rope,
+            };
+            x = layer.forward(x, layer_rope, Attend::Paged(pool, i, layout), None);
+        }
+        self.norm.forward(x)
+    }
+}
+
+/// Gemma's embedding scale as `[1, 1, 1]`: HF multiplies by the scale cast to the weights'
+/// dtype.
+fn embed_scale<B: Backend>(
+    scale: f64,
+    dtype: burn::tensor::DType,
+    device: &B::Device,
+) -> Tensor<B, 3> {
+    Tensor::<B, 1>::from_floats([scale as f32], device)
+        .cast(dtype)
+        .reshape([1, 1, 1])
 }
 
 /// Each token's `k` experts by router probability, highest first (ties to the lower index, as

@@ -22,6 +22,7 @@ use std::sync::Arc;
 
 use burn::tensor::backend::Backend;
 
+use crate::paged::PagedLayout;
 use crate::tp_group::TpGroup;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Tensor, TensorPrimitive};
@@ -214,6 +215,38 @@ pub trait DecoderBackend: Backend {
         reference::select_rows::<Self>(buffer, rows)
     }
 
+    /// Writes `value` (`[1, KV, T, D]`: a paged pass's keys or values) into `pool`
+    /// (`[N, KV, bs, D]`) at the layout's slots and returns the pool. The default is
+    /// `scatter_nd`; Flex writes a uniquely owned pool in place.
+    fn dec_paged_write(
+        pool: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        layout: &PagedLayout,
+    ) -> FloatTensor<Self> {
+        reference::paged_write::<Self>(pool, value, layout)
+    }
+
+    /// Copies pool blocks `from[i]` to `to[i]` (`[N, KV, bs, D]`) and returns the pool: a shared
+    /// block made a sequence's own. Flex copies in place.
+    fn dec_paged_copy(pool: FloatTensor<Self>, from: &[u32], to: &[u32]) -> FloatTensor<Self> {
+        reference::paged_copy::<Self>(pool, from, to)
+    }
+
+    /// Attention of a paged pass, scores and softmax in f32: q `[1, H, T, D]` (the pass's
+    /// tokens), the pool's keys and values `[N, KV, bs, D]` (this pass's already written) →
+    /// `[1, H, T, D]` in q's dtype. Each sequence's query at position `p` sees its positions
+    /// `0..=p` (within `window` of `p` for a sliding-window layer) through its block table;
+    /// padding tokens' outputs are 0.
+    fn dec_paged_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        layout: &PagedLayout,
+        window: Option<usize>,
+    ) -> FloatTensor<Self> {
+        reference::paged_attention::<Self>(q, k, v, layout, window)
+    }
+
     /// Rotary embedding with HF's `rotate_half`, moving heads before positions: x
     /// `[B, L, heads, D]` (a projection's output, viewed per head), cos and sin `[B, 1, L, D]`
     /// (f32) → `[B, heads, L, D]`.
@@ -355,6 +388,59 @@ pub fn select_rows<B: DecoderBackend>(buffer: Tensor<B, 4>, rows: &[usize]) -> T
     wrap(B::dec_select_rows(prim(buffer), rows))
 }
 
+/// `pool` with `value` written at `layout`'s slots (see [`DecoderBackend::dec_paged_write`]).
+/// Shapes: pool `[N, KV, bs, D]`, value `[1, KV, T, D]` → `[N, KV, bs, D]`.
+pub fn paged_write<B: DecoderBackend>(
+    pool: Tensor<B, 4>,
+    value: Tensor<B, 4>,
+    layout: &PagedLayout,
+) -> Tensor<B, 4> {
+    let ([_, kv, bs, d], [vb, vkv, t, vd]) = (pool.dims(), value.dims());
+    assert!(
+        (vb, vkv, vd, t, bs) == (1, kv, d, layout.tokens(), layout.block_size()),
+        "paged_write: {:?} into a pool of {:?} for {layout:?}",
+        value.dims(),
+        pool.dims()
+    );
+    wrap(B::dec_paged_write(prim(pool), prim(value), layout))
+}
+
+/// `pool` with blocks `from[i]` copied to `to[i]` (see [`DecoderBackend::dec_paged_copy`]).
+/// Shapes: `[N, KV, bs, D]` → the same.
+pub fn paged_copy<B: DecoderBackend>(pool: Tensor<B, 4>, from: &[u32], to: &[u32]) -> Tensor<B, 4> {
+    let n = pool.dims()[0] as u32;
+    assert!(
+        from.iter().chain(to).all(|&b| b < n),
+        "paged_copy: {from:?} to {to:?} in a pool of {n} blocks"
+    );
+    wrap(B::dec_paged_copy(prim(pool), from, to))
+}
+
+/// Attention of a paged pass (see [`DecoderBackend::dec_paged_attention`]). Shapes: q
+/// `[1, H, T, D]`, k and v `[N, KV, bs, D]` → `[1, H, T, D]`.
+pub fn paged_attention<B: DecoderBackend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    layout: &PagedLayout,
+    window: Option<usize>,
+) -> Tensor<B, 4> {
+    let ([qb, h, t, d], [_, kv, bs, kd]) = (q.dims(), k.dims());
+    assert!(
+        qb == 1 && kd == d && h % kv == 0 && t == layout.tokens() && bs == layout.block_size(),
+        "paged_attention: q {:?} against a pool of {:?} for {layout:?}",
+        q.dims(),
+        k.dims()
+    );
+    wrap(B::dec_paged_attention(
+        prim(q),
+        prim(k),
+        prim(v),
+        layout,
+        window,
+    ))
+}
+
 /// Rotary embedding (HF's `rotate_half`), heads moved before positions. Shapes: x
 /// `[B, L, heads, D]`, cos and sin `[B, 1, L, D]` → `[B, heads, L, D]`.
 pub fn rotary<B: DecoderBackend>(
@@ -394,6 +480,7 @@ mod tests {
     use burn::tensor::{Distribution, Tensor, TensorData};
 
     use super::*;
+    use crate::paged::PagedSeq;
 
     type A = Autodiff<Flex>;
 
@@ -725,5 +812,146 @@ mod tests {
         let (fused, plain) = (rot(true), rot(false));
         assert_close(fused.0, plain.0, 1e-5, "rotary");
         assert_close(fused.1, plain.1, 1e-5, "rotary dx");
+    }
+
+    /// A paged pass over `(queries, past)` sequences with shuffled block tables in a random
+    /// pool, and 3 padding tokens: (layout, q `[1, H, T, D]`, k and v pools).
+    fn paged_case(
+        seqs: &[(usize, usize)],
+        [h, kv, d]: [usize; 3],
+        bs: usize,
+        bucket: usize,
+        seed: u64,
+    ) -> (
+        PagedLayout,
+        Tensor<Flex, 4>,
+        Tensor<Flex, 4>,
+        Tensor<Flex, 4>,
+    ) {
+        let need: usize = seqs.iter().map(|&(q, p)| (q + p).div_ceil(bs)).sum();
+        let n = need + 1;
+        // Blocks 1.. handed out in a scrambled order, so tables are not consecutive.
+        let mut free: Vec<u32> = (1..n as u32).collect();
+        free.sort_by_key(|&b| (b as u64).wrapping_mul(0x9E37_79B9) % 97);
+        let mut first = 0;
+        let mut paged = Vec::new();
+        for &(queries, past) in seqs {
+            let blocks = free.split_off(free.len() - (queries + past).div_ceil(bs));
+            paged.push(PagedSeq {
+                first,
+                queries,
+                past,
+                blocks,
+            });
+            first += queries;
+        }
+        let layout = PagedLayout::new(paged, first + 3, bs, bucket);
+        let q = random::<Flex, 4>([1, first + 3, h, d], seed).swap_dims(1, 2);
+        (
+            layout,
+            q,
+            random([n, kv, bs, d], seed + 1),
+            random([n, kv, bs, d], seed + 2),
+        )
+    }
+
+    /// Decoding sequences (one query), a few queries, prefill chunks over one and two query
+    /// blocks, block sizes that do and do not divide the contexts, a head width under and over
+    /// the kernel's lanes, with and without a sliding window.
+    fn paged_cases() -> Vec<(Vec<(usize, usize)>, [usize; 3], usize, Option<usize>)> {
+        let seqs = vec![(1, 10), (1, 3), (1, 0), (7, 5), (3, 0), (70, 2), (1, 33)];
+        vec![
+            (seqs.clone(), [4, 2, 16], 4, None),
+            (seqs.clone(), [6, 2, 8], 16, None),
+            (seqs.clone(), [4, 4, 32], 4, Some(6)),
+            (vec![(2, 9), (1, 40)], [4, 1, 16], 8, Some(17)),
+        ]
+    }
+
+    #[test]
+    fn paged_attention_kernel_matches_the_reference_and_dense_attention() {
+        for (seqs, dims, bs, window) in paged_cases() {
+            let (layout, q, k, v) = paged_case(&seqs, dims, bs, 1, 41);
+            let kernel: Tensor<Flex, 4> = wrap(Flex::dec_paged_attention(
+                prim(q.clone()),
+                prim(k.clone()),
+                prim(v.clone()),
+                &layout,
+                window,
+            ));
+            let plain: Tensor<Flex, 4> = wrap(reference::paged_attention::<Flex>(
+                prim(q.clone()),
+                prim(k.clone()),
+                prim(v.clone()),
+                &layout,
+                window,
+            ));
+            assert_close(kernel.clone(), plain, 1e-5, "paged attention");
+            // The reference's bucketed shapes (padded rows, queries and keys) change nothing.
+            let bucketed = PagedLayout::new(layout.seqs().to_vec(), layout.tokens(), bs, 16);
+            let padded: Tensor<Flex, 4> = wrap(reference::paged_attention::<Flex>(
+                prim(q.clone()),
+                prim(k.clone()),
+                prim(v.clone()),
+                &bucketed,
+                window,
+            ));
+            assert_close(kernel.clone(), padded, 1e-5, "bucketed paged attention");
+            // Each sequence as dense attention over its positions gathered in order.
+            let [_, h, t, d] = q.dims();
+            let kv = dims[1];
+            for seq in layout.seqs() {
+                let ctx = seq.context();
+                let gather = |pool: &Tensor<Flex, 4>| {
+                    let rows: Vec<Tensor<Flex, 4>> = (0..ctx)
+                        .map(|p| {
+                            let b = seq.blocks[p / bs] as usize;
+                            pool.clone()
+                                .slice([b..b + 1, 0..kv, p % bs..p % bs + 1, 0..d])
+                        })
+                        .collect();
+                    Tensor::cat(rows, 2)
+                };
+                let mask = AttentionMask::new(&[vec![1; ctx]], seq.past);
+                let mask = window.map_or(mask.clone(), |w| mask.with_window(w));
+                let qs = q.clone().narrow(2, seq.first, seq.queries);
+                let dense = attention(qs, gather(&k), gather(&v), &mask);
+                let ours = kernel.clone().narrow(2, seq.first, seq.queries);
+                assert_close(ours, dense, 1e-5, "paged vs dense");
+            }
+            let pad = kernel.narrow(2, layout.real_tokens(), t - layout.real_tokens());
+            assert_eq!(pad.abs().sum().into_scalar(), 0.0, "padding rows are 0");
+            let _ = h;
+        }
+    }
+
+    /// The pool's write and block copy land where the reference puts them, in place.
+    #[test]
+    fn paged_writes_and_copies_equal_the_reference() {
+        let (layout, _, k, _) = paged_case(&[(1, 6), (5, 0), (2, 3)], [4, 2, 8], 4, 1, 51);
+        let value = random::<Flex, 4>([1, layout.tokens(), 2, 8], 52).swap_dims(1, 2);
+        let plain: Tensor<Flex, 4> = wrap(reference::paged_write::<Flex>(
+            prim(k.clone()),
+            prim(value.clone()),
+            &layout,
+        ));
+        // A pool nobody else holds is written in place.
+        let pool = k.clone() + 0.0;
+        let before = pool.clone().into_primitive().tensor().bytes().as_ptr();
+        let written = paged_write(pool, value, &layout);
+        let after = written.clone().into_primitive().tensor().bytes().as_ptr();
+        assert_eq!(before, after, "written in place");
+        // The null block takes padding's writes, in whatever order: compare the others.
+        let n = k.dims()[0];
+        let real = |t: Tensor<Flex, 4>| t.narrow(0, 1, n - 1);
+        assert_close(real(written.clone()), real(plain), 0.0, "paged write");
+        let (from, to) = ([2u32, 5], [6u32, 1]);
+        let plain: Tensor<Flex, 4> = wrap(reference::paged_copy::<Flex>(
+            prim(written.clone()),
+            &from,
+            &to,
+        ));
+        let copied = paged_copy(written + 0.0, &from, &to);
+        assert_close(copied, plain, 0.0, "paged copy");
     }
 }

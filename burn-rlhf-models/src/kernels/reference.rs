@@ -4,9 +4,10 @@
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{DType, Int, Tensor, TensorData};
+use burn::tensor::{DType, IndexingUpdateOp, Int, Tensor, TensorData};
 
 use super::{prim, wrap, AttentionMask};
+use crate::paged::{PagedLayout, PagedSeq, NULL_BLOCK};
 
 /// Queries per block of the reference attention: the scores of one block, `[B, H, 128, S]`, are
 /// all that exists at once.
@@ -333,4 +334,213 @@ pub fn tp_all_reduce<B: Backend>(
     let host = host_f32(flat);
     let sum = Tensor::<B, 1>::from_data(TensorData::new(group.sum(host), [n]), &device).cast(dtype);
     B::float_reshape(prim(sum), shape)
+}
+
+/// Row indices of a paged pool seen as `[N * KV * bs, D]` where the tokens of `layout` go, head
+/// by head then token by token (the order of a `[1, KV, T, D]` tensor's rows).
+fn paged_rows(layout: &PagedLayout, kv: usize) -> Vec<i64> {
+    let bs = layout.block_size();
+    (0..kv)
+        .flat_map(|h| {
+            layout.slots().iter().map(move |&slot| {
+                let (block, offset) = (slot as usize / bs, slot as usize % bs);
+                ((block * kv + h) * bs + offset) as i64
+            })
+        })
+        .collect()
+}
+
+fn int_1d<B: Backend>(values: Vec<i64>, device: &B::Device) -> Tensor<B, 1, Int> {
+    let n = values.len();
+    Tensor::from_data(TensorData::new(values, [n]), device)
+}
+
+/// The paged pool's write: `scatter_nd` of the pass's rows. See
+/// [`super::DecoderBackend::dec_paged_write`].
+pub fn paged_write<B: Backend>(
+    pool: FloatTensor<B>,
+    value: FloatTensor<B>,
+    layout: &PagedLayout,
+) -> FloatTensor<B> {
+    let (pool, value): (Tensor<B, 4>, Tensor<B, 4>) = (wrap(pool), wrap(value));
+    let [n, kv, bs, d] = pool.dims();
+    let t = value.dims()[2];
+    let device = pool.device();
+    let rows = layout.derived(&format!("paged_rows/{kv}"), || {
+        int_1d::<B>(paged_rows(layout, kv), &device).reshape([kv * t, 1])
+    });
+    let flat = pool.reshape([n * kv * bs, d]);
+    let value = value.reshape([kv * t, d]).cast(flat.dtype());
+    prim(
+        flat.scatter_nd(rows, value, IndexingUpdateOp::Assign)
+            .reshape([n, kv, bs, d]),
+    )
+}
+
+/// The paged pool's block copy: `select` then `scatter_nd` of whole blocks. See
+/// [`super::DecoderBackend::dec_paged_copy`].
+pub fn paged_copy<B: Backend>(pool: FloatTensor<B>, from: &[u32], to: &[u32]) -> FloatTensor<B> {
+    let pool: Tensor<B, 4> = wrap(pool);
+    let [n, kv, bs, d] = pool.dims();
+    let device = pool.device();
+    let idx = |blocks: &[u32]| int_1d::<B>(blocks.iter().map(|&b| b as i64).collect(), &device);
+    let flat = pool.reshape([n, kv * bs * d]);
+    let moved = flat.clone().select(0, idx(from));
+    prim(
+        flat.scatter_nd(
+            idx(to).reshape([to.len(), 1]),
+            moved,
+            IndexingUpdateOp::Assign,
+        )
+        .reshape([n, kv, bs, d]),
+    )
+}
+
+/// The keys (or values) of `rows` block tables of `nb` blocks each (`blocks`, `[rows * nb]`)
+/// gathered from `pool`. Shapes: `[N, KV, bs, D]` → `[rows, KV, nb * bs, D]`.
+fn gather_blocks<B: Backend>(
+    pool: &Tensor<B, 4>,
+    blocks: Tensor<B, 1, Int>,
+    rows: usize,
+    nb: usize,
+) -> Tensor<B, 4> {
+    let [_, kv, bs, d] = pool.dims();
+    pool.clone()
+        .select(0, blocks)
+        .reshape([rows, nb, kv, bs, d])
+        .swap_dims(1, 2)
+        .reshape([rows, kv, nb * bs, d])
+}
+
+/// `table` cut or padded with the null block to `nb` blocks.
+fn table_of(table: &[u32], nb: usize) -> impl Iterator<Item = i64> + '_ {
+    table
+        .iter()
+        .map(|&b| b as i64)
+        .chain(std::iter::repeat(NULL_BLOCK as i64))
+        .take(nb)
+}
+
+/// Paged attention as tensor ops: the sequences decoding one token each (consecutive runs) in
+/// one batched product over their gathered blocks, each other sequence alone through
+/// [`attention`]; with a bucket, rows, queries and keys rounded up to it. See
+/// [`super::DecoderBackend::dec_paged_attention`].
+pub fn paged_attention<B: Backend>(
+    q: FloatTensor<B>,
+    k: FloatTensor<B>,
+    v: FloatTensor<B>,
+    layout: &PagedLayout,
+    window: Option<usize>,
+) -> FloatTensor<B> {
+    let (q, k, v): (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>) = (wrap(q), wrap(k), wrap(v));
+    let [_, h, t, d] = q.dims();
+    let seqs = layout.seqs();
+    let mut pieces = Vec::new();
+    let mut i = 0;
+    while i < seqs.len() {
+        if seqs[i].queries == 1 {
+            let end = (i..seqs.len())
+                .find(|&j| seqs[j].queries != 1)
+                .unwrap_or(seqs.len());
+            pieces.push(paged_decode_run(&q, (&k, &v), layout, (i, end), window));
+            i = end;
+        } else {
+            pieces.push(paged_prefill(&q, (&k, &v), layout, i, window));
+            i += 1;
+        }
+    }
+    let real = layout.real_tokens();
+    if real < t {
+        pieces.push(Tensor::zeros([1, h, t - real, d], (&q.device(), q.dtype())));
+    }
+    prim(Tensor::cat(pieces, 2))
+}
+
+/// Sequences `run.0..run.1` of `layout`, one query each, batched. Shapes: q `[1, H, T, D]` →
+/// `[1, H, run, D]`.
+fn paged_decode_run<B: Backend>(
+    q: &Tensor<B, 4>,
+    (k, v): (&Tensor<B, 4>, &Tensor<B, 4>),
+    layout: &PagedLayout,
+    (start, end): (usize, usize),
+    window: Option<usize>,
+) -> Tensor<B, 4> {
+    let seqs = &layout.seqs()[start..end];
+    let [_, h, _, d] = q.dims();
+    let [_, kv, bs, _] = k.dims();
+    let (n, g) = (seqs.len(), h / kv);
+    let rows = layout.round_up(n);
+    let longest = seqs.iter().map(PagedSeq::context).max().unwrap_or(1);
+    let nb = layout.round_up(longest).div_ceil(bs);
+    let s = nb * bs;
+    let device = q.device();
+    let (blocks, mask) = layout.derived(&format!("decode/{start}/{window:?}"), || {
+        let mut idx = Vec::with_capacity(rows * nb);
+        let mut add = vec![HIDDEN; rows * s];
+        for (r, seq) in seqs.iter().enumerate() {
+            idx.extend(table_of(&seq.blocks, nb));
+            let ctx = seq.context();
+            let first = window.map_or(0, |w| ctx.saturating_sub(w));
+            add[r * s + first..r * s + ctx].fill(0.0);
+        }
+        idx.resize(rows * nb, NULL_BLOCK as i64);
+        let mask = Tensor::<B, 4>::from_data(TensorData::new(add, [rows, 1, 1, s]), &device);
+        (int_1d::<B>(idx, &device), mask)
+    });
+    let first = seqs[0].first;
+    let mut qd = q
+        .clone()
+        .narrow(2, first, n)
+        .swap_dims(0, 2)
+        .reshape([n, kv, g, d]);
+    if rows > n {
+        let pad = Tensor::zeros([rows - n, kv, g, d], (&device, qd.dtype()));
+        qd = Tensor::cat(vec![qd, pad], 0);
+    }
+    let keys = gather_blocks(k, blocks.clone(), rows, nb);
+    let values = gather_blocks(v, blocks, rows, nb);
+    let scores = (qd.matmul(keys.swap_dims(2, 3)) / (d as f64).sqrt()).cast(DType::F32) + mask;
+    let probs = burn::tensor::activation::softmax(scores, 3);
+    probs
+        .cast(values.dtype())
+        .matmul(values) // [rows, KV, G, D]
+        .narrow(0, 0, n)
+        .reshape([1, n, h, d])
+        .swap_dims(1, 2)
+}
+
+/// Sequence `index` of `layout` alone, its queries (rounded up to the bucket) through
+/// [`attention`] over its gathered blocks. Shapes: q `[1, H, T, D]` → `[1, H, queries, D]`.
+fn paged_prefill<B: Backend>(
+    q: &Tensor<B, 4>,
+    (k, v): (&Tensor<B, 4>, &Tensor<B, 4>),
+    layout: &PagedLayout,
+    index: usize,
+    window: Option<usize>,
+) -> Tensor<B, 4> {
+    let seq = &layout.seqs()[index];
+    let [_, h, _, d] = q.dims();
+    let bs = k.dims()[2];
+    let (l, lp) = (seq.queries, layout.round_up(seq.queries));
+    let nb = layout.round_up(seq.past + lp).div_ceil(bs);
+    let s = nb * bs;
+    let device = q.device();
+    let blocks = layout.derived(&format!("prefill/{index}"), || {
+        int_1d::<B>(table_of(&seq.blocks, nb).collect(), &device)
+    });
+    let mut qs = q.clone().narrow(2, seq.first, l);
+    if lp > l {
+        let pad = Tensor::zeros([1, h, lp - l, d], (&device, qs.dtype()));
+        qs = Tensor::cat(vec![qs, pad], 2);
+    }
+    let row: Vec<i64> = (0..s).map(|j| (j < seq.context()) as i64).collect();
+    let mask = AttentionMask::new(&[row], seq.past);
+    let mask = match window {
+        Some(w) => mask.with_window(w),
+        None => mask,
+    };
+    let keys = gather_blocks(k, blocks.clone(), 1, nb);
+    let values = gather_blocks(v, blocks, 1, nb);
+    let (out, _) = attention::<B>(prim(qs), prim(keys), prim(values), &mask);
+    wrap::<B, 4>(out).narrow(2, 0, l)
 }

@@ -63,7 +63,7 @@ impl<'a> Rows4<'a> {
     }
 
     /// The stride between consecutive rows of the third axis.
-    fn row_stride(&self) -> isize {
+    pub(super) fn row_stride(&self) -> isize {
         self.strides[2] as isize
     }
 }

@@ -12,6 +12,7 @@
 
 mod attention;
 mod gemm;
+mod paged;
 mod rows;
 
 use burn::backend::flex::FlexTensor;
@@ -24,6 +25,7 @@ use self::attention::{attention_backward_f32, attention_f32, Rows4};
 use self::gemm::{operand, product, transposed, Shared};
 use self::rows::{rms_norm_backward_f32, rms_norm_f32, rotate_row, sigmoid, unrotate_row};
 use super::{reference, AttentionMask, DecoderBackend};
+use crate::paged::PagedLayout;
 
 /// Elements per task of the elementwise kernels.
 const CHUNK: usize = 1 << 14;
@@ -44,6 +46,15 @@ fn readable(t: FlexTensor) -> Option<FlexTensor> {
 /// already so), or `None` for another dtype than f32.
 fn contiguous_f32(t: FlexTensor) -> Option<FlexTensor> {
     (t.dtype() == DType::F32).then(|| t.to_contiguous())
+}
+
+/// `t` when it is a whole, uniquely owned, row-major f32 buffer (writable in place).
+fn writable(t: &FlexTensor) -> bool {
+    t.dtype() == DType::F32
+        && t.is_contiguous()
+        && t.layout().start_offset() == 0
+        && t.bytes().len() == t.layout().num_elements() * 4
+        && t.is_unique()
 }
 
 /// `n` zeros, written by every core: a zeroed allocation of recycled memory is one serial
@@ -163,11 +174,8 @@ impl DecoderBackend for Flex {
         value: FloatTensor<Self>,
         start: usize,
     ) -> FloatTensor<Self> {
-        let whole = buffer.is_contiguous()
-            && buffer.layout().start_offset() == 0
-            && buffer.bytes().len() == buffer.layout().num_elements() * 4;
-        let (mut buffer, value) = match (whole, readable(value.clone())) {
-            (true, Some(v)) if buffer.dtype() == DType::F32 && buffer.is_unique() => (buffer, v),
+        let (mut buffer, value) = match (writable(&buffer), readable(value.clone())) {
+            (true, Some(v)) => (buffer, v),
             _ => return reference::write_positions::<Self>(buffer, value, start),
         };
         let shape = buffer.layout().shape().clone();
@@ -186,6 +194,56 @@ impl DecoderBackend for Flex {
             }
         }
         buffer
+    }
+
+    fn dec_paged_write(
+        mut pool: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        layout: &PagedLayout,
+    ) -> FloatTensor<Self> {
+        let value = match (writable(&pool), readable(value.clone())) {
+            (true, Some(v)) => v,
+            _ => return reference::paged_write::<Self>(pool, value, layout),
+        };
+        let rows = Rows4::of(&value).expect("readable");
+        let dst = pool
+            .try_storage_mut::<f32>()
+            .expect("a unique buffer is writable");
+        paged::write_f32(dst, &rows, layout);
+        pool
+    }
+
+    fn dec_paged_copy(mut pool: FloatTensor<Self>, from: &[u32], to: &[u32]) -> FloatTensor<Self> {
+        if !writable(&pool) {
+            return reference::paged_copy::<Self>(pool, from, to);
+        }
+        let shape = pool.layout().shape().clone();
+        let block = shape.num_elements() / shape[0].max(1);
+        let dst = pool
+            .try_storage_mut::<f32>()
+            .expect("a unique buffer is writable");
+        paged::copy_f32(dst, from, to, block);
+        pool
+    }
+
+    fn dec_paged_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        layout: &PagedLayout,
+        window: Option<usize>,
+    ) -> FloatTensor<Self> {
+        match (
+            readable(q.clone()),
+            readable(k.clone()),
+            readable(v.clone()),
+        ) {
+            (Some(q), Some(k), Some(v)) => {
+                let rows = |t| Rows4::of(t).expect("readable");
+                paged::paged_attention_f32(&rows(&q), &rows(&k), &rows(&v), layout, window)
+            }
+            _ => reference::paged_attention::<Self>(q, k, v, layout, window),
+        }
     }
 
     fn dec_rms_norm(

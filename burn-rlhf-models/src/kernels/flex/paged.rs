@@ -1,0 +1,336 @@
+//! The paged cache's host kernels: a pass's keys and values written at their slots in place,
+//! blocks copied in place, and attention through the block tables without gathering a
+//! sequence's blocks into one buffer first.
+//!
+//! Attention runs one task per (sequence, key/value head) for a sequence with few queries (a
+//! decode step): its query heads' scores against each key read once from its block, a softmax,
+//! then the values added up block by block, in SIMD loops compiled for AVX-512 and AVX2 and
+//! chosen at run time. A sequence with many queries (a prefill chunk) runs one task per
+//! (sequence, key/value head, block of queries): its keys and values gathered once into a
+//! scratch buffer and the products on gemm, as the dense kernel does.
+
+use burn::backend::flex::FlexTensor;
+use rayon::prelude::*;
+
+use super::attention::Rows4;
+use super::gemm::{matmul, Shared};
+use super::{tensor, zeros};
+use crate::paged::{PagedLayout, PagedSeq};
+
+/// Queries of one sequence at most that take the direct (decode) path.
+const FEW_QUERIES: usize = 4;
+
+/// Queries per task on the prefill path.
+const QUERY_BLOCK: usize = 64;
+
+/// Writes the layout's tokens of `value` (`[1, KV, T, D]`) into `pool` (`[N, KV, bs, D]`,
+/// row-major).
+pub(super) fn write_f32(pool: &mut [f32], value: &Rows4, layout: &PagedLayout) {
+    let [_, kv, _, d] = value.dims;
+    let bs = layout.block_size();
+    for (t, &slot) in layout.slots()[..layout.real_tokens()].iter().enumerate() {
+        let (block, offset) = (slot as usize / bs, slot as usize % bs);
+        for h in 0..kv {
+            let at = ((block * kv + h) * bs + offset) * d;
+            pool[at..at + d].copy_from_slice(value.row(0, h, t));
+        }
+    }
+}
+
+/// Copies blocks `from[i]` to `to[i]` of a row-major pool of `block` elements per block.
+pub(super) fn copy_f32(pool: &mut [f32], from: &[u32], to: &[u32], block: usize) {
+    for (&f, &t) in from.iter().zip(to) {
+        let (f, t) = (f as usize * block, t as usize * block);
+        pool.copy_within(f..f + block, t);
+    }
+}
+
+/// What a task reads: the pass's queries, the pool's keys and values, the layout, the window.
+struct Inputs<'a> {
+    q: &'a Rows4<'a>,
+    k: &'a Rows4<'a>,
+    v: &'a Rows4<'a>,
+    layout: &'a PagedLayout,
+    window: Option<usize>,
+}
+
+impl Inputs<'_> {
+    /// The first key position query position `p` sees.
+    #[inline]
+    fn first_key(&self, p: usize) -> usize {
+        self.window.map_or(0, |w| (p + 1).saturating_sub(w))
+    }
+
+    /// Key (or value) row of position `j` of `seq`, head `kv`.
+    #[inline]
+    fn key_row<'b>(&self, pool: &'b Rows4, seq: &PagedSeq, kv: usize, j: usize) -> &'b [f32] {
+        let bs = self.layout.block_size();
+        pool.row(seq.blocks[j / bs] as usize, kv, j % bs)
+    }
+}
+
+/// The attention of a paged pass: out as `[1, H, T, D]` over token-major memory (`[1, T, H, D]`),
+/// padding tokens 0.
+pub(super) fn paged_attention_f32(
+    q: &Rows4,
+    k: &Rows4,
+    v: &Rows4,
+    layout: &PagedLayout,
+    window: Option<usize>,
+) -> FlexTensor {
+    let [_, h, t, d] = q.dims;
+    let kvh = k.dims[1];
+    let mut out = zeros(t * h * d);
+    let inputs = Inputs {
+        q,
+        k,
+        v,
+        layout,
+        window,
+    };
+    // (sequence, key/value head, queries i0..i1 of the sequence).
+    let mut tasks = Vec::new();
+    for (s, seq) in layout.seqs().iter().enumerate() {
+        for kv in 0..kvh {
+            if seq.queries <= FEW_QUERIES {
+                tasks.push((s, kv, 0, seq.queries));
+            } else {
+                for i0 in (0..seq.queries).step_by(QUERY_BLOCK) {
+                    tasks.push((s, kv, i0, (i0 + QUERY_BLOCK).min(seq.queries)));
+                }
+            }
+        }
+    }
+    let dst = Shared(out.as_mut_ptr());
+    tasks.into_par_iter().for_each_init(
+        || (Vec::new(), Vec::new(), Vec::new()),
+        |(scores, keys, values), (s, kv, i0, i1)| {
+            let seq = &layout.seqs()[s];
+            // SAFETY: every task writes only the output rows of its sequence's queries i0..i1
+            // and of its key/value head's query heads, which no other task touches.
+            unsafe {
+                if seq.queries <= FEW_QUERIES {
+                    decode_task(&inputs, seq, kv, scores, dst);
+                } else {
+                    prefill_task(&inputs, seq, (kv, i0, i1), (scores, keys, values), dst);
+                }
+            }
+        },
+    );
+    tensor(out, [1, t, h, d]).permute(&[0, 2, 1, 3])
+}
+
+/// The direct path on the widest SIMD the CPU has.
+///
+/// # Safety
+/// As [`decode_body`].
+unsafe fn decode_task(
+    inputs: &Inputs,
+    seq: &PagedSeq,
+    kv: usize,
+    scores: &mut Vec<f32>,
+    out: Shared,
+) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            return decode_avx512(inputs, seq, kv, scores, out);
+        }
+        if std::arch::is_x86_feature_detected!("avx2") {
+            return decode_avx2(inputs, seq, kv, scores, out);
+        }
+    }
+    decode_body(inputs, seq, kv, scores, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn decode_avx512(
+    inputs: &Inputs,
+    seq: &PagedSeq,
+    kv: usize,
+    scores: &mut Vec<f32>,
+    out: Shared,
+) {
+    decode_body(inputs, seq, kv, scores, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn decode_avx2(
+    inputs: &Inputs,
+    seq: &PagedSeq,
+    kv: usize,
+    scores: &mut Vec<f32>,
+    out: Shared,
+) {
+    decode_body(inputs, seq, kv, scores, out)
+}
+
+/// `Σ a_i b_i` in 16 lanes, summed pairwise at the end.
+#[inline(always)]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 16];
+    let (ac, bc) = (a.chunks_exact(16), b.chunks_exact(16));
+    let tail: f32 = ac
+        .remainder()
+        .iter()
+        .zip(bc.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in ac.zip(bc) {
+        for i in 0..16 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    let mut width = 16;
+    while width > 1 {
+        width /= 2;
+        for i in 0..width {
+            acc[i] += acc[i + width];
+        }
+    }
+    acc[0] + tail
+}
+
+/// `y += a x`.
+#[inline(always)]
+fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
+    for (y, x) in y.iter_mut().zip(x) {
+        *y += a * x;
+    }
+}
+
+/// All queries of `seq` for the query heads of key/value head `kv`: scores of each key against
+/// every query row (one read of the key), a softmax per row over the keys it sees, then the
+/// values added up.
+///
+/// # Safety
+/// `out` is the `[T, H, D]` output; this call writes only the rows of `seq`'s tokens and `kv`'s
+/// query heads.
+#[inline(always)]
+unsafe fn decode_body(
+    inputs: &Inputs,
+    seq: &PagedSeq,
+    kv: usize,
+    scores: &mut Vec<f32>,
+    out: Shared,
+) {
+    let [_, h, _, d] = inputs.q.dims;
+    let groups = h / inputs.k.dims[1];
+    let nq = seq.queries;
+    let rows = groups * nq;
+    let end = seq.context();
+    let start = inputs.first_key(seq.past);
+    let keys = end - start;
+    let scale = 1.0 / (d as f32).sqrt();
+    scores.clear();
+    scores.resize(rows * keys, f32::NEG_INFINITY);
+    let query = |r: usize| inputs.q.row(0, kv * groups + r / nq, seq.first + r % nq);
+    for j in start..end {
+        let key = inputs.key_row(inputs.k, seq, kv, j);
+        for r in 0..rows {
+            let p = seq.past + r % nq;
+            if j <= p && j >= inputs.first_key(p) {
+                scores[r * keys + j - start] = dot(query(r), key) * scale;
+            }
+        }
+    }
+    for row in scores.chunks_mut(keys) {
+        let max = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0.0f32;
+        for s in row.iter_mut() {
+            *s = if *s == f32::NEG_INFINITY {
+                0.0
+            } else {
+                (*s - max).exp()
+            };
+            sum += *s;
+        }
+        let inv = 1.0 / sum;
+        row.iter_mut().for_each(|p| *p *= inv);
+    }
+    let dst = |r: usize| {
+        let at = ((seq.first + r % nq) * h + kv * groups + r / nq) * d;
+        std::slice::from_raw_parts_mut(out.get().add(at), d)
+    };
+    for j in start..end {
+        let value = inputs.key_row(inputs.v, seq, kv, j);
+        for r in 0..rows {
+            let p = scores[r * keys + j - start];
+            if p != 0.0 {
+                axpy(dst(r), p, value);
+            }
+        }
+    }
+}
+
+/// Queries `i0..i1` of `seq` for the query heads of key/value head `kv`: the keys and values
+/// they see gathered once, then per head the scores and the output on gemm.
+///
+/// # Safety
+/// As [`decode_body`], for queries `i0..i1`.
+unsafe fn prefill_task(
+    inputs: &Inputs,
+    seq: &PagedSeq,
+    (kv, i0, i1): (usize, usize, usize),
+    (scores, keys, values): (&mut Vec<f32>, &mut Vec<f32>, &mut Vec<f32>),
+    out: Shared,
+) {
+    let [_, h, _, d] = inputs.q.dims;
+    let groups = h / inputs.k.dims[1];
+    let lb = i1 - i0;
+    let end = seq.past + i1;
+    let start = inputs.first_key(seq.past + i0);
+    let n = end - start;
+    let scale = 1.0 / (d as f32).sqrt();
+    keys.clear();
+    values.clear();
+    for j in start..end {
+        keys.extend_from_slice(inputs.key_row(inputs.k, seq, kv, j));
+        values.extend_from_slice(inputs.key_row(inputs.v, seq, kv, j));
+    }
+    for head in kv * groups..(kv + 1) * groups {
+        scores.clear();
+        scores.resize(lb * n, 0.0);
+        let q0 = inputs.q.row(0, head, seq.first + i0).as_ptr();
+        let q_rs = inputs.q.row_stride();
+        matmul(
+            (lb, n, d),
+            scores.as_mut_ptr(),
+            n as isize,
+            false,
+            (q0, q_rs, 1),
+            (keys.as_ptr(), 1, d as isize),
+            scale,
+        );
+        for (r, row) in scores.chunks_mut(n).enumerate() {
+            let p = seq.past + i0 + r;
+            let (lo, hi) = (inputs.first_key(p) - start, p + 1 - start);
+            let max = row[lo..hi]
+                .iter()
+                .cloned()
+                .fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0.0f32;
+            for (j, s) in row.iter_mut().enumerate() {
+                *s = if j >= lo && j < hi {
+                    (*s - max).exp()
+                } else {
+                    0.0
+                };
+                sum += *s;
+            }
+            let inv = 1.0 / sum;
+            row.iter_mut().for_each(|p| *p *= inv);
+        }
+        matmul(
+            (lb, d, n),
+            out.get().add(((seq.first + i0) * h + head) * d),
+            (h * d) as isize,
+            false,
+            (scores.as_ptr(), n as isize, 1),
+            (values.as_ptr(), d as isize, 1),
+            1.0,
+        );
+    }
+}
