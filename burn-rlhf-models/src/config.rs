@@ -250,6 +250,27 @@ pub struct TransformerConfig {
 }
 
 impl TransformerConfig {
+    /// The longest sequence a generation request may reach, as vLLM derives `max_model_len`:
+    /// `max_position_embeddings`, times the stretch of a `linear`, `dynamic` or `yarn` RoPE
+    /// scaling (YaRN's of its original context).
+    pub fn max_model_len(&self) -> usize {
+        let stretched = |base: usize, factor: f64| (base as f64 * factor).floor() as usize;
+        match &self.rope_scaling {
+            RopeScaling::Linear { factor } | RopeScaling::Dynamic { factor } => {
+                stretched(self.max_position_embeddings, *factor)
+            }
+            RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings,
+                ..
+            } => match factor {
+                Some(f) => stretched(*original_max_position_embeddings, *f),
+                None => self.max_position_embeddings,
+            },
+            RopeScaling::Default | RopeScaling::Llama3 { .. } => self.max_position_embeddings,
+        }
+    }
+
     /// The HF `config.json` contents for this model, readable by transformers 4.x and 5.x.
     pub fn to_hf_json(&self) -> Value {
         let eos = match self.eos_token_ids.as_slice() {

@@ -28,6 +28,12 @@ pub struct PagedSeq {
     pub past: usize,
     /// Its block table: at least `(past + queries) / block_size` rounded up.
     pub blocks: Vec<u32>,
+    /// Under dynamic NTK, the rotary frequencies of a token at position `p` are those of a
+    /// sequence whose last position is `max(p, rope_floor)`: with the prompt's last position
+    /// here, a prompt's tokens are rotated as one forward of the whole prompt rotates them
+    /// (transformers' `generate`) and each later token at its own length, however the prompt
+    /// is chunked and whenever the sequence is recomputed. Other RoPE types ignore it.
+    pub rope_floor: usize,
 }
 
 impl PagedSeq {

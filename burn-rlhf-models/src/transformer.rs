@@ -105,13 +105,13 @@ impl<B: Backend> Rope<B> {
         Self::tables(&positions.concat(), &last, freqs, [b, l], device)
     }
 
-    /// The tables of a paged pass: each token at its position, with its sequence's frequencies
-    /// (those of the sequence's last position in the pass). Shapes: → `[1, 1, T, head_dim]`.
+    /// The tables of a paged pass: each token at its position, with the frequencies of its
+    /// sequence at `max(position, rope_floor)` (see [`crate::PagedSeq::rope_floor`]). Shapes: → `[1, 1, T, head_dim]`.
     pub fn paged(layout: &PagedLayout, freqs: &RotaryFrequencies, device: &B::Device) -> Self {
         let positions = layout.positions();
         let mut last = Vec::with_capacity(positions.len());
         for seq in layout.seqs() {
-            last.extend(std::iter::repeat_n(seq.context() as i64 - 1, seq.queries));
+            last.extend((seq.past..seq.context()).map(|p| p.max(seq.rope_floor) as i64));
         }
         last.resize(positions.len(), 0);
         Self::tables(&positions, &last, freqs, [1, positions.len()], device)

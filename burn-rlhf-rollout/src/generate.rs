@@ -20,13 +20,13 @@
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_rlhf_models::{CausalLm, DecoderBackend, KvCache, TransformerConfig};
-use rand::{Rng, SeedableRng};
+use rand::Rng;
 use rayon::prelude::*;
 
 use crate::error::RolloutError;
 pub use crate::params::{DecodeShapes, LogprobsMode, SamplingParams};
 pub use crate::sample::processed_distribution;
-use crate::sample::{draws, is_greedy, pick, sample_on_device};
+use crate::sample::{draws, is_greedy, pick, sample_on_device, stream};
 
 /// One generated response.
 #[derive(Debug, Clone, PartialEq)]
@@ -152,16 +152,6 @@ fn positions(prompts: &[Vec<u32>]) -> Vec<u64> {
     (0..prompts.len() as u64).collect()
 }
 
-/// The random stream of sample `j` of the prompt keyed `key` (splitmix64 of the three).
-fn row_rng(seed: u64, key: u64, j: usize) -> rand::rngs::StdRng {
-    let mut z = seed
-        ^ key.wrapping_mul(0x9E37_79B9_7F4A_7C15)
-        ^ (j as u64).wrapping_mul(0xD1B5_4A32_D192_ED03);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    rand::rngs::StdRng::seed_from_u64(z ^ (z >> 31))
-}
-
 /// The rows of one chunk as they decode.
 struct Rows {
     /// Each row's response so far (`prompt_index` relative to the chunk).
@@ -241,7 +231,7 @@ impl<B: DecoderBackend> Generator<'_, B> {
                 })
                 .collect(),
             rngs: (0..rows)
-                .map(|s| row_rng(self.params.seed, keys[s / n], s % n))
+                .map(|s| stream(self.params.seed, keys[s / n], s % n))
                 .collect(),
             active: (0..rows).collect(),
         }

@@ -7,6 +7,7 @@
 pub mod batch;
 pub mod data;
 pub mod encode;
+pub mod engine;
 mod error;
 pub mod generate;
 pub mod metrics;
@@ -18,6 +19,9 @@ pub mod sample;
 pub use batch::RolloutBatch;
 pub use data::{PromptRecord, PromptSampler, SamplerState};
 pub use encode::Truncation;
+pub use engine::{
+    Engine, EngineConfig, EngineStats, FinishReason, Finished, Request, RequestId, SeqId,
+};
 pub use error::RolloutError;
 pub use generate::{
     DecodeShapes, GenerationProfile, Generator, LogprobsMode, Sample, SamplingParams,

@@ -227,6 +227,18 @@ fn inverse_cdf<B: Backend>(q: Tensor<B, 2>, target: Tensor<B, 2>) -> Tensor<B, 2
     j * block as i64 + k
 }
 
+/// The random stream of sample `j` of the prompt keyed `key` (splitmix64 of the three): one
+/// uniform draw per sampled token, so a response depends only on these three and its logits.
+pub fn stream(seed: u64, key: u64, j: usize) -> rand::rngs::StdRng {
+    use rand::SeedableRng;
+    let mut z = seed
+        ^ key.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        ^ (j as u64).wrapping_mul(0xD1B5_4A32_D192_ED03);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    rand::rngs::StdRng::seed_from_u64(z ^ (z >> 31))
+}
+
 /// One uniform draw per row as a device tensor. Shapes: `[R]` → `[R]`.
 pub fn draws<B: Backend>(u: &[f64], device: &B::Device) -> Tensor<B, 1> {
     let values: Vec<f32> = u.iter().map(|&x| x as f32).collect();

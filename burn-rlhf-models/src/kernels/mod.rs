@@ -842,6 +842,7 @@ mod tests {
                 queries,
                 past,
                 blocks,
+                rope_floor: 0,
             });
             first += queries;
         }

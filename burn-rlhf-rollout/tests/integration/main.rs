@@ -3,6 +3,7 @@
 //! allocator, has its own binary.
 
 mod data;
+mod engine;
 mod generation;
 mod preference;
 mod rewards;
