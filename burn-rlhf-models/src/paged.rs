@@ -178,9 +178,11 @@ impl PagedLayout {
     }
 }
 
-/// The pool: per layer, keys and values of `num_blocks` blocks, `[num_blocks, kv_heads,
-/// block_size, head_dim]` each (a head's positions within a block are contiguous). Block
-/// [`NULL_BLOCK`] takes padding's writes.
+/// The pool: per layer, keys and values of `num_blocks` blocks, values `[num_blocks, kv_heads,
+/// block_size, head_dim]` (a head's positions within a block one after the other) and keys
+/// `[num_blocks, kv_heads, head_dim, block_size]` (transposed within the block: a query's
+/// scores over a block accumulate in `block_size` lanes). Block [`NULL_BLOCK`] takes padding's
+/// writes.
 #[derive(Debug, Clone)]
 pub struct KvPool<B: Backend> {
     keys: Vec<Tensor<B, 4>>,
@@ -189,7 +191,7 @@ pub struct KvPool<B: Backend> {
     num_blocks: usize,
 }
 
-impl<B: Backend> KvPool<B> {
+impl<B: DecoderBackend> KvPool<B> {
     /// A pool of `num_blocks` blocks of `block_size` positions for `config`'s layers and
     /// key/value heads, in `dtype` (the model's, [`crate::CausalLm::float_dtype`]), zeroed.
     pub fn new(
@@ -198,20 +200,15 @@ impl<B: Backend> KvPool<B> {
         block_size: usize,
         (device, dtype): (&B::Device, DType),
     ) -> Self {
-        let shape = [
-            num_blocks,
-            config.num_key_value_heads,
-            block_size,
-            config.head_dim,
-        ];
-        let zeros = || {
+        let (kv, d) = (config.num_key_value_heads, config.head_dim);
+        let zeros = |shape: [usize; 4]| {
             (0..config.num_hidden_layers)
-                .map(|_| Tensor::zeros(shape, (device, dtype)))
+                .map(|_| kernels::pool_zeros::<B>(shape, device, dtype))
                 .collect()
         };
         Self {
-            keys: zeros(),
-            values: zeros(),
+            keys: zeros([num_blocks, kv, d, block_size]),
+            values: zeros([num_blocks, kv, block_size, d]),
             block_size,
             num_blocks,
         }
@@ -274,9 +271,9 @@ impl<B: DecoderBackend> KvPool<B> {
         let device = k.device();
         let empty = || Tensor::<B, 4>::empty([0, 0, 0, 0], &device);
         let keys = std::mem::replace(&mut self.keys[layer], empty());
-        self.keys[layer] = kernels::paged_write(keys, k, layout);
+        self.keys[layer] = kernels::paged_write(keys, k, layout, true);
         let values = std::mem::replace(&mut self.values[layer], empty());
-        self.values[layer] = kernels::paged_write(values, v, layout);
+        self.values[layer] = kernels::paged_write(values, v, layout, false);
         (self.keys[layer].clone(), self.values[layer].clone())
     }
 }

@@ -162,6 +162,40 @@ pub fn decode_shapes() -> burn_rlhf_rollout::DecodeShapes {
     }
 }
 
+/// Bytes of memory free for `device` of backend `B`: on CPU backends the host's available
+/// memory (`MemAvailable`), on CUDA the driver's free device memory, `None` where it cannot be
+/// known (wgpu).
+pub fn free_memory<B: burn_rlhf_algos::RlBackend>(device: &B::Device) -> Option<u64> {
+    if !B::compiles_kernels() {
+        return host_available_memory();
+    }
+    device_free_memory(device)
+}
+
+/// `MemAvailable` of `/proc/meminfo`, in bytes.
+fn host_available_memory() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// The CUDA driver's free memory of `device` (its ordinal as Burn numbers it).
+#[cfg(feature = "cuda")]
+fn device_free_memory<D: burn::tensor::backend::DeviceOps>(device: &D) -> Option<u64> {
+    let ordinal = device.id().index_id as usize;
+    let context = cudarc::driver::CudaContext::new(ordinal).ok()?;
+    context
+        .mem_get_info()
+        .ok()
+        .map(|(free, _total)| free as u64)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn device_free_memory<D>(_device: &D) -> Option<u64> {
+    None
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

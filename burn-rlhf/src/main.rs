@@ -126,6 +126,20 @@ enum Command {
             default_value = "/tmp/peer-venv/bin/python"
         )]
         peer_python: PathBuf,
+        /// Rollout cases: the config's first PROMPTS training prompts, N samples each, up to
+        /// TOKENS new ones, ending at EOS (`longtail`) and running to TOKENS (`uniform`); 0 0 0:
+        /// none. Example: `--rollout 64 4 512`.
+        #[arg(long, num_args = 3, default_values_t = [0, 0, 0], value_names = ["PROMPTS", "N", "TOKENS"])]
+        rollout: Vec<usize>,
+        /// `max_num_seqs` of the rollout runs (0: the config's).
+        #[arg(long, num_args = 1.., default_values_t = [32, 0])]
+        rollout_slots: Vec<usize>,
+        /// Also run the static chunked generator the engine replaced, back to back.
+        #[arg(long)]
+        rollout_static: bool,
+        /// HF transformers' side of the rollout cases (`benches/peers/hf_generate.py`).
+        #[arg(long)]
+        rollout_peer: Option<PathBuf>,
     },
     /// Time the collectives the trainer uses (all-reduce, all-gather, reduce-scatter, broadcast)
     /// on this launch's transport, 4 KiB up to `--max-mib`: JSON lines with nccl-tests' algorithm
@@ -375,7 +389,20 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             steps,
             peer,
             peer_python,
+            rollout,
+            rollout_slots,
+            rollout_static,
+            rollout_peer,
         } => {
+            let rollout = (rollout[0] > 0).then(|| burn_rlhf::bench::RolloutBench {
+                size: (rollout[0], rollout[1].max(1), rollout[2].max(1)),
+                slots: rollout_slots,
+                static_generator: rollout_static,
+                peer: rollout_peer.map(|script| burn_rlhf::bench::Peer {
+                    python: peer_python.clone(),
+                    script,
+                }),
+            });
             let options = burn_rlhf::bench::BenchOptions {
                 gen: (generate[0], generate[1], generate[2]),
                 fwd_bwd: (fwd_bwd[0], fwd_bwd[1]),
@@ -384,6 +411,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     python: peer_python,
                     script,
                 }),
+                rollout,
             };
             burn_rlhf::bench::run_bench_selected(checked_config(&config, &overrides)?, &options)?;
         }

@@ -215,25 +215,39 @@ pub trait DecoderBackend: Backend {
         reference::select_rows::<Self>(buffer, rows)
     }
 
-    /// Writes `value` (`[1, KV, T, D]`: a paged pass's keys or values) into `pool`
-    /// (`[N, KV, bs, D]`) at the layout's slots and returns the pool. The default is
-    /// `scatter_nd`; Flex writes a uniquely owned pool in place.
+    /// Writes `value` (`[1, KV, T, D]`: a paged pass's keys or values) into `pool` at the
+    /// layout's slots and returns the pool: a values pool is `[N, KV, bs, D]`, a keys pool
+    /// (`keys`) `[N, KV, D, bs]` (each block's keys transposed, so a query's scores over a block
+    /// are one vector of `bs` lanes accumulated over `D`, with no sum across lanes). The
+    /// default is `scatter_nd`; Flex writes a uniquely owned pool in place.
     fn dec_paged_write(
         pool: FloatTensor<Self>,
         value: FloatTensor<Self>,
         layout: &PagedLayout,
+        keys: bool,
     ) -> FloatTensor<Self> {
-        reference::paged_write::<Self>(pool, value, layout)
+        reference::paged_write::<Self>(pool, value, layout, keys)
     }
 
-    /// Copies pool blocks `from[i]` to `to[i]` (`[N, KV, bs, D]`) and returns the pool: a shared
-    /// block made a sequence's own. Flex copies in place.
+    /// A zeroed buffer for a paged pool. The default is `zeros`; Flex hands out memory the
+    /// kernel zeroes when first touched, so a pool costs only the blocks sequences fill.
+    fn dec_pool_zeros(
+        shape: [usize; 4],
+        device: &Self::Device,
+        dtype: burn::tensor::DType,
+    ) -> FloatTensor<Self> {
+        prim(Tensor::<Self, 4>::zeros(shape, (device, dtype)))
+    }
+
+    /// Copies pool blocks `from[i]` to `to[i]` (the first axis of a keys or values pool) and
+    /// returns the pool: a shared block made a sequence's own. Flex copies in place.
     fn dec_paged_copy(pool: FloatTensor<Self>, from: &[u32], to: &[u32]) -> FloatTensor<Self> {
         reference::paged_copy::<Self>(pool, from, to)
     }
 
     /// Attention of a paged pass, scores and softmax in f32: q `[1, H, T, D]` (the pass's
-    /// tokens), the pool's keys and values `[N, KV, bs, D]` (this pass's already written) →
+    /// tokens), the pool's keys `[N, KV, D, bs]` and values `[N, KV, bs, D]` (this pass's
+    /// already written) →
     /// `[1, H, T, D]` in q's dtype. Each sequence's query at position `p` sees its positions
     /// `0..=p` (within `window` of `p` for a sliding-window layer) through its block table;
     /// padding tokens' outputs are 0.
@@ -389,20 +403,33 @@ pub fn select_rows<B: DecoderBackend>(buffer: Tensor<B, 4>, rows: &[usize]) -> T
 }
 
 /// `pool` with `value` written at `layout`'s slots (see [`DecoderBackend::dec_paged_write`]).
-/// Shapes: pool `[N, KV, bs, D]`, value `[1, KV, T, D]` → `[N, KV, bs, D]`.
+/// Shapes: pool `[N, KV, bs, D]` (`[N, KV, D, bs]` for `keys`), value `[1, KV, T, D]` → the
+/// pool's.
 pub fn paged_write<B: DecoderBackend>(
     pool: Tensor<B, 4>,
     value: Tensor<B, 4>,
     layout: &PagedLayout,
+    keys: bool,
 ) -> Tensor<B, 4> {
-    let ([_, kv, bs, d], [vb, vkv, t, vd]) = (pool.dims(), value.dims());
+    let [_, kv, a, b] = pool.dims();
+    let (bs, d) = if keys { (b, a) } else { (a, b) };
+    let [vb, vkv, t, vd] = value.dims();
     assert!(
         (vb, vkv, vd, t, bs) == (1, kv, d, layout.tokens(), layout.block_size()),
         "paged_write: {:?} into a pool of {:?} for {layout:?}",
         value.dims(),
         pool.dims()
     );
-    wrap(B::dec_paged_write(prim(pool), prim(value), layout))
+    wrap(B::dec_paged_write(prim(pool), prim(value), layout, keys))
+}
+
+/// A zeroed paged-pool buffer (see [`DecoderBackend::dec_pool_zeros`]).
+pub fn pool_zeros<B: DecoderBackend>(
+    shape: [usize; 4],
+    device: &B::Device,
+    dtype: burn::tensor::DType,
+) -> Tensor<B, 4> {
+    wrap(B::dec_pool_zeros(shape, device, dtype))
 }
 
 /// `pool` with blocks `from[i]` copied to `to[i]` (see [`DecoderBackend::dec_paged_copy`]).
@@ -417,7 +444,7 @@ pub fn paged_copy<B: DecoderBackend>(pool: Tensor<B, 4>, from: &[u32], to: &[u32
 }
 
 /// Attention of a paged pass (see [`DecoderBackend::dec_paged_attention`]). Shapes: q
-/// `[1, H, T, D]`, k and v `[N, KV, bs, D]` → `[1, H, T, D]`.
+/// `[1, H, T, D]`, k `[N, KV, D, bs]`, v `[N, KV, bs, D]` → `[1, H, T, D]`.
 pub fn paged_attention<B: DecoderBackend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
@@ -425,7 +452,7 @@ pub fn paged_attention<B: DecoderBackend>(
     layout: &PagedLayout,
     window: Option<usize>,
 ) -> Tensor<B, 4> {
-    let ([qb, h, t, d], [_, kv, bs, kd]) = (q.dims(), k.dims());
+    let ([qb, h, t, d], [_, kv, kd, bs]) = (q.dims(), k.dims());
     assert!(
         qb == 1 && kd == d && h % kv == 0 && t == layout.tokens() && bs == layout.block_size(),
         "paged_attention: q {:?} against a pool of {:?} for {layout:?}",
@@ -815,7 +842,8 @@ mod tests {
     }
 
     /// A paged pass over `(queries, past)` sequences with shuffled block tables in a random
-    /// pool, and 3 padding tokens: (layout, q `[1, H, T, D]`, k and v pools).
+    /// pool, and 3 padding tokens: (layout, q `[1, H, T, D]`, the keys `[N, KV, D, bs]` and
+    /// values `[N, KV, bs, D]` pools).
     fn paged_case(
         seqs: &[(usize, usize)],
         [h, kv, d]: [usize; 3],
@@ -851,7 +879,7 @@ mod tests {
         (
             layout,
             q,
-            random([n, kv, bs, d], seed + 1),
+            random([n, kv, d, bs], seed + 1),
             random([n, kv, bs, d], seed + 2),
         )
     }
@@ -903,12 +931,17 @@ mod tests {
             let kv = dims[1];
             for seq in layout.seqs() {
                 let ctx = seq.context();
-                let gather = |pool: &Tensor<Flex, 4>| {
+                let gather = |pool: &Tensor<Flex, 4>, keys: bool| {
                     let rows: Vec<Tensor<Flex, 4>> = (0..ctx)
                         .map(|p| {
-                            let b = seq.blocks[p / bs] as usize;
-                            pool.clone()
-                                .slice([b..b + 1, 0..kv, p % bs..p % bs + 1, 0..d])
+                            let (b, o) = (seq.blocks[p / bs] as usize, p % bs);
+                            match keys {
+                                true => pool
+                                    .clone()
+                                    .slice([b..b + 1, 0..kv, 0..d, o..o + 1])
+                                    .swap_dims(2, 3),
+                                false => pool.clone().slice([b..b + 1, 0..kv, o..o + 1, 0..d]),
+                            }
                         })
                         .collect();
                     Tensor::cat(rows, 2)
@@ -916,7 +949,7 @@ mod tests {
                 let mask = AttentionMask::new(&[vec![1; ctx]], seq.past);
                 let mask = window.map_or(mask.clone(), |w| mask.with_window(w));
                 let qs = q.clone().narrow(2, seq.first, seq.queries);
-                let dense = attention(qs, gather(&k), gather(&v), &mask);
+                let dense = attention(qs, gather(&k, true), gather(&v, false), &mask);
                 let ours = kernel.clone().narrow(2, seq.first, seq.queries);
                 assert_close(ours, dense, 1e-5, "paged vs dense");
             }
@@ -926,33 +959,37 @@ mod tests {
         }
     }
 
-    /// The pool's write and block copy land where the reference puts them, in place.
+    /// The pool's write (keys transposed, values not) and block copy land where the reference
+    /// puts them, in place.
     #[test]
     fn paged_writes_and_copies_equal_the_reference() {
-        let (layout, _, k, _) = paged_case(&[(1, 6), (5, 0), (2, 3)], [4, 2, 8], 4, 1, 51);
+        let (layout, _, k, v) = paged_case(&[(1, 6), (5, 0), (2, 3)], [4, 2, 8], 4, 1, 51);
         let value = random::<Flex, 4>([1, layout.tokens(), 2, 8], 52).swap_dims(1, 2);
-        let plain: Tensor<Flex, 4> = wrap(reference::paged_write::<Flex>(
-            prim(k.clone()),
-            prim(value.clone()),
-            &layout,
-        ));
-        // A pool nobody else holds is written in place.
-        let pool = k.clone() + 0.0;
-        let before = pool.clone().into_primitive().tensor().bytes().as_ptr();
-        let written = paged_write(pool, value, &layout);
-        let after = written.clone().into_primitive().tensor().bytes().as_ptr();
-        assert_eq!(before, after, "written in place");
-        // The null block takes padding's writes, in whatever order: compare the others.
-        let n = k.dims()[0];
-        let real = |t: Tensor<Flex, 4>| t.narrow(0, 1, n - 1);
-        assert_close(real(written.clone()), real(plain), 0.0, "paged write");
-        let (from, to) = ([2u32, 5], [6u32, 1]);
-        let plain: Tensor<Flex, 4> = wrap(reference::paged_copy::<Flex>(
-            prim(written.clone()),
-            &from,
-            &to,
-        ));
-        let copied = paged_copy(written + 0.0, &from, &to);
-        assert_close(copied, plain, 0.0, "paged copy");
+        for (pool, keys) in [(k, true), (v, false)] {
+            let plain: Tensor<Flex, 4> = wrap(reference::paged_write::<Flex>(
+                prim(pool.clone()),
+                prim(value.clone()),
+                &layout,
+                keys,
+            ));
+            // A pool nobody else holds is written in place.
+            let mine = pool.clone() + 0.0;
+            let before = mine.clone().into_primitive().tensor().bytes().as_ptr();
+            let written = paged_write(mine, value.clone(), &layout, keys);
+            let after = written.clone().into_primitive().tensor().bytes().as_ptr();
+            assert_eq!(before, after, "written in place");
+            // The null block takes padding's writes, in whatever order: compare the others.
+            let n = pool.dims()[0];
+            let real = |t: Tensor<Flex, 4>| t.narrow(0, 1, n - 1);
+            assert_close(real(written.clone()), real(plain), 0.0, "paged write");
+            let (from, to) = ([2u32, 5], [6u32, 1]);
+            let plain: Tensor<Flex, 4> = wrap(reference::paged_copy::<Flex>(
+                prim(written.clone()),
+                &from,
+                &to,
+            ));
+            let copied = paged_copy(written + 0.0, &from, &to);
+            assert_close(copied, plain, 0.0, "paged copy");
+        }
     }
 }

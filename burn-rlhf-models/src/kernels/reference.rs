@@ -336,18 +336,27 @@ pub fn tp_all_reduce<B: Backend>(
     B::float_reshape(prim(sum), shape)
 }
 
-/// Row indices of a paged pool seen as `[N * KV * bs, D]` where the tokens of `layout` go, head
-/// by head then token by token (the order of a `[1, KV, T, D]` tensor's rows).
-fn paged_rows(layout: &PagedLayout, kv: usize) -> Vec<i64> {
+/// Where the tokens of `layout` go in a paged pool flattened to `[N * KV * a * b, 1]`, head by
+/// head, token by token, dimension by dimension (the order of a `[1, KV, T, D]` tensor's
+/// elements): a values pool's `[N, KV, bs, D]` or a keys pool's `[N, KV, D, bs]`.
+fn paged_elements(layout: &PagedLayout, kv: usize, d: usize, keys: bool) -> Vec<i64> {
     let bs = layout.block_size();
-    (0..kv)
-        .flat_map(|h| {
-            layout.slots().iter().map(move |&slot| {
-                let (block, offset) = (slot as usize / bs, slot as usize % bs);
-                ((block * kv + h) * bs + offset) as i64
-            })
-        })
-        .collect()
+    let mut at = Vec::with_capacity(kv * layout.tokens() * d);
+    for h in 0..kv {
+        for &slot in layout.slots() {
+            let (block, offset) = (slot as usize / bs, slot as usize % bs);
+            let base = (block * kv + h) * bs * d;
+            for i in 0..d {
+                let e = if keys {
+                    i * bs + offset
+                } else {
+                    offset * d + i
+                };
+                at.push((base + e) as i64);
+            }
+        }
+    }
+    at
 }
 
 fn int_1d<B: Backend>(values: Vec<i64>, device: &B::Device) -> Tensor<B, 1, Int> {
@@ -355,25 +364,27 @@ fn int_1d<B: Backend>(values: Vec<i64>, device: &B::Device) -> Tensor<B, 1, Int>
     Tensor::from_data(TensorData::new(values, [n]), device)
 }
 
-/// The paged pool's write: `scatter_nd` of the pass's rows. See
+/// The paged pool's write: `scatter_nd` of the pass's elements. See
 /// [`super::DecoderBackend::dec_paged_write`].
 pub fn paged_write<B: Backend>(
     pool: FloatTensor<B>,
     value: FloatTensor<B>,
     layout: &PagedLayout,
+    keys: bool,
 ) -> FloatTensor<B> {
     let (pool, value): (Tensor<B, 4>, Tensor<B, 4>) = (wrap(pool), wrap(value));
-    let [n, kv, bs, d] = pool.dims();
-    let t = value.dims()[2];
+    let shape = pool.dims();
+    let [_, kv, t, d] = value.dims();
     let device = pool.device();
-    let rows = layout.derived(&format!("paged_rows/{kv}"), || {
-        int_1d::<B>(paged_rows(layout, kv), &device).reshape([kv * t, 1])
+    let at = layout.derived(&format!("paged_elements/{kv}/{d}/{keys}"), || {
+        int_1d::<B>(paged_elements(layout, kv, d, keys), &device).reshape([kv * t * d, 1])
     });
-    let flat = pool.reshape([n * kv * bs, d]);
-    let value = value.reshape([kv * t, d]).cast(flat.dtype());
+    let n = shape.iter().product();
+    let flat = pool.reshape([n, 1]);
+    let value = value.reshape([kv * t * d, 1]).cast(flat.dtype());
     prim(
-        flat.scatter_nd(rows, value, IndexingUpdateOp::Assign)
-            .reshape([n, kv, bs, d]),
+        flat.scatter_nd(at, value, IndexingUpdateOp::Assign)
+            .reshape(shape),
     )
 }
 
@@ -381,10 +392,10 @@ pub fn paged_write<B: Backend>(
 /// [`super::DecoderBackend::dec_paged_copy`].
 pub fn paged_copy<B: Backend>(pool: FloatTensor<B>, from: &[u32], to: &[u32]) -> FloatTensor<B> {
     let pool: Tensor<B, 4> = wrap(pool);
-    let [n, kv, bs, d] = pool.dims();
+    let [n, kv, a, b] = pool.dims();
     let device = pool.device();
     let idx = |blocks: &[u32]| int_1d::<B>(blocks.iter().map(|&b| b as i64).collect(), &device);
-    let flat = pool.reshape([n, kv * bs * d]);
+    let flat = pool.reshape([n, kv * a * b]);
     let moved = flat.clone().select(0, idx(from));
     prim(
         flat.scatter_nd(
@@ -392,13 +403,13 @@ pub fn paged_copy<B: Backend>(pool: FloatTensor<B>, from: &[u32], to: &[u32]) ->
             moved,
             IndexingUpdateOp::Assign,
         )
-        .reshape([n, kv, bs, d]),
+        .reshape([n, kv, a, b]),
     )
 }
 
-/// The keys (or values) of `rows` block tables of `nb` blocks each (`blocks`, `[rows * nb]`)
-/// gathered from `pool`. Shapes: `[N, KV, bs, D]` → `[rows, KV, nb * bs, D]`.
-fn gather_blocks<B: Backend>(
+/// The values of `rows` block tables of `nb` blocks each (`blocks`, `[rows * nb]`) gathered
+/// from `pool`. Shapes: `[N, KV, bs, D]` → `[rows, KV, nb * bs, D]`.
+fn gather_values<B: Backend>(
     pool: &Tensor<B, 4>,
     blocks: Tensor<B, 1, Int>,
     rows: usize,
@@ -410,6 +421,22 @@ fn gather_blocks<B: Backend>(
         .reshape([rows, nb, kv, bs, d])
         .swap_dims(1, 2)
         .reshape([rows, kv, nb * bs, d])
+}
+
+/// The keys of `rows` block tables, transposed as the pool holds them. Shapes: `[N, KV, D, bs]`
+/// → `[rows, KV, D, nb * bs]`.
+fn gather_keys<B: Backend>(
+    pool: &Tensor<B, 4>,
+    blocks: Tensor<B, 1, Int>,
+    rows: usize,
+    nb: usize,
+) -> Tensor<B, 4> {
+    let [_, kv, d, bs] = pool.dims();
+    pool.clone()
+        .select(0, blocks)
+        .reshape([rows, nb, kv, d, bs])
+        .permute([0, 2, 3, 1, 4])
+        .reshape([rows, kv, d, nb * bs])
 }
 
 /// `table` cut or padded with the null block to `nb` blocks.
@@ -467,7 +494,7 @@ fn paged_decode_run<B: Backend>(
 ) -> Tensor<B, 4> {
     let seqs = &layout.seqs()[start..end];
     let [_, h, _, d] = q.dims();
-    let [_, kv, bs, _] = k.dims();
+    let [_, kv, _, bs] = k.dims();
     let (n, g) = (seqs.len(), h / kv);
     let rows = layout.round_up(n);
     let longest = seqs.iter().map(PagedSeq::context).max().unwrap_or(1);
@@ -497,9 +524,9 @@ fn paged_decode_run<B: Backend>(
         let pad = Tensor::zeros([rows - n, kv, g, d], (&device, qd.dtype()));
         qd = Tensor::cat(vec![qd, pad], 0);
     }
-    let keys = gather_blocks(k, blocks.clone(), rows, nb);
-    let values = gather_blocks(v, blocks, rows, nb);
-    let scores = (qd.matmul(keys.swap_dims(2, 3)) / (d as f64).sqrt()).cast(DType::F32) + mask;
+    let keys = gather_keys(k, blocks.clone(), rows, nb);
+    let values = gather_values(v, blocks, rows, nb);
+    let scores = (qd.matmul(keys) / (d as f64).sqrt()).cast(DType::F32) + mask;
     let probs = burn::tensor::activation::softmax(scores, 3);
     probs
         .cast(values.dtype())
@@ -520,7 +547,7 @@ fn paged_prefill<B: Backend>(
 ) -> Tensor<B, 4> {
     let seq = &layout.seqs()[index];
     let [_, h, _, d] = q.dims();
-    let bs = k.dims()[2];
+    let bs = k.dims()[3];
     let (l, lp) = (seq.queries, layout.round_up(seq.queries));
     let nb = layout.round_up(seq.past + lp).div_ceil(bs);
     let s = nb * bs;
@@ -539,8 +566,8 @@ fn paged_prefill<B: Backend>(
         Some(w) => mask.with_window(w),
         None => mask,
     };
-    let keys = gather_blocks(k, blocks.clone(), 1, nb);
-    let values = gather_blocks(v, blocks, 1, nb);
+    let keys = gather_keys(k, blocks.clone(), 1, nb).swap_dims(2, 3);
+    let values = gather_values(v, blocks, 1, nb);
     let (out, _) = attention::<B>(prim(qs), prim(keys), prim(values), &mask);
     wrap::<B, 4>(out).narrow(2, 0, l)
 }

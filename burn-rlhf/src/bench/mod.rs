@@ -15,6 +15,7 @@
 
 mod collectives;
 mod peer;
+mod rollout;
 
 pub use collectives::{
     bench_collectives, collectives_table, measure_collectives, run_collectives,
@@ -22,6 +23,7 @@ pub use collectives::{
 };
 
 pub use peer::{compare, run_peer, table, Peer, Side};
+pub use rollout::RolloutBench;
 
 use crate::backend::LearnerBackend;
 use burn::module::AutodiffModule;
@@ -45,6 +47,8 @@ pub struct BenchOptions {
     pub steps: usize,
     /// The peer that runs the same steps after ours (`None`: ours only).
     pub peer: Option<Peer>,
+    /// The rollout cases (`None`: none).
+    pub rollout: Option<RolloutBench>,
 }
 
 impl Default for BenchOptions {
@@ -55,6 +59,7 @@ impl Default for BenchOptions {
             fwd_bwd: (8, 384),
             steps: 2,
             peer: None,
+            rollout: None,
         }
     }
 }
@@ -123,7 +128,11 @@ pub fn run_bench<B: LearnerBackend>(
         println!("{v}");
         lines.push(v);
     };
-    let parts = LearnerParts::<B>::load(&settings, device, options.steps > 0)?;
+    let parts = LearnerParts::<B>::load(
+        &settings,
+        device,
+        options.steps > 0 || options.rollout.is_some(),
+    )?;
     let vocab = parts.model_config.vocab_size;
     let mut learner = Learner::from_settings(settings, parts, device)?;
     let tag = format!("burn-rlhf {backend} f32");
@@ -161,6 +170,10 @@ pub fn run_bench<B: LearnerBackend>(
             "cpu_util": cpu_util, "peak_rss_gb": peak_rss_gb,
             "kernels_compiled": compiled, "autotune_runs": tuned}),
         );
+    }
+
+    if let Some(bench) = &options.rollout {
+        rollout::run_rollout_cases(&learner, bench, &mut emit)?;
     }
 
     let (rows, len) = options.fwd_bwd;

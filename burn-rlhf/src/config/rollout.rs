@@ -60,10 +60,22 @@ pub struct RolloutConfig {
     pub log_prob_max_token_len_per_gpu: Option<usize>,
     /// Extra token ids that end a response besides the model's eos.
     pub stop_token_ids: Vec<u32>,
-    /// Responses generated at once at most (vLLM's key, which verl passes through).
+    /// Sequences the rollout engine runs at once at most (vLLM's key, which verl passes through).
     pub max_num_seqs: usize,
-    /// Prompt tokens prefilled at once at most (vLLM's key); a chunk holds at least one prompt.
+    /// Tokens through the model per engine step at most, prefill chunks and decodes together
+    /// (vLLM's key).
     pub max_num_batched_tokens: usize,
+    /// A prompt's prefill may be split over steps (vLLM's key); without, it waits for a step it
+    /// fits whole.
+    pub enable_chunked_prefill: bool,
+    /// Positions per KV-cache block (vLLM's `block_size`).
+    pub block_size: usize,
+    /// The KV cache's share of the memory free on the device once the models are loaded
+    /// (verl's key; on CPU backends the host's available memory).
+    pub gpu_memory_utilization: f64,
+    /// The KV cache's size in bytes, instead of `gpu_memory_utilization`'s share (vLLM's
+    /// `kv_cache_memory_bytes`); `None`: that share.
+    pub kv_cache_memory_bytes: Option<u64>,
     /// Generation's tensor parallelism: generation runs on the trained model, so it is the
     /// actor's (`actor.megatron.tensor_model_parallel_size`); `None`: that.
     pub tensor_model_parallel_size: Option<usize>,
@@ -88,6 +100,10 @@ impl Default for RolloutConfig {
             stop_token_ids: Vec::new(),
             max_num_seqs: 1024,
             max_num_batched_tokens: 8192,
+            enable_chunked_prefill: true,
+            block_size: 16,
+            gpu_memory_utilization: 0.5,
+            kv_cache_memory_bytes: None,
             tensor_model_parallel_size: None,
             val_kwargs: ValKwargsConfig::default(),
         }
@@ -158,10 +174,25 @@ pub struct RolloutSettings {
     pub log_prob_max_token_len: Option<usize>,
     /// Ids that end a response besides the tokenizer's EOS.
     pub stop_token_ids: Vec<u32>,
-    /// Responses generated at once at most.
+    /// The rollout engine's limits and KV cache.
+    pub engine: EngineSettings,
+}
+
+/// The rollout engine's settings, decoded.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EngineSettings {
+    /// Sequences running at once at most.
     pub max_num_seqs: usize,
-    /// Prompt tokens prefilled at once at most.
+    /// Tokens per step at most.
     pub max_num_batched_tokens: usize,
+    /// Whether a prefill may span steps.
+    pub enable_chunked_prefill: bool,
+    /// Positions per KV block.
+    pub block_size: usize,
+    /// The KV cache's share of free device memory.
+    pub gpu_memory_utilization: f64,
+    /// The KV cache's bytes, when set.
+    pub kv_cache_memory_bytes: Option<u64>,
 }
 
 impl RolloutConfig {
@@ -207,15 +238,39 @@ impl RolloutConfig {
         p.check(self.val_kwargs.n >= 1, || {
             "`actor_rollout_ref.rollout.val_kwargs.n` must be >= 1".into()
         });
-        p.check(self.max_num_seqs >= self.n.max(self.val_kwargs.n), || {
-            format!(
-                "`actor_rollout_ref.rollout.max_num_seqs` ({}) must hold one prompt's responses \
-                 (`rollout.n` = {}, `val_kwargs.n` = {})",
-                self.max_num_seqs, self.n, self.val_kwargs.n
-            )
+        p.check(self.max_num_seqs >= 1, || {
+            "`actor_rollout_ref.rollout.max_num_seqs` must be >= 1".into()
         });
         p.check(self.max_num_batched_tokens >= 1, || {
             "`actor_rollout_ref.rollout.max_num_batched_tokens` must be >= 1".into()
+        });
+        p.check(
+            self.enable_chunked_prefill || self.max_num_batched_tokens >= data.max_prompt_length,
+            || {
+                format!(
+                    "`actor_rollout_ref.rollout.max_num_batched_tokens` ({}) must hold a whole \
+                     prompt (`data.max_prompt_length` = {}) with \
+                     `actor_rollout_ref.rollout.enable_chunked_prefill=false`",
+                    self.max_num_batched_tokens, data.max_prompt_length
+                )
+            },
+        );
+        p.check(self.block_size >= 1, || {
+            "`actor_rollout_ref.rollout.block_size` must be >= 1".into()
+        });
+        p.check(
+            self.gpu_memory_utilization > 0.0 && self.gpu_memory_utilization <= 1.0,
+            || {
+                format!(
+                    "`actor_rollout_ref.rollout.gpu_memory_utilization` must be in (0, 1], got {}",
+                    self.gpu_memory_utilization
+                )
+            },
+        );
+        p.check(self.kv_cache_memory_bytes != Some(0), || {
+            "`actor_rollout_ref.rollout.kv_cache_memory_bytes` must be > 0 (null: \
+             `gpu_memory_utilization`'s share)"
+                .into()
         });
         let log_prob_max_token_len = p.token_budget(
             &key("log_prob_use_dynamic_bsz"),
@@ -246,8 +301,14 @@ impl RolloutConfig {
             log_prob_micro_batch_size: self.log_prob_micro_batch_size_per_gpu,
             log_prob_max_token_len: log_prob_max_token_len?,
             stop_token_ids: self.stop_token_ids.clone(),
-            max_num_seqs: self.max_num_seqs,
-            max_num_batched_tokens: self.max_num_batched_tokens,
+            engine: EngineSettings {
+                max_num_seqs: self.max_num_seqs,
+                max_num_batched_tokens: self.max_num_batched_tokens,
+                enable_chunked_prefill: self.enable_chunked_prefill,
+                block_size: self.block_size,
+                gpu_memory_utilization: self.gpu_memory_utilization,
+                kv_cache_memory_bytes: self.kv_cache_memory_bytes,
+            },
         })
     }
 }

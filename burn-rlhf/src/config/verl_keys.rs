@@ -58,11 +58,23 @@ pub const VERL_KEYS: &[(&str, Treatment)] = &[
              the scores are those of either verl layout: remove the key",
         ),
     ),
-    ("reward_model.micro_batch_size", Treatment::Refused(GLOBAL_MICRO_BATCH)),
+    (
+        "reward_model.micro_batch_size",
+        Treatment::Refused(GLOBAL_MICRO_BATCH),
+    ),
     // FSDP offload and layout.
-    ("actor_rollout_ref.actor.fsdp_config.param_offload", Treatment::OnlyAt(&["false"], NO_PARAM_OFFLOAD)),
-    ("actor_rollout_ref.actor.fsdp_config.grad_offload", Treatment::OnlyAt(&["false"], NO_GRAD_OFFLOAD)),
-    ("critic.model.fsdp_config.param_offload", Treatment::OnlyAt(&["false"], NO_PARAM_OFFLOAD)),
+    (
+        "actor_rollout_ref.actor.fsdp_config.param_offload",
+        Treatment::OnlyAt(&["false"], NO_PARAM_OFFLOAD),
+    ),
+    (
+        "actor_rollout_ref.actor.fsdp_config.grad_offload",
+        Treatment::OnlyAt(&["false"], NO_GRAD_OFFLOAD),
+    ),
+    (
+        "critic.model.fsdp_config.param_offload",
+        Treatment::OnlyAt(&["false"], NO_PARAM_OFFLOAD),
+    ),
     (
         "actor_rollout_ref.actor.fsdp_config.fsdp_size",
         Treatment::OnlyAt(
@@ -73,8 +85,14 @@ pub const VERL_KEYS: &[(&str, Treatment)] = &[
         ),
     ),
     // Model parallelism.
-    ("actor_rollout_ref.actor.ulysses_sequence_parallel_size", Treatment::OnlyAt(&["1"], NO_MODEL_PARALLEL)),
-    ("actor_rollout_ref.ref.ulysses_sequence_parallel_size", Treatment::OnlyAt(&["1"], NO_MODEL_PARALLEL)),
+    (
+        "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
+        Treatment::OnlyAt(&["1"], NO_MODEL_PARALLEL),
+    ),
+    (
+        "actor_rollout_ref.ref.ulysses_sequence_parallel_size",
+        Treatment::OnlyAt(&["1"], NO_MODEL_PARALLEL),
+    ),
     // The rollout engine.
     (
         "actor_rollout_ref.rollout.name",
@@ -82,26 +100,6 @@ pub const VERL_KEYS: &[(&str, Treatment)] = &[
             &["hf", "vllm", "sglang"],
             "generation runs burn-rlhf's own KV-cache sampler in the trainer's process, whichever \
              of verl's engines is named (hf, vllm, sglang)",
-        ),
-    ),
-    (
-        "actor_rollout_ref.rollout.gpu_memory_utilization",
-        Treatment::Refused(
-            "the KV cache is allocated to each generation batch (its rows x prompt + response \
-             tokens), not reserved as a share of device memory: remove the key; the generation \
-             batch is `data.train_batch_size` x `rollout.n` prompts' rows on each rank",
-        ),
-    ),
-    (
-        "actor_rollout_ref.rollout.enable_chunked_prefill",
-        Treatment::Refused(
-            "a vLLM scheduler option: burn-rlhf prefills each generation batch whole; remove the key",
-        ),
-    ),
-    (
-        "actor_rollout_ref.rollout.max_num_batched_tokens",
-        Treatment::Refused(
-            "a vLLM scheduler option: burn-rlhf prefills each generation batch whole; remove the key",
         ),
     ),
     // Renamed or deprecated in verl.
@@ -113,10 +111,22 @@ pub const VERL_KEYS: &[(&str, Treatment)] = &[
              (false)",
         ),
     ),
-    ("actor_rollout_ref.actor.ppo_micro_batch_size", Treatment::Refused(GLOBAL_MICRO_BATCH)),
-    ("actor_rollout_ref.rollout.log_prob_micro_batch_size", Treatment::Refused(GLOBAL_MICRO_BATCH)),
-    ("actor_rollout_ref.ref.log_prob_micro_batch_size", Treatment::Refused(GLOBAL_MICRO_BATCH)),
-    ("critic.ppo_micro_batch_size", Treatment::Refused(GLOBAL_MICRO_BATCH)),
+    (
+        "actor_rollout_ref.actor.ppo_micro_batch_size",
+        Treatment::Refused(GLOBAL_MICRO_BATCH),
+    ),
+    (
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size",
+        Treatment::Refused(GLOBAL_MICRO_BATCH),
+    ),
+    (
+        "actor_rollout_ref.ref.log_prob_micro_batch_size",
+        Treatment::Refused(GLOBAL_MICRO_BATCH),
+    ),
+    (
+        "critic.ppo_micro_batch_size",
+        Treatment::Refused(GLOBAL_MICRO_BATCH),
+    ),
     (
         "custom_reward_function.overlong_buffer.enable",
         Treatment::Alias("reward_model.overlong_buffer.enable"),
@@ -134,9 +144,18 @@ pub const VERL_KEYS: &[(&str, Treatment)] = &[
         Treatment::Alias("reward_model.overlong_buffer.log"),
     ),
     // HF config overrides (DAPO's dropouts).
-    ("actor_rollout_ref.model.override_config.attention_dropout", Treatment::OnlyAt(&["0"], NO_DROPOUT)),
-    ("actor_rollout_ref.model.override_config.embd_pdrop", Treatment::OnlyAt(&["0"], NO_DROPOUT)),
-    ("actor_rollout_ref.model.override_config.resid_pdrop", Treatment::OnlyAt(&["0"], NO_DROPOUT)),
+    (
+        "actor_rollout_ref.model.override_config.attention_dropout",
+        Treatment::OnlyAt(&["0"], NO_DROPOUT),
+    ),
+    (
+        "actor_rollout_ref.model.override_config.embd_pdrop",
+        Treatment::OnlyAt(&["0"], NO_DROPOUT),
+    ),
+    (
+        "actor_rollout_ref.model.override_config.resid_pdrop",
+        Treatment::OnlyAt(&["0"], NO_DROPOUT),
+    ),
 ];
 
 /// The treatment of `key`, when it is one of [`VERL_KEYS`].

@@ -5,12 +5,14 @@ use crate::backend::LearnerBackend;
 use burn::module::AutodiffModule;
 use burn_rlhf_algos::dapo::{keep_groups_with_spread, overlong_penalty};
 use burn_rlhf_models::ChatMessage;
+use burn_rlhf_models::{KvPool, TransformerConfig};
 use burn_rlhf_rollout::encode::encode_prompts;
 use burn_rlhf_rollout::generate::Sample;
 use burn_rlhf_rollout::reward::token_level_scores;
 use burn_rlhf_rollout::{
-    DecodeShapes, Generator, PromptRecord, RewardInput, RolloutBatch, SamplingParams,
+    DecodeShapes, Engine, EngineConfig, PromptRecord, RewardInput, RolloutBatch, SamplingParams,
 };
+use std::sync::Arc;
 
 use super::learner::Learner;
 use super::metrics::Metrics;
@@ -69,13 +71,71 @@ impl<B: LearnerBackend> Learner<B> {
             stop_token_ids: stop,
             logprobs_mode: r.logprobs_mode,
             seed,
-            max_num_seqs: r.max_num_seqs,
-            max_num_batched_tokens: r.max_num_batched_tokens,
-            shapes: match self.shape_bucket {
-                1 => DecodeShapes::Exact,
-                bucket => DecodeShapes::Bucketed { bucket },
-            },
+            shapes: self.decode_shapes(),
+            ..Default::default()
         }
+    }
+
+    /// Exact shapes, or this backend's bucket.
+    fn decode_shapes(&self) -> DecodeShapes {
+        match self.shape_bucket {
+            1 => DecodeShapes::Exact,
+            bucket => DecodeShapes::Bucketed { bucket },
+        }
+    }
+
+    /// The rollout engine's limits and pool for `rows` sequences on this rank, for a model of
+    /// `config`'s shape in `dtype`: `rollout.kv_cache_memory_bytes`, else
+    /// `gpu_memory_utilization` of the memory free now, but never more than `rows` (at most
+    /// `max_num_seqs` at once) full-length sequences need.
+    pub(crate) fn engine_config(
+        &self,
+        rows: usize,
+        config: &TransformerConfig,
+        dtype: burn::tensor::DType,
+    ) -> Result<EngineConfig, TrainError> {
+        let e = &self.settings.rollout.engine;
+        let longest = self.settings.data.max_prompt_length + self.settings.rollout.response_length;
+        let per_seq = longest.div_ceil(e.block_size);
+        let block_bytes =
+            KvPool::<B::InnerBackend>::block_bytes(config, e.block_size, dtype) as u64;
+        let needed = rows.clamp(1, e.max_num_seqs) * per_seq + 1;
+        let (bound, key) = match e.kv_cache_memory_bytes {
+            Some(bytes) => (
+                Some(bytes),
+                "actor_rollout_ref.rollout.kv_cache_memory_bytes",
+            ),
+            None => (
+                crate::backend::free_memory::<B::InnerBackend>(&self.device)
+                    .map(|free| (free as f64 * e.gpu_memory_utilization) as u64),
+                "actor_rollout_ref.rollout.gpu_memory_utilization",
+            ),
+        };
+        let num_blocks = match bound {
+            Some(bytes) => needed.min((bytes / block_bytes) as usize),
+            None => needed,
+        };
+        if num_blocks < per_seq + 1 {
+            return Err(TrainError::config(
+                key,
+                format!(
+                    "the KV cache of {} bytes holds {} blocks of {} positions; one sequence of \
+                     `data.max_prompt_length` + `rollout.response_length` = {longest} positions \
+                     needs {per_seq} (one block is {block_bytes} bytes)",
+                    bound.unwrap_or(0),
+                    num_blocks.saturating_sub(1),
+                    e.block_size
+                ),
+            ));
+        }
+        Ok(EngineConfig {
+            max_num_seqs: e.max_num_seqs,
+            max_num_batched_tokens: e.max_num_batched_tokens,
+            block_size: e.block_size,
+            num_blocks,
+            enable_chunked_prefill: e.enable_chunked_prefill,
+            shapes: self.decode_shapes(),
+        })
     }
 
     /// Encodes prompts `indices` of `records` and generates for them: each rank generates for
@@ -105,15 +165,14 @@ impl<B: LearnerBackend> Learner<B> {
         let policy = self.for_generation(self.actor.valid());
         let pad = self.tokenizer.pad_token_id;
         let cache_config = self.cache_config()?;
-        let mine = Generator {
-            model: &policy,
-            config: &cache_config,
-            pad_id: pad,
-            params,
-            device: &self.device,
-        }
-        .generate_keyed(&prompts[share.clone()], &keys)
-        .map(|(samples, _)| samples)?;
+        let engine =
+            self.engine_config(share.len() * params.n, &cache_config, policy.float_dtype())?;
+        let mine = Engine::new(&policy, &cache_config, pad, engine, &self.device)?.generate(
+            &prompts[share.clone()],
+            &keys,
+            &Arc::new(params.clone()),
+            &mut |_, _| {},
+        )?;
         let samples = self.gather_samples(mine, share.start, prompts.len(), params)?;
         let group_ids: Vec<u64> = (first_group..).take(indices.len()).collect();
         let sources: Vec<String> = picked.iter().map(|r| r.data_source.clone()).collect();

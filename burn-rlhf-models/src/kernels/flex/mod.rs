@@ -13,6 +13,7 @@
 mod attention;
 mod gemm;
 mod paged;
+mod pages;
 mod rows;
 
 use burn::backend::flex::FlexTensor;
@@ -200,17 +201,32 @@ impl DecoderBackend for Flex {
         mut pool: FloatTensor<Self>,
         value: FloatTensor<Self>,
         layout: &PagedLayout,
+        keys: bool,
     ) -> FloatTensor<Self> {
         let value = match (writable(&pool), readable(value.clone())) {
             (true, Some(v)) => v,
-            _ => return reference::paged_write::<Self>(pool, value, layout),
+            _ => return reference::paged_write::<Self>(pool, value, layout, keys),
         };
         let rows = Rows4::of(&value).expect("readable");
         let dst = pool
             .try_storage_mut::<f32>()
             .expect("a unique buffer is writable");
-        paged::write_f32(dst, &rows, layout);
+        paged::write_f32(dst, &rows, layout, keys);
         pool
+    }
+
+    fn dec_pool_zeros(shape: [usize; 4], device: &Self::Device, dtype: DType) -> FloatTensor<Self> {
+        if dtype != DType::F32 {
+            return super::prim(burn::tensor::Tensor::<Self, 4>::zeros(
+                shape,
+                (device, dtype),
+            ));
+        }
+        let n: usize = shape.iter().product();
+        match pages::zeroed(n * 4) {
+            Some(bytes) => FlexTensor::from_data(TensorData::from_bytes(bytes, shape, DType::F32)),
+            None => tensor(zeros(n), shape),
+        }
     }
 
     fn dec_paged_copy(mut pool: FloatTensor<Self>, from: &[u32], to: &[u32]) -> FloatTensor<Self> {
@@ -238,7 +254,7 @@ impl DecoderBackend for Flex {
             readable(k.clone()),
             readable(v.clone()),
         ) {
-            (Some(q), Some(k), Some(v)) => {
+            (Some(q), Some(k), Some(v)) if k.is_contiguous() && v.is_contiguous() => {
                 let rows = |t| Rows4::of(t).expect("readable");
                 paged::paged_attention_f32(&rows(&q), &rows(&k), &rows(&v), layout, window)
             }

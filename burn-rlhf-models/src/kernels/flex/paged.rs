@@ -3,11 +3,12 @@
 //! sequence's blocks into one buffer first.
 //!
 //! Attention runs one task per (sequence, key/value head) for a sequence with few queries (a
-//! decode step): its query heads' scores against each key read once from its block, a softmax,
-//! then the values added up block by block, in SIMD loops compiled for AVX-512 and AVX2 and
-//! chosen at run time. A sequence with many queries (a prefill chunk) runs one task per
-//! (sequence, key/value head, block of queries): its keys and values gathered once into a
-//! scratch buffer and the products on gemm, as the dense kernel does.
+//! decode step): each query row's scores over a block are `block_size` lanes accumulated over
+//! the head's dimensions from the block's transposed keys (no sum across lanes), a softmax, then
+//! the values added up row by row, in loops compiled for AVX-512 and AVX2 and chosen at run
+//! time. A sequence with many queries (a prefill chunk) runs one task per (sequence, key/value
+//! head, block of queries): its keys and values gathered once into scratch buffers and the
+//! products on gemm, as the dense kernel does.
 
 use burn::backend::flex::FlexTensor;
 use rayon::prelude::*;
@@ -23,16 +24,23 @@ const FEW_QUERIES: usize = 4;
 /// Queries per task on the prefill path.
 const QUERY_BLOCK: usize = 64;
 
-/// Writes the layout's tokens of `value` (`[1, KV, T, D]`) into `pool` (`[N, KV, bs, D]`,
-/// row-major).
-pub(super) fn write_f32(pool: &mut [f32], value: &Rows4, layout: &PagedLayout) {
+/// Writes the layout's tokens of `value` (`[1, KV, T, D]`) into `pool` (row-major
+/// `[N, KV, bs, D]`, or `[N, KV, D, bs]` for `keys`).
+pub(super) fn write_f32(pool: &mut [f32], value: &Rows4, layout: &PagedLayout, keys: bool) {
     let [_, kv, _, d] = value.dims;
     let bs = layout.block_size();
     for (t, &slot) in layout.slots()[..layout.real_tokens()].iter().enumerate() {
         let (block, offset) = (slot as usize / bs, slot as usize % bs);
         for h in 0..kv {
-            let at = ((block * kv + h) * bs + offset) * d;
-            pool[at..at + d].copy_from_slice(value.row(0, h, t));
+            let base = (block * kv + h) * bs * d;
+            let row = value.row(0, h, t);
+            if keys {
+                for (i, &x) in row.iter().enumerate() {
+                    pool[base + i * bs + offset] = x;
+                }
+            } else {
+                pool[base + offset * d..base + (offset + 1) * d].copy_from_slice(row);
+            }
         }
     }
 }
@@ -45,7 +53,8 @@ pub(super) fn copy_f32(pool: &mut [f32], from: &[u32], to: &[u32], block: usize)
     }
 }
 
-/// What a task reads: the pass's queries, the pool's keys and values, the layout, the window.
+/// What a task reads: the pass's queries, the pool's keys (`[N, KV, D, bs]`) and values
+/// (`[N, KV, bs, D]`), the layout, the window.
 struct Inputs<'a> {
     q: &'a Rows4<'a>,
     k: &'a Rows4<'a>,
@@ -61,11 +70,21 @@ impl Inputs<'_> {
         self.window.map_or(0, |w| (p + 1).saturating_sub(w))
     }
 
-    /// Key (or value) row of position `j` of `seq`, head `kv`.
+    /// Value row of position `j` of `seq`, head `kv`.
     #[inline]
-    fn key_row<'b>(&self, pool: &'b Rows4, seq: &PagedSeq, kv: usize, j: usize) -> &'b [f32] {
+    fn value_row(&self, seq: &PagedSeq, kv: usize, j: usize) -> &[f32] {
         let bs = self.layout.block_size();
-        pool.row(seq.blocks[j / bs] as usize, kv, j % bs)
+        self.v.row(seq.blocks[j / bs] as usize, kv, j % bs)
+    }
+
+    /// The transposed keys of block `b` of `seq`'s table, head `kv`: `[D][bs]`, row-major.
+    #[inline]
+    fn key_block(&self, seq: &PagedSeq, kv: usize, b: usize) -> &[f32] {
+        let [_, _, d, bs] = self.k.dims;
+        let first = self.k.row(seq.blocks[b] as usize, kv, 0).as_ptr();
+        // SAFETY: the pool is contiguous (the caller checks), so the block's D rows of bs
+        // follow one another.
+        unsafe { std::slice::from_raw_parts(first, d * bs) }
     }
 }
 
@@ -79,7 +98,7 @@ pub(super) fn paged_attention_f32(
     window: Option<usize>,
 ) -> FlexTensor {
     let [_, h, t, d] = q.dims;
-    let kvh = k.dims[1];
+    let kvh = v.dims[1];
     let mut out = zeros(t * h * d);
     let inputs = Inputs {
         q,
@@ -167,32 +186,6 @@ unsafe fn decode_avx2(
     decode_body(inputs, seq, kv, scores, out)
 }
 
-/// `Σ a_i b_i` in 16 lanes, summed pairwise at the end.
-#[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0.0f32; 16];
-    let (ac, bc) = (a.chunks_exact(16), b.chunks_exact(16));
-    let tail: f32 = ac
-        .remainder()
-        .iter()
-        .zip(bc.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
-    for (x, y) in ac.zip(bc) {
-        for i in 0..16 {
-            acc[i] += x[i] * y[i];
-        }
-    }
-    let mut width = 16;
-    while width > 1 {
-        width /= 2;
-        for i in 0..width {
-            acc[i] += acc[i + width];
-        }
-    }
-    acc[0] + tail
-}
-
 /// `y += a x`.
 #[inline(always)]
 fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
@@ -201,9 +194,9 @@ fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
     }
 }
 
-/// All queries of `seq` for the query heads of key/value head `kv`: scores of each key against
-/// every query row (one read of the key), a softmax per row over the keys it sees, then the
-/// values added up.
+/// All queries of `seq` for the query heads of key/value head `kv`: each row's scores over each
+/// block of keys at once (`bs` lanes, accumulated over the dimensions of the block's transposed
+/// keys), a softmax per row over the keys it sees, then the values added up.
 ///
 /// # Safety
 /// `out` is the `[T, H, D]` output; this call writes only the rows of `seq`'s tokens and `kv`'s
@@ -217,33 +210,41 @@ unsafe fn decode_body(
     out: Shared,
 ) {
     let [_, h, _, d] = inputs.q.dims;
-    let groups = h / inputs.k.dims[1];
+    let bs = inputs.layout.block_size();
+    let groups = h / inputs.v.dims[1];
     let nq = seq.queries;
     let rows = groups * nq;
     let end = seq.context();
-    let start = inputs.first_key(seq.past);
-    let keys = end - start;
+    let (b0, b1) = (inputs.first_key(seq.past) / bs, end.div_ceil(bs));
+    // Scores of positions b0 * bs..b1 * bs per row.
+    let width = (b1 - b0) * bs;
     let scale = 1.0 / (d as f32).sqrt();
     scores.clear();
-    scores.resize(rows * keys, f32::NEG_INFINITY);
-    let query = |r: usize| inputs.q.row(0, kv * groups + r / nq, seq.first + r % nq);
-    for j in start..end {
-        let key = inputs.key_row(inputs.k, seq, kv, j);
+    scores.resize(rows * width, 0.0);
+    for b in b0..b1 {
+        let keys = inputs.key_block(seq, kv, b);
         for r in 0..rows {
-            let p = seq.past + r % nq;
-            if j <= p && j >= inputs.first_key(p) {
-                scores[r * keys + j - start] = dot(query(r), key) * scale;
+            let q = inputs.q.row(0, kv * groups + r / nq, seq.first + r % nq);
+            let at = r * width + (b - b0) * bs;
+            let lanes = &mut scores[at..at + bs];
+            for (&x, key) in q.iter().zip(keys.chunks_exact(bs)) {
+                axpy(lanes, x * scale, key);
             }
         }
     }
-    for row in scores.chunks_mut(keys) {
-        let max = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+    for (r, row) in scores.chunks_mut(width).enumerate() {
+        let p = seq.past + r % nq;
+        let (lo, hi) = (inputs.first_key(p) - b0 * bs, p + 1 - b0 * bs);
+        let max = row[lo..hi]
+            .iter()
+            .cloned()
+            .fold(f32::NEG_INFINITY, f32::max);
         let mut sum = 0.0f32;
-        for s in row.iter_mut() {
-            *s = if *s == f32::NEG_INFINITY {
-                0.0
-            } else {
+        for (j, s) in row.iter_mut().enumerate() {
+            *s = if j >= lo && j < hi {
                 (*s - max).exp()
+            } else {
+                0.0
             };
             sum += *s;
         }
@@ -254,10 +255,10 @@ unsafe fn decode_body(
         let at = ((seq.first + r % nq) * h + kv * groups + r / nq) * d;
         std::slice::from_raw_parts_mut(out.get().add(at), d)
     };
-    for j in start..end {
-        let value = inputs.key_row(inputs.v, seq, kv, j);
+    for j in b0 * bs..end {
+        let value = inputs.value_row(seq, kv, j);
         for r in 0..rows {
-            let p = scores[r * keys + j - start];
+            let p = scores[r * width + j - b0 * bs];
             if p != 0.0 {
                 axpy(dst(r), p, value);
             }
@@ -278,17 +279,27 @@ unsafe fn prefill_task(
     out: Shared,
 ) {
     let [_, h, _, d] = inputs.q.dims;
-    let groups = h / inputs.k.dims[1];
+    let bs = inputs.layout.block_size();
+    let groups = h / inputs.v.dims[1];
     let lb = i1 - i0;
     let end = seq.past + i1;
     let start = inputs.first_key(seq.past + i0);
     let n = end - start;
     let scale = 1.0 / (d as f32).sqrt();
+    // Keys as `[D, n]` (the pool's transposed blocks side by side), values as `[n, D]`.
     keys.clear();
+    keys.resize(d * n, 0.0);
     values.clear();
+    for b in start / bs..end.div_ceil(bs) {
+        let block = inputs.key_block(seq, kv, b);
+        let (j0, j1) = ((b * bs).max(start), ((b + 1) * bs).min(end));
+        for i in 0..d {
+            let from = &block[i * bs + j0 - b * bs..i * bs + j1 - b * bs];
+            keys[i * n + j0 - start..i * n + j1 - start].copy_from_slice(from);
+        }
+    }
     for j in start..end {
-        keys.extend_from_slice(inputs.key_row(inputs.k, seq, kv, j));
-        values.extend_from_slice(inputs.key_row(inputs.v, seq, kv, j));
+        values.extend_from_slice(inputs.value_row(seq, kv, j));
     }
     for head in kv * groups..(kv + 1) * groups {
         scores.clear();
@@ -301,7 +312,7 @@ unsafe fn prefill_task(
             n as isize,
             false,
             (q0, q_rs, 1),
-            (keys.as_ptr(), 1, d as isize),
+            (keys.as_ptr(), n as isize, 1),
             scale,
         );
         for (r, row) in scores.chunks_mut(n).enumerate() {
