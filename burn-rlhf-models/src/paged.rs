@@ -43,6 +43,18 @@ impl PagedSeq {
     }
 }
 
+/// A count of rows (a pass's tokens, sampled rows, decoding sequences) rounded for a backend that
+/// compiles kernels per shape: up to a multiple of 8 within the first `bucket`, of `bucket` past
+/// it (vLLM captures decode batches in steps of 8 likewise), so a few decode batches do not pay
+/// for a whole bucket of padding; `bucket` 1: `n` itself.
+pub fn round_rows(n: usize, bucket: usize) -> usize {
+    match bucket {
+        0 | 1 => n,
+        b if n <= b => n.next_multiple_of(8).min(b),
+        b => n.next_multiple_of(b),
+    }
+}
+
 /// The pool block that padding tokens write to and padded block tables name: never a
 /// sequence's (the block manager keeps it out of circulation).
 pub const NULL_BLOCK: u32 = 0;
@@ -154,6 +166,11 @@ impl PagedLayout {
     /// `x` rounded up to the bucket.
     pub fn round_up(&self, x: usize) -> usize {
         x.div_ceil(self.bucket) * self.bucket
+    }
+
+    /// A count of rows (tokens, sequences) rounded for bucketed shapes: see [`round_rows`].
+    pub fn round_rows(&self, n: usize) -> usize {
+        round_rows(n, self.bucket)
     }
 
     /// The value kept under `key`, made by `make` the first time (device tensors every layer of

@@ -894,6 +894,8 @@ mod tests {
             (seqs.clone(), [6, 2, 8], 16, None),
             (seqs.clone(), [4, 4, 32], 4, Some(6)),
             (vec![(2, 9), (1, 40)], [4, 1, 16], 8, Some(17)),
+            // Two lane groups per block and the head width of SmolLM2 and Qwen2.5.
+            (seqs, [6, 2, 64], 32, None),
         ]
     }
 

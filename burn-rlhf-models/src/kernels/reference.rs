@@ -496,7 +496,7 @@ fn paged_decode_run<B: Backend>(
     let [_, h, _, d] = q.dims();
     let [_, kv, _, bs] = k.dims();
     let (n, g) = (seqs.len(), h / kv);
-    let rows = layout.round_up(n);
+    let rows = layout.round_rows(n);
     let longest = seqs.iter().map(PagedSeq::context).max().unwrap_or(1);
     let nb = layout.round_up(longest).div_ceil(bs);
     let s = nb * bs;

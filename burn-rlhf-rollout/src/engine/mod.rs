@@ -24,6 +24,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use burn::tensor::{Int, Tensor, TensorData};
+use burn_rlhf_models::paged::round_rows;
 use burn_rlhf_models::{
     CausalLm, DecoderBackend, KvPool, PagedLayout, PagedSeq, TransformerConfig,
 };
@@ -367,8 +368,7 @@ impl<'a, B: DecoderBackend> Engine<'a, B> {
                 rope_floor: work.prompt_len - 1,
             });
         }
-        let real = ids.len();
-        let tokens = real.div_ceil(bucket) * bucket;
+        let tokens = round_rows(ids.len(), bucket);
         ids.resize(tokens, self.pad_id as i64);
         let layout = PagedLayout::new(seqs, tokens, self.config.block_size, bucket);
         let input = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [1, tokens]), &self.device);
@@ -379,7 +379,7 @@ impl<'a, B: DecoderBackend> Engine<'a, B> {
         if last.is_empty() {
             return (Tensor::zeros([0, self.vocab], &self.device), rows);
         }
-        let padded = last.len().div_ceil(bucket) * bucket;
+        let padded = round_rows(last.len(), bucket);
         let fill = *last.last().expect("non-empty");
         last.resize(padded, fill);
         (self.model.logits_at(hidden, &last), rows)
@@ -468,7 +468,7 @@ impl<'a, B: DecoderBackend> Engine<'a, B> {
             let members: Vec<usize> = (i..entries.len())
                 .filter(|&j| !done[j] && Arc::ptr_eq(&entries[j].2, params))
                 .collect();
-            let padded = members.len().div_ceil(bucket) * bucket;
+            let padded = round_rows(members.len(), bucket);
             let mut idx: Vec<i64> = members.iter().map(|&j| entries[j].0 as i64).collect();
             let mut u: Vec<f64> = members.iter().map(|&j| entries[j].1).collect();
             idx.resize(padded, idx[0]);

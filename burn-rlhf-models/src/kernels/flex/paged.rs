@@ -194,9 +194,57 @@ fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
     }
 }
 
+/// Lanes of one score accumulator: a block's scores go 16 at a time.
+const LANES: usize = 16;
+
+/// Query rows whose scores accumulate together, each key row read once for all of them.
+const ROWS: usize = 4;
+
+/// `out[r][0..LANES] = Σ_i q[r][i] keys[i][0..LANES]` for `ROWS` query rows (`q`, `ROWS * d`)
+/// over one group of lanes of a block's transposed keys (`keys[i]` at `i * stride`), the
+/// accumulators in registers.
+#[inline(always)]
+fn score_lanes(q: &[f32], keys: &[f32], stride: usize, d: usize) -> [[f32; LANES]; ROWS] {
+    let mut acc = [[0.0f32; LANES]; ROWS];
+    for i in 0..d {
+        let k: &[f32; LANES] = keys[i * stride..i * stride + LANES]
+            .try_into()
+            .expect("a group of lanes");
+        for (r, acc) in acc.iter_mut().enumerate() {
+            let x = q[r * d + i];
+            for (a, k) in acc.iter_mut().zip(k) {
+                *a += x * k;
+            }
+        }
+    }
+    acc
+}
+
+/// `out = Σ_j p[j] values(j)` over the keys a row gives weight, the sum in registers.
+#[inline(always)]
+fn weighted_sum<const D: usize>(
+    p: &[f32],
+    first: usize,
+    value: impl Fn(usize) -> *const f32,
+    out: &mut [f32],
+) {
+    let mut acc = [0.0f32; D];
+    for (j, &w) in p.iter().enumerate() {
+        if w != 0.0 {
+            // SAFETY: a value row has D elements (the caller dispatches on D).
+            let v = unsafe { &*(value(first + j) as *const [f32; D]) };
+            for (a, v) in acc.iter_mut().zip(v) {
+                *a += w * v;
+            }
+        }
+    }
+    out.copy_from_slice(&acc);
+}
+
 /// All queries of `seq` for the query heads of key/value head `kv`: each row's scores over each
-/// block of keys at once (`bs` lanes, accumulated over the dimensions of the block's transposed
-/// keys), a softmax per row over the keys it sees, then the values added up.
+/// block of keys at once (lanes accumulated over the dimensions of the block's transposed keys,
+/// several rows per key read), a softmax per row over the keys it sees, then each row's
+/// weighted sum of the values.
 ///
 /// # Safety
 /// `out` is the `[T, H, D]` output; this call writes only the rows of `seq`'s tokens and `kv`'s
@@ -216,19 +264,40 @@ unsafe fn decode_body(
     let rows = groups * nq;
     let end = seq.context();
     let (b0, b1) = (inputs.first_key(seq.past) / bs, end.div_ceil(bs));
-    // Scores of positions b0 * bs..b1 * bs per row.
+    // Scores of positions b0 * bs..b1 * bs per row, then the scaled query rows (padded to a
+    // multiple of ROWS with zeros).
     let width = (b1 - b0) * bs;
+    let padded = rows.div_ceil(ROWS) * ROWS;
     let scale = 1.0 / (d as f32).sqrt();
     scores.clear();
-    scores.resize(rows * width, 0.0);
+    scores.resize(rows * width + padded * d, 0.0);
+    let (scores, qs) = scores.split_at_mut(rows * width);
+    for r in 0..rows {
+        let q = inputs.q.row(0, kv * groups + r / nq, seq.first + r % nq);
+        for (o, x) in qs[r * d..(r + 1) * d].iter_mut().zip(q) {
+            *o = x * scale;
+        }
+    }
     for b in b0..b1 {
         let keys = inputs.key_block(seq, kv, b);
-        for r in 0..rows {
-            let q = inputs.q.row(0, kv * groups + r / nq, seq.first + r % nq);
-            let at = r * width + (b - b0) * bs;
-            let lanes = &mut scores[at..at + bs];
-            for (&x, key) in q.iter().zip(keys.chunks_exact(bs)) {
-                axpy(lanes, x * scale, key);
+        for r0 in (0..padded).step_by(ROWS) {
+            let q = &qs[r0 * d..(r0 + ROWS) * d];
+            let mut c = 0;
+            while c + LANES <= bs {
+                let acc = score_lanes(q, &keys[c..], bs, d);
+                for (k, lanes) in acc.iter().enumerate().take(rows - r0) {
+                    let at = (r0 + k) * width + (b - b0) * bs + c;
+                    scores[at..at + LANES].copy_from_slice(lanes);
+                }
+                c += LANES;
+            }
+            // A block size that is not a multiple of the lanes: the rest key by key.
+            for lane in c..bs {
+                for k in 0..ROWS.min(rows - r0) {
+                    let q = &q[k * d..(k + 1) * d];
+                    let dot: f32 = (0..d).map(|i| q[i] * keys[i * bs + lane]).sum();
+                    scores[(r0 + k) * width + (b - b0) * bs + lane] = dot;
+                }
             }
         }
     }
@@ -251,16 +320,23 @@ unsafe fn decode_body(
         let inv = 1.0 / sum;
         row.iter_mut().for_each(|p| *p *= inv);
     }
-    let dst = |r: usize| {
+    let value = |j: usize| inputs.value_row(seq, kv, j).as_ptr();
+    for (r, p) in scores.chunks(width).enumerate() {
         let at = ((seq.first + r % nq) * h + kv * groups + r / nq) * d;
-        std::slice::from_raw_parts_mut(out.get().add(at), d)
-    };
-    for j in b0 * bs..end {
-        let value = inputs.value_row(seq, kv, j);
-        for r in 0..rows {
-            let p = scores[r * width + j - b0 * bs];
-            if p != 0.0 {
-                axpy(dst(r), p, value);
+        let dst = std::slice::from_raw_parts_mut(out.get().add(at), d);
+        let first = b0 * bs;
+        let p = &p[..end - first];
+        match d {
+            64 => weighted_sum::<64>(p, first, value, dst),
+            128 => weighted_sum::<128>(p, first, value, dst),
+            32 => weighted_sum::<32>(p, first, value, dst),
+            256 => weighted_sum::<256>(p, first, value, dst),
+            _ => {
+                for (j, &w) in p.iter().enumerate() {
+                    if w != 0.0 {
+                        axpy(dst, w, inputs.value_row(seq, kv, first + j));
+                    }
+                }
             }
         }
     }
