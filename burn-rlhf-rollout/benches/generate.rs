@@ -1,12 +1,14 @@
-//! Generated tokens/s for SmolLM2-135M: batch 8, prompt 64, 128 new tokens, sampling at
-//! temperature 1, against HF transformers' `generate` on the same CPU
+//! Generated tokens/s of the rollout engine for SmolLM2-135M: batch 8, prompt 64, 128 new
+//! tokens, sampling at temperature 1, against HF transformers' `generate` on the same CPU
 //! (`benches/peers/cases.py --cases generate`), as a ratio. Prints; never asserts on time.
 
 use std::time::Instant;
 
 use burn::backend::Flex;
 use burn_rlhf_models::load_pretrained;
-use burn_rlhf_rollout::{Generator, SamplingParams};
+use std::sync::Arc;
+
+use burn_rlhf_rollout::{Engine, EngineConfig, SamplingParams};
 
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
@@ -35,22 +37,22 @@ fn main() {
         })
         .collect();
     // No stop ids: every row generates all 128 tokens, as the peer's min_new_tokens does.
-    let params = SamplingParams {
+    let params = Arc::new(SamplingParams {
         temperature: 1.0,
         max_new_tokens: n,
         seed: 1,
         ..Default::default()
-    };
+    });
+    let keys: Vec<u64> = (0..b as u64).collect();
     let run = || {
-        Generator {
-            model: &model,
-            config: &config,
-            pad_id: 0,
-            params: &params,
-            device: &device,
-        }
-        .generate(&prompts)
-        .expect("generation")
+        let engine = EngineConfig {
+            max_num_seqs: b,
+            num_blocks: b * (p + n).div_ceil(16) + 1,
+            ..Default::default()
+        };
+        Engine::new(&model, &config, 0, engine, &device)
+            .and_then(|mut e| e.generate(&prompts, &keys, &params, &mut |_, _| {}))
+            .expect("generation")
     };
     run();
     let mut times = Vec::new();

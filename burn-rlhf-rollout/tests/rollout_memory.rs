@@ -1,19 +1,22 @@
-//! Rollout memory is bounded by the chunk (`max_num_seqs`, `max_num_batched_tokens`), not by the
-//! number of prompts: the peak of live heap bytes during generation, counted by this test's
-//! allocator on the CPU backend (where tensors live on the heap), stays flat as the batch grows
-//! 8x under a chunk limit, and grows with the batch without one. One test in this binary, so no
-//! other test's allocations mix in.
+//! Rollout memory is bounded by the engine's slots (`max_num_seqs`), not by the number of
+//! prompts: with 8 slots, the most KV-cache bytes in use at once and the peak of live heap bytes
+//! during generation (counted by this test's allocator on the CPU backend, where activations and
+//! logits live on the heap; the pool itself is mapped pages, counted by the engine) stay flat
+//! as the prompts grow 8x, and the KV bytes grow with the batch when all run at once. One test
+//! in this binary, so no other test's allocations mix in.
+
+use std::sync::Arc;
 
 use burn::backend::Flex;
 use burn_rlhf_models::load_pretrained;
-use burn_rlhf_rollout::{DecodeShapes, Generator, SamplingParams};
+use burn_rlhf_rollout::{DecodeShapes, Engine, EngineConfig, SamplingParams};
 use burn_rlhf_test_assets::{peak_during, warm_every_thread, CountingAlloc};
 
 #[global_allocator]
 static GLOBAL: CountingAlloc = CountingAlloc;
 
 #[test]
-fn chunked_rollout_peak_does_not_grow_with_the_batch() {
+fn rollout_memory_does_not_grow_with_the_prompts_under_a_slot_limit() {
     let dir = burn_rlhf_test_assets::largest_fixture_model();
     let pre = load_pretrained(dir.to_str().unwrap()).unwrap();
     let config = pre.config.clone();
@@ -28,49 +31,58 @@ fn chunked_rollout_peak_does_not_grow_with_the_batch() {
             })
             .collect()
     };
+    let params = Arc::new(SamplingParams {
+        n: 2,
+        max_new_tokens: 32,
+        seed: 1,
+        ..Default::default()
+    });
     for shapes in [DecodeShapes::Exact, DecodeShapes::Bucketed { bucket: 16 }] {
-        let params = |max_num_seqs: usize| SamplingParams {
-            n: 2,
-            max_new_tokens: 32,
-            seed: 1,
-            max_num_seqs,
-            shapes,
-            ..Default::default()
-        };
         let peak = |count: usize, max_num_seqs: usize| {
             let p = prompts(count);
-            let (peak, samples) = peak_during(|| {
-                Generator {
-                    model: &model,
-                    config: &config,
-                    pad_id: 0,
-                    params: &params(max_num_seqs),
-                    device: &device,
-                }
-                .generate(&p)
-                .unwrap()
+            let keys: Vec<u64> = (0..count as u64).collect();
+            let engine = EngineConfig {
+                max_num_seqs,
+                block_size: 8,
+                num_blocks: 2 * count * 7 + 1,
+                shapes,
+                ..Default::default()
+            };
+            let (heap, (samples, kv)) = peak_during(|| {
+                let mut e = Engine::new(&model, &config, 0, engine, &device).unwrap();
+                let samples = e.generate(&p, &keys, &params, &mut |_, _| {}).unwrap();
+                (samples, e.stats().peak_kv_bytes())
             });
             assert_eq!(samples.len(), 2 * count);
-            peak
+            (heap, kv)
         };
         // Warm the backend's own caches, on every thread, before measuring.
         warm_every_thread(|| {
             peak(4, 8);
         });
         let (small, large) = (peak(4, 8), peak(32, 8));
-        let unchunked = peak(32, 1024);
+        let all_at_once = peak(32, 1024);
         println!(
-            "{shapes:?}: peak above baseline, 4 prompts {small} B, 32 prompts {large} B in chunks \
-             of 8 responses, 32 prompts in one chunk {unchunked} B"
+            "{shapes:?}: peak heap and KV bytes, 4 prompts {small:?}, 32 prompts {large:?} in 8 \
+             slots, 32 prompts at once {all_at_once:?}"
         );
         assert!(
-            (large as f64) < 1.25 * small as f64,
-            "{shapes:?}: 8x the prompts under the same chunk limit: peak {large} B vs {small} B"
+            (large.0 as f64) < 1.25 * small.0 as f64,
+            "{shapes:?}: 8x the prompts in the same slots: heap peak {} B vs {} B",
+            large.0,
+            small.0
         );
         assert!(
-            unchunked as f64 > 3.0 * small as f64,
-            "{shapes:?}: without a chunk limit the peak should grow with the batch: \
-             {unchunked} B vs {small} B"
+            (large.1 as f64) < 1.25 * small.1 as f64,
+            "{shapes:?}: 8x the prompts in the same slots: KV peak {} B vs {} B",
+            large.1,
+            small.1
+        );
+        assert!(
+            all_at_once.1 as f64 > 3.0 * small.1 as f64,
+            "{shapes:?}: all at once the KV peak should grow with the batch: {} B vs {} B",
+            all_at_once.1,
+            small.1
         );
     }
 }

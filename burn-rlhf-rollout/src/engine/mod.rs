@@ -113,9 +113,11 @@ impl<'a, B: DecoderBackend> Engine<'a, B> {
         })
     }
 
-    /// Queues `request`'s `params.n` samples; its id. A prompt that is empty, not shorter than
-    /// the model's context, or whose longest completion would not fit the whole pool, a stop id
-    /// outside the vocabulary, or `n = 0` is an error naming the request and the limit.
+    /// Queues `request`'s `params.n` samples; its id. A prompt that is empty or not shorter than
+    /// the model's context (`max_model_len`, as vLLM derives it), a request whose longest
+    /// completion would not fit the whole pool, a stop id outside the vocabulary, or `n = 0` is
+    /// an error naming the request and the limit. A response may run past the context, as
+    /// transformers' `generate` lets it (RoPE scalings such as dynamic NTK are made for that).
     pub fn add(&mut self, request: Request) -> Result<RequestId, RolloutError> {
         let id = self.next_id;
         let (len, p) = (request.prompt.len(), &request.params);
@@ -139,7 +141,7 @@ impl<'a, B: DecoderBackend> Engine<'a, B> {
                 limits.max_len
             ));
         }
-        let longest = (len + p.max_new_tokens).min(limits.max_len);
+        let longest = len + p.max_new_tokens;
         let usable = self.sched.blocks.usable();
         if self.sched.blocks_for(longest) > usable {
             return what(format!(
@@ -244,7 +246,7 @@ impl<'a, B: DecoderBackend> Engine<'a, B> {
         };
         let limits = *self.sched.limits();
         let len = tokens.len() + appended.len();
-        let longest = (len + max_new_tokens).min(limits.max_len);
+        let longest = len + max_new_tokens;
         if len >= limits.max_len || self.sched.blocks_for(longest) > self.sched.blocks.usable() {
             return Err(RolloutError::Invalid(format!(
                 "sequence {} of request {}: {len} tokens + max_new_tokens {max_new_tokens} exceed \

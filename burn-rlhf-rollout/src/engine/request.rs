@@ -40,7 +40,7 @@ pub struct Request {
 pub enum FinishReason {
     /// It sampled one of its stop ids (the last token).
     Stop,
-    /// It generated `max_new_tokens` tokens, or reached the model's context.
+    /// It generated `max_new_tokens` tokens.
     Length,
     /// [`super::Engine::abort`] ended it.
     Aborted,

@@ -111,7 +111,7 @@ pub(crate) struct Limits {
     pub max_num_batched_tokens: usize,
     pub block_size: usize,
     pub chunked_prefill: bool,
-    /// A sequence stops at this many tokens (the model's context).
+    /// A prompt must be shorter than this (the model's context).
     pub max_len: usize,
 }
 
@@ -477,13 +477,12 @@ impl Scheduler {
 
     /// Records `token` (log-prob `logprob`) sampled by `id`; the turn it ends, if it does.
     pub(crate) fn commit(&mut self, id: SeqId, token: u32, logprob: f32) -> Option<Finished> {
-        let max_len = self.limits.max_len;
         let s = self.seqs.get_mut(&id).expect("sampling sequence");
         s.tokens.push(token);
         s.logprobs.push(logprob);
         let reason = if s.params.stop_token_ids.contains(&token) {
             FinishReason::Stop
-        } else if s.tokens.len() - s.turn >= s.max_new || s.tokens.len() >= max_len {
+        } else if s.tokens.len() - s.turn >= s.max_new {
             FinishReason::Length
         } else {
             return None;

@@ -1,5 +1,6 @@
-//! Generation through the rollout API: greedy equals HF's greedy tokens, recorded log-probs equal
-//! a full forward's, sampling is seeded, and top-k/top-p sample the renormalised distribution.
+//! Generation through the rollout engine: greedy equals HF's greedy tokens, recorded log-probs
+//! equal a full forward's, sampling is seeded, top-k/top-p sample the renormalised distribution,
+//! and bucketed passes (device sampling) draw what exact ones do.
 
 use std::path::Path;
 
@@ -8,25 +9,54 @@ use burn::tensor::activation::log_softmax;
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_rlhf_models::{load_pretrained, CausalLm, RopeScaling, TransformerConfig};
 use burn_rlhf_rollout::generate::{left_pad, processed_distribution};
-use burn_rlhf_rollout::{DecodeShapes, Generator, LogprobsMode, SamplingParams};
+use burn_rlhf_rollout::{
+    DecodeShapes, Engine, EngineConfig, EngineStats, LogprobsMode, Sample, SamplingParams,
+};
 use serde_json::Value;
 
 type B = Flex;
 
-/// Generation padding with id 0.
-fn generator<'a>(
-    model: &'a CausalLm<B>,
-    config: &'a TransformerConfig,
-    params: &'a SamplingParams,
-    device: &'a burn::tensor::Device<B>,
-) -> Generator<'a, B> {
-    Generator {
-        model,
-        config,
-        pad_id: 0,
-        params,
-        device,
+/// An engine's limits: `slots` sequences at once, a pool that holds them all.
+fn engine(shapes: DecodeShapes, slots: usize) -> EngineConfig {
+    EngineConfig {
+        max_num_seqs: slots,
+        block_size: 8,
+        num_blocks: 2048,
+        shapes,
+        ..Default::default()
     }
+}
+
+/// `params.n` samples of each prompt (keyed `keys`) through an engine padding with id 0.
+fn generate_keyed(
+    model: &CausalLm<B>,
+    config: &TransformerConfig,
+    params: &SamplingParams,
+    (prompts, keys): (&[Vec<u32>], &[u64]),
+    engine: EngineConfig,
+) -> (Vec<Sample>, EngineStats) {
+    let mut e = Engine::new(model, config, 0, engine, &Default::default()).unwrap();
+    let samples = e
+        .generate(
+            prompts,
+            keys,
+            &std::sync::Arc::new(params.clone()),
+            &mut |_, _| {},
+        )
+        .unwrap();
+    (samples, e.stats())
+}
+
+/// [`generate_keyed`] with exact shapes, each prompt keyed by its position.
+fn generate(
+    model: &CausalLm<B>,
+    config: &TransformerConfig,
+    params: &SamplingParams,
+    prompts: &[Vec<u32>],
+) -> Vec<Sample> {
+    let keys: Vec<u64> = (0..prompts.len() as u64).collect();
+    let exact = engine(DecodeShapes::Exact, 1024);
+    generate_keyed(model, config, params, (prompts, &keys), exact).0
 }
 
 fn load(dir: &Path) -> (CausalLm<B>, TransformerConfig) {
@@ -106,9 +136,7 @@ fn greedy_params(max_new_tokens: usize) -> SamplingParams {
 fn check_greedy(dir: &Path) {
     let (model, config) = load(dir);
     for (prompts, want, steps) in golden_cases(dir) {
-        let samples = generator(&model, &config, &greedy_params(steps), &Default::default())
-            .generate(&prompts)
-            .unwrap();
+        let samples = generate(&model, &config, &greedy_params(steps), &prompts);
         assert_eq!(
             samples.len(),
             want.len(),
@@ -185,9 +213,7 @@ fn rollout_logprobs_equal_a_full_forward_on(dir: &Path) {
         stop_token_ids: vec![3],
         ..Default::default()
     };
-    let samples = generator(&model, &config, &params, &Default::default())
-        .generate(&prompts)
-        .unwrap();
+    let samples = generate(&model, &config, &params, &prompts);
     assert_eq!(samples.len(), 6);
     let device = Default::default();
     // Dynamic NTK past the context: the cached keys were rotated at the shorter lengths'
@@ -243,30 +269,21 @@ fn seeded_sampling_reproduces_and_zero_temperature_is_greedy_on(dir: &Path) {
         seed: 11,
         ..Default::default()
     };
-    let d = Default::default();
-    let a = generator(&model, &config, &params, &d)
-        .generate(&prompts)
-        .unwrap();
-    let b = generator(&model, &config, &params, &d)
-        .generate(&prompts)
-        .unwrap();
+    let a = generate(&model, &config, &params, &prompts);
+    let b = generate(&model, &config, &params, &prompts);
     assert_eq!(a, b, "same seed, same samples");
-    let c = generator(
+    let c = generate(
         &model,
         &config,
         &SamplingParams {
             seed: 12,
             ..params.clone()
         },
-        &d,
-    )
-    .generate(&prompts)
-    .unwrap();
+        &prompts,
+    );
     assert_ne!(a, c, "another seed, other samples");
-    let greedy = generator(&model, &config, &greedy_params(10), &d)
-        .generate(&prompts)
-        .unwrap();
-    let cold = generator(
+    let greedy = generate(&model, &config, &greedy_params(10), &prompts);
+    let cold = generate(
         &model,
         &config,
         &SamplingParams {
@@ -275,11 +292,9 @@ fn seeded_sampling_reproduces_and_zero_temperature_is_greedy_on(dir: &Path) {
             seed: 3,
             ..Default::default()
         },
-        &d,
-    )
-    .generate(&prompts)
-    .unwrap();
-    let zero = generator(
+        &prompts,
+    );
+    let zero = generate(
         &model,
         &config,
         &SamplingParams {
@@ -287,10 +302,8 @@ fn seeded_sampling_reproduces_and_zero_temperature_is_greedy_on(dir: &Path) {
             max_new_tokens: 10,
             ..Default::default()
         },
-        &d,
-    )
-    .generate(&prompts)
-    .unwrap();
+        &prompts,
+    );
     let toks =
         |s: &Vec<burn_rlhf_rollout::Sample>| s.iter().map(|x| x.tokens.clone()).collect::<Vec<_>>();
     assert_eq!(toks(&greedy), toks(&cold));
@@ -372,12 +385,15 @@ fn check_distribution_on(dir: &Path, shapes: DecodeShapes) {
             max_new_tokens: 1,
             seed: 5,
             logprobs_mode: LogprobsMode::Processed,
-            shapes,
             ..Default::default()
         };
-        let samples = generator(&model, &config, &params, &device)
-            .generate(&prompt)
-            .unwrap();
+        let (samples, _) = generate_keyed(
+            &model,
+            &config,
+            &params,
+            (&prompt, &[0]),
+            engine(shapes, 1024),
+        );
         let mut counts = vec![0usize; dist.len()];
         for s in &samples {
             let tok = s.tokens[0] as usize;
@@ -420,7 +436,6 @@ fn bucketed_decoding_generates_what_exact_decoding_does_on(dir: &Path) {
         &config,
         vec![vec![5, 17, 300, 41], vec![9, 2], vec![600, 601, 602]],
     );
-    let d = Default::default();
     for greedy in [true, false] {
         let exact = SamplingParams {
             n: 2,
@@ -430,16 +445,10 @@ fn bucketed_decoding_generates_what_exact_decoding_does_on(dir: &Path) {
             stop_token_ids: vec![3, 7],
             ..Default::default()
         };
-        let bucketed = SamplingParams {
-            shapes: DecodeShapes::Bucketed { bucket: 8 },
-            ..exact.clone()
-        };
-        let a = generator(&model, &config, &exact, &d)
-            .generate(&prompts)
-            .unwrap();
-        let b = generator(&model, &config, &bucketed, &d)
-            .generate(&prompts)
-            .unwrap();
+        let a = generate(&model, &config, &exact, &prompts);
+        let keys = [0, 1, 2];
+        let bucketed = engine(DecodeShapes::Bucketed { bucket: 8 }, 1024);
+        let (b, _) = generate_keyed(&model, &config, &exact, (&prompts, &keys), bucketed);
         assert_eq!(a.len(), b.len());
         for (x, y) in a.iter().zip(&b) {
             assert_eq!(
@@ -455,60 +464,50 @@ fn bucketed_decoding_generates_what_exact_decoding_does_on(dir: &Path) {
 }
 
 /// A response depends on its seed, its prompt's key and its sample index only: not on the
-/// prompts beside it, nor on how prompts are cut into chunks (`max_num_seqs`).
+/// prompts beside it, nor on how many run at once (`max_num_seqs`).
 #[test]
-fn a_response_does_not_depend_on_its_batch_mates_or_chunk() {
+fn a_response_does_not_depend_on_its_batch_mates_or_slots() {
     for dir in burn_rlhf_test_assets::fixture_models() {
-        a_response_does_not_depend_on_its_batch_mates_or_chunk_on(&dir);
+        a_response_does_not_depend_on_its_batch_mates_or_slots_on(&dir);
     }
 }
 
-fn a_response_does_not_depend_on_its_batch_mates_or_chunk_on(dir: &Path) {
+fn a_response_does_not_depend_on_its_batch_mates_or_slots_on(dir: &Path) {
     let (model, config) = load(dir);
     let prompts = in_vocab(
         &config,
         vec![vec![5, 17, 300, 41], vec![9, 2], vec![600, 601, 602]],
     );
     let keys = [40, 41, 42];
-    let d = Default::default();
     for shapes in [DecodeShapes::Exact, DecodeShapes::Bucketed { bucket: 8 }] {
         let params = SamplingParams {
             n: 2,
             max_new_tokens: 10,
             top_p: 0.9,
             seed: 9,
-            shapes,
             ..Default::default()
         };
-        let all = generator(&model, &config, &params, &d)
-            .generate_keyed(&prompts, &keys)
-            .map(|(samples, _)| samples)
-            .unwrap();
-        let chunked = SamplingParams {
-            max_num_seqs: 2,
-            ..params.clone()
+        let run = |prompts: &[Vec<u32>], keys: &[u64], slots| {
+            generate_keyed(
+                &model,
+                &config,
+                &params,
+                (prompts, keys),
+                engine(shapes, slots),
+            )
         };
-        let (in_chunks, profile) = generator(&model, &config, &chunked, &d)
-            .generate_keyed(&prompts, &keys)
-            .unwrap();
-        assert_eq!(
-            profile.chunks, 3,
-            "{shapes:?}: one prompt (2 responses) per chunk"
-        );
-        let alone = generator(&model, &config, &params, &d)
-            .generate_keyed(&prompts[1..2], &keys[1..2])
-            .map(|(samples, _)| samples)
-            .unwrap();
-        let tokens = |s: &[burn_rlhf_rollout::Sample]| {
-            s.iter().map(|x| x.tokens.clone()).collect::<Vec<_>>()
-        };
-        assert_eq!(tokens(&all), tokens(&in_chunks), "{shapes:?}");
+        let (all, _) = run(&prompts, &keys, 1024);
+        let (two_at_once, stats) = run(&prompts, &keys, 2);
+        assert_eq!(stats.peak_running, 2, "{shapes:?}: two sequences at once");
+        let (alone, _) = run(&prompts[1..2], &keys[1..2], 1024);
+        let tokens = |s: &[Sample]| s.iter().map(|x| x.tokens.clone()).collect::<Vec<_>>();
+        assert_eq!(tokens(&all), tokens(&two_at_once), "{shapes:?}");
         assert_eq!(tokens(&all[2..4]), tokens(&alone), "{shapes:?}");
     }
 }
 
-/// A prompt is prefilled once however many responses it has: the prefill runs one row per
-/// prompt, and its `n` responses are `n` distinct draws from it.
+/// A prompt is prefilled once however many responses it has: its `n` responses take its blocks
+/// and are `n` distinct draws from it.
 #[test]
 fn n_responses_share_one_prefill_per_prompt() {
     for dir in burn_rlhf_test_assets::fixture_models() {
@@ -523,23 +522,27 @@ fn n_responses_share_one_prefill_per_prompt_on(dir: &Path) {
         vec![vec![5, 17, 300, 41], vec![9, 2], vec![600, 601, 602]],
     );
     let keys = [7, 8, 9];
-    let d = Default::default();
     for shapes in [DecodeShapes::Exact, DecodeShapes::Bucketed { bucket: 8 }] {
         let params = SamplingParams {
             n: 4,
             max_new_tokens: 8,
             seed: 3,
-            shapes,
             ..Default::default()
         };
-        let (samples, profile) = generator(&model, &config, &params, &d)
-            .generate_keyed(&prompts, &keys)
-            .unwrap();
+        let (samples, stats) = generate_keyed(
+            &model,
+            &config,
+            &params,
+            (&prompts, &keys),
+            engine(shapes, 1024),
+        );
         assert_eq!(samples.len(), 12, "{shapes:?}");
         assert_eq!(
-            profile.prefilled_rows, 3,
-            "{shapes:?}: one prefill row per prompt"
+            stats.prefill_tokens,
+            4 + 2 + 3,
+            "{shapes:?}: each prompt's tokens once"
         );
+        assert_eq!(stats.shared_prefills, 9, "{shapes:?}");
         for (i, group) in samples.chunks(4).enumerate() {
             assert!(group.iter().all(|s| s.prompt_index == i), "{shapes:?}");
             let distinct: std::collections::BTreeSet<_> =
@@ -552,8 +555,8 @@ fn n_responses_share_one_prefill_per_prompt_on(dir: &Path) {
     }
 }
 
-/// Per decode step, bucketed decoding reads back the chosen id and its log-prob of each row;
-/// exact decoding reads the row's logits (so the count does measure the readback).
+/// Per decode step, bucketed passes read back the chosen id and its log-prob of each row; exact
+/// ones read the rows' logits (so the count does measure the readback).
 #[test]
 fn a_bucketed_decode_step_reads_back_two_values_per_row() {
     for dir in burn_rlhf_test_assets::fixture_models() {
@@ -565,24 +568,24 @@ fn a_bucketed_decode_step_reads_back_two_values_per_row_on(dir: &Path) {
     let (model, config) = load(dir);
     let prompts = in_vocab(&config, vec![vec![5, 17, 300, 41], vec![9, 2]]);
     let keys = [0, 1];
-    let d = Default::default();
     let params = SamplingParams {
         n: 2,
         max_new_tokens: 6,
-        shapes: DecodeShapes::Bucketed { bucket: 8 },
         ..Default::default()
     };
-    let (_, bucketed) = generator(&model, &config, &params, &d)
-        .generate_keyed(&prompts, &keys)
-        .unwrap();
-    assert_eq!(bucketed.max_values_read_per_row, 2);
-    assert_eq!(bucketed.decode_steps, 6);
-    let exact = SamplingParams {
-        shapes: DecodeShapes::Exact,
-        ..params
+    let run = |shapes| {
+        generate_keyed(
+            &model,
+            &config,
+            &params,
+            (&prompts, &keys),
+            engine(shapes, 1024),
+        )
+        .1
     };
-    let (_, exact) = generator(&model, &config, &exact, &d)
-        .generate_keyed(&prompts, &keys)
-        .unwrap();
+    let bucketed = run(DecodeShapes::Bucketed { bucket: 8 });
+    assert_eq!(bucketed.max_values_read_per_row, 2);
+    assert_eq!(bucketed.steps, 6, "one prefill step, then 5 decode steps");
+    let exact = run(DecodeShapes::Exact);
     assert_eq!(exact.max_values_read_per_row, config.vocab_size);
 }

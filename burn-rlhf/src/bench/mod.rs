@@ -27,7 +27,7 @@ pub use rollout::RolloutBench;
 
 use crate::backend::LearnerBackend;
 use burn::module::AutodiffModule;
-use burn_rlhf_rollout::{Generator, RolloutBatch, Sample, SamplingParams};
+use burn_rlhf_rollout::{Engine, RolloutBatch, Sample, SamplingParams};
 use serde_json::{json, Value};
 
 use crate::config::Settings;
@@ -150,17 +150,18 @@ pub fn run_bench<B: LearnerBackend>(
     };
     let policy = learner.actor.valid();
     let case = format!("generate_b{rows}_p{prompt}_n{tokens}");
+    let mut engine = learner.engine_config(rows, &learner.model_config, policy.float_dtype())?;
+    // Every row at once, as the peer's one `generate` call.
+    engine.max_num_seqs = rows.max(1);
+    let params = std::sync::Arc::new(params);
     for run in ["cold", "warm"].into_iter().take(gen_rows) {
         let (samples, usage, compiled, tuned) = timed(|| {
-            Generator {
-                model: &policy,
-                config: &learner.model_config,
-                pad_id: 0,
-                params: &params,
-                device,
-            }
-            .generate_keyed(&prompts, &keys)
-            .map(|(samples, _)| samples)
+            Engine::new(&policy, &learner.model_config, 0, engine.clone(), device)?.generate(
+                &prompts,
+                &keys,
+                &params,
+                &mut |_, _| {},
+            )
         });
         let new: usize = samples?.iter().map(|s| s.tokens.len()).sum();
         let (secs, (cpu_util, peak_rss_gb)) = (usage.seconds, usage_fields(&usage));

@@ -56,6 +56,11 @@ pub struct TrainerConfig {
     /// Critic checkpoints kept (the newest); `None` or 0: all.
     pub max_critic_ckpt_to_keep: Option<usize>,
     pub seed: u64,
+    /// Each step's prompts, responses, ground truths and scores as `{dir}/{step}.jsonl`
+    /// (verl's); `None`: not written.
+    pub rollout_data_dir: Option<String>,
+    /// The same for each validation.
+    pub validation_data_dir: Option<String>,
 }
 
 impl Default for TrainerConfig {
@@ -83,6 +88,8 @@ impl Default for TrainerConfig {
             max_actor_ckpt_to_keep: None,
             max_critic_ckpt_to_keep: None,
             seed: 1,
+            rollout_data_dir: None,
+            validation_data_dir: None,
         }
     }
 }
@@ -130,6 +137,10 @@ pub struct TrainerSettings {
     pub keep_critic_checkpoints: Option<usize>,
     /// The run's seed (sampling streams, fresh heads, Clip-Cov).
     pub seed: u64,
+    /// Where each step's generations are dumped (`rollout_data_dir`, `~` expanded).
+    pub rollout_data_dir: Option<PathBuf>,
+    /// Where each validation's generations are dumped (`validation_data_dir`).
+    pub validation_data_dir: Option<PathBuf>,
 }
 
 /// `trainer.resume_mode`.
@@ -268,6 +279,8 @@ impl TrainerConfig {
             keep_actor_checkpoints: self.max_actor_ckpt_to_keep.filter(|&n| n > 0),
             keep_critic_checkpoints: self.max_critic_ckpt_to_keep.filter(|&n| n > 0),
             seed: self.seed,
+            rollout_data_dir: self.rollout_data_dir.as_deref().map(expand_home),
+            validation_data_dir: self.validation_data_dir.as_deref().map(expand_home),
         })
     }
 }

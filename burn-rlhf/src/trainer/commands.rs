@@ -19,7 +19,7 @@ use super::metrics::Metrics;
 use crate::config::{KnownNames, Settings};
 use crate::error::TrainError;
 use burn_rlhf_models::pretrained::{save_pretrained, Pretrained};
-use burn_rlhf_rollout::{Generator, SamplingParams};
+use burn_rlhf_rollout::{Engine, EngineConfig, SamplingParams};
 
 /// How a config names itself in messages: the file, and the overrides applied.
 pub fn config_origin(config: &Path, overrides: &[String]) -> String {
@@ -208,7 +208,8 @@ pub fn stop_on_ctrl_c() -> &'static AtomicBool {
 }
 
 /// `burn-rlhf generate`: samples one response to `prompt` (token ids) from `pretrained` on the
-/// selected backend's default device, handing each new token to `on_token` as it comes.
+/// selected backend's default device through the rollout engine, handing each new token to
+/// `on_token` as it comes.
 pub fn generate(
     pretrained: Pretrained,
     prompt: Vec<u32>,
@@ -219,14 +220,23 @@ pub fn generate(
     let config = pretrained.config.clone();
     let pad_id = pretrained.tokenizer.as_ref().map_or(0, |t| t.pad_token_id);
     let model = pretrained.causal_lm::<crate::backend::InferenceBackend>(&device)?;
-    Generator {
-        model: &model,
-        config: &config,
-        pad_id,
-        params,
-        device: &device,
-    }
-    .generate_streaming(&[prompt], &mut |_, t| on_token(t))?;
+    let n = params.n.max(1);
+    // A pool for the request's samples at their longest.
+    let longest = prompt.len() + params.max_new_tokens;
+    let block_size = 16;
+    let engine = EngineConfig {
+        max_num_seqs: n,
+        block_size,
+        num_blocks: n * longest.div_ceil(block_size) + 1,
+        shapes: crate::backend::decode_shapes(),
+        ..Default::default()
+    };
+    Engine::new(&model, &config, pad_id, engine, &device)?.generate(
+        &[prompt],
+        &[0],
+        &std::sync::Arc::new(params.clone()),
+        &mut |_, t| on_token(t),
+    )?;
     Ok(())
 }
 

@@ -17,6 +17,7 @@
 mod build;
 mod checkpoint;
 pub mod commands;
+mod dump;
 mod fit;
 pub(crate) mod launch;
 mod learner;

@@ -26,6 +26,10 @@ impl<B: LearnerBackend> Learner<B> {
             let device = self.device.clone();
             let mut timing = Timing::with_device_probe(move || B::device_memory_reserved(&device));
             let (mut batch, indices, mut metrics) = self.sample_batch(step, &mut timing)?;
+            if let (Some(dir), 0) = (&self.settings.trainer.rollout_data_dir, self.dp.rank()) {
+                let rows = super::dump::batch_rows(&batch, &self.tokenizer)?;
+                super::dump::dump_generations(dir, step, &rows)?;
+            }
             let baselines = if self.algorithms.estimator.needs_reward_baselines() {
                 Some(timing.time("gen_max", || self.reward_baselines(&indices, step))?)
             } else {

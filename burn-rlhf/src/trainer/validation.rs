@@ -31,9 +31,19 @@ impl<B: LearnerBackend> Learner<B> {
                 .max(1);
             let all: Vec<usize> = (0..self.val.len()).collect();
             let mut rows: Vec<(String, u64, f64, Option<String>)> = Vec::new();
+            let dump = self
+                .settings
+                .trainer
+                .validation_data_dir
+                .as_ref()
+                .filter(|_| self.dp.rank() == 0);
+            let mut dumped = Vec::new();
             for chunk in all.chunks(size) {
                 let mut batch = self.rollout(&self.val, chunk, &params, chunk[0] as u64)?;
                 let scores = self.reward(&mut batch)?;
+                if dump.is_some() {
+                    dumped.extend(super::dump::batch_rows(&batch, &self.tokenizer)?);
+                }
                 for (r, score) in scores.into_iter().enumerate() {
                     let text = self.tokenizer.decode(batch.response_tokens(r), true)?;
                     let answer = extract_gsm8k_answer(&text, Gsm8kMethod::Strict)
@@ -45,6 +55,9 @@ impl<B: LearnerBackend> Learner<B> {
                         answer,
                     ));
                 }
+            }
+            if let Some(dir) = dump {
+                super::dump::dump_generations(dir, self.global_step, &dumped)?;
             }
             let samples: Vec<ValSample<'_>> = rows
                 .iter()

@@ -2,8 +2,9 @@
 //! per kernel compilation, a line per autotune run) on the selected CubeCL backend, wgpu (lavapipe
 //! on a CPU machine, as in CI) or CUDA (`--features cuda`, on a GPU host):
 //!
-//! - generating 64 tokens compiles and tunes nothing after generating 8 (one set of shapes per
-//!   bucket), where exact shapes compile and tune for every new length;
+//! - the rollout engine, once it has run a case, compiles and tunes nothing for it again, nor for
+//!   shorter responses or fewer slots (rows and lengths rounded to buckets), where exact shapes
+//!   compile and tune for every new length;
 //! - PPO steps 2 and 3 compile and tune nothing new;
 //! - a second process with the same kernel cache tunes nothing (and on CUDA compiles nothing:
 //!   its PTX is cached; wgpu has no compiled-kernel cache).
@@ -11,6 +12,7 @@
 //! `cargo test --release -p burn-rlhf --features wgpu --test gpu -- --test-threads=1 gpu_shapes`
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::sync::{Mutex, OnceLock};
 
 use burn::module::AutodiffModule;
@@ -20,7 +22,7 @@ use burn_rlhf::config::RlhfConfig;
 use burn_rlhf::models::pretrained::save_pretrained;
 use burn_rlhf::models::weights::WeightMap;
 use burn_rlhf::models::{load_pretrained, CausalLm, ValueModel};
-use burn_rlhf::rollout::{DecodeShapes, Generator, SamplingParams};
+use burn_rlhf::rollout::{DecodeShapes, Engine, EngineConfig, SamplingParams};
 use burn_rlhf::runtime::{configure_kernels_with, Configured, KernelLogs};
 use burn_rlhf::tasks;
 use burn_rlhf::trainer::{Learner, LearnerParts};
@@ -63,7 +65,7 @@ fn tiny_model() -> PathBuf {
 }
 
 #[test]
-fn generating_64_tokens_compiles_nothing_after_generating_8() {
+fn the_engine_compiles_nothing_after_warming_up_its_shapes() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let logs = logs();
     let device = Default::default();
@@ -76,48 +78,57 @@ fn generating_64_tokens_compiles_nothing_after_generating_8() {
         .map(|p| p.iter().map(|t| t % v).collect())
         .collect();
     let keys = [0, 1, 2];
-    let run = |shapes: DecodeShapes, tokens: usize| {
-        let params = SamplingParams {
+    let run = |shapes: DecodeShapes, tokens: usize, slots: usize| {
+        let params = Arc::new(SamplingParams {
             n: 2,
             max_new_tokens: tokens,
             seed: 4,
+            ..Default::default()
+        });
+        let engine = EngineConfig {
+            max_num_seqs: slots,
+            block_size: 16,
+            num_blocks: 64,
             shapes,
             ..Default::default()
         };
-        let mut profile = None;
+        let mut stats = None;
         let counts = counted(|| {
-            let (samples, p) = Generator {
-                model: &model,
-                config: &config,
-                pad_id: 0,
-                params: &params,
-                device: &device,
-            }
-            .generate_keyed(&prompts, &keys)
-            .unwrap();
+            let mut e = Engine::new(&model, &config, 0, engine, &device).unwrap();
+            let samples = e
+                .generate(&prompts, &keys, &params, &mut |_, _| {})
+                .unwrap();
             assert!(samples.iter().all(|s| s.tokens.len() == tokens));
-            profile = Some(p);
+            stats = Some(e.stats());
         });
-        (counts, profile.unwrap())
+        (counts, stats.unwrap())
     };
-    // The default GPU bucket: an 8-token and a 64-token response both fit a cache of 128.
+    // The default GPU bucket: contexts of up to 68 positions take 64 and 128 keys.
     let bucketed = DecodeShapes::Bucketed { bucket: 64 };
-    let (first, _) = run(bucketed, 8);
-    let (again_8, _) = run(bucketed, 8);
-    let (then_64, profile) = run(bucketed, 64);
+    let (first, _) = run(bucketed, 64, 1024);
+    let (again, stats) = run(bucketed, 64, 1024);
+    let (shorter, _) = run(bucketed, 8, 1024);
+    let (fewer_slots, _) = run(bucketed, 64, 3);
     println!(
-        "{}: bucketed 8 tokens compiled/tuned {first:?}, again {again_8:?}, then 64 tokens {then_64:?}",
+        "{}: engine, bucketed, 64 tokens compiled/tuned {first:?}, again {again:?}, then 8 \
+         tokens {shorter:?}, then 64 tokens in 3 slots {fewer_slots:?}",
         backend_name()
     );
     assert!(first.0 > 0, "the first generation compiles its kernels");
-    assert_eq!(then_64, (0, 0), "64 tokens after 8: nothing new");
-    assert_eq!(profile.decode_steps, 64);
-    assert_eq!(profile.max_values_read_per_row, 2);
+    assert_eq!(again, (0, 0), "the same run again: nothing new");
+    assert_eq!(shorter, (0, 0), "shorter responses: shapes already seen");
+    assert_eq!(
+        fewer_slots,
+        (0, 0),
+        "fewer slots: rows rounded to shapes already seen"
+    );
+    assert_eq!(stats.steps, 64, "one prefill step and 63 decode steps");
+    assert_eq!(stats.max_values_read_per_row, 2);
     // Exact shapes: every new length is a new shape.
-    let (_, _) = run(DecodeShapes::Exact, 8);
-    let (exact_64, _) = run(DecodeShapes::Exact, 64);
+    let (_, _) = run(DecodeShapes::Exact, 8, 1024);
+    let (exact_64, _) = run(DecodeShapes::Exact, 64, 1024);
     println!(
-        "{}: exact 64 tokens after 8 compiled/tuned {exact_64:?}",
+        "{}: engine, exact 64 tokens after 8 compiled/tuned {exact_64:?}",
         backend_name()
     );
     assert!(

@@ -10,7 +10,7 @@ use burn_rlhf::forward::{response_logprobs, LogprobHead, SequenceTensors};
 use burn_rlhf::minibatch::{actor_update, ActorLossConfig, ActorTargets, OptimizerStep};
 use burn_rlhf::models::{load_pretrained, CausalLm};
 use burn_rlhf::optim::ReplicaSync;
-use burn_rlhf::rollout::{Generator, RolloutBatch, SamplingParams};
+use burn_rlhf::rollout::{Engine, EngineConfig, RolloutBatch, SamplingParams};
 
 type B = Autodiff<Flex>;
 
@@ -38,14 +38,23 @@ fn fixture(dir: &std::path::Path) -> (CausalLm<B>, RolloutBatch, ActorTargets) {
         ..Default::default()
     };
     let inner = model.valid();
-    let samples = Generator {
-        model: &inner,
-        config: &config,
-        pad_id: 0,
-        params: &params,
-        device: &device,
-    }
-    .generate(&prompts)
+    let samples = Engine::new(
+        &inner,
+        &config,
+        0,
+        EngineConfig {
+            num_blocks: 64,
+            ..Default::default()
+        },
+        &device,
+    )
+    .unwrap()
+    .generate(
+        &prompts,
+        &[0, 1, 2],
+        &std::sync::Arc::new(params),
+        &mut |_, _| {},
+    )
     .unwrap();
     let names: Vec<String> = vec!["s".into(); 3];
     let batch = RolloutBatch::from_samples(&prompts, &samples, 0, &[0, 1, 2], &names, &names);

@@ -8,7 +8,7 @@ use burn_rlhf::forward::{
 };
 use burn_rlhf::models::load_pretrained;
 use burn_rlhf::models::transformer::FeedForward;
-use burn_rlhf::rollout::{Generator, RolloutBatch, SamplingParams};
+use burn_rlhf::rollout::{Engine, EngineConfig, RolloutBatch, SamplingParams};
 
 #[test]
 fn recomputed_logprobs_equal_the_rollouts_and_gradients_flow() {
@@ -33,14 +33,23 @@ fn recomputed_logprobs_equal_the_rollouts(dir: &std::path::Path) {
         stop_token_ids: (0..150).collect(),
         ..Default::default()
     };
-    let samples = Generator {
-        model: &model,
-        config: &config,
-        pad_id: 0,
-        params: &params,
-        device: &Default::default(),
-    }
-    .generate(&prompts)
+    let samples = Engine::new(
+        &model,
+        &config,
+        0,
+        EngineConfig {
+            num_blocks: 64,
+            ..Default::default()
+        },
+        &Default::default(),
+    )
+    .unwrap()
+    .generate(
+        &prompts,
+        &[0, 1, 2],
+        &std::sync::Arc::new(params),
+        &mut |_, _| {},
+    )
     .unwrap();
     let names: Vec<String> = vec!["s".into(); 3];
     let batch = RolloutBatch::from_samples(&prompts, &samples, 0, &[0, 1, 2], &names, &names);

@@ -70,6 +70,16 @@ impl Inputs<'_> {
         self.window.map_or(0, |w| (p + 1).saturating_sub(w))
     }
 
+    /// The values of block `b` of `seq`'s table, head `kv`: `[bs][D]`, row-major.
+    #[inline]
+    fn value_block(&self, seq: &PagedSeq, kv: usize, b: usize) -> &[f32] {
+        let [_, _, bs, d] = self.v.dims;
+        let first = self.v.row(seq.blocks[b] as usize, kv, 0).as_ptr();
+        // SAFETY: the pool is contiguous (the caller checks), so the block's rows follow one
+        // another.
+        unsafe { std::slice::from_raw_parts(first, bs * d) }
+    }
+
     /// Value row of position `j` of `seq`, head `kv`.
     #[inline]
     fn value_row(&self, seq: &PagedSeq, kv: usize, j: usize) -> &[f32] {
@@ -186,6 +196,24 @@ unsafe fn decode_avx2(
     decode_body(inputs, seq, kv, scores, out)
 }
 
+/// Asks the CPU to bring `block` into its caches (a block of the next pool block while this
+/// one is computed: a sequence's blocks lie anywhere in the pool, so the hardware prefetcher
+/// cannot guess them).
+#[inline(always)]
+fn prefetch(block: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    for line in block.chunks(16) {
+        // SAFETY: a prefetch of a valid address has no effect but on the caches.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                line.as_ptr().cast(),
+            )
+        };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = block;
+}
+
 /// `y += a x`.
 #[inline(always)]
 fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
@@ -220,25 +248,84 @@ fn score_lanes(q: &[f32], keys: &[f32], stride: usize, d: usize) -> [[f32; LANES
     acc
 }
 
-/// `out = Σ_j p[j] values(j)` over the keys a row gives weight, the sum in registers.
+/// `out[r] = Σ_j p[r][j] v_j` for `R` rows over the values of `seq`'s blocks `b0..` (positions
+/// `b0 * bs..end`), each value row read once for all `R`, the sums in registers.
 #[inline(always)]
-fn weighted_sum<const D: usize>(
-    p: &[f32],
-    first: usize,
-    value: impl Fn(usize) -> *const f32,
-    out: &mut [f32],
-) {
-    let mut acc = [0.0f32; D];
-    for (j, &w) in p.iter().enumerate() {
-        if w != 0.0 {
-            // SAFETY: a value row has D elements (the caller dispatches on D).
-            let v = unsafe { &*(value(first + j) as *const [f32; D]) };
-            for (a, v) in acc.iter_mut().zip(v) {
-                *a += w * v;
+fn weighted_sums<const D: usize, const R: usize>(
+    inputs: &Inputs,
+    (seq, kv): (&PagedSeq, usize),
+    probs: [&[f32]; R],
+    (b0, end): (usize, usize),
+) -> [[f32; D]; R] {
+    let bs = inputs.layout.block_size();
+    let mut acc = [[0.0f32; D]; R];
+    let b1 = end.div_ceil(bs);
+    for b in b0..b1 {
+        if b + 2 < b1 {
+            prefetch(inputs.value_block(seq, kv, b + 2));
+        }
+        let block = inputs.value_block(seq, kv, b);
+        let (j0, n) = (b * bs, bs.min(end - b * bs));
+        for (o, v) in block.chunks_exact(D).take(n).enumerate() {
+            let v: &[f32; D] = v.try_into().expect("a value row");
+            for (acc, p) in acc.iter_mut().zip(&probs) {
+                let w = p[j0 + o - b0 * bs];
+                for (a, v) in acc.iter_mut().zip(v) {
+                    *a += w * v;
+                }
             }
         }
     }
-    out.copy_from_slice(&acc);
+    acc
+}
+
+/// The rows `r0..r0 + R` of the output: their weighted sums of the values, written to their
+/// rows of `out`.
+///
+/// # Safety
+/// As [`decode_body`].
+#[inline(always)]
+unsafe fn write_sums<const D: usize, const R: usize>(
+    inputs: &Inputs,
+    (seq, kv): (&PagedSeq, usize),
+    scores: &[f32],
+    (r0, width, b0): (usize, usize, usize),
+    out: Shared,
+) {
+    let [_, h, _, _] = inputs.q.dims;
+    let groups = h / inputs.v.dims[1];
+    let nq = seq.queries;
+    let probs: [&[f32]; R] =
+        std::array::from_fn(|k| &scores[(r0 + k) * width..(r0 + k + 1) * width]);
+    let sums = weighted_sums::<D, R>(inputs, (seq, kv), probs, (b0, seq.context()));
+    for (k, sum) in sums.iter().enumerate() {
+        let r = r0 + k;
+        let at = ((seq.first + r % nq) * h + kv * groups + r / nq) * D;
+        std::slice::from_raw_parts_mut(out.get().add(at), D).copy_from_slice(sum);
+    }
+}
+
+/// [`write_sums`] for head widths without a specialisation: row by row, in memory.
+///
+/// # Safety
+/// As [`decode_body`].
+unsafe fn write_sums_any(
+    inputs: &Inputs,
+    (seq, kv): (&PagedSeq, usize),
+    scores: &[f32],
+    (r, width, b0): (usize, usize, usize),
+    out: Shared,
+) {
+    let [_, h, _, d] = inputs.q.dims;
+    let groups = h / inputs.v.dims[1];
+    let nq = seq.queries;
+    let bs = inputs.layout.block_size();
+    let at = ((seq.first + r % nq) * h + kv * groups + r / nq) * d;
+    let dst = std::slice::from_raw_parts_mut(out.get().add(at), d);
+    let p = &scores[r * width..(r + 1) * width];
+    for j in b0 * bs..seq.context() {
+        axpy(dst, p[j - b0 * bs], inputs.value_row(seq, kv, j));
+    }
 }
 
 /// All queries of `seq` for the query heads of key/value head `kv`: each row's scores over each
@@ -278,7 +365,18 @@ unsafe fn decode_body(
             *o = x * scale;
         }
     }
+    // Two blocks ahead: the keys while scoring, then the first values.
+    for b in b0..(b0 + 2).min(b1) {
+        prefetch(inputs.key_block(seq, kv, b));
+    }
     for b in b0..b1 {
+        match b + 2 {
+            ahead if ahead < b1 => prefetch(inputs.key_block(seq, kv, ahead)),
+            ahead if ahead - b1 < 2 && b0 + ahead - b1 < b1 => {
+                prefetch(inputs.value_block(seq, kv, b0 + ahead - b1))
+            }
+            _ => {}
+        }
         let keys = inputs.key_block(seq, kv, b);
         for r0 in (0..padded).step_by(ROWS) {
             let q = &qs[r0 * d..(r0 + ROWS) * d];
@@ -320,25 +418,25 @@ unsafe fn decode_body(
         let inv = 1.0 / sum;
         row.iter_mut().for_each(|p| *p *= inv);
     }
-    let value = |j: usize| inputs.value_row(seq, kv, j).as_ptr();
-    for (r, p) in scores.chunks(width).enumerate() {
-        let at = ((seq.first + r % nq) * h + kv * groups + r / nq) * d;
-        let dst = std::slice::from_raw_parts_mut(out.get().add(at), d);
-        let first = b0 * bs;
-        let p = &p[..end - first];
-        match d {
-            64 => weighted_sum::<64>(p, first, value, dst),
-            128 => weighted_sum::<128>(p, first, value, dst),
-            32 => weighted_sum::<32>(p, first, value, dst),
-            256 => weighted_sum::<256>(p, first, value, dst),
+    // Rows in pairs: each value row read once per pair, the pair's sums in registers.
+    let mut r = 0;
+    while r < rows {
+        let at = (r, width, b0);
+        let pair = rows - r >= 2;
+        match (d, pair) {
+            (64, true) => write_sums::<64, 2>(inputs, (seq, kv), scores, at, out),
+            (64, false) => write_sums::<64, 1>(inputs, (seq, kv), scores, at, out),
+            (128, true) => write_sums::<128, 2>(inputs, (seq, kv), scores, at, out),
+            (128, false) => write_sums::<128, 1>(inputs, (seq, kv), scores, at, out),
+            (32, true) => write_sums::<32, 2>(inputs, (seq, kv), scores, at, out),
+            (32, false) => write_sums::<32, 1>(inputs, (seq, kv), scores, at, out),
             _ => {
-                for (j, &w) in p.iter().enumerate() {
-                    if w != 0.0 {
-                        axpy(dst, w, inputs.value_row(seq, kv, first + j));
-                    }
-                }
+                write_sums_any(inputs, (seq, kv), scores, at, out);
+                r += 1;
+                continue;
             }
         }
+        r += if pair { 2 } else { 1 };
     }
 }
 
