@@ -448,9 +448,10 @@ fn table_of(table: &[u32], nb: usize) -> impl Iterator<Item = i64> + '_ {
         .take(nb)
 }
 
-/// Paged attention as tensor ops: the sequences decoding one token each (consecutive runs) in
-/// one batched product over their gathered blocks, each other sequence alone through
-/// [`attention`]; with a bucket, rows, queries and keys rounded up to it. See
+/// Paged attention as tensor ops, in at most two batched products a pass: the sequences
+/// decoding one token each together, and those with several queries (prefill chunks) together,
+/// each group over its gathered blocks with its rows, queries and keys rounded up to the bucket
+/// (so a GPU meets few shapes); the outputs are put back in token order by one gather. See
 /// [`super::DecoderBackend::dec_paged_attention`].
 pub fn paged_attention<B: Backend>(
     q: FloatTensor<B>,
@@ -461,113 +462,119 @@ pub fn paged_attention<B: Backend>(
 ) -> FloatTensor<B> {
     let (q, k, v): (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>) = (wrap(q), wrap(k), wrap(v));
     let [_, h, t, d] = q.dims();
+    let device = q.device();
+    // The pass's queries token by token: [T, H, D].
+    let tokens = q.swap_dims(1, 2).reshape([t, h, d]);
     let seqs = layout.seqs();
-    let mut pieces = Vec::new();
-    let mut i = 0;
-    while i < seqs.len() {
-        if seqs[i].queries == 1 {
-            let end = (i..seqs.len())
-                .find(|&j| seqs[j].queries != 1)
-                .unwrap_or(seqs.len());
-            pieces.push(paged_decode_run(&q, (&k, &v), layout, (i, end), window));
-            i = end;
-        } else {
-            pieces.push(paged_prefill(&q, (&k, &v), layout, i, window));
-            i += 1;
+    let decode: Vec<usize> = (0..seqs.len()).filter(|&s| seqs[s].queries == 1).collect();
+    let prefill: Vec<usize> = (0..seqs.len()).filter(|&s| seqs[s].queries > 1).collect();
+    // Each token's row in the groups' outputs stacked (the last row: zeros, for padding).
+    let mut parts = Vec::new();
+    let mut row_of = vec![None; t];
+    let mut rows = 0;
+    for (name, group) in [("decode", &decode), ("prefill", &prefill)] {
+        if group.is_empty() {
+            continue;
         }
+        let (out, lp) = paged_group(&tokens, (&k, &v), layout, (name, group), window);
+        for (r, &s) in group.iter().enumerate() {
+            let seq = &seqs[s];
+            for i in 0..seq.queries {
+                row_of[seq.first + i] = Some(rows + r * lp + i);
+            }
+        }
+        rows += out.dims()[0];
+        parts.push(out);
     }
-    let real = layout.real_tokens();
-    if real < t {
-        pieces.push(Tensor::zeros([1, h, t - real, d], (&q.device(), q.dtype())));
-    }
-    prim(Tensor::cat(pieces, 2))
+    parts.push(Tensor::zeros([1, h, d], (&device, tokens.dtype())));
+    let order = layout.derived("paged_order", || {
+        int_1d::<B>(
+            row_of.iter().map(|r| r.unwrap_or(rows) as i64).collect(),
+            &device,
+        )
+    });
+    let out = Tensor::cat(parts, 0).select(0, order); // [T, H, D]
+    prim(out.reshape([1, t, h, d]).swap_dims(1, 2))
 }
 
-/// Sequences `run.0..run.1` of `layout`, one query each, batched. Shapes: q `[1, H, T, D]` →
-/// `[1, H, run, D]`.
-fn paged_decode_run<B: Backend>(
-    q: &Tensor<B, 4>,
+/// One group of a pass's sequences (`group`, indices into the layout's) in one batched product:
+/// rows rounded up ([`PagedLayout::round_rows`]), each row's queries padded to the group's
+/// longest (rounded to the bucket, `lp`), its blocks to the longest context (rounded). The
+/// `G` query heads of a key/value head are stacked, so keys and values are not copied per head.
+/// Shapes: tokens `[T, H, D]` → (`[rows * lp, H, D]`, query `i` of row `r` at `r * lp + i`; `lp`).
+fn paged_group<B: Backend>(
+    tokens: &Tensor<B, 3>,
     (k, v): (&Tensor<B, 4>, &Tensor<B, 4>),
     layout: &PagedLayout,
-    (start, end): (usize, usize),
+    (name, group): (&str, &[usize]),
     window: Option<usize>,
-) -> Tensor<B, 4> {
-    let seqs = &layout.seqs()[start..end];
-    let [_, h, _, d] = q.dims();
+) -> (Tensor<B, 3>, usize) {
+    let seqs = layout.seqs();
+    let [_, h, d] = tokens.dims();
     let [_, kv, _, bs] = k.dims();
-    let (n, g) = (seqs.len(), h / kv);
+    let g = h / kv;
+    let n = group.len();
     let rows = layout.round_rows(n);
-    let longest = seqs.iter().map(PagedSeq::context).max().unwrap_or(1);
-    let nb = layout.round_up(longest).div_ceil(bs);
-    let s = nb * bs;
-    let device = q.device();
-    let (blocks, mask) = layout.derived(&format!("decode/{start}/{window:?}"), || {
-        let mut idx = Vec::with_capacity(rows * nb);
-        let mut add = vec![HIDDEN; rows * s];
-        for (r, seq) in seqs.iter().enumerate() {
-            idx.extend(table_of(&seq.blocks, nb));
-            let ctx = seq.context();
-            let first = window.map_or(0, |w| ctx.saturating_sub(w));
-            add[r * s + first..r * s + ctx].fill(0.0);
+    let longest = group.iter().map(|&s| seqs[s].queries).max().unwrap_or(1);
+    let lp = if longest == 1 {
+        1
+    } else {
+        layout.round_up(longest)
+    };
+    let context = group.iter().map(|&s| seqs[s].past + lp).max().unwrap_or(1);
+    let nb = layout.round_up(context).div_ceil(bs);
+    let s_keys = nb * bs;
+    let device = tokens.device();
+    let (queries, blocks, mask) = layout.derived(&format!("{name}/{window:?}"), || {
+        let mut queries = Vec::with_capacity(rows * lp);
+        let mut blocks = Vec::with_capacity(rows * nb);
+        let mut add = vec![HIDDEN; rows * lp * s_keys];
+        for (r, &s) in group.iter().enumerate() {
+            let seq = &seqs[s];
+            blocks.extend(table_of(&seq.blocks, nb));
+            for i in 0..lp {
+                queries.push((seq.first + i.min(seq.queries - 1)) as i64);
+                // Query i sits at position past + i; padding queries see what the last one does.
+                let p = seq.past + i.min(seq.queries - 1);
+                let first = window.map_or(0, |w| (p + 1).saturating_sub(w));
+                let at = (r * lp + i) * s_keys;
+                add[at + first..at + p + 1].fill(0.0);
+            }
         }
-        idx.resize(rows * nb, NULL_BLOCK as i64);
-        let mask = Tensor::<B, 4>::from_data(TensorData::new(add, [rows, 1, 1, s]), &device);
-        (int_1d::<B>(idx, &device), mask)
+        queries.resize(rows * lp, 0);
+        blocks.resize(rows * nb, NULL_BLOCK as i64);
+        // Padding rows see key 0 (the null block): a finite softmax, an output never read.
+        for r in n..rows {
+            for i in 0..lp {
+                add[(r * lp + i) * s_keys] = 0.0;
+            }
+        }
+        let mask =
+            Tensor::<B, 5>::from_data(TensorData::new(add, [rows, 1, 1, lp, s_keys]), &device);
+        (
+            int_1d::<B>(queries, &device),
+            int_1d::<B>(blocks, &device),
+            mask,
+        )
     });
-    let first = seqs[0].first;
-    let mut qd = q
+    let q = tokens
         .clone()
-        .narrow(2, first, n)
-        .swap_dims(0, 2)
-        .reshape([n, kv, g, d]);
-    if rows > n {
-        let pad = Tensor::zeros([rows - n, kv, g, d], (&device, qd.dtype()));
-        qd = Tensor::cat(vec![qd, pad], 0);
-    }
+        .select(0, queries)
+        .reshape([rows, lp, kv, g, d])
+        .permute([0, 2, 3, 1, 4])
+        .reshape([rows, kv, g * lp, d]);
     let keys = gather_keys(k, blocks.clone(), rows, nb);
     let values = gather_values(v, blocks, rows, nb);
-    let scores = (qd.matmul(keys) / (d as f64).sqrt()).cast(DType::F32) + mask;
+    let mask = mask
+        .expand([rows, 1, g, lp, s_keys])
+        .reshape([rows, 1, g * lp, s_keys]);
+    let scores = (q.matmul(keys) / (d as f64).sqrt()).cast(DType::F32) + mask;
     let probs = burn::tensor::activation::softmax(scores, 3);
-    probs
+    let out = probs
         .cast(values.dtype())
-        .matmul(values) // [rows, KV, G, D]
-        .narrow(0, 0, n)
-        .reshape([1, n, h, d])
-        .swap_dims(1, 2)
-}
-
-/// Sequence `index` of `layout` alone, its queries (rounded up to the bucket) through
-/// [`attention`] over its gathered blocks. Shapes: q `[1, H, T, D]` → `[1, H, queries, D]`.
-fn paged_prefill<B: Backend>(
-    q: &Tensor<B, 4>,
-    (k, v): (&Tensor<B, 4>, &Tensor<B, 4>),
-    layout: &PagedLayout,
-    index: usize,
-    window: Option<usize>,
-) -> Tensor<B, 4> {
-    let seq = &layout.seqs()[index];
-    let [_, h, _, d] = q.dims();
-    let bs = k.dims()[3];
-    let (l, lp) = (seq.queries, layout.round_up(seq.queries));
-    let nb = layout.round_up(seq.past + lp).div_ceil(bs);
-    let s = nb * bs;
-    let device = q.device();
-    let blocks = layout.derived(&format!("prefill/{index}"), || {
-        int_1d::<B>(table_of(&seq.blocks, nb).collect(), &device)
-    });
-    let mut qs = q.clone().narrow(2, seq.first, l);
-    if lp > l {
-        let pad = Tensor::zeros([1, h, lp - l, d], (&device, qs.dtype()));
-        qs = Tensor::cat(vec![qs, pad], 2);
-    }
-    let row: Vec<i64> = (0..s).map(|j| (j < seq.context()) as i64).collect();
-    let mask = AttentionMask::new(&[row], seq.past);
-    let mask = match window {
-        Some(w) => mask.with_window(w),
-        None => mask,
-    };
-    let keys = gather_keys(k, blocks.clone(), 1, nb).swap_dims(2, 3);
-    let values = gather_values(v, blocks, 1, nb);
-    let (out, _) = attention::<B>(prim(qs), prim(keys), prim(values), &mask);
-    wrap::<B, 4>(out).narrow(2, 0, l)
+        .matmul(values) // [rows, KV, G * lp, D]
+        .reshape([rows, kv, g, lp, d])
+        .permute([0, 3, 1, 2, 4])
+        .reshape([rows * lp, h, d]);
+    (out, lp)
 }

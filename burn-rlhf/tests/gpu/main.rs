@@ -1,5 +1,6 @@
 //! The GPU path on a CubeCL backend (wgpu through lavapipe in CI, CUDA with `--features cuda`):
-//! kernel-compilation counts and the fused kernels through training, in one binary.
+//! kernel-compilation counts, the fused kernels through training and the rollout engine on the
+//! device, in one binary.
 //!
 //! `cargo test --release -p burn-rlhf --features wgpu --test gpu -- --test-threads=1`
 //!
@@ -10,3 +11,4 @@
 
 mod gpu_shapes;
 mod kernels_training;
+mod rollout_on_device;
