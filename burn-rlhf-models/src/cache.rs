@@ -1,17 +1,14 @@
-//! The key/value cache of one generation call. It belongs to the caller, never to the model:
-//! preallocated for the longest sequence the call will produce, shared time axis for every row
-//! (left padding and the attention mask say which positions are real), rows selectable so finished
-//! sequences stop costing compute.
-//!
-//! A [fixed](KvCache::fixed) cache hands attention every slot of its capacity (the mask hides the
-//! ones not written yet) instead of the slots written so far: every decode step then has the same
-//! shapes, which GPU backends need to compile and tune their kernels once, not once per length.
+//! A dense key/value cache: one buffer per layer, a shared time axis for every row (left padding
+//! and the attention mask say which positions are real), preallocated for the longest sequence
+//! and grown when needed. It belongs to the caller, never to the model. Generation runs on the
+//! paged pool (`paged.rs`, the rollout engine's); this cache is the plain reference the engine
+//! and transformers' cached decoding are checked against.
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor};
 
 use crate::config::TransformerConfig;
-use crate::kernels::{select_rows, write_positions, DecoderBackend};
+use crate::kernels::{write_positions, DecoderBackend};
 
 /// Cached keys and values of every layer.
 #[derive(Debug, Clone)]
@@ -20,7 +17,6 @@ pub struct KvCache<B: Backend> {
     values: Vec<Tensor<B, 4>>,
     len: usize,
     capacity: usize,
-    fixed: bool,
 }
 
 impl<B: Backend> KvCache<B> {
@@ -45,25 +41,10 @@ impl<B: Backend> KvCache<B> {
             values: zeros(),
             len: 0,
             capacity,
-            fixed: false,
         }
     }
 
-    /// [`KvCache::new`] whose [`append`](KvCache::append) returns every slot of the capacity: the
-    /// caller's attention mask covers all `capacity` key positions.
-    pub fn fixed(
-        config: &TransformerConfig,
-        batch: usize,
-        capacity: usize,
-        device: (&B::Device, DType),
-    ) -> Self {
-        Self {
-            fixed: true,
-            ..Self::new(config, batch, capacity, device)
-        }
-    }
-
-    /// Key positions attention sees: the capacity for a fixed cache, else what is written.
+    /// Positions the buffers hold before they grow.
     pub fn capacity(&self) -> usize {
         self.capacity
     }
@@ -99,18 +80,9 @@ impl<B: Backend> KvCache<B> {
 }
 
 impl<B: DecoderBackend> KvCache<B> {
-    /// Keeps only `rows` (in that order, possibly repeated): finished sequences leave the batch,
-    /// and a prompt's prefill fans out to its responses.
-    pub fn select_rows(&mut self, rows: &[usize]) {
-        for buf in self.keys.iter_mut().chain(self.values.iter_mut()) {
-            *buf = select_rows(buf.clone(), rows);
-        }
-    }
-
     /// Writes `k`, `v` (`[B, kv_heads, L, head_dim]`) of `layer` after the cached positions and
-    /// returns every position so far (`[B, kv_heads, len + L, head_dim]`), or for a fixed cache
-    /// every slot (`[B, kv_heads, capacity, head_dim]`). The length advances once all layers are
-    /// written ([`KvCache::advance`]).
+    /// returns every position so far (`[B, kv_heads, len + L, head_dim]`). The length advances
+    /// once all layers are written ([`KvCache::advance`]).
     pub fn append(
         &mut self,
         layer: usize,
@@ -139,9 +111,6 @@ impl<B: DecoderBackend> KvCache<B> {
         );
         self.keys[layer] = keys.clone();
         self.values[layer] = values.clone();
-        if self.fixed {
-            return (keys, values);
-        }
         let upto = [0..b, 0..kv, 0..end, 0..d];
         (keys.slice(upto.clone()), values.slice(upto))
     }

@@ -573,9 +573,7 @@ impl<B: DecoderBackend> Transformer<B> {
 
     /// [`Transformer::forward`] with the attention mask (`[B][past + L]`, 0/1) and the positions
     /// (`[B][L]`) as host rows: the mask and the rotary tables are built on the host from them, so
-    /// a caller that has them there (generation, the training passes) reads nothing back from the
-    /// device. With a fixed-capacity cache ([`KvCache::fixed`]) the mask covers every slot of the
-    /// cache (`[B][capacity]`), zeros past what is written.
+    /// a caller that has them there (the training passes) reads nothing back from the device.
     ///
     /// Shapes: input_ids `[B, L]` → `[B, L, H]`.
     pub fn forward_rows(

@@ -6,8 +6,8 @@ use std::sync::Arc;
 
 use burn_rlhf_models::ChatMessage;
 
+use crate::engine::Sample;
 use crate::error::RolloutError;
-use crate::generate::Sample;
 
 /// One batch of responses and what the learner needs of them.
 #[derive(Debug, Clone, PartialEq, Default)]

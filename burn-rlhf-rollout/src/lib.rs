@@ -1,6 +1,7 @@
-//! Rollout for burn-rlhf: prompt datasets (GSM8K jsonl, verl parquet), prompt encoding, batched
-//! KV-cache generation with per-token log-probs, rewards, the typed [`RolloutBatch`], validation
-//! metrics, and preference pairs for reward models.
+//! Rollout for burn-rlhf: prompt datasets (GSM8K jsonl, verl parquet), prompt encoding, the
+//! rollout engine (continuous batching over a paged KV cache) with per-token log-probs,
+//! rewards, the typed [`RolloutBatch`], validation metrics, and preference pairs for reward
+//! models.
 
 #![warn(missing_docs)]
 
@@ -9,7 +10,6 @@ pub mod data;
 pub mod encode;
 pub mod engine;
 mod error;
-pub mod generate;
 pub mod metrics;
 pub mod params;
 pub mod preference;
@@ -20,10 +20,8 @@ pub use batch::RolloutBatch;
 pub use data::{PromptRecord, PromptSampler, SamplerState};
 pub use encode::Truncation;
 pub use engine::{
-    Engine, EngineConfig, EngineStats, FinishReason, Finished, Request, RequestId, SeqId,
+    Engine, EngineConfig, EngineStats, FinishReason, Finished, Request, RequestId, Sample, SeqId,
 };
 pub use error::RolloutError;
-pub use generate::{
-    DecodeShapes, GenerationProfile, Generator, LogprobsMode, Sample, SamplingParams,
-};
+pub use params::{DecodeShapes, LogprobsMode, SamplingParams};
 pub use reward::{RewardFn, RewardInput, RewardRegistry};

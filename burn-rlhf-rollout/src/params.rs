@@ -24,14 +24,15 @@ impl LogprobsMode {
     }
 }
 
-/// How decode steps are shaped (see the module's documentation).
+/// How the rollout engine shapes its passes (see `engine`'s documentation).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DecodeShapes {
-    /// Exact lengths, a shrinking batch, host sampling.
+    /// Exactly the tokens and keys of a pass, tokens picked on the host.
     Exact,
-    /// Lengths padded to multiples of `bucket` tokens, a fixed batch, device sampling.
+    /// Tokens, rows and keys rounded up (`bucket` tokens per length bucket), tokens picked on the
+    /// device.
     Bucketed {
-        /// Tokens per length bucket (prompt and cache).
+        /// Tokens per length bucket.
         bucket: usize,
     },
 }
@@ -56,16 +57,8 @@ pub struct SamplingParams {
     pub stop_token_ids: Vec<u32>,
     /// Log-probs recorded per token.
     pub logprobs_mode: LogprobsMode,
-    /// RNG seed.
+    /// RNG seed: sample `j` of a request keyed `key` draws from the stream of `(seed, key, j)`.
     pub seed: u64,
-    /// Responses generated at once at most (`rollout.max_num_seqs`); a prompt's `n` responses
-    /// stay together, so a chunk holds at least one prompt.
-    pub max_num_seqs: usize,
-    /// Prompt tokens prefilled at once at most (`rollout.max_num_batched_tokens`); at least one
-    /// prompt.
-    pub max_num_batched_tokens: usize,
-    /// How decode steps are shaped.
-    pub shapes: DecodeShapes,
 }
 
 impl Default for SamplingParams {
@@ -80,9 +73,6 @@ impl Default for SamplingParams {
             stop_token_ids: Vec::new(),
             logprobs_mode: LogprobsMode::Raw,
             seed: 0,
-            max_num_seqs: 1024,
-            max_num_batched_tokens: 8192,
-            shapes: DecodeShapes::Exact,
         }
     }
 }

@@ -207,14 +207,6 @@ pub trait DecoderBackend: Backend {
         reference::write_positions::<Self>(buffer, value, start)
     }
 
-    /// Rows `rows` of `buffer` (`[B, KV, S, D]`), in that order and possibly repeated: the KV
-    /// cache's fan-out of each prompt to its responses and its drop of finished rows. The
-    /// default is `select`; Flex copies the rows on every core without zero-filling the output
-    /// first. Shapes: → `[rows.len(), KV, S, D]`.
-    fn dec_select_rows(buffer: FloatTensor<Self>, rows: &[usize]) -> FloatTensor<Self> {
-        reference::select_rows::<Self>(buffer, rows)
-    }
-
     /// Writes `value` (`[1, KV, T, D]`: a paged pass's keys or values) into `pool` at the
     /// layout's slots and returns the pool: a values pool is `[N, KV, bs, D]`, a keys pool
     /// (`keys`) `[N, KV, D, bs]` (each block's keys transposed, so a query's scores over a block
@@ -389,17 +381,6 @@ pub fn write_positions<B: DecoderBackend>(
         buffer.dims()
     );
     wrap(B::dec_write_positions(prim(buffer), prim(value), start))
-}
-
-/// Rows `rows` of `buffer`, in that order (see [`DecoderBackend::dec_select_rows`]). Shapes:
-/// `[B, KV, S, D]` → `[rows.len(), KV, S, D]`.
-pub fn select_rows<B: DecoderBackend>(buffer: Tensor<B, 4>, rows: &[usize]) -> Tensor<B, 4> {
-    let b = buffer.dims()[0];
-    assert!(
-        rows.iter().all(|&r| r < b),
-        "select_rows: {rows:?} of {b} rows"
-    );
-    wrap(B::dec_select_rows(prim(buffer), rows))
 }
 
 /// `pool` with `value` written at `layout`'s slots (see [`DecoderBackend::dec_paged_write`]).
@@ -741,29 +722,6 @@ mod tests {
                 .sum()
                 .into_scalar(),
             0.0
-        );
-    }
-
-    /// The cache's row selection equals `select`, rows repeated and reordered, also from a
-    /// buffer viewed at an offset (a narrowed tensor).
-    #[test]
-    fn selected_rows_equal_the_reference() {
-        let buffer = random::<Flex, 4>([5, 3, 6, 4], 31);
-        for rows in [vec![0, 0, 0, 1, 1, 1], vec![4, 2], vec![3]] {
-            let fused = select_rows(buffer.clone(), &rows);
-            let plain: Tensor<Flex, 4> =
-                wrap(reference::select_rows::<Flex>(prim(buffer.clone()), &rows));
-            assert_eq!(fused.dims(), [rows.len(), 3, 6, 4]);
-            assert_close(fused, plain, 0.0, "select_rows");
-        }
-        let tail = buffer.clone().narrow(0, 2, 3);
-        let plain: Tensor<Flex, 4> =
-            wrap(reference::select_rows::<Flex>(prim(tail.clone()), &[2, 0]));
-        assert_close(
-            select_rows(tail, &[2, 0]),
-            plain,
-            0.0,
-            "select_rows at an offset",
         );
     }
 

@@ -7,7 +7,7 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, IndexingUpdateOp, Int, Tensor, TensorData};
 
 use super::{prim, wrap, AttentionMask};
-use crate::paged::{PagedLayout, PagedSeq, NULL_BLOCK};
+use crate::paged::{PagedLayout, NULL_BLOCK};
 
 /// Queries per block of the reference attention: the scores of one block, `[B, H, 128, S]`, are
 /// all that exists at once.
@@ -195,14 +195,6 @@ pub fn write_positions<B: Backend>(
     let (buffer, value): (Tensor<B, 4>, Tensor<B, 4>) = (wrap(buffer), wrap(value));
     let [b, kv, l, d] = value.dims();
     prim(buffer.slice_assign([0..b, 0..kv, start..start + l, 0..d], value))
-}
-
-/// The KV cache's row selection: `select` over the first axis.
-pub fn select_rows<B: Backend>(buffer: FloatTensor<B>, rows: &[usize]) -> FloatTensor<B> {
-    let buffer: Tensor<B, 4> = wrap(buffer);
-    let idx: Vec<i64> = rows.iter().map(|&r| r as i64).collect();
-    let idx = Tensor::<B, 1, Int>::from_data(TensorData::new(idx, [rows.len()]), &buffer.device());
-    prim(buffer.select(0, idx))
 }
 
 /// RMSNorm: `x * rsqrt(mean(x²) + eps)` in f32, cast back, times the weight (HF's order).

@@ -31,11 +31,12 @@ use burn_rlhf_models::{
 use rand::Rng;
 use rayon::prelude::*;
 
-pub use request::{EngineConfig, EngineStats, FinishReason, Finished, Request, RequestId, SeqId};
+pub use request::{
+    EngineConfig, EngineStats, FinishReason, Finished, Request, RequestId, Sample, SeqId,
+};
 
 use self::scheduler::{Limits, LogitsOf, Plan, Scheduler};
 use crate::error::RolloutError;
-use crate::generate::Sample;
 use crate::params::{DecodeShapes, SamplingParams};
 use crate::sample::{draws, is_greedy, pick, sample_on_device, stream};
 

@@ -59,6 +59,19 @@ pub struct Finished {
     pub reason: FinishReason,
 }
 
+/// One response of [`super::Engine::generate`] (and of a step's rollout).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sample {
+    /// Index of its prompt in the input.
+    pub prompt_index: usize,
+    /// Generated ids (including the stop token when it stopped on one).
+    pub tokens: Vec<u32>,
+    /// Log-prob of each generated id.
+    pub logprobs: Vec<f32>,
+    /// Whether it ended on a stop token (not on the length limit).
+    pub stopped: bool,
+}
+
 /// The engine's limits.
 #[derive(Debug, Clone, PartialEq)]
 pub struct EngineConfig {

@@ -8,13 +8,22 @@ use burn::backend::Flex;
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_rlhf_models::{load_pretrained, CausalLm, RopeScaling, TransformerConfig};
-use burn_rlhf_rollout::generate::{left_pad, processed_distribution};
+use burn_rlhf_rollout::sample::processed_distribution;
 use burn_rlhf_rollout::{
     DecodeShapes, Engine, EngineConfig, EngineStats, LogprobsMode, Sample, SamplingParams,
 };
 use serde_json::Value;
 
 type B = Flex;
+
+/// One unpadded row's ids, attention mask and positions, for a full forward.
+fn dense_inputs(row: &[u32]) -> (Vec<Vec<i64>>, Vec<Vec<i64>>, Vec<Vec<i64>>) {
+    (
+        vec![row.iter().map(|&t| t as i64).collect()],
+        vec![vec![1; row.len()]],
+        vec![(0..row.len() as i64).collect()],
+    )
+}
 
 /// An engine's limits: `slots` sequences at once, a pool that holds them all.
 fn engine(shapes: DecodeShapes, slots: usize) -> EngineConfig {
@@ -230,7 +239,7 @@ fn rollout_logprobs_equal_a_full_forward_on(dir: &Path) {
             .take(within)
             .cloned()
             .collect();
-        let (ids, mask, pos) = left_pad(std::slice::from_ref(&full), 0);
+        let (ids, mask, pos) = dense_inputs(&full);
         let t = |v: &Vec<Vec<i64>>| {
             Tensor::<B, 2, Int>::from_data(TensorData::new(v.concat(), [1, full.len()]), &device)
         };
@@ -340,7 +349,7 @@ fn check_distribution_on(dir: &Path, shapes: DecodeShapes) {
     let (model, config) = load(dir);
     let prompt = in_vocab(&config, vec![vec![5, 17, 300, 41]]);
     let device = Default::default();
-    let (ids, mask, pos) = left_pad(&prompt, 0);
+    let (ids, mask, pos) = dense_inputs(&prompt[0]);
     let t = |v: &Vec<Vec<i64>>| {
         Tensor::<B, 2, Int>::from_data(TensorData::new(v.concat(), [1, 4]), &device)
     };

@@ -7,10 +7,10 @@ use burn_rlhf_algos::dapo::{keep_groups_with_spread, overlong_penalty};
 use burn_rlhf_models::ChatMessage;
 use burn_rlhf_models::{KvPool, TransformerConfig};
 use burn_rlhf_rollout::encode::encode_prompts;
-use burn_rlhf_rollout::generate::Sample;
 use burn_rlhf_rollout::reward::token_level_scores;
 use burn_rlhf_rollout::{
-    DecodeShapes, Engine, EngineConfig, PromptRecord, RewardInput, RolloutBatch, SamplingParams,
+    DecodeShapes, Engine, EngineConfig, PromptRecord, RewardInput, RolloutBatch, Sample,
+    SamplingParams,
 };
 use std::sync::Arc;
 
@@ -71,13 +71,11 @@ impl<B: LearnerBackend> Learner<B> {
             stop_token_ids: stop,
             logprobs_mode: r.logprobs_mode,
             seed,
-            shapes: self.decode_shapes(),
-            ..Default::default()
         }
     }
 
     /// Exact shapes, or this backend's bucket.
-    fn decode_shapes(&self) -> DecodeShapes {
+    pub(crate) fn decode_shapes(&self) -> DecodeShapes {
         match self.shape_bucket {
             1 => DecodeShapes::Exact,
             bucket => DecodeShapes::Bucketed { bucket },

@@ -23,7 +23,7 @@ use burn::tensor::{DType, TensorData};
 use rayon::prelude::*;
 
 use self::attention::{attention_backward_f32, attention_f32, Rows4};
-use self::gemm::{operand, product, transposed, Shared};
+use self::gemm::{operand, product, transposed};
 use self::rows::{rms_norm_backward_f32, rms_norm_f32, rotate_row, sigmoid, unrotate_row};
 use super::{reference, AttentionMask, DecoderBackend};
 use crate::paged::PagedLayout;
@@ -149,25 +149,6 @@ impl DecoderBackend for Flex {
             )
         };
         (tensor(dx, [n, k]), tensor(dw, [k, m]))
-    }
-
-    fn dec_select_rows(buffer: FloatTensor<Self>, rows: &[usize]) -> FloatTensor<Self> {
-        let Some(buffer) = contiguous_f32(buffer.clone()) else {
-            return reference::select_rows::<Self>(buffer, rows);
-        };
-        let shape = buffer.layout().shape().clone();
-        let row = shape.num_elements() / shape[0].max(1);
-        let src = &buffer.storage::<f32>()[buffer.layout().start_offset()..];
-        let mut out = Vec::<f32>::with_capacity(rows.len() * row);
-        let dst = Shared(out.as_mut_ptr());
-        rows.par_iter().enumerate().for_each(|(i, &r)| {
-            let from = &src[r * row..(r + 1) * row];
-            // SAFETY: each task writes its own output row, inside the capacity.
-            unsafe { std::ptr::copy_nonoverlapping(from.as_ptr(), dst.get().add(i * row), row) };
-        });
-        // SAFETY: every one of the rows.len() * row elements was written above.
-        unsafe { out.set_len(rows.len() * row) };
-        tensor(out, [rows.len(), shape[1], shape[2], shape[3]])
     }
 
     fn dec_write_positions(
