@@ -1006,3 +1006,60 @@ fn lora_runs_train_adapters_and_resume_as_if_never_stopped() {
     }
     std::fs::remove_dir_all(dir).ok();
 }
+
+/// `trainer.rollout_data_dir` and `validation_data_dir` write verl's dumps: one `{step}.jsonl`
+/// per step (every row of the step's batch) and per validation (every validation response),
+/// each line the decoded prompt and response, the ground truth, the score and the step; the
+/// training dump's scores are the step's `critic/score` values.
+#[test]
+fn generation_dumps_are_verls_jsonl() {
+    let dir = temp_dir("dumps");
+    let (actor, critic) = tiny_models();
+    let mut config = tiny_config("grpo", &dir);
+    config.trainer.rollout_data_dir = Some(dir.join("rollouts").display().to_string());
+    config.trainer.validation_data_dir = Some(dir.join("validation").display().to_string());
+    config.trainer.val_before_train = true;
+    config.trainer.logger = vec!["jsonl".into()];
+    let mut l = learner(config, actor, critic);
+    let out = l.fit(&AtomicBool::new(false)).unwrap();
+    let lines = |path: PathBuf| -> Vec<serde_json::Value> {
+        std::fs::read_to_string(&path)
+            .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    };
+    let logged = read_jsonl(out.jsonl.as_ref().unwrap()).unwrap();
+    for step in 1..=2usize {
+        let rows = lines(dir.join("rollouts").join(format!("{step}.jsonl")));
+        assert_eq!(rows.len(), 4 * 4, "step {step}: train_batch_size x n rows");
+        for row in &rows {
+            for key in ["input", "output", "gts", "score", "step"] {
+                assert!(row.get(key).is_some(), "step {step}: no `{key}` in {row}");
+            }
+            assert_eq!(row["step"], step);
+        }
+        let mean = rows
+            .iter()
+            .map(|r| r["score"].as_f64().unwrap())
+            .sum::<f64>()
+            / 16.0;
+        // The step's own line (validation before training logs a line of its own, step 0).
+        let logged_mean = logged
+            .iter()
+            .find(|(s, m)| *s == step && m.contains_key("critic/score/mean"))
+            .unwrap_or_else(|| panic!("step {step}: no critic/score/mean logged"))
+            .1["critic/score/mean"];
+        assert!(
+            (mean - logged_mean).abs() < 1e-9,
+            "step {step}: dumped scores' mean {mean} vs critic/score/mean {logged_mean}"
+        );
+    }
+    // Validation before training (step 0) over the 20 validation problems.
+    let val = lines(dir.join("validation").join("0.jsonl"));
+    assert_eq!(val.len(), 20);
+    assert!(val
+        .iter()
+        .all(|r| r["step"] == 0 && !r["input"].as_str().unwrap().is_empty()));
+    std::fs::remove_dir_all(dir).ok();
+}
