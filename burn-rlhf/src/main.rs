@@ -134,9 +134,10 @@ enum Command {
         /// `max_num_seqs` of the rollout runs (0: the config's).
         #[arg(long, num_args = 1.., default_values_t = [32, 0])]
         rollout_slots: Vec<usize>,
-        /// Also run the static chunked generator the engine replaced, back to back.
-        #[arg(long)]
-        rollout_static: bool,
+        /// Which rollout cases run.
+        #[arg(long, num_args = 1.., default_values = ["longtail", "uniform"],
+              value_parser = ["longtail", "uniform"])]
+        rollout_cases: Vec<String>,
         /// HF transformers' side of the rollout cases (`benches/peers/hf_generate.py`).
         #[arg(long)]
         rollout_peer: Option<PathBuf>,
@@ -289,7 +290,6 @@ fn run_generate(args: GenerateArgs) -> anyhow::Result<()> {
         max_new_tokens: args.max_new_tokens,
         stop_token_ids: tokenizer.eos_token_ids.clone(),
         seed: args.seed,
-        shapes: burn_rlhf::backend::decode_shapes(),
         ..Default::default()
     };
     print!("{}", args.prompt);
@@ -391,13 +391,19 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             peer_python,
             rollout,
             rollout_slots,
-            rollout_static,
+            rollout_cases,
             rollout_peer,
         } => {
             let rollout = (rollout[0] > 0).then(|| burn_rlhf::bench::RolloutBench {
                 size: (rollout[0], rollout[1].max(1), rollout[2].max(1)),
                 slots: rollout_slots,
-                static_generator: rollout_static,
+                cases: rollout_cases
+                    .iter()
+                    .map(|c| match c.as_str() {
+                        "longtail" => burn_rlhf::bench::RolloutCase::LongTail,
+                        _ => burn_rlhf::bench::RolloutCase::Uniform,
+                    })
+                    .collect(),
                 peer: rollout_peer.map(|script| burn_rlhf::bench::Peer {
                     python: peer_python.clone(),
                     script,

@@ -23,7 +23,7 @@ pub use collectives::{
 };
 
 pub use peer::{compare, run_peer, table, Peer, Side};
-pub use rollout::RolloutBench;
+pub use rollout::{RolloutBench, RolloutCase};
 
 use crate::backend::LearnerBackend;
 use burn::module::AutodiffModule;

@@ -5,23 +5,21 @@
 //! - `longtail`: ending at the tokenizer's EOS ids, so response lengths spread as in training;
 //! - `uniform`: with no stop ids, every response running to `T`;
 //!
-//! at each of `--rollout-slots` (`max_num_seqs`; 0: the config's), by the rollout engine and by
-//! the static chunked generator it replaces (`--rollout-static`), back to back on the selected
-//! backend with the config's shapes (`actor_rollout_ref.model.shape_bucket`), then by HF
-//! transformers' `generate` on the same model folder and prompts in batches of as many rows
-//! (`--rollout-peer benches/peers/hf_generate.py`). One JSON line per run: new tokens per
-//! second, CPU utilisation, peak resident memory, and the KV cache's peak bytes (the engine's
-//! blocks in use at most; the static generator's largest chunk's cache, `rows x (longest prompt +
-//! T)` positions, rounded up to the bucket on bucketed shapes; the peer's from its cache's
-//! tensors at the end of the longest batch). A table of the ratios follows on stderr.
+//! at each of `--rollout-slots` (`max_num_seqs`; 0: the config's), by the rollout engine on the
+//! selected backend with the config's shapes (`actor_rollout_ref.model.shape_bucket`), then by
+//! HF transformers' `generate` on the same model folder and prompts in batches of as many rows
+//! (`--rollout-peer benches/peers/hf_generate.py`), back to back. One JSON line per run: new
+//! tokens per second, CPU utilisation, peak resident memory, and the KV cache's peak bytes (the
+//! engine's blocks in use at most; the peer's cache tensors at the end of its largest batch). A
+//! table of the ratios follows on stderr. (Until 2026-11-26 the static chunked generator the
+//! engine replaced ran here too; its figures are in `docs/rollout_engine.md`.)
 
 use std::process::Command;
 use std::sync::Arc;
 
 use burn::module::AutodiffModule;
-use burn_rlhf_models::KvPool;
 use burn_rlhf_rollout::encode::encode_prompts;
-use burn_rlhf_rollout::{DecodeShapes, Engine, Generator, PromptRecord, SamplingParams};
+use burn_rlhf_rollout::{DecodeShapes, Engine, PromptRecord, SamplingParams};
 use serde_json::{json, Value};
 
 use super::peer::Peer;
@@ -30,6 +28,15 @@ use crate::error::TrainError;
 use crate::trainer::usage::measure;
 use crate::trainer::Learner;
 
+/// A rollout case: where its responses end.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RolloutCase {
+    /// At the tokenizer's EOS ids (or the token limit).
+    LongTail,
+    /// At the token limit, every one.
+    Uniform,
+}
+
 /// What `--rollout` measures.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RolloutBench {
@@ -37,8 +44,8 @@ pub struct RolloutBench {
     pub size: (usize, usize, usize),
     /// `max_num_seqs` of each run (0: the config's).
     pub slots: Vec<usize>,
-    /// Also run the static chunked generator.
-    pub static_generator: bool,
+    /// The cases, in order.
+    pub cases: Vec<RolloutCase>,
     /// HF transformers' side (`benches/peers/hf_generate.py`).
     pub peer: Option<Peer>,
 }
@@ -64,20 +71,18 @@ pub(super) fn run_rollout_cases<B: LearnerBackend>(
     let policy = learner.for_generation(learner.actor.valid());
     let config = learner.cache_config()?;
     let dtype = policy.float_dtype();
-    let position_bytes = KvPool::<B::InnerBackend>::block_bytes(&config, 1, dtype);
-    let shapes = learner
-        .sampling_params(&learner.settings.rollout.train, false, 0)
-        .shapes;
+    let shapes = learner.decode_shapes();
     let shape_name = match shapes {
         DecodeShapes::Exact => "exact".to_string(),
         DecodeShapes::Bucketed { bucket } => format!("bucket{bucket}"),
     };
     let longest_prompt = prompts.iter().map(Vec::len).max().unwrap_or(0);
     let mut lines = Vec::new();
-    for (case, stops) in [
-        ("longtail", learner.tokenizer.eos_token_ids.clone()),
-        ("uniform", Vec::new()),
-    ] {
+    for &case in &bench.cases {
+        let (case, stops) = match case {
+            RolloutCase::LongTail => ("longtail", learner.tokenizer.eos_token_ids.clone()),
+            RolloutCase::Uniform => ("uniform", Vec::new()),
+        };
         for &slots in &bench.slots {
             let mut engine_config = learner.engine_config(prompts.len() * n, &config, dtype)?;
             if slots > 0 {
@@ -93,8 +98,6 @@ pub(super) fn run_rollout_cases<B: LearnerBackend>(
                 max_new_tokens: max_new,
                 stop_token_ids: stops.clone(),
                 seed: 1,
-                max_num_seqs: slots,
-                shapes,
                 ..Default::default()
             });
             let name = format!(
@@ -119,38 +122,6 @@ pub(super) fn run_rollout_cases<B: LearnerBackend>(
                 }
                 v
             };
-            if bench.static_generator {
-                let (out, usage) = measure(|| {
-                    Generator {
-                        model: &policy,
-                        config: &config,
-                        pad_id: learner.tokenizer.pad_token_id,
-                        params: &params,
-                        device: &learner.device,
-                    }
-                    .generate_keyed(&prompts, &keys)
-                });
-                let (samples, profile) = out?;
-                let lengths: Vec<usize> = samples.iter().map(|s| s.tokens.len()).collect();
-                let positions = match shapes {
-                    DecodeShapes::Exact => longest_prompt + max_new,
-                    DecodeShapes::Bucketed { bucket } => {
-                        (longest_prompt.div_ceil(bucket) * bucket + max_new).div_ceil(bucket)
-                            * bucket
-                    }
-                };
-                let kv = profile.max_chunk_rows * positions * position_bytes;
-                let v = line(
-                    "static",
-                    lengths.iter().sum(),
-                    &lengths,
-                    &usage,
-                    kv,
-                    json!({"chunks": profile.chunks}),
-                );
-                lines.push(v.clone());
-                emit(v);
-            }
             let (out, usage) = measure(|| -> Result<_, TrainError> {
                 let mut engine = Engine::new(
                     &policy,
