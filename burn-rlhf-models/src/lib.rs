@@ -43,5 +43,5 @@ pub use pretrained::{
     load_pretrained, locate, save_pretrained, ModelFiles, Pretrained, WeightsFile,
 };
 pub use rope::{RopeScaling, RotaryFrequencies};
-pub use tokenizer::{ChatMessage, Tokenizer};
+pub use tokenizer::{python_json, ChatMessage, Tokenizer};
 pub use transformer::Transformer;

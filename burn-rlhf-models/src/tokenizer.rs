@@ -193,6 +193,25 @@ impl Tokenizer {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String, ModelError> {
+        self.apply_chat_template_with_tools(messages, None, add_generation_prompt)
+    }
+
+    /// Whether the chat template reads `tools` (renders tool schemas itself).
+    pub fn template_renders_tools(&self) -> bool {
+        self.chat_template
+            .as_deref()
+            .is_some_and(|t| t.contains("tools"))
+    }
+
+    /// [`apply_chat_template`](Self::apply_chat_template) with `tools` (OpenAI function
+    /// schemas), as `apply_chat_template(messages, tools=...)`; a template that does not read
+    /// `tools` ignores them, as in transformers.
+    pub fn apply_chat_template_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&[Value]>,
+        add_generation_prompt: bool,
+    ) -> Result<String, ModelError> {
         let err = |m: String| ModelError::Tokenizer {
             path: self.source.clone(),
             message: m,
@@ -214,11 +233,28 @@ impl Tokenizer {
                 ))
             },
         );
+        // transformers' `tojson` is Python's `json.dumps` (", " and ": ", non-ASCII kept, keys
+        // in their order), not minijinja's HTML-safe compact one: tool schemas render as there.
+        env.add_filter(
+            "tojson",
+            |v: minijinja::Value,
+             indent: Option<minijinja::Value>|
+             -> Result<minijinja::Value, minijinja::Error> {
+                let json = serde_json::to_value(&v).map_err(|e| {
+                    minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, e.to_string())
+                })?;
+                let indent = indent.and_then(|i| usize::try_from(i).ok());
+                Ok(minijinja::Value::from_safe_string(python_json(
+                    &json, indent,
+                )))
+            },
+        );
         env.add_template("chat", template)
             .map_err(|e| err(format!("chat template does not parse: {e}")))?;
         let ctx = minijinja::context! {
             messages => messages,
             add_generation_prompt => add_generation_prompt,
+            tools => tools,
             bos_token => self.bos_token.clone().unwrap_or_default(),
             eos_token => self.eos_token.clone().unwrap_or_default(),
         };
@@ -239,6 +275,79 @@ impl Tokenizer {
             false,
         )
     }
+}
+
+/// `value` as Python's `json.dumps(value, ensure_ascii=False, indent=indent)` writes it.
+pub fn python_json(value: &Value, indent: Option<usize>) -> String {
+    fn string(out: &mut String, s: &str) {
+        out.push('"');
+        for c in s.chars() {
+            match c {
+                '"' => out.push_str("\\\""),
+                '\\' => out.push_str("\\\\"),
+                '\n' => out.push_str("\\n"),
+                '\r' => out.push_str("\\r"),
+                '\t' => out.push_str("\\t"),
+                '\u{8}' => out.push_str("\\b"),
+                '\u{c}' => out.push_str("\\f"),
+                c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
+                c => out.push(c),
+            }
+        }
+        out.push('"');
+    }
+    fn write(out: &mut String, v: &Value, indent: Option<usize>, depth: usize) {
+        let newline = |out: &mut String, depth: usize| {
+            if let Some(n) = indent {
+                out.push('\n');
+                out.push_str(&" ".repeat(n * depth));
+            }
+        };
+        let sep = if indent.is_some() { "," } else { ", " };
+        match v {
+            Value::Null => out.push_str("null"),
+            Value::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
+            Value::Number(n) => match n.as_f64() {
+                // Python writes floats with a fraction or exponent: 1.0, not 1.
+                Some(f) if n.is_f64() && f.fract() == 0.0 && f.abs() < 1e16 => {
+                    out.push_str(&format!("{f:.1}"))
+                }
+                _ => out.push_str(&n.to_string()),
+            },
+            Value::String(s) => string(out, s),
+            Value::Array(items) if items.is_empty() => out.push_str("[]"),
+            Value::Array(items) => {
+                out.push('[');
+                for (i, item) in items.iter().enumerate() {
+                    if i > 0 {
+                        out.push_str(sep);
+                    }
+                    newline(out, depth + 1);
+                    write(out, item, indent, depth + 1);
+                }
+                newline(out, depth);
+                out.push(']');
+            }
+            Value::Object(map) if map.is_empty() => out.push_str("{}"),
+            Value::Object(map) => {
+                out.push('{');
+                for (i, (k, item)) in map.iter().enumerate() {
+                    if i > 0 {
+                        out.push_str(sep);
+                    }
+                    newline(out, depth + 1);
+                    string(out, k);
+                    out.push_str(": ");
+                    write(out, item, indent, depth + 1);
+                }
+                newline(out, depth);
+                out.push('}');
+            }
+        }
+    }
+    let mut out = String::new();
+    write(&mut out, value, indent, 0);
+    out
 }
 
 impl Tokenizer {

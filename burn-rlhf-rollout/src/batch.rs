@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use burn_rlhf_models::ChatMessage;
 
+use crate::agent::ConversationStats;
 use crate::engine::Sample;
 use crate::error::RolloutError;
 
@@ -22,8 +23,13 @@ pub struct RolloutBatch {
     pub prompt_mask: Vec<u8>,
     /// `[rows * response_len]`, right padded with the pad id.
     pub response_ids: Vec<u32>,
-    /// `[rows * response_len]`, 1 on generated tokens (the stop token included).
+    /// `[rows * response_len]`, 1 on the tokens the model sampled (the stop token included), 0
+    /// on tool and user turns and padding (verl's `response_mask`): what every loss, KL term,
+    /// entropy, advantage and token count sees.
     pub response_mask: Vec<f32>,
+    /// `[rows * response_len]`, 1 on every response token, the model's and the appended turns'
+    /// (the response part of verl's `attention_mask`): what the model attends to.
+    pub response_attention_mask: Vec<f32>,
     /// `[rows * response_len]`, the rollout policy's log-prob of each generated token.
     pub rollout_log_probs: Vec<f32>,
     /// The prompt (group) of each row: rows of one prompt share an id.
@@ -42,6 +48,8 @@ pub struct RolloutBatch {
     /// the conversation with its own chat template; empty when the batch was not generated from
     /// prompt records.
     pub raw_prompt: Vec<Arc<[ChatMessage]>>,
+    /// Each row's conversation (turns, tool calls); empty when the batch was not generated.
+    pub conversations: Vec<ConversationStats>,
 }
 
 impl RolloutBatch {
@@ -77,6 +85,12 @@ impl RolloutBatch {
                     .chain(std::iter::repeat_n(pad_id, rpad)),
             );
             b.response_mask.extend(
+                s.mask
+                    .iter()
+                    .map(|&m| f32::from(m))
+                    .chain(std::iter::repeat_n(0.0, rpad)),
+            );
+            b.response_attention_mask.extend(
                 std::iter::repeat_n(1.0, s.tokens.len()).chain(std::iter::repeat_n(0.0, rpad)),
             );
             b.rollout_log_probs.extend(
@@ -90,6 +104,13 @@ impl RolloutBatch {
             b.ground_truth.push(ground_truth[s.prompt_index].clone());
         }
         b
+    }
+
+    /// The batch with each row's conversation stats.
+    pub fn with_conversations(mut self, conversations: Vec<ConversationStats>) -> Self {
+        debug_assert_eq!(conversations.len(), self.rows());
+        self.conversations = conversations;
+        self
     }
 
     /// The batch with each row's prompt messages (`raw_prompt[r]` for row `r`).
@@ -109,11 +130,30 @@ impl RolloutBatch {
         self.group_ids.len()
     }
 
-    /// Valid response tokens of each row.
+    /// Response tokens of each row, the model's and the appended turns' (the width it holds).
     pub fn response_lengths(&self) -> Vec<usize> {
+        self.response_attention_mask
+            .chunks(self.response_len.max(1))
+            .map(|r| r.iter().filter(|&&m| m > 0.0).count())
+            .take(self.rows())
+            .collect()
+    }
+
+    /// Tokens the model sampled in each row (verl's `response_length` metric).
+    pub fn model_token_counts(&self) -> Vec<usize> {
         self.response_mask
             .chunks(self.response_len.max(1))
             .map(|r| r.iter().filter(|&&m| m > 0.0).count())
+            .take(self.rows())
+            .collect()
+    }
+
+    /// One past each row's last sampled token (0 for none): where its score goes, so that a
+    /// trailing appended turn never holds it.
+    pub fn score_ends(&self) -> Vec<usize> {
+        self.response_mask
+            .chunks(self.response_len.max(1))
+            .map(|r| r.iter().rposition(|&m| m > 0.0).map_or(0, |i| i + 1))
             .take(self.rows())
             .collect()
     }
@@ -157,6 +197,7 @@ impl RolloutBatch {
                 .flat_map(|&i| self.response_ids[i * r..(i + 1) * r].iter().cloned())
                 .collect(),
             response_mask: pick(&self.response_mask, r),
+            response_attention_mask: pick(&self.response_attention_mask, r),
             rollout_log_probs: pick(&self.rollout_log_probs, r),
             group_ids: rows.iter().map(|&i| self.group_ids[i]).collect(),
             data_source: rows.iter().map(|&i| self.data_source[i].clone()).collect(),
@@ -166,6 +207,13 @@ impl RolloutBatch {
             raw_prompt: match self.raw_prompt.is_empty() {
                 true => Vec::new(),
                 false => rows.iter().map(|&i| self.raw_prompt[i].clone()).collect(),
+            },
+            conversations: match self.conversations.is_empty() {
+                true => Vec::new(),
+                false => rows
+                    .iter()
+                    .map(|&i| self.conversations[i].clone())
+                    .collect(),
             },
         }
     }
@@ -201,7 +249,7 @@ impl RolloutBatch {
             .unwrap_or(0);
         let response_used = (0..rows)
             .filter_map(|i| {
-                let row = &self.response_mask[i * r..(i + 1) * r];
+                let row = &self.response_attention_mask[i * r..(i + 1) * r];
                 row.iter().rposition(|&m| m > 0.0).map(|last| last + 1)
             })
             .max()
@@ -224,6 +272,7 @@ impl RolloutBatch {
             prompt_mask: gather(&self.prompt_mask, rows, prompt_cols),
             response_ids: gather(&self.response_ids, rows, response_cols),
             response_mask: gather(&self.response_mask, rows, response_cols),
+            response_attention_mask: gather(&self.response_attention_mask, rows, response_cols),
             rollout_log_probs: gather(&self.rollout_log_probs, rows, response_cols),
             group_ids: self.group_ids.clone(),
             data_source: self.data_source.clone(),
@@ -237,6 +286,7 @@ impl RolloutBatch {
                 .as_ref()
                 .map(|s| gather(s, rows, response_cols)),
             raw_prompt: self.raw_prompt.clone(),
+            conversations: self.conversations.clone(),
         }
     }
 
@@ -267,6 +317,9 @@ impl RolloutBatch {
         let with_raw_prompts = parts
             .iter()
             .all(|b| b.rows() == 0 || b.raw_prompt.len() == b.rows());
+        let with_conversations = parts
+            .iter()
+            .all(|b| b.rows() == 0 || b.conversations.len() == b.rows());
         let (mut scores, mut loss_mask) = (Vec::new(), Vec::new());
         for b in parts {
             for row in 0..b.rows() {
@@ -295,6 +348,12 @@ impl RolloutBatch {
                 );
                 out.response_mask.extend(
                     b.response_mask[seg.clone()]
+                        .iter()
+                        .cloned()
+                        .chain(std::iter::repeat_n(0.0, extra)),
+                );
+                out.response_attention_mask.extend(
+                    b.response_attention_mask[seg.clone()]
                         .iter()
                         .cloned()
                         .chain(std::iter::repeat_n(0.0, extra)),
@@ -329,6 +388,9 @@ impl RolloutBatch {
             if with_raw_prompts {
                 out.raw_prompt.extend(b.raw_prompt.iter().cloned());
             }
+            if with_conversations {
+                out.conversations.extend(b.conversations.iter().cloned());
+            }
         }
         out.token_level_scores = with_scores.then_some(scores);
         out.loss_mask = with_loss_mask.then_some(loss_mask);
@@ -344,6 +406,7 @@ mod tests {
         let logprobs = tokens.iter().map(|&t| -(t as f32)).collect();
         Sample {
             prompt_index,
+            mask: vec![1; tokens.len()],
             tokens,
             logprobs,
             stopped: true,
@@ -353,11 +416,13 @@ mod tests {
     #[test]
     fn split_then_concat_is_the_identity() {
         let prompts = vec![vec![1, 2, 3], vec![4]];
-        let samples = vec![
+        let mut samples = vec![
             sample(0, vec![5]),
             sample(0, vec![6, 7, 8]),
             sample(1, vec![9, 10]),
         ];
+        // A conversation: the model's 6, a tool's 7, the model's 8.
+        samples[1].mask = vec![1, 0, 1];
         let mut b = RolloutBatch::from_samples(
             &prompts,
             &samples,
@@ -397,6 +462,10 @@ mod tests {
         assert_eq!(masked.select(&[1]).loss_mask(), &[1.0, 0.0, 1.0]);
         assert_eq!(masked.padded_to(3, 4, 0).trimmed(1), masked);
         assert_eq!(b.loss_mask(), &b.response_mask[..]);
+        assert_eq!(b.model_token_counts(), vec![1, 2, 2]);
+        assert_eq!(b.score_ends(), vec![1, 3, 2]);
+        assert_eq!(b.select(&[1]).response_mask, vec![1.0, 0.0, 1.0]);
+        assert_eq!(b.select(&[1]).response_attention_mask, vec![1.0, 1.0, 1.0]);
         let chat = |t: &str| -> Arc<[ChatMessage]> { vec![ChatMessage::user(t)].into() };
         let with_chat = b
             .clone()

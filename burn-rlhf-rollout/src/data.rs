@@ -32,6 +32,8 @@ pub struct PromptRecord {
     pub ground_truth: String,
     /// `extra_info`: split, index, original answer and question.
     pub extra_info: ExtraInfo,
+    /// The agent loop that runs this row (verl's `agent_name` column); `None`: the default.
+    pub agent_name: Option<String>,
 }
 
 /// verl's `extra_info` column for GSM8K.
@@ -45,6 +47,13 @@ pub struct ExtraInfo {
     pub answer: String,
     /// The question without the instruction.
     pub question: String,
+    /// Per-tool arguments of the row's tool states (verl's `tools_kwargs`:
+    /// `{<tool name>: {create_kwargs: {...}}}`), for multi-turn rollouts.
+    #[serde(default, skip_serializing_if = "serde_json::Map::is_empty")]
+    pub tools_kwargs: serde_json::Map<String, serde_json::Value>,
+    /// The row's interaction arguments (verl's `interaction_kwargs`: `{name, ...}`).
+    #[serde(default, skip_serializing_if = "serde_json::Map::is_empty")]
+    pub interaction_kwargs: serde_json::Map<String, serde_json::Value>,
 }
 
 /// verl's `extract_solution` for the reference: the first `#### N`, commas removed.
@@ -79,7 +88,9 @@ fn gsm8k_record(
             index: index as i64,
             answer,
             question,
+            ..Default::default()
         },
+        agent_name: None,
     })
 }
 
@@ -310,6 +321,11 @@ pub fn read_parquet(
         extra_field("answer"),
         extra_field("question"),
     );
+    let (e_tools, e_interaction) = (
+        extra_field("tools_kwargs"),
+        extra_field("interaction_kwargs"),
+    );
+    let agent_name = col("agent_name").ok();
     let mut out = Vec::with_capacity(df.height());
     for (row, messages) in prompts.into_iter().enumerate() {
         let messages = messages.ok_or_else(|| RolloutError::Row {
@@ -334,6 +350,22 @@ pub fn read_parquet(
                 })
             })
             .collect::<Result<Vec<_>, RolloutError>>()?;
+        let kwargs = |s: &Option<Series>, what: &str| match s {
+            None => Ok(serde_json::Map::new()),
+            Some(s) => match json_at(s, row).map_err(|m| RolloutError::Row {
+                path: path.into(),
+                row: row + 1,
+                message: format!("`{what}`: {m}"),
+            })? {
+                serde_json::Value::Object(m) => Ok(m),
+                serde_json::Value::Null => Ok(serde_json::Map::new()),
+                other => Err(RolloutError::Row {
+                    path: path.into(),
+                    row: row + 1,
+                    message: format!("`{what}` must be a mapping, got {other}"),
+                }),
+            },
+        };
         let opt = |s: &Option<Series>, what: &str| {
             s.as_ref()
                 .map(|s| string_at(s, row, path, what))
@@ -354,10 +386,68 @@ pub fn read_parquet(
                     .unwrap_or(row as i64),
                 answer: opt(&e_answer, "extra_info.answer")?,
                 question: opt(&e_question, "extra_info.question")?,
+                tools_kwargs: kwargs(&e_tools, "extra_info.tools_kwargs")?,
+                interaction_kwargs: kwargs(&e_interaction, "extra_info.interaction_kwargs")?,
             },
+            agent_name: agent_name
+                .as_ref()
+                .map(|s| string_at(s, row, path, "agent_name"))
+                .transpose()?,
         });
     }
     Ok(out)
+}
+
+/// Row `row` of a parquet column as JSON: structs as objects (nested), lists as arrays,
+/// strings, numbers, booleans and nulls (verl's `tools_kwargs` and `interaction_kwargs` cells).
+fn json_at(s: &Series, row: usize) -> Result<serde_json::Value, String> {
+    use serde_json::Value;
+    if s.is_null().get(row).unwrap_or(true) {
+        return Ok(Value::Null);
+    }
+    let err = |e: PolarsError| e.to_string();
+    Ok(match s.dtype() {
+        DataType::Struct(_) => {
+            let st = s.struct_().map_err(err)?;
+            let mut map = serde_json::Map::new();
+            for field in st.fields_as_series() {
+                map.insert(field.name().to_string(), json_at(&field, row)?);
+            }
+            Value::Object(map)
+        }
+        DataType::List(_) => {
+            let inner = s
+                .list()
+                .map_err(err)?
+                .get_as_series(row)
+                .unwrap_or_default();
+            Value::Array(
+                (0..inner.len())
+                    .map(|i| json_at(&inner, i))
+                    .collect::<Result<_, _>>()?,
+            )
+        }
+        DataType::String => Value::from(s.str().map_err(err)?.get(row).unwrap_or_default()),
+        DataType::Boolean => Value::from(s.bool().map_err(err)?.get(row).unwrap_or_default()),
+        dt if dt.is_integer() => Value::from(
+            s.cast(&DataType::Int64)
+                .map_err(err)?
+                .i64()
+                .map_err(err)?
+                .get(row)
+                .unwrap_or(0),
+        ),
+        dt if dt.is_float() => serde_json::Number::from_f64(
+            s.cast(&DataType::Float64)
+                .map_err(err)?
+                .f64()
+                .map_err(err)?
+                .get(row)
+                .unwrap_or(0.0),
+        )
+        .map_or(Value::Null, Value::Number),
+        other => return Err(format!("cells of type {other} cannot be read as JSON")),
+    })
 }
 
 /// Reads a data file by its extension: `.parquet` (verl's layout) or `.jsonl` (GSM8K's layout,

@@ -55,35 +55,27 @@ pub fn encode_prompts(
     records
         .iter()
         .zip(rows)
-        .map(|(r, &row)| {
-            let ids = encode_prompt(tokenizer, r)?;
-            if ids.len() <= max_len {
-                return Ok(ids);
-            }
-            match truncation {
-                Truncation::Error => Err(RolloutError::PromptTooLong {
-                    row,
-                    len: ids.len(),
-                    max: max_len,
-                }),
-                Truncation::Left => Ok(ids[ids.len() - max_len..].to_vec()),
-                Truncation::Right => Ok(ids[..max_len].to_vec()),
-            }
-        })
+        .map(|(r, &row)| truncate(encode_prompt(tokenizer, r)?, max_len, truncation, row))
         .collect()
 }
 
-/// Keeps the records whose encoded prompt fits in `max_len` (verl's `filter_overlong_prompts`).
-pub fn filter_overlong(
-    tokenizer: &Tokenizer,
-    records: Vec<PromptRecord>,
+/// `ids` (the prompt of dataset row `row`) under `truncation` at `max_len`.
+pub fn truncate(
+    ids: Vec<u32>,
     max_len: usize,
-) -> Result<Vec<PromptRecord>, RolloutError> {
-    let mut kept = Vec::with_capacity(records.len());
-    for r in records {
-        if encode_prompt(tokenizer, &r)?.len() <= max_len {
-            kept.push(r);
-        }
+    truncation: Truncation,
+    row: usize,
+) -> Result<Vec<u32>, RolloutError> {
+    if ids.len() <= max_len {
+        return Ok(ids);
     }
-    Ok(kept)
+    match truncation {
+        Truncation::Error => Err(RolloutError::PromptTooLong {
+            row,
+            len: ids.len(),
+            max: max_len,
+        }),
+        Truncation::Left => Ok(ids[ids.len() - max_len..].to_vec()),
+        Truncation::Right => Ok(ids[..max_len].to_vec()),
+    }
 }

@@ -5,16 +5,20 @@
 
 #![warn(missing_docs)]
 
+pub mod agent;
 pub mod batch;
+mod config_file;
 pub mod data;
 pub mod encode;
 pub mod engine;
 mod error;
+pub mod interactions;
 pub mod metrics;
 pub mod params;
 pub mod preference;
 pub mod reward;
 pub mod sample;
+pub mod tools;
 
 pub use batch::RolloutBatch;
 pub use data::{PromptRecord, PromptSampler, SamplerState};

@@ -46,7 +46,7 @@ impl<B: Backend> SequenceTensors<B> {
             let response = (0..r).map(|t| {
                 (
                     batch.response_ids[row * r + t] as i64,
-                    (batch.response_mask[row * r + t] > 0.0) as i64,
+                    (batch.response_attention_mask[row * r + t] > 0.0) as i64,
                 )
             });
             let mut seen = 0i64;

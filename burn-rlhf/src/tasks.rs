@@ -83,7 +83,9 @@ pub fn problem(a: u32, b: u32, index: i64) -> PromptRecord {
             index,
             answer: (a + b).to_string(),
             question,
+            ..Default::default()
         },
+        agent_name: None,
     }
 }
 
@@ -126,6 +128,7 @@ pub fn sft_batch(tokenizer: &Tokenizer, records: &[&PromptRecord]) -> RolloutBat
         samples.push(Sample {
             prompt_index: i,
             logprobs: vec![0.0; tokens.len()],
+            mask: vec![1; tokens.len()],
             tokens,
             stopped: true,
         });

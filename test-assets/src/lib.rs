@@ -178,6 +178,17 @@ pub fn smollm2_dir(test: &str) -> Option<PathBuf> {
     )
 }
 
+/// The Qwen2.5 tokenizer's folder (`RLHF_QWEN25_TOKENIZER_DIR`: `tokenizer.json` and its
+/// original `chat_template.jinja` with tool calls), or `None` after printing a skip line.
+pub fn qwen25_tokenizer_dir(test: &str) -> Option<PathBuf> {
+    optional_asset(
+        "RLHF_QWEN25_TOKENIZER_DIR",
+        "../shared/tokenizers/qwen2.5",
+        "the Qwen2.5 tokenizer",
+        test,
+    )
+}
+
 /// The GSM8K jsonl folder (`RLHF_GSM8K_DIR`), or `None` after printing a skip line.
 pub fn gsm8k_dir(test: &str) -> Option<PathBuf> {
     optional_asset("RLHF_GSM8K_DIR", "../shared/data/gsm8k", "GSM8K", test)

@@ -532,6 +532,7 @@ impl<'a, B: DecoderBackend> Engine<'a, B> {
                 if let Some(&i) = index.get(&f.seq.request) {
                     slots[i * n + f.seq.sample] = Some(Sample {
                         prompt_index: i,
+                        mask: vec![1; f.tokens.len()],
                         tokens: f.tokens,
                         logprobs: f.logprobs,
                         stopped: f.reason == FinishReason::Stop,

@@ -64,10 +64,13 @@ pub struct Finished {
 pub struct Sample {
     /// Index of its prompt in the input.
     pub prompt_index: usize,
-    /// Generated ids (including the stop token when it stopped on one).
+    /// Generated ids (including the stop token when it stopped on one); in a multi-turn
+    /// rollout, every token after the prompt.
     pub tokens: Vec<u32>,
-    /// Log-prob of each generated id.
+    /// Log-prob of each generated id (0 for appended ones).
     pub logprobs: Vec<f32>,
+    /// Per token: 1 when the model sampled it, 0 when a tool's or user's turn appended it.
+    pub mask: Vec<u8>,
     /// Whether it ended on a stop token (not on the length limit).
     pub stopped: bool,
 }

@@ -29,7 +29,9 @@ fn parquet_round_trips_every_field() {
                 index: 0,
                 answer: "2 + 2 = 4\n#### 4".into(),
                 question: "What is 2 + 2?".into(),
+                ..Default::default()
             },
+            agent_name: None,
         },
         PromptRecord {
             data_source: "custom".into(),
@@ -48,7 +50,9 @@ fn parquet_round_trips_every_field() {
                 index: 7,
                 answer: String::new(),
                 question: String::new(),
+                ..Default::default()
             },
+            agent_name: None,
         },
     ];
     let dir = temp("roundtrip");

@@ -85,6 +85,7 @@ fn one_at_a_time(
                 prompt_index: i,
                 tokens: Vec::new(),
                 logprobs: Vec::new(),
+                mask: Vec::new(),
                 stopped: false,
             };
             loop {
@@ -97,6 +98,7 @@ fn one_at_a_time(
                 let (token, logprob) = pick(&row, params, u);
                 sample.tokens.push(token);
                 sample.logprobs.push(logprob);
+                sample.mask.push(1);
                 sample.stopped = params.stop_token_ids.contains(&token);
                 if sample.stopped || sample.tokens.len() == params.max_new_tokens {
                     break;

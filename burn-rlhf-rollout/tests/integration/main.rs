@@ -2,6 +2,7 @@
 //! validation metrics against their references. The peak-memory test, which installs a counting
 //! allocator, has its own binary.
 
+mod agent;
 mod data;
 mod engine;
 mod generation;

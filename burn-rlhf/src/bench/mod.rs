@@ -246,6 +246,7 @@ fn sequences(rows: &[Vec<u32>]) -> RolloutBatch {
             prompt_index: i,
             tokens: r[1..].to_vec(),
             logprobs: vec![0.0; r.len() - 1],
+            mask: vec![1; r.len() - 1],
             stopped: false,
         })
         .collect();

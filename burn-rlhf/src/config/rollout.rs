@@ -1,7 +1,10 @@
 //! `actor_rollout_ref.rollout.*` (sampling, the old-log-prob pass) and `actor_rollout_ref.ref.*`
 //! (the reference pass) — the trees with verl's defaults, the typed settings and their rules.
 
+use std::path::PathBuf;
+
 use burn::tensor::FloatDType;
+use burn_rlhf_rollout::agent::tool_agent::{MultiTurnSettings, ToolAgent, TruncateSide};
 use burn_rlhf_rollout::LogprobsMode;
 use serde::{Deserialize, Serialize};
 
@@ -28,6 +31,62 @@ impl Default for ValKwargsConfig {
             top_p: 1.0,
             do_sample: false,
             n: 1,
+        }
+    }
+}
+
+/// `actor_rollout_ref.rollout.multi_turn.*` as written (verl's keys and defaults).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MultiTurnConfig {
+    /// Rows run the `tool_agent` loop unless they name another (`agent_name`).
+    pub enable: bool,
+    /// Model turns at most (`null`: no limit).
+    pub max_assistant_turns: Option<usize>,
+    /// Tool and user turns at most (`null`: no limit).
+    pub max_user_turns: Option<usize>,
+    /// Calls run per model turn at most.
+    pub max_parallel_calls: usize,
+    /// A tool response's characters at most.
+    pub max_tool_response_length: usize,
+    /// `left`, `right` or `middle`.
+    pub tool_response_truncate_side: String,
+    /// verl's tool file (YAML).
+    pub tool_config_path: Option<String>,
+    /// verl's interaction file (YAML).
+    pub interaction_config_path: Option<String>,
+    /// How the model writes tool calls: `hermes`.
+    pub format: String,
+}
+
+impl Default for MultiTurnConfig {
+    fn default() -> Self {
+        Self {
+            enable: false,
+            max_assistant_turns: None,
+            max_user_turns: None,
+            max_parallel_calls: 1,
+            max_tool_response_length: 256,
+            tool_response_truncate_side: "middle".into(),
+            tool_config_path: None,
+            interaction_config_path: None,
+            format: "hermes".into(),
+        }
+    }
+}
+
+/// `actor_rollout_ref.rollout.agent.*` as written.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AgentConfig {
+    /// The loop of rows that name none, when `multi_turn.enable` is off.
+    pub default_agent_loop: String,
+}
+
+impl Default for AgentConfig {
+    fn default() -> Self {
+        Self {
+            default_agent_loop: "single_turn_agent".into(),
         }
     }
 }
@@ -80,6 +139,10 @@ pub struct RolloutConfig {
     /// actor's (`actor.megatron.tensor_model_parallel_size`); `None`: that.
     pub tensor_model_parallel_size: Option<usize>,
     pub val_kwargs: ValKwargsConfig,
+    /// Multi-turn rollouts with tools and interactions.
+    pub multi_turn: MultiTurnConfig,
+    /// The agent loops.
+    pub agent: AgentConfig,
 }
 
 impl Default for RolloutConfig {
@@ -106,6 +169,8 @@ impl Default for RolloutConfig {
             kv_cache_memory_bytes: None,
             tensor_model_parallel_size: None,
             val_kwargs: ValKwargsConfig::default(),
+            multi_turn: MultiTurnConfig::default(),
+            agent: AgentConfig::default(),
         }
     }
 }
@@ -176,6 +241,22 @@ pub struct RolloutSettings {
     pub stop_token_ids: Vec<u32>,
     /// The rollout engine's limits and KV cache.
     pub engine: EngineSettings,
+    /// Multi-turn rollouts (`multi_turn.enable`), or `None`.
+    pub multi_turn: Option<MultiTurnSpec>,
+    /// The loop of rows that name none (`tool_agent` with multi-turn on, else
+    /// `agent.default_agent_loop`).
+    pub default_agent_loop: String,
+}
+
+/// `multi_turn.*`, decoded.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MultiTurnSpec {
+    /// The loop's limits.
+    pub settings: MultiTurnSettings,
+    /// The tool file.
+    pub tool_config_path: Option<PathBuf>,
+    /// The interaction file.
+    pub interaction_config_path: Option<PathBuf>,
 }
 
 /// The rollout engine's settings, decoded.
@@ -279,6 +360,62 @@ impl RolloutConfig {
             self.log_prob_max_token_len_per_gpu,
             data.longest_sequence(),
         );
+        let mt = &self.multi_turn;
+        let mkey = |k: &str| format!("actor_rollout_ref.rollout.multi_turn.{k}");
+        let side = p.name(
+            &mkey("tool_response_truncate_side"),
+            &mt.tool_response_truncate_side,
+            &["left", "right", "middle"],
+            TruncateSide::from_name(&mt.tool_response_truncate_side),
+        );
+        p.name(
+            &mkey("format"),
+            &mt.format,
+            &["hermes"],
+            (mt.format == "hermes").then_some(()),
+        );
+        p.check(mt.max_parallel_calls >= 1, || {
+            "`actor_rollout_ref.rollout.multi_turn.max_parallel_calls` must be >= 1".into()
+        });
+        p.check(!mt.enable || data.return_raw_chat, || {
+            "`actor_rollout_ref.rollout.multi_turn.enable` needs `data.return_raw_chat` = true: \
+             the agent loop renders the conversation from its messages"
+                .into()
+        });
+        let multi_turn = match mt.enable {
+            true => Some(MultiTurnSpec {
+                settings: MultiTurnSettings {
+                    max_assistant_turns: mt.max_assistant_turns,
+                    max_user_turns: mt.max_user_turns,
+                    max_parallel_calls: mt.max_parallel_calls,
+                    max_tool_response_length: mt.max_tool_response_length,
+                    tool_response_truncate_side: side?,
+                },
+                tool_config_path: mt.tool_config_path.as_ref().map(PathBuf::from),
+                interaction_config_path: mt.interaction_config_path.as_ref().map(PathBuf::from),
+            }),
+            false => {
+                for (k, set) in [
+                    ("tool_config_path", mt.tool_config_path.is_some()),
+                    (
+                        "interaction_config_path",
+                        mt.interaction_config_path.is_some(),
+                    ),
+                ] {
+                    p.check(!set, || {
+                        format!(
+                            "`actor_rollout_ref.rollout.multi_turn.{k}` is set but \
+                             `multi_turn.enable` is false: nothing would read it"
+                        )
+                    });
+                }
+                None
+            }
+        };
+        let default_agent_loop = match mt.enable {
+            true => ToolAgent::NAME.to_string(),
+            false => self.agent.default_agent_loop.clone(),
+        };
         let v = &self.val_kwargs;
         Some(RolloutSettings {
             train: SamplingSettings {
@@ -309,6 +446,8 @@ impl RolloutConfig {
                 gpu_memory_utilization: self.gpu_memory_utilization,
                 kv_cache_memory_bytes: self.kv_cache_memory_bytes,
             },
+            multi_turn,
+            default_agent_loop,
         })
     }
 }

@@ -7,7 +7,6 @@ use crate::backend::LearnerBackend;
 use burn::module::AutodiffModule;
 use burn_rlhf_algos::Registry;
 use burn_rlhf_models::{CausalLm, Tokenizer, TransformerConfig, ValueModel};
-use burn_rlhf_rollout::encode::filter_overlong;
 use burn_rlhf_rollout::{PromptRecord, PromptSampler, RewardRegistry};
 
 use super::learner::{Algorithms, CriticState, Learner, ModelOptimizer};
@@ -21,6 +20,13 @@ use crate::offload::Parked;
 use crate::optim::ReplicaSync;
 use crate::optim::TpSplit;
 use burn_rlhf_models::tensor_parallel::{shard_causal_lm, shard_value_model};
+use burn_rlhf_rollout::agent::render::ChatRenderer;
+use burn_rlhf_rollout::agent::single_turn::SingleTurnAgent;
+use burn_rlhf_rollout::agent::tool_agent::ToolAgent;
+use burn_rlhf_rollout::agent::{AgentLoop, AgentLoopRegistry};
+use burn_rlhf_rollout::interactions::{load_interactions, InteractionRegistry};
+use burn_rlhf_rollout::tools::config::load_tools;
+use burn_rlhf_rollout::tools::ToolRegistry;
 
 /// What a [`Learner`] is made of: loaded from the paths a config names
 /// ([`LearnerParts::load`]), or built in code ([`LearnerParts::new`]).
@@ -47,6 +53,13 @@ pub struct LearnerParts<B: LearnerBackend> {
     pub training: bool,
     /// The learned reward model; required exactly when `reward_model.enable`.
     pub reward_model: Option<LoadedRewardModel<B::InnerBackend>>,
+    /// Tool classes by the `class_name` of verl's tool files.
+    pub tools: ToolRegistry,
+    /// Interaction classes by the `class_name` of verl's interaction files.
+    pub interactions: InteractionRegistry,
+    /// Agent loops besides the built-ins (`single_turn_agent`, `tool_agent`), chosen by a row's
+    /// `agent_name` or `rollout.agent.default_agent_loop`.
+    pub agent_loops: Vec<Arc<dyn AgentLoop>>,
 }
 
 impl<B: LearnerBackend> LearnerParts<B> {
@@ -64,6 +77,9 @@ impl<B: LearnerBackend> LearnerParts<B> {
             val: Vec::new(),
             training: true,
             reward_model: None,
+            tools: ToolRegistry::default(),
+            interactions: InteractionRegistry::default(),
+            agent_loops: Vec::new(),
         }
     }
 
@@ -143,7 +159,8 @@ impl<B: LearnerBackend> Learner<B> {
         parts: LearnerParts<B>,
         device: &B::Device,
     ) -> Result<Self, TrainError> {
-        let algorithms = build_algorithms(&settings, &parts.registry, &parts.rewards)?;
+        let mut algorithms = build_algorithms(&settings, &parts.registry, &parts.rewards)?;
+        algorithms.agents = build_agents(&settings, &parts)?;
         if parts.training && settings.critic.is_some() && parts.critic.is_none() {
             return Err(TrainError::config(
                 "algorithm.adv_estimator",
@@ -193,10 +210,20 @@ impl<B: LearnerBackend> Learner<B> {
         };
         let (train, val) = if settings.data.filter_overlong_prompts {
             let max = settings.data.max_prompt_length;
-            (
-                filter_overlong(&parts.tokenizer, parts.train, max)?,
-                filter_overlong(&parts.tokenizer, parts.val, max)?,
-            )
+            let default_loop = &settings.rollout.default_agent_loop;
+            let fits = |records: Vec<PromptRecord>| -> Result<Vec<PromptRecord>, TrainError> {
+                let mut kept = Vec::with_capacity(records.len());
+                for r in records {
+                    let agent = algorithms
+                        .agents
+                        .get(r.agent_name.as_deref().unwrap_or(default_loop))?;
+                    if agent.prompt_ids(&r)?.len() <= max {
+                        kept.push(r);
+                    }
+                }
+                Ok(kept)
+            };
+            (fits(parts.train)?, fits(parts.val)?)
         } else {
             (parts.train, parts.val)
         };
@@ -415,5 +442,45 @@ fn build_algorithms<B: LearnerBackend>(
         policy_loss,
         kl_ctrl,
         reward,
+        agents: AgentLoopRegistry::default(),
     })
+}
+
+/// The agent loops: `single_turn_agent`; `tool_agent` with the tools and interactions of the
+/// files `multi_turn` names (when on); then the parts' own. The default loop must be among them.
+fn build_agents<B: LearnerBackend>(
+    settings: &Settings,
+    parts: &LearnerParts<B>,
+) -> Result<AgentLoopRegistry, TrainError> {
+    let mut agents = AgentLoopRegistry::default();
+    agents.register(Arc::new(SingleTurnAgent::new(parts.tokenizer.clone())));
+    if let Some(mt) = &settings.rollout.multi_turn {
+        let tools = match &mt.tool_config_path {
+            Some(path) => load_tools(path, &parts.tools)?,
+            None => Vec::new(),
+        };
+        let interactions = match &mt.interaction_config_path {
+            Some(path) => load_interactions(path, &parts.interactions)?,
+            None => Default::default(),
+        };
+        let schemas = tools.iter().map(|t| t.schema().clone()).collect();
+        let renderer = ChatRenderer::new(parts.tokenizer.clone(), schemas);
+        agents.register(Arc::new(ToolAgent::new(
+            renderer,
+            tools,
+            interactions,
+            mt.settings.clone(),
+        )));
+    }
+    for agent in &parts.agent_loops {
+        agents.register(agent.clone());
+    }
+    let default = &settings.rollout.default_agent_loop;
+    agents.get(default).map_err(|e| {
+        TrainError::config(
+            "actor_rollout_ref.rollout.agent.default_agent_loop",
+            format!("{e} (`tool_agent` needs `multi_turn.enable`)"),
+        )
+    })?;
+    Ok(agents)
 }

@@ -7,6 +7,7 @@ use std::io::Write;
 use std::path::Path;
 
 use burn_rlhf_models::Tokenizer;
+use burn_rlhf_rollout::agent::TurnRole;
 use burn_rlhf_rollout::RolloutBatch;
 use serde_json::json;
 
@@ -18,6 +19,8 @@ pub(crate) struct DumpRow {
     pub output: String,
     pub gts: String,
     pub score: f64,
+    /// A multi-turn response's turns in order (`role`, `text`); empty for one answer.
+    pub turns: Vec<(TurnRole, String)>,
 }
 
 /// The rows of `batch`, each scored by its token-level scores' sum (the reward before any KL
@@ -34,9 +37,22 @@ pub(crate) fn batch_rows(
                 .map(|i| batch.prompt_ids[row * p + i])
                 .collect();
             let response: Vec<u32> = (0..r)
-                .filter(|&i| batch.response_mask[row * r + i] > 0.0)
+                .filter(|&i| batch.response_attention_mask[row * r + i] > 0.0)
                 .map(|i| batch.response_ids[row * r + i])
                 .collect();
+            let spans = batch
+                .conversations
+                .get(row)
+                .map_or(&[][..], |c| c.turns.as_slice());
+            let mut turns = Vec::new();
+            if spans.len() > 1 {
+                let mut at = 0;
+                for &(role, len) in spans {
+                    let end = (at + len).min(response.len());
+                    turns.push((role, tokenizer.decode(&response[at..end], true)?));
+                    at = end;
+                }
+            }
             let score = batch.token_level_scores.as_ref().map_or(0.0, |s| {
                 s[row * r..(row + 1) * r].iter().map(|&x| x as f64).sum()
             });
@@ -45,6 +61,7 @@ pub(crate) fn batch_rows(
                 output: tokenizer.decode(&response, true)?,
                 gts: batch.ground_truth[row].clone(),
                 score,
+                turns,
             })
         })
         .collect()
@@ -66,8 +83,15 @@ pub(crate) fn dump_generations(
     let path = dir.join(format!("{step}.jsonl"));
     let mut out = std::io::BufWriter::new(std::fs::File::create(&path).map_err(io)?);
     for row in rows {
-        let line = json!({"input": row.input, "output": row.output, "gts": row.gts,
+        let mut line = json!({"input": row.input, "output": row.output, "gts": row.gts,
             "score": row.score, "step": step});
+        if !row.turns.is_empty() {
+            line["turns"] = row
+                .turns
+                .iter()
+                .map(|(role, text)| json!({"role": role, "content": text}))
+                .collect();
+        }
         writeln!(out, "{line}").map_err(io)?;
     }
     out.flush().map_err(io)
@@ -85,6 +109,7 @@ mod tests {
             output: "2".into(),
             gts: "2".into(),
             score: 1.0,
+            turns: Vec::new(),
         }];
         dump_generations(&dir, 3, &rows).unwrap();
         let text = std::fs::read_to_string(dir.join("3.jsonl")).unwrap();

@@ -94,6 +94,9 @@ impl<B: LearnerBackend> LearnerParts<B> {
             train: self.train.clone(),
             val: self.val.clone(),
             training: self.training,
+            tools: self.tools.clone(),
+            interactions: self.interactions.clone(),
+            agent_loops: self.agent_loops.clone(),
             reward_model: self.reward_model.as_ref().map(|r| LoadedRewardModel {
                 model: r.model.clone().fork(device),
                 config: r.config.clone(),

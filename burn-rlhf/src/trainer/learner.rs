@@ -77,6 +77,8 @@ pub(crate) struct Algorithms<B: LearnerBackend> {
     pub kl_ctrl: Box<dyn KlController>,
     /// `custom_reward_function.name`, or the default reward.
     pub reward: Arc<dyn RewardFn>,
+    /// The agent loops rows run (`single_turn_agent`, `tool_agent`, the parts' own).
+    pub agents: burn_rlhf_rollout::agent::AgentLoopRegistry,
 }
 
 /// Owns the models, their optimisers and the algorithm objects, and runs training steps.

@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 
+use burn_rlhf_rollout::agent::ConversationStats;
 use burn_rlhf_rollout::RolloutBatch;
 
 /// One step's metrics by name.
@@ -99,11 +100,12 @@ pub fn data_metrics(d: &StepData<'_>) -> Metrics {
         );
     };
     lengths(
-        b.response_lengths(),
+        b.model_token_counts(),
         d.max_response_length,
         "response_length",
         &mut m,
     );
+    conversation_metrics(&mut m, &b.conversations);
     lengths(
         b.prompt_lengths(),
         d.max_prompt_length,
@@ -111,6 +113,27 @@ pub fn data_metrics(d: &StepData<'_>) -> Metrics {
         &mut m,
     );
     m
+}
+
+/// verl's agent-loop metrics `num_turns/{min,max,mean}` (the prompt, the model's turns and the
+/// tool and user turns), and per sample the tool calls, failed calls (`tool_errors`), cut tool
+/// responses and tool rewards, when the batch was generated.
+fn conversation_metrics(m: &mut Metrics, conversations: &[ConversationStats]) {
+    if conversations.is_empty() {
+        return;
+    }
+    let per = |f: &dyn Fn(&ConversationStats) -> f64| -> Vec<f64> {
+        conversations.iter().map(f).collect()
+    };
+    mean_max_min(m, "num_turns", &per(&|c| c.num_turns() as f64));
+    mean_max_min(m, "tool_calls", &per(&|c| c.tool_calls as f64));
+    mean_max_min(m, "tool_errors", &per(&|c| c.tool_errors as f64));
+    mean_max_min(
+        m,
+        "tool_response_truncated",
+        &per(&|c| c.truncated_tool_responses as f64),
+    );
+    mean_max_min(m, "tool_reward", &per(&|c| c.tool_reward));
 }
 
 /// verl's `calculate_debug_metrics`: `training/rollout_probs_diff_{max,mean,std}` (how far the
@@ -167,6 +190,7 @@ pub fn rollout_probs_diff(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use burn_rlhf_rollout::agent::TurnRole;
 
     #[test]
     fn data_metrics_use_valid_tokens_and_lengths() {
@@ -176,7 +200,9 @@ mod tests {
             prompt_ids: vec![0, 1, 1, 1],
             prompt_mask: vec![0, 1, 1, 1],
             response_ids: vec![5, 6, 0, 5, 6, 7],
-            response_mask: vec![1.0, 1.0, 0.0, 1.0, 1.0, 1.0],
+            // Row 1 is a conversation: the model's 5, a tool's 6, the model's 7.
+            response_mask: vec![1.0, 1.0, 0.0, 1.0, 0.0, 1.0],
+            response_attention_mask: vec![1.0, 1.0, 0.0, 1.0, 1.0, 1.0],
             rollout_log_probs: vec![0.0; 6],
             group_ids: vec![0, 1],
             data_source: vec!["a".into(); 2],
@@ -184,6 +210,19 @@ mod tests {
             token_level_scores: None,
             loss_mask: None,
             raw_prompt: Vec::new(),
+            conversations: vec![
+                ConversationStats::single(2),
+                ConversationStats {
+                    turns: vec![
+                        (TurnRole::Assistant, 1),
+                        (TurnRole::Tool, 1),
+                        (TurnRole::Assistant, 1),
+                    ],
+                    tool_calls: 2,
+                    tool_errors: 1,
+                    ..Default::default()
+                },
+            ],
         };
         let scores = [0.0, 1.0, 0.0, 0.0, 0.0, 0.0];
         let adv = [1.0, 2.0, 100.0, 3.0, 4.0, 5.0];
@@ -199,9 +238,17 @@ mod tests {
         });
         assert_eq!(m["critic/score/mean"], 0.5);
         assert_eq!(m["critic/advantages/max"], 5.0, "the padded 100 is ignored");
-        assert_eq!(m["critic/advantages/mean"], 3.0);
-        assert_eq!(m["response_length/mean"], 2.5);
-        assert_eq!(m["response_length/clip_ratio"], 0.5);
+        assert_eq!(
+            m["critic/advantages/mean"],
+            11.0 / 4.0,
+            "the tool token is ignored"
+        );
+        assert_eq!(m["response_length/mean"], 2.0, "the model's tokens");
+        assert_eq!(m["response_length/clip_ratio"], 0.0);
+        assert_eq!(m["num_turns/mean"], 3.0);
+        assert_eq!(m["num_turns/max"], 4.0);
+        assert_eq!(m["tool_calls/mean"], 1.0);
+        assert_eq!(m["tool_errors/max"], 1.0);
         assert_eq!(m["prompt_length/min"], 1.0);
         assert!(!m.contains_key("critic/values/mean"));
     }

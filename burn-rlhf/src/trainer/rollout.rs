@@ -6,7 +6,10 @@ use burn::module::AutodiffModule;
 use burn_rlhf_algos::dapo::{keep_groups_with_spread, overlong_penalty};
 use burn_rlhf_models::ChatMessage;
 use burn_rlhf_models::{KvPool, TransformerConfig};
-use burn_rlhf_rollout::encode::encode_prompts;
+use burn_rlhf_rollout::agent::{
+    run_conversations, AgentJob, AgentLoop, AgentSample, ConversationStats, TurnRole,
+};
+use burn_rlhf_rollout::encode::truncate;
 use burn_rlhf_rollout::reward::token_level_scores;
 use burn_rlhf_rollout::{
     DecodeShapes, Engine, EngineConfig, PromptRecord, RewardInput, RolloutBatch, Sample,
@@ -136,12 +139,12 @@ impl<B: LearnerBackend> Learner<B> {
         })
     }
 
-    /// Encodes prompts `indices` of `records` and generates for them: each rank generates for
-    /// its consecutive share of the prompts, each prompt's random stream keyed by its record
-    /// index, and the samples are gathered, so every rank gets what one device would. Each
-    /// drawn prompt's responses form one group, `first_group + its position` (verl's per-draw
-    /// `uid`): a prompt drawn twice in a step (DAPO's rounds across an epoch boundary) makes two
-    /// groups, not one.
+    /// Renders prompts `indices` of `records` with each row's agent loop (its `agent_name`, else
+    /// the default loop) and runs their conversations: each rank runs its consecutive share of
+    /// the prompts, each prompt's random streams keyed by its record index, and the samples are
+    /// gathered, so every rank gets what one device would. Each drawn prompt's responses form one
+    /// group, `first_group + its position` (verl's per-draw `uid`): a prompt drawn twice in a
+    /// step (DAPO's rounds across an epoch boundary) makes two groups, not one.
     pub(crate) fn rollout(
         &self,
         records: &[PromptRecord],
@@ -151,32 +154,57 @@ impl<B: LearnerBackend> Learner<B> {
     ) -> Result<RolloutBatch, TrainError> {
         let picked: Vec<&PromptRecord> = indices.iter().map(|&i| &records[i]).collect();
         let data = &self.settings.data;
-        let prompts = encode_prompts(
-            &self.tokenizer,
-            &picked,
-            indices,
-            data.max_prompt_length,
-            data.truncation,
-        )?;
+        let default_loop = &self.settings.rollout.default_agent_loop;
+        let agents: Vec<Arc<dyn AgentLoop>> = picked
+            .iter()
+            .map(|r| {
+                let name = r.agent_name.as_deref().unwrap_or(default_loop);
+                self.algorithms.agents.get(name).map_err(|e| {
+                    TrainError::config(
+                        "actor_rollout_ref.rollout.agent.default_agent_loop",
+                        format!("row {}: {e}", r.extra_info.index),
+                    )
+                })
+            })
+            .collect::<Result<_, _>>()?;
+        let prompts: Vec<Vec<u32>> = picked
+            .iter()
+            .zip(indices)
+            .zip(&agents)
+            .map(|((r, &row), agent)| {
+                truncate(
+                    agent.prompt_ids(r)?,
+                    data.max_prompt_length,
+                    data.truncation,
+                    row,
+                )
+            })
+            .collect::<Result<_, _>>()?;
         let share = chunk(prompts.len(), self.dp.world(), self.dp.rank());
-        let keys: Vec<u64> = indices[share.clone()].iter().map(|&i| i as u64).collect();
+        let jobs: Vec<AgentJob<'_>> = share
+            .clone()
+            .map(|i| AgentJob {
+                agent: agents[i].clone(),
+                record: picked[i],
+                prompt: prompts[i].clone(),
+                key: indices[i] as u64,
+            })
+            .collect();
         let policy = self.for_generation(self.actor.valid());
         let pad = self.tokenizer.pad_token_id;
         let cache_config = self.cache_config()?;
         let engine =
             self.engine_config(share.len() * params.n, &cache_config, policy.float_dtype())?;
-        let mine = Engine::new(&policy, &cache_config, pad, engine, &self.device)?.generate(
-            &prompts[share.clone()],
-            &keys,
-            &Arc::new(params.clone()),
-            &mut |_, _| {},
-        )?;
+        let mut engine = Engine::new(&policy, &cache_config, pad, engine, &self.device)?;
+        let mine = run_conversations(&mut engine, &jobs, &Arc::new(params.clone()))?;
         let samples = self.gather_samples(mine, share.start, prompts.len(), params)?;
         let group_ids: Vec<u64> = (first_group..).take(indices.len()).collect();
         let sources: Vec<String> = picked.iter().map(|r| r.data_source.clone()).collect();
         let truths: Vec<String> = picked.iter().map(|r| r.ground_truth.clone()).collect();
         let raw: Vec<std::sync::Arc<[ChatMessage]>> =
             picked.iter().map(|r| r.prompt.as_slice().into()).collect();
+        let (samples, stats): (Vec<Sample>, Vec<ConversationStats>) =
+            samples.into_iter().map(|s| (s.sample, s.stats)).unzip();
         let batch =
             RolloutBatch::from_samples(&prompts, &samples, pad, &group_ids, &sources, &truths)
                 .with_raw_prompts(
@@ -184,7 +212,8 @@ impl<B: LearnerBackend> Learner<B> {
                         .iter()
                         .map(|s| raw[s.prompt_index].clone())
                         .collect(),
-                );
+                )
+                .with_conversations(stats);
         Ok(self.bucketed(batch))
     }
 
@@ -207,33 +236,53 @@ impl<B: LearnerBackend> Learner<B> {
     }
 
     /// Every rank's samples, in prompt order: `mine` are the samples of prompts `first..` of
-    /// `total`. Each row travels as `[length, stopped, tokens.., log-probs..]` (token ids are
-    /// exact in f32 below 2^24).
+    /// `total`. Each row travels as `[length, stopped, tool calls, tool errors, truncated
+    /// responses, tool reward, interaction reward (NaN: none), tokens.., log-probs.., roles..]`
+    /// (token ids are exact in f32 below 2^24; a token's role is 1 for the model's, 2 for a
+    /// tool's, 3 for a user's, and a conversation's turns are the runs of one role).
     fn gather_samples(
         &self,
-        mine: Vec<Sample>,
+        mine: Vec<AgentSample>,
         first: usize,
         total: usize,
         params: &SamplingParams,
-    ) -> Result<Vec<Sample>, TrainError> {
+    ) -> Result<Vec<AgentSample>, TrainError> {
         if self.dp.world() == 1 {
             return Ok(mine);
         }
+        const HEAD: usize = 7;
         let (n, w) = (params.n, params.max_new_tokens);
-        let width = 2 + 2 * w;
+        let width = HEAD + 3 * w;
+        let code = |r: TurnRole| match r {
+            TurnRole::Assistant => 1.0,
+            TurnRole::Tool => 2.0,
+            TurnRole::User => 3.0,
+        };
         let rows: Vec<usize> = mine
             .iter()
             .enumerate()
-            .map(|(k, s)| (first + s.prompt_index) * n + k % n)
+            .map(|(k, s)| (first + s.sample.prompt_index) * n + k % n)
             .collect();
         let mut packed = Vec::with_capacity(mine.len() * width);
-        for s in &mine {
+        for AgentSample { sample: s, stats } in &mine {
             let mut row = vec![0.0f32; width];
-            row[0] = s.tokens.len() as f32;
-            row[1] = s.stopped as u8 as f32;
+            row[..HEAD].copy_from_slice(&[
+                s.tokens.len() as f32,
+                s.stopped as u8 as f32,
+                stats.tool_calls as f32,
+                stats.tool_errors as f32,
+                stats.truncated_tool_responses as f32,
+                stats.tool_reward as f32,
+                stats.interaction_reward.map_or(f32::NAN, |r| r as f32),
+            ]);
             for (i, (&t, &lp)) in s.tokens.iter().zip(&s.logprobs).enumerate() {
-                row[2 + i] = t as f32;
-                row[2 + w + i] = lp;
+                row[HEAD + i] = t as f32;
+                row[HEAD + w + i] = lp;
+            }
+            let mut at = HEAD + 2 * w;
+            for &(role, len) in &stats.turns {
+                row[at..at + len].fill(code(role));
+                at += len;
             }
             packed.extend(row);
         }
@@ -243,11 +292,35 @@ impl<B: LearnerBackend> Learner<B> {
             .enumerate()
             .map(|(row, v)| {
                 let len = v[0] as usize;
-                Sample {
-                    prompt_index: row / n,
-                    tokens: v[2..2 + len].iter().map(|&t| t as u32).collect(),
-                    logprobs: v[2 + w..2 + w + len].to_vec(),
-                    stopped: v[1] > 0.5,
+                let roles = &v[HEAD + 2 * w..HEAD + 2 * w + len];
+                let mut turns: Vec<(TurnRole, usize)> = Vec::new();
+                for &c in roles {
+                    let role = match c as u8 {
+                        1 => TurnRole::Assistant,
+                        2 => TurnRole::Tool,
+                        _ => TurnRole::User,
+                    };
+                    match turns.last_mut() {
+                        Some((r, l)) if *r == role => *l += 1,
+                        _ => turns.push((role, 1)),
+                    }
+                }
+                AgentSample {
+                    sample: Sample {
+                        prompt_index: row / n,
+                        tokens: v[HEAD..HEAD + len].iter().map(|&t| t as u32).collect(),
+                        logprobs: v[HEAD + w..HEAD + w + len].to_vec(),
+                        mask: roles.iter().map(|&c| u8::from(c == 1.0)).collect(),
+                        stopped: v[1] > 0.5,
+                    },
+                    stats: ConversationStats {
+                        turns,
+                        tool_calls: v[2] as usize,
+                        tool_errors: v[3] as usize,
+                        truncated_tool_responses: v[4] as usize,
+                        tool_reward: v[5] as f64,
+                        interaction_reward: (!v[6].is_nan()).then_some(v[6] as f64),
+                    },
                 }
             })
             .collect())
@@ -384,7 +457,7 @@ impl<B: LearnerBackend> Learner<B> {
             .map(|o| move |len: usize| overlong_penalty(len, max_len, o.len, o.penalty_factor));
         let (tokens, shaped) = token_level_scores(
             &scores,
-            &batch.response_lengths(),
+            &batch.score_ends(),
             batch.response_len,
             shaping.as_ref().map(|f| f as &dyn Fn(usize) -> f64),
         );

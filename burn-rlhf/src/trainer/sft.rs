@@ -103,6 +103,7 @@ pub fn sft_rollout_batch(examples: &[&SftExample], pad_id: u32) -> RolloutBatch 
             prompt_index: i,
             tokens: e.response.clone(),
             logprobs: vec![0.0; e.response.len()],
+            mask: vec![1; e.response.len()],
             stopped: true,
         })
         .collect();

@@ -128,7 +128,11 @@ impl<B: LearnerBackend> Learner<B> {
             }
             metrics.insert("timing_s/step".into(), elapsed);
             let tokens = batch.prompt_mask.iter().map(|&m| m as f64).sum::<f64>()
-                + batch.response_mask.iter().map(|&m| m as f64).sum::<f64>();
+                + batch
+                    .response_attention_mask
+                    .iter()
+                    .map(|&m| m as f64)
+                    .sum::<f64>();
             metrics.insert("perf/total_num_tokens".into(), tokens);
             metrics.insert("perf/time_per_step".into(), elapsed);
             metrics.insert("perf/throughput".into(), tokens / elapsed.max(1e-9));

@@ -615,6 +615,10 @@ fn every_key_is_read_or_refused() {
         ),
         ("algorithm.kl_penalty", &["algorithm.use_kl_in_reward=true"]),
         (
+            "actor_rollout_ref.rollout.multi_turn",
+            &["actor_rollout_ref.rollout.multi_turn.enable=true"],
+        ),
+        (
             "actor_rollout_ref.actor.kl_loss_coef",
             &["actor_rollout_ref.actor.use_kl_loss=true"],
         ),
