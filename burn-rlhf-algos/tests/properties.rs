@@ -6,8 +6,8 @@ use burn_rlhf_algos::advantage::{grpo_vectorized, Gae, Grpo};
 use burn_rlhf_algos::functional::{to_scalar, to_vec};
 use burn_rlhf_algos::policy_loss::ClipCov;
 use burn_rlhf_algos::{
-    agg_loss, value_loss, AdvantageEstimator, AdvantageInput, GlobalBatchInfo, LossAggMode,
-    PolicyLossInput, PolicyLossParams, Registry,
+    agg_loss, kl_penalty, value_loss, AdvantageEstimator, AdvantageInput, GlobalBatchInfo,
+    KlPenalty, LossAggMode, PolicyLossInput, PolicyLossParams, Registry,
 };
 use rand::{Rng, SeedableRng};
 
@@ -386,4 +386,222 @@ fn clip_cov_drops_a_seeded_fraction_of_in_window_tokens() {
         "zeroed fraction {f1}, expected {}",
         expected as f64 / n_valid as f64
     );
+}
+
+/// A multi-turn batch's mask: per row, model turns of random lengths separated by tool turns
+/// (runs of zeros inside the response), then padding.
+fn conversation_mask(rng: &mut impl Rng, rows: usize, cols: usize) -> Vec<f32> {
+    let mut m = vec![0.0; rows * cols];
+    for r in 0..rows {
+        let len = rng.random_range(cols / 2..=cols);
+        let mut t = 0;
+        let mut model = true;
+        while t < len {
+            let run = rng.random_range(1..=3).min(len - t);
+            for i in t..t + run {
+                m[r * cols + i] = f32::from(u8::from(model));
+            }
+            t += run;
+            model = !model;
+        }
+        // Every row has a model token.
+        m[r * cols] = 1.0;
+    }
+    m
+}
+
+/// The model's tokens of each row moved to the left, the rest padding: the single-turn batch
+/// holding only what the model sampled. Returns the compacted values and mask.
+fn compact(v: &[f32], m: &[f32], rows: usize, cols: usize) -> (Vec<f32>, Vec<f32>) {
+    let (mut out, mut mask) = (vec![0.0; rows * cols], vec![0.0; rows * cols]);
+    for r in 0..rows {
+        let mut k = 0;
+        for t in 0..cols {
+            if m[r * cols + t] > 0.0 {
+                out[r * cols + k] = v[r * cols + t];
+                mask[r * cols + k] = 1.0;
+                k += 1;
+            }
+        }
+    }
+    (out, mask)
+}
+
+/// Tool and user tokens (0 in the response mask between model turns) are out of every loss: the
+/// gradients of the policy losses (every aggregation), the KL loss, the entropy bonus and the
+/// value loss are exactly zero there, and each loss equals that of the single-turn batch holding
+/// only the model's tokens wherever that is the same computation (every aggregation but
+/// `seq-mean-token-sum-norm` without a fixed divisor). GAE skips the tool tokens as verl's does:
+/// the advantages at the model's tokens are those of the compacted batch; outcome estimators
+/// (GRPO) give the tool tokens no advantage.
+#[test]
+fn tool_tokens_are_out_of_every_loss_and_advantage() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+    let (rows, cols) = (6, 16);
+    let m = conversation_mask(&mut rng, rows, cols);
+    assert!(m
+        .chunks(cols)
+        .any(|r| r.windows(3).any(|w| w == [1.0, 0.0, 1.0] || w[0] > w[1])));
+    let old: Vec<f32> = normal(&mut rng, rows * cols)
+        .iter()
+        .map(|x| x - 2.0)
+        .collect();
+    let new: Vec<f32> = old
+        .iter()
+        .map(|x| x + rng.random_range(-0.3f32..0.3))
+        .collect();
+    let adv = normal(&mut rng, rows * cols);
+    let reference: Vec<f32> = old.iter().map(|x| x + 0.1).collect();
+    let zero_where_masked = |what: &str, g: &[f32], mask: &[f32]| {
+        for (i, (&g, &mm)) in g.iter().zip(mask).enumerate() {
+            if mm == 0.0 {
+                assert_eq!(g, 0.0, "{what}: gradient at masked position {i}");
+            }
+        }
+    };
+    let registry = Registry::<B>::builtin();
+    let compacted = |v: &[f32]| compact(v, &m, rows, cols).0;
+    let cm = compact(&m, &m, rows, cols).1;
+    let global = GlobalBatchInfo {
+        loss_scale_factor: Some(cols as f64),
+        ..GlobalBatchInfo::local()
+    };
+    for loss_name in registry.policy_loss_names() {
+        let params = PolicyLossParams {
+            dro_beta: 0.1,
+            ..Default::default()
+        };
+        let loss_fn = registry.policy_loss(&loss_name, &params).unwrap();
+        if loss_fn.rows_per_unit() > 1 || loss_fn.needs_reference() {
+            continue; // SPIN's pairs: sequence-level preference losses, not token losses.
+        }
+        for mode in LossAggMode::ALL {
+            let run = |old: &[f32], new: &[f32], adv: &[f32], mask: &[f32]| {
+                let log_prob = t2(new.to_vec(), rows, cols).require_grad();
+                let input = PolicyLossInput {
+                    old_log_prob: t2(old.to_vec(), rows, cols),
+                    log_prob: log_prob.clone(),
+                    advantages: t2(adv.to_vec(), rows, cols),
+                    response_mask: t2(mask.to_vec(), rows, cols),
+                    loss_agg_mode: mode,
+                    global,
+                    ref_log_prob: None,
+                    rollout_is_weights: None,
+                };
+                let loss = loss_fn.compute(&input).unwrap().loss;
+                let g = log_prob.grad(&loss.backward()).unwrap();
+                (
+                    to_scalar(loss),
+                    g.into_data().iter::<f32>().collect::<Vec<f32>>(),
+                )
+            };
+            let what = format!("{loss_name}/{}", mode.name());
+            let (loss, grad) = run(&old, &new, &adv, &m);
+            zero_where_masked(&what, &grad, &m);
+            // Clip-Cov draws tokens at random: its compacted batch draws other ones.
+            if loss_name != "clip_cov" && loss_name != "kl_cov" {
+                let (single, _) = run(&compacted(&old), &compacted(&new), &compacted(&adv), &cm);
+                assert!(
+                    (loss - single).abs() < 1e-6 * (1.0 + loss.abs()),
+                    "{what}: {loss} with tool tokens masked, {single} without them"
+                );
+            }
+        }
+    }
+    // The KL loss (k3, low_var_kl) and the entropy bonus, aggregated over the mask.
+    for mode in LossAggMode::ALL {
+        let x = t2(new.clone(), rows, cols).require_grad();
+        let kl = kl_penalty(
+            x.clone(),
+            t2(reference.clone(), rows, cols),
+            KlPenalty::from_name("low_var_kl").unwrap(),
+        );
+        let loss = agg_loss(kl, t2(m.clone(), rows, cols), mode, &global).unwrap()
+            - agg_loss(
+                x.clone().exp().neg() * x.clone(),
+                t2(m.clone(), rows, cols),
+                mode,
+                &global,
+            )
+            .unwrap()
+                * 0.01;
+        let g: Vec<f32> = x
+            .grad(&loss.backward())
+            .unwrap()
+            .into_data()
+            .iter::<f32>()
+            .collect();
+        zero_where_masked(&format!("kl+entropy/{}", mode.name()), &g, &m);
+        let vpreds = t2(new.clone(), rows, cols).require_grad();
+        let out = value_loss(
+            vpreds.clone(),
+            t2(old.clone(), rows, cols),
+            t2(adv.clone(), rows, cols),
+            t2(m.clone(), rows, cols),
+            0.2,
+            mode,
+            &global,
+        )
+        .unwrap();
+        let g: Vec<f32> = vpreds
+            .grad(&out.vf_loss.backward())
+            .unwrap()
+            .into_data()
+            .iter::<f32>()
+            .collect();
+        zero_where_masked(&format!("value loss/{}", mode.name()), &g, &m);
+    }
+    // GAE: the outcome on each row's last model token, values everywhere.
+    let mut rewards = vec![0.0f32; rows * cols];
+    for r in 0..rows {
+        let last = (0..cols).rev().find(|&t| m[r * cols + t] > 0.0).unwrap();
+        rewards[r * cols + last] = rng.random_range(-1.0f32..1.0);
+    }
+    let values = normal(&mut rng, rows * cols);
+    let estimate = |name: &str, rewards: &[f32], values: &[f32], mask: &[f32]| {
+        let params = burn_rlhf_algos::EstimatorParams {
+            gamma: 0.99,
+            lam: 0.95,
+            ..Default::default()
+        };
+        let out = registry
+            .estimator(name, &params)
+            .unwrap()
+            .compute(&AdvantageInput {
+                token_level_rewards: t2(rewards.to_vec(), rows, cols),
+                response_mask: t2(mask.to_vec(), rows, cols),
+                values: Some(t2(values.to_vec(), rows, cols)),
+                group_ids: (0..rows as u64).map(|r| r / 3).collect(),
+                reward_baselines: None,
+                old_log_probs: None,
+                sum_pi_squared: None,
+                rollout_is_weights: None,
+            })
+            .unwrap();
+        (to_vec(out.advantages), to_vec(out.returns))
+    };
+    let (gae, returns) = estimate("gae", &rewards, &values, &m);
+    let (single, single_returns) = estimate("gae", &compacted(&rewards), &compacted(&values), &cm);
+    for (what, multi, one) in [
+        ("advantages", &gae, &single),
+        ("returns", &returns, &single_returns),
+    ] {
+        let multi = compacted(multi);
+        for i in 0..rows * cols {
+            if cm[i] > 0.0 {
+                assert!(
+                    (multi[i] - one[i]).abs() < 1e-5,
+                    "gae {what}[{i}]: {} vs {}",
+                    multi[i],
+                    one[i]
+                );
+            }
+        }
+    }
+    let (grpo, _) = estimate("grpo", &rewards, &values, &m);
+    for i in 0..rows * cols {
+        if m[i] == 0.0 {
+            assert_eq!(grpo[i], 0.0, "grpo advantage at masked position {i}");
+        }
+    }
 }

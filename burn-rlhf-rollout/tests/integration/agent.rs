@@ -216,7 +216,7 @@ fn the_tool_loop_answers_calls_and_counts_bad_ones() {
             ids.push(eot);
             ids
         };
-        let mut turn = |conv: &mut Box<dyn Conversation>, t: &str| -> Option<String> {
+        let turn = |conv: &mut Box<dyn Conversation>, t: &str| -> Option<String> {
             match conv
                 .after_model_turn(&say(t), FinishReason::Stop, 10_000)
                 .unwrap()
