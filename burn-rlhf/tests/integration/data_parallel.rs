@@ -14,7 +14,9 @@ use burn_rlhf::config::{RlhfConfig, Settings};
 use burn_rlhf::models::weights::WeightMap;
 use burn_rlhf::models::{CausalLm, ValueModel};
 use burn_rlhf::optim::StateBytes;
-use burn_rlhf::rollout::{RewardFn, RewardInput, RolloutError};
+use burn_rlhf::rollout::agent::{AgentLoop, Conversation, ConversationStats, Next, TurnRole};
+use burn_rlhf::rollout::encode::encode_prompt;
+use burn_rlhf::rollout::{FinishReason, PromptRecord, RewardFn, RewardInput, RolloutError};
 use burn_rlhf::tasks;
 use burn_rlhf::trainer::logger::read_jsonl;
 use burn_rlhf::trainer::{launch, NodeLaunch};
@@ -859,4 +861,82 @@ mod processes {
             "{err}"
         );
     }
+}
+
+/// A conversation loop for the arithmetic task: after the model's first turn, a user turn of
+/// `=<answer>` is appended and the model answers again.
+struct Hint(burn_rlhf::models::Tokenizer);
+
+struct HintConversation {
+    hint: Vec<u32>,
+    given: bool,
+    stats: ConversationStats,
+}
+
+impl AgentLoop for Hint {
+    fn name(&self) -> &str {
+        "hint"
+    }
+    fn prompt_ids(&self, record: &PromptRecord) -> Result<Vec<u32>, RolloutError> {
+        encode_prompt(&self.0, record)
+    }
+    fn start(&self, record: &PromptRecord) -> Result<Box<dyn Conversation>, RolloutError> {
+        Ok(Box::new(HintConversation {
+            hint: self.0.encode(&format!("={}", record.ground_truth), false)?,
+            given: false,
+            stats: ConversationStats::default(),
+        }))
+    }
+}
+
+impl Conversation for HintConversation {
+    fn after_model_turn(
+        &mut self,
+        _: &[u32],
+        _: FinishReason,
+        _: usize,
+    ) -> Result<Next, RolloutError> {
+        if std::mem::replace(&mut self.given, true) {
+            return Ok(Next::End);
+        }
+        Ok(Next::Continue {
+            tokens: self.hint.clone(),
+            role: TurnRole::User,
+        })
+    }
+    fn stats(&self) -> &ConversationStats {
+        &self.stats
+    }
+}
+
+/// Multi-turn conversations (a registered loop) split across two devices give the one device's
+/// weights and metrics, `num_turns` included.
+#[test]
+fn conversations_on_two_devices_reproduce_one_device() {
+    let _turn = ONE_GROUP_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    let dir = temp_dir("dp-conversations");
+    let multi_turn = |dir: &Path| {
+        let mut c = config(dir);
+        c.data.max_response_length = 10;
+        c.actor_rollout_ref.rollout.agent.default_agent_loop = "hint".into();
+        c
+    };
+    let with_hint = || {
+        let mut p = parts(Arc::new(tasks::ExactAnswer));
+        p.agent_loops.push(Arc::new(Hint(tasks::tokenizer())));
+        p
+    };
+    let one = dir.join("single");
+    let mut l = Learner::new(multi_turn(&one), with_hint(), &Default::default()).unwrap();
+    let single = l.fit(stop_flag()).unwrap().checkpoint.unwrap();
+    let dp = n_devices_of(multi_turn(&dir.join("dp")), with_hint(), 2).unwrap();
+    assert_same_weights(&single, &dp, "conversations: 2 devices vs 1");
+    assert_same_metrics(&single, &dp, "conversations: 2 devices vs 1");
+    let metrics = read_jsonl(&single.parent().unwrap().join("metrics.jsonl")).unwrap();
+    assert!(
+        metrics.iter().all(|(_, m)| m["num_turns/max"] == 4.0),
+        "every step had a conversation of prompt, model, user, model"
+    );
 }
