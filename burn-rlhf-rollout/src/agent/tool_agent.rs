@@ -130,7 +130,7 @@ impl AgentLoop for ToolAgent {
     }
 
     /// Creates each tool's state from the row's `extra_info.tools_kwargs.<name>.create_kwargs`
-    /// and the interaction named by `extra_info.interaction_kwargs.name` (verl's default
+    /// (`{ground_truth: <the row's>}` when the row has none) and the interaction named by `extra_info.interaction_kwargs.name` (verl's default
     /// `gsm8k`) when interactions are configured.
     fn start(&self, record: &PromptRecord) -> Result<Box<dyn Conversation>, RolloutError> {
         let kwargs = &record.extra_info.tools_kwargs;
@@ -138,12 +138,19 @@ impl AgentLoop for ToolAgent {
             .tools
             .iter()
             .map(|tool| {
+                // A row without the tool's `create_kwargs` (GSM8K's jsonl, not verl's
+                // preprocessed parquet) gives it the row's ground truth, which verl's
+                // preprocessing puts there.
                 let create = kwargs
                     .get(tool.name())
                     .and_then(|k| k.get("create_kwargs"))
                     .and_then(Value::as_object)
                     .cloned()
-                    .unwrap_or_default();
+                    .unwrap_or_else(|| {
+                        let mut m = serde_json::Map::new();
+                        m.insert("ground_truth".into(), record.ground_truth.clone().into());
+                        m
+                    });
                 (
                     tool.name().to_string(),
                     (tool.clone(), tool.create(&create)),
