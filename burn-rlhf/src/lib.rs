@@ -35,5 +35,6 @@ pub mod backend;
 pub mod datasets;
 pub mod runtime;
 pub mod tasks;
+pub mod tool_task;
 
 pub use error::TrainError;

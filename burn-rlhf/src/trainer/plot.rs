@@ -61,6 +61,14 @@ pub fn plot_history(path: &Path, history: &[(usize, Metrics)]) -> Result<(), Tra
     }
     let text = font_available();
     let mut panels: Vec<(String, &str)> = PANELS.iter().map(|(k, t)| (k.to_string(), *t)).collect();
+    // Tool calls per answer, when the model made any (multi-turn rollouts).
+    let calls = "tool_calls/mean";
+    if history
+        .iter()
+        .any(|(_, m)| m.get(calls).is_some_and(|&v| v > 0.0))
+    {
+        panels.push((calls.to_string(), "tool calls per answer"));
+    }
     // Held-out score, when validation ran: the first `val-core` metric.
     if let Some(key) = history
         .iter()
