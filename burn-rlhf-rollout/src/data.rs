@@ -202,9 +202,24 @@ pub(crate) fn str_series(name: &str, values: impl Iterator<Item = String>) -> Se
 
 /// Writes records as a parquet file with verl's columns: `data_source`, `prompt` (list of
 /// `{role, content}`), `ability`, `reward_model {style, ground_truth}`, `extra_info {split, index,
-/// answer, question}`.
+/// answer, question}`. A record with multi-turn fields (`tools_kwargs`, `interaction_kwargs`,
+/// `agent_name`), which this writer does not hold, is refused naming its row rather than written
+/// without them.
 pub fn write_parquet(path: &Path, records: &[PromptRecord]) -> Result<(), RolloutError> {
     let err = polars_err(path);
+    if let Some(row) = records.iter().position(|r| {
+        !r.extra_info.tools_kwargs.is_empty()
+            || !r.extra_info.interaction_kwargs.is_empty()
+            || r.agent_name.is_some()
+    }) {
+        return Err(RolloutError::Row {
+            path: path.into(),
+            row: row + 1,
+            message: "tools_kwargs, interaction_kwargs and agent_name are not written by this \
+                      writer (write verl's layout with its preprocessing scripts)"
+                .into(),
+        });
+    }
     let n = records.len();
     let prompts: Vec<Series> = records
         .iter()

@@ -143,3 +143,40 @@ fn real_gsm8k_converts_with_verls_prompt() {
     );
     std::fs::remove_dir_all(out).ok();
 }
+
+/// verl's multi-turn GSM8K parquet (its preprocessing's layout, written by HF `datasets`): each
+/// row's `extra_info.tools_kwargs` and `interaction_kwargs` are read as the nested mappings the
+/// tools and interactions take, and `agent_name` picks the row's loop.
+#[test]
+fn verls_tool_kwargs_and_agent_names_are_read() {
+    let path = burn_rlhf_test_assets::fixtures_subdir_or_own("data")
+        .join("gsm8k_multiturn_w_tool.parquet");
+    let records = read_parquet(&path, "prompt", "data_source").unwrap();
+    assert_eq!(records.len(), 4);
+    for r in &records {
+        let truth = &r.ground_truth;
+        let create = &r.extra_info.tools_kwargs["calc_gsm8k_reward"]["create_kwargs"];
+        assert_eq!(create["ground_truth"].as_str(), Some(truth.as_str()));
+        assert_eq!(
+            r.extra_info.interaction_kwargs["ground_truth"].as_str(),
+            Some(truth.as_str())
+        );
+        assert_eq!(r.prompt[0].role, "system");
+    }
+    let names: Vec<Option<&str>> = records.iter().map(|r| r.agent_name.as_deref()).collect();
+    assert_eq!(
+        names,
+        [
+            Some("tool_agent"),
+            Some("tool_agent"),
+            Some("tool_agent"),
+            Some("single_turn_agent")
+        ]
+    );
+    assert_eq!(records[0].ground_truth, "72");
+    let out = burn_rlhf_test_assets::temp_dir("tool-kwargs").join("out.parquet");
+    let e = burn_rlhf_rollout::data::write_parquet(&out, &records)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("row 1") && e.contains("tools_kwargs"), "{e}");
+}

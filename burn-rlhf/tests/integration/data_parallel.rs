@@ -929,7 +929,9 @@ fn conversations_on_two_devices_reproduce_one_device() {
         p
     };
     let one = dir.join("single");
-    let mut l = Learner::new(multi_turn(&one), with_hint(), &Default::default()).unwrap();
+    let mut single_config = multi_turn(&one);
+    single_config.trainer.rollout_data_dir = Some(one.join("rollouts").display().to_string());
+    let mut l = Learner::new(single_config, with_hint(), &Default::default()).unwrap();
     let single = l.fit(stop_flag()).unwrap().checkpoint.unwrap();
     let dp = n_devices_of(multi_turn(&dir.join("dp")), with_hint(), 2).unwrap();
     assert_same_weights(&single, &dp, "conversations: 2 devices vs 1");
@@ -939,4 +941,18 @@ fn conversations_on_two_devices_reproduce_one_device() {
         metrics.iter().all(|(_, m)| m["num_turns/max"] == 4.0),
         "every step had a conversation of prompt, model, user, model"
     );
+    // The dumps show each turn: the model's, the hint, the model's.
+    let dump = std::fs::read_to_string(one.join("rollouts/1.jsonl")).unwrap();
+    let rows: Vec<serde_json::Value> = dump
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let row = rows
+        .iter()
+        .find(|r| r.get("turns").is_some())
+        .expect("a conversation's turns");
+    let turns = row["turns"].as_array().unwrap();
+    let roles: Vec<&str> = turns.iter().map(|t| t["role"].as_str().unwrap()).collect();
+    assert_eq!(roles, ["assistant", "user", "assistant"]);
+    assert!(turns[1]["content"].as_str().unwrap().starts_with('='));
 }
