@@ -183,11 +183,20 @@ fn main() -> anyhow::Result<()> {
     let after = learner.validate()?;
     if let Some(path) = &out.jsonl {
         let history = burn_rlhf::trainer::logger::read_jsonl(path)?;
-        let calls = |i: usize| history[i].1.get("tool_calls/mean").copied().unwrap_or(0.0);
+        let at = |i: usize, key: &str| history[i].1.get(key).copied().unwrap_or(0.0);
+        let last = history.len() - 1;
         println!(
             "tool calls per answer: {:.2} at the first GRPO step, {:.2} at the last",
-            calls(0),
-            calls(history.len() - 1)
+            at(0, "tool_calls/mean"),
+            at(last, "tool_calls/mean")
+        );
+        println!(
+            "the last step's engine: {} tokens prefilled ({} prompts, {} appended tool tokens, \
+             the rest the token before each appended turn), {} decoded",
+            at(last, "rollout/prefill_tokens"),
+            args.batch_size,
+            at(last, "rollout/appended_tokens"),
+            at(last, "rollout/decode_tokens")
         );
     }
     println!(

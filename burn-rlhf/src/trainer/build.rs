@@ -252,6 +252,7 @@ impl<B: LearnerBackend> Learner<B> {
             critic,
             reference,
             reference_refreshed_at: None,
+            engine_counters: Default::default(),
             reward_scorer,
             algorithms,
             train,

@@ -108,6 +108,9 @@ pub struct Learner<B: LearnerBackend> {
     pub(crate) dp: DataParallel,
     /// Tokens per length bucket for this backend (1: exact shapes).
     pub(crate) shape_bucket: usize,
+    /// The rollout engines' counters since the step's generation began, summed over the ranks:
+    /// prefill tokens, decode tokens, samples that took a sibling's prompt blocks, preemptions.
+    pub(crate) engine_counters: std::sync::Mutex<[f64; 4]>,
     /// Completed training steps.
     pub global_step: usize,
     pub(crate) total_steps: usize,

@@ -197,6 +197,18 @@ impl<B: LearnerBackend> Learner<B> {
             self.engine_config(share.len() * params.n, &cache_config, policy.float_dtype())?;
         let mut engine = Engine::new(&policy, &cache_config, pad, engine, &self.device)?;
         let mine = run_conversations(&mut engine, &jobs, &Arc::new(params.clone()))?;
+        let s = engine.stats();
+        let counts = self.dp.all_reduce_f64(&[
+            s.prefill_tokens as f64,
+            s.decode_tokens as f64,
+            s.shared_prefills as f64,
+            s.preemptions as f64,
+        ])?;
+        let mut total = self.engine_counters.lock().expect("not poisoned");
+        for (t, c) in total.iter_mut().zip(counts) {
+            *t += c;
+        }
+        drop(total);
         let samples = self.gather_samples(mine, share.start, prompts.len(), params)?;
         let group_ids: Vec<u64> = (first_group..).take(indices.len()).collect();
         let sources: Vec<String> = picked.iter().map(|r| r.data_source.clone()).collect();
@@ -355,15 +367,40 @@ impl<B: LearnerBackend> Learner<B> {
         step: usize,
         timing: &mut Timing,
     ) -> Result<(RolloutBatch, Vec<usize>, Metrics), TrainError> {
-        burn_rlhf_algos::kernels::with_kernels(self.settings.model.use_fused_kernels, || {
-            if let Some(filter) = self.settings.algorithm.filter_groups {
-                return self.sample_filtered_batch(step, filter, timing);
-            }
-            let indices = self.sampler.next_batch(self.settings.data.train_batch_size);
-            let mut batch = timing.time("gen", || self.generate(&indices, step))?;
-            timing.time("reward", || self.reward(&mut batch))?;
-            Ok((batch, indices, Metrics::new()))
-        })
+        *self.engine_counters.lock().expect("not poisoned") = [0.0; 4];
+        let (batch, indices, mut metrics) =
+            burn_rlhf_algos::kernels::with_kernels(self.settings.model.use_fused_kernels, || {
+                if let Some(filter) = self.settings.algorithm.filter_groups {
+                    return self.sample_filtered_batch(step, filter, timing);
+                }
+                let indices = self.sampler.next_batch(self.settings.data.train_batch_size);
+                let mut batch = timing.time("gen", || self.generate(&indices, step))?;
+                timing.time("reward", || self.reward(&mut batch))?;
+                Ok((batch, indices, Metrics::new()))
+            })?;
+        // What the engine computed: a conversation's earlier turns stay in its KV blocks, so
+        // prefill covers each prompt once and each appended turn (with the token sampled before
+        // it), never the history again.
+        let counters = *self.engine_counters.lock().expect("not poisoned");
+        for (key, value) in [
+            "rollout/prefill_tokens",
+            "rollout/decode_tokens",
+            "rollout/shared_prefills",
+            "rollout/preemptions",
+        ]
+        .into_iter()
+        .zip(counters)
+        {
+            metrics.insert(key.into(), value);
+        }
+        let appended: f64 = batch
+            .response_attention_mask
+            .iter()
+            .zip(&batch.response_mask)
+            .map(|(&a, &m)| f64::from(a - m))
+            .sum();
+        metrics.insert("rollout/appended_tokens".into(), appended);
+        Ok((batch, indices, metrics))
     }
 
     /// DAPO's dynamic sampling: batches of `data.gen_batch_size` prompts, keeping the groups whose

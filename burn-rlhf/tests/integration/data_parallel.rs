@@ -955,4 +955,21 @@ fn conversations_on_two_devices_reproduce_one_device() {
     let roles: Vec<&str> = turns.iter().map(|t| t["role"].as_str().unwrap()).collect();
     assert_eq!(roles, ["assistant", "user", "assistant"]);
     assert!(turns[1]["content"].as_str().unwrap().starts_with('='));
+    // The engine prefilled each prompt once (its 2 samples share it) and each appended turn with
+    // the token sampled before it: never a conversation's history again. One character is one
+    // token here.
+    let chars = |v: &serde_json::Value| v.as_str().unwrap().chars().count() as f64;
+    let prompts: f64 = rows.iter().step_by(2).map(|r| chars(&r["input"])).sum();
+    let user_turns: Vec<&serde_json::Value> = rows
+        .iter()
+        .filter_map(|r| r.get("turns"))
+        .flat_map(|t| t.as_array().unwrap())
+        .filter(|t| t["role"] == "user")
+        .collect();
+    let appended: f64 = user_turns.iter().map(|t| chars(&t["content"])).sum();
+    assert_eq!(metrics[0].1["rollout/appended_tokens"], appended);
+    assert_eq!(
+        metrics[0].1["rollout/prefill_tokens"],
+        prompts + appended + user_turns.len() as f64
+    );
 }
