@@ -172,7 +172,8 @@ pub struct AgentSample {
 /// Runs `params.n` conversations for each job on `engine`, side by side, to the end: each
 /// sample's response (model turns and appended turns, together at most `params.max_new_tokens`
 /// tokens, verl's `response_length`), in job order then sample order. A turn's tokens that
-/// would not fit the rest of the budget end the conversation before them, as in verl.
+/// would not fit the rest of the budget, or the model's context, end the conversation before
+/// them, as in verl.
 pub fn run_conversations<B: DecoderBackend>(
     engine: &mut Engine<'_, B>,
     jobs: &[AgentJob<'_>],
@@ -233,8 +234,14 @@ pub fn run_conversations<B: DecoderBackend>(
                 _ if left == 0 => Next::End,
                 reason => run.conversation.after_model_turn(&f.tokens, reason, left)?,
             };
+            // A continued turn must leave the sequence shorter than the model's context.
+            let context_left = engine
+                .max_model_len()
+                .saturating_sub(jobs[run.slot / n].prompt.len() + s.tokens.len());
             match next {
-                Next::Continue { tokens, role } if tokens.len() < left => {
+                Next::Continue { tokens, role }
+                    if tokens.len() < left && tokens.len() < context_left =>
+                {
                     s.tokens.extend_from_slice(&tokens);
                     s.logprobs.extend(std::iter::repeat_n(0.0, tokens.len()));
                     s.mask.extend(std::iter::repeat_n(0u8, tokens.len()));

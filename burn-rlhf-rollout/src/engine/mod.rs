@@ -186,6 +186,11 @@ impl<'a, B: DecoderBackend> Engine<'a, B> {
         Ok(id)
     }
 
+    /// The model's context (`max_model_len`): a continued sequence must stay shorter.
+    pub fn max_model_len(&self) -> usize {
+        self.sched.limits().max_len
+    }
+
     /// Whether any sequence waits or runs.
     pub fn has_unfinished(&self) -> bool {
         self.sched.has_unfinished()
