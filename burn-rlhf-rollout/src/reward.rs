@@ -101,6 +101,16 @@ pub fn gsm8k_score(
     }
 }
 
+/// verl's GSM8K tool and interaction score a submitted answer so: `#### ` put in front unless it
+/// is there, then the flexible rule, 0 for a wrong answer, 1 for the right one.
+pub fn gsm8k_submission_score(answer: &str, ground_truth: &str) -> f64 {
+    let submission = match answer.starts_with("#### ") {
+        true => answer.to_string(),
+        false => format!("#### {answer}"),
+    };
+    gsm8k_score(&submission, ground_truth, Gsm8kMethod::Flexible, 0.0, 1.0)
+}
+
 /// GSM8K's rule reward with verl's defaults (strict, format score 0, score 1).
 #[derive(Debug, Clone, Copy)]
 pub struct Gsm8kReward {

@@ -54,9 +54,20 @@ pub fn tokenizer() -> Tokenizer {
 
 /// A small Llama-shaped decoder for the task: `hidden` wide, `layers` deep, 4 heads.
 pub fn model_config(hidden: usize, layers: usize) -> TransformerConfig {
+    small_llama(VOCAB.len(), hidden, layers, 64)
+}
+
+/// A Llama-shaped decoder of `vocab` tokens (`<pad>` 0, `<eos>` 1), `hidden` wide, `layers` deep,
+/// 4 heads, `positions` long: the built-in tasks' models.
+pub fn small_llama(
+    vocab: usize,
+    hidden: usize,
+    layers: usize,
+    positions: usize,
+) -> TransformerConfig {
     TransformerConfig::new(
         ModelType::Llama,
-        VOCAB.len(),
+        vocab,
         hidden,
         hidden * 4,
         layers,
@@ -64,7 +75,7 @@ pub fn model_config(hidden: usize, layers: usize) -> TransformerConfig {
         4,
         hidden / 4,
     )
-    .with_max_position_embeddings(64)
+    .with_max_position_embeddings(positions)
     .with_eos_token_ids(vec![1])
     .with_pad_token_id(Some(0))
 }

@@ -11,7 +11,7 @@
 
 use std::sync::Arc;
 
-use burn_rlhf_models::{ChatMessage, ModelType, Tokenizer, TransformerConfig};
+use burn_rlhf_models::{ChatMessage, Tokenizer, TransformerConfig};
 use burn_rlhf_rollout::agent::render::ChatRenderer;
 use burn_rlhf_rollout::agent::tool_agent::{MultiTurnSettings, ToolAgent};
 use burn_rlhf_rollout::data::ExtraInfo;
@@ -84,19 +84,7 @@ pub fn vocab_size() -> usize {
 
 /// A small Llama-shaped decoder for the task: `hidden` wide, `layers` deep, 4 heads.
 pub fn model_config(hidden: usize, layers: usize) -> TransformerConfig {
-    TransformerConfig::new(
-        ModelType::Llama,
-        vocab_size(),
-        hidden,
-        hidden * 4,
-        layers,
-        4,
-        4,
-        hidden / 4,
-    )
-    .with_max_position_embeddings(128)
-    .with_eos_token_ids(vec![1])
-    .with_pad_token_id(Some(0))
+    crate::tasks::small_llama(vocab_size(), hidden, layers, 128)
 }
 
 /// One problem as a prompt record.

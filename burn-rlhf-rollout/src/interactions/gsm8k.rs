@@ -6,7 +6,7 @@ use burn_rlhf_models::ChatMessage;
 use serde_json::{Map, Value};
 
 use super::{Interaction, InteractionState, InteractionTurn};
-use crate::reward::{gsm8k_score, Gsm8kMethod};
+use crate::reward::gsm8k_submission_score;
 
 /// The GSM8K interaction.
 #[derive(Debug, Clone, Default)]
@@ -52,17 +52,7 @@ impl InteractionState for Gsm8kDialogue {
             .find(|m| m.role == "assistant")
             .map(|m| m.content.as_str())
             .unwrap_or("");
-        let response = match content.starts_with("#### ") {
-            true => content.to_string(),
-            false => format!("#### {content}"),
-        };
-        let reward = gsm8k_score(
-            &response,
-            &self.ground_truth,
-            Gsm8kMethod::Flexible,
-            0.0,
-            1.0,
-        );
+        let reward = gsm8k_submission_score(content, &self.ground_truth);
         Ok(match reward == 1.0 {
             true => InteractionTurn {
                 terminate: true,

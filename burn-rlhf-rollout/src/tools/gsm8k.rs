@@ -5,7 +5,7 @@
 use serde_json::{Map, Value};
 
 use super::{Tool, ToolOutput, ToolState};
-use crate::reward::{gsm8k_score, Gsm8kMethod};
+use crate::reward::gsm8k_submission_score;
 
 /// The GSM8K tool.
 #[derive(Debug, Clone)]
@@ -62,17 +62,7 @@ impl ToolState for Gsm8kState {
             Some(Value::Null) | None => String::new(),
             Some(other) => other.to_string(),
         };
-        let response = match answer.starts_with("#### ") {
-            true => answer.clone(),
-            false => format!("#### {answer}"),
-        };
-        let reward = gsm8k_score(
-            &response,
-            &self.ground_truth,
-            Gsm8kMethod::Flexible,
-            0.0,
-            1.0,
-        );
+        let reward = gsm8k_submission_score(&answer, &self.ground_truth);
         let tool_reward = if reward > self.reward { 0.0 } else { -0.05 };
         self.reward = reward;
         Ok(ToolOutput {
