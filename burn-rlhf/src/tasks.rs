@@ -144,17 +144,21 @@ pub fn sft_batch(tokenizer: &Tokenizer, records: &[&PromptRecord]) -> RolloutBat
             stopped: true,
         });
     }
+    supervised_batch(&prompts, &samples, records, tokenizer.pad_token_id)
+}
+
+/// Supervised targets as a batch: sample `i` answers `prompts[i]`, record `i`'s row (its own
+/// group, data source and ground truth).
+pub fn supervised_batch(
+    prompts: &[Vec<u32>],
+    samples: &[Sample],
+    records: &[&PromptRecord],
+    pad_id: u32,
+) -> RolloutBatch {
     let ids: Vec<u64> = (0..records.len() as u64).collect();
     let sources: Vec<String> = records.iter().map(|r| r.data_source.clone()).collect();
     let truths: Vec<String> = records.iter().map(|r| r.ground_truth.clone()).collect();
-    RolloutBatch::from_samples(
-        &prompts,
-        &samples,
-        tokenizer.pad_token_id,
-        &ids,
-        &sources,
-        &truths,
-    )
+    RolloutBatch::from_samples(prompts, samples, pad_id, &ids, &sources, &truths)
 }
 
 /// A preference per problem, as TRL's plain-text layout (`prompt`, `chosen`, `rejected`): the

@@ -189,17 +189,7 @@ pub fn sft_batch(tokenizer: &Tokenizer, records: &[&PromptRecord]) -> RolloutBat
             stopped: true,
         });
     }
-    let ids: Vec<u64> = (0..records.len() as u64).collect();
-    let sources: Vec<String> = records.iter().map(|r| r.data_source.clone()).collect();
-    let truths: Vec<String> = records.iter().map(|r| r.ground_truth.clone()).collect();
-    RolloutBatch::from_samples(
-        &prompts,
-        &samples,
-        tokenizer.pad_token_id,
-        &ids,
-        &sources,
-        &truths,
-    )
+    crate::tasks::supervised_batch(&prompts, &samples, records, tokenizer.pad_token_id)
 }
 
 /// 1 when the final answer (the text after the last tool response, or the whole response
