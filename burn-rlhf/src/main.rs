@@ -161,6 +161,13 @@ enum Command {
         /// The largest buffer, MiB.
         #[arg(long, default_value_t = 64)]
         max_mib: usize,
+        /// How the ranks exchange (`trainer.collective_backend`): auto, nccl or host.
+        #[arg(long, default_value = "auto")]
+        transport: String,
+        /// Every rank of this process on its first device (what NCCL does with two ranks on one
+        /// GPU).
+        #[arg(long)]
+        same_device: bool,
         /// The peer script (`benches/peers/collectives.py`).
         #[arg(long)]
         peer: Option<PathBuf>,
@@ -425,11 +432,17 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             nnodes,
             devices,
             max_mib,
+            transport,
+            same_device,
             peer,
             peer_python,
         } => {
             use burn_rlhf::bench::{bench_collectives, collectives_table, run_collectives_peer};
-            if let Some((transport, rows)) = bench_collectives(nnodes, devices, max_mib << 20)? {
+            let backend = burn_rlhf::config::CollectiveBackend::parse(&transport)
+                .map_err(|e| anyhow::anyhow!("--transport: {e}"))?;
+            if let Some((transport, rows)) =
+                bench_collectives(nnodes, devices, max_mib << 20, backend, same_device)?
+            {
                 for row in &rows {
                     println!("{}", row.to_json(transport));
                 }
@@ -511,6 +524,12 @@ fn report_supervised(out: &burn_rlhf::trainer::supervised::SupervisedOutputs) {
 }
 
 fn main() -> ExitCode {
+    // NCCL named by BURN_RLHF_NCCL_LIB becomes loadable (a restart in place, the first time).
+    #[cfg(feature = "cuda")]
+    if let Err(e) = burn_rlhf::distributed::nccl_library::prepare_library_path() {
+        eprintln!("error: {e}");
+        return ExitCode::FAILURE;
+    }
     burn_rlhf::runtime::tune_allocator();
     burn_rlhf::runtime::configure_kernels();
     let cli = Cli::parse();

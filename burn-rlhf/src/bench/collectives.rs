@@ -83,27 +83,64 @@ fn repetitions(bytes: usize) -> usize {
     (64 * 1024 * 1024 / bytes).clamp(5, 50)
 }
 
-/// One operation on a buffer of `floats` values (all-gather: each rank's `1/world` of it).
-/// Returns the values it produced on this rank.
-fn run_once(collective: &dyn Collective, op: &str, floats: usize) -> Result<usize, TrainError> {
+/// One operation on a buffer of `floats` values (all-gather: each rank's `1/world` of it), every
+/// rank's values its rank + 1. Returns what it produced on this rank, flattened.
+fn run_once(collective: &dyn Collective, op: &str, floats: usize) -> Result<Vec<f32>, TrainError> {
     let (world, rank) = (collective.world(), collective.rank());
     let data = vec![rank as f32 + 1.0; floats];
     Ok(match op {
-        "all_reduce" => collective.all_reduce_sum(data)?.len(),
+        "all_reduce" => collective.all_reduce_sum(data)?,
         "all_gather" => collective
             .all_gather(data[..floats / world].to_vec())?
-            .iter()
-            .map(Vec::len)
-            .sum(),
-        "reduce_scatter" => collective.reduce_scatter(data)?.len(),
-        _ => collective.broadcast(0, data)?.len(),
+            .concat(),
+        "reduce_scatter" => collective.reduce_scatter(data)?,
+        _ => collective.broadcast(0, data)?,
     })
+}
+
+/// What [`run_once`] must produce on `rank`: the sum 1 + ... + world, each rank's value in rank
+/// order, this rank's chunk of the sum, or rank 0's value.
+fn expected(op: &str, world: usize, rank: usize, floats: usize) -> Vec<f32> {
+    let sum = (world * (world + 1) / 2) as f32;
+    match op {
+        "all_reduce" => vec![sum; floats],
+        "all_gather" => (0..world)
+            .flat_map(|r| vec![r as f32 + 1.0; floats / world])
+            .collect(),
+        "reduce_scatter" => vec![sum; crate::distributed::chunk(floats, world, rank).len()],
+        _ => vec![1.0; floats],
+    }
+}
+
+/// [`run_once`], its result checked against [`expected`]; an error names the operation, size
+/// and first wrong value.
+fn run_checked(collective: &dyn Collective, op: &str, floats: usize) -> Result<(), TrainError> {
+    let got = run_once(collective, op, floats)?;
+    let want = expected(op, collective.world(), collective.rank(), floats);
+    let wrong = (got.len() != want.len())
+        .then(|| format!("{} values, expected {}", got.len(), want.len()))
+        .or_else(|| {
+            got.iter()
+                .zip(&want)
+                .position(|(a, b)| a != b)
+                .map(|i| format!("value {i} is {}, expected {}", got[i], want[i]))
+        });
+    match wrong {
+        None => Ok(()),
+        Some(what) => Err(TrainError::Distributed(
+            crate::distributed::DistributedError::Transport {
+                rank: collective.rank(),
+                message: format!("{op} of {} bytes gave a wrong result: {what}", floats * 4),
+            },
+        )),
+    }
 }
 
 /// Times every operation at every size on this rank's `collective` (every rank runs this with
 /// the same sizes). A first pass over every case warms the allocators and transports (the first
-/// large buffers otherwise pay for page faults, measured at up to 7x); then each repetition is
-/// timed alone between barriers, and the median of the slowest rank is kept.
+/// large buffers otherwise pay for page faults, measured at up to 7x) and checks every result
+/// against the host's arithmetic; then each repetition is timed alone between barriers, and the
+/// median of the slowest rank is kept.
 pub fn measure_collectives(
     collective: &dyn Collective,
     sizes: &[usize],
@@ -111,7 +148,7 @@ pub fn measure_collectives(
     let world = collective.world();
     for op in OPERATIONS {
         for &bytes in sizes {
-            run_once(collective, op, bytes / 4)?;
+            run_checked(collective, op, bytes / 4)?;
         }
     }
     let mut rows = Vec::new();
@@ -124,7 +161,7 @@ pub fn measure_collectives(
                 let start = Instant::now();
                 let produced = run_once(collective, op, floats)?;
                 times.push(start.elapsed().as_secs_f64());
-                debug_assert!(produced > 0);
+                debug_assert!(!produced.is_empty());
             }
             let slowest = collective.all_reduce_max_f64(median(&mut times))?;
             rows.push(CollectiveRow {
@@ -177,18 +214,25 @@ pub fn run_collectives<B: LearnerBackend>(
 }
 
 /// `burn-rlhf bench-collectives`: this process's share of `nnodes` hosts of `per_node`
-/// devices (alone, or its place in an MPI job), timed up to `max_bytes`. Returns the transport's
-/// name and the rows on the first rank of process 0, `None` elsewhere.
+/// devices (alone, or its place in an MPI job), exchanging through `backend`, timed up to
+/// `max_bytes`; with `same_device`, every rank of this process on its first device. Returns the
+/// transport's name and the rows on the first rank of process 0, `None` elsewhere.
 pub fn bench_collectives(
     nnodes: usize,
     per_node: usize,
     max_bytes: usize,
+    backend: crate::config::CollectiveBackend,
+    same_device: bool,
 ) -> Result<Option<(&'static str, Vec<CollectiveRow>)>, TrainError> {
     let timeout = std::time::Duration::from_secs(600);
     let (node, first, count) =
-        crate::trainer::commands::processes_and_devices(nnodes, per_node, timeout)?;
-    let devices = crate::backend::devices_from(first, count);
-    let transport = transport_name(&node, devices.len());
+        crate::trainer::commands::processes_and_devices(nnodes, per_node, timeout, backend)?;
+    let devices = if same_device {
+        vec![crate::backend::devices_from(first, 1)[0].clone(); count]
+    } else {
+        crate::backend::devices_from(first, count)
+    };
+    let transport = transport_name(&node, devices.len())?;
     let rows = run_collectives::<crate::backend::TrainBackend>(&devices, &node, max_bytes);
     #[cfg(feature = "mpi")]
     if let crate::trainer::Processes::Mpi(process) = &node.processes {
@@ -198,12 +242,15 @@ pub fn bench_collectives(
 }
 
 /// The transport a launch of `devices` local ranks uses, by name.
-pub fn transport_name(node: &NodeLaunch, devices: usize) -> &'static str {
-    match (node.processes.count(), devices) {
+pub fn transport_name(node: &NodeLaunch, devices: usize) -> Result<&'static str, TrainError> {
+    let nccl = node.uses_nccl()?;
+    Ok(match (node.processes.count(), devices) {
+        (1, 1) if node.backend == crate::config::CollectiveBackend::Nccl => "nccl (one rank)",
         (1, 1) => "none (one rank)",
+        _ if nccl => "nccl",
         (1, _) => "burn-collective (devices of one process)",
         _ => "mpi (processes)",
-    }
+    })
 }
 
 /// Runs the peer script for `ranks` processes up to `max_bytes`; its rows.
@@ -295,6 +342,42 @@ mod tests {
         assert_eq!(sizes(64 * 1024), vec![4096, 16384, 65536]);
         let json = row("reduce_scatter").to_json("t");
         assert_eq!(CollectiveRow::from_json(&json), Some(row("reduce_scatter")));
+    }
+
+    /// Two ranks whose sum forgets the other rank.
+    struct ForgetfulPair;
+
+    impl Collective for ForgetfulPair {
+        fn rank(&self) -> usize {
+            0
+        }
+        fn world(&self) -> usize {
+            2
+        }
+        fn all_reduce_sum(
+            &self,
+            data: Vec<f32>,
+        ) -> Result<Vec<f32>, crate::distributed::DistributedError> {
+            Ok(data)
+        }
+        fn abort(&self, _reason: &str) {}
+        fn as_any(&self) -> &dyn std::any::Any {
+            self
+        }
+    }
+
+    #[test]
+    fn a_wrong_result_is_an_error_naming_the_operation() {
+        let err = measure_collectives(&ForgetfulPair, &sizes(4096))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("all_reduce of 4096 bytes") && err.contains("is 1, expected 3"),
+            "{err}"
+        );
+        for op in OPERATIONS {
+            run_checked(&crate::distributed::Solo, op, 1024).unwrap();
+        }
     }
 
     #[test]

@@ -34,6 +34,10 @@ pub struct TrainerConfig {
     /// Seconds the ranks of one process wait for each other after one failed, before returning
     /// its error (at most 60); across MPI processes the launcher stops them instead.
     pub collective_timeout_s: u64,
+    /// How ranks exchange data: `auto` (NCCL on a CUDA build where the library loads, else the
+    /// host transports), `nccl` (required) or `host` (burn-collective between the devices of one
+    /// process, MPI between processes).
+    pub collective_backend: String,
     /// Steps between checkpoints; `-1`: only at the end.
     pub save_freq: i64,
     /// Steps between validations; `-1`: never.
@@ -76,6 +80,7 @@ impl Default for TrainerConfig {
             balance_batch: true,
             zero_stage: 0,
             collective_timeout_s: 1800,
+            collective_backend: "auto".into(),
             save_freq: -1,
             test_freq: -1,
             val_before_train: true,
@@ -117,6 +122,8 @@ pub struct TrainerSettings {
     pub shard_optimizer: bool,
     /// How long a rank waits for another.
     pub collective_timeout: std::time::Duration,
+    /// How ranks exchange data.
+    pub collective_backend: CollectiveBackend,
     /// Steps between checkpoints; `None`: only at the end.
     pub save_freq: Option<usize>,
     /// Steps between validations; `None`: never.
@@ -223,6 +230,46 @@ pub(super) fn decode_loggers(
     (has("console"), has("jsonl"), tensorboard)
 }
 
+/// `trainer.collective_backend`, decoded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CollectiveBackend {
+    /// NCCL on a CUDA build where the library loads, else the host transports.
+    #[default]
+    Auto,
+    /// NCCL, or an error saying why it cannot run.
+    Nccl,
+    /// burn-collective between the devices of one process, MPI between processes.
+    Host,
+}
+
+impl CollectiveBackend {
+    /// The names, as the key takes them.
+    pub const NAMES: [&'static str; 3] = ["auto", "nccl", "host"];
+
+    /// `name` as the key takes it; `None` (reported in `p`) for another.
+    pub(super) fn decode(p: &mut Problems, name: &str) -> Option<Self> {
+        match name {
+            "auto" => Some(Self::Auto),
+            "nccl" => Some(Self::Nccl),
+            "host" => Some(Self::Host),
+            _ => {
+                p.one_of_str("trainer.collective_backend", name, &Self::NAMES);
+                None
+            }
+        }
+    }
+
+    /// The backend a command-line flag names (`bench-collectives --transport`).
+    pub fn parse(name: &str) -> Result<Self, String> {
+        Self::decode(&mut Problems::default(), name).ok_or_else(|| {
+            format!(
+                "unknown collective backend `{name}`; one of {}",
+                Self::NAMES.join(", ")
+            )
+        })
+    }
+}
+
 impl TrainerConfig {
     pub(super) fn decode(&self, p: &mut Problems) -> Option<TrainerSettings> {
         let (console, jsonl, tensorboard) =
@@ -266,6 +313,7 @@ impl TrainerConfig {
             balance_batch: self.balance_batch,
             shard_optimizer: self.zero_stage >= 1,
             collective_timeout: std::time::Duration::from_secs(self.collective_timeout_s),
+            collective_backend: CollectiveBackend::decode(p, &self.collective_backend)?,
             save_freq: positive(self.save_freq),
             test_freq: positive(self.test_freq),
             val_before_train: self.val_before_train,

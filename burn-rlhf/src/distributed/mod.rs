@@ -13,6 +13,8 @@
 //! - [`BurnCollective`]: devices of one process, through burn-collective's all-reduce.
 //! - [`mpi::MpiRank`] (the `mpi` feature): ranks in the processes of an MPI job (`mpirun`,
 //!   `srun`), through the MPI library.
+//! - `nccl::NcclRank` (CUDA builds, `trainer.collective_backend`): one NCCL communicator per
+//!   GPU, for the devices of one process or the processes of an MPI job.
 //! - [`Subgroup`]: the data-parallel ranks of one place in the tensor-parallel groups, inside
 //!   one of the above.
 
@@ -20,6 +22,9 @@ mod balance;
 mod local;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+#[cfg(feature = "cuda")]
+pub mod nccl;
+pub mod nccl_library;
 mod params;
 mod subgroup;
 

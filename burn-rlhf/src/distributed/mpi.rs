@@ -131,6 +131,29 @@ impl MpiProcess {
         }
     }
 
+    /// Process 0's `mine` (an NCCL unique id) on every process; the others pass `None`. In 16
+    /// gathers of 8 bytes: it runs once, when the communicators are made.
+    #[cfg(feature = "cuda")]
+    pub fn broadcast_id(
+        &self,
+        mine: Option<[std::ffi::c_char; 128]>,
+    ) -> Result<[std::ffi::c_char; 128], DistributedError> {
+        let bytes: Vec<u8> = mine.map_or(vec![0; 128], |id| id.iter().map(|&c| c as u8).collect());
+        let mut out = [0 as std::ffi::c_char; 128];
+        for (i, word) in bytes.chunks(8).enumerate() {
+            let (tx, rx) = mpsc::channel();
+            let value = u64::from_le_bytes(word.try_into().expect("8 bytes"));
+            self.send(Request::GatherU64(value, tx))?;
+            let all = rx.recv().map_err(|_| {
+                transport("the MPI thread stopped while sharing the NCCL id".into())
+            })?;
+            for (j, b) in all[0].to_le_bytes().iter().enumerate() {
+                out[i * 8 + j] = *b as std::ffi::c_char;
+            }
+        }
+        Ok(out)
+    }
+
     /// Prints `reason` and stops the job (`MPI_Abort`); never returns.
     fn abort(&self, reason: &str) -> ! {
         if self.send(Request::Abort(reason.to_string())).is_err() {

@@ -65,17 +65,27 @@ pub fn train(settings: Settings) -> Result<RunOutputs, TrainError> {
 /// feature), an equal share of its host's devices, the job spanning `trainer.nnodes` hosts.
 pub fn this_process(settings: &Settings) -> Result<(NodeLaunch, usize, usize), TrainError> {
     let t = &settings.trainer;
-    processes_and_devices(t.nnodes, t.n_gpus_per_node, t.collective_timeout)
+    processes_and_devices(
+        t.nnodes,
+        t.n_gpus_per_node,
+        t.collective_timeout,
+        t.collective_backend,
+    )
 }
 
 /// [`this_process`] for `nnodes` hosts of `n_gpus_per_node` devices (the keys of RL and SFT);
-/// `timeout` bounds the wait of one process's ranks for each other after one failed.
+/// `timeout` bounds the wait of one process's ranks for each other after one failed; the ranks
+/// exchange through `backend`.
 pub fn processes_and_devices(
     nnodes: usize,
     n_gpus_per_node: usize,
     timeout: std::time::Duration,
+    backend: crate::config::CollectiveBackend,
 ) -> Result<(NodeLaunch, usize, usize), TrainError> {
-    let alone = NodeLaunch::single(timeout);
+    let alone = NodeLaunch {
+        backend,
+        ..NodeLaunch::single(timeout)
+    };
     #[cfg(not(feature = "mpi"))]
     {
         if crate::distributed::launched_by_mpi() {

@@ -16,7 +16,7 @@ use super::build::LearnerParts;
 use super::fit::RunOutputs;
 use super::learner::Learner;
 use super::reward_model::LoadedRewardModel;
-use crate::config::Settings;
+use crate::config::{CollectiveBackend, Settings};
 #[cfg(feature = "mpi")]
 use crate::distributed::mpi::{MpiProcess, MpiRank, MpiTpRank};
 use crate::distributed::{
@@ -65,14 +65,39 @@ pub struct NodeLaunch {
     /// How long the ranks of this process wait for each other after one failed
     /// (`trainer.collective_timeout_s`).
     pub timeout: Duration,
+    /// How the ranks exchange data (`trainer.collective_backend`).
+    pub backend: CollectiveBackend,
 }
 
 impl NodeLaunch {
-    /// One process.
+    /// One process, its ranks exchanging as `auto` says.
     pub fn single(timeout: Duration) -> Self {
         Self {
             processes: Processes::Alone,
             timeout,
+            backend: CollectiveBackend::Auto,
+        }
+    }
+
+    /// Whether this launch's ranks exchange through NCCL: always for `nccl` (an error names
+    /// what is missing: a CUDA build, the library), for `auto` on a CUDA build where NCCL loads.
+    pub fn uses_nccl(&self) -> Result<bool, TrainError> {
+        let key = "trainer.collective_backend";
+        match self.backend {
+            CollectiveBackend::Host => Ok(false),
+            #[cfg(feature = "cuda")]
+            CollectiveBackend::Nccl => crate::distributed::nccl::check_library()
+                .map(|()| true)
+                .map_err(|m| TrainError::config(key, m)),
+            #[cfg(not(feature = "cuda"))]
+            CollectiveBackend::Nccl => Err(TrainError::config(
+                key,
+                "NCCL needs a CUDA build (`--features cuda`)",
+            )),
+            #[cfg(feature = "cuda")]
+            CollectiveBackend::Auto => Ok(crate::distributed::nccl::check_library().is_ok()),
+            #[cfg(not(feature = "cuda"))]
+            CollectiveBackend::Auto => Ok(false),
         }
     }
 }
@@ -198,7 +223,11 @@ pub(crate) fn run_ranks<B: LearnerBackend, T: Send + 'static>(
 ) -> Result<T, TrainError> {
     let local = devices.len();
     let abort = Arc::new(AbortFlag::default());
-    let mut joins = group.joins(local, &node.processes)?;
+    let ordinals: Vec<usize> = devices
+        .iter()
+        .map(|d| burn::tensor::backend::DeviceOps::id(d).index_id as usize)
+        .collect();
+    let mut joins = group.joins(local, node, &ordinals, &abort)?;
     if group.processes == 1 && local > 1 {
         BurnCollective::<B::InnerBackend>::reset_group();
     }
@@ -279,6 +308,16 @@ enum Join {
     },
     #[cfg(feature = "mpi")]
     Mpi(MpiRank),
+    /// A communicator made with its process's others (devices of one process).
+    #[cfg(feature = "cuda")]
+    Nccl(crate::distributed::nccl::NcclRank),
+    /// A communicator to make on the rank's thread from the id every process was given.
+    #[cfg(all(feature = "cuda", feature = "mpi"))]
+    NcclJoin {
+        ordinal: usize,
+        world: usize,
+        id: [std::ffi::c_char; 128],
+    },
 }
 
 impl Join {
@@ -298,6 +337,12 @@ impl Join {
             )?),
             #[cfg(feature = "mpi")]
             Self::Mpi(rank) => Arc::new(rank),
+            #[cfg(feature = "cuda")]
+            Self::Nccl(rank) => Arc::new(rank),
+            #[cfg(all(feature = "cuda", feature = "mpi"))]
+            Self::NcclJoin { ordinal, world, id } => Arc::new(
+                crate::distributed::nccl::NcclRank::join(ordinal, rank, world, id, abort.clone())?,
+            ),
         })
     }
 }
@@ -335,13 +380,32 @@ impl GroupPlan {
         Ok(())
     }
 
-    /// Each local rank's way to join, in device order: none alone, MPI across processes,
-    /// burn-collective across the devices of one process.
-    fn joins(&self, local: usize, processes: &Processes) -> Result<Vec<Join>, TrainError> {
+    /// Each local rank's way to join, in device order: none alone; NCCL where the launch uses
+    /// it (devices `ordinals`); else MPI across processes, burn-collective across the devices of
+    /// one process.
+    fn joins(
+        &self,
+        local: usize,
+        node: &NodeLaunch,
+        ordinals: &[usize],
+        abort: &Arc<AbortFlag>,
+    ) -> Result<Vec<Join>, TrainError> {
+        let processes = &node.processes;
         self.check_tp_layout(local, processes)?;
+        // One replica: its ranks exchange only within their tensor-parallel group. (One rank
+        // asked for NCCL gets a communicator of one: what `bench-collectives` checks.)
+        let one_nccl_rank = self.world == 1 && node.backend == CollectiveBackend::Nccl;
+        if self.world == self.tp && !one_nccl_rank {
+            return Ok((0..local).map(|_| Join::Solo).collect());
+        }
+        #[cfg(feature = "cuda")]
+        if node.uses_nccl()? {
+            return self.nccl_joins(processes, ordinals, abort);
+        }
+        // Refuses `nccl` with the reason.
+        #[cfg(not(feature = "cuda"))]
+        let _ = (node.uses_nccl()?, ordinals, abort);
         Ok(match processes {
-            // One replica: its ranks exchange only within their tensor-parallel group.
-            _ if self.world == self.tp => (0..local).map(|_| Join::Solo).collect(),
             Processes::Alone => (0..local)
                 .map(|_| Join::Local { world: self.world })
                 .collect(),
@@ -351,6 +415,45 @@ impl GroupPlan {
                 .map(Join::Mpi)
                 .collect(),
         })
+    }
+
+    /// NCCL communicators for this process's devices: made together for one process; for MPI
+    /// processes, process 0 draws the id, MPI hands it to the others and each rank makes its
+    /// own on its thread.
+    #[cfg(feature = "cuda")]
+    fn nccl_joins(
+        &self,
+        processes: &Processes,
+        ordinals: &[usize],
+        abort: &Arc<AbortFlag>,
+    ) -> Result<Vec<Join>, TrainError> {
+        use crate::distributed::nccl::NcclRank;
+        match processes {
+            Processes::Alone => Ok(NcclRank::for_devices(ordinals, abort.clone())?
+                .into_iter()
+                .map(Join::Nccl)
+                .collect()),
+            #[cfg(feature = "mpi")]
+            Processes::Mpi(process) => {
+                let mine = if process.place().process == 0 {
+                    Some(
+                        crate::distributed::nccl::new_id()
+                            .map_err(|m| TrainError::config("trainer.collective_backend", m))?,
+                    )
+                } else {
+                    None
+                };
+                let id = process.broadcast_id(mine)?;
+                Ok(ordinals
+                    .iter()
+                    .map(|&ordinal| Join::NcclJoin {
+                        ordinal,
+                        world: self.world,
+                        id,
+                    })
+                    .collect())
+            }
+        }
     }
 
     /// A tensor-parallel group is consecutive devices of one process, or consecutive MPI

@@ -122,6 +122,7 @@ pub(crate) fn launch_supervised<D: TrainerDefaults, C: SupervisedCommand + std::
         trainer.nnodes,
         trainer.n_gpus_per_node,
         Duration::from_secs(60),
+        crate::config::CollectiveBackend::Auto,
     )?;
     let devices = crate::backend::devices_from(first, count);
     let out = crate::with_train_backend!(checkpointing, B => {

@@ -324,6 +324,11 @@ fn cross_field_rules_are_enforced_in_words() {
             && e.contains("gae, grpo, grpo_passk, rloo"),
         "{e}"
     );
+    let e = invalid(&["trainer.collective_backend=gloo"]);
+    assert!(
+        e.contains("`trainer.collective_backend` = `gloo`") && e.contains("auto, nccl, host"),
+        "{e}"
+    );
     let e = invalid(&["data.train_batch_size=100"]);
     assert!(
         e.contains("must be divisible by `actor_rollout_ref.actor.ppo_mini_batch_size`"),

@@ -481,15 +481,26 @@ fn the_collectives_benchmark_times_every_operation_on_two_ranks() {
     let _turn = ONE_GROUP_AT_A_TIME
         .lock()
         .unwrap_or_else(|e| e.into_inner());
-    let (transport, rows) = burn_rlhf::bench::bench_collectives(1, 2, 64 * 1024)
-        .unwrap()
-        .expect("the first rank reports");
+    use burn_rlhf::config::CollectiveBackend;
+    // Every result is checked against the host's arithmetic before the timing.
+    let (transport, rows) =
+        burn_rlhf::bench::bench_collectives(1, 2, 64 * 1024, CollectiveBackend::Auto, false)
+            .unwrap()
+            .expect("the first rank reports");
     assert!(transport.starts_with("burn-collective"), "{transport}");
     assert_eq!(rows.len(), 4 * 3, "4 operations at 4, 16 and 64 KiB");
     for row in &rows {
         assert_eq!(row.ranks, 2);
         assert!(row.median_s > 0.0 && row.busbw().is_finite(), "{row:?}");
     }
+    // NCCL asked for where it cannot run: refused, naming the key and why.
+    let err = burn_rlhf::bench::bench_collectives(1, 2, 4096, CollectiveBackend::Nccl, false)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("trainer.collective_backend") && err.contains("--features cuda"),
+        "{err}"
+    );
 }
 
 /// The arithmetic reward, except that on rank 1 its second batch fails.
