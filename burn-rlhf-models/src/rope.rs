@@ -2,6 +2,8 @@
 //! `rope_parameters` (transformers 5) or `rope_scaling` (4.x), computed as transformers'
 //! `modeling_rope_utils` does.
 
+use std::sync::{Arc, Mutex};
+
 use serde::{Deserialize, Serialize};
 
 /// How the rotary frequencies are scaled (HF `rope_type`). An unknown `rope_type` does not
@@ -66,7 +68,7 @@ pub enum RopeScaling {
 
 /// The rotary frequencies of a model: one inverse frequency per pair of dimensions, and the
 /// factor cos and sin are multiplied by.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 pub struct RotaryFrequencies {
     /// `[head_dim / 2]`: the frequencies of a sequence within the model's context.
     pub inv_freq: Vec<f64>,
@@ -74,6 +76,29 @@ pub struct RotaryFrequencies {
     pub attention_factor: f64,
     /// Dynamic NTK: the frequencies of a longer sequence depend on its length.
     pub dynamic: Option<DynamicNtk>,
+    /// The tables of these frequencies kept on devices (shared by the model's copies).
+    pub tables: DeviceTables,
+}
+
+impl PartialEq for RotaryFrequencies {
+    /// The frequencies; where their tables are kept does not count.
+    fn eq(&self, other: &Self) -> bool {
+        (&self.inv_freq, self.attention_factor, &self.dynamic)
+            == (&other.inv_freq, other.attention_factor, &other.dynamic)
+    }
+}
+
+/// Whatever a backend keeps of a model's rotary tables on its devices (the cos and sin of
+/// positions `0..len` at the base frequencies; `transformer::Rope`), one entry per backend and
+/// device, type-erased so the frequencies stay free of a backend.
+#[derive(Clone, Default)]
+pub struct DeviceTables(pub Arc<Mutex<Vec<Box<dyn std::any::Any + Send + Sync>>>>);
+
+impl std::fmt::Debug for DeviceTables {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let n = self.0.lock().map_or(0, |t| t.len());
+        write!(f, "DeviceTables({n} devices)")
+    }
 }
 
 /// What dynamic NTK scaling recomputes the frequencies from (transformers'
@@ -89,6 +114,17 @@ pub struct DynamicNtk {
 }
 
 impl RotaryFrequencies {
+    /// Whether every token, its sequence's last position in `last`, rotates at the base
+    /// frequencies (dynamic NTK grows them only past the context).
+    pub fn base_for_all(&self, last: &[i64]) -> bool {
+        match &self.dynamic {
+            None => true,
+            Some(ntk) => last
+                .iter()
+                .all(|&l| (l + 1).max(0) as usize <= ntk.max_position_embeddings),
+        }
+    }
+
     /// The inverse frequencies for a sequence whose last position is `last_position`: the
     /// stored ones, or under dynamic NTK past the context, those of the grown base.
     ///
@@ -139,6 +175,7 @@ impl RopeScaling {
             inv_freq,
             attention_factor: 1.0,
             dynamic: None,
+            tables: DeviceTables::default(),
         };
         match self {
             Self::Default => plain(base),
@@ -150,6 +187,7 @@ impl RopeScaling {
                     theta,
                     max_position_embeddings,
                 }),
+                tables: DeviceTables::default(),
             },
             Self::Linear { factor } => plain(base.iter().map(|f| f / factor).collect()),
             Self::Llama3 {
@@ -229,6 +267,7 @@ impl RopeScaling {
                         .collect(),
                     attention_factor,
                     dynamic: None,
+                    tables: DeviceTables::default(),
                 }
             }
         }

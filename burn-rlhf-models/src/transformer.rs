@@ -89,8 +89,9 @@ pub struct Rope<B: Backend> {
 
 impl<B: Backend> Rope<B> {
     /// HF's rotary embedding for integer positions: angles `pos * inv_freq` repeated over both
-    /// halves, cos and sin times the attention factor (YaRN's; 1 otherwise). Computed on the host
-    /// in f64. Each row's frequencies are those of its length (its last position: dynamic NTK).
+    /// halves, cos and sin times the attention factor (YaRN's; 1 otherwise), computed on the
+    /// host in f64 once and kept on the device (`tables`). Each row's frequencies are those of
+    /// its length (its last position: dynamic NTK).
     ///
     /// Shapes: `positions` is `[B][L]` → tables `[B, 1, L, head_dim]`.
     pub fn new(positions: &[Vec<i64>], freqs: &RotaryFrequencies, device: &B::Device) -> Self {
@@ -118,7 +119,8 @@ impl<B: Backend> Rope<B> {
     }
 
     /// Tables for `positions` (`[B * L]`), token `i` rotated at the frequencies of a sequence
-    /// whose last position is `last[i]`.
+    /// whose last position is `last[i]`: rows of the tables kept on the device when every token
+    /// rotates at the base frequencies (only the positions travel), else computed here.
     fn tables(
         positions: &[i64],
         last: &[i64],
@@ -127,24 +129,20 @@ impl<B: Backend> Rope<B> {
         device: &B::Device,
     ) -> Self {
         let head_dim = 2 * freqs.inv_freq.len();
-        let scale = freqs.attention_factor;
-        let mut cos = Vec::with_capacity(b * l * head_dim);
-        let mut sin = Vec::with_capacity(b * l * head_dim);
-        let mut inv = freqs.for_length(last.first().copied().unwrap_or(0));
-        for (i, &p) in positions.iter().enumerate() {
-            if i > 0 && last[i] != last[i - 1] {
-                inv = freqs.for_length(last[i]);
-            }
-            // HF's `cat(freqs, freqs)`: both halves use the same angles.
-            for _half in 0..2 {
-                for f in inv.iter() {
-                    let angle = p as f64 * f;
-                    cos.push((angle.cos() * scale) as f32);
-                    sin.push((angle.sin() * scale) as f32);
-                }
-            }
-        }
         let shape = [b, 1, l, head_dim];
+        let gathered = positions.iter().all(|&p| p >= 0) && freqs.base_for_all(last);
+        if let (true, Some(&max)) = (gathered, positions.iter().max()) {
+            let (cos, sin) = DeviceTable::<B>::covering(freqs, max as usize + 1, device);
+            let rows = Tensor::<B, 1, Int>::from_data(
+                TensorData::new(positions.to_vec(), [positions.len()]),
+                device,
+            );
+            return Self {
+                cos: cos.select(0, rows.clone()).reshape(shape),
+                sin: sin.select(0, rows).reshape(shape),
+            };
+        }
+        let (cos, sin) = host_tables(positions, last, freqs);
         Self {
             cos: Tensor::from_data(TensorData::new(cos, shape), device),
             sin: Tensor::from_data(TensorData::new(sin, shape), device),
@@ -158,6 +156,74 @@ impl<B: Backend> Rope<B> {
         B: DecoderBackend,
     {
         kernels::rotary(x, self.cos.clone(), self.sin.clone())
+    }
+}
+
+/// HF's rotary tables for `positions`, token `i` at the frequencies of a sequence whose last
+/// position is `last[i]`: angles `pos * inv_freq` in f64 over both halves, cos and sin times the
+/// attention factor. Shapes: `[T]` → `[T * head_dim]` each (f32).
+fn host_tables(positions: &[i64], last: &[i64], freqs: &RotaryFrequencies) -> (Vec<f32>, Vec<f32>) {
+    let head_dim = 2 * freqs.inv_freq.len();
+    let scale = freqs.attention_factor;
+    let mut cos = Vec::with_capacity(positions.len() * head_dim);
+    let mut sin = Vec::with_capacity(positions.len() * head_dim);
+    let mut inv = freqs.for_length(last.first().copied().unwrap_or(0));
+    for (i, &p) in positions.iter().enumerate() {
+        if i > 0 && last[i] != last[i - 1] {
+            inv = freqs.for_length(last[i]);
+        }
+        // HF's `cat(freqs, freqs)`: both halves use the same angles.
+        for _half in 0..2 {
+            for f in inv.iter() {
+                let angle = p as f64 * f;
+                cos.push((angle.cos() * scale) as f32);
+                sin.push((angle.sin() * scale) as f32);
+            }
+        }
+    }
+    (cos, sin)
+}
+
+/// One device's rotary tables of one backend: cos and sin of positions `0..len` at the base
+/// frequencies, `[len, head_dim]` each, computed once on the host (f64, as [`host_tables`]) and
+/// grown to the next power of two when a forward reaches past them.
+struct DeviceTable<B: Backend> {
+    device: B::Device,
+    cos: Tensor<B, 2>,
+    sin: Tensor<B, 2>,
+}
+
+impl<B: Backend> DeviceTable<B> {
+    /// The tables of `freqs` on `device` covering positions `0..len`, made or grown if needed.
+    fn covering(
+        freqs: &RotaryFrequencies,
+        len: usize,
+        device: &B::Device,
+    ) -> (Tensor<B, 2>, Tensor<B, 2>) {
+        let mut kept = freqs.tables.0.lock().unwrap_or_else(|e| e.into_inner());
+        let found = kept.iter().position(|t| {
+            t.downcast_ref::<Self>()
+                .is_some_and(|t| &t.device == device)
+        });
+        if let Some(i) = found {
+            let t = kept[i].downcast_ref::<Self>().expect("checked above");
+            if t.cos.dims()[0] >= len {
+                return (t.cos.clone(), t.sin.clone());
+            }
+            kept.remove(i);
+        }
+        let rows = len.next_power_of_two().max(256);
+        let positions: Vec<i64> = (0..rows as i64).collect();
+        let (cos, sin) = host_tables(&positions, &vec![0; rows], freqs);
+        let head_dim = 2 * freqs.inv_freq.len();
+        let table = Self {
+            device: device.clone(),
+            cos: Tensor::from_data(TensorData::new(cos, [rows, head_dim]), device),
+            sin: Tensor::from_data(TensorData::new(sin, [rows, head_dim]), device),
+        };
+        let out = (table.cos.clone(), table.sin.clone());
+        kept.push(Box::new(table));
+        out
     }
 }
 
@@ -757,6 +823,57 @@ pub fn load_balancing_loss<B: Backend>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The rows gathered from the kept tables are the tables computed for the positions, bit for
+    /// bit; the tables grow when a forward reaches past them and are made once per device; a
+    /// token past the context under dynamic NTK, and a negative position, take the host's.
+    #[test]
+    fn kept_rotary_tables_give_the_hosts_numbers() {
+        use crate::rope::RopeScaling;
+        type B = burn::backend::Flex;
+        let device = Default::default();
+        let values = |t: &Tensor<B, 4>| t.to_data().to_vec::<f32>().unwrap();
+        let check = |freqs: &RotaryFrequencies, positions: Vec<Vec<i64>>| {
+            let rope = Rope::<B>::new(&positions, freqs, &device);
+            let last: Vec<i64> = positions
+                .iter()
+                .flat_map(|r| std::iter::repeat_n(*r.iter().max().unwrap(), r.len()))
+                .collect();
+            let (cos, sin) = host_tables(&positions.concat(), &last, freqs);
+            assert_eq!(values(&rope.cos), cos, "cos of {positions:?}");
+            assert_eq!(values(&rope.sin), sin, "sin of {positions:?}");
+        };
+        let yarn = RopeScaling::Yarn {
+            factor: Some(4.0),
+            original_max_position_embeddings: 64,
+            attention_factor: None,
+            beta_fast: None,
+            beta_slow: None,
+            mscale: None,
+            mscale_all_dim: None,
+            truncate: None,
+        }
+        .frequencies(16, 10000.0, 256);
+        check(&yarn, vec![vec![0, 1, 2], vec![7, 8, 9]]);
+        let kept = |f: &RotaryFrequencies| f.tables.0.lock().unwrap().len();
+        assert_eq!(kept(&yarn), 1);
+        let rows = |f: &RotaryFrequencies| {
+            let t = f.tables.0.lock().unwrap();
+            t[0].downcast_ref::<DeviceTable<B>>().unwrap().cos.dims()[0]
+        };
+        assert_eq!(rows(&yarn), 256);
+        // Past the kept rows: grown to the next power of two, still one per device.
+        check(&yarn, vec![vec![300, 301], vec![5, 1000]]);
+        assert_eq!((kept(&yarn), rows(&yarn)), (1, 1024));
+        // Dynamic NTK: within the context the kept tables, past it the host's.
+        let ntk = RopeScaling::Dynamic { factor: 2.0 }.frequencies(16, 10000.0, 32);
+        check(&ntk, vec![vec![3, 4, 5]]);
+        check(&ntk, vec![vec![30, 31, 32, 33]]);
+        check(&ntk, vec![vec![-1, 0, 1]]);
+        assert_eq!(kept(&ntk), 1);
+        // A copy of the frequencies shares the tables.
+        assert_eq!(kept(&ntk.clone()), 1);
+    }
 
     /// By hand: two tokens routed to one expert each out of two; with both tokens, each expert
     /// gets half the assignments and half the probability (loss 1); without the second token,

@@ -70,6 +70,9 @@ pub struct KernelLogs {
     pub compile: PathBuf,
     /// A `Fastest result ...` line per autotune run (a key found in the cache is not tuned).
     pub autotune: PathBuf,
+    /// An `Executing NAME` line per kernel launch, when launches are logged
+    /// ([`KernelLogs::with_launches`]).
+    pub launches: Option<PathBuf>,
 }
 
 impl KernelLogs {
@@ -78,28 +81,60 @@ impl KernelLogs {
         Self {
             compile: dir.join("compile.log"),
             autotune: dir.join("autotune.log"),
+            launches: None,
         }
     }
 
-    /// (kernels compiled, autotune runs) so far, once CubeCL's logger has caught up (it writes
-    /// from a background task: the counts are read when the files stop growing).
-    pub fn counts(&self) -> (usize, usize) {
+    /// These logs and one of every kernel launch, in the same folder.
+    pub fn with_launches(self) -> Self {
+        let launches = self.compile.with_file_name("launches.log");
+        Self {
+            launches: Some(launches),
+            ..self
+        }
+    }
+
+    fn files(&self) -> Vec<&PathBuf> {
+        [&self.compile, &self.autotune]
+            .into_iter()
+            .chain(self.launches.as_ref())
+            .collect()
+    }
+
+    /// Waits until CubeCL's logger has caught up: it writes from a background task, so the
+    /// logs are read when they stop growing.
+    fn settle(&self) {
         let size = |p: &PathBuf| std::fs::metadata(p).map_or(0, |m| m.len());
-        let (mut last, mut still) = ((size(&self.compile), size(&self.autotune)), 0);
+        let sizes = || self.files().into_iter().map(size).collect::<Vec<_>>();
+        let (mut last, mut still) = (sizes(), 0);
         while still < 6 {
             std::thread::sleep(std::time::Duration::from_millis(50));
-            let now = (size(&self.compile), size(&self.autotune));
+            let now = sizes();
             still = if now == last { still + 1 } else { 0 };
             last = now;
         }
-        let count = |p: &PathBuf, what: &str| {
-            std::fs::read_to_string(p).map_or(0, |t| t.matches(what).count())
-        };
+    }
+
+    /// (kernels compiled, autotune runs) so far.
+    pub fn counts(&self) -> (usize, usize) {
+        self.settle();
         (
-            count(&self.compile, "[Compiling kernel]"),
-            count(&self.autotune, "Fastest result"),
+            count_lines(&self.compile, "[Compiling kernel]"),
+            count_lines(&self.autotune, "Fastest result"),
         )
     }
+
+    /// Kernel launches so far (`None` when they are not logged).
+    pub fn launches(&self) -> Option<usize> {
+        let file = self.launches.as_ref()?;
+        self.settle();
+        Some(count_lines(file, "Executing "))
+    }
+}
+
+/// Lines of `file` holding `what`.
+fn count_lines(file: &PathBuf, what: &str) -> usize {
+    std::fs::read_to_string(file).map_or(0, |t| t.matches(what).count())
 }
 
 /// Sets CubeCL up before the first GPU device is used: compiled kernels and autotune results in
@@ -110,24 +145,40 @@ impl KernelLogs {
 pub fn configure_kernels() -> Configured {
     let cache_dir = kernel_cache_dir();
     let log_dir = cache_dir.clone().unwrap_or_else(std::env::temp_dir);
-    configure_kernels_with(cache_dir, &log_dir)
+    let logs = KernelLogs::in_dir(&log_dir);
+    // Every kernel launch too, on request (a line per launch: for counting, not for speed).
+    let logs = match std::env::var(LOG_LAUNCHES_VARIABLE).as_deref() {
+        Ok("1") => logs.with_launches(),
+        _ => logs,
+    };
+    configure_kernels_logging(cache_dir, logs)
 }
+
+/// `BURN_RLHF_LOG_LAUNCHES=1` adds a log of every kernel launch ([`KernelLogs::launches`]).
+pub const LOG_LAUNCHES_VARIABLE: &str = "BURN_RLHF_LOG_LAUNCHES";
 
 /// [`configure_kernels`] with the cache in `cache_dir` (`None`: CubeCL's defaults) and the logs
 /// in `log_dir`.
 pub fn configure_kernels_with(cache_dir: Option<PathBuf>, log_dir: &std::path::Path) -> Configured {
-    let logs = KernelLogs::in_dir(log_dir);
+    configure_kernels_logging(cache_dir, KernelLogs::in_dir(log_dir))
+}
+
+/// [`configure_kernels`] with the cache in `cache_dir` (`None`: CubeCL's defaults) and `logs`.
+pub fn configure_kernels_logging(cache_dir: Option<PathBuf>, logs: KernelLogs) -> Configured {
     // CubeCL opens a log on its first line: a run that compiles or tunes nothing would leave the
     // last run's lines, so each run starts with none.
-    let _ = std::fs::remove_file(&logs.compile);
-    let _ = std::fs::remove_file(&logs.autotune);
+    for file in logs.files() {
+        let _ = std::fs::remove_file(file);
+    }
+    let log_dir = logs.compile.parent().map(PathBuf::from).unwrap_or_default();
     let outcome = configure(&CubeclSettings {
         cache_dir,
         compile_log: Some(logs.compile.clone()),
         autotune_log: Some(logs.autotune.clone()),
+        launch_log: logs.launches.clone(),
     });
     if matches!(outcome, Configured::Applied | Configured::UserFile) {
-        let _ = std::fs::create_dir_all(log_dir);
+        let _ = std::fs::create_dir_all(&log_dir);
         let _ = KERNEL_LOGS.set(logs);
     }
     outcome

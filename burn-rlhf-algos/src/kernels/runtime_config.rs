@@ -15,6 +15,9 @@ pub struct CubeclSettings {
     pub compile_log: Option<PathBuf>,
     /// A file that gets a `Fastest result ...` line per autotune run (appended to).
     pub autotune_log: Option<PathBuf>,
+    /// A file that gets an `Executing NAME` line per kernel launch (CubeCL's profiling logger
+    /// at its `minimal` level: names, no timing, nothing waited for).
+    pub launch_log: Option<PathBuf>,
 }
 
 /// How [`configure`] went.
@@ -56,6 +59,7 @@ pub fn configure(settings: &CubeclSettings) -> Configured {
     use cubecl::config::autotune::AutotuneLogLevel;
     use cubecl::config::cache::CacheConfig;
     use cubecl::config::compilation::CompilationLogLevel;
+    use cubecl::config::profiling::ProfilingLogLevel;
     use cubecl::config::{CubeClRuntimeConfig, RuntimeConfig};
 
     if CubeClRuntimeConfig::storage().lock().is_some() {
@@ -80,6 +84,12 @@ pub fn configure(settings: &CubeclSettings) -> Configured {
         config.autotune.logger.file = Some(file.clone());
         if matches!(config.autotune.logger.level, AutotuneLogLevel::Disabled) {
             config.autotune.logger.level = AutotuneLogLevel::Minimal;
+        }
+    }
+    if let (None, Some(file)) = (&config.profiling.logger.file, &settings.launch_log) {
+        config.profiling.logger.file = Some(file.clone());
+        if matches!(config.profiling.logger.level, ProfilingLogLevel::Disabled) {
+            config.profiling.logger.level = ProfilingLogLevel::Minimal;
         }
     }
     CubeClRuntimeConfig::set(config.override_from_env());

@@ -23,15 +23,16 @@ use burn_rlhf::models::pretrained::save_pretrained;
 use burn_rlhf::models::weights::WeightMap;
 use burn_rlhf::models::{load_pretrained, CausalLm, ValueModel};
 use burn_rlhf::rollout::{DecodeShapes, Engine, EngineConfig, SamplingParams};
-use burn_rlhf::runtime::{configure_kernels_with, Configured, KernelLogs};
+use burn_rlhf::runtime::{configure_kernels_logging, Configured, KernelLogs};
 use burn_rlhf::tasks;
 use burn_rlhf::trainer::{Learner, LearnerParts};
 
 /// Every test of this binary takes this lock: the counts are process-wide.
 static SERIAL: Mutex<()> = Mutex::new(());
 
-/// CubeCL's logs for this process, set up before any device is used.
-fn logs() -> &'static KernelLogs {
+/// CubeCL's logs for this process (compilations, autotune runs and every launch), set up before
+/// any device is used.
+pub(crate) fn logs() -> &'static KernelLogs {
     static LOGS: OnceLock<KernelLogs> = OnceLock::new();
     LOGS.get_or_init(|| {
         let dir = std::env::temp_dir().join(format!("burn-rlhf-gpu-shapes-{}", std::process::id()));
@@ -40,13 +41,14 @@ fn logs() -> &'static KernelLogs {
         // Fewer candidates per autotune run (lavapipe runs them slowly); whether a run happens
         // does not depend on the level.
         std::env::set_var("CUBECL_AUTOTUNE_LEVEL", "minimal");
-        let outcome = configure_kernels_with(Some(dir.join("cache")), &dir);
+        let logs = KernelLogs::in_dir(&dir).with_launches();
+        let outcome = configure_kernels_logging(Some(dir.join("cache")), logs.clone());
         assert_eq!(
             outcome,
             Configured::Applied,
             "CubeCL was configured before this test"
         );
-        KernelLogs::in_dir(&dir)
+        logs
     })
 }
 

@@ -84,3 +84,57 @@ fn the_engine_on_the_device_draws_what_the_cpu_draws() {
         }
     }
 }
+
+/// Kernel launches per decode step of the fixture set's largest model, six sequences decoding
+/// at once with the shapes bucketed (CubeCL's count of launches; on wgpu through lavapipe,
+/// 2026-11-27). README states it; the test fails when a change makes a step launch more than 20%
+/// more kernels.
+const LAUNCHES_PER_DECODE_STEP: f64 = 197.0;
+
+#[test]
+fn a_decode_step_launches_a_counted_number_of_kernels() {
+    let logs = crate::gpu_shapes::logs();
+    let dir = burn_rlhf_test_assets::largest_fixture_model();
+    let loaded = load_pretrained(dir.to_str().unwrap()).unwrap();
+    let config = loaded.config.clone();
+    let device = Default::default();
+    let model: CausalLm<InferenceBackend> = loaded.causal_lm(&device).unwrap();
+    let engine = EngineConfig {
+        block_size: 4,
+        num_blocks: 64,
+        shapes: DecodeShapes::Bucketed { bucket: 16 },
+        ..Default::default()
+    };
+    // Every response runs to its length: no stop ids.
+    let params = |tokens: usize| SamplingParams {
+        n: 2,
+        max_new_tokens: tokens,
+        stop_token_ids: Vec::new(),
+        seed: 6,
+        ..Default::default()
+    };
+    let launches = |tokens: usize| {
+        let before = logs.launches().expect("launches are logged");
+        let (samples, stats) = run(&model, &config, &params(tokens), engine.clone(), &device);
+        assert!(samples.iter().all(|s| s.tokens.len() == tokens));
+        assert_eq!(stats.max_values_read_per_row, 2, "ids and log-probs only");
+        logs.launches().unwrap() - before
+    };
+    // The first run compiles and tunes (autotune launches its candidates); the counted ones
+    // meet only shapes seen.
+    launches(24);
+    let (short, long) = (launches(8), launches(24));
+    // 16 more decode steps, each one token for each of the 6 sequences.
+    let per_step = (long - short) as f64 / 16.0;
+    let layers = config.num_hidden_layers as f64;
+    println!(
+        "{}: {per_step} kernel launches per decode step ({:.1} per layer of {layers}); 8 tokens: \
+         {short} launches, 24: {long}",
+        burn_rlhf::backend::backend_name(),
+        per_step / layers
+    );
+    assert!(
+        per_step <= LAUNCHES_PER_DECODE_STEP * 1.2,
+        "{per_step} launches per decode step, more than 20% over {LAUNCHES_PER_DECODE_STEP}"
+    );
+}
