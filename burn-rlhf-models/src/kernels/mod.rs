@@ -14,6 +14,8 @@
 //! model calls.
 
 mod autodiff;
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+pub mod cube;
 #[cfg(feature = "flex")]
 mod flex;
 pub mod reference;
@@ -465,8 +467,8 @@ impl DecoderBackend for burn::backend::NdArray<f32> {}
 #[cfg(feature = "tch")]
 impl DecoderBackend for burn::backend::LibTorch<f32> {}
 
-// CubeCL backends run the references: blocked attention, and tensor ops that their fusion or
-// kernels already serve.
+// CubeCL backends: RMSNorm and SwiGLU forward and backward as kernels (`cube.rs`); the rest runs the
+// references (blocked attention, and tensor ops that CubeCL's kernels already serve).
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 impl<R, F, I, BT> DecoderBackend for burn_cubecl::CubeBackend<R, F, I, BT>
 where
@@ -475,6 +477,34 @@ where
     I: burn_cubecl::IntElement,
     BT: burn_cubecl::BoolElement,
 {
+    fn dec_rms_norm(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        eps: f64,
+    ) -> FloatTensor<Self> {
+        cube::rms_norm::<R, F, I, BT>(x, weight, eps)
+    }
+
+    fn dec_rms_norm_backward(
+        grad: FloatTensor<Self>,
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        eps: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        cube::rms_norm_backward::<R, F, I, BT>(grad, x, weight, eps)
+    }
+
+    fn dec_swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
+        cube::swiglu::<R, F, I, BT>(gate, up)
+    }
+
+    fn dec_swiglu_backward(
+        grad: FloatTensor<Self>,
+        gate: FloatTensor<Self>,
+        up: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        cube::swiglu_backward::<R, F, I, BT>(grad, gate, up)
+    }
 }
 
 #[cfg(any(feature = "wgpu", feature = "cuda"))]

@@ -9,6 +9,7 @@
 
 #![cfg(any(feature = "wgpu", feature = "cuda"))]
 
+mod decoder_kernels;
 mod gpu_shapes;
 mod kernels_training;
 mod rollout_on_device;

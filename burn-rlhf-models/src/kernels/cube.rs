@@ -1,0 +1,311 @@
+//! Decoder operations as CubeCL kernels (wgpu, cuda), each one launch where its reference
+//! (`reference.rs`) is a chain of tensor operations: RMSNorm forward and backward (a cube of
+//! threads per row, the row's sums through shared memory; the weight's gradient then one sum
+//! over rows) and SwiGLU's gate forward and backward (one thread per element). They read and
+//! write the backend's float type; tensors of another dtype (a half-precision copy) take the
+//! reference. Parity with the references: `burn-rlhf/tests/gpu/decoder_kernels.rs`.
+
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{Shape, TensorData};
+use burn_cubecl::element::BoolElement;
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::{CubeBackend, CubeRuntime, FloatElement, IntElement};
+use cubecl::prelude::*;
+use cubecl::{CubeCount, CubeDim};
+
+/// Threads per row of RMSNorm, and per cube of the elementwise kernels.
+const THREADS: usize = 64;
+/// Cubes along one axis of a launch (wgpu's limit per dimension).
+const MAX_CUBES_X: usize = 65_535;
+
+/// `y = x / sqrt(mean(x²) + eps) * weight` over each row of `x` (`[rows, h]`, `weight` `[h]`):
+/// each of the cube's threads sums the squares of every `THREADS`-th value, the partial sums
+/// meet in shared memory and every thread adds them in the same order.
+#[cube(launch)]
+fn rms_norm_kernel<F: Float>(
+    x: &Tensor<F>,
+    weight: &Tensor<F>,
+    params: &Tensor<F>,
+    out: &mut Tensor<F>,
+) {
+    let h = weight.len();
+    let row = CUBE_POS;
+    if row * h >= x.len() {
+        terminate!();
+    }
+    let lane = UNIT_POS as usize;
+    let base = row * h;
+    let steps = (h + THREADS - 1 - lane) / THREADS;
+    let mut partial = F::new(0.0);
+    for i in 0..steps {
+        let v = x[base + lane + i * THREADS];
+        partial += v * v;
+    }
+    let mut sums = SharedMemory::<F>::new(THREADS);
+    sums[lane] = partial;
+    sync_cube();
+    let mut total = F::new(0.0);
+    for j in 0..THREADS {
+        total += sums[j];
+    }
+    let inv = F::new(1.0) / F::sqrt(total / F::cast_from(h as u32) + params[0]);
+    for i in 0..steps {
+        let k = lane + i * THREADS;
+        out[base + k] = x[base + k] * inv * weight[k];
+    }
+}
+
+/// RMSNorm's gradients per row: with `x̂ = x / rms` and `g = dy * w`,
+/// `dx = (g - x̂ * mean(g * x̂)) / rms`, and each row's share of the weight's, `dy * x̂`.
+#[cube(launch)]
+fn rms_norm_backward_kernel<F: Float>(
+    grad: &Tensor<F>,
+    x: &Tensor<F>,
+    weight: &Tensor<F>,
+    params: &Tensor<F>,
+    dx: &mut Tensor<F>,
+    dw_rows: &mut Tensor<F>,
+) {
+    let h = weight.len();
+    let row = CUBE_POS;
+    if row * h >= x.len() {
+        terminate!();
+    }
+    let lane = UNIT_POS as usize;
+    let base = row * h;
+    let steps = (h + THREADS - 1 - lane) / THREADS;
+    let mut squares = F::new(0.0);
+    let mut gx = F::new(0.0);
+    for i in 0..steps {
+        let k = lane + i * THREADS;
+        let v = x[base + k];
+        squares += v * v;
+        gx += grad[base + k] * weight[k] * v;
+    }
+    let mut sums = SharedMemory::<F>::new(THREADS * 2);
+    sums[lane] = squares;
+    sums[THREADS + lane] = gx;
+    sync_cube();
+    let mut total = F::new(0.0);
+    let mut total_gx = F::new(0.0);
+    for j in 0..THREADS {
+        total += sums[j];
+        total_gx += sums[THREADS + j];
+    }
+    let hf = F::cast_from(h as u32);
+    let inv = F::new(1.0) / F::sqrt(total / hf + params[0]);
+    // mean(g * x̂) = mean(g * x) / rms
+    let mean = total_gx * inv / hf;
+    for i in 0..steps {
+        let k = lane + i * THREADS;
+        let normed = x[base + k] * inv;
+        let g = grad[base + k] * weight[k];
+        dx[base + k] = (g - normed * mean) * inv;
+        dw_rows[base + k] = grad[base + k] * normed;
+    }
+}
+
+/// SwiGLU's gradients, elementwise: `d gate = dy * up * σ(g) (1 + g (1 - σ(g)))`,
+/// `d up = dy * silu(g)`.
+#[cube(launch)]
+fn swiglu_backward_kernel<F: Float>(
+    grad: &Tensor<F>,
+    gate: &Tensor<F>,
+    up: &Tensor<F>,
+    d_gate: &mut Tensor<F>,
+    d_up: &mut Tensor<F>,
+) {
+    let i = ABSOLUTE_POS;
+    if i >= grad.len() {
+        terminate!();
+    }
+    let g = gate[i];
+    let one = F::new(1.0);
+    let sig = one / (one + F::exp(-g));
+    let dsilu = sig * (g * (one - sig) + one);
+    d_gate[i] = grad[i] * up[i] * dsilu;
+    d_up[i] = grad[i] * g * sig;
+}
+
+/// `silu(gate) * up`, elementwise.
+#[cube(launch)]
+fn swiglu_kernel<F: Float>(gate: &Tensor<F>, up: &Tensor<F>, out: &mut Tensor<F>) {
+    let i = ABSOLUTE_POS;
+    if i >= out.len() {
+        terminate!();
+    }
+    let g = gate[i];
+    out[i] = g / (F::new(1.0) + F::exp(-g)) * up[i];
+}
+
+/// An uninitialised contiguous tensor of the backend's float type on `like`'s device.
+fn empty<R: CubeRuntime, F: FloatElement>(like: &CubeTensor<R>, shape: Shape) -> CubeTensor<R> {
+    empty_device_contiguous_dtype(like.client.clone(), like.device.clone(), shape, F::dtype())
+}
+
+/// `cubes` cubes laid out within the per-axis limit (`CUBE_POS` counts them in order).
+fn cube_count(cubes: usize) -> CubeCount {
+    let x = cubes.clamp(1, MAX_CUBES_X);
+    CubeCount::Static(x as u32, cubes.div_ceil(x).max(1) as u32, 1)
+}
+
+fn threads() -> CubeDim {
+    CubeDim {
+        x: THREADS as u32,
+        y: 1,
+        z: 1,
+    }
+}
+
+/// Whether every tensor holds the backend's float type (the kernels' only one).
+fn native<R: CubeRuntime, F: FloatElement>(tensors: &[&CubeTensor<R>]) -> bool {
+    tensors.iter().all(|t| t.dtype == F::dtype())
+}
+
+type Cube<R, F, I, BT> = CubeBackend<R, F, I, BT>;
+
+/// `eps` as a one-value device tensor (one compiled kernel serves every value).
+fn eps_param<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
+    like: &CubeTensor<R>,
+    eps: f64,
+) -> CubeTensor<R> {
+    burn::tensor::Tensor::<Cube<R, F, I, BT>, 1>::from_data(
+        TensorData::new(vec![eps as f32], [1]),
+        &like.device,
+    )
+    .into_primitive()
+    .tensor()
+}
+
+/// RMSNorm of `x` `[B, L, H]` with `weight` `[H]` (the reference where a dtype differs).
+pub fn rms_norm<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
+    x: FloatTensor<Cube<R, F, I, BT>>,
+    weight: FloatTensor<Cube<R, F, I, BT>>,
+    eps: f64,
+) -> FloatTensor<Cube<R, F, I, BT>> {
+    if !native::<R, F>(&[&x, &weight]) {
+        return super::reference::rms_norm::<Cube<R, F, I, BT>>(x, weight, eps);
+    }
+    let (x, weight) = (into_contiguous(x), into_contiguous(weight));
+    let shape = x.meta.shape().clone();
+    let h = weight.meta.shape()[0];
+    let rows = shape.num_elements() / h.max(1);
+    let out = empty::<R, F>(&x, shape);
+    let params = eps_param::<R, F, I, BT>(&x, eps);
+    rms_norm_kernel::launch::<F, R>(
+        &x.client,
+        cube_count(rows),
+        threads(),
+        x.clone().into_tensor_arg(),
+        weight.into_tensor_arg(),
+        params.into_tensor_arg(),
+        out.clone().into_tensor_arg(),
+    );
+    out
+}
+
+/// SwiGLU's gate of `gate` and `up` (same shape; the reference where a dtype differs).
+pub fn swiglu<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
+    gate: FloatTensor<Cube<R, F, I, BT>>,
+    up: FloatTensor<Cube<R, F, I, BT>>,
+) -> FloatTensor<Cube<R, F, I, BT>> {
+    if !native::<R, F>(&[&gate, &up]) {
+        return super::reference::swiglu::<Cube<R, F, I, BT>>(gate, up);
+    }
+    let (gate, up) = (into_contiguous(gate), into_contiguous(up));
+    let shape = gate.meta.shape().clone();
+    let n = shape.num_elements();
+    let out = empty::<R, F>(&gate, shape);
+    swiglu_kernel::launch::<F, R>(
+        &gate.client,
+        cube_count(n.div_ceil(THREADS)),
+        threads(),
+        gate.clone().into_tensor_arg(),
+        up.into_tensor_arg(),
+        out.clone().into_tensor_arg(),
+    );
+    out
+}
+
+/// RMSNorm's gradients (x, weight) given its output's (the reference where a dtype differs).
+/// Shapes: grad and x `[B, L, H]`, weight `[H]` → `[B, L, H]`, `[H]`.
+pub fn rms_norm_backward<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
+    grad: FloatTensor<Cube<R, F, I, BT>>,
+    x: FloatTensor<Cube<R, F, I, BT>>,
+    weight: FloatTensor<Cube<R, F, I, BT>>,
+    eps: f64,
+) -> (
+    FloatTensor<Cube<R, F, I, BT>>,
+    FloatTensor<Cube<R, F, I, BT>>,
+) {
+    if !native::<R, F>(&[&grad, &x, &weight]) {
+        return super::reference::rms_norm_backward::<Cube<R, F, I, BT>>(grad, x, weight, eps);
+    }
+    let (grad, x, weight) = (
+        into_contiguous(grad),
+        into_contiguous(x),
+        into_contiguous(weight),
+    );
+    let shape = x.meta.shape().clone();
+    let h = weight.meta.shape()[0];
+    let rows = shape.num_elements() / h.max(1);
+    let dx = empty::<R, F>(&x, shape);
+    let dw_rows = empty::<R, F>(&x, Shape::new([rows, h]));
+    let params = eps_param::<R, F, I, BT>(&x, eps);
+    rms_norm_backward_kernel::launch::<F, R>(
+        &x.client,
+        cube_count(rows),
+        threads(),
+        grad.into_tensor_arg(),
+        x.clone().into_tensor_arg(),
+        weight.into_tensor_arg(),
+        params.into_tensor_arg(),
+        dx.clone().into_tensor_arg(),
+        dw_rows.clone().into_tensor_arg(),
+    );
+    let dw = burn::tensor::Tensor::<Cube<R, F, I, BT>, 2>::from_primitive(
+        burn::tensor::TensorPrimitive::Float(dw_rows),
+    )
+    .sum_dim(0)
+    .reshape([h]);
+    (dx, dw.into_primitive().tensor())
+}
+
+/// SwiGLU's gradients (gate, up) given its output's (the reference where a dtype differs).
+pub fn swiglu_backward<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
+    grad: FloatTensor<Cube<R, F, I, BT>>,
+    gate: FloatTensor<Cube<R, F, I, BT>>,
+    up: FloatTensor<Cube<R, F, I, BT>>,
+) -> (
+    FloatTensor<Cube<R, F, I, BT>>,
+    FloatTensor<Cube<R, F, I, BT>>,
+) {
+    if !native::<R, F>(&[&grad, &gate, &up]) {
+        return super::reference::swiglu_backward::<Cube<R, F, I, BT>>(grad, gate, up);
+    }
+    let (grad, gate, up) = (
+        into_contiguous(grad),
+        into_contiguous(gate),
+        into_contiguous(up),
+    );
+    let shape = gate.meta.shape().clone();
+    let n = shape.num_elements();
+    let (d_gate, d_up) = (
+        empty::<R, F>(&gate, shape.clone()),
+        empty::<R, F>(&gate, shape),
+    );
+    let client = gate.client.clone();
+    swiglu_backward_kernel::launch::<F, R>(
+        &client,
+        cube_count(n.div_ceil(THREADS)),
+        threads(),
+        grad.into_tensor_arg(),
+        gate.into_tensor_arg(),
+        up.into_tensor_arg(),
+        d_gate.clone().into_tensor_arg(),
+        d_up.clone().into_tensor_arg(),
+    );
+    (d_gate, d_up)
+}
