@@ -1,7 +1,8 @@
 //! Decoder operations as CubeCL kernels (wgpu, cuda), each one launch where its reference
 //! (`reference.rs`) is a chain of tensor operations: RMSNorm forward and backward (a cube of
 //! threads per row, the row's sums through shared memory; the weight's gradient then one sum
-//! over rows) and SwiGLU's gate forward and backward (one thread per element). They read and
+//! over rows), SwiGLU's gate and the rotary embedding forward and backward (one thread per
+//! element; the rotary one also moves heads before positions, and back). They read and
 //! write the backend's float type; tensors of another dtype (a half-precision copy) take the
 //! reference. Parity with the references: `burn-rlhf/tests/gpu/decoder_kernels.rs`.
 
@@ -127,6 +128,58 @@ fn swiglu_backward_kernel<F: Float>(
     let dsilu = sig * (g * (one - sig) + one);
     d_gate[i] = grad[i] * up[i] * dsilu;
     d_up[i] = grad[i] * g * sig;
+}
+
+/// `x * cos + rotate_half(x) * sin` with heads moved before positions: x `[B, L, heads, D]`,
+/// cos and sin `[B, 1, L, D]` → out `[B, heads, L, D]`, one thread per output value.
+#[cube(launch)]
+fn rotary_kernel<F: Float>(x: &Tensor<F>, cos: &Tensor<F>, sin: &Tensor<F>, out: &mut Tensor<F>) {
+    let i = ABSOLUTE_POS;
+    if i >= out.len() {
+        terminate!();
+    }
+    let (l, heads, d) = (x.shape(1), x.shape(2), x.shape(3));
+    let half = d / 2;
+    let k = i % d;
+    let pos = (i / d) % l;
+    let head = (i / (d * l)) % heads;
+    let b = i / (d * l * heads);
+    let row = (b * l + pos) * heads + head;
+    let table = (b * l + pos) * d + k;
+    let x_k = x[row * d + k];
+    // rotate_half: the other half's value, negated when it comes from the second.
+    let partner = (k + half) % d;
+    let sign = select(k < half, F::new(-1.0), F::new(1.0));
+    let rotated = x[row * d + partner] * sign;
+    out[i] = x_k * cos[table] + rotated * sin[table];
+}
+
+/// The rotary embedding's input gradient, heads moved back after positions: grad
+/// `[B, heads, L, D]` → dx `[B, L, heads, D]`, `dy * cos + cat(s₂, -s₁)` with `s = dy * sin`.
+#[cube(launch)]
+fn rotary_backward_kernel<F: Float>(
+    grad: &Tensor<F>,
+    cos: &Tensor<F>,
+    sin: &Tensor<F>,
+    dx: &mut Tensor<F>,
+) {
+    let i = ABSOLUTE_POS;
+    if i >= dx.len() {
+        terminate!();
+    }
+    let (heads, l, d) = (grad.shape(1), grad.shape(2), grad.shape(3));
+    let half = d / 2;
+    let k = i % d;
+    let head = (i / d) % heads;
+    let pos = (i / (d * heads)) % l;
+    let b = i / (d * heads * l);
+    let row = ((b * heads + head) * l + pos) * d;
+    let table = (b * l + pos) * d;
+    // cat(s₂, -s₁): the other half's `dy * sin`, negated when it comes from the first.
+    let partner = (k + half) % d;
+    let sign = select(k < half, F::new(1.0), F::new(-1.0));
+    let other = grad[row + partner] * sin[table + partner] * sign;
+    dx[i] = grad[row + k] * cos[table + k] + other;
 }
 
 /// `silu(gate) * up`, elementwise.
@@ -308,4 +361,66 @@ pub fn swiglu_backward<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolE
         d_up.clone().into_tensor_arg(),
     );
     (d_gate, d_up)
+}
+
+/// The rotary embedding of `x` `[B, L, heads, D]` with tables `[B, 1, L, D]` → `[B, heads, L, D]`
+/// (the reference where a dtype differs).
+pub fn rotary<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
+    x: FloatTensor<Cube<R, F, I, BT>>,
+    cos: FloatTensor<Cube<R, F, I, BT>>,
+    sin: FloatTensor<Cube<R, F, I, BT>>,
+) -> FloatTensor<Cube<R, F, I, BT>> {
+    if !native::<R, F>(&[&x, &cos, &sin]) {
+        return super::reference::rotary::<Cube<R, F, I, BT>>(x, cos, sin);
+    }
+    let (x, cos, sin) = (
+        into_contiguous(x),
+        into_contiguous(cos),
+        into_contiguous(sin),
+    );
+    let [b, l, heads, d] = x.meta.shape().dims::<4>();
+    let out = empty::<R, F>(&x, Shape::new([b, heads, l, d]));
+    let n = b * l * heads * d;
+    let client = x.client.clone();
+    rotary_kernel::launch::<F, R>(
+        &client,
+        cube_count(n.div_ceil(THREADS)),
+        threads(),
+        x.into_tensor_arg(),
+        cos.into_tensor_arg(),
+        sin.into_tensor_arg(),
+        out.clone().into_tensor_arg(),
+    );
+    out
+}
+
+/// The rotary embedding's input gradient: `[B, heads, L, D]` → `[B, L, heads, D]` (the
+/// reference where a dtype differs).
+pub fn rotary_backward<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
+    grad: FloatTensor<Cube<R, F, I, BT>>,
+    cos: FloatTensor<Cube<R, F, I, BT>>,
+    sin: FloatTensor<Cube<R, F, I, BT>>,
+) -> FloatTensor<Cube<R, F, I, BT>> {
+    if !native::<R, F>(&[&grad, &cos, &sin]) {
+        return super::reference::rotary_backward::<Cube<R, F, I, BT>>(grad, cos, sin);
+    }
+    let (grad, cos, sin) = (
+        into_contiguous(grad),
+        into_contiguous(cos),
+        into_contiguous(sin),
+    );
+    let [b, heads, l, d] = grad.meta.shape().dims::<4>();
+    let dx = empty::<R, F>(&grad, Shape::new([b, l, heads, d]));
+    let n = b * l * heads * d;
+    let client = grad.client.clone();
+    rotary_backward_kernel::launch::<F, R>(
+        &client,
+        cube_count(n.div_ceil(THREADS)),
+        threads(),
+        grad.into_tensor_arg(),
+        cos.into_tensor_arg(),
+        sin.into_tensor_arg(),
+        dx.clone().into_tensor_arg(),
+    );
+    dx
 }

@@ -467,7 +467,8 @@ impl DecoderBackend for burn::backend::NdArray<f32> {}
 #[cfg(feature = "tch")]
 impl DecoderBackend for burn::backend::LibTorch<f32> {}
 
-// CubeCL backends: RMSNorm and SwiGLU forward and backward as kernels (`cube.rs`); the rest runs the
+// CubeCL backends: RMSNorm, SwiGLU and rotary forward and backward as kernels (`cube.rs`); the
+// rest runs the
 // references (blocked attention, and tensor ops that CubeCL's kernels already serve).
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 impl<R, F, I, BT> DecoderBackend for burn_cubecl::CubeBackend<R, F, I, BT>
@@ -504,6 +505,22 @@ where
         up: FloatTensor<Self>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         cube::swiglu_backward::<R, F, I, BT>(grad, gate, up)
+    }
+
+    fn dec_rotary(
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        cube::rotary::<R, F, I, BT>(x, cos, sin)
+    }
+
+    fn dec_rotary_backward(
+        grad: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        cube::rotary_backward::<R, F, I, BT>(grad, cos, sin)
     }
 }
 

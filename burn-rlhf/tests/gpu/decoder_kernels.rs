@@ -1,6 +1,7 @@
 //! The decoder's CubeCL kernels (`burn_rlhf::models::kernels::cube`) against their references
 //! on the same device: RMSNorm and SwiGLU's gate, forward and backward, at widths below, at and
-//! past a cube's threads and not multiples of them.
+//! past a cube's threads and not multiples of them; the rotary embedding forward and backward
+//! (heads moved before positions and back) on a projection's strided view.
 
 use burn::tensor::{Distribution, Tensor, TensorPrimitive};
 use burn_rlhf::backend::InferenceBackend as B;
@@ -90,5 +91,27 @@ fn rms_norm_and_swiglu_kernels_match_their_references() {
             float(want_du),
             &format!("SwiGLU d up [{rows}, {h}]"),
         );
+    }
+}
+
+#[test]
+fn rotary_kernels_match_their_references() {
+    crate::gpu_shapes::logs();
+    use burn_rlhf::models::DecoderBackend;
+    let prim4 = |t: Tensor<B, 4>| t.into_primitive().tensor();
+    let float = |t| Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(t));
+    for (b, l, heads, d) in [(1, 1, 2, 8), (2, 5, 3, 16), (3, 7, 14, 64)] {
+        // As the model calls it: a projection's output `[B, L, heads * D]` viewed per head.
+        let x = random([b, l, heads * d], 3).reshape([b, l, heads, d]);
+        let angles = random([b, 1, l, d], 5) * 4.0;
+        let (cos, sin) = (angles.clone().cos(), angles.sin());
+        let got = B::dec_rotary(prim4(x.clone()), prim4(cos.clone()), prim4(sin.clone()));
+        let want = reference::rotary::<B>(prim4(x), prim4(cos.clone()), prim4(sin.clone()));
+        let what = format!("rotary [{b}, {l}, {heads}, {d}]");
+        assert_close(float(got), float(want), &what);
+        let dy = random([b, heads, l, d], 9);
+        let got = B::dec_rotary_backward(prim4(dy.clone()), prim4(cos.clone()), prim4(sin.clone()));
+        let want = reference::rotary_backward::<B>(prim4(dy), prim4(cos), prim4(sin));
+        assert_close(float(got), float(want), &format!("{what} backward"));
     }
 }
