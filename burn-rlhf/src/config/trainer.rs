@@ -34,9 +34,10 @@ pub struct TrainerConfig {
     /// Seconds the ranks of one process wait for each other after one failed, before returning
     /// its error (at most 60); across MPI processes the launcher stops them instead.
     pub collective_timeout_s: u64,
-    /// How ranks exchange data: `auto` (NCCL on a CUDA build where the library loads, else the
-    /// host transports), `nccl` (required) or `host` (burn-collective between the devices of one
-    /// process, MPI between processes).
+    /// How ranks exchange data: `auto` (on a CUDA build where NCCL loads, NCCL between MPI
+    /// processes; else the host transports), `nccl` (required, also between the devices of one
+    /// process) or `host` (burn-collective between the devices of one process, MPI between
+    /// processes).
     pub collective_backend: String,
     /// Steps between checkpoints; `-1`: only at the end.
     pub save_freq: i64,
@@ -233,7 +234,8 @@ pub(super) fn decode_loggers(
 /// `trainer.collective_backend`, decoded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum CollectiveBackend {
-    /// NCCL on a CUDA build where the library loads, else the host transports.
+    /// NCCL between MPI processes on a CUDA build where the library loads, else the host
+    /// transports.
     #[default]
     Auto,
     /// NCCL, or an error saying why it cannot run.

@@ -80,7 +80,10 @@ impl NodeLaunch {
     }
 
     /// Whether this launch's ranks exchange through NCCL: always for `nccl` (an error names
-    /// what is missing: a CUDA build, the library), for `auto` on a CUDA build where NCCL loads.
+    /// what is missing: a CUDA build, the library); for `auto` between the processes of an MPI
+    /// job on a CUDA build where NCCL loads (instead of MPI's host buffers). The devices of one
+    /// process keep burn-collective's device all-reduce under `auto`: NCCL's transport here goes
+    /// through host copies, and the two are not yet measured side by side on several GPUs.
     pub fn uses_nccl(&self) -> Result<bool, TrainError> {
         let key = "trainer.collective_backend";
         match self.backend {
@@ -95,7 +98,9 @@ impl NodeLaunch {
                 "NCCL needs a CUDA build (`--features cuda`)",
             )),
             #[cfg(feature = "cuda")]
-            CollectiveBackend::Auto => Ok(crate::distributed::nccl::check_library().is_ok()),
+            CollectiveBackend::Auto => {
+                Ok(self.processes.count() > 1 && crate::distributed::nccl::check_library().is_ok())
+            }
             #[cfg(not(feature = "cuda"))]
             CollectiveBackend::Auto => Ok(false),
         }
