@@ -199,6 +199,15 @@ pub fn write_jsonl(path: &std::path::Path, pairs: &[serde_json::Value]) -> std::
     std::fs::write(path, lines.join("\n") + "\n")
 }
 
+/// The reward functions a config may name without a program registering its own: the
+/// rollout crate's (verl's GSM8K, math, ...) and this task's [`ExactAnswer`]. `train` builds its
+/// learner with these and `config validate` checks `custom_reward_function.name` against them.
+pub fn builtin_rewards() -> burn_rlhf_rollout::RewardRegistry {
+    let mut rewards = burn_rlhf_rollout::RewardRegistry::default();
+    rewards.register(std::sync::Arc::new(ExactAnswer));
+    rewards
+}
+
 /// 1 when the response is exactly the answer, else 0.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct ExactAnswer;

@@ -53,6 +53,9 @@ pub struct CriticConfig {
     /// `None`: the actor's.
     pub ppo_mini_batch_size: Option<usize>,
     pub ppo_micro_batch_size_per_gpu: Option<usize>,
+    /// Sequences per forward of the values pass; `None`: `ppo_micro_batch_size_per_gpu` (verl's
+    /// interpolation).
+    pub forward_micro_batch_size_per_gpu: Option<usize>,
     /// Updates and values in micro-batches of at most `ppo_max_token_len_per_gpu`
     /// (`forward_max_token_len_per_gpu`) tokens; `None`: the actor's.
     pub use_dynamic_bsz: Option<bool>,
@@ -81,6 +84,7 @@ impl Default for CriticConfig {
             megatron: CriticMegatronConfig::default(),
             ppo_mini_batch_size: None,
             ppo_micro_batch_size_per_gpu: None,
+            forward_micro_batch_size_per_gpu: None,
             use_dynamic_bsz: None,
             ppo_max_token_len_per_gpu: 32768,
             forward_max_token_len_per_gpu: None,
@@ -105,6 +109,8 @@ pub struct CriticSettings {
     pub ppo_mini_batch_size: usize,
     /// Sequences per forward/backward; `None`: the whole mini-batch.
     pub micro_batch_size: Option<usize>,
+    /// Sequences per forward of the values pass; `None`: all of a rank's at once.
+    pub forward_micro_batch_size: Option<usize>,
     /// `ppo_max_token_len_per_gpu` when `use_dynamic_bsz`: update micro-batches of at most this
     /// many tokens instead.
     pub max_token_len: Option<usize>,
@@ -181,6 +187,9 @@ impl CriticConfig {
                 )
             });
         }
+        p.check(self.forward_micro_batch_size_per_gpu != Some(0), || {
+            "`critic.forward_micro_batch_size_per_gpu` must be >= 1".into()
+        });
         p.check(self.cliprange_value >= 0.0, || {
             format!(
                 "`critic.cliprange_value` must be >= 0, got {}",
@@ -252,6 +261,9 @@ impl CriticConfig {
             optim: optim?,
             ppo_mini_batch_size: mini?,
             micro_batch_size: self.ppo_micro_batch_size_per_gpu,
+            forward_micro_batch_size: self
+                .forward_micro_batch_size_per_gpu
+                .or(self.ppo_micro_batch_size_per_gpu),
             max_token_len: max_token_len?,
             forward_max_token_len: forward_max_token_len?,
             ppo_epochs: ppo_epochs?,

@@ -51,9 +51,11 @@ impl std::fmt::Debug for KnownNames {
 }
 
 impl Default for KnownNames {
-    /// The built-in algorithms (built on the selected backend's type; nothing is allocated).
+    /// The built-in algorithms (built on the selected backend's type; nothing is allocated) and
+    /// reward functions ([`crate::tasks::builtin_rewards`], what `train` loads).
     fn default() -> Self {
         Self::from_registry(&Registry::<crate::backend::InferenceBackend>::builtin())
+            .with_reward_functions(crate::tasks::builtin_rewards().names())
     }
 }
 

@@ -110,8 +110,8 @@ impl<B: LearnerBackend> LearnerParts<B> {
         let reference = (training && uses_kl).then(|| policy.model.valid());
         let actor = with_lora(policy.model, m.lora.as_ref(), device);
         let mut parts = LearnerParts::new(actor, policy.config, policy.tokenizer);
-        // The built-in task's reward, so a config can train on `burn_rlhf::tasks` data.
-        parts.rewards.register(Arc::new(crate::tasks::ExactAnswer));
+        // With the built-in task's reward, so a config can train on `burn_rlhf::tasks` data.
+        parts.rewards = crate::tasks::builtin_rewards();
         parts.reference = reference;
         parts.training = training;
         if let (true, Some(critic)) = (training, &settings.critic) {

@@ -209,7 +209,7 @@ impl<B: LearnerBackend> Learner<B> {
             let mut out = self.sharded_pass(batch, |mine| {
                 self.in_micro_batches(
                     mine,
-                    settings.micro_batch_size.unwrap_or(mine.rows()),
+                    settings.forward_micro_batch_size.unwrap_or(mine.rows()),
                     settings.forward_max_token_len,
                     ("critic.forward_max_token_len_per_gpu", 1),
                     |part| {

@@ -146,6 +146,16 @@ fn reference_ppo_run_decodes_to_verls_plan() {
     );
     assert_eq!(s.model.tokenizer_path, s.model.path);
     assert_eq!(s.ref_micro_batch_size, Some(4));
+    // The values pass: the critic's update micro-batch unless its own is set (verl's default).
+    let critic = s.critic.as_ref().expect("GAE has a critic");
+    assert_eq!(critic.forward_micro_batch_size, Some(2));
+    let own = load_config(
+        &ppo(),
+        &overrides(&["critic.forward_micro_batch_size_per_gpu=16"]),
+    )
+    .unwrap();
+    let own = Settings::from_config(&own, &KnownNames::default(), "ppo_gsm8k.ron").unwrap();
+    assert_eq!(own.critic.unwrap().forward_micro_batch_size, Some(16));
     // KL in the reward with the fixed controller, none in the loss.
     assert!(s.algorithm.kl_in_reward.is_some());
     assert_eq!(s.algorithm.kl_ctrl, "fixed");
@@ -322,6 +332,17 @@ fn cross_field_rules_are_enforced_in_words() {
     assert!(
         e.contains("`algorithm.adv_estimator` = `grpoo`")
             && e.contains("gae, grpo, grpo_passk, rloo"),
+        "{e}"
+    );
+    // What `train` would refuse, refused here too: the built-in reward functions are known.
+    let e = invalid(&["custom_reward_function.name=nope"]);
+    assert!(
+        e.contains("`custom_reward_function.name` = `nope`") && e.contains("gsm8k_flexible"),
+        "{e}"
+    );
+    let e = invalid(&["critic.forward_micro_batch_size_per_gpu=0"]);
+    assert!(
+        e.contains("`critic.forward_micro_batch_size_per_gpu` must be >= 1"),
         "{e}"
     );
     let e = invalid(&["trainer.collective_backend=gloo"]);
