@@ -89,6 +89,7 @@ pub fn checkpoint_tensors(path: &std::path::Path) -> Vec<(String, Vec<f32>)> {
 }
 
 fn max_abs_diff(x: &[f32], y: &[f32]) -> f32 {
+    assert_eq!(x.len(), y.len(), "compared tensors differ in length");
     x.iter()
         .zip(y)
         .map(|(u, v)| (u - v).abs())
@@ -96,8 +97,9 @@ fn max_abs_diff(x: &[f32], y: &[f32]) -> f32 {
 }
 
 /// Runs `a` and `b` end at step `step` with the tensors of `global_step_{step}/{file}` within
-/// `tol` (and moved from the starting model in `start_dir`), and every metric `a` logged `b`
-/// logged too, equal (steps 1..=step, and step 0 where a run validated before training).
+/// `tol` (and moved from the starting model in `start_dir`), and the same steps with the same
+/// metrics, equal (steps 1..=step, and step 0 where a run validated before training); `b` may
+/// add validation metrics where one of its processes stopped.
 pub fn assert_same_runs(
     a: &std::path::Path,
     b: &std::path::Path,
@@ -132,12 +134,27 @@ pub fn assert_same_runs(
     assert_eq!(steps, (1..=step).collect::<Vec<_>>());
     assert_eq!(x.len(), y.len());
     let rel = f64::from(tol).max(1e-6);
-    for ((s, m), (_, n)) in x.iter().zip(&y) {
-        for (k, v) in m {
-            if burn_rlhf::trainer::usage::measures_the_machine(k) {
-                continue;
-            }
-            let w = n[k];
+    let machine = burn_rlhf::trainer::usage::measures_the_machine;
+    for ((s, m), (t, n)) in x.iter().zip(&y) {
+        assert_eq!(s, t, "the runs logged different steps");
+        // `b` may add validation where a process of it stopped (a run validates at its last
+        // step, as verl's does); every other metric is logged by both or by neither.
+        let keys = |m: &burn_rlhf::trainer::Metrics, val: bool| {
+            m.keys()
+                .filter(|k| !machine(k) && (val || !k.starts_with("val/")))
+                .cloned()
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            keys(m, false),
+            keys(n, false),
+            "step {s}: the runs logged different metrics"
+        );
+        for k in keys(m, true) {
+            let (v, w) = (
+                m[&k],
+                *n.get(&k).unwrap_or_else(|| panic!("step {s}: no {k} in b")),
+            );
             assert!(
                 (v - w).abs() <= rel * v.abs().max(1.0),
                 "step {s} {k}: {v} vs {w}"
