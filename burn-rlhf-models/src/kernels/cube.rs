@@ -424,3 +424,58 @@ pub fn rotary_backward<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolE
     );
     dx
 }
+
+// RMSNorm, SwiGLU and rotary forward and backward as the kernels above; the rest runs the
+// references (blocked attention, and tensor ops that CubeCL's kernels already serve).
+impl<R, F, I, BT> super::DecoderBackend for CubeBackend<R, F, I, BT>
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
+    fn dec_rms_norm(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        eps: f64,
+    ) -> FloatTensor<Self> {
+        rms_norm::<R, F, I, BT>(x, weight, eps)
+    }
+
+    fn dec_rms_norm_backward(
+        grad: FloatTensor<Self>,
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        eps: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        rms_norm_backward::<R, F, I, BT>(grad, x, weight, eps)
+    }
+
+    fn dec_swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
+        swiglu::<R, F, I, BT>(gate, up)
+    }
+
+    fn dec_swiglu_backward(
+        grad: FloatTensor<Self>,
+        gate: FloatTensor<Self>,
+        up: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        swiglu_backward::<R, F, I, BT>(grad, gate, up)
+    }
+
+    fn dec_rotary(
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        rotary::<R, F, I, BT>(x, cos, sin)
+    }
+
+    fn dec_rotary_backward(
+        grad: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        rotary_backward::<R, F, I, BT>(grad, cos, sin)
+    }
+}

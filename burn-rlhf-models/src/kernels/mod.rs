@@ -467,62 +467,7 @@ impl DecoderBackend for burn::backend::NdArray<f32> {}
 #[cfg(feature = "tch")]
 impl DecoderBackend for burn::backend::LibTorch<f32> {}
 
-// CubeCL backends: RMSNorm, SwiGLU and rotary forward and backward as kernels (`cube.rs`); the
-// rest runs the
-// references (blocked attention, and tensor ops that CubeCL's kernels already serve).
-#[cfg(any(feature = "wgpu", feature = "cuda"))]
-impl<R, F, I, BT> DecoderBackend for burn_cubecl::CubeBackend<R, F, I, BT>
-where
-    R: burn_cubecl::CubeRuntime,
-    F: burn_cubecl::FloatElement,
-    I: burn_cubecl::IntElement,
-    BT: burn_cubecl::BoolElement,
-{
-    fn dec_rms_norm(
-        x: FloatTensor<Self>,
-        weight: FloatTensor<Self>,
-        eps: f64,
-    ) -> FloatTensor<Self> {
-        cube::rms_norm::<R, F, I, BT>(x, weight, eps)
-    }
-
-    fn dec_rms_norm_backward(
-        grad: FloatTensor<Self>,
-        x: FloatTensor<Self>,
-        weight: FloatTensor<Self>,
-        eps: f64,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        cube::rms_norm_backward::<R, F, I, BT>(grad, x, weight, eps)
-    }
-
-    fn dec_swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
-        cube::swiglu::<R, F, I, BT>(gate, up)
-    }
-
-    fn dec_swiglu_backward(
-        grad: FloatTensor<Self>,
-        gate: FloatTensor<Self>,
-        up: FloatTensor<Self>,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        cube::swiglu_backward::<R, F, I, BT>(grad, gate, up)
-    }
-
-    fn dec_rotary(
-        x: FloatTensor<Self>,
-        cos: FloatTensor<Self>,
-        sin: FloatTensor<Self>,
-    ) -> FloatTensor<Self> {
-        cube::rotary::<R, F, I, BT>(x, cos, sin)
-    }
-
-    fn dec_rotary_backward(
-        grad: FloatTensor<Self>,
-        cos: FloatTensor<Self>,
-        sin: FloatTensor<Self>,
-    ) -> FloatTensor<Self> {
-        cube::rotary_backward::<R, F, I, BT>(grad, cos, sin)
-    }
-}
+// CubeCL backends: `cube.rs` (RMSNorm, SwiGLU and rotary as kernels, the rest the references).
 
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 impl<B: burn_fusion::FusionBackend> DecoderBackend for burn_fusion::Fusion<B> {}
