@@ -2,8 +2,13 @@
 //! (`reference.rs`) is a chain of tensor operations: RMSNorm forward and backward (a cube of
 //! threads per row, the row's sums through shared memory; the weight's gradient then one sum
 //! over rows), SwiGLU's gate and the rotary embedding forward and backward (one thread per
-//! element; the rotary one also moves heads before positions, and back). They read and
-//! write the backend's float type; tensors of another dtype (a half-precision copy) take the
+//! element; the rotary one also moves heads before positions, and back), and attention's
+//! forward as a flash kernel (an online softmax over tiles of keys in shared memory: no score
+//! tensor, the mask read from the key flags and positions, grouped-query heads read in place).
+//! Burn's own `attention` (cubek's flash kernels) was measured and not taken: its kernels
+//! multiply in f16 tiles whatever the inputs (1.7e-3 from the f32 reference on lavapipe), and
+//! it takes the mask as a `[B, H, L, S]` tensor of the backend's bool (u32 here: as large as
+//! the scores) with keys repeated per head. They read and write the backend's float type; tensors of another dtype (a half-precision copy) take the
 //! reference. Parity with the references: `burn-rlhf/tests/gpu/decoder_kernels.rs`.
 
 use burn::tensor::ops::FloatTensor;
@@ -193,6 +198,129 @@ fn swiglu_kernel<F: Float>(gate: &Tensor<F>, up: &Tensor<F>, out: &mut Tensor<F>
     out[i] = g / (F::new(1.0) + F::exp(-g)) * up[i];
 }
 
+/// Query rows per cube of the attention kernel, one thread each.
+const ATTENTION_ROWS: usize = 32;
+/// Values of a key (or value) tile staged in shared memory, keys times head width: with both
+/// tiles in f32, 16 KiB, wgpu's guaranteed workgroup storage.
+const ATTENTION_TILE_VALUES: usize = 2048;
+/// A score below every real one (WGSL has no infinity literal).
+const FAR_BELOW: f32 = -3.0e38;
+
+/// Attention under an [`super::AttentionMask`] with an online softmax, so no score tensor
+/// exists: a thread per query row keeps its running maximum, sum and output row; a cube's rows
+/// (the same row and head) stage `tile_keys` keys and values at a time in shared memory.
+/// q `[B, H, L, D]`, k and v `[B, KV, S, D]`, `v_mean` `[B, KV, D]` (what a query that sees no
+/// key gets: uniform attention), `meta` = `[past, window (0: none), key flags B * S]` → out
+/// `[B, H, L, D]`, lse `[B, H, L]` (0 for a query that sees no key, as the host kernel).
+#[cube(launch)]
+#[allow(clippy::too_many_arguments, clippy::collapsible_if)]
+fn attention_kernel<F: Float, I: Int>(
+    q: &Tensor<F>,
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    v_mean: &Tensor<F>,
+    meta: &Tensor<I>,
+    out: &mut Tensor<F>,
+    lse: &mut Tensor<F>,
+    #[comptime] d: usize,
+    #[comptime] tile_keys: usize,
+) {
+    let (rows, heads, l) = (q.shape(0), q.shape(1), q.shape(2));
+    let (kv, s) = (k.shape(1), k.shape(2));
+    let blocks = l.div_ceil(ATTENTION_ROWS);
+    let block = CUBE_POS % blocks;
+    let head = (CUBE_POS / blocks) % heads;
+    let b = CUBE_POS / (blocks * heads);
+    if b >= rows {
+        terminate!();
+    }
+    let lane = UNIT_POS as usize;
+    let i = block * ATTENTION_ROWS + lane;
+    let live = i < l;
+    let kv_head = head / (heads / kv);
+    let past = usize::cast_from(meta[0]);
+    let window = usize::cast_from(meta[1]);
+    // This row's keys `start..end`, and the union over the cube's rows.
+    let pos = past + i;
+    let end = min(pos + 1, s);
+    let start = select(window > 0, pos + 1 - min(window, pos + 1), 0);
+    let first = past + block * ATTENTION_ROWS;
+    let last = past + min(block * ATTENTION_ROWS + ATTENTION_ROWS, l) - 1;
+    let cube_end = min(last + 1, s);
+    let cube_start = select(window > 0, first + 1 - min(window, first + 1), 0);
+    let scale = F::new(1.0) / F::sqrt(F::cast_from(d as u32));
+
+    let mut q_row = Array::<F>::new(d);
+    let mut acc = Array::<F>::new(d);
+    for c in 0..d {
+        q_row[c] = F::new(0.0);
+        acc[c] = F::new(0.0);
+    }
+    let row = (b * heads + head) * l + i;
+    if live {
+        for c in 0..d {
+            q_row[c] = q[row * d + c];
+        }
+    }
+    let mut max_score = F::new(FAR_BELOW);
+    let mut sum = F::new(0.0);
+    let mut k_tile = SharedMemory::<F>::new(tile_keys * d);
+    let mut v_tile = SharedMemory::<F>::new(tile_keys * d);
+    let kv_base = (b * kv + kv_head) * s * d;
+    let flags = 2 + b * s;
+    let mut j0 = cube_start;
+    while j0 < cube_end {
+        let mut idx = lane;
+        while idx < tile_keys * d {
+            let j = j0 + idx / d;
+            if j < cube_end {
+                k_tile[idx] = k[kv_base + j * d + idx % d];
+                v_tile[idx] = v[kv_base + j * d + idx % d];
+            }
+            idx += ATTENTION_ROWS;
+        }
+        sync_cube();
+        if live {
+            for t in 0..tile_keys {
+                let j = j0 + t;
+                // The flag is read only for a key in range (the last row's would be past the end).
+                if j >= start && j < end {
+                    if meta[flags + j] != I::new(0) {
+                        let mut dot = F::new(0.0);
+                        for c in 0..d {
+                            dot += q_row[c] * k_tile[t * d + c];
+                        }
+                        let score = dot * scale;
+                        let new_max = max(max_score, score);
+                        let rescale = F::exp(max_score - new_max);
+                        let p = F::exp(score - new_max);
+                        sum = sum * rescale + p;
+                        for c in 0..d {
+                            acc[c] = acc[c] * rescale + p * v_tile[t * d + c];
+                        }
+                        max_score = new_max;
+                    }
+                }
+            }
+        }
+        sync_cube();
+        j0 += tile_keys;
+    }
+    if live {
+        if sum > F::new(0.0) {
+            for c in 0..d {
+                out[row * d + c] = acc[c] / sum;
+            }
+            lse[row] = max_score + F::ln(sum);
+        } else {
+            for c in 0..d {
+                out[row * d + c] = v_mean[(b * kv + kv_head) * d + c];
+            }
+            lse[row] = F::new(0.0);
+        }
+    }
+}
+
 /// An uninitialised contiguous tensor of the backend's float type on `like`'s device.
 fn empty<R: CubeRuntime, F: FloatElement>(like: &CubeTensor<R>, shape: Shape) -> CubeTensor<R> {
     empty_device_contiguous_dtype(like.client.clone(), like.device.clone(), shape, F::dtype())
@@ -230,6 +358,63 @@ fn eps_param<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
     )
     .into_primitive()
     .tensor()
+}
+
+/// Attention of q `[B, H, L, D]` over k and v `[B, KV, S, D]` under `mask` by
+/// [`attention_kernel`]: (out `[B, H, L, D]`, lse `[B, H, L]`); the reference where a dtype
+/// differs from an f32 backend's or a head is wider than a tile.
+pub fn attention<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
+    q: FloatTensor<Cube<R, F, I, BT>>,
+    k: FloatTensor<Cube<R, F, I, BT>>,
+    v: FloatTensor<Cube<R, F, I, BT>>,
+    mask: &super::AttentionMask,
+) -> (
+    FloatTensor<Cube<R, F, I, BT>>,
+    FloatTensor<Cube<R, F, I, BT>>,
+) {
+    let d = q.meta.shape()[3];
+    let tile_keys = ATTENTION_TILE_VALUES / d.max(1);
+    if !native::<R, F>(&[&q, &k, &v]) || F::dtype() != burn::tensor::DType::F32 || tile_keys == 0 {
+        return super::reference::attention::<Cube<R, F, I, BT>>(q, k, v, mask);
+    }
+    let (q, k, v) = (into_contiguous(q), into_contiguous(k), into_contiguous(v));
+    let [b, h, l, _] = q.meta.shape().dims::<4>();
+    let s = k.meta.shape()[2];
+    let v_mean = burn::tensor::Tensor::<Cube<R, F, I, BT>, 4>::from_primitive(
+        burn::tensor::TensorPrimitive::Float(v.clone()),
+    )
+    .mean_dim(2)
+    .into_primitive()
+    .tensor();
+    let mut meta = vec![mask.past as i64, mask.window.unwrap_or(0) as i64];
+    meta.extend(mask.keys.iter().map(|&f| f as i64));
+    let meta = burn::tensor::Tensor::<Cube<R, F, I, BT>, 1, burn::tensor::Int>::from_data(
+        TensorData::new(meta, [2 + b * s]).convert::<I>(),
+        &q.device,
+    )
+    .into_primitive();
+    let out = empty::<R, F>(&q, Shape::new([b, h, l, d]));
+    let lse = empty::<R, F>(&q, Shape::new([b, h, l]));
+    let client = q.client.clone();
+    attention_kernel::launch::<F, I, R>(
+        &client,
+        cube_count(b * h * l.div_ceil(ATTENTION_ROWS)),
+        CubeDim {
+            x: ATTENTION_ROWS as u32,
+            y: 1,
+            z: 1,
+        },
+        q.into_tensor_arg(),
+        k.into_tensor_arg(),
+        v.into_tensor_arg(),
+        into_contiguous(v_mean).into_tensor_arg(),
+        meta.into_tensor_arg(),
+        out.clone().into_tensor_arg(),
+        lse.clone().into_tensor_arg(),
+        d,
+        tile_keys,
+    );
+    (out, lse)
 }
 
 /// RMSNorm of `x` `[B, L, H]` with `weight` `[H]` (the reference where a dtype differs).
@@ -425,8 +610,9 @@ pub fn rotary_backward<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolE
     dx
 }
 
-// RMSNorm, SwiGLU and rotary forward and backward as the kernels above; the rest runs the
-// references (blocked attention, and tensor ops that CubeCL's kernels already serve).
+// Attention's forward, RMSNorm, SwiGLU and rotary forward and backward as the kernels above;
+// the rest runs the references (attention's blocked backward, which recomputes a block of
+// scores at a time, and tensor ops that CubeCL's kernels already serve).
 impl<R, F, I, BT> super::DecoderBackend for CubeBackend<R, F, I, BT>
 where
     R: CubeRuntime,
@@ -434,6 +620,15 @@ where
     I: IntElement,
     BT: BoolElement,
 {
+    fn dec_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        mask: &super::AttentionMask,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        attention::<R, F, I, BT>(q, k, v, mask)
+    }
+
     fn dec_rms_norm(
         x: FloatTensor<Self>,
         weight: FloatTensor<Self>,

@@ -115,3 +115,171 @@ fn rotary_kernels_match_their_references() {
         assert_close(float(got), float(want), &format!("{what} backward"));
     }
 }
+
+/// The mask of rows with `left` padding keys, then real ones, then `right` padding, over `s`
+/// keys, for the last `l` of them as queries.
+fn padded_mask(pads: &[(usize, usize)], s: usize, l: usize) -> kernels::AttentionMask {
+    let rows: Vec<Vec<i64>> = pads
+        .iter()
+        .map(|&(left, right)| {
+            (0..s)
+                .map(|j| (j >= left && j < s - right) as i64)
+                .collect()
+        })
+        .collect();
+    kernels::AttentionMask::new(&rows, s - l)
+}
+
+#[test]
+fn attention_kernel_matches_the_blocked_reference() {
+    crate::gpu_shapes::logs();
+    use burn_rlhf::models::DecoderBackend;
+    let prim4 = |t: Tensor<B, 4>| t.into_primitive().tensor();
+    let float4 = |t| Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(t));
+    // (query heads, key/value heads, queries, keys, head width, per-row padding, window)
+    let cases: [(
+        usize,
+        usize,
+        usize,
+        usize,
+        usize,
+        Vec<(usize, usize)>,
+        Option<usize>,
+    ); 6] = [
+        // Left-padded prompts (queries that see no key) and right-padded responses, GQA.
+        (4, 2, 37, 37, 64, vec![(0, 3), (5, 0)], None),
+        // Rows past one cube of queries, one row almost all padding, heads of 32.
+        (4, 4, 70, 70, 32, vec![(0, 0), (10, 7), (69, 0)], None),
+        // One query over a cache (decode), and a few queries after a past.
+        (2, 1, 1, 20, 64, vec![(2, 0)], None),
+        (2, 1, 9, 50, 128, vec![(4, 0), (0, 0)], None),
+        // Sliding windows, shorter and longer than a key tile.
+        (2, 2, 40, 50, 64, vec![(3, 0), (0, 2)], Some(16)),
+        (2, 1, 64, 64, 16, vec![(0, 0)], Some(40)),
+    ];
+    for (h, kv, l, s, d, pads, window) in cases {
+        let rows = pads.len();
+        let mut mask = padded_mask(&pads, s, l);
+        if let Some(w) = window {
+            mask = mask.with_window(w);
+        }
+        let q = random([rows, h, l, d], 1);
+        let (k, v) = (random([rows, kv, s, d], 2), random([rows, kv, s, d], 3));
+        let what = format!("attention {rows}x{h}/{kv}x{l}x{s}x{d} window {window:?}");
+        let (out, lse) =
+            B::dec_attention(prim4(q.clone()), prim4(k.clone()), prim4(v.clone()), &mask);
+        let (want_out, want_lse) = reference::attention::<B>(prim4(q), prim4(k), prim4(v), &mask);
+        assert_close(float4(out), float4(want_out), &what);
+        // The log-sum-exp of the queries that see a key (the others' is not a score's).
+        let lse = Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(lse));
+        let want_lse = Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(want_lse));
+        let (got, want) = (
+            lse.into_data().to_vec::<f32>().unwrap(),
+            want_lse.into_data().to_vec::<f32>().unwrap(),
+        );
+        for (idx, (g, w)) in got.iter().zip(&want).enumerate() {
+            let (r, i) = (idx / (h * l), idx % l);
+            if mask.sees_any(r, i) {
+                assert!(
+                    (g - w).abs() <= 1e-5 * (1.0 + w.abs()),
+                    "{what}: log-sum-exp {idx} is {g}, the reference {w}"
+                );
+            }
+        }
+    }
+}
+
+/// Bytes the device's memory pool grows by while `run` runs, from a pool emptied of unused
+/// pages (CubeCL keeps pages once reserved, so the growth is the run's peak beyond what was
+/// free).
+fn pool_growth(run: impl FnOnce()) -> u64 {
+    use burn::tensor::backend::Backend;
+    use burn_rlhf::algos::RlBackend;
+    let device = Default::default();
+    B::sync(&device).unwrap();
+    B::memory_cleanup(&device);
+    B::sync(&device).unwrap();
+    let before = B::device_memory_reserved(&device).expect("a CubeCL pool");
+    run();
+    B::sync(&device).unwrap();
+    B::device_memory_reserved(&device)
+        .expect("a CubeCL pool")
+        .saturating_sub(before)
+}
+
+#[test]
+fn attention_of_a_long_sequence_never_holds_its_score_tensor() {
+    crate::gpu_shapes::logs();
+    use burn_rlhf::models::DecoderBackend;
+    let prim4 = |t: Tensor<B, 4>| t.into_primitive().tensor();
+    let (h, kv, t, d) = (4, 2, 2048, 64);
+    // The scores of every head and query against every key, in f32.
+    let scores = (h * t * t * 4) as u64;
+    let mask = padded_mask(&[(0, 0)], t, t);
+    let q = random([1, h, t, d], 1);
+    let (k, v) = (random([1, kv, t, d], 2), random([1, kv, t, d], 3));
+    let dy = random([1, h, t, d], 4);
+    let mut saved = None;
+    let forward = pool_growth(|| {
+        let (out, lse) =
+            B::dec_attention(prim4(q.clone()), prim4(k.clone()), prim4(v.clone()), &mask);
+        saved = Some((out, lse));
+    });
+    let (out, lse) = saved.unwrap();
+    let backward = pool_growth(|| {
+        let (dq, dk, dv) = B::dec_attention_backward(
+            prim4(q.clone()),
+            prim4(k.clone()),
+            prim4(v.clone()),
+            out,
+            lse,
+            prim4(dy.clone()),
+            &mask,
+        );
+        drop((dq, dk, dv));
+    });
+    // What the score tensor costs: Burn's unfused attention over the same problem (keys and
+    // values repeated per head, causal).
+    let rep = |x: Tensor<B, 4>| {
+        x.unsqueeze_dim::<5>(2)
+            .repeat_dim(2, h / kv)
+            .reshape([1, h, t, d])
+    };
+    let unfused = pool_growth(|| {
+        let out = burn::tensor::module::attention_fallback(
+            q.clone(),
+            rep(k.clone()),
+            rep(v.clone()),
+            None,
+            None,
+            burn::tensor::ops::AttentionModuleOptions {
+                scale: None,
+                softcap: None,
+                is_causal: true,
+            },
+        );
+        drop(out);
+    });
+    eprintln!(
+        "attention over {t} positions, {h} heads: the pool grew {:.1} MiB in the forward, {:.1} MiB in the backward, {:.1} MiB unfused; the scores {:.1} MiB",
+        forward as f64 / (1 << 20) as f64,
+        backward as f64 / (1 << 20) as f64,
+        unfused as f64 / (1 << 20) as f64,
+        scores as f64 / (1 << 20) as f64
+    );
+    assert!(
+        unfused >= scores,
+        "the measure sees the unfused scores: {unfused} < {scores}"
+    );
+    // The pool grows by pages (8 MiB on lavapipe: the forward's 2 MiB output took one), so the
+    // bounds leave a page's room: on lavapipe the forward grew 1/8 of the scores, the backward,
+    // which recomputes 128 queries' scores at a time, 1/2.
+    assert!(
+        forward < scores / 4,
+        "forward: {forward} bytes against scores of {scores}"
+    );
+    assert!(
+        backward < scores,
+        "backward: {backward} bytes against scores of {scores}"
+    );
+}
