@@ -283,3 +283,74 @@ fn attention_of_a_long_sequence_never_holds_its_score_tensor() {
         "backward: {backward} bytes against scores of {scores}"
     );
 }
+
+/// A paged pass over `(queries, past)` sequences with scrambled block tables in a random pool and
+/// 3 padding tokens: (layout, q `[1, H, T, D]`, keys `[N, KV, D, bs]`, values `[N, KV, bs, D]`).
+fn paged_case(
+    seqs: &[(usize, usize)],
+    [h, kv, d]: [usize; 3],
+    bs: usize,
+) -> (
+    burn_rlhf::models::paged::PagedLayout,
+    Tensor<B, 4>,
+    Tensor<B, 4>,
+    Tensor<B, 4>,
+) {
+    use burn_rlhf::models::paged::{PagedLayout, PagedSeq};
+    let need: usize = seqs.iter().map(|&(q, p)| (q + p).div_ceil(bs)).sum();
+    let n = need + 1;
+    let mut free: Vec<u32> = (1..n as u32).collect();
+    free.sort_by_key(|&b| (b as u64).wrapping_mul(0x9E37_79B9) % 97);
+    let mut first = 0;
+    let mut paged = Vec::new();
+    for &(queries, past) in seqs {
+        let blocks = free.split_off(free.len() - (queries + past).div_ceil(bs));
+        paged.push(PagedSeq {
+            first,
+            queries,
+            past,
+            blocks,
+            rope_floor: 0,
+        });
+        first += queries;
+    }
+    let layout = PagedLayout::new(paged, first + 3, bs, 1);
+    let q = random([1, first + 3, h, d], 41).swap_dims(1, 2);
+    (
+        layout,
+        q,
+        random([n, kv, d, bs], 42),
+        random([n, kv, bs, d], 43),
+    )
+}
+
+#[test]
+fn paged_attention_kernel_matches_the_reference() {
+    crate::gpu_shapes::logs();
+    use burn_rlhf::models::DecoderBackend;
+    let prim4 = |t: Tensor<B, 4>| t.into_primitive().tensor();
+    let float4 = |t| Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(t));
+    // Decoding sequences (one query), prefill chunks over one and three cubes of queries after
+    // a past, block sizes that do and do not divide the contexts, sliding windows.
+    let seqs = vec![(1, 10), (1, 3), (1, 0), (7, 5), (3, 0), (70, 2), (1, 33)];
+    let cases = [
+        (seqs.clone(), [4, 2, 16], 4, None),
+        (seqs.clone(), [6, 2, 8], 16, None),
+        (seqs.clone(), [4, 4, 32], 4, Some(6)),
+        (vec![(2, 9), (1, 40), (33, 40)], [4, 1, 16], 8, Some(17)),
+        (seqs, [14, 2, 64], 16, None),
+    ];
+    for (seqs, dims, bs, window) in cases {
+        let (layout, q, k, v) = paged_case(&seqs, dims, bs);
+        let got = B::dec_paged_attention(
+            prim4(q.clone()),
+            prim4(k.clone()),
+            prim4(v.clone()),
+            &layout,
+            window,
+        );
+        let want = reference::paged_attention::<B>(prim4(q), prim4(k), prim4(v), &layout, window);
+        let what = format!("paged attention {dims:?}, blocks of {bs}, window {window:?}");
+        assert_close(float4(got), float4(want), &what);
+    }
+}

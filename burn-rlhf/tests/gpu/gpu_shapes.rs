@@ -129,16 +129,20 @@ fn the_engine_compiles_nothing_after_warming_up_its_shapes() {
     assert_eq!(shorter, (0, 0), "shorter responses: shapes already seen");
     assert_eq!(stats.steps, 64, "one prefill step and 63 decode steps");
     assert_eq!(stats.max_values_read_per_row, 2);
-    // Exact shapes: every new length is a new shape.
+    // Exact shapes: the attention kernels read lengths and block tables at run time, so a
+    // longer run (contexts of new lengths, the same rows) compiles and tunes nothing either.
+    // (Before those kernels, every new context length was a new shape of the reference's
+    // gathers and products: 0 compilations and 4 autotune runs here on 2026-11-27.)
     let (_, _) = run(DecodeShapes::Exact, 8, 1024);
     let (exact_64, _) = run(DecodeShapes::Exact, 64, 1024);
     println!(
         "{}: engine, exact 64 tokens after 8 compiled/tuned {exact_64:?}",
         backend_name()
     );
-    assert!(
-        exact_64.0 + exact_64.1 > 0,
-        "exact shapes should compile or tune for the new lengths (the counter must see them)"
+    assert_eq!(
+        exact_64,
+        (0, 0),
+        "exact shapes: new context lengths compile and tune nothing"
     );
     let _ = logs;
 }
