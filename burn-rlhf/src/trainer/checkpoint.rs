@@ -282,6 +282,9 @@ pub(crate) fn write_latest(root: &Path, step: usize) -> Result<(), TrainError> {
 /// (`trainer.max_actor_ckpt_to_keep`, `max_critic_ckpt_to_keep`; `None`: all) among the
 /// `global_step_N` checkpoints under `root`, as verl's checkpoint managers do with the folders
 /// they saved; a step left with neither is removed whole. Steps saved before a resume count too.
+/// The step `latest_checkpointed_iteration.txt` names is never removed, whatever its number: a
+/// run resumed from an older step into a folder holding newer ones saves below them, and the
+/// pointer must keep naming a checkpoint that exists (it is kept beside the newest ones).
 pub fn prune_checkpoints(
     root: &Path,
     keep_actor: Option<usize>,
@@ -300,13 +303,24 @@ pub fn prune_checkpoints(
         })
         .collect();
     steps.sort();
+    // A pointer that cannot be read protects nothing; resuming reports it.
+    let pointed: Option<usize> = std::fs::read_to_string(root.join(LATEST_FILE))
+        .ok()
+        .and_then(|text| text.trim().parse().ok());
     for (part, keep) in [("actor", keep_actor), ("critic", keep_critic)] {
         let Some(keep) = keep else { continue };
         let with_part: Vec<&PathBuf> = steps
             .iter()
+            .filter(|(step, dir)| Some(*step) != pointed && dir.join(part).is_dir())
             .map(|(_, dir)| dir)
-            .filter(|dir| dir.join(part).is_dir())
             .collect();
+        // The pointed step takes one of the places when it has this part.
+        let keep = match pointed {
+            Some(step) if root.join(format!("global_step_{step}/{part}")).is_dir() => {
+                keep.saturating_sub(1)
+            }
+            _ => keep,
+        };
         for dir in &with_part[..with_part.len().saturating_sub(keep)] {
             let old = dir.join(part);
             std::fs::remove_dir_all(&old).map_err(|e| io(&old, e))?;
@@ -550,6 +564,38 @@ mod tests {
         assert!(has("global_step_3/actor") && has("global_step_10/actor"));
         assert!(has("global_step_3/critic") && has("global_step_10/critic"));
         assert!(has("other"));
+        std::fs::remove_dir_all(root).ok();
+    }
+
+    #[test]
+    fn pruning_never_removes_the_step_the_pointer_names() {
+        // Resumed from step 1 (`resume_mode=resume_path`) into a folder that holds steps 3 and
+        // 4 of a longer run: the run saves step 2 and the pointer names it. With 2 kept, the
+        // named step and the newest other, 4, stay.
+        let root =
+            std::env::temp_dir().join(format!("burn-rlhf-prune-latest-{}", std::process::id()));
+        for step in [1, 2, 3, 4] {
+            std::fs::create_dir_all(root.join(format!("global_step_{step}/actor"))).unwrap();
+        }
+        write_latest(&root, 2).unwrap();
+        prune_checkpoints(&root, Some(2), None).unwrap();
+        let has = |p: &str| root.join(p).is_dir();
+        assert!(
+            has("global_step_2/actor"),
+            "the step the pointer names is kept"
+        );
+        assert!(has("global_step_4/actor"), "the newest other step is kept");
+        assert!(
+            !has("global_step_1") && !has("global_step_3"),
+            "two kept in all"
+        );
+        // With one kept, only the named step stays, even though newer ones exist.
+        write_latest(&root, 2).unwrap();
+        prune_checkpoints(&root, Some(1), None).unwrap();
+        assert!(has("global_step_2/actor") && !has("global_step_4"));
+        // A resume that continues from the named step then finds it.
+        let text = std::fs::read_to_string(root.join(LATEST_FILE)).unwrap();
+        assert!(has(&format!("global_step_{}", text.trim())));
         std::fs::remove_dir_all(root).ok();
     }
 }
