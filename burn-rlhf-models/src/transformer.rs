@@ -663,6 +663,7 @@ impl<B: DecoderBackend> Transformer<B> {
         mut cache: Option<&mut KvCache<B>>,
         mut router: Option<&mut Vec<Tensor<B, 2>>>,
     ) -> Tensor<B, 3> {
+        DENSE_PASSES.with(|n| n.set(n.get() + 1));
         let device = input_ids.device();
         let [_, l] = input_ids.dims();
         let past = cache.as_ref().map_or(0, |c| c.len());
@@ -754,6 +755,17 @@ fn embed_scale<B: Backend>(
     Tensor::<B, 1>::from_floats([scale as f32], device)
         .cast(dtype)
         .reshape([1, 1, 1])
+}
+
+thread_local! {
+    /// Dense forward passes this thread has run ([`dense_passes_on_this_thread`]).
+    static DENSE_PASSES: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// How many dense forward passes ([`Transformer::forward_routed`], which every dense forward goes
+/// through) this thread has run: how tests and profiles see how often a phase runs the decoder.
+pub fn dense_passes_on_this_thread() -> u64 {
+    DENSE_PASSES.with(|n| n.get())
 }
 
 /// Each token's `k` experts by router probability, highest first (ties to the lower index, as

@@ -114,6 +114,19 @@ pub fn response_logprobs_routed<B: ComputeBackend>(
     router: Option<&mut Vec<Tensor<B, 2>>>,
 ) -> (Tensor<B, 2>, Tensor<B, 2>) {
     let hidden = response_hidden(model, seq, router);
+    logprobs_from_hidden(model, hidden, seq, head)
+}
+
+/// Log-probs and entropies of the response tokens from the last hidden state at the positions
+/// that predict them (see [`response_logprobs`]).
+///
+/// Shapes: hidden `[B, R, H]` → (log-probs `[B, R]`, entropies `[B, R]`).
+fn logprobs_from_hidden<B: ComputeBackend>(
+    model: &CausalLm<B>,
+    hidden: Tensor<B, 3>,
+    seq: &SequenceTensors<B>,
+    head: LogprobHead,
+) -> (Tensor<B, 2>, Tensor<B, 2>) {
     let [b, r, h] = hidden.dims();
     if let Some(tp) = &model.model.tp {
         // A split head: each rank's share of the vocabulary, never gathered.
@@ -157,8 +170,9 @@ pub fn response_logprobs_and_sum_pi_squared<B: ComputeBackend>(
     seq: &SequenceTensors<B>,
     head: LogprobHead,
 ) -> (Tensor<B, 2>, Tensor<B, 2>, Tensor<B, 2>) {
-    let (logprobs, entropy) = response_logprobs(model, seq, head);
+    // One decoder pass serves both.
     let hidden = response_hidden(model, seq, None);
+    let (logprobs, entropy) = logprobs_from_hidden(model, hidden.clone(), seq, head);
     let [b, r, _] = hidden.dims();
     let per = head.chunk.div_ceil(r.max(1)).max(1);
     let sums = (0..b)
@@ -206,4 +220,63 @@ pub fn response_values<B: DecoderBackend>(
         &seq.position_ids,
     );
     values.slice([0..b, seq.prompt_len - 1..l - 1])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::InferenceBackend as B;
+    use burn_rlhf_models::transformer::dense_passes_on_this_thread;
+
+    #[test]
+    fn sum_pi_squared_comes_from_the_one_pass_that_gives_the_log_probs() {
+        let device = Default::default();
+        let model = crate::tasks::small_llama(12, 16, 2, 32).init_causal_lm::<B>(&device);
+        // Two rows: prompts of 3 (the first left-padded), responses of 4 (the second padded).
+        let ids = [[0i64, 5, 6, 7, 8, 9, 2], [3, 4, 5, 6, 7, 1, 0]];
+        let mask = vec![vec![0, 1, 1, 1, 1, 1, 1], vec![1, 1, 1, 1, 1, 1, 0]];
+        let positions = vec![vec![0, 0, 1, 2, 3, 4, 5], vec![0, 1, 2, 3, 4, 5, 5]];
+        let int = |v: Vec<i64>, cols: usize| {
+            Tensor::<B, 2, Int>::from_data(TensorData::new(v, [2, cols]), &device)
+        };
+        let seq = SequenceTensors {
+            input_ids: int(ids.concat(), 7),
+            attention_mask: mask,
+            position_ids: positions,
+            response_ids: int(ids.iter().flat_map(|r| r[3..].to_vec()).collect(), 4),
+            response_mask: Tensor::from_data(
+                TensorData::new(vec![1.0f32, 1., 1., 1., 1., 1., 1., 0.], [2, 4]),
+                &device,
+            ),
+            prompt_len: 3,
+        };
+        let head = LogprobHead {
+            temperature: 0.7,
+            chunk: 3,
+        };
+        let before = dense_passes_on_this_thread();
+        let (logprobs, entropy, sums) = response_logprobs_and_sum_pi_squared(&model, &seq, head);
+        assert_eq!(
+            dense_passes_on_this_thread() - before,
+            1,
+            "one decoder pass"
+        );
+        let (want_logprobs, want_entropy) = response_logprobs(&model, &seq, head);
+        assert_eq!(logprobs.into_data(), want_logprobs.into_data());
+        assert_eq!(entropy.into_data(), want_entropy.into_data());
+        // Σ π² of the tempered distribution, from the whole logits.
+        let hidden = response_hidden(&model, &seq, None);
+        let probs = burn::tensor::activation::softmax(model.logits(hidden) / 0.7, 2);
+        let want = probs.powi_scalar(2).sum_dim(2).squeeze_dim::<2>(2);
+        let (got, want) = (
+            sums.into_data().to_vec::<f32>().unwrap(),
+            want.into_data().to_vec::<f32>().unwrap(),
+        );
+        for (g, w) in got.iter().zip(&want) {
+            assert!(
+                (g - w).abs() < 1e-6,
+                "sum of squared probabilities {g} against {w}"
+            );
+        }
+    }
 }
