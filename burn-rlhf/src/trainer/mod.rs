@@ -10,7 +10,7 @@
 //! - [`Learner::fit`] (`fit.rs`) is the run loop every rank runs: resume, validate, step, log,
 //!   checkpoint;
 //! - [`launch`] (`launch.rs`) starts the ranks: one device in one process runs `fit` on the calling
-//!   thread, several devices a thread each, several processes joined over TCP. `commands.rs` is
+//!   thread, several devices a thread each, several processes as MPI ranks. `commands.rs` is
 //!   what the `train` and `eval` commands run on top: a file, the selected backend, the loaded
 //!   parts, then `launch`.
 
