@@ -364,10 +364,10 @@ mod tests {
     }
 
     /// Ranks as threads of one test, summing through a shared buffer.
-    struct Threads {
-        rank: usize,
-        world: usize,
-        shared: Arc<(std::sync::Mutex<Vec<f32>>, std::sync::Barrier)>,
+    pub(super) struct Threads {
+        pub(super) rank: usize,
+        pub(super) world: usize,
+        pub(super) shared: Arc<(std::sync::Mutex<Vec<f32>>, std::sync::Barrier)>,
     }
 
     impl Collective for Threads {

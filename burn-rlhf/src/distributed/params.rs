@@ -69,17 +69,24 @@ fn all_reduce_flat<B: Backend>(
     Ok(out)
 }
 
-/// Takes each parameter's gradient out, flattened, in visiting order.
+/// Takes each trainable parameter's gradient out, flattened, in visiting order, with whether this
+/// rank had one: a parameter that took no part in this rank's loss (an expert no token of its
+/// batch was routed to) sends zeros, so every rank sends the same list.
 struct TakeGrads<'a, B: AutodiffBackend> {
     grads: &'a mut GradientsParams,
-    taken: Vec<(ParamId, Tensor<B::InnerBackend, 1>)>,
+    taken: Vec<(ParamId, Tensor<B::InnerBackend, 1>, bool)>,
 }
 
 impl<B: AutodiffBackend> ModuleVisitor<B> for TakeGrads<'_, B> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         if let Some(g) = self.grads.remove::<B::InnerBackend, D>(param.id) {
             let n = g.shape().num_elements();
-            self.taken.push((param.id, g.reshape([n])));
+            self.taken.push((param.id, g.reshape([n]), true));
+        } else if param.val().is_require_grad() {
+            let value = param.val().inner();
+            let n = value.shape().num_elements();
+            self.taken
+                .push((param.id, value.zeros_like().reshape([n]), false));
         }
     }
 }
@@ -102,7 +109,9 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for PutGrads<'_, B> {
 
 /// The mean of `grads` over the ranks (each rank's loss is already scaled by the world size, as
 /// verl's `agg_loss` with `dp_size`, so the mean is the whole mini-batch's gradient). Every rank
-/// gets the same gradients. Ranks must have gradients for the same parameters.
+/// gets the same gradients. A trainable parameter without a gradient on some ranks (a mixture's
+/// expert that their tokens never reached) counts as zeros there; one without a gradient on any
+/// rank stays without one, as on one device (the optimiser leaves it alone).
 pub fn all_reduce_grads<B: AutodiffBackend, M: AutodiffModule<B>>(
     module: &M,
     mut grads: GradientsParams,
@@ -116,12 +125,42 @@ pub fn all_reduce_grads<B: AutodiffBackend, M: AutodiffModule<B>>(
         taken: Vec::new(),
     };
     module.visit(&mut take);
-    let (ids, flat): (Vec<ParamId>, Vec<_>) = take.taken.into_iter().unzip();
+    let mut ids = Vec::with_capacity(take.taken.len());
+    let mut had = Vec::with_capacity(take.taken.len());
+    let mut flat = Vec::with_capacity(take.taken.len() + 1);
+    for (id, g, present) in take.taken {
+        ids.push(id);
+        had.push(present as u8 as f32);
+        flat.push(g);
+    }
+    // Which ranks had each gradient travels with the gradients, in the same reduction.
+    if let Some(first) = flat.first() {
+        let n = had.len();
+        let device = first.device();
+        flat.push(Tensor::from_data(TensorData::new(had, [n]), &device));
+    }
+    let mut reduced = all_reduce_flat(dp, flat)?;
+    let Some(had) = reduced.pop() else {
+        return Ok(grads);
+    };
+    let had: Vec<f32> = had
+        .into_data()
+        .convert::<f32>()
+        .into_vec::<f32>()
+        .map_err(|e| DistributedError::Transport {
+            rank: dp.rank(),
+            message: format!("reading which ranks had gradients: {e:?}"),
+        })?;
     let world = dp.world() as f64;
-    let reduced = all_reduce_flat(dp, flat)?.into_iter().map(|t| t / world);
     let mut put = PutGrads::<B> {
         grads: &mut grads,
-        reduced: ids.into_iter().zip(reduced).collect(),
+        reduced: ids
+            .into_iter()
+            .zip(reduced)
+            .zip(had)
+            .filter(|(_, ranks)| *ranks > 0.0)
+            .map(|((id, g), _)| (id, g / world))
+            .collect(),
     };
     module.visit(&mut put);
     Ok(grads)
@@ -258,5 +297,109 @@ impl ShardPlan {
     /// Whether the module has no parameters.
     pub fn is_empty(&self) -> bool {
         self.ids.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use burn::module::Module;
+
+    use super::*;
+    use crate::backend::TrainBackend as B;
+    use crate::distributed::tests::Threads;
+
+    /// Three experts' weights: `a` reached by both ranks' tokens, `b` by rank 0's only, `c` by
+    /// none.
+    #[derive(Module, Debug)]
+    struct Experts<B: Backend> {
+        a: Param<Tensor<B, 1>>,
+        b: Param<Tensor<B, 1>>,
+        c: Param<Tensor<B, 1>>,
+    }
+
+    fn experts() -> Experts<B> {
+        let device = Default::default();
+        let param = |v: [f32; 3]| Param::from_tensor(Tensor::from_floats(v, &device));
+        Experts {
+            a: param([0.5, -1.0, 2.0]),
+            b: param([1.5, 0.25, -0.5]),
+            c: param([3.0, 1.0, 1.0]),
+        }
+    }
+
+    /// Rank `rank`'s loss on its own tokens.
+    fn loss(m: &Experts<B>, rank: usize) -> Tensor<B, 1> {
+        let device = Default::default();
+        let x = Tensor::<B, 1>::from_floats([1.0 + rank as f32, -2.0, 0.5], &device);
+        let through_a = (m.a.val() * x.clone()).sum().powi_scalar(2);
+        match rank {
+            0 => through_a + (m.b.val() * x).sum(),
+            _ => through_a,
+        }
+    }
+
+    fn grad(grads: &GradientsParams, p: &Param<Tensor<B, 1>>) -> Option<Vec<f32>> {
+        grads
+            .get::<<B as AutodiffBackend>::InnerBackend, 1>(p.id)
+            .map(|g| g.into_data().to_vec::<f32>().unwrap())
+    }
+
+    #[test]
+    fn an_expert_one_rank_never_reached_is_averaged_as_on_one_device() {
+        // One device: both ranks' losses, each scaled by the world size.
+        let m = experts();
+        let whole = (loss(&m, 0) + loss(&m, 1)) / 2.0;
+        let one = GradientsParams::from_grads(whole.backward(), &m);
+        let want = [grad(&one, &m.a), grad(&one, &m.b), grad(&one, &m.c)];
+        assert!(want[0].is_some() && want[1].is_some() && want[2].is_none());
+
+        let world = 2;
+        let shared = Arc::new((
+            std::sync::Mutex::new(Vec::new()),
+            std::sync::Barrier::new(world),
+        ));
+        let ranks: Vec<_> = (0..world)
+            .map(|rank| {
+                let shared = shared.clone();
+                std::thread::spawn(move || {
+                    let dp = DataParallel {
+                        collective: Arc::new(Threads {
+                            rank,
+                            world,
+                            shared,
+                        }),
+                        ..DataParallel::solo()
+                    };
+                    // Each rank loads its own replica (other parameter ids, the same order).
+                    let m = experts();
+                    let grads = GradientsParams::from_grads(loss(&m, rank).backward(), &m);
+                    let reduced = all_reduce_grads(&m, grads, &dp).unwrap();
+                    [
+                        grad(&reduced, &m.a),
+                        grad(&reduced, &m.b),
+                        grad(&reduced, &m.c),
+                    ]
+                })
+            })
+            .collect();
+        for (rank, handle) in ranks.into_iter().enumerate() {
+            let got = handle.join().unwrap();
+            for (expert, (g, w)) in ["a", "b", "c"].iter().zip(got.iter().zip(&want)) {
+                match (g, w) {
+                    (Some(g), Some(w)) => {
+                        for (x, y) in g.iter().zip(w) {
+                            assert!(
+                                (x - y).abs() <= 1e-6 * (1.0 + y.abs()),
+                                "rank {rank}, expert {expert}: {g:?} against one device's {w:?}"
+                            );
+                        }
+                    }
+                    (None, None) => {}
+                    _ => panic!("rank {rank}, expert {expert}: gradient {g:?}, one device's {w:?}"),
+                }
+            }
+        }
     }
 }
