@@ -312,6 +312,42 @@ impl DataParallel {
     }
 }
 
+/// PyTorch DDP's gradient bucket (`bucket_cap_mb` 25): gradients are read to the host and summed
+/// over the ranks this many bytes at a time, and a transport sends no more in one call, so no
+/// buffer or element count grows with the model (MPI counts elements in 32 bits).
+const DEFAULT_BUCKET_BYTES: usize = 25 << 20;
+
+/// Elements of f32 per bucket: [`DEFAULT_BUCKET_BYTES`], or `BURN_RLHF_BUCKET_BYTES` (tests
+/// use small buckets to cross their boundaries; at least one element).
+pub(crate) fn bucket_elements() -> usize {
+    static ELEMENTS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *ELEMENTS.get_or_init(|| {
+        let bytes = std::env::var("BURN_RLHF_BUCKET_BYTES")
+            .ok()
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .unwrap_or(DEFAULT_BUCKET_BYTES);
+        (bytes / std::mem::size_of::<f32>()).max(1)
+    })
+}
+
+/// Consecutive runs of items (element counts `sizes`) of at most `cap` elements each; an item
+/// larger than `cap` is a run of its own (the transport splits it further).
+pub(crate) fn buckets(sizes: &[usize], cap: usize) -> Vec<std::ops::Range<usize>> {
+    let mut out = Vec::new();
+    let (mut start, mut filled) = (0, 0);
+    for (i, &n) in sizes.iter().enumerate() {
+        if i > start && filled + n > cap {
+            out.push(start..i);
+            (start, filled) = (i, 0);
+        }
+        filled += n;
+    }
+    if start < sizes.len() {
+        out.push(start..sizes.len());
+    }
+    out
+}
+
 /// Whether an MPI launcher started this process (OpenMPI's, PMI's or PMIx's variables); asked
 /// with or without the `mpi` feature, so a build without it can say why it cannot join.
 pub fn launched_by_mpi() -> bool {
@@ -355,6 +391,20 @@ impl AbortFlag {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn buckets_hold_at_most_their_cap_and_cover_every_item_in_order() {
+        assert_eq!(buckets(&[], 4), Vec::<std::ops::Range<usize>>::new());
+        // Exactly the cap fills a bucket; one more element starts the next.
+        assert_eq!(buckets(&[2, 2, 2, 2], 4), vec![0..2, 2..4]);
+        assert_eq!(buckets(&[2, 3], 4), vec![0..1, 1..2]);
+        // An item over the cap stands alone, whatever is around it.
+        assert_eq!(buckets(&[1, 9, 1, 1], 4), vec![0..1, 1..2, 2..4]);
+        assert_eq!(buckets(&[9], 4), vec![0..1]);
+        // Empty items ride along.
+        assert_eq!(buckets(&[0, 4, 0, 1], 4), vec![0..3, 3..4]);
+        assert!(bucket_elements() >= 1);
+    }
 
     #[test]
     fn chunks_cover_the_range() {

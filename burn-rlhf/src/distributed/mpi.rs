@@ -223,13 +223,17 @@ fn serve(requests: Receiver<Request>, place_tx: Sender<Result<MpiPlace, String>>
     for request in requests {
         match request {
             Request::Sum(data, reply) => {
+                // A bucket at a time: MPI counts elements in 32 bits.
                 let mut sum = vec![0.0f32; data.len()];
-                if process == 0 {
-                    root.reduce_into_root(&data[..], &mut sum[..], SystemOperation::sum());
-                } else {
-                    root.reduce_into(&data[..], SystemOperation::sum());
+                let cap = super::bucket_elements();
+                for (part, out) in data.chunks(cap).zip(sum.chunks_mut(cap)) {
+                    if process == 0 {
+                        root.reduce_into_root(part, &mut *out, SystemOperation::sum());
+                    } else {
+                        root.reduce_into(part, SystemOperation::sum());
+                    }
+                    root.broadcast_into(out);
                 }
-                root.broadcast_into(&mut sum[..]);
                 let _ = reply.send(sum);
             }
             Request::GatherU64(value, reply) => {

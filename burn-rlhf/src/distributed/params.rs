@@ -30,7 +30,8 @@ fn inventory<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M) -> Vec<(Param
 }
 
 /// Sums flat tensors over the ranks: on the devices through burn-collective when that is the
-/// transport, else on the host. Shapes: each `[n_i]` → `[n_i]`.
+/// transport, else on the host a bucket ([`super::bucket_elements`]) at a time, so the host holds
+/// one bucket and no transport call grows with the model. Shapes: each `[n_i]` → `[n_i]`.
 fn all_reduce_flat<B: Backend>(
     dp: &DataParallel,
     tensors: Vec<Tensor<B, 1>>,
@@ -49,22 +50,26 @@ fn all_reduce_flat<B: Backend>(
     };
     let device = first.device();
     let sizes: Vec<usize> = tensors.iter().map(|t| t.dims()[0]).collect();
-    let host: Vec<f32> = Tensor::cat(tensors, 0)
-        .into_data()
-        .convert::<f32>()
-        .into_vec::<f32>()
-        .map_err(|e| DistributedError::Transport {
-            rank: dp.rank(),
-            message: format!("reading tensors to send: {e:?}"),
-        })?;
-    let total = host.len();
-    let sum = dp.collective.all_reduce_sum(host)?;
-    let all = Tensor::<B, 1>::from_data(TensorData::new(sum, [total]), &device);
+    let mut tensors = tensors.into_iter();
     let mut out = Vec::with_capacity(sizes.len());
-    let mut start = 0;
-    for n in sizes {
-        out.push(all.clone().narrow(0, start, n));
-        start += n;
+    for bucket in super::buckets(&sizes, super::bucket_elements()) {
+        let part: Vec<Tensor<B, 1>> = tensors.by_ref().take(bucket.len()).collect();
+        let host: Vec<f32> = Tensor::cat(part, 0)
+            .into_data()
+            .convert::<f32>()
+            .into_vec::<f32>()
+            .map_err(|e| DistributedError::Transport {
+                rank: dp.rank(),
+                message: format!("reading tensors to send: {e:?}"),
+            })?;
+        let total = host.len();
+        let sum = dp.collective.all_reduce_sum(host)?;
+        let all = Tensor::<B, 1>::from_data(TensorData::new(sum, [total]), &device);
+        let mut start = 0;
+        for &n in &sizes[bucket] {
+            out.push(all.clone().narrow(0, start, n));
+            start += n;
+        }
     }
     Ok(out)
 }

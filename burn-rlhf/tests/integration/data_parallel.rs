@@ -613,8 +613,17 @@ mod processes {
     /// `mpirun -np {np}` of `burn-rlhf` with `args` (OpenMPI's; allowed to run as root, and more
     /// processes than cores).
     fn mpirun(np: usize, args: &[String]) -> Child {
-        Command::new("mpirun")
-            .args(["--oversubscribe", "-np", &np.to_string()])
+        mpirun_with(np, args, &[])
+    }
+
+    /// [`mpirun`] with `envs` set in every process.
+    fn mpirun_with(np: usize, args: &[String], envs: &[(&str, &str)]) -> Child {
+        let mut command = Command::new("mpirun");
+        command.args(["--oversubscribe", "-np", &np.to_string()]);
+        for (key, value) in envs {
+            command.args(["-x", &format!("{key}={value}")]);
+        }
+        command
             .arg(env!("CARGO_BIN_EXE_burn-rlhf"))
             .args(args)
             .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
@@ -672,6 +681,17 @@ mod processes {
 
     /// [`mpi_job_of_processes`] in `dir`, with `both` overrides for both runs.
     fn mpi_job_in(dir: &Path, np: usize, devices: usize, both: &[String], extra: &[&str]) {
+        mpi_job_with_env(dir, (np, devices), both, extra, &[])
+    }
+
+    /// [`mpi_job_in`] with `envs` set in the MPI job's processes.
+    fn mpi_job_with_env(
+        dir: &Path,
+        (np, devices): (usize, usize),
+        both: &[String],
+        extra: &[&str],
+        envs: &[(&str, &str)],
+    ) {
         let (model, data) = cli_assets(dir);
         let single = dir.join("single");
         let mut args = cli_args(&model, &data, &single, STEPS);
@@ -687,7 +707,7 @@ mod processes {
         args.extend(both.iter().cloned());
         args.push(format!("trainer.n_gpus_per_node={}", np * devices));
         args.extend(extra.iter().map(|e| e.to_string()));
-        let (ok, err) = wait_bounded(mpirun(np, &args), Duration::from_secs(300));
+        let (ok, err) = wait_bounded(mpirun_with(np, &args, envs), Duration::from_secs(300));
         assert!(ok, "the MPI job failed or ran past 300 s:\n{err}");
         let step = format!("global_step_{STEPS}");
         let what = format!("{np} MPI processes x {devices} device(s) {extra:?} vs 1");
@@ -758,8 +778,17 @@ mod processes {
 
     #[test]
     fn two_mpi_processes_of_two_devices_reproduce_one_process() {
-        // World 4: each process's two device threads meet, then the processes sum through MPI.
-        mpi_job_reproduces_one_process("dp-mpi-devices", 2);
+        // World 4: each process's two device threads meet, then the processes sum through MPI,
+        // here in buckets of 4 KiB (25 MiB by default), so the gradients cross many bucket
+        // boundaries and the larger parameters are split within the transport.
+        let dir = temp_dir("dp-mpi-devices");
+        mpi_job_with_env(
+            &dir,
+            (2, 2),
+            &[],
+            &[],
+            &[("BURN_RLHF_BUCKET_BYTES", "4096")],
+        );
     }
 
     /// The processes `mpirun` (`pid`) started, with their MPI rank
