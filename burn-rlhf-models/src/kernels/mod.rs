@@ -16,6 +16,10 @@
 mod autodiff;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 pub mod cube;
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+pub mod cube_attention;
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+mod cube_launch;
 #[cfg(feature = "flex")]
 mod flex;
 pub mod reference;
