@@ -28,6 +28,35 @@ const ATTENTION_TILE_VALUES: usize = 2048;
 /// A score below every real one (WGSL has no infinity literal).
 const FAR_BELOW: f32 = -3.0e38;
 
+/// Folds staged key `t` into a query row's online softmax: `running` holds the row's maximum
+/// score and sum of exponentials so far, `acc` its output row before the division by the sum.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn fold_key<F: Float>(
+    q_row: &Array<F>,
+    k_tile: &SharedMemory<F>,
+    v_tile: &SharedMemory<F>,
+    t: usize,
+    scale: F,
+    running: &mut Array<F>,
+    acc: &mut Array<F>,
+    #[comptime] d: usize,
+) {
+    let mut dot = F::new(0.0);
+    for c in 0..d {
+        dot += q_row[c] * k_tile[t * d + c];
+    }
+    let score = dot * scale;
+    let new_max = max(running[0], score);
+    let rescale = F::exp(running[0] - new_max);
+    let p = F::exp(score - new_max);
+    running[1] = running[1] * rescale + p;
+    for c in 0..d {
+        acc[c] = acc[c] * rescale + p * v_tile[t * d + c];
+    }
+    running[0] = new_max;
+}
+
 /// Attention under an [`AttentionMask`] with an online softmax, so no score tensor
 /// exists: a thread per query row keeps its running maximum, sum and output row; a cube's rows
 /// (the same row and head) stage `tile_keys` keys and values at a time in shared memory.
@@ -84,8 +113,10 @@ fn attention_kernel<F: Float, I: Int>(
             q_row[c] = q[row * d + c];
         }
     }
-    let mut max_score = F::new(FAR_BELOW);
-    let mut sum = F::new(0.0);
+    // The row's running maximum score and sum of exponentials.
+    let mut running = Array::<F>::new(2usize);
+    running[0] = F::new(FAR_BELOW);
+    running[1] = F::new(0.0);
     let mut k_tile = SharedMemory::<F>::new(tile_keys * d);
     let mut v_tile = SharedMemory::<F>::new(tile_keys * d);
     let kv_base = (b * kv + kv_head) * s * d;
@@ -108,19 +139,16 @@ fn attention_kernel<F: Float, I: Int>(
                 // The flag is read only for a key in range (the last row's would be past the end).
                 if j >= start && j < end {
                     if meta[flags + j] != I::new(0) {
-                        let mut dot = F::new(0.0);
-                        for c in 0..d {
-                            dot += q_row[c] * k_tile[t * d + c];
-                        }
-                        let score = dot * scale;
-                        let new_max = max(max_score, score);
-                        let rescale = F::exp(max_score - new_max);
-                        let p = F::exp(score - new_max);
-                        sum = sum * rescale + p;
-                        for c in 0..d {
-                            acc[c] = acc[c] * rescale + p * v_tile[t * d + c];
-                        }
-                        max_score = new_max;
+                        fold_key(
+                            &q_row,
+                            &k_tile,
+                            &v_tile,
+                            t,
+                            scale,
+                            &mut running,
+                            &mut acc,
+                            d,
+                        );
                     }
                 }
             }
@@ -129,11 +157,12 @@ fn attention_kernel<F: Float, I: Int>(
         j0 += tile_keys;
     }
     if live {
+        let sum = running[1];
         if sum > F::new(0.0) {
             for c in 0..d {
                 out[row * d + c] = acc[c] / sum;
             }
-            lse[row] = max_score + F::ln(sum);
+            lse[row] = running[0] + F::ln(sum);
         } else {
             for c in 0..d {
                 out[row * d + c] = v_mean[(b * kv + kv_head) * d + c];
@@ -202,8 +231,10 @@ fn paged_attention_kernel<F: Float, I: Int>(
             q_row[c] = q[row * d + c];
         }
     }
-    let mut max_score = F::new(FAR_BELOW);
-    let mut sum = F::new(0.0);
+    // The row's running maximum score and sum of exponentials.
+    let mut running = Array::<F>::new(2usize);
+    running[0] = F::new(FAR_BELOW);
+    running[1] = F::new(0.0);
     let mut k_tile = SharedMemory::<F>::new(tile_keys * d);
     let mut v_tile = SharedMemory::<F>::new(tile_keys * d);
     let mut j0 = cube_start;
@@ -225,19 +256,16 @@ fn paged_attention_kernel<F: Float, I: Int>(
             for t in 0..tile_keys {
                 let j = j0 + t;
                 if j >= start && j < end {
-                    let mut dot = F::new(0.0);
-                    for c in 0..d {
-                        dot += q_row[c] * k_tile[t * d + c];
-                    }
-                    let score = dot * scale;
-                    let new_max = max(max_score, score);
-                    let rescale = F::exp(max_score - new_max);
-                    let p = F::exp(score - new_max);
-                    sum = sum * rescale + p;
-                    for c in 0..d {
-                        acc[c] = acc[c] * rescale + p * v_tile[t * d + c];
-                    }
-                    max_score = new_max;
+                    fold_key(
+                        &q_row,
+                        &k_tile,
+                        &v_tile,
+                        t,
+                        scale,
+                        &mut running,
+                        &mut acc,
+                        d,
+                    );
                 }
             }
         }
@@ -246,7 +274,7 @@ fn paged_attention_kernel<F: Float, I: Int>(
     }
     if live {
         for c in 0..d {
-            out[row * d + c] = acc[c] / sum;
+            out[row * d + c] = acc[c] / running[1];
         }
     }
 }
