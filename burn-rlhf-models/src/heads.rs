@@ -205,7 +205,12 @@ impl<B: DecoderBackend> ValueModel<B> {
         let hidden = self
             .model
             .forward_rows(input_ids, attention_mask, position_ids, None);
-        // Values in f32 whatever the model's dtype: the value loss and GAE read them.
+        self.values_of(hidden)
+    }
+
+    /// The value head on the decoder's hidden states (after its final norm), in f32 whatever
+    /// the model's dtype: the value loss and GAE read them. Shapes: `[B, L, H]` → `[B, L]`.
+    pub fn values_of(&self, hidden: Tensor<B, 3>) -> Tensor<B, 2> {
         self.score
             .forward(hidden)
             .squeeze_dim::<2>(2)
@@ -242,12 +247,17 @@ impl<B: DecoderBackend> RewardModel<B> {
         position_ids: &[Vec<i64>],
         positions: &[usize],
     ) -> Tensor<B, 1> {
-        let device = input_ids.device();
-        let [b, l] = input_ids.dims();
         let hidden = self
             .model
             .forward_rows(input_ids, attention_mask, position_ids, None);
-        let h = hidden.dims()[2];
+        self.scores_of(hidden, positions)
+    }
+
+    /// The score head on the decoder's hidden states (after its final norm) at `positions`
+    /// (one per row), in f32. Shapes: `[B, L, H]`, `B` positions → `[B]`.
+    pub fn scores_of(&self, hidden: Tensor<B, 3>, positions: &[usize]) -> Tensor<B, 1> {
+        let device = hidden.device();
+        let [b, l, h] = hidden.dims();
         let flat: Vec<i64> = positions
             .iter()
             .enumerate()

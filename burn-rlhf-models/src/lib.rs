@@ -24,6 +24,7 @@ pub mod kernels;
 pub mod lora;
 pub mod paged;
 pub mod pretrained;
+pub mod recompute;
 pub mod rope;
 pub mod tensor_parallel;
 pub mod tokenizer;

@@ -597,24 +597,39 @@ pub(crate) fn rows_i64<B: Backend>(t: &Tensor<B, 2, Int>) -> Vec<Vec<i64>> {
 }
 
 impl<B: DecoderBackend> Transformer<B> {
-    /// The tokens' embeddings. Under tensor parallelism each rank looks up the tokens of its
-    /// share of the vocabulary (zeros for the others) and the ranks' rows are summed.
-    /// Shapes: `[B, L]` → `[B, L, H]`.
-    fn embed(&self, input_ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
-        let Some(tp) = &self.tp else {
-            return self.embed_tokens.forward(input_ids);
+    /// The tokens' embeddings in `table` (the decoder's own, or a copy of it cast for a
+    /// recomputed pass), times Gemma's scale. Under tensor parallelism each rank looks up the
+    /// tokens of its share of the vocabulary (zeros for the others) and the ranks' rows are
+    /// summed. Shapes: `[B, L]` → `[B, L, H]`.
+    pub(crate) fn embed_with(
+        &self,
+        table: &Embedding<B>,
+        input_ids: Tensor<B, 2, Int>,
+    ) -> Tensor<B, 3> {
+        let device = input_ids.device();
+        let x = match &self.tp {
+            None => table.forward(input_ids),
+            Some(tp) => {
+                let [b, l] = input_ids.dims();
+                let [local, h] = table.weight.dims();
+                let ids = input_ids.sub_scalar((tp.rank() * local) as i64);
+                let outside = ids
+                    .clone()
+                    .lower_elem(0)
+                    .bool_or(ids.clone().greater_equal_elem(local as i64));
+                let ids = ids.mask_fill(outside.clone(), 0);
+                let x = table.forward(ids);
+                let x = x.mask_fill(outside.unsqueeze_dim::<3>(2).expand([b, l, h]), 0.0);
+                kernels::tp_reduce(x, tp)
+            }
         };
-        let [b, l] = input_ids.dims();
-        let [local, h] = self.embed_tokens.weight.dims();
-        let ids = input_ids.sub_scalar((tp.rank() * local) as i64);
-        let outside = ids
-            .clone()
-            .lower_elem(0)
-            .bool_or(ids.clone().greater_equal_elem(local as i64));
-        let ids = ids.mask_fill(outside.clone(), 0);
-        let x = self.embed_tokens.forward(ids);
-        let x = x.mask_fill(outside.unsqueeze_dim::<3>(2).expand([b, l, h]), 0.0);
-        kernels::tp_reduce(x, tp)
+        match self.embed_scale {
+            Some(scale) => {
+                let scale = embed_scale::<B>(scale, x.dtype(), &device);
+                x * scale
+            }
+            None => x,
+        }
     }
 
     /// Hidden states after the final norm.
@@ -663,46 +678,19 @@ impl<B: DecoderBackend> Transformer<B> {
         mut cache: Option<&mut KvCache<B>>,
         mut router: Option<&mut Vec<Tensor<B, 2>>>,
     ) -> Tensor<B, 3> {
-        DENSE_PASSES.with(|n| n.set(n.get() + 1));
+        count_dense_pass();
         let device = input_ids.device();
         let [_, l] = input_ids.dims();
         let past = cache.as_ref().map_or(0, |c| c.len());
-        let rope = Rope::new(position_ids, &self.rotary, &device);
-        let local_rope = self
-            .local_rotary
-            .as_ref()
-            .map(|freqs| Rope::new(position_ids, freqs, &device));
-        let mask = AttentionMask::new(attention_mask, past);
-        // One windowed mask per window size the layers use (one, in every supported family).
-        let mut windowed: Vec<(usize, AttentionMask)> = Vec::new();
-        let mut x = self.embed(input_ids);
-        if let Some(scale) = self.embed_scale {
-            let scale = embed_scale::<B>(scale, x.dtype(), &device);
-            x = x * scale;
-        }
+        let pass = DensePass::new(self, attention_mask, position_ids, past, &device);
+        let mut x = self.embed_with(&self.embed_tokens, input_ids);
         for (i, layer) in self.layers.iter().enumerate() {
             let layer_cache = cache.as_deref_mut().map(|c| (c, i));
-            let layer_mask = match layer.self_attn.sliding_window {
-                None => &mask,
-                Some(w) => {
-                    if !windowed.iter().any(|(size, _)| *size == w) {
-                        windowed.push((w, mask.with_window(w)));
-                    }
-                    &windowed
-                        .iter()
-                        .find(|(size, _)| *size == w)
-                        .expect("just added")
-                        .1
-                }
-            };
-            let layer_rope = match (&local_rope, layer.self_attn.sliding_window) {
-                (Some(local), Some(_)) => local,
-                _ => &rope,
-            };
+            let (rope, mask) = pass.for_layer(layer);
             x = layer.forward(
                 x,
-                layer_rope,
-                Attend::Masked(layer_mask, layer_cache),
+                rope,
+                Attend::Masked(mask, layer_cache),
                 router.as_deref_mut(),
             );
         }
@@ -729,11 +717,7 @@ impl<B: DecoderBackend> Transformer<B> {
             .local_rotary
             .as_ref()
             .map(|freqs| Rope::paged(layout, freqs, &device));
-        let mut x = self.embed(input_ids);
-        if let Some(scale) = self.embed_scale {
-            let scale = embed_scale::<B>(scale, x.dtype(), &device);
-            x = x * scale;
-        }
+        let mut x = self.embed_with(&self.embed_tokens, input_ids);
         for (i, layer) in self.layers.iter().enumerate() {
             let layer_rope = match (&local_rope, layer.self_attn.sliding_window) {
                 (Some(local), Some(_)) => local,
@@ -743,6 +727,75 @@ impl<B: DecoderBackend> Transformer<B> {
         }
         self.norm.forward(x)
     }
+}
+
+/// What a dense pass's layers read besides their input: the rotary tables (and the
+/// sliding-window layers' own, Gemma 3) and the attention mask (narrowed once per window size the
+/// layers use).
+pub(crate) struct DensePass<B: Backend> {
+    rope: Rope<B>,
+    local_rope: Option<Rope<B>>,
+    mask: AttentionMask,
+    windowed: Vec<(usize, AttentionMask)>,
+}
+
+impl<B: Backend> DensePass<B> {
+    /// The tables and masks of a pass over `attention_mask` (`[B][past + L]`) at `position_ids`
+    /// (`[B][L]`).
+    pub(crate) fn new(
+        decoder: &Transformer<B>,
+        attention_mask: &[Vec<i64>],
+        position_ids: &[Vec<i64>],
+        past: usize,
+        device: &B::Device,
+    ) -> Self {
+        let mask = AttentionMask::new(attention_mask, past);
+        let mut windowed: Vec<(usize, AttentionMask)> = Vec::new();
+        for w in decoder
+            .layers
+            .iter()
+            .filter_map(|l| l.self_attn.sliding_window)
+        {
+            if !windowed.iter().any(|(size, _)| *size == w) {
+                windowed.push((w, mask.with_window(w)));
+            }
+        }
+        Self {
+            rope: Rope::new(position_ids, &decoder.rotary, device),
+            local_rope: decoder
+                .local_rotary
+                .as_ref()
+                .map(|freqs| Rope::new(position_ids, freqs, device)),
+            mask,
+            windowed,
+        }
+    }
+
+    /// The rotary tables and the mask `layer` reads.
+    pub(crate) fn for_layer(&self, layer: &DecoderLayer<B>) -> (&Rope<B>, &AttentionMask) {
+        let window = layer.self_attn.sliding_window;
+        let rope = match (&self.local_rope, window) {
+            (Some(local), Some(_)) => local,
+            _ => &self.rope,
+        };
+        let mask = match window {
+            None => &self.mask,
+            Some(w) => {
+                &self
+                    .windowed
+                    .iter()
+                    .find(|(size, _)| *size == w)
+                    .expect("made for every window of the layers")
+                    .1
+            }
+        };
+        (rope, mask)
+    }
+}
+
+/// Counts a dense pass ([`dense_passes_on_this_thread`]).
+pub(crate) fn count_dense_pass() {
+    DENSE_PASSES.with(|n| n.set(n.get() + 1));
 }
 
 /// Gemma's embedding scale as `[1, 1, 1]`: HF multiplies by the scale cast to the weights'

@@ -2,11 +2,16 @@
 //! quantities from the models (verl's `compute_log_prob` and `compute_values`).
 
 use crate::backend::ComputeBackend;
+use burn::module::Module;
 use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 use burn_rlhf_algos::kernels::{entropy_and_logprobs, linear_entropy_and_logprobs};
+use burn_rlhf_models::recompute::KeptLayers;
 use burn_rlhf_models::tensor_parallel::vocab_parallel_entropy_and_logprobs;
-use burn_rlhf_models::{CausalLm, DecoderBackend, ValueModel};
+use burn_rlhf_models::transformer::RmsNorm;
+use burn_rlhf_models::{
+    cast_weights, CausalLm, DecoderBackend, RewardModel, Transformer, ValueModel,
+};
 use burn_rlhf_rollout::RolloutBatch;
 
 /// A rollout batch as model inputs: each row's prompt (left padded to `P`) followed by its response
@@ -91,6 +96,112 @@ pub struct LogprobHead {
     pub chunk: usize,
 }
 
+/// The models an update trains: a decoder under a head.
+pub trait WithDecoder<B: Backend>: Module<B> {
+    /// The decoder.
+    fn decoder(&self) -> &Transformer<B>;
+    /// The decoder, to change.
+    fn decoder_mut(&mut self) -> &mut Transformer<B>;
+}
+
+macro_rules! with_decoder {
+    ($($model:ident),*) => {$(
+        impl<B: Backend> WithDecoder<B> for $model<B> {
+            fn decoder(&self) -> &Transformer<B> {
+                &self.model
+            }
+            fn decoder_mut(&mut self) -> &mut Transformer<B> {
+                &mut self.model
+            }
+        }
+    )*};
+}
+with_decoder!(CausalLm, ValueModel, RewardModel);
+
+/// A training micro-batch's decoder pass with layer-level checkpointing
+/// (`enable_gradient_checkpointing` at `layer` granularity): the pass keeps each layer's input
+/// only, and [`MicroGradients::add`](crate::minibatch::MicroGradients::add) recomputes the
+/// layers one at a time in the backward ([`KeptLayers`]).
+pub struct LayerCheckpoint<B: Backend> {
+    decoder: Transformer<B>,
+    dtype: Option<FloatDType>,
+    kept: Vec<KeptLayers<B>>,
+}
+
+impl<B: Backend> LayerCheckpoint<B> {
+    /// What the passes kept, for the backward.
+    pub fn into_kept(self) -> Vec<KeptLayers<B>> {
+        self.kept
+    }
+}
+
+impl<B: DecoderBackend> LayerCheckpoint<B> {
+    /// Hidden states after `norm` (the computing model's, cast as it is), of a pass whose layers
+    /// run in the checkpoint's dtype and are kept for the backward. Shapes: input_ids `[B, L]` →
+    /// `[B, L, H]`.
+    fn hidden(
+        &mut self,
+        norm: &RmsNorm<B>,
+        input_ids: Tensor<B, 2, Int>,
+        attention_mask: &[Vec<i64>],
+        position_ids: &[Vec<i64>],
+        router: Option<&mut Vec<Tensor<B, 2>>>,
+    ) -> Tensor<B, 3> {
+        let (last, kept) =
+            self.decoder
+                .forward_kept(self.dtype, input_ids, attention_mask, position_ids, router);
+        self.kept.push(kept);
+        norm.forward(last)
+    }
+}
+
+/// What a micro-batch of an update computes with: `model` cast to `dtype` (autocast: the f32
+/// weights stay the ones trained), and with `layers` a [`LayerCheckpoint`] of its decoder, whose
+/// layers are then left out of the cast copy (the checkpoint casts them one at a time).
+pub fn micro_model<B: Backend, M: WithDecoder<B>>(
+    model: &M,
+    dtype: Option<FloatDType>,
+    layers: bool,
+) -> (M, Option<LayerCheckpoint<B>>) {
+    let checkpoint = layers.then(|| LayerCheckpoint {
+        decoder: model.decoder().clone(),
+        dtype,
+        kept: Vec::new(),
+    });
+    let model = match dtype {
+        None => model.clone(),
+        Some(dtype) => {
+            let mut model = model.clone();
+            if layers {
+                model.decoder_mut().layers.clear();
+            }
+            cast_weights(model, dtype)
+        }
+    };
+    (model, checkpoint)
+}
+
+/// Hidden states after the final norm of a training pass of `decoder`: its whole graph, or
+/// with `checkpoint` its layers kept for recomputation. Shapes: input_ids `[B, L]` → `[B, L, H]`.
+pub fn decoder_hidden<B: DecoderBackend>(
+    decoder: &Transformer<B>,
+    input_ids: Tensor<B, 2, Int>,
+    (attention_mask, position_ids): (&[Vec<i64>], &[Vec<i64>]),
+    router: Option<&mut Vec<Tensor<B, 2>>>,
+    checkpoint: Option<&mut LayerCheckpoint<B>>,
+) -> Tensor<B, 3> {
+    match checkpoint {
+        Some(c) => c.hidden(
+            &decoder.norm,
+            input_ids,
+            attention_mask,
+            position_ids,
+            router,
+        ),
+        None => decoder.forward_routed(input_ids, attention_mask, position_ids, None, router),
+    }
+}
+
 /// Log-probs and entropies of every response token under `model`, read from the logits at the
 /// position before each token. The logits are made `head.chunk` tokens at a time from the last
 /// hidden state, forward and backward ([`linear_entropy_and_logprobs`]): `[tokens, vocab]` never
@@ -102,18 +213,20 @@ pub fn response_logprobs<B: ComputeBackend>(
     seq: &SequenceTensors<B>,
     head: LogprobHead,
 ) -> (Tensor<B, 2>, Tensor<B, 2>) {
-    response_logprobs_routed(model, seq, head, None)
+    response_logprobs_routed(model, seq, head, None, None)
 }
 
 /// [`response_logprobs`] that also collects a mixture-of-experts model's router logits (one
-/// `[B * L, experts]` per sparse layer) in `router`, for its load-balancing loss.
+/// `[B * L, experts]` per sparse layer) in `router`, for its load-balancing loss; with
+/// `checkpoint`, the decoder's layers are kept for recomputation in the backward.
 pub fn response_logprobs_routed<B: ComputeBackend>(
     model: &CausalLm<B>,
     seq: &SequenceTensors<B>,
     head: LogprobHead,
     router: Option<&mut Vec<Tensor<B, 2>>>,
+    checkpoint: Option<&mut LayerCheckpoint<B>>,
 ) -> (Tensor<B, 2>, Tensor<B, 2>) {
-    let hidden = response_hidden(model, seq, router);
+    let hidden = response_hidden(model, seq, router, checkpoint);
     logprobs_from_hidden(model, hidden, seq, head)
 }
 
@@ -171,7 +284,7 @@ pub fn response_logprobs_and_sum_pi_squared<B: ComputeBackend>(
     head: LogprobHead,
 ) -> (Tensor<B, 2>, Tensor<B, 2>, Tensor<B, 2>) {
     // One decoder pass serves both.
-    let hidden = response_hidden(model, seq, None);
+    let hidden = response_hidden(model, seq, None, None);
     let (logprobs, entropy) = logprobs_from_hidden(model, hidden.clone(), seq, head);
     let [b, r, _] = hidden.dims();
     let per = head.chunk.div_ceil(r.max(1)).max(1);
@@ -192,14 +305,15 @@ fn response_hidden<B: ComputeBackend>(
     model: &CausalLm<B>,
     seq: &SequenceTensors<B>,
     router: Option<&mut Vec<Tensor<B, 2>>>,
+    checkpoint: Option<&mut LayerCheckpoint<B>>,
 ) -> Tensor<B, 3> {
     let [b, l] = seq.input_ids.dims();
-    let hidden = model.model.forward_routed(
+    let hidden = decoder_hidden(
+        &model.model,
         seq.input_ids.clone(),
-        &seq.attention_mask,
-        &seq.position_ids,
-        None,
+        (&seq.attention_mask, &seq.position_ids),
         router,
+        checkpoint,
     );
     // Only the positions that predict response tokens go through the LM head.
     hidden.slice([0..b, seq.prompt_len - 1..l - 1])
@@ -213,13 +327,27 @@ pub fn response_values<B: DecoderBackend>(
     critic: &ValueModel<B>,
     seq: &SequenceTensors<B>,
 ) -> Tensor<B, 2> {
+    response_values_in(critic, seq, None)
+}
+
+/// [`response_values`] of a training pass, with `checkpoint` its decoder's layers kept for
+/// recomputation in the backward. Shapes: → `[B, R]`.
+pub fn response_values_in<B: DecoderBackend>(
+    critic: &ValueModel<B>,
+    seq: &SequenceTensors<B>,
+    checkpoint: Option<&mut LayerCheckpoint<B>>,
+) -> Tensor<B, 2> {
     let [b, l] = seq.input_ids.dims();
-    let values = critic.forward_rows(
+    let hidden = decoder_hidden(
+        &critic.model,
         seq.input_ids.clone(),
-        &seq.attention_mask,
-        &seq.position_ids,
+        (&seq.attention_mask, &seq.position_ids),
+        None,
+        checkpoint,
     );
-    values.slice([0..b, seq.prompt_len - 1..l - 1])
+    critic
+        .values_of(hidden)
+        .slice([0..b, seq.prompt_len - 1..l - 1])
 }
 
 #[cfg(test)]
@@ -265,7 +393,7 @@ mod tests {
         assert_eq!(logprobs.into_data(), want_logprobs.into_data());
         assert_eq!(entropy.into_data(), want_entropy.into_data());
         // Σ π² of the tempered distribution, from the whole logits.
-        let hidden = response_hidden(&model, &seq, None);
+        let hidden = response_hidden(&model, &seq, None, None);
         let probs = burn::tensor::activation::softmax(model.logits(hidden) / 0.7, 2);
         let want = probs.powi_scalar(2).sum_dim(2).squeeze_dim::<2>(2);
         let (got, want) = (

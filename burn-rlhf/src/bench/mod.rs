@@ -32,7 +32,8 @@ use serde_json::{json, Value};
 
 use crate::config::Settings;
 use crate::error::TrainError;
-use crate::forward::{response_logprobs, LogprobHead, SequenceTensors};
+use crate::forward::{micro_model, response_logprobs_routed, LogprobHead, SequenceTensors};
+use crate::minibatch::MicroGradients;
 use crate::trainer::usage::{measure, Usage};
 use crate::trainer::{Learner, LearnerParts};
 
@@ -111,7 +112,7 @@ pub fn run_bench_selected(
     options: &BenchOptions,
 ) -> Result<Vec<Value>, TrainError> {
     use crate::backend::{backend_name, default_device};
-    crate::with_train_backend!(settings.model.gradient_checkpointing, B => {
+    crate::with_train_backend!(settings.model.gradient_checkpointing.on_backend(), B => {
         run_bench::<B>(settings, options, &default_device(), backend_name())
     })
 }
@@ -190,8 +191,16 @@ pub fn run_bench<B: LearnerBackend>(
                 temperature: 1.0,
                 chunk: learner.settings.model.logits_chunk_size,
             };
-            let (logp, _) = response_logprobs(&learner.actor, &seq, head);
-            let grads = (logp * seq.response_mask).sum().neg().backward();
+            // As the actor's update computes: its dtype, its checkpointing.
+            let (model, mut checkpoint) = micro_model(
+                &learner.actor,
+                learner.settings.model.dtype,
+                learner.settings.model.gradient_checkpointing.layers(),
+            );
+            let (logp, _) = response_logprobs_routed(&model, &seq, head, None, checkpoint.as_mut());
+            let loss = (logp * seq.response_mask).sum().neg();
+            let mut grads = MicroGradients::default();
+            grads.add(&learner.actor, loss, checkpoint);
             B::sync(device).ok();
             drop(grads);
         });

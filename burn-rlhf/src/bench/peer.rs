@@ -138,7 +138,8 @@ fn peer_args(settings: &Settings, steps: usize) -> Result<Vec<String>, TrainErro
         "--lr".into(),
         settings.actor.optim.lr.to_string(),
         "--gradient-checkpointing".into(),
-        (settings.model.gradient_checkpointing as u8).to_string(),
+        ((settings.model.gradient_checkpointing != crate::config::Checkpointing::Off) as u8)
+            .to_string(),
     ])
 }
 

@@ -128,6 +128,9 @@ pub struct CriticSettings {
     pub grad_clip: f64,
     /// Multiplies the value loss before its gradient.
     pub value_loss_scale: f64,
+    /// `critic.model.enable_gradient_checkpointing` at the actor's `layer` granularity: the
+    /// critic's update recomputes its decoder layers in the backward.
+    pub recompute_layers: bool,
 }
 
 /// What the critic's rules read from other sections.
@@ -223,15 +226,25 @@ impl CriticConfig {
             self.forward_max_token_len_per_gpu,
             longest,
         );
-        let actor_gc = cx.actor_model.enable_gradient_checkpointing;
-        p.check(self.model.enable_gradient_checkpointing == actor_gc, || {
-            format!(
-                "`critic.model.enable_gradient_checkpointing` ({}) must equal \
-                 `actor_rollout_ref.model.enable_gradient_checkpointing` ({actor_gc}): in Burn \
-                 checkpointing belongs to the autodiff backend, which the actor and critic share",
-                self.model.enable_gradient_checkpointing
-            )
-        });
+        // The critic recomputes at the actor's granularity; Burn's operation-level kind belongs
+        // to the autodiff backend, which the two share.
+        let actor = cx.actor_model;
+        let operation = actor.gradient_checkpointing_granularity == "operation";
+        let actor_gc = actor.enable_gradient_checkpointing;
+        p.check(
+            !operation || self.model.enable_gradient_checkpointing == actor_gc,
+            || {
+                format!(
+                    "`critic.model.enable_gradient_checkpointing` ({}) must equal \
+                 `actor_rollout_ref.model.enable_gradient_checkpointing` ({actor_gc}) at \
+                 `gradient_checkpointing_granularity` = `operation`: in Burn that checkpointing \
+                 belongs to the autodiff backend, which the actor and critic share (`layer` \
+                 granularity lets them differ)",
+                    self.model.enable_gradient_checkpointing
+                )
+            },
+        );
+        let recompute_layers = self.model.enable_gradient_checkpointing && !operation;
         p.check(self.enable != Some(false), || {
             format!(
                 "`algorithm.adv_estimator` = `{estimator}` needs a critic, but `critic.enable` is \
@@ -272,6 +285,7 @@ impl CriticConfig {
             loss_agg_mode: loss_agg_mode?,
             grad_clip: self.grad_clip,
             value_loss_scale: self.value_loss_scale,
+            recompute_layers,
         }))
     }
 }

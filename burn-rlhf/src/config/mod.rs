@@ -49,7 +49,7 @@ pub use error::ConfigError;
 pub use load::{
     config_from_ron_str, config_kind, config_to_ron, load_config, load_typed, ConfigKind,
 };
-pub use model::{ModelConfig, DEFAULT_LOGITS_CHUNK};
+pub use model::{Checkpointing, ModelConfig, DEFAULT_LOGITS_CHUNK};
 pub use names::KnownNames;
 pub use optim::OptimConfig;
 pub use reward::{

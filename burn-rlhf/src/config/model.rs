@@ -28,6 +28,58 @@ pub(super) fn dtype(p: &mut Problems, key: &str, name: &str) -> Option<Option<Fl
     p.name(key, name, DTYPE_NAMES, parsed)
 }
 
+/// The `gradient_checkpointing_granularity` names (burn-rlhf's key beside verl's
+/// `enable_gradient_checkpointing`).
+const GRANULARITY_NAMES: &[&str] = &["layer", "operation"];
+
+/// What the backward recomputes instead of keeping (`enable_gradient_checkpointing` and
+/// `gradient_checkpointing_granularity`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Checkpointing {
+    /// Nothing: the backward keeps every activation its graph needs.
+    Off,
+    /// Each decoder layer's input is kept and the layer recomputed in the backward, one at a
+    /// time (HF's and verl's gradient checkpointing; the default).
+    Layer,
+    /// Burn's operation-level checkpointing: the memory-bound operations (norms, activations,
+    /// rotary) are recomputed and the products' outputs kept; it is a property of the autodiff
+    /// backend, so the actor and the critic share it.
+    Operation,
+}
+
+impl Checkpointing {
+    /// `enabled` at `granularity` (one of [`GRANULARITY_NAMES`]); `key` is the granularity's
+    /// key, for the message.
+    pub(super) fn decode(
+        p: &mut Problems,
+        key: &str,
+        enabled: bool,
+        granularity: &str,
+    ) -> Option<Self> {
+        let parsed = match granularity {
+            "layer" => Some(Self::Layer),
+            "operation" => Some(Self::Operation),
+            _ => None,
+        };
+        let parsed = p.name(key, granularity, GRANULARITY_NAMES, parsed);
+        if enabled {
+            parsed
+        } else {
+            parsed.map(|_| Self::Off)
+        }
+    }
+
+    /// Train on the checkpointing autodiff backend ([`crate::with_train_backend`]).
+    pub fn on_backend(self) -> bool {
+        self == Self::Operation
+    }
+
+    /// Recompute the decoder's layers in the backward.
+    pub fn layers(self) -> bool {
+        self == Self::Layer
+    }
+}
+
 /// A model to load: a hub id, a local HF folder or a `.gguf` file.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -41,6 +93,10 @@ pub struct ModelConfig {
     /// state and gradient accumulation (`reduce_dtype`); the critic computes in it too.
     pub dtype: String,
     pub enable_gradient_checkpointing: bool,
+    /// What `enable_gradient_checkpointing` recomputes: `layer` (each decoder layer from its
+    /// input, HF's and verl's) or `operation` (Burn's: the memory-bound operations only; the
+    /// critic's switch must then equal the actor's). burn-rlhf's key.
+    pub gradient_checkpointing_granularity: String,
     /// The fused RL kernels on CubeCL backends (log-probs and entropy, the PPO and value losses,
     /// the GAE scan); off runs their reference tensor ops. burn-rlhf's default is on.
     pub use_fused_kernels: bool,
@@ -67,6 +123,7 @@ impl Default for ModelConfig {
             tokenizer_path: None,
             dtype: "float32".into(),
             enable_gradient_checkpointing: true,
+            gradient_checkpointing_granularity: "layer".into(),
             use_fused_kernels: true,
             lora_rank: 0,
             lora_alpha: 16.0,
@@ -98,10 +155,9 @@ pub struct ModelSettings {
     /// backward on the f32 weights cast to it (autocast: f32 master weights, AdamW state and
     /// gradients). Losses, advantages and log-prob reductions are f32 either way.
     pub dtype: Option<FloatDType>,
-    /// `enable_gradient_checkpointing` (the critic's agrees when there is one): train on an
-    /// autodiff backend that recomputes activations in the backward pass
-    /// ([`crate::with_train_backend`]).
-    pub gradient_checkpointing: bool,
+    /// `enable_gradient_checkpointing` at `gradient_checkpointing_granularity`: what the
+    /// actor's backward recomputes.
+    pub gradient_checkpointing: Checkpointing,
 }
 
 impl ModelConfig {
@@ -117,6 +173,12 @@ impl ModelConfig {
              of LM-head logits)"
                 .into()
         });
+        let checkpointing = Checkpointing::decode(
+            p,
+            &key("gradient_checkpointing_granularity"),
+            self.enable_gradient_checkpointing,
+            &self.gradient_checkpointing_granularity,
+        );
         Some(ModelSettings {
             path: self.path.clone(),
             tokenizer_path: tokenizer_path?,
@@ -129,7 +191,7 @@ impl ModelConfig {
             shape_bucket: self.shape_bucket,
             logits_chunk_size: self.logits_chunk_size,
             dtype: dtype?,
-            gradient_checkpointing: self.enable_gradient_checkpointing,
+            gradient_checkpointing: checkpointing?,
         })
     }
 }

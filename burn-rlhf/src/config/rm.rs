@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use super::error::ConfigError;
 use super::load::load_typed;
+use super::model::Checkpointing;
 use super::problems::Problems;
 use super::supervised::{
     decode_run, SupervisedOptimConfig, SupervisedRunSettings, SupervisedTrainerConfig,
@@ -69,6 +70,9 @@ pub struct RmModelConfig {
     pub tokenizer_path: Option<String>,
     /// Recompute activations in the backward pass.
     pub enable_gradient_checkpointing: bool,
+    /// What it recomputes: `layer` (each decoder layer from its input; HF's) or `operation`
+    /// (Burn's: the memory-bound operations only). burn-rlhf's key.
+    pub gradient_checkpointing_granularity: String,
 }
 
 impl Default for RmModelConfig {
@@ -77,6 +81,7 @@ impl Default for RmModelConfig {
             partial_pretrain: "Qwen/Qwen2.5-0.5B-Instruct".into(),
             tokenizer_path: None,
             enable_gradient_checkpointing: true,
+            gradient_checkpointing_granularity: "layer".into(),
         }
     }
 }
@@ -127,6 +132,8 @@ pub struct RmSettings {
     pub truncation: PairTruncation,
     /// `optim.*` and `trainer.*`.
     pub run: SupervisedRunSettings,
+    /// `model.enable_gradient_checkpointing` at `model.gradient_checkpointing_granularity`.
+    pub checkpointing: Checkpointing,
 }
 
 impl RmConfig {
@@ -178,10 +185,22 @@ impl RmConfig {
                 _ => None,
             },
         );
+        let checkpointing = Checkpointing::decode(
+            &mut p,
+            "model.gradient_checkpointing_granularity",
+            self.model.enable_gradient_checkpointing,
+            &self.model.gradient_checkpointing_granularity,
+        );
         let run = decode_run(&mut p, &self.optim, &self.trainer);
-        let settings = truncation
-            .zip(run)
-            .map(|(truncation, run)| RmSettings { truncation, run });
+        let settings =
+            truncation
+                .zip(run)
+                .zip(checkpointing)
+                .map(|((truncation, run), checkpointing)| RmSettings {
+                    truncation,
+                    run,
+                    checkpointing,
+                });
         p.finish(origin, settings)
     }
 }

@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use super::error::ConfigError;
 use super::load::load_typed;
+use super::model::Checkpointing;
 use super::problems::Problems;
 use super::supervised::{
     decode_run, SupervisedOptimConfig, SupervisedRunSettings, SupervisedTrainerConfig,
@@ -65,6 +66,9 @@ pub struct SftModelConfig {
     /// Recompute activations in the backward pass (the binary then trains on
     /// [`crate::backend::TrainBackendCheckpointed`]).
     pub enable_gradient_checkpointing: bool,
+    /// What it recomputes: `layer` (each decoder layer from its input; HF's) or `operation`
+    /// (Burn's: the memory-bound operations only). burn-rlhf's key.
+    pub gradient_checkpointing_granularity: String,
     /// Response tokens per chunk of LM-head logits in the loss: `[chunk, vocab]` logits and
     /// their gradient at once, never `[tokens, vocab]`. burn-rlhf's key.
     pub logits_chunk_size: usize,
@@ -79,6 +83,7 @@ impl Default for SftModelConfig {
             lora_alpha: 16.0,
             target_modules: vec!["all-linear".into()],
             enable_gradient_checkpointing: true,
+            gradient_checkpointing_granularity: "layer".into(),
             logits_chunk_size: super::DEFAULT_LOGITS_CHUNK,
         }
     }
@@ -144,10 +149,22 @@ impl SftConfig {
         p.check(!d.train_files.is_empty(), || {
             "`data.train_files` names no files".into()
         });
+        let checkpointing = Checkpointing::decode(
+            &mut p,
+            "model.gradient_checkpointing_granularity",
+            self.model.enable_gradient_checkpointing,
+            &self.model.gradient_checkpointing_granularity,
+        );
         let run = decode_run(&mut p, o, t);
-        let settings = truncation
-            .zip(run)
-            .map(|(truncation, run)| SftSettings { truncation, run });
+        let settings =
+            truncation
+                .zip(run)
+                .zip(checkpointing)
+                .map(|((truncation, run), checkpointing)| SftSettings {
+                    truncation,
+                    run,
+                    checkpointing,
+                });
         p.finish(origin, settings)
     }
 }
@@ -160,6 +177,8 @@ pub struct SftSettings {
     pub truncation: Truncation,
     /// `optim.*` and `trainer.*`.
     pub run: SupervisedRunSettings,
+    /// `model.enable_gradient_checkpointing` at `model.gradient_checkpointing_granularity`.
+    pub checkpointing: Checkpointing,
 }
 
 #[cfg(test)]

@@ -17,7 +17,7 @@ use burn_rlhf_rollout::RolloutBatch;
 
 use crate::config::settings::ActorSettings;
 use crate::error::TrainError;
-use crate::forward::{response_logprobs_routed, LogprobHead, SequenceTensors};
+use crate::forward::{micro_model, response_logprobs_routed, LogprobHead, SequenceTensors};
 use burn_rlhf_models::transformer::load_balancing_loss;
 
 use super::step::{MicroGradients, OptimizerStep};
@@ -66,6 +66,10 @@ pub struct ActorLossConfig {
     /// `Some(dtype)`: the forward and backward run on the weights cast to it (autocast; the
     /// weights, their gradients and the optimiser state stay f32). `model.dtype`.
     pub compute_dtype: Option<FloatDType>,
+    /// Layer-level activation checkpointing: each micro-batch's pass keeps its decoder layers'
+    /// inputs only and the backward recomputes the layers (`enable_gradient_checkpointing` at
+    /// `layer` granularity).
+    pub recompute_layers: bool,
     /// A mixture-of-experts policy's load-balancing loss: measured as
     /// `actor/router_aux_loss`, and added to the loss times its coefficient when the model's
     /// config says so (`output_router_logits`, as transformers adds it).
@@ -109,6 +113,7 @@ impl ActorLossConfig {
             max_token_len: actor.max_token_len,
             shape_bucket: 1,
             compute_dtype: None,
+            recompute_layers: false,
             router_aux: None,
         }
     }
@@ -195,16 +200,15 @@ pub fn actor_update<B: LearnerBackend, O: Optimizer<CausalLm<B>, B>>(
         let seq = SequenceTensors::<B>::from_batch(part, device);
         let mask = seq.response_mask.clone();
         // Cast per micro-batch: each backward consumes the graph, the cast included.
-        let model = match config.compute_dtype {
-            Some(dtype) => actor.clone().cast(dtype),
-            None => actor.clone(),
-        };
+        let (model, mut checkpoint) =
+            micro_model(&actor, config.compute_dtype, config.recompute_layers);
         let mut router = Vec::new();
         let (log_prob, entropy) = response_logprobs_routed(
             &model,
             &seq,
             config.head,
             config.router_aux.is_some().then_some(&mut router),
+            checkpoint.as_mut(),
         );
         let old_log_prob = match &mut old {
             OldLogProbs::Given(v) => from_rows::<B>(cut(v), n, w, device),
@@ -253,6 +257,12 @@ pub fn actor_update<B: LearnerBackend, O: Optimizer<CausalLm<B>, B>>(
         }
         let tokens: f64 = cut(local.loss_mask()).iter().map(|&m| m as f64).sum();
         let share = tokens / total_tokens * dp.world() as f64;
+        // The load-balancing loss's part of `loss`, for a layer-checkpointed backward.
+        let aux_in_loss = config.router_aux.filter(|aux| aux.in_loss);
+        let router_loss = |router: &[burn::tensor::Tensor<B, 2>]| {
+            let aux = aux_in_loss.expect("only with the loss in");
+            load_balancing_loss(router, aux.top_k, &seq.attention_mask).mul_scalar(aux.coef * share)
+        };
         if let Some(aux) = config.router_aux {
             // Per micro-batch, as transformers computes it per forward; weighted by its share of
             // the mini-batch's tokens, as the other terms.
@@ -266,7 +276,12 @@ pub fn actor_update<B: LearnerBackend, O: Optimizer<CausalLm<B>, B>>(
         for (name, value) in out.metrics {
             *metrics.entry(name).or_default() += value * share;
         }
-        gradients.add(&actor, loss);
+        gradients.add_routed(
+            &actor,
+            loss,
+            checkpoint,
+            aux_in_loss.map(|_| &router_loss as _),
+        );
     }
     let mut metrics = dp.mean_metrics(metrics)?;
     let actor = step.apply(actor, gradients, &mut metrics, "actor")?;

@@ -14,7 +14,7 @@ use burn_rlhf_rollout::RolloutBatch;
 
 use crate::config::settings::CriticSettings;
 use crate::error::TrainError;
-use crate::forward::{response_values, SequenceTensors};
+use crate::forward::{micro_model, response_values_in, SequenceTensors};
 
 use super::step::{MicroGradients, OptimizerStep};
 use super::{micro_batches, rows_of};
@@ -46,6 +46,9 @@ pub struct CriticLossConfig {
     pub value_loss_scale: f64,
     /// `Some(dtype)`: autocast, as the actor's ([`super::ActorLossConfig::compute_dtype`]).
     pub compute_dtype: Option<FloatDType>,
+    /// Layer-level activation checkpointing, as the actor's
+    /// ([`super::ActorLossConfig::recompute_layers`]).
+    pub recompute_layers: bool,
 }
 
 impl CriticLossConfig {
@@ -59,6 +62,7 @@ impl CriticLossConfig {
             shape_bucket: 1,
             value_loss_scale: critic.value_loss_scale,
             compute_dtype: None,
+            recompute_layers: false,
         }
     }
 }
@@ -105,11 +109,9 @@ pub fn critic_update<B: LearnerBackend, O: Optimizer<ValueModel<B>, B>>(
         let slice = |v: &[f32]| micro.cut(v, r);
         let cut = |v: &[f32]| from_rows::<B>(slice(v), n, w, device);
         let seq = SequenceTensors::<B>::from_batch(&micro.batch, device);
-        let model = match config.compute_dtype {
-            Some(dtype) => critic.clone().cast(dtype),
-            None => critic.clone(),
-        };
-        let vpreds = response_values(&model, &seq);
+        let (model, mut checkpoint) =
+            micro_model(&critic, config.compute_dtype, config.recompute_layers);
+        let vpreds = response_values_in(&model, &seq, checkpoint.as_mut());
         let out = value_loss(
             vpreds,
             cut(&values_all),
@@ -122,7 +124,7 @@ pub fn critic_update<B: LearnerBackend, O: Optimizer<ValueModel<B>, B>>(
         let tokens: f64 = slice(local.loss_mask()).iter().map(|&m| m as f64).sum();
         vf_loss += to_scalar(out.vf_loss.clone().detach());
         vf_clipfrac += out.vf_clipfrac * tokens / total_tokens * dp.world() as f64;
-        gradients.add(&critic, out.vf_loss * config.value_loss_scale);
+        gradients.add(&critic, out.vf_loss * config.value_loss_scale, checkpoint);
     }
     let mut metrics = dp.mean_metrics(BTreeMap::from([
         ("critic/vf_loss".to_string(), vf_loss),

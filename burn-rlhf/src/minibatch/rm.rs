@@ -16,6 +16,7 @@ use super::step::{MicroGradients, OptimizerStep};
 use crate::backend::{ComputeBackend, LearnerBackend};
 use crate::distributed::{chunk, DataParallel};
 use crate::error::TrainError;
+use crate::forward::{decoder_hidden, micro_model, LayerCheckpoint};
 
 /// A tokenized preference pair: each side the whole sequence the model scores (prompt included).
 #[derive(Debug, Clone, PartialEq)]
@@ -52,6 +53,9 @@ pub struct PairLoss {
     pub read: ScoreRead,
     /// TRL's `center_rewards_coefficient`.
     pub center_rewards_coefficient: Option<f64>,
+    /// Layer-level activation checkpointing in the update (`model.enable_gradient_checkpointing`
+    /// at `layer` granularity).
+    pub recompute_layers: bool,
 }
 
 /// Sequences right padded to the longest: ids `[n, L]`, the masks and positions as host rows,
@@ -93,15 +97,24 @@ impl<B: ComputeBackend> Padded<B> {
     }
 }
 
-/// The score of each sequence, in one forward. Shapes: `n` rows → `[n]`.
+/// The score of each sequence, in one forward (with `checkpoint`, a training pass whose
+/// decoder layers are kept for recomputation). Shapes: `n` rows → `[n]`.
 pub fn sequence_scores<B: ComputeBackend>(
     model: &RewardModel<B>,
     rows: &[&[u32]],
     read: &ScoreRead,
     device: &B::Device,
+    checkpoint: Option<&mut LayerCheckpoint<B>>,
 ) -> Tensor<B, 1> {
     let p = Padded::<B>::new(rows, read, device);
-    model.forward_rows(p.ids, &p.mask, &p.positions, &p.read_at)
+    let hidden = decoder_hidden(
+        &model.model,
+        p.ids,
+        (&p.mask, &p.positions),
+        None,
+        checkpoint,
+    );
+    model.scores_of(hidden, &p.read_at)
 }
 
 /// The scores of `pairs`' chosen and rejected sequences, in one forward. Shapes: `n` pairs →
@@ -111,6 +124,7 @@ fn pair_scores<B: ComputeBackend>(
     pairs: &[&PairExample],
     read: &ScoreRead,
     device: &B::Device,
+    checkpoint: Option<&mut LayerCheckpoint<B>>,
 ) -> (Tensor<B, 1>, Tensor<B, 1>) {
     let n = pairs.len();
     let rows: Vec<&[u32]> = pairs
@@ -118,7 +132,7 @@ fn pair_scores<B: ComputeBackend>(
         .map(|p| p.chosen.as_slice())
         .chain(pairs.iter().map(|p| p.rejected.as_slice()))
         .collect();
-    let scores = sequence_scores(model, &rows, read, device);
+    let scores = sequence_scores(model, &rows, read, device, checkpoint);
     (scores.clone().narrow(0, 0, n), scores.narrow(0, n, n))
 }
 
@@ -232,7 +246,9 @@ pub fn rm_update<B: LearnerBackend, O: Optimizer<RewardModel<B>, B>>(
     let mut gradients = MicroGradients::default();
     let mut sums = PairSums::default();
     for part in mine.chunks(loss.micro_batch_size.max(1)) {
-        let (chosen, rejected) = pair_scores(&model, part, &loss.read, device);
+        let (computing, mut checkpoint) = micro_model(&model, None, loss.recompute_layers);
+        let (chosen, rejected) =
+            pair_scores(&computing, part, &loss.read, device, checkpoint.as_mut());
         let losses = bradley_terry_pair_losses(
             chosen.clone(),
             rejected.clone(),
@@ -245,7 +261,7 @@ pub fn rm_update<B: LearnerBackend, O: Optimizer<RewardModel<B>, B>>(
             &to_vec(chosen.detach()),
             &to_vec(rejected.detach()),
         );
-        gradients.add(&model, total.mul_scalar(scale));
+        gradients.add(&model, total.mul_scalar(scale), checkpoint);
     }
     let mut metrics = sums.over_ranks(dp)?.metrics("train");
     let model = step.apply(model, gradients, &mut metrics, "train")?;
@@ -263,7 +279,7 @@ pub fn rm_eval<B: ComputeBackend>(
     let mut sums = PairSums::default();
     let refs: Vec<&PairExample> = pairs.iter().collect();
     for part in refs.chunks(loss.micro_batch_size.max(1)) {
-        let (chosen, rejected) = pair_scores(model, part, &loss.read, device);
+        let (chosen, rejected) = pair_scores(model, part, &loss.read, device, None);
         let losses = bradley_terry_pair_losses(
             chosen.clone(),
             rejected.clone(),

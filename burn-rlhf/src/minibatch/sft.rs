@@ -12,7 +12,9 @@ use burn_rlhf_models::CausalLm;
 use burn_rlhf_rollout::RolloutBatch;
 
 use crate::error::TrainError;
-use crate::forward::{response_logprobs, LogprobHead, SequenceTensors};
+use crate::forward::{
+    micro_model, response_logprobs, response_logprobs_routed, LogprobHead, SequenceTensors,
+};
 
 use super::step::{MicroGradients, OptimizerStep};
 
@@ -43,7 +45,8 @@ fn head(chunk: usize) -> LogprobHead {
 }
 
 /// One SFT optimiser step on `batch` (responses are the targets; prompts are context only), in
-/// micro-batches of `micro_batch_size` rows with `chunk` tokens per chunk of logits; with several
+/// micro-batches of `micro_batch_size` rows with `chunk` tokens per chunk of logits (with
+/// `recompute_layers`, layer-level activation checkpointing); with several
 /// ranks (`step.sync.dp`) each takes its share of the rows and the step averages the gradients.
 /// Returns the model and `train/loss` (this rank's part: the ranks' mean is the batch's),
 /// `train/grad_norm`, `train/lr`.
@@ -52,6 +55,7 @@ pub fn sft_update<B: LearnerBackend, O: Optimizer<CausalLm<B>, B>>(
     step: OptimizerStep<'_, O>,
     batch: &RolloutBatch,
     (micro_batch_size, chunk): (usize, usize),
+    recompute_layers: bool,
     device: &B::Device,
 ) -> Result<(CausalLm<B>, BTreeMap<String, f64>), TrainError> {
     let (rows, r) = (batch.rows(), batch.response_len);
@@ -68,7 +72,9 @@ pub fn sft_update<B: LearnerBackend, O: Optimizer<CausalLm<B>, B>>(
     let mut loss_sum = 0.0;
     for part in local.split(micro_batch_size.max(1)).expect("size >= 1") {
         let seq = SequenceTensors::<B>::from_batch(&part, device);
-        let (logp, _) = response_logprobs(&model, &seq, head(chunk));
+        let (computing, mut checkpoint) = micro_model(&model, None, recompute_layers);
+        let (logp, _) =
+            response_logprobs_routed(&computing, &seq, head(chunk), None, checkpoint.as_mut());
         let loss = agg_loss(
             logp.neg(),
             seq.response_mask.clone(),
@@ -76,7 +82,7 @@ pub fn sft_update<B: LearnerBackend, O: Optimizer<CausalLm<B>, B>>(
             &global,
         )?;
         loss_sum += to_scalar(loss.clone().detach());
-        gradients.add(&model, loss);
+        gradients.add(&model, loss, checkpoint);
     }
     let mut metrics = BTreeMap::from([("train/loss".to_string(), loss_sum)]);
     let model = step.apply(model, gradients, &mut metrics, "train")?;

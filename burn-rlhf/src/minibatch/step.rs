@@ -10,6 +10,7 @@ use burn::tensor::Tensor;
 
 use crate::backend::LearnerBackend;
 use crate::error::TrainError;
+use crate::forward::LayerCheckpoint;
 use crate::optim::{synced_step, ReplicaSync};
 
 /// The gradients of a mini-batch's micro-batches, summed.
@@ -26,13 +27,50 @@ impl<M> Default for MicroGradients<M> {
 }
 
 impl<M> MicroGradients<M> {
-    /// Adds the gradients of one micro-batch's `loss` (a scalar `[1]`) with respect to `module`.
-    pub fn add<B: LearnerBackend>(&mut self, module: &M, loss: Tensor<B, 1>)
-    where
+    /// Adds the gradients of one micro-batch's `loss` (a scalar `[1]`) with respect to `module`;
+    /// with `checkpoint` (layer-level checkpointing) the decoder's layers are recomputed one at a
+    /// time after the backward of the rest of the graph.
+    pub fn add<B: LearnerBackend>(
+        &mut self,
+        module: &M,
+        loss: Tensor<B, 1>,
+        checkpoint: Option<LayerCheckpoint<B>>,
+    ) where
         M: AutodiffModule<B>,
     {
-        self.sum
-            .accumulate(module, GradientsParams::from_grads(loss.backward(), module));
+        self.add_routed(module, loss, checkpoint, None)
+    }
+
+    /// [`MicroGradients::add`] where `router_loss` is the part of `loss` made from the router
+    /// logits of a mixture-of-experts decoder (given every sparse layer's): a layer-checkpointed
+    /// backward adds it to each sparse layer's recomputation, where its gradient flows.
+    pub fn add_routed<B: LearnerBackend>(
+        &mut self,
+        module: &M,
+        loss: Tensor<B, 1>,
+        checkpoint: Option<LayerCheckpoint<B>>,
+        router_loss: Option<&dyn Fn(&[Tensor<B, 2>]) -> Tensor<B, 1>>,
+    ) where
+        M: AutodiffModule<B>,
+    {
+        let mut grads = loss.backward();
+        let kept = checkpoint.map_or_else(Vec::new, LayerCheckpoint::into_kept);
+        if kept.is_empty() {
+            self.sum
+                .accumulate(module, GradientsParams::from_grads(grads, module));
+            return;
+        }
+        let output_grads: Vec<_> = kept.iter().map(|k| k.output_grad(&mut grads)).collect();
+        // The segments summed first, then added to the micro-batches' sum: a tied embedding's
+        // two parts add up as in the whole graph's backward, so the sums match bit for bit.
+        let mut micro = GradientsAccumulator::<M>::new();
+        micro.accumulate(module, GradientsParams::from_grads(grads, module));
+        for (pass, dy) in kept.into_iter().zip(output_grads) {
+            pass.backward_layers(dy, router_loss, |grads| {
+                micro.accumulate(module, GradientsParams::from_grads(grads, module))
+            });
+        }
+        self.sum.accumulate(module, micro.grads());
     }
 }
 

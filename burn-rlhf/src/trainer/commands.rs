@@ -50,7 +50,7 @@ pub fn checked_config(config: &Path, overrides: &[String]) -> Result<Settings, T
 pub fn train(settings: Settings) -> Result<RunOutputs, TrainError> {
     let (node, first, count) = this_process(&settings)?;
     let devices = crate::backend::devices_from(first, count);
-    let out = crate::with_train_backend!(settings.model.gradient_checkpointing, B => {
+    let out = crate::with_train_backend!(settings.model.gradient_checkpointing.on_backend(), B => {
         load_and_launch::<B>(settings, &node, &devices)
     });
     #[cfg(feature = "mpi")]
@@ -179,10 +179,11 @@ fn load_and_launch<B: LearnerBackend>(
             } else {
                 ""
             },
-            if settings.model.gradient_checkpointing {
-                ", gradient checkpointing"
-            } else {
-                ""
+            match settings.model.gradient_checkpointing {
+                crate::config::Checkpointing::Off => "",
+                crate::config::Checkpointing::Layer => ", layers recomputed in the backward",
+                crate::config::Checkpointing::Operation =>
+                    ", operations recomputed in the backward",
             },
         );
     }

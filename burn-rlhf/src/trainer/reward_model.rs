@@ -206,7 +206,7 @@ impl<B: ComputeBackend> RewardScorer<B> {
             let refs: Vec<&[u32]> = (0..part.len().max(fill))
                 .map(|k| sequences[part[k % part.len()]].as_slice())
                 .collect();
-            let scores = sequence_scores(&model, &refs, &read, device);
+            let scores = sequence_scores(&model, &refs, &read, device, None);
             for (&i, s) in part.iter().zip(scores.into_data().iter::<f32>()) {
                 mine[i] = s;
             }

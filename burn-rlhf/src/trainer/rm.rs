@@ -147,10 +147,10 @@ impl SupervisedCommand for RmConfig {
 /// each batch's pairs; returns rank 0's outputs. Stops after the current step (with a
 /// checkpoint) once `stop` is set.
 pub fn rm(config: &RmConfig, stop: &'static AtomicBool) -> Result<SupervisedOutputs, TrainError> {
-    config.decode("the reward-model config")?;
+    let settings = config.decode("the reward-model config")?;
     launch_supervised(
         &config.trainer,
-        config.model.enable_gradient_checkpointing,
+        settings.checkpointing.on_backend(),
         config,
         stop,
     )
@@ -237,6 +237,7 @@ pub fn fit_rm<B: LearnerBackend>(
                     bucket: 1,
                 },
                 center_rewards_coefficient: config.loss.center_rewards_coefficient,
+                recompute_layers: settings.checkpointing.layers(),
             },
             architecture: model_config.model_type.sequence_classification_class(),
         },

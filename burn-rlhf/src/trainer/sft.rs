@@ -173,6 +173,8 @@ fn val_loss<B: crate::backend::ComputeBackend>(
 struct SftTask {
     /// Rows per micro-batch, tokens per chunk of logits.
     micro: (usize, usize),
+    /// Layer-level activation checkpointing in the update.
+    recompute_layers: bool,
     pad: u32,
 }
 
@@ -188,7 +190,14 @@ impl<B: LearnerBackend> SupervisedTask<B> for SftTask {
         device: &B::Device,
     ) -> Result<(CausalLm<B>, Metrics), TrainError> {
         let batch = sft_rollout_batch(batch, self.pad);
-        let (model, m) = sft_update(model, step, &batch, self.micro, device)?;
+        let (model, m) = sft_update(
+            model,
+            step,
+            &batch,
+            self.micro,
+            self.recompute_layers,
+            device,
+        )?;
         Ok((model, m.into_iter().collect()))
     }
 
@@ -228,10 +237,10 @@ impl SupervisedCommand for SftConfig {
 /// `model.enable_gradient_checkpointing`. Stops after the current step (with a checkpoint) once
 /// `stop` is set.
 pub fn sft(config: &SftConfig, stop: &'static AtomicBool) -> Result<SupervisedOutputs, TrainError> {
-    config.decode("the SFT config")?;
+    let settings = config.decode("the SFT config")?;
     launch_supervised(
         &config.trainer,
-        config.model.enable_gradient_checkpointing,
+        settings.checkpointing.on_backend(),
         config,
         stop,
     )
@@ -289,6 +298,7 @@ pub fn fit_sft<B: LearnerBackend>(
     SupervisedRun {
         task: SftTask {
             micro: (d.micro_batch_size_per_gpu, m.logits_chunk_size),
+            recompute_layers: settings.checkpointing.layers(),
             pad: tokenizer.pad_token_id,
         },
         model,

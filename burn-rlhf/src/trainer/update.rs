@@ -94,6 +94,7 @@ impl<B: LearnerBackend> Learner<B> {
                         &CriticLossConfig {
                             shape_bucket: self.shape_bucket,
                             compute_dtype: self.settings.model.dtype,
+                            recompute_layers: settings.recompute_layers,
                             ..CriticLossConfig::from_settings(settings, rows.len())
                         },
                         &self.device,
@@ -158,6 +159,7 @@ impl<B: LearnerBackend> Learner<B> {
                         &ActorLossConfig {
                             shape_bucket: self.shape_bucket,
                             compute_dtype: self.settings.model.dtype,
+                            recompute_layers: self.settings.model.gradient_checkpointing.layers(),
                             router_aux: RouterAux::of(&self.model_config),
                             ..ActorLossConfig::from_settings(settings, head, rows.len())
                         },

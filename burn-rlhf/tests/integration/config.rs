@@ -113,7 +113,12 @@ fn config_validate_tells_sft_configs_from_rl_ones() {
 fn reference_ppo_run_decodes_to_verls_plan() {
     use burn_rlhf::config::{KnownNames, Settings};
     let c = load_config(&ppo(), &[]).unwrap();
-    let s = Settings::from_config(&c, &KnownNames::default(), "ppo_gsm8k.ron").unwrap();
+    let s = burn_rlhf::config::Settings::from_config(
+        &c,
+        &burn_rlhf::config::KnownNames::default(),
+        "ppo_gsm8k.ron",
+    )
+    .unwrap();
     let rows = s.data.train_batch_size * s.n();
     let mini = s.actor.ppo_mini_batch_size * s.n();
     assert_eq!(
@@ -165,7 +170,10 @@ fn reference_ppo_run_decodes_to_verls_plan() {
         (s.algorithm.estimator.gamma, s.algorithm.estimator.lam),
         (1.0, 1.0)
     );
-    assert!(s.model.gradient_checkpointing);
+    assert_eq!(
+        s.model.gradient_checkpointing,
+        burn_rlhf::config::Checkpointing::Layer
+    );
     assert_eq!(s.model.dtype, None);
     assert_eq!(
         (s.trainer.save_freq, s.trainer.test_freq),
@@ -375,9 +383,34 @@ fn cross_field_rules_are_enforced_in_words() {
         assert!(e.contains(key), "{key} in {e}");
     }
     assert!(!e.contains("`critic.ppo_max_token_len_per_gpu`"), "{e}");
-    let e = invalid(&["critic.model.enable_gradient_checkpointing=false"]);
+    // Operation-level checkpointing belongs to the shared backend; layer-level does not.
+    let e = invalid(&[
+        "actor_rollout_ref.model.gradient_checkpointing_granularity=operation",
+        "critic.model.enable_gradient_checkpointing=false",
+    ]);
     assert!(
         e.contains("`critic.model.enable_gradient_checkpointing` (false) must equal"),
+        "{e}"
+    );
+    let c = load_config(
+        &ppo(),
+        &overrides(&["critic.model.enable_gradient_checkpointing=false"]),
+    )
+    .unwrap();
+    let s = burn_rlhf::config::Settings::from_config(
+        &c,
+        &burn_rlhf::config::KnownNames::default(),
+        "ppo_gsm8k.ron",
+    )
+    .unwrap();
+    assert!(!s.critic.unwrap().recompute_layers);
+    assert_eq!(
+        s.model.gradient_checkpointing,
+        burn_rlhf::config::Checkpointing::Layer
+    );
+    let e = invalid(&["actor_rollout_ref.model.gradient_checkpointing_granularity=block"]);
+    assert!(
+        e.contains("`actor_rollout_ref.model.gradient_checkpointing_granularity` = `block`"),
         "{e}"
     );
     let e = invalid(&["actor_rollout_ref.model.dtype=bfloat8"]);

@@ -49,7 +49,7 @@ fn assets(dir: &Path, hidden: usize, sft_steps: usize) -> Assets {
             sync: &ReplicaSync::default(),
         };
         let batch = tasks::sft_batch(&tokenizer, &picked);
-        model = sft_update(model, step, &batch, (64, 512), &Default::default())
+        model = sft_update(model, step, &batch, (64, 512), false, &Default::default())
             .unwrap()
             .0;
     }
