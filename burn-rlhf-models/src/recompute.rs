@@ -6,7 +6,10 @@
 //!
 //! Burn cannot run a backward inside another's step (its graph lock is held through the step),
 //! so each layer is a backward of its own: `sum(layer(x) * dy)` differentiated at the layer's
-//! parameters and at `x`, whose gradient is `dy` exactly. The caller collects each segment's
+//! parameters and at `x`, whose gradient is `dy` exactly. The layer's last product (the MLP's
+//! down projection) feeds only that sum, so a dense layer does not compute it
+//! ([`DecoderLayer::backward_pairing`]): the recomputation costs the layer's forward but for
+//! its largest product but one. The caller collects each segment's
 //! gradients ([`KeptLayers::backward_layers`]); a parameter's gradient is the same sum the whole graph
 //! would make.
 
@@ -131,19 +134,25 @@ impl<B: AutodiffBackend + DecoderBackend> KeptLayers<B> {
             let x = input.require_grad();
             let layer: DecoderLayer<B> = computed(layer.clone(), self.dtype);
             let (rope, mask) = self.pass.for_layer(&layer);
-            let mut routed = Vec::new();
-            let y = layer.forward(
-                x.clone(),
-                rope,
-                Attend::Masked(mask, None),
-                Some(&mut routed),
-            );
-            let mut surrogate = (y * Tensor::from_inner(grad)).sum();
-            if let Some((router_loss, slot)) = sparse {
-                let mut router = self.router.clone();
-                router[slot] = routed.pop().expect("a sparse layer routes");
-                surrogate = surrogate + router_loss(&router);
-            }
+            let dy_out: Tensor<B, 3> = Tensor::from_inner(grad);
+            let pairing =
+                layer.backward_pairing(x.clone(), rope, Attend::Masked(mask, None), dy_out.clone());
+            let surrogate = pairing.unwrap_or_else(|| {
+                let mut routed = Vec::new();
+                let y = layer.forward(
+                    x.clone(),
+                    rope,
+                    Attend::Masked(mask, None),
+                    Some(&mut routed),
+                );
+                let mut surrogate = (y * dy_out).sum();
+                if let Some((router_loss, slot)) = sparse {
+                    let mut router = self.router.clone();
+                    router[slot] = routed.pop().expect("a sparse layer routes");
+                    surrogate = surrogate + router_loss(&router);
+                }
+                surrogate
+            });
             let mut grads = surrogate.backward();
             dy = x.grad_remove(&mut grads);
             segment(grads);

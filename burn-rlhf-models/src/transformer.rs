@@ -379,14 +379,18 @@ pub struct Mlp<B: Backend> {
 impl<B: DecoderBackend> Mlp<B> {
     /// Shapes: `[B, L, H]` → `[B, L, H]`.
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        let x = copy_in(x, self.tp.as_ref());
+        let hidden = self.activations(copy_in(x, self.tp.as_ref()));
+        reduce_out(self.down_proj.forward(hidden), self.tp.as_ref())
+    }
+
+    /// The gated activations the down projection reads. Shapes: `[B, L, H]` → `[B, L, I]`.
+    fn activations(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         let gate = self.gate_proj.forward(x.clone());
         let up = self.up_proj.forward(x);
-        let hidden = match self.act {
+        match self.act {
             Activation::Silu => kernels::swiglu(gate, up),
             Activation::GeluPytorchTanh => gelu_tanh(gate) * up,
-        };
-        reduce_out(self.down_proj.forward(hidden), self.tp.as_ref())
+        }
     }
 }
 
@@ -558,6 +562,47 @@ impl<B: DecoderBackend> DecoderLayer<B> {
                         .forward(self.post_attention_layernorm.forward(h), router)
             }
         }
+    }
+}
+
+impl<B: DecoderBackend> DecoderLayer<B> {
+    /// `sum(forward(x) ⊙ dy)` as the backward of a recomputed layer needs it
+    /// ([`crate::recompute`]): its gradients are the layer's for an output gradient `dy`, but the
+    /// MLP's down projection, whose output feeds nothing else, is not computed (its weight's and
+    /// input's gradients come from [`kernels::linear_vjp`]), and the value is not the sum.
+    /// `None` where the down projection's output is read by more than the sum (Gemma's norm
+    /// after the MLP), or is not one plain product (experts, tensor parallelism, a bias, LoRA).
+    /// Shapes: x, dy `[B, L, H]` → `[1]`.
+    pub(crate) fn backward_pairing(
+        &self,
+        x: Tensor<B, 3>,
+        rope: &Rope<B>,
+        attend: Attend<'_, B>,
+        dy: Tensor<B, 3>,
+    ) -> Option<Tensor<B, 1>> {
+        let FeedForward::Dense(mlp) = &self.mlp else {
+            return None;
+        };
+        let down = &mlp.down_proj;
+        let plain = down.lora.is_none() && down.base.bias.is_none() && mlp.tp.is_none();
+        let gemma =
+            self.pre_feedforward_layernorm.is_some() || self.post_feedforward_layernorm.is_some();
+        if !plain || gemma {
+            return None;
+        }
+        let attn = self
+            .self_attn
+            .forward(self.input_layernorm.forward(x.clone()), rope, attend);
+        let h = x + attn;
+        let hidden = mlp.activations(self.post_attention_layernorm.forward(h.clone()));
+        let [b, l, i] = hidden.dims();
+        let width = dy.dims()[2];
+        let down_pairing = kernels::linear_vjp(
+            hidden.reshape([b * l, i]),
+            down.base.weight.val(),
+            dy.clone().reshape([b * l, width]),
+        );
+        Some((h * dy).sum() + down_pairing)
     }
 }
 

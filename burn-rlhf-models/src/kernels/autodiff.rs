@@ -78,6 +78,22 @@ impl<B: DecoderBackend> Backward<B, 2> for LinearBackward {
 }
 
 #[derive(Debug)]
+struct LinearVjpBackward;
+
+impl<B: DecoderBackend> Backward<B, 2> for LinearVjpBackward {
+    type State = ([NodeId; 2], FloatTensor<B>);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, c: &mut Checkpointer) {
+        // The pairing's own gradient is 1 under the sum it is made for; `dy` is the product's.
+        let _ = grads.consume::<B>(&ops.node);
+        let ([x, weight], dy) = ops.state;
+        let [x, weight] = [x, weight].map(|id| c.retrieve_node_output::<FloatTensor<B>>(id));
+        let (dx, dw) = B::dec_linear_backward(dy, x, weight);
+        register!(B, ops.parents, [dx, dw], grads);
+    }
+}
+
+#[derive(Debug)]
 struct RmsNormBackward(f64);
 
 #[derive(Debug, Clone)]
@@ -288,6 +304,32 @@ impl<B: DecoderBackend, C: CheckpointStrategy> DecoderBackend for Autodiff<B, C>
         {
             OpsKind::Tracked(mut prep) => {
                 let state = [prep.checkpoint(&x), prep.checkpoint(&weight)];
+                prep.finish(state, out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(out),
+        }
+    }
+
+    fn dec_linear_vjp(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        let out = B::dec_linear_vjp(
+            x.primitive.clone(),
+            weight.primitive.clone(),
+            dy.primitive.clone(),
+        );
+        match LinearVjpBackward
+            .prepare::<C>([x.node.clone(), weight.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(mut prep) => {
+                let state = (
+                    [prep.checkpoint(&x), prep.checkpoint(&weight)],
+                    dy.primitive,
+                );
                 prep.finish(state, out)
             }
             OpsKind::UnTracked(prep) => prep.finish(out),

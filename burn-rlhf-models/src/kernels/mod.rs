@@ -166,6 +166,21 @@ pub trait DecoderBackend: Backend {
         reference::linear_backward::<Self>(grad, x, weight)
     }
 
+    /// The pairing `sum(dec_linear(x, weight) ⊙ dy)` as a backward sees it, without the
+    /// product: its value is 0 (`[1]`, uncomputed) and, on an autodiff backend, its gradients
+    /// are [`DecoderBackend::dec_linear_backward`]'s for `dy` (times the pairing's own, which is
+    /// 1 under a plain sum). A recomputed layer's last product feeds nothing but that sum
+    /// ([`crate::recompute`]), so its forward need not run.
+    fn dec_linear_vjp(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        use burn::tensor::TensorMetadata;
+        let _ = (weight, dy);
+        Self::float_zeros([1].into(), &Self::float_device(&x), x.dtype().into())
+    }
+
     /// RMSNorm over the last axis, statistics in f32: x `[B, L, H]`, weight `[H]` → y in x's
     /// dtype.
     fn dec_rms_norm(
@@ -354,6 +369,23 @@ pub fn linear<B: DecoderBackend>(x: Tensor<B, 2>, weight: Tensor<B, 2>) -> Tenso
         weight.dims()
     );
     wrap(B::dec_linear(prim(x), prim(weight)))
+}
+
+/// [`DecoderBackend::dec_linear_vjp`]: the pairing `sum(linear(x, weight) ⊙ dy)` whose gradient
+/// is the product's backward for `dy`, its value left uncomputed (0). Shapes: x `[N, in]`, weight
+/// `[in, out]`, dy `[N, out]` → `[1]`.
+pub fn linear_vjp<B: DecoderBackend>(
+    x: Tensor<B, 2>,
+    weight: Tensor<B, 2>,
+    dy: Tensor<B, 2>,
+) -> Tensor<B, 1> {
+    assert_eq!(x.dims()[0], dy.dims()[0], "linear_vjp: rows of x and dy");
+    assert_eq!(
+        weight.dims()[1],
+        dy.dims()[1],
+        "linear_vjp: columns of weight and dy"
+    );
+    wrap(B::dec_linear_vjp(prim(x), prim(weight), prim(dy)))
 }
 
 /// RMSNorm over the last axis with f32 statistics. Shapes: x `[B, L, H]`, weight `[H]` →
