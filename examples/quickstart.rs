@@ -141,7 +141,8 @@ fn main() -> anyhow::Result<()> {
             sync: &ReplicaSync::default(),
         };
         let chunks = (64, burn_rlhf::config::DEFAULT_LOGITS_CHUNK);
-        let (updated, m) = sft_update(actor, step_of, &batch, chunks, &device)?;
+        // A tiny model: its activations are small, so nothing is recomputed.
+        let (updated, m) = sft_update(actor, step_of, &batch, chunks, false, &device)?;
         actor = updated;
         if step % 50 == 0 || step == args.sft_steps {
             println!("sft step {step}: loss {:.4}", m["train/loss"]);
@@ -172,7 +173,7 @@ fn main() -> anyhow::Result<()> {
     for (name, tensor) in actor.valid().export() {
         weights.insert(name, tensor);
     }
-    let critic = ValueModel::from_weights(&model_config, weights, &device)?;
+    let critic = ValueModel::critic_from_weights(&model_config, weights, &device)?;
     let mut rewards = RewardRegistry::default();
     rewards.register(Arc::new(tasks::ExactAnswer));
     let mut parts = LearnerParts::new(actor, model_config.clone(), tokenizer);

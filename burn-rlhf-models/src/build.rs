@@ -636,10 +636,10 @@ fn init_value_head<B: Backend>(hidden: usize, bias: bool, device: &B::Device) ->
     l
 }
 
-impl<B: Backend> ValueModel<B> {
+impl<B: Backend> ScoredModel<B> {
     /// The critic from a checkpoint: a saved critic (`score.weight`/`score.bias`) or an LM checkpoint
     /// (its `lm_head.weight` is dropped and a fresh value head initialised, as verl's critic is).
-    pub fn from_weights(
+    pub fn critic_from_weights(
         c: &TransformerConfig,
         mut w: WeightMap,
         device: &B::Device,
@@ -657,29 +657,19 @@ impl<B: Backend> ValueModel<B> {
     }
 
     /// A randomly initialised critic.
-    pub fn init(c: &TransformerConfig, device: &B::Device) -> Self {
+    pub fn init_critic(c: &TransformerConfig, device: &B::Device) -> Self {
         Self {
             model: c.init(device),
             score: init_value_head(c.hidden_size, true, device),
         }
     }
 
-    /// Every tensor under HF names (`model.*` and `score.*`).
-    pub fn export(&self) -> BTreeMap<String, HostTensor> {
-        let mut out = BTreeMap::new();
-        self.model.export(&mut out);
-        export_linear(&LoraLinear::new(self.score.clone()), "score", &mut out);
-        out
-    }
-}
-
-impl<B: Backend> RewardModel<B> {
     /// The reward model of a checkpoint: a `*ForSequenceClassification` one (`score.weight`
     /// `[1, hidden]`, a bias if it has one), or with `new_head` an LM checkpoint (its LM head
     /// dropped, a score head initialised as transformers initialises one: TRL's way to start a
     /// reward model from an SFT model). Without `new_head`, a checkpoint without a score head is
     /// refused as not a reward model, and a head of several labels as another kind of classifier.
-    pub fn from_weights(
+    pub fn reward_from_weights(
         c: &TransformerConfig,
         mut w: WeightMap,
         new_head: bool,
@@ -721,7 +711,7 @@ impl<B: Backend> RewardModel<B> {
     }
 
     /// A randomly initialised reward model.
-    pub fn init(c: &TransformerConfig, device: &B::Device) -> Self {
+    pub fn init_reward(c: &TransformerConfig, device: &B::Device) -> Self {
         Self {
             model: c.init(device),
             score: init_value_head(c.hidden_size, false, device),

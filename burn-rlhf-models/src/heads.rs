@@ -169,18 +169,28 @@ pub fn cast_weights<B: Backend, M: Module<B>>(module: M, dtype: FloatDType) -> M
     module.map(&mut CastWeights(dtype))
 }
 
-/// The critic: the decoder and a `Linear(hidden, 1)` value head (HF `*ForTokenClassification` with
-/// one label, as verl's critic).
+/// A decoder with a scalar head `Linear(hidden, 1)` (HF's `score`): the critic (HF
+/// `*ForTokenClassification` with one label, as verl's critic; a value at every position, its
+/// head with a bias) and the reward model (HF `*ForSequenceClassification` with one label; a
+/// score at one position per sequence, where transformers reads it ([`score_positions`]), its
+/// head without a bias unless its checkpoint has one). Built by
+/// [`ScoredModel::critic_from_weights`] or [`ScoredModel::reward_from_weights`].
 #[derive(Module, Debug)]
-pub struct ValueModel<B: Backend> {
+pub struct ScoredModel<B: Backend> {
     /// The decoder.
     pub model: Transformer<B>,
-    /// `[hidden] → [1]`, with bias.
+    /// `[hidden] → [1]`.
     pub score: Linear<B>,
 }
 
-impl<B: DecoderBackend> ValueModel<B> {
-    /// One value per token. Shapes: `[B, L]` each → `[B, L]`.
+/// The critic: values at every position.
+pub type ValueModel<B> = ScoredModel<B>;
+
+/// A reward model: one score per sequence.
+pub type RewardModel<B> = ScoredModel<B>;
+
+impl<B: DecoderBackend> ScoredModel<B> {
+    /// One value per token (the critic's reading). Shapes: `[B, L]` each → `[B, L]`.
     pub fn forward(
         &self,
         input_ids: Tensor<B, 2, Int>,
@@ -194,7 +204,7 @@ impl<B: DecoderBackend> ValueModel<B> {
         )
     }
 
-    /// [`ValueModel::forward`] with the mask and positions as host rows (see
+    /// [`ScoredModel::forward`] with the mask and positions as host rows (see
     /// [`Transformer::forward_rows`]). Shapes: input_ids `[B, L]` → `[B, L]`.
     pub fn forward_rows(
         &self,
@@ -216,31 +226,12 @@ impl<B: DecoderBackend> ValueModel<B> {
             .squeeze_dim::<2>(2)
             .cast(DType::F32)
     }
-}
 
-impl<B: Backend> ValueModel<B> {
-    /// The model with every weight cast to `dtype` (see [`cast_weights`]).
-    pub fn cast(self, dtype: FloatDType) -> Self {
-        cast_weights(self, dtype)
-    }
-}
-
-/// A reward model: the decoder and a `Linear(hidden, 1)` score head without bias (HF
-/// `*ForSequenceClassification` with one label), one score per sequence read where transformers
-/// reads it ([`score_positions`]).
-#[derive(Module, Debug)]
-pub struct RewardModel<B: Backend> {
-    /// The decoder.
-    pub model: Transformer<B>,
-    /// `[hidden] → [1]`.
-    pub score: Linear<B>,
-}
-
-impl<B: DecoderBackend> RewardModel<B> {
-    /// The score of each row, read at `positions` (one per row, from [`score_positions`]), in
+    /// The score of each row (the reward model's reading), read at `positions` (one per row,
+    /// from [`score_positions`]), in
     /// f32. Only those positions' hidden states meet the score head. Shapes: input_ids `[B, L]`,
     /// host rows `B x L` → `[B]`.
-    pub fn forward_rows(
+    pub fn score_rows(
         &self,
         input_ids: Tensor<B, 2, Int>,
         attention_mask: &[Vec<i64>],
@@ -270,7 +261,7 @@ impl<B: DecoderBackend> RewardModel<B> {
     }
 }
 
-impl<B: Backend> RewardModel<B> {
+impl<B: Backend> ScoredModel<B> {
     /// The model with every weight cast to `dtype` (see [`cast_weights`]).
     pub fn cast(self, dtype: FloatDType) -> Self {
         cast_weights(self, dtype)

@@ -35,7 +35,7 @@ pub mod weights;
 pub use cache::KvCache;
 pub use config::{Activation, LayerAttention, LocalRope, ModelType, MoeConfig, TransformerConfig};
 pub use error::ModelError;
-pub use heads::{cast_weights, score_positions, CausalLm, RewardModel, ValueModel};
+pub use heads::{cast_weights, score_positions, CausalLm, RewardModel, ScoredModel, ValueModel};
 pub use hf_config::HfConfig;
 pub use kernels::DecoderBackend;
 pub use lora::LoraConfig;

@@ -315,17 +315,17 @@ impl Pretrained {
 
     /// The critic, from a saved critic or an LM checkpoint.
     pub fn value_model<B: Backend>(self, device: &B::Device) -> Result<ValueModel<B>, ModelError> {
-        ValueModel::from_weights(&self.config, self.weights, device)
+        ValueModel::critic_from_weights(&self.config, self.weights, device)
     }
 
     /// The reward model of a `*ForSequenceClassification` checkpoint, or with `new_head` of an LM
-    /// checkpoint (see [`RewardModel::from_weights`]).
+    /// checkpoint (see [`ScoredModel::reward_from_weights`]).
     pub fn reward_model<B: Backend>(
         self,
         new_head: bool,
         device: &B::Device,
     ) -> Result<RewardModel<B>, ModelError> {
-        RewardModel::from_weights(&self.config, self.weights, new_head, device)
+        RewardModel::reward_from_weights(&self.config, self.weights, new_head, device)
     }
 }
 

@@ -226,7 +226,7 @@ pub fn shard_value_model<B: Backend>(
 ) -> Result<ValueModel<B>, ModelError> {
     let local = local_config(c, tp.size())?;
     let w = shard_weights(&model.export(), c, tp.rank(), tp.size());
-    let shard = ValueModel::from_weights(&local, w, device)?;
+    let shard = ValueModel::critic_from_weights(&local, w, device)?;
     Ok(ValueModel {
         model: attach(shard.model, c, tp),
         ..shard

@@ -414,7 +414,7 @@ fn check_reward_model(dir: &Path) -> Result<(), String> {
         let (_, want) = tensor(case, "scores");
         for (which, m) in [("loaded", &model), ("saved and reloaded", &reloaded)] {
             let got: Vec<f32> = m
-                .forward_rows(int2(&shape, &ids), &mask, &pos, &at)
+                .score_rows(int2(&shape, &ids), &mask, &pos, &at)
                 .into_data()
                 .iter::<f32>()
                 .collect();

@@ -10,7 +10,7 @@ use burn_rlhf_models::recompute::KeptLayers;
 use burn_rlhf_models::tensor_parallel::vocab_parallel_entropy_and_logprobs;
 use burn_rlhf_models::transformer::RmsNorm;
 use burn_rlhf_models::{
-    cast_weights, CausalLm, DecoderBackend, RewardModel, Transformer, ValueModel,
+    cast_weights, CausalLm, DecoderBackend, ScoredModel, Transformer, ValueModel,
 };
 use burn_rlhf_rollout::RolloutBatch;
 
@@ -116,7 +116,7 @@ macro_rules! with_decoder {
         }
     )*};
 }
-with_decoder!(CausalLm, ValueModel, RewardModel);
+with_decoder!(CausalLm, ScoredModel);
 
 /// A training micro-batch's decoder pass with layer-level checkpointing
 /// (`enable_gradient_checkpointing` at `layer` granularity): the pass keeps each layer's input

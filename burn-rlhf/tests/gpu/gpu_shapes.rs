@@ -159,7 +159,7 @@ fn ppo_steps_2_and_3_compile_and_tune_nothing_new() {
     for (k, v) in actor.valid().export() {
         w.insert(k, v);
     }
-    let critic = ValueModel::from_weights(&mc, w, &device).unwrap();
+    let critic = ValueModel::critic_from_weights(&mc, w, &device).unwrap();
     let mut c = RlhfConfig::default();
     c.data.train_batch_size = 4;
     c.data.max_prompt_length = 8;

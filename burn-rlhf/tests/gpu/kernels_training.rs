@@ -54,7 +54,7 @@ fn models() -> (CausalLm<B>, ValueModel<B>) {
     for (k, v) in actor.valid().export() {
         w.insert(k, v);
     }
-    let critic = ValueModel::from_weights(&mc, w, &device).unwrap();
+    let critic = ValueModel::critic_from_weights(&mc, w, &device).unwrap();
     (actor, critic)
 }
 
@@ -77,6 +77,38 @@ fn kernels_on_and_off_give_the_same_ppo_run() {
             let y = b[k];
             assert!(
                 (x - y).abs() <= 1e-4 * (1.0 + y.abs()),
+                "step {}: {k} {x} vs {y}",
+                step + 1
+            );
+            compared += 1;
+        }
+        assert!(compared > 40, "step {}: {compared} metrics", step + 1);
+    }
+}
+
+/// Layer-level checkpointing (the default) on the device: the actor's and the critic's layers
+/// recomputed in the backward give the same PPO run as the whole graph (both switches off), the
+/// metrics of two steps equal.
+#[test]
+fn recomputed_layers_give_the_whole_graphs_ppo_run_on_the_device() {
+    let (actor, critic) = models();
+    let run = |checkpointing: bool| {
+        let mut c = config(true);
+        c.actor_rollout_ref.model.enable_gradient_checkpointing = checkpointing;
+        c.critic.model.enable_gradient_checkpointing = checkpointing;
+        let mut l = learner(c, actor.clone(), critic.clone()).unwrap();
+        (0..2).map(|_| l.step().unwrap()).collect::<Vec<_>>()
+    };
+    let (recomputed, whole) = (run(true), run(false));
+    for (step, (a, b)) in recomputed.iter().zip(&whole).enumerate() {
+        let mut compared = 0;
+        for (k, x) in a {
+            if burn_rlhf::trainer::usage::measures_the_machine(k) {
+                continue;
+            }
+            let y = b[k];
+            assert!(
+                (x - y).abs() <= 1e-5 * (1.0 + y.abs()),
                 "step {}: {k} {x} vs {y}",
                 step + 1
             );

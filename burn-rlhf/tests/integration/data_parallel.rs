@@ -80,7 +80,7 @@ fn wide_vocab_models() -> (
     for (k, v) in actor.valid().export() {
         w.insert(k, v);
     }
-    let critic = ValueModel::from_weights(&mc, w, &Default::default()).unwrap();
+    let critic = ValueModel::critic_from_weights(&mc, w, &Default::default()).unwrap();
     (actor, critic, mc)
 }
 

@@ -47,7 +47,7 @@ pub fn tiny_models(
             w.insert(k, v);
         }
         let critic =
-            burn_rlhf::models::ValueModel::from_weights(&c, w, &Default::default()).unwrap();
+            burn_rlhf::models::ValueModel::critic_from_weights(&c, w, &Default::default()).unwrap();
         (actor, critic)
     })
 }

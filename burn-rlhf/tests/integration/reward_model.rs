@@ -228,7 +228,8 @@ fn a_reward_model_learns_the_right_sum_and_ppo_on_it_raises_its_score() {
 /// `permute`, its tokenizer's ids for `0` and `1` swapped: another vocabulary).
 pub(crate) fn reward_model_folder(dir: &Path, permute: bool) -> PathBuf {
     let c = tasks::model_config(32, 1);
-    let rm: RewardModel<Flex> = super::seeded(5, || RewardModel::init(&c, &Default::default()));
+    let rm: RewardModel<Flex> =
+        super::seeded(5, || RewardModel::init_reward(&c, &Default::default()));
     let arch = c.model_type.sequence_classification_class();
     save_pretrained(
         dir,
