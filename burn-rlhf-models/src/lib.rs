@@ -26,6 +26,7 @@ pub mod paged;
 pub mod pretrained;
 pub mod recompute;
 pub mod rope;
+mod routing;
 pub mod tensor_parallel;
 pub mod tokenizer;
 pub mod tp_group;

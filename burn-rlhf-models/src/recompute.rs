@@ -8,7 +8,7 @@
 //! so each layer is a backward of its own: `sum(layer(x) * dy)` differentiated at the layer's
 //! parameters and at `x`, whose gradient is `dy` exactly. The layer's last product (the MLP's
 //! down projection) feeds only that sum, so a dense layer does not compute it
-//! ([`DecoderLayer::backward_pairing`]): the recomputation costs the layer's forward but for
+//! ([`backward_pairing`]): the recomputation costs the layer's forward but for
 //! its largest product but one. The caller collects each segment's
 //! gradients ([`KeptLayers::backward_layers`]); a parameter's gradient is the same sum the whole graph
 //! would make.
@@ -19,8 +19,12 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{FloatDType, Int, Tensor};
 
 use crate::heads::cast_weights;
+use crate::kernels;
 use crate::kernels::DecoderBackend;
-use crate::transformer::{count_dense_pass, Attend, DecoderLayer, DensePass, Transformer};
+use crate::rope::Rope;
+use crate::transformer::{
+    count_dense_pass, Attend, DecoderLayer, DensePass, FeedForward, Transformer,
+};
 
 /// What a layer-checkpointed pass kept for its backward ([`Transformer::forward_kept`]).
 pub struct KeptLayers<B: Backend> {
@@ -104,6 +108,45 @@ impl<B: DecoderBackend> Transformer<B> {
     }
 }
 
+/// `sum(layer.forward(x) ⊙ dy)` as the backward of a recomputed layer needs it
+/// ([`crate::recompute`]): its gradients are the layer's for an output gradient `dy`, but the
+/// MLP's down projection, whose output feeds nothing else, is not computed (its weight's and
+/// input's gradients come from [`kernels::linear_vjp`]), and the value is not the sum.
+/// `None` where the down projection's output is read by more than the sum (Gemma's norm
+/// after the MLP), or is not one plain product (experts, tensor parallelism, a bias, LoRA).
+/// Shapes: x, dy `[B, L, H]` → `[1]`.
+fn backward_pairing<B: DecoderBackend>(
+    layer: &DecoderLayer<B>,
+    x: Tensor<B, 3>,
+    rope: &Rope<B>,
+    attend: Attend<'_, B>,
+    dy: Tensor<B, 3>,
+) -> Option<Tensor<B, 1>> {
+    let FeedForward::Dense(mlp) = &layer.mlp else {
+        return None;
+    };
+    let down = &mlp.down_proj;
+    let plain = down.lora.is_none() && down.base.bias.is_none() && mlp.tp.is_none();
+    let gemma =
+        layer.pre_feedforward_layernorm.is_some() || layer.post_feedforward_layernorm.is_some();
+    if !plain || gemma {
+        return None;
+    }
+    let attn = layer
+        .self_attn
+        .forward(layer.input_layernorm.forward(x.clone()), rope, attend);
+    let h = x + attn;
+    let hidden = mlp.activations(layer.post_attention_layernorm.forward(h.clone()));
+    let [b, l, i] = hidden.dims();
+    let width = dy.dims()[2];
+    let down_pairing = kernels::linear_vjp(
+        hidden.reshape([b * l, i]),
+        down.base.weight.val(),
+        dy.clone().reshape([b * l, width]),
+    );
+    Some((h * dy).sum() + down_pairing)
+}
+
 impl<B: AutodiffBackend + DecoderBackend> KeptLayers<B> {
     /// The gradient of the last layer's output in `grads`, the backward of the caller's graph
     /// (the final norm, the heads, the loss), taken out of it.
@@ -135,8 +178,8 @@ impl<B: AutodiffBackend + DecoderBackend> KeptLayers<B> {
             let layer: DecoderLayer<B> = computed(layer.clone(), self.dtype);
             let (rope, mask) = self.pass.for_layer(&layer);
             let dy_out: Tensor<B, 3> = Tensor::from_inner(grad);
-            let pairing =
-                layer.backward_pairing(x.clone(), rope, Attend::Masked(mask, None), dy_out.clone());
+            let attend = Attend::Masked(mask, None);
+            let pairing = backward_pairing(&layer, x.clone(), rope, attend, dy_out.clone());
             let surrogate = pairing.unwrap_or_else(|| {
                 let mut routed = Vec::new();
                 let y = layer.forward(
@@ -170,7 +213,7 @@ mod tests {
     use crate::config::TransformerConfig;
     use crate::heads::CausalLm;
     use crate::hf_config::HfConfig;
-    use crate::transformer::load_balancing_loss;
+    use crate::routing::load_balancing_loss;
     use burn::backend::{Autodiff, Flex};
     use burn::module::{ModuleVisitor, Param, ParamId};
     use burn::tensor::TensorData;

@@ -1,10 +1,16 @@
 //! Rotary position embeddings' frequencies: HF's default and the scalings a config names in
 //! `rope_parameters` (transformers 5) or `rope_scaling` (4.x), computed as transformers'
-//! `modeling_rope_utils` does.
+//! `modeling_rope_utils` does; and a forward's rotary tables from them ([`Rope`]), kept on the
+//! device and gathered per position.
 
 use std::sync::{Arc, Mutex};
 
+use burn::tensor::backend::Backend;
+use burn::tensor::{Int, Tensor, TensorData};
 use serde::{Deserialize, Serialize};
+
+use crate::kernels::{self, DecoderBackend};
+use crate::paged::PagedLayout;
 
 /// How the rotary frequencies are scaled (HF `rope_type`). An unknown `rope_type` does not
 /// deserialize, naming the ones supported.
@@ -89,7 +95,7 @@ impl PartialEq for RotaryFrequencies {
 }
 
 /// Whatever a backend keeps of a model's rotary tables on its devices (the cos and sin of
-/// positions `0..len` at the base frequencies; `transformer::Rope`), one entry per backend and
+/// positions `0..len` at the base frequencies; [`Rope`]), one entry per backend and
 /// device, type-erased so the frequencies stay free of a backend.
 #[derive(Clone, Default)]
 pub struct DeviceTables(pub Arc<Mutex<Vec<Box<dyn std::any::Any + Send + Sync>>>>);
@@ -274,8 +280,206 @@ impl RopeScaling {
     }
 }
 
+/// Rotary tables for one forward: `[B, 1, L, head_dim]` each.
+#[derive(Clone, Debug)]
+pub struct Rope<B: Backend> {
+    cos: Tensor<B, 4>,
+    sin: Tensor<B, 4>,
+}
+
+impl<B: Backend> Rope<B> {
+    /// HF's rotary embedding for integer positions: angles `pos * inv_freq` repeated over both
+    /// halves, cos and sin times the attention factor (YaRN's; 1 otherwise), computed on the
+    /// host in f64 once and kept on the device (`tables`). Each row's frequencies are those of
+    /// its length (its last position: dynamic NTK).
+    ///
+    /// Shapes: `positions` is `[B][L]` → tables `[B, 1, L, head_dim]`.
+    pub fn new(positions: &[Vec<i64>], freqs: &RotaryFrequencies, device: &B::Device) -> Self {
+        let (b, l) = (positions.len(), positions.first().map_or(0, Vec::len));
+        let last: Vec<i64> = positions
+            .iter()
+            .flat_map(|row| {
+                let last = row.iter().copied().max().unwrap_or(0);
+                std::iter::repeat_n(last, row.len())
+            })
+            .collect();
+        Self::tables(&positions.concat(), &last, freqs, [b, l], device)
+    }
+
+    /// The tables of a paged pass: each token at its position, with the frequencies of its
+    /// sequence at `max(position, rope_floor)` (see [`crate::PagedSeq::rope_floor`]). Shapes: → `[1, 1, T, head_dim]`.
+    pub fn paged(layout: &PagedLayout, freqs: &RotaryFrequencies, device: &B::Device) -> Self {
+        let positions = layout.positions();
+        let mut last = Vec::with_capacity(positions.len());
+        for seq in layout.seqs() {
+            last.extend((seq.past..seq.context()).map(|p| p.max(seq.rope_floor) as i64));
+        }
+        last.resize(positions.len(), 0);
+        Self::tables(&positions, &last, freqs, [1, positions.len()], device)
+    }
+
+    /// Tables for `positions` (`[B * L]`), token `i` rotated at the frequencies of a sequence
+    /// whose last position is `last[i]`: rows of the tables kept on the device when every token
+    /// rotates at the base frequencies (only the positions travel), else computed here.
+    fn tables(
+        positions: &[i64],
+        last: &[i64],
+        freqs: &RotaryFrequencies,
+        [b, l]: [usize; 2],
+        device: &B::Device,
+    ) -> Self {
+        let head_dim = 2 * freqs.inv_freq.len();
+        let shape = [b, 1, l, head_dim];
+        let gathered = positions.iter().all(|&p| p >= 0) && freqs.base_for_all(last);
+        if let (true, Some(&max)) = (gathered, positions.iter().max()) {
+            let (cos, sin) = DeviceTable::<B>::covering(freqs, max as usize + 1, device);
+            let rows = Tensor::<B, 1, Int>::from_data(
+                TensorData::new(positions.to_vec(), [positions.len()]),
+                device,
+            );
+            return Self {
+                cos: cos.select(0, rows.clone()).reshape(shape),
+                sin: sin.select(0, rows).reshape(shape),
+            };
+        }
+        let (cos, sin) = host_tables(positions, last, freqs);
+        Self {
+            cos: Tensor::from_data(TensorData::new(cos, shape), device),
+            sin: Tensor::from_data(TensorData::new(sin, shape), device),
+        }
+    }
+
+    /// Rotates `x` (a projection's output viewed per head) and moves heads before positions.
+    /// Shapes: `[B, L, heads, head_dim]` → `[B, heads, L, head_dim]`.
+    pub fn apply(&self, x: Tensor<B, 4>) -> Tensor<B, 4>
+    where
+        B: DecoderBackend,
+    {
+        kernels::rotary(x, self.cos.clone(), self.sin.clone())
+    }
+}
+
+/// HF's rotary tables for `positions`, token `i` at the frequencies of a sequence whose last
+/// position is `last[i]`: angles `pos * inv_freq` in f64 over both halves, cos and sin times the
+/// attention factor. Shapes: `[T]` → `[T * head_dim]` each (f32).
+fn host_tables(positions: &[i64], last: &[i64], freqs: &RotaryFrequencies) -> (Vec<f32>, Vec<f32>) {
+    let head_dim = 2 * freqs.inv_freq.len();
+    let scale = freqs.attention_factor;
+    let mut cos = Vec::with_capacity(positions.len() * head_dim);
+    let mut sin = Vec::with_capacity(positions.len() * head_dim);
+    let mut inv = freqs.for_length(last.first().copied().unwrap_or(0));
+    for (i, &p) in positions.iter().enumerate() {
+        if i > 0 && last[i] != last[i - 1] {
+            inv = freqs.for_length(last[i]);
+        }
+        // HF's `cat(freqs, freqs)`: both halves use the same angles.
+        for _half in 0..2 {
+            for f in inv.iter() {
+                let angle = p as f64 * f;
+                cos.push((angle.cos() * scale) as f32);
+                sin.push((angle.sin() * scale) as f32);
+            }
+        }
+    }
+    (cos, sin)
+}
+
+/// One device's rotary tables of one backend: cos and sin of positions `0..len` at the base
+/// frequencies, `[len, head_dim]` each, computed once on the host (f64, as [`host_tables`]) and
+/// grown to the next power of two when a forward reaches past them.
+struct DeviceTable<B: Backend> {
+    device: B::Device,
+    cos: Tensor<B, 2>,
+    sin: Tensor<B, 2>,
+}
+
+impl<B: Backend> DeviceTable<B> {
+    /// The tables of `freqs` on `device` covering positions `0..len`, made or grown if needed.
+    fn covering(
+        freqs: &RotaryFrequencies,
+        len: usize,
+        device: &B::Device,
+    ) -> (Tensor<B, 2>, Tensor<B, 2>) {
+        let mut kept = freqs.tables.0.lock().unwrap_or_else(|e| e.into_inner());
+        let found = kept.iter().position(|t| {
+            t.downcast_ref::<Self>()
+                .is_some_and(|t| &t.device == device)
+        });
+        if let Some(i) = found {
+            let t = kept[i].downcast_ref::<Self>().expect("checked above");
+            if t.cos.dims()[0] >= len {
+                return (t.cos.clone(), t.sin.clone());
+            }
+            kept.remove(i);
+        }
+        let rows = len.next_power_of_two().max(256);
+        let positions: Vec<i64> = (0..rows as i64).collect();
+        let (cos, sin) = host_tables(&positions, &vec![0; rows], freqs);
+        let head_dim = 2 * freqs.inv_freq.len();
+        let table = Self {
+            device: device.clone(),
+            cos: Tensor::from_data(TensorData::new(cos, [rows, head_dim]), device),
+            sin: Tensor::from_data(TensorData::new(sin, [rows, head_dim]), device),
+        };
+        let out = (table.cos.clone(), table.sin.clone());
+        kept.push(Box::new(table));
+        out
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    /// The rows gathered from the kept tables are the tables computed for the positions, bit for
+    /// bit; the tables grow when a forward reaches past them and are made once per device; a
+    /// token past the context under dynamic NTK, and a negative position, take the host's.
+    #[test]
+    fn kept_rotary_tables_give_the_hosts_numbers() {
+        use crate::rope::RopeScaling;
+        type B = burn::backend::Flex;
+        let device = Default::default();
+        let values = |t: &Tensor<B, 4>| t.to_data().to_vec::<f32>().unwrap();
+        let check = |freqs: &RotaryFrequencies, positions: Vec<Vec<i64>>| {
+            let rope = Rope::<B>::new(&positions, freqs, &device);
+            let last: Vec<i64> = positions
+                .iter()
+                .flat_map(|r| std::iter::repeat_n(*r.iter().max().unwrap(), r.len()))
+                .collect();
+            let (cos, sin) = host_tables(&positions.concat(), &last, freqs);
+            assert_eq!(values(&rope.cos), cos, "cos of {positions:?}");
+            assert_eq!(values(&rope.sin), sin, "sin of {positions:?}");
+        };
+        let yarn = RopeScaling::Yarn {
+            factor: Some(4.0),
+            original_max_position_embeddings: 64,
+            attention_factor: None,
+            beta_fast: None,
+            beta_slow: None,
+            mscale: None,
+            mscale_all_dim: None,
+            truncate: None,
+        }
+        .frequencies(16, 10000.0, 256);
+        check(&yarn, vec![vec![0, 1, 2], vec![7, 8, 9]]);
+        let kept = |f: &RotaryFrequencies| f.tables.0.lock().unwrap().len();
+        assert_eq!(kept(&yarn), 1);
+        let rows = |f: &RotaryFrequencies| {
+            let t = f.tables.0.lock().unwrap();
+            t[0].downcast_ref::<DeviceTable<B>>().unwrap().cos.dims()[0]
+        };
+        assert_eq!(rows(&yarn), 256);
+        // Past the kept rows: grown to the next power of two, still one per device.
+        check(&yarn, vec![vec![300, 301], vec![5, 1000]]);
+        assert_eq!((kept(&yarn), rows(&yarn)), (1, 1024));
+        // Dynamic NTK: within the context the kept tables, past it the host's.
+        let ntk = RopeScaling::Dynamic { factor: 2.0 }.frequencies(16, 10000.0, 32);
+        check(&ntk, vec![vec![3, 4, 5]]);
+        check(&ntk, vec![vec![30, 31, 32, 33]]);
+        check(&ntk, vec![vec![-1, 0, 1]]);
+        assert_eq!(kept(&ntk), 1);
+        // A copy of the frequencies shares the tables.
+        assert_eq!(kept(&ntk.clone()), 1);
+    }
+
     use super::*;
 
     #[test]

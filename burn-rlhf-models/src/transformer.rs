@@ -13,7 +13,9 @@ use crate::config::{Activation, ModelType};
 use crate::kernels::{self, AttentionMask, DecoderBackend};
 use crate::lora::LoraLinear;
 use crate::paged::{KvPool, PagedLayout};
-use crate::rope::RotaryFrequencies;
+use crate::rope::{Rope, RotaryFrequencies};
+pub use crate::routing::load_balancing_loss;
+use crate::routing::top_k_experts;
 use crate::tp_group::TpGroup;
 
 /// RMSNorm (`x / sqrt(mean(x^2) + eps) * (offset + weight)`), with HF's field name `weight`.
@@ -78,153 +80,6 @@ pub struct Attention<B: Backend> {
     /// (`num_kv_heads` of them) and this rank attends with head `kv_head` alone.
     #[module(skip)]
     pub kv_head: Option<usize>,
-}
-
-/// Rotary tables for one forward: `[B, 1, L, head_dim]` each.
-#[derive(Clone, Debug)]
-pub struct Rope<B: Backend> {
-    cos: Tensor<B, 4>,
-    sin: Tensor<B, 4>,
-}
-
-impl<B: Backend> Rope<B> {
-    /// HF's rotary embedding for integer positions: angles `pos * inv_freq` repeated over both
-    /// halves, cos and sin times the attention factor (YaRN's; 1 otherwise), computed on the
-    /// host in f64 once and kept on the device (`tables`). Each row's frequencies are those of
-    /// its length (its last position: dynamic NTK).
-    ///
-    /// Shapes: `positions` is `[B][L]` → tables `[B, 1, L, head_dim]`.
-    pub fn new(positions: &[Vec<i64>], freqs: &RotaryFrequencies, device: &B::Device) -> Self {
-        let (b, l) = (positions.len(), positions.first().map_or(0, Vec::len));
-        let last: Vec<i64> = positions
-            .iter()
-            .flat_map(|row| {
-                let last = row.iter().copied().max().unwrap_or(0);
-                std::iter::repeat_n(last, row.len())
-            })
-            .collect();
-        Self::tables(&positions.concat(), &last, freqs, [b, l], device)
-    }
-
-    /// The tables of a paged pass: each token at its position, with the frequencies of its
-    /// sequence at `max(position, rope_floor)` (see [`crate::PagedSeq::rope_floor`]). Shapes: → `[1, 1, T, head_dim]`.
-    pub fn paged(layout: &PagedLayout, freqs: &RotaryFrequencies, device: &B::Device) -> Self {
-        let positions = layout.positions();
-        let mut last = Vec::with_capacity(positions.len());
-        for seq in layout.seqs() {
-            last.extend((seq.past..seq.context()).map(|p| p.max(seq.rope_floor) as i64));
-        }
-        last.resize(positions.len(), 0);
-        Self::tables(&positions, &last, freqs, [1, positions.len()], device)
-    }
-
-    /// Tables for `positions` (`[B * L]`), token `i` rotated at the frequencies of a sequence
-    /// whose last position is `last[i]`: rows of the tables kept on the device when every token
-    /// rotates at the base frequencies (only the positions travel), else computed here.
-    fn tables(
-        positions: &[i64],
-        last: &[i64],
-        freqs: &RotaryFrequencies,
-        [b, l]: [usize; 2],
-        device: &B::Device,
-    ) -> Self {
-        let head_dim = 2 * freqs.inv_freq.len();
-        let shape = [b, 1, l, head_dim];
-        let gathered = positions.iter().all(|&p| p >= 0) && freqs.base_for_all(last);
-        if let (true, Some(&max)) = (gathered, positions.iter().max()) {
-            let (cos, sin) = DeviceTable::<B>::covering(freqs, max as usize + 1, device);
-            let rows = Tensor::<B, 1, Int>::from_data(
-                TensorData::new(positions.to_vec(), [positions.len()]),
-                device,
-            );
-            return Self {
-                cos: cos.select(0, rows.clone()).reshape(shape),
-                sin: sin.select(0, rows).reshape(shape),
-            };
-        }
-        let (cos, sin) = host_tables(positions, last, freqs);
-        Self {
-            cos: Tensor::from_data(TensorData::new(cos, shape), device),
-            sin: Tensor::from_data(TensorData::new(sin, shape), device),
-        }
-    }
-
-    /// Rotates `x` (a projection's output viewed per head) and moves heads before positions.
-    /// Shapes: `[B, L, heads, head_dim]` → `[B, heads, L, head_dim]`.
-    pub fn apply(&self, x: Tensor<B, 4>) -> Tensor<B, 4>
-    where
-        B: DecoderBackend,
-    {
-        kernels::rotary(x, self.cos.clone(), self.sin.clone())
-    }
-}
-
-/// HF's rotary tables for `positions`, token `i` at the frequencies of a sequence whose last
-/// position is `last[i]`: angles `pos * inv_freq` in f64 over both halves, cos and sin times the
-/// attention factor. Shapes: `[T]` → `[T * head_dim]` each (f32).
-fn host_tables(positions: &[i64], last: &[i64], freqs: &RotaryFrequencies) -> (Vec<f32>, Vec<f32>) {
-    let head_dim = 2 * freqs.inv_freq.len();
-    let scale = freqs.attention_factor;
-    let mut cos = Vec::with_capacity(positions.len() * head_dim);
-    let mut sin = Vec::with_capacity(positions.len() * head_dim);
-    let mut inv = freqs.for_length(last.first().copied().unwrap_or(0));
-    for (i, &p) in positions.iter().enumerate() {
-        if i > 0 && last[i] != last[i - 1] {
-            inv = freqs.for_length(last[i]);
-        }
-        // HF's `cat(freqs, freqs)`: both halves use the same angles.
-        for _half in 0..2 {
-            for f in inv.iter() {
-                let angle = p as f64 * f;
-                cos.push((angle.cos() * scale) as f32);
-                sin.push((angle.sin() * scale) as f32);
-            }
-        }
-    }
-    (cos, sin)
-}
-
-/// One device's rotary tables of one backend: cos and sin of positions `0..len` at the base
-/// frequencies, `[len, head_dim]` each, computed once on the host (f64, as [`host_tables`]) and
-/// grown to the next power of two when a forward reaches past them.
-struct DeviceTable<B: Backend> {
-    device: B::Device,
-    cos: Tensor<B, 2>,
-    sin: Tensor<B, 2>,
-}
-
-impl<B: Backend> DeviceTable<B> {
-    /// The tables of `freqs` on `device` covering positions `0..len`, made or grown if needed.
-    fn covering(
-        freqs: &RotaryFrequencies,
-        len: usize,
-        device: &B::Device,
-    ) -> (Tensor<B, 2>, Tensor<B, 2>) {
-        let mut kept = freqs.tables.0.lock().unwrap_or_else(|e| e.into_inner());
-        let found = kept.iter().position(|t| {
-            t.downcast_ref::<Self>()
-                .is_some_and(|t| &t.device == device)
-        });
-        if let Some(i) = found {
-            let t = kept[i].downcast_ref::<Self>().expect("checked above");
-            if t.cos.dims()[0] >= len {
-                return (t.cos.clone(), t.sin.clone());
-            }
-            kept.remove(i);
-        }
-        let rows = len.next_power_of_two().max(256);
-        let positions: Vec<i64> = (0..rows as i64).collect();
-        let (cos, sin) = host_tables(&positions, &vec![0; rows], freqs);
-        let head_dim = 2 * freqs.inv_freq.len();
-        let table = Self {
-            device: device.clone(),
-            cos: Tensor::from_data(TensorData::new(cos, [rows, head_dim]), device),
-            sin: Tensor::from_data(TensorData::new(sin, [rows, head_dim]), device),
-        };
-        let out = (table.cos.clone(), table.sin.clone());
-        kept.push(Box::new(table));
-        out
-    }
 }
 
 /// What a layer's attention sees: the keys of its call (and a dense cache's before them) under
@@ -384,7 +239,7 @@ impl<B: DecoderBackend> Mlp<B> {
     }
 
     /// The gated activations the down projection reads. Shapes: `[B, L, H]` → `[B, L, I]`.
-    fn activations(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+    pub(crate) fn activations(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         let gate = self.gate_proj.forward(x.clone());
         let up = self.up_proj.forward(x);
         match self.act {
@@ -562,47 +417,6 @@ impl<B: DecoderBackend> DecoderLayer<B> {
                         .forward(self.post_attention_layernorm.forward(h), router)
             }
         }
-    }
-}
-
-impl<B: DecoderBackend> DecoderLayer<B> {
-    /// `sum(forward(x) ⊙ dy)` as the backward of a recomputed layer needs it
-    /// ([`crate::recompute`]): its gradients are the layer's for an output gradient `dy`, but the
-    /// MLP's down projection, whose output feeds nothing else, is not computed (its weight's and
-    /// input's gradients come from [`kernels::linear_vjp`]), and the value is not the sum.
-    /// `None` where the down projection's output is read by more than the sum (Gemma's norm
-    /// after the MLP), or is not one plain product (experts, tensor parallelism, a bias, LoRA).
-    /// Shapes: x, dy `[B, L, H]` → `[1]`.
-    pub(crate) fn backward_pairing(
-        &self,
-        x: Tensor<B, 3>,
-        rope: &Rope<B>,
-        attend: Attend<'_, B>,
-        dy: Tensor<B, 3>,
-    ) -> Option<Tensor<B, 1>> {
-        let FeedForward::Dense(mlp) = &self.mlp else {
-            return None;
-        };
-        let down = &mlp.down_proj;
-        let plain = down.lora.is_none() && down.base.bias.is_none() && mlp.tp.is_none();
-        let gemma =
-            self.pre_feedforward_layernorm.is_some() || self.post_feedforward_layernorm.is_some();
-        if !plain || gemma {
-            return None;
-        }
-        let attn = self
-            .self_attn
-            .forward(self.input_layernorm.forward(x.clone()), rope, attend);
-        let h = x + attn;
-        let hidden = mlp.activations(self.post_attention_layernorm.forward(h.clone()));
-        let [b, l, i] = hidden.dims();
-        let width = dy.dims()[2];
-        let down_pairing = kernels::linear_vjp(
-            hidden.reshape([b * l, i]),
-            down.base.weight.val(),
-            dy.clone().reshape([b * l, width]),
-        );
-        Some((h * dy).sum() + down_pairing)
     }
 }
 
@@ -864,142 +678,4 @@ thread_local! {
 /// through) this thread has run: how tests and profiles see how often a phase runs the decoder.
 pub fn dense_passes_on_this_thread() -> u64 {
     DENSE_PASSES.with(|n| n.get())
-}
-
-/// Each token's `k` experts by router probability, highest first (ties to the lower index, as
-/// torch.topk). Shapes: `probs` is `[tokens * experts]` → `tokens * k` expert indices.
-fn top_k_experts(probs: &[f32], experts: usize, k: usize) -> impl Iterator<Item = usize> + '_ {
-    probs.chunks(experts).flat_map(move |row| {
-        let mut order: Vec<usize> = (0..experts).collect();
-        order.sort_by(|&a, &c| row[c].total_cmp(&row[a]).then(a.cmp(&c)));
-        order.truncate(k);
-        order
-    })
-}
-
-/// transformers' `load_balancing_loss_func` (Switch Transformer's auxiliary loss): over every
-/// sparse layer's router logits (`[B * L, experts]` each) and the real tokens of
-/// `attention_mask` (`[B][L]`), `experts * sum_e(f_e * P_e)` with `f_e` the fraction of top-k
-/// assignments to expert `e` and `P_e` its mean router probability. Differentiable through
-/// `P_e`. Shapes: → `[1]`, f32; 0 without sparse layers.
-pub fn load_balancing_loss<B: Backend>(
-    router: &[Tensor<B, 2>],
-    top_k: usize,
-    attention_mask: &[Vec<i64>],
-) -> Tensor<B, 1> {
-    let Some(first) = router.first() else {
-        return Tensor::zeros([1], &Default::default());
-    };
-    let device = first.device();
-    let [n, experts] = first.dims();
-    let mask: Vec<f32> = attention_mask
-        .iter()
-        .flatten()
-        .map(|&m| (m != 0) as u8 as f32)
-        .collect();
-    assert_eq!(
-        mask.len(),
-        n,
-        "the attention mask covers every routed token"
-    );
-    let rows = mask.iter().sum::<f32>() * router.len() as f32;
-    let mask_t =
-        Tensor::<B, 1>::from_data(TensorData::new(mask.clone(), [n]), &device).reshape([n, 1]);
-    let mut tokens_per_expert = vec![0.0f32; experts];
-    let mut prob_sum = Tensor::<B, 1>::zeros([experts], &device);
-    for logits in router {
-        let probs = burn::tensor::activation::softmax(logits.clone(), 1);
-        let host: Vec<f32> = probs.clone().detach().into_data().iter::<f32>().collect();
-        for (slot, e) in top_k_experts(&host, experts, top_k).enumerate() {
-            tokens_per_expert[e] += mask[slot / top_k];
-        }
-        prob_sum = prob_sum + (probs * mask_t.clone()).sum_dim(0).reshape([experts]);
-    }
-    let f = Tensor::<B, 1>::from_data(
-        TensorData::new(
-            tokens_per_expert
-                .iter()
-                .map(|c| c / rows)
-                .collect::<Vec<f32>>(),
-            [experts],
-        ),
-        &device,
-    );
-    (f * prob_sum.div_scalar(rows))
-        .sum()
-        .mul_scalar(experts as f64)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The rows gathered from the kept tables are the tables computed for the positions, bit for
-    /// bit; the tables grow when a forward reaches past them and are made once per device; a
-    /// token past the context under dynamic NTK, and a negative position, take the host's.
-    #[test]
-    fn kept_rotary_tables_give_the_hosts_numbers() {
-        use crate::rope::RopeScaling;
-        type B = burn::backend::Flex;
-        let device = Default::default();
-        let values = |t: &Tensor<B, 4>| t.to_data().to_vec::<f32>().unwrap();
-        let check = |freqs: &RotaryFrequencies, positions: Vec<Vec<i64>>| {
-            let rope = Rope::<B>::new(&positions, freqs, &device);
-            let last: Vec<i64> = positions
-                .iter()
-                .flat_map(|r| std::iter::repeat_n(*r.iter().max().unwrap(), r.len()))
-                .collect();
-            let (cos, sin) = host_tables(&positions.concat(), &last, freqs);
-            assert_eq!(values(&rope.cos), cos, "cos of {positions:?}");
-            assert_eq!(values(&rope.sin), sin, "sin of {positions:?}");
-        };
-        let yarn = RopeScaling::Yarn {
-            factor: Some(4.0),
-            original_max_position_embeddings: 64,
-            attention_factor: None,
-            beta_fast: None,
-            beta_slow: None,
-            mscale: None,
-            mscale_all_dim: None,
-            truncate: None,
-        }
-        .frequencies(16, 10000.0, 256);
-        check(&yarn, vec![vec![0, 1, 2], vec![7, 8, 9]]);
-        let kept = |f: &RotaryFrequencies| f.tables.0.lock().unwrap().len();
-        assert_eq!(kept(&yarn), 1);
-        let rows = |f: &RotaryFrequencies| {
-            let t = f.tables.0.lock().unwrap();
-            t[0].downcast_ref::<DeviceTable<B>>().unwrap().cos.dims()[0]
-        };
-        assert_eq!(rows(&yarn), 256);
-        // Past the kept rows: grown to the next power of two, still one per device.
-        check(&yarn, vec![vec![300, 301], vec![5, 1000]]);
-        assert_eq!((kept(&yarn), rows(&yarn)), (1, 1024));
-        // Dynamic NTK: within the context the kept tables, past it the host's.
-        let ntk = RopeScaling::Dynamic { factor: 2.0 }.frequencies(16, 10000.0, 32);
-        check(&ntk, vec![vec![3, 4, 5]]);
-        check(&ntk, vec![vec![30, 31, 32, 33]]);
-        check(&ntk, vec![vec![-1, 0, 1]]);
-        assert_eq!(kept(&ntk), 1);
-        // A copy of the frequencies shares the tables.
-        assert_eq!(kept(&ntk.clone()), 1);
-    }
-
-    /// By hand: two tokens routed to one expert each out of two; with both tokens, each expert
-    /// gets half the assignments and half the probability (loss 1); without the second token,
-    /// expert 1 takes the first token's assignment at probability 0.75 (loss 2 * 0.75).
-    #[test]
-    fn load_balancing_loss_is_switch_transformers() {
-        type B = burn::backend::Flex;
-        let ln3 = 3f32.ln();
-        let logits = Tensor::<B, 2>::from_data(
-            TensorData::new(vec![0.0, ln3, ln3, 0.0], [2, 2]),
-            &Default::default(),
-        );
-        let both: f32 =
-            load_balancing_loss(std::slice::from_ref(&logits), 1, &[vec![1, 1]]).into_scalar();
-        assert!((both - 1.0).abs() < 1e-6, "{both}");
-        let first: f32 = load_balancing_loss(&[logits], 1, &[vec![1, 0]]).into_scalar();
-        assert!((first - 1.5).abs() < 1e-6, "{first}");
-    }
 }
