@@ -48,16 +48,57 @@ pub fn checked_config(config: &Path, overrides: &[String]) -> Result<Settings, T
 /// devices, this process's share of them ([`this_process`]). Ctrl-C stops after the current step
 /// with a checkpoint.
 pub fn train(settings: Settings) -> Result<RunOutputs, TrainError> {
-    let (node, first, count) = this_process(&settings)?;
+    let place = this_process(&settings)?;
+    let on_backend = settings.model.gradient_checkpointing.on_backend();
+    start(place, on_backend, RlTraining(settings))
+}
+
+/// A training command, once this process's devices and the training backend are known: RL's
+/// learner ([`train`]) or a supervised trainer (`sft`, `rm`).
+pub(crate) trait OnDevices {
+    /// What the run leaves (rank 0's, on the process that has it).
+    type Output;
+    /// Runs on this process's `devices` of `node`, on the training backend `B`.
+    fn run<B: LearnerBackend>(
+        self,
+        node: &NodeLaunch,
+        devices: &[B::Device],
+    ) -> Result<Self::Output, TrainError>;
+}
+
+/// How every training command starts: at this process's `place` (its node launch and its first
+/// device and device count: [`processes_and_devices`]), on the training backend (Burn's
+/// operation-level checkpointing when `checkpointing_on_backend`), `command` on the devices; an
+/// MPI process finishes its job after.
+pub(crate) fn start<C: OnDevices>(
+    (node, first, count): (NodeLaunch, usize, usize),
+    checkpointing_on_backend: bool,
+    command: C,
+) -> Result<C::Output, TrainError> {
     let devices = crate::backend::devices_from(first, count);
-    let out = crate::with_train_backend!(settings.model.gradient_checkpointing.on_backend(), B => {
-        load_and_launch::<B>(settings, &node, &devices)
+    let out = crate::with_train_backend!(checkpointing_on_backend, B => {
+        command.run::<B>(&node, &devices)
     });
     #[cfg(feature = "mpi")]
     if let Processes::Mpi(process) = &node.processes {
         process.finish();
     }
     out
+}
+
+/// `burn-rlhf train`'s command: the learner of these settings on every rank.
+struct RlTraining(Settings);
+
+impl OnDevices for RlTraining {
+    type Output = RunOutputs;
+
+    fn run<B: LearnerBackend>(
+        self,
+        node: &NodeLaunch,
+        devices: &[B::Device],
+    ) -> Result<RunOutputs, TrainError> {
+        load_and_launch::<B>(self.0, node, devices)
+    }
 }
 
 /// This process's place and devices (the first device's index and how many): all

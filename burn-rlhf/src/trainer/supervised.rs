@@ -110,29 +110,40 @@ pub(crate) trait SupervisedCommand: Clone + Send + Sync + 'static {
 
 /// Runs `command` on every rank of `trainer.nnodes` hosts of `trainer.n_gpus_per_node` devices
 /// (in this process, or an MPI job's processes: [`super::commands::processes_and_devices`]), on
-/// the backend the Cargo features select, with gradient checkpointing when `checkpointing`;
-/// returns rank 0's outputs. Every MPI process must run the same command (its debug text).
+/// the backend the Cargo features select, with Burn's operation-level checkpointing when
+/// `checkpointing`, started as RL training is ([`super::commands::start`]); returns rank 0's
+/// outputs. Every MPI process must run the same command (its debug text).
 pub(crate) fn launch_supervised<D: TrainerDefaults, C: SupervisedCommand + std::fmt::Debug>(
     trainer: &SupervisedTrainerConfig<D>,
     checkpointing: bool,
     command: &C,
     stop: &'static AtomicBool,
 ) -> Result<SupervisedOutputs, TrainError> {
-    let (node, first, count) = super::commands::processes_and_devices(
+    let place = super::commands::processes_and_devices(
         trainer.nnodes,
         trainer.n_gpus_per_node,
         Duration::from_secs(60),
         crate::config::CollectiveBackend::Auto,
     )?;
-    let devices = crate::backend::devices_from(first, count);
-    let out = crate::with_train_backend!(checkpointing, B => {
-        on_ranks::<B, C>(&node, &devices, command, stop)
-    });
-    #[cfg(feature = "mpi")]
-    if let super::launch::Processes::Mpi(process) = &node.processes {
-        process.finish();
+    super::commands::start(place, checkpointing, SupervisedRanks { command, stop })
+}
+
+/// A supervised trainer's command: `command` on every rank.
+struct SupervisedRanks<'a, C> {
+    command: &'a C,
+    stop: &'static AtomicBool,
+}
+
+impl<C: SupervisedCommand + std::fmt::Debug> super::commands::OnDevices for SupervisedRanks<'_, C> {
+    type Output = SupervisedOutputs;
+
+    fn run<B: LearnerBackend>(
+        self,
+        node: &NodeLaunch,
+        devices: &[B::Device],
+    ) -> Result<SupervisedOutputs, TrainError> {
+        on_ranks::<B, C>(node, devices, self.command, self.stop)
     }
-    out
 }
 
 fn on_ranks<B: LearnerBackend, C: SupervisedCommand + std::fmt::Debug>(
