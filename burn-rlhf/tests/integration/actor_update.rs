@@ -125,6 +125,34 @@ fn loss_config(mode: LossAggMode) -> ActorLossConfig {
     }
 }
 
+/// The actor of `dir` after one SGD step (rate 0.5, gradients clipped at norm 1) of `loss` on
+/// `batch`, and the update's metrics.
+fn sgd_update(
+    dir: &std::path::Path,
+    loss: &dyn burn_rlhf::algos::PolicyLoss<B>,
+    batch: &RolloutBatch,
+    targets: &ActorTargets,
+    cfg: &ActorLossConfig,
+) -> (CausalLm<B>, std::collections::BTreeMap<String, f64>) {
+    let mut optim = SgdConfig::new().init();
+    let (updated, metrics, _) = actor_update(
+        actor(dir).0,
+        OptimizerStep {
+            optimizer: &mut optim,
+            lr: 0.5,
+            grad_clip: 1.0,
+            sync: &ReplicaSync::default(),
+        },
+        loss,
+        batch,
+        targets,
+        cfg,
+        &Default::default(),
+    )
+    .unwrap();
+    (updated, metrics)
+}
+
 #[test]
 fn micro_batch_size_does_not_change_the_update() {
     for dir in burn_rlhf_test_assets::fixture_models() {
@@ -133,7 +161,6 @@ fn micro_batch_size_does_not_change_the_update() {
 }
 
 fn micro_batch_size_does_not_change_the_update_on(dir: &std::path::Path) {
-    let device = Default::default();
     let (_, batch, targets) = fixture(dir);
     let inner = actor(dir).0.valid();
     let rows = batch.rows();
@@ -153,22 +180,7 @@ fn micro_batch_size_does_not_change_the_update_on(dir: &std::path::Path) {
                 shape_bucket,
                 ..loss_config(mode)
             };
-            let mut optim = SgdConfig::new().init();
-            let (updated, metrics, _) = actor_update(
-                actor(dir).0,
-                OptimizerStep {
-                    optimizer: &mut optim,
-                    lr: 0.5,
-                    grad_clip: 1.0,
-                    sync: &ReplicaSync::default(),
-                },
-                loss.as_ref(),
-                &batch,
-                &targets,
-                &cfg,
-                &device,
-            )
-            .unwrap();
+            let (updated, metrics) = sgd_update(dir, loss.as_ref(), &batch, &targets, &cfg);
             (updated.valid().export(), metrics)
         };
         let (whole, m_whole) = run(rows, None, 1);
@@ -242,7 +254,6 @@ fn micro_batch_size_does_not_change_the_update_on(dir: &std::path::Path) {
 #[test]
 fn recomputed_layers_give_the_whole_graphs_update() {
     for dir in burn_rlhf_test_assets::fixture_models() {
-        let device = Default::default();
         let (_, batch, targets) = fixture(&dir);
         let before = actor(&dir).0.valid().export();
         let loss = Registry::<B>::builtin()
@@ -255,22 +266,7 @@ fn recomputed_layers_give_the_whole_graphs_update() {
                 recompute_layers,
                 ..loss_config(LossAggMode::TokenMean)
             };
-            let mut optim = SgdConfig::new().init();
-            let (updated, metrics, _) = actor_update(
-                actor(&dir).0,
-                OptimizerStep {
-                    optimizer: &mut optim,
-                    lr: 0.5,
-                    grad_clip: 1.0,
-                    sync: &ReplicaSync::default(),
-                },
-                loss.as_ref(),
-                &batch,
-                &targets,
-                &cfg,
-                &device,
-            )
-            .unwrap();
+            let (updated, metrics) = sgd_update(&dir, loss.as_ref(), &batch, &targets, &cfg);
             (updated.valid().export(), metrics)
         };
         for (micro, dtype) in [
@@ -335,7 +331,6 @@ fn bf16_autocast_updates_f32_master_weights() {
 }
 
 fn bf16_autocast_updates_f32_master_weights_on(dir: &std::path::Path) {
-    let device = Default::default();
     let (_, batch, targets) = fixture(dir);
     let before = actor(dir).0.valid().export();
     let loss = Registry::<B>::builtin()
@@ -347,22 +342,7 @@ fn bf16_autocast_updates_f32_master_weights_on(dir: &std::path::Path) {
             compute_dtype,
             ..loss_config(LossAggMode::TokenMean)
         };
-        let mut optim = SgdConfig::new().init();
-        let (updated, metrics, _) = actor_update(
-            actor(dir).0,
-            OptimizerStep {
-                optimizer: &mut optim,
-                lr: 0.5,
-                grad_clip: 1.0,
-                sync: &ReplicaSync::default(),
-            },
-            loss.as_ref(),
-            &batch,
-            &targets,
-            &cfg,
-            &device,
-        )
-        .unwrap();
+        let (updated, metrics) = sgd_update(dir, loss.as_ref(), &batch, &targets, &cfg);
         assert_eq!(updated.float_dtype(), DType::F32, "master weights stay f32");
         (updated.valid().export(), metrics)
     };
