@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 
 use burn::module::{Module, Param};
-use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
+use burn::nn::{EmbeddingConfig, Linear, LinearConfig};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, Tensor, TensorData};
 
@@ -12,6 +12,10 @@ use crate::config::TransformerConfig;
 use crate::error::ModelError;
 use crate::heads::*;
 use crate::lora::{LoraConfig, LoraLinear};
+use crate::tensor_parallel::{
+    kv_whole, local_config, shared_kv_head, ColumnParallelLinear, RowParallelLinear, TpGroup,
+    VocabParallelEmbedding,
+};
 use crate::transformer::*;
 use crate::weights::{HostTensor, WeightMap};
 
@@ -73,18 +77,21 @@ fn export_linear<B: Backend>(
     prefix: &str,
     out: &mut BTreeMap<String, HostTensor>,
 ) {
-    let w = host(layer.merged_weight());
-    let (d_in, d_out) = (w.shape[0], w.shape[1]);
-    out.insert(
-        format!("{prefix}.weight"),
-        HostTensor {
-            shape: vec![d_out, d_in],
-            data: transpose(&w.data, d_in, d_out),
-        },
-    );
-    if let Some(b) = &layer.base.bias {
-        out.insert(format!("{prefix}.bias"), host(b.val()));
+    let (weight, bias) = layer.to_hf();
+    out.insert(format!("{prefix}.weight"), weight);
+    if let Some(b) = bias {
+        out.insert(format!("{prefix}.bias"), b);
     }
+}
+
+/// A whole layer in a column-parallel place (randomly initialised models are whole).
+fn column<B: Backend>(linear: LoraLinear<B>) -> ColumnParallelLinear<B> {
+    ColumnParallelLinear::whole(linear)
+}
+
+/// A whole layer in a row-parallel place.
+fn row<B: Backend>(linear: LoraLinear<B>) -> RowParallelLinear<B> {
+    RowParallelLinear::whole(linear)
 }
 
 fn norm<B: Backend>(
@@ -133,10 +140,10 @@ impl TransformerConfig {
         let layers = (0..self.num_hidden_layers)
             .map(|n| DecoderLayer {
                 self_attn: Attention {
-                    q_proj: LoraLinear::init(h, q, self.qkv_bias, device),
-                    k_proj: LoraLinear::init(h, kv, self.qkv_bias, device),
-                    v_proj: LoraLinear::init(h, kv, self.qkv_bias, device),
-                    o_proj: LoraLinear::init(q, h, self.o_bias, device),
+                    q_proj: column(LoraLinear::init(h, q, self.qkv_bias, device)),
+                    k_proj: column(LoraLinear::init(h, kv, self.qkv_bias, device)),
+                    v_proj: column(LoraLinear::init(h, kv, self.qkv_bias, device)),
+                    o_proj: row(LoraLinear::init(q, h, self.o_bias, device)),
                     q_norm: qk_norm.then(|| init_norm(self, self.head_dim, device)),
                     k_norm: qk_norm.then(|| init_norm(self, self.head_dim, device)),
                     num_heads: self.num_attention_heads,
@@ -144,7 +151,6 @@ impl TransformerConfig {
                     head_dim: self.head_dim,
                     sliding_window: self.layer_window(n),
                     query_scale: self.query_scale(),
-                    tp: None,
                     kv_head: None,
                 },
                 mlp: self.init_feed_forward(n, device),
@@ -155,14 +161,18 @@ impl TransformerConfig {
             })
             .collect();
         Transformer {
-            embed_tokens: EmbeddingConfig::new(self.vocab_size, h).init(device),
+            embed_tokens: VocabParallelEmbedding::whole(
+                EmbeddingConfig::new(self.vocab_size, h)
+                    .init::<B>(device)
+                    .weight
+                    .val(),
+            ),
             layers,
             norm: init_norm(self, h, device),
             rotary: self.rotary_frequencies(),
             local_rotary: self.local_rotary_frequencies(),
             embed_scale: self.embed_scale(),
             final_logit_softcapping: self.final_logit_softcapping,
-            tp: None,
         }
     }
 
@@ -171,11 +181,10 @@ impl TransformerConfig {
     fn init_feed_forward<B: Backend>(&self, n: usize, device: &B::Device) -> FeedForward<B> {
         let h = self.hidden_size;
         let mlp = |width: usize| Mlp {
-            gate_proj: LoraLinear::init(h, width, self.mlp_bias, device),
-            up_proj: LoraLinear::init(h, width, self.mlp_bias, device),
-            down_proj: LoraLinear::init(width, h, self.mlp_bias, device),
+            gate_proj: column(LoraLinear::init(h, width, self.mlp_bias, device)),
+            up_proj: column(LoraLinear::init(h, width, self.mlp_bias, device)),
+            down_proj: row(LoraLinear::init(width, h, self.mlp_bias, device)),
             act: self.hidden_act,
-            tp: None,
         };
         match self.moe.as_ref().filter(|_| self.layer_is_sparse(n)) {
             Some(moe) => FeedForward::Sparse(SparseMoe {
@@ -186,7 +195,6 @@ impl TransformerConfig {
                 top_k: moe.num_experts_per_tok,
                 norm_topk_prob: moe.norm_topk_prob,
                 model_type: self.model_type,
-                tp: None,
             }),
             None => FeedForward::Dense(mlp(self.intermediate_size)),
         }
@@ -194,8 +202,14 @@ impl TransformerConfig {
 
     /// A randomly initialised causal LM (tied head when `tie_word_embeddings`).
     pub fn init_causal_lm<B: Backend>(&self, device: &B::Device) -> CausalLm<B> {
-        let lm_head = (!self.tie_word_embeddings)
-            .then(|| LoraLinear::init(self.hidden_size, self.vocab_size, false, device));
+        let lm_head = (!self.tie_word_embeddings).then(|| {
+            column(LoraLinear::init(
+                self.hidden_size,
+                self.vocab_size,
+                false,
+                device,
+            ))
+        });
         CausalLm {
             model: self.init(device),
             lm_head,
@@ -210,16 +224,40 @@ impl<B: Backend> Transformer<B> {
         w: &mut WeightMap,
         device: &B::Device,
     ) -> Result<Self, ModelError> {
+        Self::load(c, w, None, device)
+    }
+
+    /// The decoder of shape `c` from the whole model's HF `model.*` tensors, taking each from
+    /// `w`: with a group, this rank's part of every split layer (see [`crate::tensor_parallel`]).
+    pub fn load(
+        c: &TransformerConfig,
+        w: &mut WeightMap,
+        group: Option<&TpGroup>,
+        device: &B::Device,
+    ) -> Result<Self, ModelError> {
+        let size = group.map_or(1, TpGroup::size);
+        let local = match size {
+            1 => c.clone(),
+            _ => local_config(c, size)?,
+        };
+        // Key/value heads too few to split stay whole; each rank attends with one of them.
+        let (kv_group, kv_head) = match group {
+            Some(g) if kv_whole(c, size) => (None, Some(shared_kv_head(c, g))),
+            _ => (group, None),
+        };
         let (h, q, kv, i) = (
             c.hidden_size,
             c.num_attention_heads * c.head_dim,
             c.num_key_value_heads * c.head_dim,
             c.intermediate_size,
         );
-        let embed = w.take("model.embed_tokens.weight", &[c.vocab_size, h])?;
-        let embed_tokens = Embedding {
-            weight: Param::from_tensor(tensor2(embed.data, [c.vocab_size, h], device)),
-        };
+        let embed_tokens = VocabParallelEmbedding::load(
+            w,
+            "model.embed_tokens.weight",
+            [c.vocab_size, h],
+            group,
+            device,
+        )?;
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         // Gemma's norms around the MLP.
         let gemma_norm = |w: &mut WeightMap, name: &str| {
@@ -237,44 +275,44 @@ impl<B: Backend> Transformer<B> {
         };
         for n in 0..c.num_hidden_layers {
             let p = format!("model.layers.{n}");
-            let lin = |w: &mut WeightMap,
-                       name: &str,
-                       d_in,
-                       d_out,
-                       bias|
-             -> Result<LoraLinear<B>, ModelError> {
-                Ok(LoraLinear::new(linear(
+            let col = |w: &mut WeightMap, name: &str, shape, bias, group| {
+                ColumnParallelLinear::load(w, &format!("{p}.{name}"), shape, bias, group, device)
+            };
+            let row = |w: &mut WeightMap, name: &str, shape, bias, reduce| {
+                RowParallelLinear::load(
                     w,
                     &format!("{p}.{name}"),
-                    d_in,
-                    d_out,
+                    shape,
                     bias,
+                    (group, reduce),
                     device,
-                )?))
+                )
+            };
+            let router = |w: &mut WeightMap, name: &str, experts: usize| {
+                let weight = w.take(&format!("{p}.{name}.weight"), &[experts, h])?;
+                Ok::<_, ModelError>(LoraLinear::from_hf(weight, None, device))
             };
             layers.push(DecoderLayer {
                 self_attn: Attention {
-                    q_proj: lin(w, "self_attn.q_proj", h, q, c.qkv_bias)?,
-                    k_proj: lin(w, "self_attn.k_proj", h, kv, c.qkv_bias)?,
-                    v_proj: lin(w, "self_attn.v_proj", h, kv, c.qkv_bias)?,
-                    o_proj: lin(w, "self_attn.o_proj", q, h, c.o_bias)?,
+                    q_proj: col(w, "self_attn.q_proj", [h, q], c.qkv_bias, group)?,
+                    k_proj: col(w, "self_attn.k_proj", [h, kv], c.qkv_bias, kv_group)?,
+                    v_proj: col(w, "self_attn.v_proj", [h, kv], c.qkv_bias, kv_group)?,
+                    o_proj: row(w, "self_attn.o_proj", [q, h], c.o_bias, true)?,
                     q_norm: head_norm(w, &format!("{p}.self_attn.q_norm.weight"))?,
                     k_norm: head_norm(w, &format!("{p}.self_attn.k_norm.weight"))?,
-                    num_heads: c.num_attention_heads,
-                    num_kv_heads: c.num_key_value_heads,
+                    num_heads: local.num_attention_heads,
+                    num_kv_heads: local.num_key_value_heads,
                     head_dim: c.head_dim,
                     sliding_window: c.layer_window(n),
                     query_scale: c.query_scale(),
-                    tp: None,
-                    kv_head: None,
+                    kv_head,
                 },
                 mlp: match c.moe.as_ref().filter(|_| c.layer_is_sparse(n)) {
                     None => FeedForward::Dense(Mlp {
-                        gate_proj: lin(w, "mlp.gate_proj", h, i, c.mlp_bias)?,
-                        up_proj: lin(w, "mlp.up_proj", h, i, c.mlp_bias)?,
-                        down_proj: lin(w, "mlp.down_proj", i, h, c.mlp_bias)?,
+                        gate_proj: col(w, "mlp.gate_proj", [h, i], c.mlp_bias, group)?,
+                        up_proj: col(w, "mlp.up_proj", [h, i], c.mlp_bias, group)?,
+                        down_proj: row(w, "mlp.down_proj", [i, h], c.mlp_bias, true)?,
                         act: c.hidden_act,
-                        tp: None,
                     }),
                     Some(moe) => {
                         let (block, [gate, up, down]) = c.model_type.moe_names();
@@ -282,21 +320,32 @@ impl<B: Backend> Transformer<B> {
                         let mut experts = Vec::with_capacity(moe.num_experts);
                         for e in 0..moe.num_experts {
                             let x = format!("{block}.experts.{e}");
+                            // The mixture sums its experts' partial outputs once.
                             experts.push(Mlp {
-                                gate_proj: lin(w, &format!("{x}.{gate}"), h, width, false)?,
-                                up_proj: lin(w, &format!("{x}.{up}"), h, width, false)?,
-                                down_proj: lin(w, &format!("{x}.{down}"), width, h, false)?,
+                                gate_proj: col(
+                                    w,
+                                    &format!("{x}.{gate}"),
+                                    [h, width],
+                                    false,
+                                    group,
+                                )?,
+                                up_proj: col(w, &format!("{x}.{up}"), [h, width], false, group)?,
+                                down_proj: row(
+                                    w,
+                                    &format!("{x}.{down}"),
+                                    [width, h],
+                                    false,
+                                    false,
+                                )?,
                                 act: c.hidden_act,
-                                tp: None,
                             });
                         }
                         FeedForward::Sparse(SparseMoe {
-                            gate: lin(w, &format!("{block}.gate"), h, moe.num_experts, false)?,
+                            gate: router(w, &format!("{block}.gate"), moe.num_experts)?,
                             experts,
                             top_k: moe.num_experts_per_tok,
                             norm_topk_prob: moe.norm_topk_prob,
                             model_type: c.model_type,
-                            tp: None,
                         })
                     }
                 },
@@ -325,7 +374,6 @@ impl<B: Backend> Transformer<B> {
             local_rotary: c.local_rotary_frequencies(),
             embed_scale: c.embed_scale(),
             final_logit_softcapping: c.final_logit_softcapping,
-            tp: None,
         })
     }
 
@@ -333,15 +381,15 @@ impl<B: Backend> Transformer<B> {
     pub fn export(&self, out: &mut BTreeMap<String, HostTensor>) {
         out.insert(
             "model.embed_tokens.weight".into(),
-            host(self.embed_tokens.weight.val()),
+            self.embed_tokens.export(),
         );
         for (n, layer) in self.layers.iter().enumerate() {
             let p = format!("model.layers.{n}");
             let a = &layer.self_attn;
-            export_linear(&a.q_proj, &format!("{p}.self_attn.q_proj"), out);
-            export_linear(&a.k_proj, &format!("{p}.self_attn.k_proj"), out);
-            export_linear(&a.v_proj, &format!("{p}.self_attn.v_proj"), out);
-            export_linear(&a.o_proj, &format!("{p}.self_attn.o_proj"), out);
+            a.q_proj.export(&format!("{p}.self_attn.q_proj"), out);
+            a.k_proj.export(&format!("{p}.self_attn.k_proj"), out);
+            a.v_proj.export(&format!("{p}.self_attn.v_proj"), out);
+            a.o_proj.export(&format!("{p}.self_attn.o_proj"), out);
             for (name, head_norm) in [("q_norm", &a.q_norm), ("k_norm", &a.k_norm)] {
                 if let Some(n) = head_norm {
                     out.insert(format!("{p}.self_attn.{name}.weight"), host(n.weight.val()));
@@ -349,18 +397,18 @@ impl<B: Backend> Transformer<B> {
             }
             match &layer.mlp {
                 FeedForward::Dense(m) => {
-                    export_linear(&m.gate_proj, &format!("{p}.mlp.gate_proj"), out);
-                    export_linear(&m.up_proj, &format!("{p}.mlp.up_proj"), out);
-                    export_linear(&m.down_proj, &format!("{p}.mlp.down_proj"), out);
+                    m.gate_proj.export(&format!("{p}.mlp.gate_proj"), out);
+                    m.up_proj.export(&format!("{p}.mlp.up_proj"), out);
+                    m.down_proj.export(&format!("{p}.mlp.down_proj"), out);
                 }
                 FeedForward::Sparse(moe) => {
                     let (block, [gate, up, down]) = moe.model_type.moe_names();
                     export_linear(&moe.gate, &format!("{p}.{block}.gate"), out);
                     for (e, x) in moe.experts.iter().enumerate() {
                         let x_name = format!("{p}.{block}.experts.{e}");
-                        export_linear(&x.gate_proj, &format!("{x_name}.{gate}"), out);
-                        export_linear(&x.up_proj, &format!("{x_name}.{up}"), out);
-                        export_linear(&x.down_proj, &format!("{x_name}.{down}"), out);
+                        x.gate_proj.export(&format!("{x_name}.{gate}"), out);
+                        x.up_proj.export(&format!("{x_name}.{up}"), out);
+                        x.down_proj.export(&format!("{x_name}.{down}"), out);
                     }
                 }
             }
@@ -448,16 +496,16 @@ impl<B: Backend> DecoderLayer<B> {
     fn linear(&self, name: &str) -> Option<&LoraLinear<B>> {
         let a = &self.self_attn;
         Some(match name {
-            "self_attn.q_proj" => &a.q_proj,
-            "self_attn.k_proj" => &a.k_proj,
-            "self_attn.v_proj" => &a.v_proj,
-            "self_attn.o_proj" => &a.o_proj,
+            "self_attn.q_proj" => &a.q_proj.linear,
+            "self_attn.k_proj" => &a.k_proj.linear,
+            "self_attn.v_proj" => &a.v_proj.linear,
+            "self_attn.o_proj" => &a.o_proj.linear,
             _ => {
                 let m = self.mlp.dense()?;
                 match name {
-                    "mlp.gate_proj" => &m.gate_proj,
-                    "mlp.up_proj" => &m.up_proj,
-                    _ => &m.down_proj,
+                    "mlp.gate_proj" => &m.gate_proj.linear,
+                    "mlp.up_proj" => &m.up_proj.linear,
+                    _ => &m.down_proj.linear,
                 }
             }
         })
@@ -472,20 +520,40 @@ impl<B: Backend> DecoderLayer<B> {
         let m = self.mlp;
         Ok(DecoderLayer {
             self_attn: Attention {
-                q_proj: f(LAYER_LINEARS[0], a.q_proj)?,
-                k_proj: f(LAYER_LINEARS[1], a.k_proj)?,
-                v_proj: f(LAYER_LINEARS[2], a.v_proj)?,
-                o_proj: f(LAYER_LINEARS[3], a.o_proj)?,
+                q_proj: ColumnParallelLinear {
+                    linear: f(LAYER_LINEARS[0], a.q_proj.linear)?,
+                    ..a.q_proj
+                },
+                k_proj: ColumnParallelLinear {
+                    linear: f(LAYER_LINEARS[1], a.k_proj.linear)?,
+                    ..a.k_proj
+                },
+                v_proj: ColumnParallelLinear {
+                    linear: f(LAYER_LINEARS[2], a.v_proj.linear)?,
+                    ..a.v_proj
+                },
+                o_proj: RowParallelLinear {
+                    linear: f(LAYER_LINEARS[3], a.o_proj.linear)?,
+                    ..a.o_proj
+                },
                 ..a
             },
             // A sparse layer's router and experts take no adapters (LoRA adapts attention there).
             mlp: match m {
                 FeedForward::Dense(m) => FeedForward::Dense(Mlp {
-                    gate_proj: f(LAYER_LINEARS[4], m.gate_proj)?,
-                    up_proj: f(LAYER_LINEARS[5], m.up_proj)?,
-                    down_proj: f(LAYER_LINEARS[6], m.down_proj)?,
+                    gate_proj: ColumnParallelLinear {
+                        linear: f(LAYER_LINEARS[4], m.gate_proj.linear)?,
+                        ..m.gate_proj
+                    },
+                    up_proj: ColumnParallelLinear {
+                        linear: f(LAYER_LINEARS[5], m.up_proj.linear)?,
+                        ..m.up_proj
+                    },
+                    down_proj: RowParallelLinear {
+                        linear: f(LAYER_LINEARS[6], m.down_proj.linear)?,
+                        ..m.down_proj
+                    },
                     act: m.act,
-                    tp: m.tp,
                 }),
                 sparse => sparse,
             },
@@ -499,19 +567,31 @@ impl<B: Backend> CausalLm<B> {
     /// (and returns no model) on a missing, unexpected or misshapen tensor.
     pub fn from_weights(
         c: &TransformerConfig,
-        mut w: WeightMap,
+        w: WeightMap,
         device: &B::Device,
     ) -> Result<Self, ModelError> {
-        let model = Transformer::from_weights(c, &mut w, device)?;
+        Self::load(c, w, None, device)
+    }
+
+    /// [`CausalLm::from_weights`] as this rank's part in `group` (its share of the vocabulary in
+    /// the LM head, see [`crate::tensor_parallel`]); the whole model without a group. LoRA
+    /// adapters are attached after loading, and not under tensor parallelism.
+    pub fn load(
+        c: &TransformerConfig,
+        mut w: WeightMap,
+        group: Option<&TpGroup>,
+        device: &B::Device,
+    ) -> Result<Self, ModelError> {
+        let model = Transformer::load(c, &mut w, group, device)?;
         let lm_head = if w.contains("lm_head.weight") {
-            Some(LoraLinear::new(linear(
+            Some(ColumnParallelLinear::load(
                 &mut w,
                 "lm_head",
-                c.hidden_size,
-                c.vocab_size,
+                [c.hidden_size, c.vocab_size],
                 false,
+                group,
                 device,
-            )?))
+            )?)
         } else {
             None
         };
@@ -519,12 +599,39 @@ impl<B: Backend> CausalLm<B> {
         Ok(Self { model, lm_head })
     }
 
+    /// This model as rank `group.rank()`'s part in `group` (its tensors exported, then cut at
+    /// load). LoRA adapters are not split (refused).
+    pub fn into_part(
+        self,
+        c: &TransformerConfig,
+        group: &TpGroup,
+        device: &B::Device,
+    ) -> Result<Self, ModelError> {
+        if !self.export_lora().is_empty() {
+            return Err(ModelError::TensorParallel {
+                size: group.size(),
+                message: "LoRA adapters are not split across ranks; train LoRA with data \
+                          parallelism"
+                    .into(),
+            });
+        }
+        let mut w = WeightMap::new(format!(
+            "tensor-parallel rank {} of {}",
+            group.rank(),
+            group.size()
+        ));
+        for (name, t) in self.export() {
+            w.insert(name, t);
+        }
+        Self::load(c, w, Some(group), device)
+    }
+
     /// Every tensor under HF names, adapters merged (what `save_pretrained` writes).
     pub fn export(&self) -> BTreeMap<String, HostTensor> {
         let mut out = BTreeMap::new();
         self.model.export(&mut out);
         if let Some(head) = &self.lm_head {
-            export_linear(head, "lm_head", &mut out);
+            head.export("lm_head", &mut out);
         }
         out
     }
@@ -559,7 +666,10 @@ impl<B: Backend> CausalLm<B> {
                 layers,
                 ..self.model
             },
-            lm_head: self.lm_head.map(LoraLinear::merge),
+            lm_head: self.lm_head.map(|h| ColumnParallelLinear {
+                linear: h.linear.merge(),
+                ..h
+            }),
         }
     }
 
@@ -641,10 +751,21 @@ impl<B: Backend> ScoredModel<B> {
     /// (its `lm_head.weight` is dropped and a fresh value head initialised, as verl's critic is).
     pub fn critic_from_weights(
         c: &TransformerConfig,
-        mut w: WeightMap,
+        w: WeightMap,
         device: &B::Device,
     ) -> Result<Self, ModelError> {
-        let model = Transformer::from_weights(c, &mut w, device)?;
+        Self::load_critic(c, w, None, device)
+    }
+
+    /// [`ScoredModel::critic_from_weights`] as this rank's part in `group` (the value head
+    /// whole); the whole critic without a group.
+    pub fn load_critic(
+        c: &TransformerConfig,
+        mut w: WeightMap,
+        group: Option<&TpGroup>,
+        device: &B::Device,
+    ) -> Result<Self, ModelError> {
+        let model = Transformer::load(c, &mut w, group, device)?;
         let score = if w.contains("score.weight") {
             let bias = w.contains("score.bias");
             linear(&mut w, "score", c.hidden_size, 1, bias, device)?
@@ -654,6 +775,24 @@ impl<B: Backend> ScoredModel<B> {
         };
         w.finish()?;
         Ok(Self { model, score })
+    }
+
+    /// This critic as rank `group.rank()`'s part in `group` (see [`CausalLm::into_part`]).
+    pub fn into_part(
+        self,
+        c: &TransformerConfig,
+        group: &TpGroup,
+        device: &B::Device,
+    ) -> Result<Self, ModelError> {
+        let mut w = WeightMap::new(format!(
+            "tensor-parallel rank {} of {}",
+            group.rank(),
+            group.size()
+        ));
+        for (name, t) in self.export() {
+            w.insert(name, t);
+        }
+        Self::load_critic(c, w, Some(group), device)
     }
 
     /// A randomly initialised critic.

@@ -9,9 +9,8 @@ use burn::tensor::{DType, FloatDType, Int, Tensor, TensorData};
 
 use crate::cache::KvCache;
 use crate::kernels::{self, DecoderBackend};
-use crate::lora::LoraLinear;
-use crate::tp_group::TpGroup;
-use crate::transformer::{copy_in, rows_i64, Transformer};
+use crate::tensor_parallel::{ColumnParallelLinear, TensorParallelModule, TpGroup};
+use crate::transformer::{rows_i64, Transformer};
 
 /// A causal language model: the decoder and its LM head (tied to the embeddings when the
 /// checkpoint has no `lm_head.weight`).
@@ -19,8 +18,9 @@ use crate::transformer::{copy_in, rows_i64, Transformer};
 pub struct CausalLm<B: Backend> {
     /// The decoder (HF `model.*`).
     pub model: Transformer<B>,
-    /// `None`: tied to `model.embed_tokens`.
-    pub lm_head: Option<LoraLinear<B>>,
+    /// `None`: tied to `model.embed_tokens`. Under tensor parallelism this rank's share of the
+    /// vocabulary (the embeddings' rows when tied).
+    pub lm_head: Option<ColumnParallelLinear<B>>,
 }
 
 impl<B: DecoderBackend> CausalLm<B> {
@@ -68,7 +68,7 @@ impl<B: DecoderBackend> CausalLm<B> {
     /// [`CausalLm::local_logits`]). Shapes: `[B, L, H]` → `[B, L, V]`.
     pub fn logits(&self, hidden: Tensor<B, 3>) -> Tensor<B, 3> {
         let local = self.local_logits(hidden);
-        match &self.model.tp {
+        match self.model.group() {
             None => local,
             Some(tp) => gather_last_axis(local, tp),
         }
@@ -77,7 +77,7 @@ impl<B: DecoderBackend> CausalLm<B> {
     /// The logits of this rank's share of the vocabulary (all of it without tensor
     /// parallelism), as f32. Shapes: `[B, L, H]` → `[B, L, V / tp]`.
     pub fn local_logits(&self, hidden: Tensor<B, 3>) -> Tensor<B, 3> {
-        let hidden = copy_in(hidden, self.model.tp.as_ref());
+        let hidden = crate::tensor_parallel::copy_in(hidden, self.model.group());
         let logits = match &self.lm_head {
             Some(head) => head.forward(hidden),
             None => {
@@ -131,10 +131,10 @@ impl<B: Backend> CausalLm<B> {
     /// share together).
     pub fn vocab_size(&self) -> usize {
         let local = match &self.lm_head {
-            Some(head) => head.out_features(),
+            Some(head) => head.linear.out_features(),
             None => self.model.embed_tokens.weight.dims()[0],
         };
-        local * self.model.tp.as_ref().map_or(1, TpGroup::size)
+        local * self.model.group().map_or(1, TpGroup::size)
     }
 
     /// The LM head as a `[vocab, hidden]` matrix (the embeddings when tied), when it is a plain
@@ -142,16 +142,33 @@ impl<B: Backend> CausalLm<B> {
     /// only [`CausalLm::logits`] applies.
     pub fn head_weight(&self) -> Option<Tensor<B, 2>> {
         // A sharded head's log-probs go through the vocabulary-parallel path instead.
-        if self.model.final_logit_softcapping.is_some() || self.model.tp.is_some() {
+        if self.model.final_logit_softcapping.is_some() || self.model.group().is_some() {
             return None;
         }
-        match &self.lm_head {
+        match self.lm_head.as_ref().map(|h| &h.linear) {
             None => Some(self.model.embed_tokens.weight.val()),
             Some(head) if head.lora.is_none() && head.base.bias.is_none() => {
                 Some(head.base.weight.val().transpose())
             }
             Some(_) => None,
         }
+    }
+}
+
+impl<B: Backend> TensorParallelModule for CausalLm<B> {
+    fn split_param_ids(&self) -> std::collections::HashSet<burn::module::ParamId> {
+        let mut split = self.model.split_param_ids();
+        if let Some(head) = &self.lm_head {
+            head.split_params(&mut split);
+        }
+        split
+    }
+}
+
+impl<B: Backend> TensorParallelModule for ScoredModel<B> {
+    /// The decoder's split layers (the score head is whole).
+    fn split_param_ids(&self) -> std::collections::HashSet<burn::module::ParamId> {
+        self.model.split_param_ids()
     }
 }
 

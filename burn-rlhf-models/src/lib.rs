@@ -15,6 +15,7 @@
 
 mod build;
 pub mod cache;
+pub mod collective;
 mod config;
 mod error;
 pub mod gguf;
@@ -29,7 +30,7 @@ pub mod rope;
 mod routing;
 pub mod tensor_parallel;
 pub mod tokenizer;
-pub mod tp_group;
+
 pub mod transformer;
 pub mod weights;
 

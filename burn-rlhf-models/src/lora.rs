@@ -8,6 +8,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, Tensor};
 
 use crate::kernels::DecoderBackend;
+use crate::weights::HostTensor;
 
 /// A linear layer (Burn layout, weight `[in, out]`) and its optional adapter.
 #[derive(Module, Debug)]
@@ -77,6 +78,21 @@ impl<B: Backend> LoraLinear<B> {
     /// A plain linear layer, no adapter.
     pub fn new(base: Linear<B>) -> Self {
         Self { base, lora: None }
+    }
+
+    /// A plain layer from HF tensors: `weight` `[out, in]`, `bias` `[out]`.
+    pub fn from_hf(weight: HostTensor, bias: Option<HostTensor>, device: &B::Device) -> Self {
+        Self::new(Linear {
+            weight: Param::from_tensor(weight.transposed().to_device(device)),
+            bias: bias.map(|b| Param::from_tensor(b.to_device(device))),
+        })
+    }
+
+    /// The layer as HF tensors (adapter merged): weight `[out, in]`, bias `[out]`.
+    pub fn to_hf(&self) -> (HostTensor, Option<HostTensor>) {
+        let weight = HostTensor::of(self.merged_weight()).transposed();
+        let bias = self.base.bias.as_ref().map(|b| HostTensor::of(b.val()));
+        (weight, bias)
     }
 
     /// A randomly initialised layer (Burn's default init), for models trained from scratch.

@@ -12,6 +12,7 @@ use crate::config::TransformerConfig;
 use crate::error::ModelError;
 use crate::gguf::GgufFile;
 use crate::heads::{CausalLm, RewardModel, ValueModel};
+use crate::tensor_parallel::TpGroup;
 use crate::tokenizer::Tokenizer;
 use crate::weights::{write_safetensors, HostTensor, WeightMap};
 
@@ -311,6 +312,25 @@ impl Pretrained {
     /// The causal LM (actor or reference).
     pub fn causal_lm<B: Backend>(self, device: &B::Device) -> Result<CausalLm<B>, ModelError> {
         CausalLm::from_weights(&self.config, self.weights, device)
+    }
+
+    /// The causal LM as this rank's part in a tensor-parallel `group` (the whole LM without
+    /// one; see [`CausalLm::load`]).
+    pub fn causal_lm_part<B: Backend>(
+        self,
+        group: Option<&TpGroup>,
+        device: &B::Device,
+    ) -> Result<CausalLm<B>, ModelError> {
+        CausalLm::load(&self.config, self.weights, group, device)
+    }
+
+    /// The critic as this rank's part in `group` (see [`ScoredModel::load_critic`]).
+    pub fn value_model_part<B: Backend>(
+        self,
+        group: Option<&TpGroup>,
+        device: &B::Device,
+    ) -> Result<ValueModel<B>, ModelError> {
+        ValueModel::load_critic(&self.config, self.weights, group, device)
     }
 
     /// The critic, from a saved critic or an LM checkpoint.

@@ -14,7 +14,6 @@
 //! would make.
 
 use burn::module::Module;
-use burn::nn::Embedding;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{FloatDType, Int, Tensor};
 
@@ -22,6 +21,7 @@ use crate::heads::cast_weights;
 use crate::kernels;
 use crate::kernels::DecoderBackend;
 use crate::rope::Rope;
+use crate::tensor_parallel::VocabParallelEmbedding;
 use crate::transformer::{
     count_dense_pass, Attend, DecoderLayer, DensePass, FeedForward, Transformer,
 };
@@ -74,7 +74,7 @@ impl<B: DecoderBackend> Transformer<B> {
         count_dense_pass();
         let device = input_ids.device();
         let pass = DensePass::new(self, attention_mask, position_ids, 0, &device);
-        let table: Embedding<B> = computed(self.embed_tokens.clone().no_grad(), dtype);
+        let table: VocabParallelEmbedding<B> = computed(self.embed_tokens.clone().no_grad(), dtype);
         let mut x = self.embed_with(&table, input_ids.clone()).detach();
         let mut inputs = Vec::with_capacity(self.layers.len());
         let mut kept_router = Vec::new();
@@ -126,7 +126,8 @@ fn backward_pairing<B: DecoderBackend>(
         return None;
     };
     let down = &mlp.down_proj;
-    let plain = down.lora.is_none() && down.base.bias.is_none() && mlp.tp.is_none();
+    let plain =
+        down.linear.lora.is_none() && down.linear.base.bias.is_none() && down.group.is_none();
     let gemma =
         layer.pre_feedforward_layernorm.is_some() || layer.post_feedforward_layernorm.is_some();
     if !plain || gemma {
@@ -141,7 +142,7 @@ fn backward_pairing<B: DecoderBackend>(
     let width = dy.dims()[2];
     let down_pairing = kernels::linear_vjp(
         hidden.reshape([b * l, i]),
-        down.base.weight.val(),
+        down.linear.base.weight.val(),
         dy.clone().reshape([b * l, width]),
     );
     Some((h * dy).sum() + down_pairing)
@@ -201,7 +202,8 @@ impl<B: AutodiffBackend + DecoderBackend> KeptLayers<B> {
             segment(grads);
         }
         let Some(dy) = dy else { return };
-        let table: Embedding<B> = computed(self.decoder.embed_tokens.clone(), self.dtype);
+        let table: VocabParallelEmbedding<B> =
+            computed(self.decoder.embed_tokens.clone(), self.dtype);
         let x = self.decoder.embed_with(&table, self.input_ids);
         segment((x * Tensor::from_inner(dy)).sum().backward());
     }

@@ -1,58 +1,66 @@
-//! Megatron-style tensor parallelism of the decoders: each rank of a group of `size` holds
-//! `1/size` of every large weight. Attention is split by heads (query heads, and key/value heads
-//! when there are at least `size` of them; fewer are kept whole on every rank, each rank
-//! attending with the one its query heads share), the MLP and each expert of a mixture by their
-//! intermediate width (gate and up by columns, down by rows), and the embeddings and LM head by
-//! vocabulary rows. Norms, routers and value heads are whole. Each split block's input passes
-//! through [`kernels::tp_copy`] and its output through [`kernels::tp_reduce`], so the forward
-//! equals the whole model's and every whole weight gets the whole model's gradient on every rank.
+//! Megatron-style tensor parallelism as layer types: each rank of a group of `size` holds `1/size`
+//! of every large weight. [`ColumnParallelLinear`] holds its rank's output features (query,
+//! key/value when there are at least `size` heads, gate and up projections: split by heads or by
+//! intermediate width), [`RowParallelLinear`] its input features (output and down projections,
+//! whose partial outputs are summed over the group), [`VocabParallelEmbedding`] its consecutive
+//! rows of the vocabulary (the embeddings, and the LM head as a column-parallel layer). Norms,
+//! routers and value heads stay whole. A split block's input passes through [`copy_in`] (Megatron's
+//! `f`: identity forward, the gradient summed over the group) and its output through
+//! [`reduce_out`] (`g`: the sum forward), so the forward equals the whole model's and every whole
+//! weight gets the whole model's gradient on every rank.
 //!
-//! Shards are made from and gathered into HF tensor maps ([`CausalLm::export`]): a checkpoint is
-//! always the whole model, and loads into any group size.
+//! Each layer is built from the whole model's tensors by cutting its rank's part at load, as
+//! candle's `TensorParallelColumnLinear::load` does, and exports the whole tensor by gathering the
+//! group's parts: a checkpoint is always the whole model, and loads into any group size.
 
-use std::collections::BTreeMap;
+use std::collections::HashSet;
 
+use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 
 use crate::config::TransformerConfig;
 use crate::error::ModelError;
-use crate::heads::{CausalLm, ValueModel};
 use crate::kernels::{self, DecoderBackend};
-use crate::transformer::{reduce_out, FeedForward, Transformer};
+use crate::lora::LoraLinear;
 use crate::weights::{HostTensor, WeightMap};
 
-pub use crate::tp_group::{LocalTpGroup, TpComm, TpGroup};
+pub use crate::collective::{Collective, CollectiveError, LocalTpGroup, Solo, TpGroup};
 
-/// How a checkpoint tensor is divided among the ranks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Split {
-    /// The same on every rank.
-    Whole,
-    /// Consecutive equal parts along this axis of the HF layout (`[out, in]` for a linear
-    /// weight).
-    Axis(usize),
+/// Megatron's copy into a tensor-parallel region when there is a group (see
+/// [`kernels::tp_copy`]). Shapes: any → the same.
+pub fn copy_in<B: DecoderBackend, const D: usize>(
+    x: Tensor<B, D>,
+    group: Option<&TpGroup>,
+) -> Tensor<B, D> {
+    match group {
+        Some(g) => kernels::tp_copy(x, g),
+        None => x,
+    }
 }
 
-/// The split of the tensor called `name` (HF names) in a model whose key/value projections are
-/// whole when `kv_whole`.
-fn split_of(name: &str, kv_whole: bool) -> Split {
-    let mut parts = name.rsplit('.');
-    let _kind = parts.next();
-    match parts.next().unwrap_or("") {
-        "embed_tokens" | "lm_head" | "q_proj" | "gate_proj" | "up_proj" | "w1" | "w3" => {
-            Split::Axis(0)
-        }
-        "k_proj" | "v_proj" if !kv_whole => Split::Axis(0),
-        "o_proj" | "down_proj" | "w2" => Split::Axis(1),
-        _ => Split::Whole,
+/// Megatron's reduction out of a tensor-parallel region when there is a group (see
+/// [`kernels::tp_reduce`]). Shapes: any → the same.
+pub fn reduce_out<B: DecoderBackend, const D: usize>(
+    x: Tensor<B, D>,
+    group: Option<&TpGroup>,
+) -> Tensor<B, D> {
+    match group {
+        Some(g) => kernels::tp_reduce(x, g),
+        None => x,
     }
 }
 
 /// Whether the key/value heads are too few to split over `size` ranks (each rank then keeps
-/// them whole).
-fn kv_whole(c: &TransformerConfig, size: usize) -> bool {
+/// them whole and attends with the one its query heads share).
+pub fn kv_whole(c: &TransformerConfig, size: usize) -> bool {
     !c.num_key_value_heads.is_multiple_of(size)
+}
+
+/// The key/value head a rank attends with when they are whole ([`kv_whole`]): the one its first
+/// query head uses.
+pub fn shared_kv_head(c: &TransformerConfig, group: &TpGroup) -> usize {
+    group.rank() * c.num_key_value_heads / group.size()
 }
 
 /// One rank's shape of `c` over `size` ranks: its heads, key/value heads, intermediate widths
@@ -105,25 +113,6 @@ pub fn cache_config(c: &TransformerConfig, size: usize) -> Result<TransformerCon
     Ok(local)
 }
 
-/// Rank `rank`'s part of the whole model's tensors `full` over `size` ranks.
-pub fn shard_weights(
-    full: &BTreeMap<String, HostTensor>,
-    c: &TransformerConfig,
-    rank: usize,
-    size: usize,
-) -> WeightMap {
-    let whole_kv = kv_whole(c, size);
-    let mut w = WeightMap::new(format!("tensor-parallel rank {rank} of {size}"));
-    for (name, t) in full {
-        let part = match split_of(name, whole_kv) {
-            Split::Whole => t.clone(),
-            Split::Axis(axis) => slice_axis(t, axis, rank, size),
-        };
-        w.insert(name.clone(), part);
-    }
-    w
-}
-
 /// Part `rank` of `size` of `t` along `axis` (row-major).
 fn slice_axis(t: &HostTensor, axis: usize, rank: usize, size: usize) -> HostTensor {
     let outer: usize = t.shape[..axis].iter().product();
@@ -137,29 +126,6 @@ fn slice_axis(t: &HostTensor, axis: usize, rank: usize, size: usize) -> HostTens
     let mut shape = t.shape.clone();
     shape[axis] = n;
     HostTensor { shape, data }
-}
-
-/// The whole model's tensors from every rank's `local` ones: an exchange every rank of `tp`
-/// makes, in the same (sorted) order.
-pub fn gather_weights(
-    local: BTreeMap<String, HostTensor>,
-    c: &TransformerConfig,
-    tp: &TpGroup,
-) -> BTreeMap<String, HostTensor> {
-    let whole_kv = kv_whole(c, tp.size());
-    local
-        .into_iter()
-        .map(|(name, t)| {
-            let t = match split_of(&name, whole_kv) {
-                Split::Whole => t,
-                Split::Axis(axis) => {
-                    let parts = tp.gather(t.data);
-                    concat_axis(&t.shape, axis, &parts)
-                }
-            };
-            (name, t)
-        })
-        .collect()
 }
 
 /// The parts (each of `shape`) side by side along `axis`.
@@ -177,118 +143,323 @@ fn concat_axis(shape: &[usize], axis: usize, parts: &[Vec<f32>]) -> HostTensor {
     HostTensor { shape: full, data }
 }
 
-/// Puts the group into every split layer of `model` (built from [`shard_weights`] with
-/// [`local_config`]).
-fn attach<B: Backend>(
-    mut model: Transformer<B>,
-    c: &TransformerConfig,
-    tp: &TpGroup,
-) -> Transformer<B> {
-    let whole_kv = kv_whole(c, tp.size());
-    for layer in model.layers.iter_mut() {
-        let attn = &mut layer.self_attn;
-        attn.tp = Some(tp.clone());
-        // The head this rank's query heads share: rank r's first query head over the group size.
-        attn.kv_head = whole_kv.then(|| tp.rank() * c.num_key_value_heads / tp.size());
-        match &mut layer.mlp {
-            FeedForward::Dense(m) => m.tp = Some(tp.clone()),
-            FeedForward::Sparse(moe) => moe.tp = Some(tp.clone()),
-        }
-    }
-    model.tp = Some(tp.clone());
-    model
-}
-
-/// This rank's shard of the whole LM `model` (of shape `c`) in the group `tp`. LoRA adapters
-/// are not split (refused).
-pub fn shard_causal_lm<B: Backend>(
-    model: &CausalLm<B>,
-    c: &TransformerConfig,
-    tp: &TpGroup,
-    device: &B::Device,
-) -> Result<CausalLm<B>, ModelError> {
-    let local = local_config(c, tp.size())?;
-    refuse_lora(!model.export_lora().is_empty(), tp.size())?;
-    let w = shard_weights(&model.export(), c, tp.rank(), tp.size());
-    let shard = CausalLm::from_weights(&local, w, device)?;
-    Ok(CausalLm {
-        model: attach(shard.model, c, tp),
-        ..shard
+/// This rank's part of the whole tensor `name` (of shape `whole`) along `axis`: the whole tensor
+/// without a group.
+fn take_part(
+    w: &mut WeightMap,
+    name: &str,
+    whole: &[usize],
+    axis: usize,
+    group: Option<&TpGroup>,
+) -> Result<HostTensor, ModelError> {
+    let t = w.take(name, whole)?;
+    Ok(match group {
+        Some(g) => slice_axis(&t, axis, g.rank(), g.size()),
+        None => t,
     })
 }
 
-/// This rank's shard of the whole critic `model` (its value head whole).
-pub fn shard_value_model<B: Backend>(
-    model: &ValueModel<B>,
-    c: &TransformerConfig,
-    tp: &TpGroup,
-    device: &B::Device,
-) -> Result<ValueModel<B>, ModelError> {
-    let local = local_config(c, tp.size())?;
-    let w = shard_weights(&model.export(), c, tp.rank(), tp.size());
-    let shard = ValueModel::critic_from_weights(&local, w, device)?;
-    Ok(ValueModel {
-        model: attach(shard.model, c, tp),
-        ..shard
-    })
+/// The whole tensor from every rank's part `t` along `axis` (an exchange each rank of the group
+/// makes); `t` itself without a group.
+fn gather_part(t: HostTensor, axis: usize, group: Option<&TpGroup>) -> HostTensor {
+    match group {
+        Some(g) => {
+            let shape = t.shape.clone();
+            concat_axis(&shape, axis, &g.gather(t.data))
+        }
+        None => t,
+    }
 }
 
-/// The parameters of a shard (of a model of shape `c` over `size` ranks) that hold only this
-/// rank's part: the ones whose gradient norms add up over the ranks. The others are whole and
-/// equal on every rank.
-pub fn split_param_ids<B: Backend, M: burn::module::Module<B>>(
-    module: &M,
-    c: &TransformerConfig,
-    size: usize,
-) -> std::collections::HashSet<burn::module::ParamId> {
-    struct Split {
-        path: Vec<String>,
-        kv_whole: bool,
-        ids: std::collections::HashSet<burn::module::ParamId>,
+/// A linear layer of `[d_in, d_out]` features from HF `{prefix}.weight` (`[out, in]`, cut along
+/// `axis` of that layout for this rank) and, when `bias`, `{prefix}.bias` (cut with the output
+/// features).
+fn load_linear<B: Backend>(
+    w: &mut WeightMap,
+    prefix: &str,
+    [d_in, d_out]: [usize; 2],
+    bias: bool,
+    (axis, group): (usize, Option<&TpGroup>),
+    device: &B::Device,
+) -> Result<LoraLinear<B>, ModelError> {
+    let weight = take_part(w, &format!("{prefix}.weight"), &[d_out, d_in], axis, group)?;
+    let bias = bias
+        .then(|| {
+            let bias_group = group.filter(|_| axis == 0);
+            take_part(w, &format!("{prefix}.bias"), &[d_out], 0, bias_group)
+        })
+        .transpose()?;
+    Ok(LoraLinear::from_hf(weight, bias, device))
+}
+
+/// A linear layer whose output features are split over the group (Megatron's
+/// `ColumnParallelLinear`, candle's `TensorParallelColumnLinear`): its output is this rank's
+/// part. Its input must be in the region ([`ColumnParallelLinear::copy_in`], once for the
+/// columns that share it). Without a group, a whole layer.
+#[derive(Module, Debug)]
+pub struct ColumnParallelLinear<B: Backend> {
+    /// This rank's output features (Burn layout `[in, out / size]`).
+    pub linear: LoraLinear<B>,
+    /// The ranks the output features are split over.
+    #[module(skip)]
+    pub group: Option<TpGroup>,
+}
+
+impl<B: Backend> ColumnParallelLinear<B> {
+    /// A whole layer.
+    pub fn whole(linear: LoraLinear<B>) -> Self {
+        Self {
+            linear,
+            group: None,
+        }
     }
-    impl<B: Backend> burn::module::ModuleVisitor<B> for Split {
-        fn enter_module(&mut self, name: &str, _container: &str) {
-            self.path.push(name.to_string());
+
+    /// This rank's part of the HF layer `{prefix}` of `shape` `[d_in, d_out]` (whole): its rows
+    /// of the weight and the bias.
+    pub fn load(
+        w: &mut WeightMap,
+        prefix: &str,
+        shape: [usize; 2],
+        bias: bool,
+        group: Option<&TpGroup>,
+        device: &B::Device,
+    ) -> Result<Self, ModelError> {
+        Ok(Self {
+            linear: load_linear(w, prefix, shape, bias, (0, group), device)?,
+            group: group.cloned(),
+        })
+    }
+
+    /// The whole layer's HF tensors under `prefix` (the group's parts gathered: every rank of
+    /// the group calls it).
+    pub fn export(&self, prefix: &str, out: &mut std::collections::BTreeMap<String, HostTensor>) {
+        let (weight, bias) = self.linear.to_hf();
+        let group = self.group.as_ref();
+        out.insert(format!("{prefix}.weight"), gather_part(weight, 0, group));
+        if let Some(b) = bias {
+            out.insert(format!("{prefix}.bias"), gather_part(b, 0, group));
         }
-        fn exit_module(&mut self, _name: &str, _container: &str) {
-            self.path.pop();
+    }
+}
+
+impl<B: DecoderBackend> ColumnParallelLinear<B> {
+    /// Megatron's `f` for this layer's group: `x` as the split layers' input. Shapes: any → the
+    /// same.
+    pub fn copy_in<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        copy_in(x, self.group.as_ref())
+    }
+
+    /// This rank's output features. Shapes: `[.., in]` (in the region) → `[.., out / size]`.
+    pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        self.linear.forward(x)
+    }
+}
+
+/// A linear layer whose input features are split over the group (Megatron's
+/// `RowParallelLinear`): each rank multiplies its part of the input, and the partial outputs are
+/// summed over the group unless the caller sums several at once (`reduce_results: false`, a
+/// mixture's experts). Without a group, a whole layer.
+#[derive(Module, Debug)]
+pub struct RowParallelLinear<B: Backend> {
+    /// This rank's input features (Burn layout `[in / size, out]`).
+    pub linear: LoraLinear<B>,
+    /// The ranks the input features are split over.
+    #[module(skip)]
+    pub group: Option<TpGroup>,
+    /// Sum the output over the group here (vLLM's `reduce_results`).
+    #[module(skip)]
+    pub reduce_results: bool,
+}
+
+impl<B: Backend> RowParallelLinear<B> {
+    /// A whole layer.
+    pub fn whole(linear: LoraLinear<B>) -> Self {
+        Self {
+            linear,
+            group: None,
+            reduce_results: true,
         }
-        fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<B, D>>) {
-            let split = self.path.iter().any(|p| {
-                matches!(
-                    p.as_str(),
-                    "embed_tokens"
-                        | "lm_head"
-                        | "q_proj"
-                        | "gate_proj"
-                        | "up_proj"
-                        | "o_proj"
-                        | "down_proj"
-                ) || (!self.kv_whole && matches!(p.as_str(), "k_proj" | "v_proj"))
+    }
+
+    /// This rank's part of the HF layer `{prefix}` of `shape` `[d_in, d_out]` (whole): its
+    /// columns of the weight. A bias would be added by every rank: refused under a group.
+    pub fn load(
+        w: &mut WeightMap,
+        prefix: &str,
+        shape: [usize; 2],
+        bias: bool,
+        (group, reduce_results): (Option<&TpGroup>, bool),
+        device: &B::Device,
+    ) -> Result<Self, ModelError> {
+        if let (true, Some(g)) = (bias, group) {
+            return Err(ModelError::TensorParallel {
+                size: g.size(),
+                message: format!(
+                    "{prefix} has a bias; a row-split projection's bias is not supported"
+                ),
             });
-            if split {
-                self.ids.insert(param.id);
+        }
+        Ok(Self {
+            linear: load_linear(w, prefix, shape, bias, (1, group), device)?,
+            group: group.cloned(),
+            reduce_results,
+        })
+    }
+
+    /// The whole layer's HF tensors under `prefix` (gathered as [`ColumnParallelLinear::export`]).
+    pub fn export(&self, prefix: &str, out: &mut std::collections::BTreeMap<String, HostTensor>) {
+        let (weight, bias) = self.linear.to_hf();
+        out.insert(
+            format!("{prefix}.weight"),
+            gather_part(weight, 1, self.group.as_ref()),
+        );
+        if let Some(b) = bias {
+            out.insert(format!("{prefix}.bias"), b);
+        }
+    }
+}
+
+impl<B: DecoderBackend> RowParallelLinear<B> {
+    /// Shapes: `[.., in / size]` → `[.., out]` (this rank's partial sum when not
+    /// `reduce_results`).
+    pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        let y = self.linear.forward(x);
+        match self.reduce_results {
+            true => reduce_out(y, self.group.as_ref()),
+            false => y,
+        }
+    }
+}
+
+/// Token embeddings whose vocabulary rows are split over the group (Megatron's
+/// `VocabParallelEmbedding`): each rank looks up the tokens of its consecutive `1/size` of the
+/// vocabulary (zeros for the others) and the rows are summed over the group. A tied LM head reads
+/// the same rows. Without a group, the whole table.
+#[derive(Module, Debug)]
+pub struct VocabParallelEmbedding<B: Backend> {
+    /// This rank's rows, `[vocab / size, hidden]` (HF's `embed_tokens.weight`).
+    pub weight: Param<Tensor<B, 2>>,
+    /// The ranks the vocabulary is split over.
+    #[module(skip)]
+    pub group: Option<TpGroup>,
+}
+
+impl<B: Backend> VocabParallelEmbedding<B> {
+    /// A whole table.
+    pub fn whole(weight: Tensor<B, 2>) -> Self {
+        Self {
+            weight: Param::from_tensor(weight),
+            group: None,
+        }
+    }
+
+    /// This rank's rows of the HF table `name` (`[vocab, hidden]`).
+    pub fn load(
+        w: &mut WeightMap,
+        name: &str,
+        [vocab, hidden]: [usize; 2],
+        group: Option<&TpGroup>,
+        device: &B::Device,
+    ) -> Result<Self, ModelError> {
+        let t = take_part(w, name, &[vocab, hidden], 0, group)?;
+        let rows = t.shape[0];
+        Ok(Self {
+            weight: Param::from_tensor(Tensor::from_data(
+                TensorData::new(t.data, [rows, hidden]),
+                device,
+            )),
+            group: group.cloned(),
+        })
+    }
+
+    /// The whole table (gathered as [`ColumnParallelLinear::export`]), `[vocab, hidden]`.
+    pub fn export(&self) -> HostTensor {
+        let w = self.weight.val();
+        let shape = w.dims().to_vec();
+        let data = kernels::reference::host_f32(w);
+        gather_part(HostTensor { shape, data }, 0, self.group.as_ref())
+    }
+
+    /// The vocabulary size (every rank's rows together).
+    pub fn vocab_size(&self) -> usize {
+        self.weight.dims()[0] * self.group.as_ref().map_or(1, TpGroup::size)
+    }
+}
+
+impl<B: DecoderBackend> VocabParallelEmbedding<B> {
+    /// Shapes: `[B, L]` → `[B, L, H]`.
+    pub fn forward(&self, input_ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        let table = self.weight.val();
+        let lookup = |ids: Tensor<B, 2, Int>| {
+            let [b, l] = ids.dims();
+            let h = table.dims()[1];
+            table
+                .clone()
+                .select(0, ids.reshape([b * l]))
+                .reshape([b, l, h])
+        };
+        match &self.group {
+            None => lookup(input_ids),
+            Some(group) => {
+                let [b, l] = input_ids.dims();
+                let [local, h] = table.dims();
+                let ids = input_ids.sub_scalar((group.rank() * local) as i64);
+                let outside = ids
+                    .clone()
+                    .lower_elem(0)
+                    .bool_or(ids.clone().greater_equal_elem(local as i64));
+                let x = lookup(ids.mask_fill(outside.clone(), 0));
+                let x = x.mask_fill(outside.unsqueeze_dim::<3>(2).expand([b, l, h]), 0.0);
+                kernels::tp_reduce(x, group)
             }
         }
     }
-    let mut v = Split {
-        path: Vec::new(),
-        kv_whole: kv_whole(c, size),
-        ids: Default::default(),
-    };
-    module.visit(&mut v);
-    v.ids
 }
 
-fn refuse_lora(has_lora: bool, size: usize) -> Result<(), ModelError> {
-    if has_lora {
-        return Err(ModelError::TensorParallel {
-            size,
-            message: "LoRA adapters are not split across ranks; train LoRA with data parallelism"
-                .into(),
-        });
+/// A model whose parameters may be split over a tensor-parallel group: which of them hold only
+/// this rank's part (their gradient norms add up over the ranks; the others are whole and equal
+/// on every rank).
+pub trait TensorParallelModule {
+    /// The split parameters (none without a group).
+    fn split_param_ids(&self) -> HashSet<ParamId>;
+}
+
+/// The ids of every float parameter of `module` (a split layer's).
+pub(crate) fn param_ids<B: Backend, M: Module<B>>(module: &M, into: &mut HashSet<ParamId>) {
+    struct Ids<'a>(&'a mut HashSet<ParamId>);
+    impl<B: Backend> ModuleVisitor<B> for Ids<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            self.0.insert(param.id);
+        }
     }
-    Ok(())
+    module.visit(&mut Ids(into));
+}
+
+impl<B: Backend> ColumnParallelLinear<B> {
+    /// Adds this layer's parameters to `split` when it is split.
+    pub fn split_params(&self, split: &mut HashSet<ParamId>) {
+        if self.group.is_some() {
+            param_ids(self, split);
+        }
+    }
+}
+
+impl<B: Backend> RowParallelLinear<B> {
+    /// Adds this layer's weight to `split` when it is split (a bias stays whole).
+    pub fn split_params(&self, split: &mut HashSet<ParamId>) {
+        if self.group.is_some() {
+            param_ids(&self.linear.base.weight, split);
+        }
+    }
+}
+
+impl<B: Backend> VocabParallelEmbedding<B> {
+    /// Adds the table to `split` when it is split.
+    pub fn split_params(&self, split: &mut HashSet<ParamId>) {
+        if self.group.is_some() {
+            split.insert(self.weight.id);
+        }
+    }
 }
 
 /// Log-probs of `targets` and entropies of the tempered distribution (`logits / temperature`)
@@ -360,32 +531,5 @@ mod tests {
         }
         // Columns 3..6 of each row.
         assert_eq!(slice_axis(&t, 1, 1, 2).data[..3], [3.0, 4.0, 5.0]);
-    }
-
-    #[test]
-    fn names_split_as_megatron() {
-        assert_eq!(
-            split_of("model.layers.0.self_attn.q_proj.weight", false),
-            Split::Axis(0)
-        );
-        assert_eq!(
-            split_of("model.layers.0.self_attn.k_proj.bias", true),
-            Split::Whole
-        );
-        assert_eq!(
-            split_of("model.layers.0.self_attn.o_proj.weight", false),
-            Split::Axis(1)
-        );
-        assert_eq!(
-            split_of("model.layers.1.block_sparse_moe.experts.3.w2.weight", false),
-            Split::Axis(1)
-        );
-        assert_eq!(
-            split_of("model.layers.1.mlp.gate.weight", false),
-            Split::Whole
-        );
-        assert_eq!(split_of("model.embed_tokens.weight", false), Split::Axis(0));
-        assert_eq!(split_of("model.norm.weight", false), Split::Whole);
-        assert_eq!(split_of("score.weight", false), Split::Whole);
     }
 }

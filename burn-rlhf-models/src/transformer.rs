@@ -4,7 +4,6 @@
 //! (`model.layers.N.self_attn.q_proj`), so HF tensor names map one to one.
 
 use burn::module::{Module, Param};
-use burn::nn::Embedding;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 
@@ -16,7 +15,9 @@ use crate::paged::{KvPool, PagedLayout};
 use crate::rope::{Rope, RotaryFrequencies};
 pub use crate::routing::load_balancing_loss;
 use crate::routing::top_k_experts;
-use crate::tp_group::TpGroup;
+use crate::tensor_parallel::{
+    copy_in, ColumnParallelLinear, RowParallelLinear, TpGroup, VocabParallelEmbedding,
+};
 
 /// RMSNorm (`x / sqrt(mean(x^2) + eps) * (offset + weight)`), with HF's field name `weight`.
 #[derive(Module, Debug)]
@@ -43,17 +44,20 @@ impl<B: DecoderBackend> RmsNorm<B> {
     }
 }
 
-/// Self-attention with rotary positions and grouped-query key/value heads.
+/// Self-attention with rotary positions and grouped-query key/value heads. Under tensor
+/// parallelism the projections hold this rank's heads (`num_heads`, `num_kv_heads` are its own)
+/// and `o_proj` its rows, summing the output over the group.
 #[derive(Module, Debug)]
 pub struct Attention<B: Backend> {
     /// `[hidden] → [heads * head_dim]`.
-    pub q_proj: LoraLinear<B>,
+    pub q_proj: ColumnParallelLinear<B>,
+    /// `[hidden] → [kv_heads * head_dim]` (whole when the key/value heads are fewer than the
+    /// ranks: see `kv_head`).
+    pub k_proj: ColumnParallelLinear<B>,
     /// `[hidden] → [kv_heads * head_dim]`.
-    pub k_proj: LoraLinear<B>,
-    /// `[hidden] → [kv_heads * head_dim]`.
-    pub v_proj: LoraLinear<B>,
+    pub v_proj: ColumnParallelLinear<B>,
     /// `[heads * head_dim] → [hidden]`.
-    pub o_proj: LoraLinear<B>,
+    pub o_proj: RowParallelLinear<B>,
     /// Qwen3: RMSNorm over each query head (`[head_dim]`), before the rotation.
     pub q_norm: Option<RmsNorm<B>>,
     /// Qwen3: RMSNorm over each key head.
@@ -71,11 +75,6 @@ pub struct Attention<B: Backend> {
     /// (Gemma's `query_pre_attn_scalar`: `sqrt(head_dim / query_pre_attn_scalar)`).
     #[module(skip)]
     pub query_scale: Option<f64>,
-    /// Tensor parallelism: this rank's group. The projections then hold this rank's heads
-    /// (`num_heads`, `num_kv_heads` are its own) and `o_proj` its rows; the output is summed
-    /// over the group.
-    #[module(skip)]
-    pub tp: Option<TpGroup>,
     /// Tensor parallelism with fewer key/value heads than ranks: `k_proj`/`v_proj` are whole
     /// (`num_kv_heads` of them) and this rank attends with head `kv_head` alone.
     #[module(skip)]
@@ -99,9 +98,9 @@ impl<B: DecoderBackend> Attention<B> {
     pub fn forward(&self, x: Tensor<B, 3>, rope: &Rope<B>, attend: Attend<'_, B>) -> Tensor<B, 3> {
         let [b, l, _] = x.dims();
         let (h, kv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
-        let tp = self.tp.as_ref();
-        // The sharded projections' input: its gradient is summed over the ranks.
-        let x_in = copy_in(x.clone(), tp);
+        let tp = self.q_proj.group.as_ref();
+        // The split projections' input: its gradient is summed over the ranks.
+        let x_in = self.q_proj.copy_in(x.clone());
         let q = per_head_norm(
             &self.q_norm,
             self.q_proj.forward(x_in.clone()),
@@ -158,31 +157,7 @@ impl<B: DecoderBackend> Attention<B> {
             }
         };
         let out = out.swap_dims(1, 2).reshape([b, l, h * d]);
-        reduce_out(self.o_proj.forward(out), tp)
-    }
-}
-
-/// Megatron's copy into a tensor-parallel region when there is a group (see
-/// [`kernels::tp_copy`]). Shapes: any → the same.
-pub(crate) fn copy_in<B: DecoderBackend, const D: usize>(
-    x: Tensor<B, D>,
-    tp: Option<&TpGroup>,
-) -> Tensor<B, D> {
-    match tp {
-        Some(g) => kernels::tp_copy(x, g),
-        None => x,
-    }
-}
-
-/// Megatron's reduction out of a tensor-parallel region when there is a group (see
-/// [`kernels::tp_reduce`]). Shapes: any → the same.
-pub(crate) fn reduce_out<B: DecoderBackend, const D: usize>(
-    x: Tensor<B, D>,
-    tp: Option<&TpGroup>,
-) -> Tensor<B, D> {
-    match tp {
-        Some(g) => kernels::tp_reduce(x, g),
-        None => x,
+        self.o_proj.forward(out)
     }
 }
 
@@ -213,29 +188,32 @@ fn per_head_norm<B: DecoderBackend>(
 }
 
 /// A gated MLP: `down(act(gate(x)) * up(x))`, SwiGLU (`silu`) or GeGLU (Gemma's tanh GELU).
+/// Under tensor parallelism `gate_proj`/`up_proj` hold this rank's columns of the intermediate
+/// width and `down_proj` its rows (a mixture's experts leave the sum to the mixture).
 #[derive(Module, Debug)]
 pub struct Mlp<B: Backend> {
     /// `[hidden] → [intermediate]`.
-    pub gate_proj: LoraLinear<B>,
+    pub gate_proj: ColumnParallelLinear<B>,
     /// `[hidden] → [intermediate]`.
-    pub up_proj: LoraLinear<B>,
+    pub up_proj: ColumnParallelLinear<B>,
     /// `[intermediate] → [hidden]`.
-    pub down_proj: LoraLinear<B>,
+    pub down_proj: RowParallelLinear<B>,
     /// The gate's activation.
     #[module(skip)]
     pub act: Activation,
-    /// Tensor parallelism: this rank's group; `gate_proj`/`up_proj` hold this rank's columns of
-    /// the intermediate width and `down_proj` its rows, the output summed over the group. (A
-    /// mixture's experts have none: the mixture sums once.)
-    #[module(skip)]
-    pub tp: Option<TpGroup>,
 }
 
 impl<B: DecoderBackend> Mlp<B> {
     /// Shapes: `[B, L, H]` → `[B, L, H]`.
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        let hidden = self.activations(copy_in(x, self.tp.as_ref()));
-        reduce_out(self.down_proj.forward(hidden), self.tp.as_ref())
+        self.forward_in_region(self.gate_proj.copy_in(x))
+    }
+
+    /// [`Mlp::forward`] of an input already copied into the tensor-parallel region (a
+    /// mixture's experts: the mixture copies its tokens in once). Shapes: `[B, L, H]` →
+    /// `[B, L, H]`.
+    pub(crate) fn forward_in_region(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        self.down_proj.forward(self.activations(x))
     }
 
     /// The gated activations the down projection reads. Shapes: `[B, L, H]` → `[B, L, I]`.
@@ -304,11 +282,16 @@ pub struct SparseMoe<B: Backend> {
     /// The architecture, for its checkpoint names ([`ModelType::moe_names`]).
     #[module(skip)]
     pub model_type: ModelType,
-    /// Tensor parallelism: this rank's group; every expert holds this rank's share of its
-    /// intermediate width, the router is whole, and the mixture's output is summed over the
-    /// group.
-    #[module(skip)]
-    pub tp: Option<TpGroup>,
+}
+
+impl<B: Backend> SparseMoe<B> {
+    /// The tensor-parallel group the experts are split over (by intermediate width; the router
+    /// is whole and the mixture's output is summed over the group once).
+    pub fn group(&self) -> Option<&TpGroup> {
+        self.experts
+            .first()
+            .and_then(|e| e.gate_proj.group.as_ref())
+    }
 }
 
 impl<B: DecoderBackend> SparseMoe<B> {
@@ -337,7 +320,7 @@ impl<B: DecoderBackend> SparseMoe<B> {
         }
         // Under tensor parallelism the experts' outputs are this rank's parts: the weights and
         // the experts' input are copied into the region, so their gradients sum the ranks'.
-        let tp = self.tp.as_ref();
+        let tp = self.group();
         let weights = copy_in(weights.cast(flat.dtype()).reshape([n * k]), tp);
         let flat = copy_in(flat, tp);
         let mut out = Tensor::<B, 2>::zeros([n, h], &device).cast(flat.dtype());
@@ -354,11 +337,12 @@ impl<B: DecoderBackend> SparseMoe<B> {
             let tokens = Tensor::<B, 1, Int>::from_data(TensorData::new(tokens, [m]), &device);
             let slots = Tensor::<B, 1, Int>::from_data(TensorData::new(slots, [m]), &device);
             let routed = flat.clone().select(0, tokens.clone()).reshape([1, m, h]);
-            let y = expert.forward(routed).reshape([m, h]);
+            let y = expert.forward_in_region(routed).reshape([m, h]);
             let w = weights.clone().select(0, slots).reshape([m, 1]);
             out = out.select_assign(0, tokens, y * w, burn::tensor::IndexingUpdateOp::Add);
         }
-        (reduce_out(out, tp).reshape([b, l, h]), logits)
+        let out = crate::tensor_parallel::reduce_out(out, tp);
+        (out.reshape([b, l, h]), logits)
     }
 }
 
@@ -423,8 +407,9 @@ impl<B: DecoderBackend> DecoderLayer<B> {
 /// The decoder stack (HF's `model.*`).
 #[derive(Module, Debug)]
 pub struct Transformer<B: Backend> {
-    /// `[vocab, hidden]`.
-    pub embed_tokens: Embedding<B>,
+    /// `[vocab, hidden]` (under tensor parallelism this rank's consecutive `1/size` of the
+    /// vocabulary; a tied LM head reads the same rows).
+    pub embed_tokens: VocabParallelEmbedding<B>,
     /// The layers.
     pub layers: Vec<DecoderLayer<B>>,
     /// Final norm.
@@ -442,10 +427,6 @@ pub struct Transformer<B: Backend> {
     /// `final_logit_softcapping`).
     #[module(skip)]
     pub final_logit_softcapping: Option<f64>,
-    /// Tensor parallelism: this rank's group. `embed_tokens` (and a tied LM head) then hold this
-    /// rank's consecutive `1/size` of the vocabulary.
-    #[module(skip)]
-    pub tp: Option<TpGroup>,
 }
 
 /// Host-side integer matrix `[B][L]` from an Int tensor.
@@ -455,33 +436,48 @@ pub(crate) fn rows_i64<B: Backend>(t: &Tensor<B, 2, Int>) -> Vec<Vec<i64>> {
     (0..b).map(|r| flat[r * l..(r + 1) * l].to_vec()).collect()
 }
 
+impl<B: Backend> Transformer<B> {
+    /// The tensor-parallel group this decoder is split over (`None`: whole).
+    pub fn group(&self) -> Option<&TpGroup> {
+        self.embed_tokens.group.as_ref()
+    }
+
+    /// The parameters of its split layers: they hold this rank's part only, so their gradient
+    /// norms add up over the group (norms, routers and whole key/value projections are equal on
+    /// every rank).
+    pub fn split_param_ids(&self) -> std::collections::HashSet<burn::module::ParamId> {
+        let mut split = std::collections::HashSet::new();
+        self.embed_tokens.split_params(&mut split);
+        let mlp = |m: &Mlp<B>, split: &mut std::collections::HashSet<_>| {
+            m.gate_proj.split_params(split);
+            m.up_proj.split_params(split);
+            m.down_proj.split_params(split);
+        };
+        for layer in &self.layers {
+            let a = &layer.self_attn;
+            for column in [&a.q_proj, &a.k_proj, &a.v_proj] {
+                column.split_params(&mut split);
+            }
+            a.o_proj.split_params(&mut split);
+            match &layer.mlp {
+                FeedForward::Dense(m) => mlp(m, &mut split),
+                FeedForward::Sparse(moe) => moe.experts.iter().for_each(|e| mlp(e, &mut split)),
+            }
+        }
+        split
+    }
+}
+
 impl<B: DecoderBackend> Transformer<B> {
     /// The tokens' embeddings in `table` (the decoder's own, or a copy of it cast for a
-    /// recomputed pass), times Gemma's scale. Under tensor parallelism each rank looks up the
-    /// tokens of its share of the vocabulary (zeros for the others) and the ranks' rows are
-    /// summed. Shapes: `[B, L]` → `[B, L, H]`.
+    /// recomputed pass), times Gemma's scale. Shapes: `[B, L]` → `[B, L, H]`.
     pub(crate) fn embed_with(
         &self,
-        table: &Embedding<B>,
+        table: &VocabParallelEmbedding<B>,
         input_ids: Tensor<B, 2, Int>,
     ) -> Tensor<B, 3> {
         let device = input_ids.device();
-        let x = match &self.tp {
-            None => table.forward(input_ids),
-            Some(tp) => {
-                let [b, l] = input_ids.dims();
-                let [local, h] = table.weight.dims();
-                let ids = input_ids.sub_scalar((tp.rank() * local) as i64);
-                let outside = ids
-                    .clone()
-                    .lower_elem(0)
-                    .bool_or(ids.clone().greater_equal_elem(local as i64));
-                let ids = ids.mask_fill(outside.clone(), 0);
-                let x = table.forward(ids);
-                let x = x.mask_fill(outside.unsqueeze_dim::<3>(2).expand([b, l, h]), 0.0);
-                kernels::tp_reduce(x, tp)
-            }
-        };
+        let x = table.forward(input_ids);
         match self.embed_scale {
             Some(scale) => {
                 let scale = embed_scale::<B>(scale, x.dtype(), &device);

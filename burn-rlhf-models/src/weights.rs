@@ -22,6 +22,46 @@ pub struct HostTensor {
     pub data: Vec<f32>,
 }
 
+impl HostTensor {
+    /// A 2-D tensor's transpose (`[rows, cols]` → `[cols, rows]`): HF's `[out, in]` linear
+    /// weights and Burn's `[in, out]`.
+    pub fn transposed(&self) -> HostTensor {
+        let (rows, cols) = (self.shape[0], self.shape[1]);
+        let mut data = vec![0.0; self.data.len()];
+        for r in 0..rows {
+            for c in 0..cols {
+                data[c * rows + r] = self.data[r * cols + c];
+            }
+        }
+        HostTensor {
+            shape: vec![cols, rows],
+            data,
+        }
+    }
+
+    /// A device tensor's values and shape.
+    pub fn of<B: burn::tensor::backend::Backend, const D: usize>(
+        t: burn::tensor::Tensor<B, D>,
+    ) -> HostTensor {
+        let shape = t.dims().to_vec();
+        HostTensor {
+            shape,
+            data: t.into_data().iter::<f32>().collect(),
+        }
+    }
+
+    /// On `device` as a tensor of its shape.
+    pub fn to_device<B: burn::tensor::backend::Backend, const D: usize>(
+        self,
+        device: &B::Device,
+    ) -> burn::tensor::Tensor<B, D> {
+        burn::tensor::Tensor::from_data(
+            burn::tensor::TensorData::new(self.data, self.shape),
+            device,
+        )
+    }
+}
+
 /// Tensors of a checkpoint by HF name, with where they came from for messages.
 #[derive(Debug, Default)]
 pub struct WeightMap {

@@ -161,6 +161,7 @@ fn value_head_gradients_reach_head_and_backbone() {
         let g_q = critic.model.layers[0]
             .self_attn
             .q_proj
+            .linear
             .base
             .weight
             .grad(&grads)
@@ -223,15 +224,15 @@ fn lora_trains_only_adapters(name: &str, pre: burn_rlhf_models::Pretrained) {
     // Base weights and every untargeted parameter are unchanged...
     assert_eq!(
         max_abs_diff(
-            l0b.self_attn.q_proj.base.weight.val(),
-            l0a.self_attn.q_proj.base.weight.val()
+            l0b.self_attn.q_proj.linear.base.weight.val(),
+            l0a.self_attn.q_proj.linear.base.weight.val()
         ),
         0.0
     );
     assert_eq!(
         max_abs_diff(
-            l0b.self_attn.k_proj.base.weight.val(),
-            l0a.self_attn.k_proj.base.weight.val()
+            l0b.self_attn.k_proj.linear.base.weight.val(),
+            l0a.self_attn.k_proj.linear.base.weight.val()
         ),
         0.0
     );
@@ -251,7 +252,7 @@ fn lora_trains_only_adapters(name: &str, pre: burn_rlhf_models::Pretrained) {
     );
     if let (Some(b), Some(a)) = (&before.lm_head, &after.lm_head) {
         assert_eq!(
-            max_abs_diff(b.base.weight.val(), a.base.weight.val()),
+            max_abs_diff(b.linear.base.weight.val(), a.linear.base.weight.val()),
             0.0,
             "{name}"
         );
@@ -265,9 +266,9 @@ fn lora_trains_only_adapters(name: &str, pre: burn_rlhf_models::Pretrained) {
             assert_eq!(d, 0.0, "{name}: a head norm moved");
         }
     }
-    assert!(l0a.self_attn.k_proj.lora.is_none());
+    assert!(l0a.self_attn.k_proj.linear.lora.is_none());
     // ...and the adapters moved.
-    let lb = l0a.self_attn.q_proj.lora.as_ref().unwrap();
+    let lb = l0a.self_attn.q_proj.linear.lora.as_ref().unwrap();
     assert!(
         lb.lora_b.val().abs().sum().into_scalar() > 0.0,
         "{name}: the adapter was not trained"
@@ -276,7 +277,12 @@ fn lora_trains_only_adapters(name: &str, pre: burn_rlhf_models::Pretrained) {
     let (i, m, p) = batch::<B>(vocab);
     let unmerged = after.forward(i.clone(), m.clone(), p.clone(), None);
     let merged = after.clone().merge_lora();
-    assert!(merged.model.layers[0].self_attn.q_proj.lora.is_none());
+    assert!(merged.model.layers[0]
+        .self_attn
+        .q_proj
+        .linear
+        .lora
+        .is_none());
     let d = max_abs_diff(unmerged, merged.forward(i, m, p, None));
     assert!(d < 1e-5, "{name}: merged LoRA differs by {d}");
 }
@@ -367,6 +373,7 @@ fn gradient_checkpointing_gives_the_same_gradients() {
         let a = plain.model.layers[0]
             .self_attn
             .q_proj
+            .linear
             .base
             .weight
             .grad(&g_plain)
@@ -374,6 +381,7 @@ fn gradient_checkpointing_gives_the_same_gradients() {
         let b = ckpt.model.layers[0]
             .self_attn
             .q_proj
+            .linear
             .base
             .weight
             .grad(&g_ckpt)
@@ -393,8 +401,7 @@ fn gradient_checkpointing_gives_the_same_gradients() {
 #[test]
 fn tensor_parallel_shards_compute_and_train_as_the_whole_model() {
     use burn_rlhf_models::tensor_parallel::{
-        gather_weights, local_config, shard_causal_lm, vocab_parallel_entropy_and_logprobs,
-        LocalTpGroup,
+        local_config, vocab_parallel_entropy_and_logprobs, LocalTpGroup, TensorParallelModule,
     };
     // Per position: log-prob of the next id and 0.1 x entropy, summed.
     fn loss_of(model: &CausalLm<AD>, tp: bool) -> (Tensor<AD, 1>, Tensor<AD, 3>) {
@@ -402,7 +409,7 @@ fn tensor_parallel_shards_compute_and_train_as_the_whole_model() {
         let hidden = model.model.forward(i.clone(), m, p, None);
         let local = model.local_logits(hidden.clone());
         let [b, l, v] = local.dims();
-        let group = model.model.tp.as_ref().filter(|_| tp);
+        let group = model.model.group().filter(|_| tp);
         let (entropy, logprobs) = vocab_parallel_entropy_and_logprobs(
             local.reshape([b * l, v]),
             i.reshape([b * l]),
@@ -426,6 +433,17 @@ fn tensor_parallel_shards_compute_and_train_as_the_whole_model() {
         let mut sizes = Sizes(0, 0, grads);
         burn::module::Module::visit(model, &mut sizes);
         (sizes.0, sizes.1)
+    }
+    fn param_sizes(model: &CausalLm<AD>) -> Vec<(burn::module::ParamId, usize)> {
+        struct Sizes(Vec<(burn::module::ParamId, usize)>);
+        impl burn::module::ModuleVisitor<AD> for Sizes {
+            fn visit_float<const D: usize>(&mut self, p: &burn::module::Param<Tensor<AD, D>>) {
+                self.0.push((p.id, p.val().shape().num_elements()));
+            }
+        }
+        let mut sizes = Sizes(Vec::new());
+        burn::module::Module::visit(model, &mut sizes);
+        sizes.0
     }
     let step = |model: CausalLm<AD>, tp: bool| {
         let (loss, logits) = loss_of(&model, tp);
@@ -459,9 +477,22 @@ fn tensor_parallel_shards_compute_and_train_as_the_whole_model() {
                     let (whole, config) = (whole.clone(), config.clone());
                     std::thread::spawn(move || {
                         let device = Default::default();
-                        let shard = shard_causal_lm(&whole, &config, &tp, &device).unwrap();
+                        let whole_n: usize = param_sizes(&whole).iter().map(|p| p.1).sum();
+                        let shard = whole.into_part(&config, &tp, &device).unwrap();
+                        // The split layers name their parameters: size x theirs and the whole
+                        // ones once make the whole model.
+                        let split = shard.split_param_ids();
+                        let (mut split_n, mut kept_n) = (0, 0);
+                        for (id, n) in param_sizes(&shard) {
+                            match split.contains(&id) {
+                                true => split_n += n,
+                                false => kept_n += n,
+                            }
+                        }
+                        assert_eq!(split_n * tp.size() + kept_n, whole_n);
                         let (loss, logits, stepped, bytes) = step(shard, true);
-                        let gathered = gather_weights(stepped.valid().export(), &config, &tp);
+                        // A part exports the whole model (its layers gather the group's parts).
+                        let gathered = stepped.valid().export();
                         (loss, logits, gathered, bytes)
                     })
                 })

@@ -63,35 +63,5 @@ impl TrainError {
     }
 }
 
-/// Why a collective operation failed.
-#[derive(Debug, Clone, thiserror::Error)]
-pub enum DistributedError {
-    /// Another rank failed or left; this one stops too.
-    #[error("rank {rank}: stopping because {reason}")]
-    PeerFailed {
-        /// This rank.
-        rank: usize,
-        /// What happened to the other rank.
-        reason: String,
-    },
-    /// A peer sent nothing within the timeout.
-    #[error(
-        "rank {rank}: no message from {peer} within {seconds} s (trainer.collective_timeout_s)"
-    )]
-    Timeout {
-        /// This rank.
-        rank: usize,
-        /// Who was waited for.
-        peer: String,
-        /// The timeout.
-        seconds: u64,
-    },
-    /// Setting up the group or exchanging data failed.
-    #[error("rank {rank}: {message}")]
-    Transport {
-        /// This rank.
-        rank: usize,
-        /// What failed.
-        message: String,
-    },
-}
+/// Why a collective operation failed (the transports' one error type).
+pub use burn_rlhf_models::collective::CollectiveError as DistributedError;

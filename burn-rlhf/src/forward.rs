@@ -241,7 +241,7 @@ fn logprobs_from_hidden<B: ComputeBackend>(
     head: LogprobHead,
 ) -> (Tensor<B, 2>, Tensor<B, 2>) {
     let [b, r, h] = hidden.dims();
-    if let Some(tp) = &model.model.tp {
+    if let Some(tp) = model.model.group() {
         // A split head: each rank's share of the vocabulary, never gathered.
         let local = model.local_logits(hidden);
         let v = local.dims()[2];

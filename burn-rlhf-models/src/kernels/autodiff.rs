@@ -23,7 +23,7 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::FloatTensor;
 
 use super::{AttentionMask, DecoderBackend};
-use crate::tp_group::TpGroup;
+use crate::collective::TpGroup;
 
 type Ad<B, C> = Autodiff<B, C>;
 

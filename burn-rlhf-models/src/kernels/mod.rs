@@ -28,8 +28,8 @@ use std::sync::Arc;
 
 use burn::tensor::backend::Backend;
 
+use crate::collective::TpGroup;
 use crate::paged::PagedLayout;
-use crate::tp_group::TpGroup;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Tensor, TensorPrimitive};
 

@@ -314,7 +314,7 @@ pub fn host_f32<B: Backend, const D: usize>(x: Tensor<B, D>) -> Vec<f32> {
 /// in `x`'s dtype. Shapes: any → the same.
 pub fn tp_all_reduce<B: Backend>(
     x: FloatTensor<B>,
-    group: &crate::tp_group::TpGroup,
+    group: &crate::collective::TpGroup,
 ) -> FloatTensor<B> {
     use burn::tensor::TensorMetadata;
     let (shape, dtype) = (x.shape(), x.dtype());

@@ -361,9 +361,6 @@ mod tests {
             Ok(data)
         }
         fn abort(&self, _reason: &str) {}
-        fn as_any(&self) -> &dyn std::any::Any {
-            self
-        }
     }
 
     #[test]

@@ -38,93 +38,11 @@ pub use crate::error::DistributedError;
 use crate::error::TrainError;
 
 pub use balance::balanced_partitions;
+pub use burn_rlhf_models::collective::{chunk, Collective, Solo};
 use burn_rlhf_models::tensor_parallel::TpGroup;
-pub use local::BurnCollective;
+pub use local::{BurnCollective, DeviceSums};
 pub use params::{all_reduce_grads, sync_params, ShardPlan};
 pub use subgroup::Subgroup;
-
-/// How the ranks of one run exchange data: the collectives the trainer uses, on host f32
-/// buffers. An engine implements the sum; the gather, scatter, broadcast and barrier default to
-/// sums and an engine may do them natively. Every rank calls the same operations in the same
-/// order; a rank that fails calls [`Collective::abort`] so the others stop instead of waiting.
-pub trait Collective: Send + Sync {
-    /// This rank, `0..world()`.
-    fn rank(&self) -> usize;
-    /// The number of ranks.
-    fn world(&self) -> usize;
-    /// Element-wise sum of `data` over all ranks; every rank gets the same bits. Shapes: `[n]` on
-    /// every rank → `[n]`.
-    fn all_reduce_sum(&self, data: Vec<f32>) -> Result<Vec<f32>, DistributedError>;
-    /// Every rank's `mine`, in rank order (lengths may differ). Shapes: `[n_r]` on rank `r` →
-    /// `world x [n_r]`. By default two sums: the lengths, then each rank's values at its offset.
-    fn all_gather(&self, mine: Vec<f32>) -> Result<Vec<Vec<f32>>, DistributedError> {
-        let (world, rank) = (self.world(), self.rank());
-        let mut lengths = vec![0.0f32; world];
-        lengths[rank] = mine.len() as f32;
-        let lengths: Vec<usize> = self
-            .all_reduce_sum(lengths)?
-            .into_iter()
-            .map(|n| n as usize)
-            .collect();
-        let offset: usize = lengths[..rank].iter().sum();
-        let mut all = vec![0.0f32; lengths.iter().sum()];
-        all[offset..offset + mine.len()].copy_from_slice(&mine);
-        let all = self.all_reduce_sum(all)?;
-        let mut start = 0;
-        Ok(lengths
-            .iter()
-            .map(|&n| {
-                start += n;
-                all[start - n..start].to_vec()
-            })
-            .collect())
-    }
-    /// The sum over ranks of `data`, of which this rank keeps its [`chunk`] (the first
-    /// `len % world` ranks one value more). Shapes: `[n]` → `[chunk(n, world, rank).len()]`.
-    fn reduce_scatter(&self, data: Vec<f32>) -> Result<Vec<f32>, DistributedError> {
-        let range = chunk(data.len(), self.world(), self.rank());
-        Ok(self.all_reduce_sum(data)?[range].to_vec())
-    }
-    /// Rank `root`'s `data` on every rank (the others pass a buffer of the same length, whose
-    /// values are ignored). Shapes: `[n]` → `[n]`.
-    fn broadcast(&self, root: usize, data: Vec<f32>) -> Result<Vec<f32>, DistributedError> {
-        let data = if self.rank() == root {
-            data
-        } else {
-            vec![0.0; data.len()]
-        };
-        self.all_reduce_sum(data)
-    }
-    /// Returns once every rank has called it.
-    fn barrier(&self) -> Result<(), DistributedError> {
-        self.all_reduce_sum(vec![0.0]).map(|_| ())
-    }
-    /// Tells the other ranks that this one failed (`reason`), so their pending and next
-    /// operations fail with it.
-    fn abort(&self, reason: &str);
-    /// For a transport with a faster path for device tensors ([`BurnCollective`]).
-    fn as_any(&self) -> &dyn std::any::Any;
-}
-
-/// One rank alone.
-#[derive(Debug, Default, Clone, Copy)]
-pub struct Solo;
-
-impl Collective for Solo {
-    fn rank(&self) -> usize {
-        0
-    }
-    fn world(&self) -> usize {
-        1
-    }
-    fn all_reduce_sum(&self, data: Vec<f32>) -> Result<Vec<f32>, DistributedError> {
-        Ok(data)
-    }
-    fn abort(&self, _reason: &str) {}
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
-    }
-}
 
 /// A learner's place in a data-parallel run: its transport and whether the optimiser state is
 /// sharded (ZeRO-1, `trainer.zero_stage = 1`).
@@ -132,6 +50,9 @@ impl Collective for Solo {
 pub struct DataParallel {
     /// The transport.
     pub collective: Arc<dyn Collective>,
+    /// With burn-collective's transport (devices of one process): gradients and parameters are
+    /// summed on their devices instead of through host buffers.
+    pub device_sums: Option<DeviceSums>,
     /// Each rank keeps the AdamW moments of its own 1/world of the parameters.
     pub shard_optimizer: bool,
     /// Rows go to ranks balanced by token count (`trainer.balance_batch`), else in equal
@@ -163,6 +84,7 @@ impl DataParallel {
     pub fn solo() -> Self {
         Self {
             collective: Arc::new(Solo),
+            device_sums: None,
             shard_optimizer: false,
             balance_batch: true,
             tp: None,
@@ -356,13 +278,6 @@ pub fn launched_by_mpi() -> bool {
         .any(|v| std::env::var_os(v).is_some())
 }
 
-/// Rank `rank`'s equal consecutive share of `0..n` (the first `n % world` ranks get one more).
-pub fn chunk(n: usize, world: usize, rank: usize) -> std::ops::Range<usize> {
-    let (base, extra) = (n / world, n % world);
-    let start = rank * base + rank.min(extra);
-    start..start + base + usize::from(rank < extra)
-}
-
 /// Set by the first failing rank of a process: its other ranks stop at their next operation.
 #[derive(Debug, Default)]
 pub(crate) struct AbortFlag {
@@ -444,9 +359,6 @@ mod tests {
             Ok(out)
         }
         fn abort(&self, _reason: &str) {}
-        fn as_any(&self) -> &dyn std::any::Any {
-            self
-        }
     }
 
     #[test]

@@ -12,7 +12,8 @@
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Condvar, Mutex};
 
-use burn_rlhf_models::tensor_parallel::{TpComm, TpGroup};
+use burn_rlhf_models::collective::sum_in_rank_order;
+use burn_rlhf_models::tensor_parallel::TpGroup;
 use mpi::collective::SystemOperation;
 use mpi::datatype::PartitionMut;
 use mpi::environment::Threading;
@@ -309,22 +310,25 @@ impl MpiTpRank {
     }
 }
 
-impl TpComm for MpiTpRank {
+impl Collective for MpiTpRank {
     fn rank(&self) -> usize {
         self.process.place.process % self.size
     }
 
-    fn size(&self) -> usize {
+    fn world(&self) -> usize {
         self.size
     }
 
-    fn all_gather(&self, mine: Vec<f32>) -> Result<Vec<Vec<f32>>, String> {
+    fn all_reduce_sum(&self, data: Vec<f32>) -> Result<Vec<f32>, DistributedError> {
+        Ok(sum_in_rank_order(self.all_gather(data)?))
+    }
+
+    fn all_gather(&self, mine: Vec<f32>) -> Result<Vec<Vec<f32>>, DistributedError> {
         let (tx, rx) = mpsc::channel();
-        self.process
-            .send(Request::TpGather(mine, tx))
-            .map_err(|e| e.to_string())?;
-        rx.recv()
-            .map_err(|_| "the MPI thread stopped during a tensor-parallel exchange".to_string())
+        self.process.send(Request::TpGather(mine, tx))?;
+        rx.recv().map_err(|_| {
+            transport("the MPI thread stopped during a tensor-parallel exchange".into())
+        })
     }
 
     fn abort(&self, reason: &str) {
@@ -442,10 +446,6 @@ impl Collective for MpiRank {
     fn abort(&self, reason: &str) {
         self.process
             .abort(&format!("rank {} failed: {reason}", self.rank()))
-    }
-
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
     }
 }
 

@@ -315,8 +315,4 @@ impl Collective for NcclRank {
         self.abort
             .raise(&format!("rank {} failed: {reason}", self.rank));
     }
-
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
-    }
 }

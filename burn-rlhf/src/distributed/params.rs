@@ -12,7 +12,7 @@ use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Tensor, TensorData, TensorPrimitive};
 
-use super::{BurnCollective, DataParallel, DistributedError};
+use super::{DataParallel, DistributedError};
 
 /// Each float parameter's id and element count, in visiting order.
 struct Inventory(Vec<(ParamId, usize)>);
@@ -36,11 +36,11 @@ fn all_reduce_flat<B: Backend>(
     dp: &DataParallel,
     tensors: Vec<Tensor<B, 1>>,
 ) -> Result<Vec<Tensor<B, 1>>, DistributedError> {
-    if let Some(bc) = dp.collective.as_any().downcast_ref::<BurnCollective<B>>() {
+    if let Some(sums) = &dp.device_sums {
         return tensors
             .into_iter()
             .map(|t| {
-                let out = bc.all_reduce_primitive(t.into_primitive().tensor())?;
+                let out = sums.all_reduce::<B>(t.into_primitive().tensor())?;
                 Ok(Tensor::from_primitive(TensorPrimitive::Float(out)))
             })
             .collect();

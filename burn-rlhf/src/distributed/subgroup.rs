@@ -49,10 +49,6 @@ impl Collective for Subgroup {
     fn abort(&self, reason: &str) {
         self.whole.abort(reason)
     }
-
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
-    }
 }
 
 #[cfg(test)]

@@ -99,7 +99,7 @@ impl<O> OptimizerStep<'_, O> {
     ) -> Result<M, TrainError>
     where
         B: LearnerBackend,
-        M: AutodiffModule<B>,
+        M: AutodiffModule<B> + burn_rlhf_models::tensor_parallel::TensorParallelModule,
         O: Optimizer<M, B>,
     {
         let (module, grad_norm) = synced_step(

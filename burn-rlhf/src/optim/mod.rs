@@ -8,7 +8,6 @@
 mod moments;
 
 use std::collections::HashSet;
-use std::sync::Arc;
 
 use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
 use burn::optim::adaptor::OptimizerAdaptor;
@@ -16,8 +15,7 @@ use burn::optim::{GradientsParams, SimpleOptimizer};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::Tensor;
 use burn_rlhf_algos::kernels::{adamw_step, AdamWStep, RlBackend};
-use burn_rlhf_models::tensor_parallel::{split_param_ids, TpGroup};
-use burn_rlhf_models::TransformerConfig;
+use burn_rlhf_models::tensor_parallel::{TensorParallelModule, TpGroup};
 
 pub use crate::config::settings::ScheduleKind;
 use crate::config::settings::{OptimSettings, Warmup};
@@ -197,14 +195,11 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for SquaredNorm<'_> {
     }
 }
 
-/// A tensor-parallel shard's group and its model's whole shape, for the gradient norm of the
-/// whole model.
+/// A tensor-parallel part's group, for the gradient norm of the whole model.
 #[derive(Debug, Clone)]
 pub struct TpSplit {
     /// The replica's tensor-parallel ranks.
     pub group: TpGroup,
-    /// The whole model's shape (which of its parameters are split).
-    pub config: Arc<TransformerConfig>,
 }
 
 /// Multiplies every gradient by `scale`.
@@ -226,14 +221,14 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Scale<'_> {
 /// every gradient is scaled by `max_norm / (norm + 1e-6)`. Returns the gradients and the norm
 /// before clipping (verl's `actor/grad_norm`). A non-finite norm is returned as is, with the
 /// gradients untouched: verl then skips the update.
-pub fn clip_grad_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
+pub fn clip_grad_norm<B: AutodiffBackend, M: AutodiffModule<B> + TensorParallelModule>(
     module: &M,
     mut grads: GradientsParams,
     max_norm: f64,
     tp: Option<&TpSplit>,
 ) -> (GradientsParams, f64) {
-    // Found each time (a walk of the module, no tensor work): a reloaded shard has new ids.
-    let split = tp.map(|t| split_param_ids(module, &t.config, t.group.size()));
+    // Found each time (a walk of the layers, no tensor work): a reloaded part has new ids.
+    let split = tp.map(|_| module.split_param_ids());
     let mut norm = SquaredNorm {
         grads: &grads,
         split: split.as_ref(),
@@ -290,7 +285,7 @@ pub fn synced_step<B, M, O>(
 ) -> Result<(M, f64), crate::distributed::DistributedError>
 where
     B: AutodiffBackend,
-    M: AutodiffModule<B>,
+    M: AutodiffModule<B> + TensorParallelModule,
     O: burn::optim::Optimizer<M, B>,
 {
     let grads = all_reduce_grads(&module, grads, &sync.dp)?;
@@ -322,6 +317,13 @@ mod tests {
     struct Two<B: burn::tensor::backend::Backend> {
         a: Param<Tensor<B, 1>>,
         b: Param<Tensor<B, 2>>,
+    }
+
+    /// A whole module: nothing split.
+    impl<B: burn::tensor::backend::Backend> TensorParallelModule for Two<B> {
+        fn split_param_ids(&self) -> std::collections::HashSet<burn::module::ParamId> {
+            Default::default()
+        }
     }
 
     fn grads_of(m: &Two<B>) -> GradientsParams {

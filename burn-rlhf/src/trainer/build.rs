@@ -19,7 +19,6 @@ use crate::loading::{load_policy, load_value_model, with_lora};
 use crate::offload::Parked;
 use crate::optim::ReplicaSync;
 use crate::optim::TpSplit;
-use burn_rlhf_models::tensor_parallel::{shard_causal_lm, shard_value_model};
 use burn_rlhf_rollout::agent::render::ChatRenderer;
 use burn_rlhf_rollout::agent::single_turn::SingleTurnAgent;
 use burn_rlhf_rollout::agent::tool_agent::ToolAgent;
@@ -153,12 +152,24 @@ impl<B: LearnerBackend> Learner<B> {
 
     /// The builder every learner comes from: decoded settings and parts (built in code with
     /// [`LearnerParts::new`], or loaded from the paths the settings name with
-    /// [`LearnerParts::load`]); checks that the parts fit the settings.
+    /// [`LearnerParts::load`]); checks that the parts fit the settings. One rank alone; ranks of
+    /// a parallel run are built by [`Learner::prepare`] and [`PreparedLearner::build`].
     pub fn from_settings(
         settings: Settings,
         parts: LearnerParts<B>,
         device: &B::Device,
     ) -> Result<Self, TrainError> {
+        Self::prepare(settings, parts, device)?.build(DataParallel::solo())
+    }
+
+    /// Everything of a learner that does not depend on its place in a parallel run, with every
+    /// check of the settings against the parts (so errors surface before a rank joins its
+    /// group, identically on every rank).
+    pub(crate) fn prepare(
+        settings: Settings,
+        parts: LearnerParts<B>,
+        device: &B::Device,
+    ) -> Result<PreparedLearner<B>, TrainError> {
         let mut algorithms = build_algorithms(&settings, &parts.registry, &parts.rewards)?;
         algorithms.agents = build_agents(&settings, &parts)?;
         if parts.training && settings.critic.is_some() && parts.critic.is_none() {
@@ -196,8 +207,7 @@ impl<B: LearnerBackend> Learner<B> {
             Some(r) => Some(r),
             None if uses_kl => Some(parts.actor.valid()),
             None => None,
-        }
-        .map(|r| Parked::new(r, settings.ref_param_offload));
+        };
         let reward_scorer = match (&settings.reward.model, parts.reward_model) {
             (Some(rm), Some(loaded)) => Some(RewardScorer::new(loaded, rm, &parts.tokenizer)?),
             (Some(_), None) => {
@@ -236,54 +246,69 @@ impl<B: LearnerBackend> Learner<B> {
             settings.trainer.total_epochs * sampler.batches_per_epoch(data.train_batch_size)
         });
         let critic = match (&settings.critic, parts.critic) {
-            (Some(cs), Some((model, config))) => Some(CriticState {
-                model,
-                config,
-                optimizer: ModelOptimizer::new(&cs.optim, total_steps),
-            }),
+            (Some(_), Some(critic)) => Some(critic),
             _ => None,
         };
-        Ok(Self {
-            actor_optimizer: ModelOptimizer::new(&settings.actor.optim, total_steps),
+        Ok(PreparedLearner {
             device: device.clone(),
             tokenizer: parts.tokenizer,
             model_config: parts.model_config,
             actor: parts.actor,
             critic,
             reference,
-            reference_refreshed_at: None,
-            engine_counters: Default::default(),
             reward_scorer,
             algorithms,
             train,
             val,
             sampler,
-            dp: DataParallel::solo(),
-            shape_bucket: crate::backend::shape_bucket::<B::InnerBackend>(
-                settings.model.shape_bucket,
-            ),
-            global_step: 0,
             total_steps,
             settings,
         })
     }
+}
 
-    /// Makes this learner rank `dp.rank()` of a data-parallel run: checks that every mini-batch
-    /// has a row for each rank, gives every rank rank 0's weights (fresh heads are drawn per
-    /// process), and with `dp.shard_optimizer` deals the optimiser state out (ZeRO-1).
-    pub(crate) fn with_data_parallel(mut self, dp: DataParallel) -> Result<Self, TrainError> {
-        if dp.tp.is_some() {
-            self.dp.tp = dp.tp.clone();
-            self = self.split_models()?;
-        }
+/// A learner before its place in a parallel run is known: its models whole, as its parts gave
+/// them ([`Learner::prepare`]).
+pub(crate) struct PreparedLearner<B: LearnerBackend> {
+    device: B::Device,
+    tokenizer: burn_rlhf_models::Tokenizer,
+    model_config: TransformerConfig,
+    actor: CausalLm<B>,
+    critic: Option<(ValueModel<B>, TransformerConfig)>,
+    reference: Option<CausalLm<B::InnerBackend>>,
+    reward_scorer: Option<RewardScorer<B::InnerBackend>>,
+    algorithms: Algorithms<B>,
+    train: Vec<PromptRecord>,
+    val: Vec<PromptRecord>,
+    sampler: PromptSampler,
+    total_steps: usize,
+    settings: Settings,
+}
+
+impl<B: LearnerBackend> PreparedLearner<B> {
+    /// The learner as rank `dp.rank()` of its run, built in its layout: under tensor
+    /// parallelism its models are this rank's parts of the given ones; every rank starts from
+    /// rank 0's weights (fresh heads are drawn per process); with `dp.shard_optimizer` the
+    /// optimiser state is dealt out (ZeRO-1). Checks that every mini-batch has a row for each
+    /// rank.
+    pub(crate) fn build(self, dp: DataParallel) -> Result<Learner<B>, TrainError> {
+        let Self {
+            device,
+            settings,
+            model_config,
+            mut actor,
+            mut critic,
+            mut reference,
+            ..
+        } = self;
         let world = dp.world();
-        let n = self.settings.n();
-        let rows = self.settings.data.train_batch_size * n;
+        let n = settings.n();
+        let rows = settings.data.train_batch_size * n;
         let mut minis = vec![(
             "actor_rollout_ref.actor.ppo_mini_batch_size",
-            self.settings.actor.ppo_mini_batch_size,
+            settings.actor.ppo_mini_batch_size,
         )];
-        if let (Some(_), Some(c)) = (&self.critic, &self.settings.critic) {
+        if let (Some(_), Some(c)) = (&critic, &settings.critic) {
             minis.push(("critic.ppo_mini_batch_size", c.ppo_mini_batch_size));
         }
         for (key, prompts) in minis {
@@ -299,76 +324,61 @@ impl<B: LearnerBackend> Learner<B> {
                 ));
             }
         }
+        if let Some(tp) = &dp.tp {
+            actor = actor.into_part(&model_config, tp, &device)?;
+            critic = critic
+                .map(|(m, c)| Ok::<_, TrainError>((m.into_part(&c, tp, &device)?, c)))
+                .transpose()?;
+            reference = reference
+                .map(|r| r.into_part(&model_config, tp, &device.clone().into()))
+                .transpose()?;
+        }
         let rank0 = |_: usize| 0;
-        self.actor = sync_params(self.actor, &rank0, &dp)?;
         let shards =
             |m: &dyn Fn() -> ShardPlan| (dp.shard_optimizer && world > 1).then(|| Arc::new(m()));
-        let actor_plan = shards(&|| ShardPlan::new::<B, _>(&self.actor, world));
-        let split = |config: &TransformerConfig| {
-            dp.tp.as_ref().map(|tp| TpSplit {
-                group: tp.clone(),
-                config: Arc::new(config.clone()),
-            })
-        };
-        self.actor_optimizer.sync = ReplicaSync {
+        let sync = |plan| ReplicaSync {
             dp: dp.clone(),
-            shards: actor_plan,
-            tp: split(&self.model_config),
+            shards: plan,
+            tp: dp.tp.as_ref().map(|tp| TpSplit { group: tp.clone() }),
         };
-        if let Some(mut c) = self.critic.take() {
-            c.model = sync_params(c.model, &rank0, &dp)?;
-            c.optimizer.sync = ReplicaSync {
-                dp: dp.clone(),
-                shards: shards(&|| ShardPlan::new::<B, _>(&c.model, world)),
-                tp: split(&c.config),
-            };
-            self.critic = Some(c);
-        }
-        self.dp = dp;
-        Ok(self)
-    }
-
-    /// This rank's shards of the actor, critic and reference in its tensor-parallel group
-    /// (every rank holds the whole models until here).
-    fn split_models(mut self) -> Result<Self, TrainError> {
-        self.actor = self.split_lm(self.actor.clone())?;
-        if let Some(mut c) = self.critic.take() {
-            c.model = self.split_critic(c.model, &c.config)?;
-            self.critic = Some(c);
-        }
-        if let Some(r) = self.reference.take() {
-            let shard = self.split_lm(r.on_device(&self.device))?;
-            self.reference = Some(self.park_reference(shard));
-        }
-        Ok(self)
-    }
-
-    /// This rank's shard of a whole LM of the policy's shape (itself without tensor
-    /// parallelism).
-    pub(crate) fn split_lm<M: burn::tensor::backend::Backend>(
-        &self,
-        model: CausalLm<M>,
-    ) -> Result<CausalLm<M>, TrainError>
-    where
-        M::Device: From<B::Device>,
-    {
-        Ok(match &self.dp.tp {
-            Some(tp) => {
-                shard_causal_lm(&model, &self.model_config, tp, &self.device.clone().into())?
+        let actor = sync_params(actor, &rank0, &dp)?;
+        let mut actor_optimizer = ModelOptimizer::new(&settings.actor.optim, self.total_steps);
+        actor_optimizer.sync = sync(shards(&|| ShardPlan::new::<B, _>(&actor, world)));
+        let critic = match (critic, &settings.critic) {
+            (Some((model, config)), Some(cs)) => {
+                let model = sync_params(model, &rank0, &dp)?;
+                let mut optimizer = ModelOptimizer::new(&cs.optim, self.total_steps);
+                optimizer.sync = sync(shards(&|| ShardPlan::new::<B, _>(&model, world)));
+                Some(CriticState {
+                    model,
+                    config,
+                    optimizer,
+                })
             }
-            None => model,
-        })
-    }
-
-    /// This rank's shard of a whole critic of shape `config`.
-    pub(crate) fn split_critic(
-        &self,
-        model: ValueModel<B>,
-        config: &TransformerConfig,
-    ) -> Result<ValueModel<B>, TrainError> {
-        Ok(match &self.dp.tp {
-            Some(tp) => shard_value_model(&model, config, tp, &self.device)?,
-            None => model,
+            _ => None,
+        };
+        Ok(Learner {
+            actor_optimizer,
+            device,
+            tokenizer: self.tokenizer,
+            model_config,
+            actor,
+            critic,
+            reference: reference.map(|r| Parked::new(r, settings.ref_param_offload)),
+            reference_refreshed_at: None,
+            engine_counters: Default::default(),
+            reward_scorer: self.reward_scorer,
+            algorithms: self.algorithms,
+            train: self.train,
+            val: self.val,
+            sampler: self.sampler,
+            shape_bucket: crate::backend::shape_bucket::<B::InnerBackend>(
+                settings.model.shape_bucket,
+            ),
+            global_step: 0,
+            total_steps: self.total_steps,
+            dp,
+            settings,
         })
     }
 }

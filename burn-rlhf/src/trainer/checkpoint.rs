@@ -10,11 +10,6 @@
 //! adapters in PEFT's layout (`adapter_model.safetensors`, `adapter_config.json`); it resumes
 //! from them onto the base model it was started from.
 
-use std::collections::BTreeMap;
-
-use burn_rlhf_models::tensor_parallel::{gather_weights, shard_value_model};
-use burn_rlhf_models::weights::HostTensor;
-use burn_rlhf_models::TransformerConfig;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -350,22 +345,18 @@ impl<B: LearnerBackend> Learner<B> {
     /// once the checkpoint is in place.
     pub fn save_checkpoint(&self) -> Result<PathBuf, TrainError> {
         let main = self.dp.is_main();
-        // Under tensor parallelism the first replica's ranks gather the whole models (an
-        // exchange each of them makes) and the first of them writes.
+        // Under tensor parallelism the first replica's ranks export the whole models (each
+        // split layer gathers its group's parts: an exchange each of them makes) and the first
+        // of them writes.
         let gathers = self.dp.rank() == 0;
-        let whole =
-            |local: BTreeMap<String, HostTensor>, config: &TransformerConfig| match &self.dp.tp {
-                Some(tp) => gather_weights(local, config, tp),
-                None => local,
-            };
-        let actor_weights = gathers.then(|| whole(self.actor.valid().export(), &self.model_config));
+        let actor_weights = gathers.then(|| self.actor.valid().export());
         let critic_weights = self
             .critic
             .as_ref()
             .filter(|_| gathers)
-            .map(|c| whole(c.model.valid().export(), &c.config));
+            .map(|c| c.model.valid().export());
         let reference_weights = match (self.reference_refreshed_at, self.reference()) {
-            (Some(_), Some(r)) if gathers => Some(whole(r.export(), &self.model_config)),
+            (Some(_), Some(r)) if gathers => Some(r.export()),
             _ => None,
         };
         let root = self.checkpoint_root();
@@ -502,29 +493,24 @@ impl<B: LearnerBackend> Learner<B> {
                     "this checkpoint is of a LoRA run: set `actor_rollout_ref.model.lora_rank` (and its other LoRA keys) as that run did",
                 ))
             }
-            (None, false) => self.split_lm(
-                load_pretrained(&actor_dir.display().to_string())?.causal_lm(&self.device)?,
-            )?,
+            (None, false) => load_pretrained(&actor_dir.display().to_string())?
+                .causal_lm_part(self.dp.tp.as_ref(), &self.device)?,
         };
         self.actor_optimizer
             .load(&actor_dir, &actor, &self.device)?;
         self.actor = actor;
         if let Some(c) = self.critic.as_mut() {
             let critic_dir = dir.join("critic");
-            let model: ValueModel<B> =
-                load_pretrained(&critic_dir.display().to_string())?.value_model(&self.device)?;
-            let model = match &self.dp.tp {
-                Some(tp) => shard_value_model(&model, &c.config, tp, &self.device)?,
-                None => model,
-            };
+            let model: ValueModel<B> = load_pretrained(&critic_dir.display().to_string())?
+                .value_model_part(self.dp.tp.as_ref(), &self.device)?;
             c.optimizer.load(&critic_dir, &model, &self.device)?;
             c.model = model;
         }
         if state.reference_refreshed_at.is_some() {
             let ref_dir = dir.join("ref");
             let reference = load_pretrained(&ref_dir.display().to_string())?
-                .causal_lm::<B::InnerBackend>(&self.device)?;
-            self.reference = Some(self.park_reference(self.split_lm(reference)?));
+                .causal_lm_part::<B::InnerBackend>(self.dp.tp.as_ref(), &self.device)?;
+            self.reference = Some(self.park_reference(reference));
         }
         self.reference_refreshed_at = state.reference_refreshed_at;
         self.algorithms.kl_ctrl.load_state(&state.kl_ctrl)?;

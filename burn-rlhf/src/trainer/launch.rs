@@ -20,11 +20,12 @@ use crate::config::{CollectiveBackend, Settings};
 #[cfg(feature = "mpi")]
 use crate::distributed::mpi::{MpiProcess, MpiRank, MpiTpRank};
 use crate::distributed::{
-    AbortFlag, BurnCollective, Collective, DataParallel, DistributedError, Solo, Subgroup,
+    AbortFlag, BurnCollective, Collective, DataParallel, DeviceSums, DistributedError, Solo,
+    Subgroup,
 };
 use crate::error::TrainError;
+use burn_rlhf_models::collective::TpExchangeFailed;
 use burn_rlhf_models::tensor_parallel::{LocalTpGroup, TpGroup};
-use burn_rlhf_models::tp_group::TpExchangeFailed;
 
 /// The processes of a run.
 #[derive(Debug, Clone, Default)]
@@ -178,9 +179,10 @@ pub fn launch<B: LearnerBackend>(
         let parts = parts.lock().unwrap_or_else(|e| e.into_inner())[i]
             .take()
             .expect("each rank takes its own parts once");
-        // Config errors surface before joining, identically on every rank.
-        let learner = Learner::from_settings(settings.clone(), parts, device)?;
-        let mut learner = learner.with_data_parallel(joiner.join()?)?;
+        // Config errors surface before joining, identically on every rank; the learner is then
+        // built in its place of the run.
+        let prepared = Learner::prepare(settings.clone(), parts, device)?;
+        let mut learner = prepared.build(joiner.join()?)?;
         learner.fit(stop)
     })
 }
@@ -194,6 +196,8 @@ pub(crate) struct Joiner<B: LearnerBackend> {
     abort: Arc<AbortFlag>,
     group: GroupPlan,
     joined: Option<Arc<dyn Collective>>,
+    /// burn-collective's handle, when that is the transport (left after a successful run).
+    device_sums: Option<DeviceSums>,
     /// This rank's tensor-parallel group (with `tensor_model_parallel_size` > 1).
     tp: Option<TpGroup>,
 }
@@ -202,15 +206,20 @@ impl<B: LearnerBackend> Joiner<B> {
     /// Joins the group; this rank's place in it.
     pub(crate) fn join(&mut self) -> Result<DataParallel, TrainError> {
         let join = self.join.take().expect("a rank joins its group once");
-        let collective = join.into_collective::<B>(self.rank, &self.device, &self.abort)?;
+        let (collective, sums) = join.into_collective::<B>(self.rank, &self.device, &self.abort)?;
         self.joined = Some(collective.clone());
-        // One replica has no data-parallel peers (its ranks joined alone).
-        let collective: Arc<dyn Collective> = match self.group.tp {
-            tp if tp > 1 && collective.world() > 1 => Arc::new(Subgroup::new(collective, tp)),
-            _ => collective,
+        self.device_sums = sums.clone();
+        // One replica has no data-parallel peers (its ranks joined alone). A subgroup's sums go
+        // through its slots of host buffers.
+        let (collective, sums): (Arc<dyn Collective>, _) = match self.group.tp {
+            tp if tp > 1 && collective.world() > 1 => {
+                (Arc::new(Subgroup::new(collective, tp)), None)
+            }
+            _ => (collective, sums),
         };
         Ok(DataParallel {
             tp: self.tp.clone(),
+            device_sums: sums,
             ..self.group.data_parallel(collective)
         })
     }
@@ -249,6 +258,7 @@ pub(crate) fn run_ranks<B: LearnerBackend, T: Send + 'static>(
             abort: abort.clone(),
             group: group.clone(),
             joined: None,
+            device_sums: None,
             tp: (group.tp > 1).then(|| tp_groups.remove(0)),
         };
         let (device, body, abort, tx) = (device.clone(), body.clone(), abort.clone(), tx.clone());
@@ -273,7 +283,12 @@ pub(crate) fn run_ranks<B: LearnerBackend, T: Send + 'static>(
                     };
                     Err(TrainError::Distributed(error))
                 });
-                finish_rank::<B, T>(rank, &result, joiner.joined.as_ref(), &abort);
+                finish_rank::<B, T>(
+                    rank,
+                    &result,
+                    (joiner.joined.as_ref(), joiner.device_sums.as_ref()),
+                    &abort,
+                );
                 // A replica's other tensor-parallel ranks may be waiting on this one's exchange.
                 if let (Err(e), Some(tp)) = (&result, &joiner.tp) {
                     tp.abort(&e.to_string());
@@ -326,27 +341,39 @@ enum Join {
 }
 
 impl Join {
+    /// The transport, and with burn-collective's its handle for summing device tensors.
     fn into_collective<B: LearnerBackend>(
         self,
         rank: usize,
         device: &B::Device,
         abort: &Arc<AbortFlag>,
-    ) -> Result<Arc<dyn Collective>, TrainError> {
+    ) -> Result<(Arc<dyn Collective>, Option<DeviceSums>), TrainError> {
         Ok(match self {
-            Self::Solo => Arc::new(Solo),
-            Self::Local { world } => Arc::new(BurnCollective::<B::InnerBackend>::register(
-                rank,
-                world,
-                device.clone(),
-                abort.clone(),
-            )?),
+            Self::Solo => (Arc::new(Solo), None),
+            Self::Local { world } => {
+                let local = BurnCollective::<B::InnerBackend>::register(
+                    rank,
+                    world,
+                    device.clone(),
+                    abort.clone(),
+                )?;
+                let sums = local.device_sums();
+                (Arc::new(local), Some(sums))
+            }
             #[cfg(feature = "mpi")]
-            Self::Mpi(rank) => Arc::new(rank),
+            Self::Mpi(rank) => (Arc::new(rank), None),
             #[cfg(feature = "cuda")]
-            Self::Nccl(rank) => Arc::new(rank),
+            Self::Nccl(rank) => (Arc::new(rank), None),
             #[cfg(all(feature = "cuda", feature = "mpi"))]
-            Self::NcclJoin { ordinal, world, id } => Arc::new(
-                crate::distributed::nccl::NcclRank::join(ordinal, rank, world, id, abort.clone())?,
+            Self::NcclJoin { ordinal, world, id } => (
+                Arc::new(crate::distributed::nccl::NcclRank::join(
+                    ordinal,
+                    rank,
+                    world,
+                    id,
+                    abort.clone(),
+                )?),
+                None,
             ),
         })
     }
@@ -517,6 +544,7 @@ impl GroupPlan {
     fn data_parallel(&self, collective: Arc<dyn Collective>) -> DataParallel {
         DataParallel {
             collective,
+            device_sums: None,
             shard_optimizer: self.shard_optimizer,
             balance_batch: self.balance_batch,
             tp: None,
@@ -538,7 +566,7 @@ fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
 fn finish_rank<B: LearnerBackend, T>(
     rank: usize,
     result: &Result<T, TrainError>,
-    joined: Option<&Arc<dyn Collective>>,
+    (joined, device_sums): (Option<&Arc<dyn Collective>>, Option<&DeviceSums>),
     abort: &AbortFlag,
 ) {
     if let Err(e) = result {
@@ -547,9 +575,8 @@ fn finish_rank<B: LearnerBackend, T>(
             None => abort.raise(&format!("rank {rank} failed: {e}")),
         }
     }
-    let local = joined.and_then(|c| c.as_any().downcast_ref::<BurnCollective<B::InnerBackend>>());
-    if let (Some(c), true) = (local, result.is_ok()) {
-        c.finish();
+    if let (Some(sums), true) = (device_sums, result.is_ok()) {
+        sums.finish::<B::InnerBackend>();
     }
 }
 

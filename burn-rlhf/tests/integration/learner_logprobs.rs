@@ -7,6 +7,7 @@ use burn_rlhf::forward::{
     SequenceTensors,
 };
 use burn_rlhf::models::load_pretrained;
+use burn_rlhf::models::tensor_parallel::ColumnParallelLinear;
 use burn_rlhf::models::transformer::FeedForward;
 use burn_rlhf::rollout::{Engine, EngineConfig, RolloutBatch, SamplingParams};
 
@@ -129,13 +130,13 @@ fn recomputed_logprobs_equal_the_rollouts(dir: &std::path::Path) {
     // The gradient reaches the MLP: a dense one's projections, or a sparse one's router and the
     // experts tokens were routed to.
     let reached = match &actor.model.layers[1].mlp {
-        FeedForward::Dense(m) => m.up_proj.base.weight.grad(&grads).is_some(),
+        FeedForward::Dense(m) => m.up_proj.linear.base.weight.grad(&grads).is_some(),
         FeedForward::Sparse(moe) => {
             moe.gate.base.weight.grad(&grads).is_some()
                 && moe
                     .experts
                     .iter()
-                    .any(|e| e.up_proj.base.weight.grad(&grads).is_some())
+                    .any(|e| e.up_proj.linear.base.weight.grad(&grads).is_some())
         }
     };
     assert!(reached, "{}: no gradient in the MLP", dir.display());
@@ -176,7 +177,7 @@ fn chunked_logits_match(dir: &std::path::Path) {
             w.valid().into_data(),
             &Default::default(),
         ));
-        untied.lm_head = Some(head);
+        untied.lm_head = Some(ColumnParallelLinear::whole(head));
     }
     let (b, p, r) = (3usize, 4usize, 7usize);
     let vocab = tied.vocab_size().min(500);

@@ -971,14 +971,20 @@ fn lora_runs_train_adapters_and_resume_as_if_never_stopped() {
     // The adapters trained (B starts at zero) and nothing else did.
     let lora_b = |l: &Learner<B>| {
         let m = l.actor.valid();
-        let a = m.model.layers[0].self_attn.q_proj.lora.as_ref().unwrap();
+        let a = m.model.layers[0]
+            .self_attn
+            .q_proj
+            .linear
+            .lora
+            .as_ref()
+            .unwrap();
         a.lora_b.val().abs().max().into_scalar()
     };
     assert!(lora_b(&a) > 0.0);
-    let merged_base = params(&a.actor.valid().model.layers[0].self_attn.q_proj.base);
+    let merged_base = params(&a.actor.valid().model.layers[0].self_attn.q_proj.linear.base);
     assert_eq!(
         merged_base,
-        params(&adapted.valid().model.layers[0].self_attn.q_proj.base)
+        params(&adapted.valid().model.layers[0].self_attn.q_proj.linear.base)
     );
     let ckpt = resumed.join("global_step_4/actor");
     for file in [
