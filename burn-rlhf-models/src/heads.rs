@@ -141,8 +141,17 @@ impl<B: Backend> CausalLm<B> {
     /// linear map; `None` for a head with a LoRA adapter or a bias, or soft-capped logits, which
     /// only [`CausalLm::logits`] applies.
     pub fn head_weight(&self) -> Option<Tensor<B, 2>> {
-        // A sharded head's log-probs go through the vocabulary-parallel path instead.
-        if self.model.final_logit_softcapping.is_some() || self.model.group().is_some() {
+        // A split head's log-probs go through the vocabulary-parallel path instead.
+        if self.model.group().is_some() {
+            return None;
+        }
+        self.local_head_weight()
+    }
+
+    /// [`CausalLm::head_weight`] of this rank's share of the vocabulary (`[vocab / size,
+    /// hidden]`; the whole head without tensor parallelism).
+    pub fn local_head_weight(&self) -> Option<Tensor<B, 2>> {
+        if self.model.final_logit_softcapping.is_some() {
             return None;
         }
         match self.lm_head.as_ref().map(|h| &h.linear) {

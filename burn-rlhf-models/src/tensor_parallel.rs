@@ -513,6 +513,58 @@ pub fn vocab_parallel_entropy_and_logprobs<B: DecoderBackend>(
     (lse - expected, logprobs)
 }
 
+/// [`vocab_parallel_entropy_and_logprobs`] from the hidden states and this rank's rows of the LM
+/// head (`weight`, `[V / size, H]`), the logits made `chunk` rows at a time forward and backward
+/// ([`kernels::vocab_stats`]): neither `[N, V]` nor `[N, V / size]` logits exist at once. Each
+/// rank's statistics (log-sum-exp, `Σ p·z`, the label's logit) combine into the whole
+/// vocabulary's: the other ranks' are gathered as constants, this rank's stay live, so each
+/// rank's backward gives its own rows' gradient (and `hidden`'s part, summed over the group by
+/// the copy `hidden` came through).
+///
+/// Shapes: hidden `[N, H]` (in the region), weight `[V / size, H]`, targets `[N]` → (entropies
+/// `[N]`, log-probs `[N]`).
+pub fn vocab_parallel_linear_entropy_and_logprobs<B: DecoderBackend>(
+    hidden: Tensor<B, 2>,
+    weight: Tensor<B, 2>,
+    targets: Tensor<B, 1, Int>,
+    (temperature, chunk): (f64, usize),
+    group: &TpGroup,
+) -> (Tensor<B, 1>, Tensor<B, 1>) {
+    let n = hidden.dims()[0];
+    let device = hidden.device();
+    let start = group.rank() * weight.dims()[0];
+    let stats = kernels::vocab_stats(hidden, weight, targets, (start, temperature, chunk));
+    let all = group.gather(kernels::reference::host_f32(stats.clone().detach()));
+    let column =
+        |stats: &Tensor<B, 2>, c: usize| stats.clone().slice([0..n, c..c + 1]).reshape([n]);
+    let (lse_r, e_r, pick_r) = (column(&stats, 0), column(&stats, 1), column(&stats, 2));
+    // The largest log-sum-exp of every rank as a shared shift; the others' terms as constants.
+    let mut shift = vec![f32::NEG_INFINITY; n];
+    let (mut others_sum, mut others_e, mut others_pick) =
+        (vec![0f32; n], vec![0f32; n], vec![0f32; n]);
+    for part in &all {
+        for i in 0..n {
+            shift[i] = shift[i].max(part[3 * i]);
+        }
+    }
+    for (_, part) in all.iter().enumerate().filter(|(q, _)| *q != group.rank()) {
+        for i in 0..n {
+            let w = (part[3 * i] - shift[i]).exp();
+            others_sum[i] += w;
+            others_e[i] += w * part[3 * i + 1];
+            others_pick[i] += part[3 * i + 2];
+        }
+    }
+    let constant = |v: Vec<f32>| Tensor::<B, 1>::from_data(TensorData::new(v, [n]), &device);
+    let shift = constant(shift);
+    let own = (lse_r - shift.clone()).exp();
+    let sum = own.clone() + constant(others_sum);
+    let lse = sum.clone().log() + shift;
+    let expected = (own * e_r + constant(others_e)) / sum;
+    let logprobs = pick_r + constant(others_pick) - lse.clone();
+    (lse - expected, logprobs)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -397,25 +397,42 @@ fn gradient_checkpointing_gives_the_same_gradients() {
 
 /// Tensor parallelism: every fixture model split over 2, 3 or 4 ranks (each size its shape
 /// allows; one at least) gives the whole model's logits, vocabulary-parallel log-probs and
-/// entropies, and after an SGD step on a loss of both, the whole model's weights (gathered).
+/// entropies (a plain head's logits chunked, a soft-capped head's whole), and after an SGD step on
+/// a loss of both, the whole model's weights (exported whole by the split layers).
 #[test]
 fn tensor_parallel_shards_compute_and_train_as_the_whole_model() {
     use burn_rlhf_models::tensor_parallel::{
-        local_config, vocab_parallel_entropy_and_logprobs, LocalTpGroup, TensorParallelModule,
+        copy_in, local_config, vocab_parallel_entropy_and_logprobs,
+        vocab_parallel_linear_entropy_and_logprobs, LocalTpGroup, TensorParallelModule,
     };
     // Per position: log-prob of the next id and 0.1 x entropy, summed.
     fn loss_of(model: &CausalLm<AD>, tp: bool) -> (Tensor<AD, 1>, Tensor<AD, 3>) {
         let (i, m, p) = batch::<AD>(model.vocab_size());
         let hidden = model.model.forward(i.clone(), m, p, None);
-        let local = model.local_logits(hidden.clone());
-        let [b, l, v] = local.dims();
         let group = model.model.group().filter(|_| tp);
-        let (entropy, logprobs) = vocab_parallel_entropy_and_logprobs(
-            local.reshape([b * l, v]),
-            i.reshape([b * l]),
-            1.3,
-            group,
-        );
+        let (entropy, logprobs) = match (group, model.local_head_weight()) {
+            // A plain split head: its logits made 3 rows at a time, never whole.
+            (Some(group), Some(weight)) => {
+                let [b, l, h] = hidden.dims();
+                vocab_parallel_linear_entropy_and_logprobs(
+                    copy_in(hidden.clone().reshape([b * l, h]), Some(group)),
+                    weight,
+                    i.reshape([b * l]),
+                    (1.3, 3),
+                    group,
+                )
+            }
+            _ => {
+                let local = model.local_logits(hidden.clone());
+                let [b, l, v] = local.dims();
+                vocab_parallel_entropy_and_logprobs(
+                    local.reshape([b * l, v]),
+                    i.reshape([b * l]),
+                    1.3,
+                    group,
+                )
+            }
+        };
         let loss = (logprobs + entropy * 0.1).sum();
         (loss, model.logits(hidden))
     }

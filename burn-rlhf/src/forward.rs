@@ -7,7 +7,9 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 use burn_rlhf_algos::kernels::{entropy_and_logprobs, linear_entropy_and_logprobs};
 use burn_rlhf_models::recompute::KeptLayers;
-use burn_rlhf_models::tensor_parallel::vocab_parallel_entropy_and_logprobs;
+use burn_rlhf_models::tensor_parallel::{
+    copy_in, vocab_parallel_entropy_and_logprobs, vocab_parallel_linear_entropy_and_logprobs,
+};
 use burn_rlhf_models::transformer::RmsNorm;
 use burn_rlhf_models::{
     cast_weights, CausalLm, DecoderBackend, ScoredModel, Transformer, ValueModel,
@@ -242,7 +244,19 @@ fn logprobs_from_hidden<B: ComputeBackend>(
 ) -> (Tensor<B, 2>, Tensor<B, 2>) {
     let [b, r, h] = hidden.dims();
     if let Some(tp) = model.model.group() {
-        // A split head: each rank's share of the vocabulary, never gathered.
+        // A split head: each rank's share of the vocabulary, never gathered; a plain head's
+        // logits made `head.chunk` rows at a time.
+        if let Some(weight) = model.local_head_weight() {
+            let hidden = copy_in(hidden.reshape([b * r, h]), Some(tp));
+            let (entropy, logprobs) = vocab_parallel_linear_entropy_and_logprobs(
+                hidden,
+                weight,
+                seq.response_ids.clone().reshape([b * r]),
+                (head.temperature, head.chunk),
+                tp,
+            );
+            return (logprobs.reshape([b, r]), entropy.reshape([b, r]));
+        }
         let local = model.local_logits(hidden);
         let v = local.dims()[2];
         let (entropy, logprobs) = vocab_parallel_entropy_and_logprobs(

@@ -94,6 +94,22 @@ impl<B: DecoderBackend> Backward<B, 2> for LinearVjpBackward {
 }
 
 #[derive(Debug)]
+struct VocabStatsBackward((usize, f32, usize));
+
+impl<B: DecoderBackend> Backward<B, 2> for VocabStatsBackward {
+    type State = ([NodeId; 2], burn::tensor::ops::IntTensor<B>);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, c: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        let ([hidden, weight], labels) = ops.state;
+        let [hidden, weight] =
+            [hidden, weight].map(|id| c.retrieve_node_output::<FloatTensor<B>>(id));
+        let (dh, dw) = B::dec_vocab_stats_backward(grad, hidden, weight, labels, self.0);
+        register!(B, ops.parents, [dh, dw], grads);
+    }
+}
+
+#[derive(Debug)]
 struct RmsNormBackward(f64);
 
 #[derive(Debug, Clone)]
@@ -308,6 +324,48 @@ impl<B: DecoderBackend, C: CheckpointStrategy> DecoderBackend for Autodiff<B, C>
             }
             OpsKind::UnTracked(prep) => prep.finish(out),
         }
+    }
+
+    fn dec_vocab_stats(
+        hidden: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        labels: burn::tensor::ops::IntTensor<Self>,
+        settings: (usize, f32, usize),
+    ) -> FloatTensor<Self> {
+        let out = B::dec_vocab_stats(
+            hidden.primitive.clone(),
+            weight.primitive.clone(),
+            labels.clone(),
+            settings,
+        );
+        match VocabStatsBackward(settings)
+            .prepare::<C>([hidden.node.clone(), weight.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(mut prep) => {
+                let state = ([prep.checkpoint(&hidden), prep.checkpoint(&weight)], labels);
+                prep.finish(state, out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(out),
+        }
+    }
+
+    fn dec_vocab_stats_backward(
+        grad: FloatTensor<Self>,
+        hidden: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        labels: burn::tensor::ops::IntTensor<Self>,
+        settings: (usize, f32, usize),
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (dh, dw) = B::dec_vocab_stats_backward(
+            inner::<B, C>(grad),
+            inner::<B, C>(hidden),
+            inner::<B, C>(weight),
+            labels,
+            settings,
+        );
+        (outer::<B, C>(dh), outer::<B, C>(dw))
     }
 
     fn dec_linear_vjp(

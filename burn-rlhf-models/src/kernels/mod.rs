@@ -23,6 +23,7 @@ mod cube_launch;
 #[cfg(feature = "flex")]
 mod flex;
 pub mod reference;
+pub mod vocab_stats;
 
 use std::sync::Arc;
 
@@ -179,6 +180,31 @@ pub trait DecoderBackend: Backend {
         use burn::tensor::TensorMetadata;
         let _ = (weight, dy);
         Self::float_zeros([1].into(), &Self::float_device(&x), x.dtype().into())
+    }
+
+    /// A tensor-parallel LM head's softmax statistics over this rank's share of the vocabulary
+    /// (labels `start..start + V_r`), the logits made `chunk` rows at a time: hidden `[N, H]`,
+    /// weight `[V_r, H]`, labels `[N]` → `[N, 3]` (log-sum-exp, `Σ p·z`, the label's logit or
+    /// 0), f32 (see [`vocab_stats`]).
+    fn dec_vocab_stats(
+        hidden: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        labels: burn::tensor::ops::IntTensor<Self>,
+        (start, temperature, chunk): (usize, f32, usize),
+    ) -> FloatTensor<Self> {
+        vocab_stats::vocab_stats::<Self>(hidden, weight, labels, (start, temperature, chunk))
+    }
+
+    /// The gradients (hidden, weight) of [`DecoderBackend::dec_vocab_stats`] given its output's
+    /// gradient `[N, 3]`, each chunk's logits recomputed.
+    fn dec_vocab_stats_backward(
+        grad: FloatTensor<Self>,
+        hidden: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        labels: burn::tensor::ops::IntTensor<Self>,
+        settings: (usize, f32, usize),
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        vocab_stats::vocab_stats_backward::<Self>(grad, hidden, weight, labels, settings)
     }
 
     /// RMSNorm over the last axis, statistics in f32: x `[B, L, H]`, weight `[H]` → y in x's
@@ -369,6 +395,27 @@ pub fn linear<B: DecoderBackend>(x: Tensor<B, 2>, weight: Tensor<B, 2>) -> Tenso
         weight.dims()
     );
     wrap(B::dec_linear(prim(x), prim(weight)))
+}
+
+/// [`DecoderBackend::dec_vocab_stats`] (see there). Shapes: hidden `[N, H]`, weight `[V_r, H]`,
+/// labels `[N]` → `[N, 3]`.
+pub fn vocab_stats<B: DecoderBackend>(
+    hidden: Tensor<B, 2>,
+    weight: Tensor<B, 2>,
+    labels: Tensor<B, 1, burn::tensor::Int>,
+    (start, temperature, chunk): (usize, f64, usize),
+) -> Tensor<B, 2> {
+    assert_eq!(
+        hidden.dims()[1],
+        weight.dims()[1],
+        "hidden and weight widths"
+    );
+    wrap(B::dec_vocab_stats(
+        prim(hidden),
+        prim(weight),
+        labels.into_primitive(),
+        (start, temperature as f32, chunk.max(1)),
+    ))
 }
 
 /// [`DecoderBackend::dec_linear_vjp`]: the pairing `sum(linear(x, weight) ⊙ dy)` whose gradient
