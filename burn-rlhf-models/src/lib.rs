@@ -30,7 +30,6 @@ pub mod rope;
 mod routing;
 pub mod tensor_parallel;
 pub mod tokenizer;
-
 pub mod transformer;
 pub mod weights;
 
