@@ -390,14 +390,9 @@ impl<B: DecoderBackend> VocabParallelEmbedding<B> {
     /// Shapes: `[B, L]` → `[B, L, H]`.
     pub fn forward(&self, input_ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
         let table = self.weight.val();
-        let lookup = |ids: Tensor<B, 2, Int>| {
-            let [b, l] = ids.dims();
-            let h = table.dims()[1];
-            table
-                .clone()
-                .select(0, ids.reshape([b * l]))
-                .reshape([b, l, h])
-        };
+        // Burn's embedding operation (as `nn::Embedding`): its backward is the backend's own,
+        // deterministic where a select's scatter-add may not be.
+        let lookup = |ids: Tensor<B, 2, Int>| burn::tensor::module::embedding(table.clone(), ids);
         match &self.group {
             None => lookup(input_ids),
             Some(group) => {

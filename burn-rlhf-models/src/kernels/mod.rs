@@ -10,8 +10,8 @@
 //! registers each operation as one node whose backward is the inner backend's `*_backward`
 //! (`autodiff.rs`), so training keeps only the inputs and never the attention probabilities.
 //!
-//! The tensor functions below ([`attention`], [`rms_norm`], [`swiglu`], [`rotary`]) are what the
-//! model calls.
+//! The tensor functions of `ops.rs` ([`attention`], [`rms_norm`], [`swiglu`], [`rotary`], ...)
+//! are what the model calls.
 
 mod autodiff;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
@@ -22,104 +22,21 @@ pub mod cube_attention;
 mod cube_launch;
 #[cfg(feature = "flex")]
 mod flex;
+mod mask;
+mod ops;
 pub mod reference;
 pub mod vocab_stats;
 
-use std::sync::Arc;
+pub use mask::AttentionMask;
+pub use ops::*;
+pub(crate) use ops::{prim, wrap};
 
 use burn::tensor::backend::Backend;
 
 use crate::collective::TpGroup;
 use crate::paged::PagedLayout;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{Tensor, TensorPrimitive};
-
-/// Which keys each query sees: key `j` of row `b` is visible to query `i` (absolute position
-/// `past + i`) when `j <= past + i`, the key is a real token and, with a sliding window `w`,
-/// `past + i - j < w` (HF's `sliding_window_overlay`). A query that sees no key (a padding query)
-/// attends every key uniformly, as HF's eager attention does with its `min_dtype` mask; it passes
-/// no gradient to queries or keys.
-#[derive(Debug, Clone)]
-pub struct AttentionMask {
-    /// `[B * S]`, row-major: 1 where key `j` of row `b` is a real token.
-    keys: Arc<[u8]>,
-    batch: usize,
-    keys_len: usize,
-    past: usize,
-    /// Sliding-window layers: each query sees at most this many keys back (itself included).
-    window: Option<usize>,
-}
-
-impl AttentionMask {
-    /// The mask of `attention_mask` (`[B][S]`, 0/1 over every key position) for queries starting
-    /// at absolute position `past`.
-    pub fn new(attention_mask: &[Vec<i64>], past: usize) -> Self {
-        let keys_len = attention_mask.first().map_or(0, Vec::len);
-        let keys: Vec<u8> = attention_mask
-            .iter()
-            .flat_map(|row| {
-                assert_eq!(row.len(), keys_len, "attention mask rows differ in length");
-                row.iter().map(|&m| (m != 0) as u8)
-            })
-            .collect();
-        Self {
-            keys: keys.into(),
-            batch: attention_mask.len(),
-            keys_len,
-            past,
-            window: None,
-        }
-    }
-
-    /// This mask for a sliding-window layer: each query also sees only the `window` latest
-    /// positions (itself included).
-    pub fn with_window(&self, window: usize) -> Self {
-        Self {
-            window: Some(window),
-            ..self.clone()
-        }
-    }
-
-    /// The first key query `i` may see (0 without a window).
-    #[inline]
-    pub fn window_start(&self, i: usize) -> usize {
-        self.window
-            .map_or(0, |w| (self.past + i + 1).saturating_sub(w))
-    }
-
-    /// Rows `B`.
-    pub fn batch(&self) -> usize {
-        self.batch
-    }
-
-    /// Key positions `S`.
-    pub fn keys_len(&self) -> usize {
-        self.keys_len
-    }
-
-    /// Whether query `i` of row `b` sees key `j`.
-    #[inline]
-    pub fn visible(&self, b: usize, i: usize, j: usize) -> bool {
-        j <= self.past + i && j >= self.window_start(i) && self.keys[b * self.keys_len + j] != 0
-    }
-
-    /// Keys `0..end` hold every key visible to the queries before `i_end`.
-    #[inline]
-    pub fn causal_end(&self, i_end: usize) -> usize {
-        (self.past + i_end).min(self.keys_len)
-    }
-
-    /// Whether query `i` of row `b` sees any key.
-    pub fn sees_any(&self, b: usize, i: usize) -> bool {
-        (0..self.causal_end(i + 1)).any(|j| self.visible(b, i, j))
-    }
-
-    /// Key mask of row `b`, `[S]`.
-    #[inline]
-    pub fn key_row(&self, b: usize) -> &[u8] {
-        &self.keys[b * self.keys_len..(b + 1) * self.keys_len]
-    }
-}
+use burn::tensor::Tensor;
 
 /// The decoder's operations as backend operations. Tensors are row-major; `B` rows, `H` query
 /// heads, `KV` key/value heads (`H` a multiple of `KV`: grouped-query attention), `L` queries,
@@ -332,216 +249,6 @@ pub trait DecoderBackend: Backend {
     fn dec_tp_reduce(x: FloatTensor<Self>, group: &TpGroup) -> FloatTensor<Self> {
         reference::tp_all_reduce::<Self>(x, group)
     }
-}
-
-/// [`DecoderBackend::dec_tp_copy`] (see there). Shapes: any → the same.
-pub fn tp_copy<B: DecoderBackend, const D: usize>(
-    x: Tensor<B, D>,
-    group: &TpGroup,
-) -> Tensor<B, D> {
-    wrap(B::dec_tp_copy(prim(x), group))
-}
-
-/// [`DecoderBackend::dec_tp_reduce`] (see there). Shapes: any → the same.
-pub fn tp_reduce<B: DecoderBackend, const D: usize>(
-    x: Tensor<B, D>,
-    group: &TpGroup,
-) -> Tensor<B, D> {
-    wrap(B::dec_tp_reduce(prim(x), group))
-}
-
-fn prim<B: Backend, const D: usize>(t: Tensor<B, D>) -> FloatTensor<B> {
-    t.into_primitive().tensor()
-}
-
-fn wrap<B: Backend, const D: usize>(t: FloatTensor<B>) -> Tensor<B, D> {
-    Tensor::from_primitive(TensorPrimitive::Float(t))
-}
-
-/// Attention under `mask` (see [`DecoderBackend::dec_attention`]).
-///
-/// Shapes: q `[B, H, L, D]`, k and v `[B, KV, S, D]` → `[B, H, L, D]`.
-pub fn attention<B: DecoderBackend>(
-    q: Tensor<B, 4>,
-    k: Tensor<B, 4>,
-    v: Tensor<B, 4>,
-    mask: &AttentionMask,
-) -> Tensor<B, 4> {
-    let [b, h, _, d] = q.dims();
-    let [kb, kv, s, kd] = k.dims();
-    assert!(
-        kb == b && kd == d && h % kv == 0,
-        "attention: q {:?} against k {:?}",
-        q.dims(),
-        k.dims()
-    );
-    assert!(
-        mask.batch() == b && mask.keys_len() == s,
-        "attention: a mask of {} x {} for {b} rows of {s} keys",
-        mask.batch(),
-        mask.keys_len()
-    );
-    wrap(B::dec_attention(prim(q), prim(k), prim(v), mask).0)
-}
-
-/// `x · weight` for a linear layer (see [`DecoderBackend::dec_linear`]). Shapes: x `[N, in]`,
-/// weight `[in, out]` → `[N, out]`.
-pub fn linear<B: DecoderBackend>(x: Tensor<B, 2>, weight: Tensor<B, 2>) -> Tensor<B, 2> {
-    assert_eq!(
-        x.dims()[1],
-        weight.dims()[0],
-        "linear: x {:?} weight {:?}",
-        x.dims(),
-        weight.dims()
-    );
-    wrap(B::dec_linear(prim(x), prim(weight)))
-}
-
-/// [`DecoderBackend::dec_vocab_stats`] (see there). Shapes: hidden `[N, H]`, weight `[V_r, H]`,
-/// labels `[N]` → `[N, 3]`.
-pub fn vocab_stats<B: DecoderBackend>(
-    hidden: Tensor<B, 2>,
-    weight: Tensor<B, 2>,
-    labels: Tensor<B, 1, burn::tensor::Int>,
-    (start, temperature, chunk): (usize, f64, usize),
-) -> Tensor<B, 2> {
-    assert_eq!(
-        hidden.dims()[1],
-        weight.dims()[1],
-        "hidden and weight widths"
-    );
-    wrap(B::dec_vocab_stats(
-        prim(hidden),
-        prim(weight),
-        labels.into_primitive(),
-        (start, temperature as f32, chunk.max(1)),
-    ))
-}
-
-/// [`DecoderBackend::dec_linear_vjp`]: the pairing `sum(linear(x, weight) ⊙ dy)` whose gradient
-/// is the product's backward for `dy`, its value left uncomputed (0). Shapes: x `[N, in]`, weight
-/// `[in, out]`, dy `[N, out]` → `[1]`.
-pub fn linear_vjp<B: DecoderBackend>(
-    x: Tensor<B, 2>,
-    weight: Tensor<B, 2>,
-    dy: Tensor<B, 2>,
-) -> Tensor<B, 1> {
-    assert_eq!(x.dims()[0], dy.dims()[0], "linear_vjp: rows of x and dy");
-    assert_eq!(
-        weight.dims()[1],
-        dy.dims()[1],
-        "linear_vjp: columns of weight and dy"
-    );
-    wrap(B::dec_linear_vjp(prim(x), prim(weight), prim(dy)))
-}
-
-/// RMSNorm over the last axis with f32 statistics. Shapes: x `[B, L, H]`, weight `[H]` →
-/// `[B, L, H]`.
-pub fn rms_norm<B: DecoderBackend>(
-    x: Tensor<B, 3>,
-    weight: Tensor<B, 1>,
-    eps: f64,
-) -> Tensor<B, 3> {
-    wrap(B::dec_rms_norm(prim(x), prim(weight), eps))
-}
-
-/// `silu(gate) * up`. Shapes: `[B, L, I]` each → `[B, L, I]`.
-pub fn swiglu<B: DecoderBackend>(gate: Tensor<B, 3>, up: Tensor<B, 3>) -> Tensor<B, 3> {
-    wrap(B::dec_swiglu(prim(gate), prim(up)))
-}
-
-/// `buffer` with `value` written at positions `start..` of its third axis (see
-/// [`DecoderBackend::dec_write_positions`]). Shapes: buffer `[B, KV, S, D]`, value
-/// `[B, KV, L, D]` → `[B, KV, S, D]`.
-pub fn write_positions<B: DecoderBackend>(
-    buffer: Tensor<B, 4>,
-    value: Tensor<B, 4>,
-    start: usize,
-) -> Tensor<B, 4> {
-    let ([b, kv, s, d], [vb, vkv, l, vd]) = (buffer.dims(), value.dims());
-    assert!(
-        (b, kv, d) == (vb, vkv, vd) && start + l <= s,
-        "write_positions: {:?} at {start} into {:?}",
-        value.dims(),
-        buffer.dims()
-    );
-    wrap(B::dec_write_positions(prim(buffer), prim(value), start))
-}
-
-/// `pool` with `value` written at `layout`'s slots (see [`DecoderBackend::dec_paged_write`]).
-/// Shapes: pool `[N, KV, bs, D]` (`[N, KV, D, bs]` for `keys`), value `[1, KV, T, D]` → the
-/// pool's.
-pub fn paged_write<B: DecoderBackend>(
-    pool: Tensor<B, 4>,
-    value: Tensor<B, 4>,
-    layout: &PagedLayout,
-    keys: bool,
-) -> Tensor<B, 4> {
-    let [_, kv, a, b] = pool.dims();
-    let (bs, d) = if keys { (b, a) } else { (a, b) };
-    let [vb, vkv, t, vd] = value.dims();
-    assert!(
-        (vb, vkv, vd, t, bs) == (1, kv, d, layout.tokens(), layout.block_size()),
-        "paged_write: {:?} into a pool of {:?} for {layout:?}",
-        value.dims(),
-        pool.dims()
-    );
-    wrap(B::dec_paged_write(prim(pool), prim(value), layout, keys))
-}
-
-/// A zeroed paged-pool buffer (see [`DecoderBackend::dec_pool_zeros`]).
-pub fn pool_zeros<B: DecoderBackend>(
-    shape: [usize; 4],
-    device: &B::Device,
-    dtype: burn::tensor::DType,
-) -> Tensor<B, 4> {
-    wrap(B::dec_pool_zeros(shape, device, dtype))
-}
-
-/// `pool` with blocks `from[i]` copied to `to[i]` (see [`DecoderBackend::dec_paged_copy`]).
-/// Shapes: `[N, KV, bs, D]` → the same.
-pub fn paged_copy<B: DecoderBackend>(pool: Tensor<B, 4>, from: &[u32], to: &[u32]) -> Tensor<B, 4> {
-    let n = pool.dims()[0] as u32;
-    assert!(
-        from.iter().chain(to).all(|&b| b < n),
-        "paged_copy: {from:?} to {to:?} in a pool of {n} blocks"
-    );
-    wrap(B::dec_paged_copy(prim(pool), from, to))
-}
-
-/// Attention of a paged pass (see [`DecoderBackend::dec_paged_attention`]). Shapes: q
-/// `[1, H, T, D]`, k `[N, KV, D, bs]`, v `[N, KV, bs, D]` → `[1, H, T, D]`.
-pub fn paged_attention<B: DecoderBackend>(
-    q: Tensor<B, 4>,
-    k: Tensor<B, 4>,
-    v: Tensor<B, 4>,
-    layout: &PagedLayout,
-    window: Option<usize>,
-) -> Tensor<B, 4> {
-    let ([qb, h, t, d], [_, kv, kd, bs]) = (q.dims(), k.dims());
-    assert!(
-        qb == 1 && kd == d && h % kv == 0 && t == layout.tokens() && bs == layout.block_size(),
-        "paged_attention: q {:?} against a pool of {:?} for {layout:?}",
-        q.dims(),
-        k.dims()
-    );
-    wrap(B::dec_paged_attention(
-        prim(q),
-        prim(k),
-        prim(v),
-        layout,
-        window,
-    ))
-}
-
-/// Rotary embedding (HF's `rotate_half`), heads moved before positions. Shapes: x
-/// `[B, L, heads, D]`, cos and sin `[B, 1, L, D]` → `[B, heads, L, D]`.
-pub fn rotary<B: DecoderBackend>(
-    x: Tensor<B, 4>,
-    cos: Tensor<B, 4>,
-    sin: Tensor<B, 4>,
-) -> Tensor<B, 4> {
-    wrap(B::dec_rotary(prim(x), prim(cos), prim(sin)))
 }
 
 #[cfg(feature = "ndarray")]

@@ -243,6 +243,69 @@ fn two_devices_in_one_process_reproduce_one_device() {
     assert_same_metrics(&single, &dp, "2 devices vs 1");
 }
 
+/// The tiny models as a mixture of experts (Mixtral's layout): 64 experts, one per token. A rank
+/// holds at most 4 rows x 12 positions = 48 routed tokens a mini-batch, so every rank's batch
+/// leaves experts without a token (and, the routing being the random router's, experts that the
+/// other rank's batch reached): their gradients exist on one rank only.
+fn moe_models() -> (
+    CausalLm<B>,
+    ValueModel<B>,
+    burn_rlhf::models::TransformerConfig,
+) {
+    let mut mc = tasks::model_config(32, 1);
+    mc.model_type = burn_rlhf::models::ModelType::Mixtral;
+    mc.moe = Some(burn_rlhf::models::MoeConfig {
+        num_experts: 64,
+        num_experts_per_tok: 1,
+        expert_intermediate_size: 16,
+        norm_topk_prob: true,
+        router_aux_loss_coef: 0.01,
+        output_router_logits: true,
+        sparse_layers: vec![true],
+    });
+    let actor: CausalLm<B> = super::seeded(13, || mc.init_causal_lm(&Default::default()));
+    let mut w = WeightMap::new("tiny mixture of experts");
+    for (k, v) in actor.valid().export() {
+        w.insert(k, v);
+    }
+    let critic = ValueModel::critic_from_weights(&mc, w, &Default::default()).unwrap();
+    (actor, critic, mc)
+}
+
+/// Issue 40, 4a: experts that one rank's tokens never reach have no gradient there; the ranks
+/// still reduce the same list (zeros and a had-gradient flag), so two devices give one device's
+/// weights and metrics, and experts no rank reached keep their starting weights on both.
+#[test]
+fn a_mixture_of_experts_with_experts_one_rank_never_reaches_reproduces_one_device() {
+    let _turn = ONE_GROUP_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    let dir = temp_dir("dp-moe");
+    let run = |root: &Path, n: usize| {
+        let (actor, critic, mc) = moe_models();
+        let parts = parts_of(actor, critic, mc, Arc::new(tasks::ExactAnswer));
+        n_devices_of(config(root), parts, n).unwrap()
+    };
+    let single = run(&dir.join("single"), 1);
+    let dp = run(&dir.join("dp"), 2);
+    let start = moe_models().0;
+    assert_same_weights_from(&single, &dp, "MoE, 2 devices vs 1", &start);
+    assert_same_metrics(&single, &dp, "MoE, 2 devices vs 1");
+    // Some experts trained, some were reached by no token of any rank (left as they started).
+    let start = start.valid().export();
+    let (mut moved, mut still) = (0, 0);
+    for (name, values) in tensors(&dp.join("actor/model.safetensors")) {
+        if name.contains(".experts.") && name.ends_with("w1.weight") {
+            match max_diff(&values, &start[&name].data) > 0.0 {
+                true => moved += 1,
+                false => still += 1,
+            }
+        }
+    }
+    println!("MoE, 2 devices: {moved} experts trained, {still} reached by no token");
+    assert!(moved > 0 && still > 0, "{moved} trained, {still} untouched");
+}
+
 #[test]
 fn spin_pairs_stay_together_across_two_devices() {
     let _turn = ONE_GROUP_AT_A_TIME
@@ -573,7 +636,7 @@ mod processes {
     use std::process::{Child, Command, Stdio};
     use std::time::{Duration, Instant};
 
-    use super::{assert_same_metrics, assert_same_weights, temp_dir, STEPS};
+    use super::{assert_same_metrics, assert_same_weights_from, temp_dir, STEPS};
 
     /// The tiny model and the task's data as files, for the CLI.
     fn cli_assets(dir: &Path) -> (PathBuf, PathBuf) {
@@ -692,7 +755,24 @@ mod processes {
         extra: &[&str],
         envs: &[(&str, &str)],
     ) {
-        let (model, data) = cli_assets(dir);
+        let start = super::tiny_models().0;
+        mpi_job_on(
+            dir,
+            (cli_assets(dir), &start),
+            (np, devices),
+            (both, extra),
+            envs,
+        )
+    }
+
+    /// [`mpi_job_with_env`] of the model and data files `assets`, the model's weights `start`.
+    fn mpi_job_on(
+        dir: &Path,
+        ((model, data), start): ((PathBuf, PathBuf), &super::CausalLm<super::B>),
+        (np, devices): (usize, usize),
+        (both, extra): (&[String], &[&str]),
+        envs: &[(&str, &str)],
+    ) {
         let single = dir.join("single");
         let mut args = cli_args(&model, &data, &single, STEPS);
         args.extend(both.iter().cloned());
@@ -711,8 +791,27 @@ mod processes {
         assert!(ok, "the MPI job failed or ran past 300 s:\n{err}");
         let step = format!("global_step_{STEPS}");
         let what = format!("{np} MPI processes x {devices} device(s) {extra:?} vs 1");
-        assert_same_weights(&single.join(&step), &multi.join(&step), &what);
+        assert_same_weights_from(&single.join(&step), &multi.join(&step), &what, start);
         assert_same_metrics(&single.join(&step), &multi.join(&step), &what);
+    }
+
+    /// Issue 40, 4a across processes: the mixture of experts of [`super::moe_models`], whose
+    /// ranks' batches each leave experts without a token, in two MPI processes as in one.
+    #[test]
+    fn a_mixture_of_experts_in_two_mpi_processes_reproduces_one_process() {
+        let dir = temp_dir("dp-mpi-moe");
+        let (actor, _, mc) = super::moe_models();
+        let (_, data) = cli_assets(&dir);
+        let model = dir.join("moe-model");
+        burn_rlhf::models::pretrained::save_pretrained(
+            &model,
+            &mc,
+            &burn::module::AutodiffModule::valid(&actor).export(),
+            None,
+            Some(&burn_rlhf::tasks::tokenizer()),
+        )
+        .unwrap();
+        mpi_job_on(&dir, ((model, data), &actor), (2, 1), (&[], &[]), &[]);
     }
 
     #[test]
