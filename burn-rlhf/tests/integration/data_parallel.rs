@@ -243,24 +243,29 @@ fn two_devices_in_one_process_reproduce_one_device() {
     assert_same_metrics(&single, &dp, "2 devices vs 1");
 }
 
-/// The tiny models as a mixture of experts (Mixtral's layout): 64 experts, one per token. A rank
+/// The tiny models as a mixture of experts (Qwen3-MoE's layout): 64 experts, one per token. A rank
 /// holds at most 4 rows x 12 positions = 48 routed tokens a mini-batch, so every rank's batch
 /// leaves experts without a token (and, the routing being the random router's, experts that the
-/// other rank's batch reached): their gradients exist on one rank only.
+/// other rank's batch reached): their gradients exist on one rank only. The top-1 weight is the
+/// router's probability (not renormalised to 1, which would leave the router a gradient of
+/// rounding noise for AdamW to amplify). No load-balancing loss: it is computed per micro-batch
+/// (as in transformers and verl) and is not linear in the rows, so ranks whose micro-batches hold
+/// other rows than one device's (balanced by length) differ by it (7.2e-3 in the actor's weights
+/// after 3 steps here), whatever the exchange does; its metric is left out of the comparison.
 fn moe_models() -> (
     CausalLm<B>,
     ValueModel<B>,
     burn_rlhf::models::TransformerConfig,
 ) {
     let mut mc = tasks::model_config(32, 1);
-    mc.model_type = burn_rlhf::models::ModelType::Mixtral;
+    mc.model_type = burn_rlhf::models::ModelType::Qwen3Moe;
     mc.moe = Some(burn_rlhf::models::MoeConfig {
         num_experts: 64,
         num_experts_per_tok: 1,
         expert_intermediate_size: 16,
-        norm_topk_prob: true,
+        norm_topk_prob: false,
         router_aux_loss_coef: 0.01,
-        output_router_logits: true,
+        output_router_logits: false,
         sparse_layers: vec![true],
     });
     let actor: CausalLm<B> = super::seeded(13, || mc.init_causal_lm(&Default::default()));
@@ -272,6 +277,10 @@ fn moe_models() -> (
     (actor, critic, mc)
 }
 
+/// The load-balancing loss's metric: a mean over micro-batches of a loss that is not linear in
+/// their rows (see [`moe_models`]).
+const ROUTER_AUX: &str = "actor/router_aux_loss";
+
 /// Issue 40, 4a: experts that one rank's tokens never reach have no gradient there; the ranks
 /// still reduce the same list (zeros and a had-gradient flag), so two devices give one device's
 /// weights and metrics, and experts no rank reached keep their starting weights on both.
@@ -281,21 +290,26 @@ fn a_mixture_of_experts_with_experts_one_rank_never_reaches_reproduces_one_devic
         .lock()
         .unwrap_or_else(|e| e.into_inner());
     let dir = temp_dir("dp-moe");
+    // Drawn once: both runs start from the very same weights.
+    let (start, critic, mc) = moe_models();
     let run = |root: &Path, n: usize| {
-        let (actor, critic, mc) = moe_models();
-        let parts = parts_of(actor, critic, mc, Arc::new(tasks::ExactAnswer));
+        let parts = parts_of(
+            start.clone(),
+            critic.clone(),
+            mc.clone(),
+            Arc::new(tasks::ExactAnswer),
+        );
         n_devices_of(config(root), parts, n).unwrap()
     };
     let single = run(&dir.join("single"), 1);
     let dp = run(&dir.join("dp"), 2);
-    let start = moe_models().0;
     assert_same_weights_from(&single, &dp, "MoE, 2 devices vs 1", &start);
-    assert_same_metrics(&single, &dp, "MoE, 2 devices vs 1");
+    assert_same_metrics_but(&single, &dp, "MoE, 2 devices vs 1", &[ROUTER_AUX]);
     // Some experts trained, some were reached by no token of any rank (left as they started).
     let start = start.valid().export();
     let (mut moved, mut still) = (0, 0);
     for (name, values) in tensors(&dp.join("actor/model.safetensors")) {
-        if name.contains(".experts.") && name.ends_with("w1.weight") {
+        if name.contains(".experts.") && name.ends_with("gate_proj.weight") {
             match max_diff(&values, &start[&name].data) > 0.0 {
                 true => moved += 1,
                 false => still += 1,
@@ -636,7 +650,7 @@ mod processes {
     use std::process::{Child, Command, Stdio};
     use std::time::{Duration, Instant};
 
-    use super::{assert_same_metrics, assert_same_weights_from, temp_dir, STEPS};
+    use super::{assert_same_metrics_but, assert_same_weights_from, temp_dir, STEPS};
 
     /// The tiny model and the task's data as files, for the CLI.
     fn cli_assets(dir: &Path) -> (PathBuf, PathBuf) {
@@ -761,7 +775,7 @@ mod processes {
             (cli_assets(dir), &start),
             (np, devices),
             (both, extra),
-            envs,
+            (envs, &[]),
         )
     }
 
@@ -771,7 +785,7 @@ mod processes {
         ((model, data), start): ((PathBuf, PathBuf), &super::CausalLm<super::B>),
         (np, devices): (usize, usize),
         (both, extra): (&[String], &[&str]),
-        envs: &[(&str, &str)],
+        (envs, skip): (&[(&str, &str)], &[&str]),
     ) {
         let single = dir.join("single");
         let mut args = cli_args(&model, &data, &single, STEPS);
@@ -792,7 +806,7 @@ mod processes {
         let step = format!("global_step_{STEPS}");
         let what = format!("{np} MPI processes x {devices} device(s) {extra:?} vs 1");
         assert_same_weights_from(&single.join(&step), &multi.join(&step), &what, start);
-        assert_same_metrics(&single.join(&step), &multi.join(&step), &what);
+        assert_same_metrics_but(&single.join(&step), &multi.join(&step), &what, skip);
     }
 
     /// Issue 40, 4a across processes: the mixture of experts of [`super::moe_models`], whose
@@ -811,7 +825,13 @@ mod processes {
             Some(&burn_rlhf::tasks::tokenizer()),
         )
         .unwrap();
-        mpi_job_on(&dir, ((model, data), &actor), (2, 1), (&[], &[]), &[]);
+        mpi_job_on(
+            &dir,
+            ((model, data), &actor),
+            (2, 1),
+            (&[], &[]),
+            (&[], &[super::ROUTER_AUX]),
+        );
     }
 
     #[test]
