@@ -69,5 +69,5 @@ pub use sft::{
 pub use supervised::{
     SupervisedOptimConfig, SupervisedRunSettings, SupervisedTrainerConfig, TrainerDefaults,
 };
-pub use trainer::{CollectiveBackend, TrainerConfig};
+pub use trainer::{CollectiveBackend, Loggers, TrainerConfig};
 pub use tree::{ActorRolloutRefConfig, RlhfConfig};

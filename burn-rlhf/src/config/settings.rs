@@ -180,6 +180,26 @@ mod tests {
         Settings::from_config(config, &KnownNames::default(), "test")
     }
 
+    /// `trainer.logger=[file]` writes where verl's `file` logger does.
+    #[test]
+    fn the_file_logger_goes_where_verls_does() {
+        let mut c = RlhfConfig::default();
+        c.trainer.logger = vec!["console".into(), "file".into()];
+        c.trainer.project_name = "proj".into();
+        c.trainer.experiment_name = "exp".into();
+        let file = settings(&c).unwrap().trainer.loggers.file.unwrap();
+        match (
+            std::env::var_os("VERL_FILE_LOGGER_PATH"),
+            std::env::var_os("VERL_FILE_LOGGER_ROOT"),
+        ) {
+            (Some(path), _) => assert_eq!(file, std::path::PathBuf::from(path)),
+            (None, None) => assert_eq!(file, std::path::Path::new("./proj/exp.jsonl")),
+            (None, Some(root)) => assert!(file.starts_with(root)),
+        }
+        c.trainer.logger = vec!["console".into()];
+        assert_eq!(settings(&c).unwrap().trainer.loggers.file, None);
+    }
+
     #[test]
     fn derived_keys_and_names_decode_once() {
         let mut c = RlhfConfig::default();

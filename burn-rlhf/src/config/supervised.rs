@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use super::optim::ScheduleKind;
 use super::problems::Problems;
-use super::trainer::{decode_loggers, decode_resume, ResumeMode};
+use super::trainer::{decode_loggers, decode_resume, Loggers, ResumeMode};
 use burn_rlhf_models::pretrained::expand_home;
 
 /// `optim.*`: AdamW with linear warm-up and a cosine or constant schedule.
@@ -99,13 +99,8 @@ impl<D: TrainerDefaults> Default for SupervisedTrainerConfig<D> {
 pub struct SupervisedRunSettings {
     /// `optim.lr_scheduler`: the curve after the warm-up.
     pub schedule: ScheduleKind,
-    /// `trainer.logger` has `console`.
-    pub console: bool,
-    /// `trainer.logger` has `jsonl`.
-    pub jsonl: bool,
-    /// `trainer.logger` has `tensorboard`: its folder (`$TENSORBOARD_DIR`, else
-    /// `tensorboard_log/{project_name}/{experiment_name}`).
-    pub tensorboard: Option<PathBuf>,
+    /// Where metrics go (`trainer.logger`).
+    pub loggers: Loggers,
     /// Checkpoints and metrics (`default_local_dir`, else
     /// `checkpoints/{project_name}/{experiment_name}`; `~` expanded).
     pub checkpoint_dir: PathBuf,
@@ -129,8 +124,7 @@ pub(super) fn decode_run<D: TrainerDefaults>(
     p.check((0.0..1.0).contains(&o.warmup_steps_ratio), || {
         "`optim.warmup_steps_ratio` must be in [0, 1)".into()
     });
-    let (console, jsonl, tensorboard) =
-        decode_loggers(p, &t.logger, &t.project_name, &t.experiment_name);
+    let loggers = decode_loggers(p, &t.logger, &t.project_name, &t.experiment_name);
     p.check(t.nnodes >= 1 && t.n_gpus_per_node >= 1, || {
         "`trainer.nnodes` and `trainer.n_gpus_per_node` must be >= 1".into()
     });
@@ -143,9 +137,7 @@ pub(super) fn decode_run<D: TrainerDefaults>(
         .zip(resume)
         .map(|(schedule, resume)| SupervisedRunSettings {
             schedule,
-            console,
-            jsonl,
-            tensorboard,
+            loggers,
             checkpoint_dir,
             resume,
         })

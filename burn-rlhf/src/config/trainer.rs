@@ -17,7 +17,7 @@ pub struct TrainerConfig {
     pub total_training_steps: Option<usize>,
     pub project_name: String,
     pub experiment_name: String,
-    /// Any of `console`, `jsonl`, `tensorboard`.
+    /// Any of `console`, `jsonl`, `tensorboard`, `file` (verl's file logger).
     pub logger: Vec<String>,
     /// Hosts in the run; more than one runs as an MPI job (`mpirun`/`srun`, the `mpi` feature),
     /// whose host count must equal it.
@@ -44,6 +44,8 @@ pub struct TrainerConfig {
     /// Steps between validations; `-1`: never.
     pub test_freq: i64,
     pub val_before_train: bool,
+    /// Validate before training (`val_before_train`) and stop there: no step, no checkpoint.
+    pub val_only: bool,
     /// Steps during which only the critic is trained.
     pub critic_warmup: usize,
     /// NeMo-RL's name for the step the policy starts training at: `critic_warmup` when set (the
@@ -85,6 +87,7 @@ impl Default for TrainerConfig {
             save_freq: -1,
             test_freq: -1,
             val_before_train: true,
+            val_only: false,
             critic_warmup: 0,
             policy_training_start_step: None,
             ref_update_freq: 0,
@@ -107,12 +110,8 @@ pub struct TrainerSettings {
     pub total_epochs: usize,
     /// Steps in the run; `None`: epochs times batches per epoch (known once data is loaded).
     pub total_training_steps: Option<usize>,
-    /// A progress bar and metric tables.
-    pub console: bool,
-    /// `{checkpoint_dir}/metrics.jsonl`.
-    pub jsonl: bool,
-    /// TensorBoard event files go to this folder.
-    pub tensorboard: Option<PathBuf>,
+    /// Where metrics go (`trainer.logger`).
+    pub loggers: Loggers,
     /// Processes in the run.
     pub nnodes: usize,
     /// Devices (ranks) per process.
@@ -131,6 +130,8 @@ pub struct TrainerSettings {
     pub test_freq: Option<usize>,
     /// Validate before the first step.
     pub val_before_train: bool,
+    /// Stop after that validation (`trainer.val_only`).
+    pub val_only: bool,
     /// The first step that updates the actor (`max(critic_warmup, policy_training_start_step)`).
     pub actor_start_step: usize,
     /// SPIN: the reference becomes the actor every this many steps; `None`: never.
@@ -187,7 +188,7 @@ pub(super) fn decode_resume(
 }
 
 /// The loggers `trainer.logger` may list.
-pub(super) const LOGGERS: &[&str] = &["console", "jsonl", "tensorboard"];
+pub(super) const LOGGERS: &[&str] = &["console", "jsonl", "tensorboard", "file"];
 
 /// verl's hosted trackers, which burn-rlhf does not send to.
 const HOSTED: &[&str] = &[
@@ -199,14 +200,28 @@ const HOSTED: &[&str] = &[
     "trackio",
 ];
 
-/// `trainer.logger` decoded: which loggers, and where TensorBoard's files go (verl's place:
-/// `$TENSORBOARD_DIR`, else `tensorboard_log/{project_name}/{experiment_name}`).
+/// `trainer.logger` decoded.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Loggers {
+    /// A progress bar and metric tables.
+    pub console: bool,
+    /// `{checkpoint_dir}/metrics.jsonl`, one flat object a step.
+    pub jsonl: bool,
+    /// TensorBoard event files go to this folder (verl's place: `$TENSORBOARD_DIR`, else
+    /// `tensorboard_log/{project_name}/{experiment_name}`).
+    pub tensorboard: Option<PathBuf>,
+    /// verl's `file` logger: `{"step": N, "data": {...}}` a line, to `$VERL_FILE_LOGGER_PATH`,
+    /// else `$VERL_FILE_LOGGER_ROOT/{project_name}/{experiment_name}.jsonl` (root `.`).
+    pub file: Option<PathBuf>,
+}
+
+/// `trainer.logger` decoded: which loggers, and where their files go (verl's places).
 pub(super) fn decode_loggers(
     p: &mut Problems,
     names: &[String],
     project_name: &str,
     experiment_name: &str,
-) -> (bool, bool, Option<PathBuf>) {
+) -> Loggers {
     for name in names {
         if HOSTED.contains(&name.as_str()) {
             p.check(false, || {
@@ -228,7 +243,21 @@ pub(super) fn decode_loggers(
             .join(project_name)
             .join(experiment_name),
     });
-    (has("console"), has("jsonl"), tensorboard)
+    let file = has("file").then(|| match std::env::var_os("VERL_FILE_LOGGER_PATH") {
+        Some(path) => PathBuf::from(path),
+        None => {
+            let root = std::env::var("VERL_FILE_LOGGER_ROOT").unwrap_or_else(|_| ".".into());
+            expand_home(&root)
+                .join(project_name)
+                .join(format!("{experiment_name}.jsonl"))
+        }
+    });
+    Loggers {
+        console: has("console"),
+        jsonl: has("jsonl"),
+        tensorboard,
+        file,
+    }
 }
 
 /// `trainer.collective_backend`, decoded.
@@ -274,8 +303,7 @@ impl CollectiveBackend {
 
 impl TrainerConfig {
     pub(super) fn decode(&self, p: &mut Problems) -> Option<TrainerSettings> {
-        let (console, jsonl, tensorboard) =
-            decode_loggers(p, &self.logger, &self.project_name, &self.experiment_name);
+        let loggers = decode_loggers(p, &self.logger, &self.project_name, &self.experiment_name);
         let resume = decode_resume(p, &self.resume_mode, self.resume_from_path.as_deref());
         p.check(self.nnodes >= 1, || "`trainer.nnodes` must be >= 1".into());
         p.check(self.n_gpus_per_node >= 1, || {
@@ -299,6 +327,13 @@ impl TrainerConfig {
                 self.test_freq
             )
         });
+        // verl validates and stops only inside its validation before training; alone it would
+        // train as if unset.
+        p.check(!self.val_only || self.val_before_train, || {
+            "`trainer.val_only=true` validates before training and stops, so it needs \
+             `trainer.val_before_train=true` (verl ignores it otherwise)"
+                .into()
+        });
         let dir = p.derived(
             "trainer.default_local_dir",
             self.default_local_dir.as_deref(),
@@ -307,9 +342,7 @@ impl TrainerConfig {
         Some(TrainerSettings {
             total_epochs: self.total_epochs,
             total_training_steps: self.total_training_steps,
-            console,
-            jsonl,
-            tensorboard,
+            loggers,
             nnodes: self.nnodes,
             n_gpus_per_node: self.n_gpus_per_node,
             balance_batch: self.balance_batch,
@@ -319,6 +352,7 @@ impl TrainerConfig {
             save_freq: positive(self.save_freq),
             test_freq: positive(self.test_freq),
             val_before_train: self.val_before_train,
+            val_only: self.val_only,
             actor_start_step: self
                 .critic_warmup
                 .max(self.policy_training_start_step.unwrap_or(0)),

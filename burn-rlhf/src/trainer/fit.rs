@@ -68,27 +68,27 @@ impl<B: LearnerBackend> Learner<B> {
         let t = self.settings.trainer.clone();
         // Only rank 0 logs; every rank runs the same steps and holds the same metrics.
         let main = self.dp.is_main();
-        let jsonl = (t.jsonl && main).then(|| root.join("metrics.jsonl"));
-        let console = main && t.console;
+        let jsonl = (t.loggers.jsonl && main).then(|| root.join("metrics.jsonl"));
         let total = self.total_steps();
-        let logger = MetricsLogger::new(
-            console,
-            10,
-            jsonl.clone(),
-            main.then(|| root.join("metrics.png")),
+        let mut logger = MetricsLogger::for_run(
+            &t.loggers,
+            main,
+            (&root, Some(root.join("metrics.png"))),
             total,
             self.global_step,
         )?;
-        let mut logger = match (&t.tensorboard, main) {
-            (Some(dir), true) => logger.with_tensorboard(dir, self.global_step)?,
-            _ => logger,
-        };
         let say = |logger: &MetricsLogger, line: &str| {
             if main {
                 logger.println(line)
             }
         };
         let mut validation = None;
+        if t.val_only && !self.has_validation_data() {
+            return Err(TrainError::config(
+                "trainer.val_only",
+                "validation only, and there are no validation prompts (`data.val_files`)",
+            ));
+        }
         if t.val_before_train && self.global_step == 0 && self.has_validation_data() {
             let m = self.validate()?;
             say(&logger, &super::logger::table(0, &m));
@@ -98,7 +98,9 @@ impl<B: LearnerBackend> Learner<B> {
         }
         let mut checkpoint = None;
         let mut interrupted = false;
-        while self.global_step < total {
+        // verl's `trainer.val_only`: the validation above is the whole run.
+        let steps_to_run = if t.val_only { self.global_step } else { total };
+        while self.global_step < steps_to_run {
             let mut metrics = self.step()?;
             let step = self.global_step;
             let last = step >= total;

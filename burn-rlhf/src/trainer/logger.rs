@@ -26,6 +26,8 @@ pub struct MetricsLogger {
     compiling: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
     table_every: usize,
     jsonl: Option<(PathBuf, std::fs::File)>,
+    /// verl's `file` logger: `{"step": N, "data": {...}}` a line.
+    verl_file: Option<(PathBuf, std::fs::File)>,
     plot: Option<PathBuf>,
     tensorboard: Option<EventWriter>,
     history: Vec<(usize, Metrics)>,
@@ -63,21 +65,8 @@ impl MetricsLogger {
         let mut history = Vec::new();
         let jsonl = match jsonl {
             Some(path) => {
-                if let Some(dir) = path.parent() {
-                    std::fs::create_dir_all(dir).map_err(|e| TrainError::Metrics {
-                        path: dir.into(),
-                        message: e.to_string(),
-                    })?;
-                }
-                history = cut_jsonl(&path, first_step)?;
-                let file = std::fs::OpenOptions::new()
-                    .create(true)
-                    .append(true)
-                    .open(&path)
-                    .map_err(|e| TrainError::Metrics {
-                        path: path.clone(),
-                        message: e.to_string(),
-                    })?;
+                let (file, steps) = open_cut(&path, first_step, Layout::Flat)?;
+                history = steps;
                 Some((path, file))
             }
             None => None,
@@ -87,6 +76,7 @@ impl MetricsLogger {
             compiling,
             table_every: table_every.max(1),
             jsonl,
+            verl_file: None,
             plot,
             tensorboard: None,
             history,
@@ -103,6 +93,43 @@ impl MetricsLogger {
         Ok(self)
     }
 
+    /// Also writes each step's metrics to `path` as verl's `file` logger does (`{"step": N,
+    /// "data": {...}}` a line), cut back to the steps up to `first_step` as the JSONL file is.
+    pub fn with_verl_file(mut self, path: &Path, first_step: usize) -> Result<Self, TrainError> {
+        let (file, _) = open_cut(path, first_step, Layout::Verl)?;
+        self.println(&format!("file logger: {}", path.display()));
+        self.verl_file = Some((path.to_path_buf(), file));
+        Ok(self)
+    }
+
+    /// The loggers of `loggers` for rank 0 of a run (`main`; the others log nothing): the
+    /// console, `{root}/metrics.jsonl`, TensorBoard, verl's file, and `plot` written at the end.
+    pub fn for_run(
+        loggers: &crate::config::Loggers,
+        main: bool,
+        (root, plot): (&Path, Option<PathBuf>),
+        total_steps: usize,
+        first_step: usize,
+    ) -> Result<Self, TrainError> {
+        let jsonl = (loggers.jsonl && main).then(|| root.join("metrics.jsonl"));
+        let plot = plot.filter(|_| main);
+        let mut logger = Self::new(
+            loggers.console && main,
+            10,
+            jsonl,
+            plot,
+            total_steps,
+            first_step,
+        )?;
+        if let (Some(dir), true) = (&loggers.tensorboard, main) {
+            logger = logger.with_tensorboard(dir, first_step)?;
+        }
+        if let (Some(path), true) = (&loggers.file, main) {
+            logger = logger.with_verl_file(path, first_step)?;
+        }
+        Ok(logger)
+    }
+
     /// Prints a line outside the progress bar.
     pub fn println(&self, line: &str) {
         match &self.bar {
@@ -114,18 +141,18 @@ impl MetricsLogger {
     /// Writes `metrics` of `step` to the files only (jsonl, TensorBoard): the validation before
     /// training, which verl logs at step 0 and the console shows as a table of its own.
     pub fn record(&mut self, step: usize, metrics: &Metrics) -> Result<(), TrainError> {
-        if let Some((path, file)) = &mut self.jsonl {
-            let mut obj = serde_json::Map::new();
-            obj.insert("step".into(), step.into());
-            for (k, v) in metrics {
-                obj.insert(k.clone(), serde_json::json!(v));
+        for (layout, out) in [
+            (Layout::Flat, &mut self.jsonl),
+            (Layout::Verl, &mut self.verl_file),
+        ] {
+            if let Some((path, file)) = out {
+                writeln!(file, "{}", layout.line(step, metrics)).map_err(|e| {
+                    TrainError::Metrics {
+                        path: path.clone(),
+                        message: e.to_string(),
+                    }
+                })?;
             }
-            writeln!(file, "{}", serde_json::Value::Object(obj)).map_err(|e| {
-                TrainError::Metrics {
-                    path: path.clone(),
-                    message: e.to_string(),
-                }
-            })?;
         }
         if let Some(writer) = &mut self.tensorboard {
             writer.scalars(step, metrics)?;
@@ -247,10 +274,86 @@ fn number(v: f64) -> String {
     }
 }
 
+/// How a metrics file lays out a step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Layout {
+    /// burn-rlhf's `metrics.jsonl`: `{"step": N, "metric": value, ...}`.
+    Flat,
+    /// verl's `file` logger: `{"step": N, "data": {"metric": value, ...}}`.
+    Verl,
+}
+
+impl Layout {
+    /// One step's line.
+    fn line(self, step: usize, metrics: &Metrics) -> serde_json::Value {
+        let values: serde_json::Map<String, serde_json::Value> = metrics
+            .iter()
+            .map(|(k, v)| (k.clone(), serde_json::json!(v)))
+            .collect();
+        match self {
+            Self::Flat => {
+                let mut obj = serde_json::Map::new();
+                obj.insert("step".into(), step.into());
+                obj.extend(values);
+                serde_json::Value::Object(obj)
+            }
+            Self::Verl => serde_json::json!({ "step": step, "data": values }),
+        }
+    }
+
+    /// A line's step and metrics.
+    fn parse(self, line: &str) -> Result<(usize, Metrics), String> {
+        let v: serde_json::Map<String, serde_json::Value> =
+            serde_json::from_str(line).map_err(|e| e.to_string())?;
+        let step = v.get("step").and_then(|s| s.as_u64()).ok_or("no `step`")? as usize;
+        let values = match self {
+            Self::Flat => &v,
+            Self::Verl => v
+                .get("data")
+                .and_then(|d| d.as_object())
+                .ok_or("no `data` object")?,
+        };
+        let metrics = values
+            .iter()
+            .filter(|(k, _)| k.as_str() != "step")
+            .filter_map(|(k, v)| v.as_f64().map(|x| (k.clone(), x)))
+            .collect();
+        Ok((step, metrics))
+    }
+}
+
+/// Opens the metrics file `path` for appending (its folder made), after cutting it back to the
+/// steps up to `first_step` (a resumed run logs the later ones again; a fresh run starts it
+/// empty); returns the file and the steps kept.
+fn open_cut(
+    path: &Path,
+    first_step: usize,
+    layout: Layout,
+) -> Result<(std::fs::File, Vec<(usize, Metrics)>), TrainError> {
+    let failed = |path: &Path, e: std::io::Error| TrainError::Metrics {
+        path: path.into(),
+        message: e.to_string(),
+    };
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(|e| failed(dir, e))?;
+    }
+    let steps = cut_jsonl(path, first_step, layout)?;
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .map_err(|e| failed(path, e))?;
+    Ok((file, steps))
+}
+
 /// Cuts a run's JSONL metrics back to the steps up to `first_step` (the step a run resumes
 /// from; 0 for a fresh start): steps logged after the checkpoint it resumes are run again and
 /// would otherwise appear twice. The file is replaced atomically; returns the steps kept.
-fn cut_jsonl(path: &Path, first_step: usize) -> Result<Vec<(usize, Metrics)>, TrainError> {
+fn cut_jsonl(
+    path: &Path,
+    first_step: usize,
+    layout: Layout,
+) -> Result<Vec<(usize, Metrics)>, TrainError> {
     if !path.exists() {
         return Ok(Vec::new());
     }
@@ -258,7 +361,7 @@ fn cut_jsonl(path: &Path, first_step: usize) -> Result<Vec<(usize, Metrics)>, Tr
         path: path.into(),
         message: e.to_string(),
     })?;
-    let steps = parse_jsonl(path, &text)?;
+    let steps = parse_jsonl(path, &text, layout)?;
     let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
     let keep = steps.iter().filter(|(s, _)| *s <= first_step).count();
     if keep == lines.len() {
@@ -288,30 +391,74 @@ pub fn read_jsonl(path: &Path) -> Result<Vec<(usize, Metrics)>, TrainError> {
         path: path.into(),
         message: e.to_string(),
     })?;
-    parse_jsonl(path, &text)
+    parse_jsonl(path, &text, Layout::Flat)
 }
 
-fn parse_jsonl(path: &Path, text: &str) -> Result<Vec<(usize, Metrics)>, TrainError> {
+/// Reads a file of verl's `file` logger back (`{"step": N, "data": {...}}` a line).
+pub fn read_verl_file(path: &Path) -> Result<Vec<(usize, Metrics)>, TrainError> {
+    let text = std::fs::read_to_string(path).map_err(|e| TrainError::Metrics {
+        path: path.into(),
+        message: e.to_string(),
+    })?;
+    parse_jsonl(path, &text, Layout::Verl)
+}
+
+fn parse_jsonl(
+    path: &Path,
+    text: &str,
+    layout: Layout,
+) -> Result<Vec<(usize, Metrics)>, TrainError> {
     text.lines()
         .enumerate()
         .filter(|(_, l)| !l.trim().is_empty())
         .map(|(i, line)| {
-            let bad = |m: String| TrainError::Metrics {
+            layout.parse(line).map_err(|m| TrainError::Metrics {
                 path: path.into(),
                 message: format!("line {}: {m}", i + 1),
-            };
-            let v: serde_json::Map<String, serde_json::Value> =
-                serde_json::from_str(line).map_err(|e| bad(e.to_string()))?;
-            let step = v
-                .get("step")
-                .and_then(|s| s.as_u64())
-                .ok_or_else(|| bad("no `step`".into()))? as usize;
-            let metrics = v
-                .iter()
-                .filter(|(k, _)| k.as_str() != "step")
-                .filter_map(|(k, v)| v.as_f64().map(|x| (k.clone(), x)))
-                .collect();
-            Ok((step, metrics))
+            })
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn score(x: f64) -> Metrics {
+        Metrics::from([("critic/score/mean".to_string(), x)])
+    }
+
+    /// verl's `file` logger's layout, a line a step (the validation before training at step 0),
+    /// cut back to the resumed step as `metrics.jsonl` is.
+    #[test]
+    fn verls_file_logger_writes_its_layout_and_is_cut_back_on_resume() {
+        let dir = std::env::temp_dir().join(format!("burn-rlhf-verl-file-{}", std::process::id()));
+        let path = dir.join("project/experiment.jsonl");
+        let mut first = MetricsLogger::new(false, 10, None, None, 3, 0)
+            .and_then(|l| l.with_verl_file(&path, 0))
+            .unwrap();
+        first.record(0, &score(0.5)).unwrap();
+        for step in 1..=3 {
+            first.log(step, &score(step as f64)).unwrap();
+        }
+        drop(first);
+        let text = std::fs::read_to_string(&path).unwrap();
+        let line: serde_json::Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
+        assert_eq!(
+            line,
+            serde_json::json!({"step": 0, "data": {"critic/score/mean": 0.5}})
+        );
+        let mut resumed = MetricsLogger::new(false, 10, None, None, 3, 2)
+            .and_then(|l| l.with_verl_file(&path, 2))
+            .unwrap();
+        resumed.log(3, &score(30.0)).unwrap();
+        drop(resumed);
+        let steps = read_verl_file(&path).unwrap();
+        let numbers: Vec<(usize, f64)> = steps
+            .iter()
+            .map(|(s, m)| (*s, m["critic/score/mean"]))
+            .collect();
+        assert_eq!(numbers, vec![(0, 0.5), (1, 1.0), (2, 2.0), (3, 30.0)]);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

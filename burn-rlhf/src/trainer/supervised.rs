@@ -273,12 +273,8 @@ impl<B: LearnerBackend, T: SupervisedTask<B>, D: TrainerDefaults> SupervisedRun<
         }
         let root = &run.checkpoint_dir;
         // Rank 0 logs and checkpoints; every rank holds the same metrics.
-        let jsonl = (run.jsonl && main).then(|| root.join("metrics.jsonl"));
-        let mut logger =
-            MetricsLogger::new(run.console && main, 10, jsonl.clone(), None, total, start)?;
-        if let (Some(dir), true) = (&run.tensorboard, main) {
-            logger = logger.with_tensorboard(dir, start)?;
-        }
+        let jsonl = (run.loggers.jsonl && main).then(|| root.join("metrics.jsonl"));
+        let mut logger = MetricsLogger::for_run(&run.loggers, main, (root, None), total, start)?;
         let mut last_val = Metrics::new();
         let mut checkpoint = None;
         for step in start + 1..=total {

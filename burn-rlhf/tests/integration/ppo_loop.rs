@@ -1013,6 +1013,35 @@ fn lora_runs_train_adapters_and_resume_as_if_never_stopped() {
     std::fs::remove_dir_all(dir).ok();
 }
 
+/// `trainer.val_only`: the validation before training is the whole run (no step, no
+/// checkpoint), logged at step 0; without `val_before_train` it is refused (verl would train).
+#[test]
+fn val_only_validates_and_stops() {
+    let dir = temp_dir("val-only");
+    let (actor, critic) = tiny_models();
+    let mut config = tiny_config("grpo", &dir);
+    config.trainer.val_only = true;
+    let refused = try_learner(config.clone(), actor.clone(), critic.clone())
+        .err()
+        .expect("val_only without val_before_train is refused")
+        .to_string();
+    assert!(refused.contains("trainer.val_before_train"), "{refused}");
+    config.trainer.val_before_train = true;
+    config.trainer.logger = vec!["jsonl".into()];
+    let mut l = learner(config, actor, critic);
+    let out = l.fit(&AtomicBool::new(false)).unwrap();
+    assert!(out.checkpoint.is_none());
+    let validation = out.validation.expect("validated");
+    assert!(
+        validation.keys().any(|k| k.starts_with("val-core/")),
+        "{validation:?}"
+    );
+    // One line, step 0: the validation's metrics, and no training step after it.
+    let logged = read_jsonl(out.jsonl.as_ref().unwrap()).unwrap();
+    assert_eq!(logged, vec![(0, validation)]);
+    assert!(!dir.join("global_step_1").exists());
+}
+
 /// `trainer.rollout_data_dir` and `validation_data_dir` write verl's dumps: one `{step}.jsonl`
 /// per step (every row of the step's batch) and per validation (every validation response),
 /// each line the decoded prompt and response, the ground truth, the score and the step; the
