@@ -39,18 +39,23 @@ impl Default for KlCtrlConfig {
 #[serde(default, deny_unknown_fields)]
 pub struct FilterGroupsConfig {
     pub enable: bool,
-    /// `acc`, `score` or `seq_reward`.
-    pub metric: String,
+    /// `reward` (verl 0.9.1's default), `acc`, `score` or `seq_reward`; `null` only while
+    /// filtering is off.
+    pub metric: Option<String>,
     /// `0`: no limit.
     pub max_num_gen_batches: usize,
+    /// verl's asynchronous trainer's prompt batches in flight at once; rounds run one after
+    /// another here: 1.
+    pub max_inflight_gen_batches: usize,
 }
 
 impl Default for FilterGroupsConfig {
     fn default() -> Self {
         Self {
             enable: false,
-            metric: "acc".into(),
+            metric: Some("reward".into()),
             max_num_gen_batches: 0,
+            max_inflight_gen_batches: 1,
         }
     }
 }
@@ -148,19 +153,20 @@ pub enum FilterMetric {
     Acc,
     /// The reward function's score.
     Score,
-    /// The score with the overlong penalty.
+    /// The sequence's reward before KL: the score with the overlong penalty (verl 0.9.1's
+    /// `reward`, the reward manager's `rm_scores` summed; the recipe's `seq_reward`).
     SeqReward,
 }
 
 impl FilterMetric {
     /// verl's names.
-    const NAMES: [&'static str; 3] = ["acc", "score", "seq_reward"];
+    const NAMES: [&'static str; 4] = ["reward", "acc", "score", "seq_reward"];
 
     fn from_name(name: &str) -> Option<Self> {
         match name {
             "acc" => Some(Self::Acc),
             "score" => Some(Self::Score),
-            "seq_reward" => Some(Self::SeqReward),
+            "reward" | "seq_reward" => Some(Self::SeqReward),
             _ => None,
         }
     }
@@ -210,12 +216,33 @@ impl AlgorithmConfig {
             KlPenalty::from_name(&self.kl_penalty),
         );
         let fg = &self.filter_groups;
-        let filter_metric = p.name(
-            &key("filter_groups.metric"),
-            &fg.metric,
-            &FilterMetric::NAMES,
-            FilterMetric::from_name(&fg.metric),
-        );
+        let filter_metric = match (&fg.metric, fg.enable) {
+            (Some(metric), _) => p.name(
+                &key("filter_groups.metric"),
+                metric,
+                &FilterMetric::NAMES,
+                FilterMetric::from_name(metric),
+            ),
+            (None, enabled) => {
+                p.check(!enabled, || {
+                    format!(
+                        "`{}` is null with `filter_groups.enable=true`: name the metric groups \
+                         must vary in, one of {}",
+                        key("filter_groups.metric"),
+                        FilterMetric::NAMES.join(", ")
+                    )
+                });
+                None
+            }
+        };
+        p.check(fg.max_inflight_gen_batches == 1, || {
+            format!(
+                "`{}` = {}: generation rounds run one after another here (verl's asynchronous \
+                 trainer overlaps them); set 1",
+                key("filter_groups.max_inflight_gen_batches"),
+                fg.max_inflight_gen_batches
+            )
+        });
         for (name, lam) in [
             ("gae_lambda_policy", self.gae_lambda_policy),
             ("gae_lambda_value", self.gae_lambda_value),

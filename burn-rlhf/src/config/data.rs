@@ -24,6 +24,8 @@ pub struct DataConfig {
     pub gen_batch_size: Option<usize>,
     pub shuffle: bool,
     pub validation_shuffle: bool,
+    /// `null` (verl: an unseeded loader) reads as 1.
+    #[serde(deserialize_with = "super::problems::null_is_default")]
     pub seed: u64,
     pub filter_overlong_prompts: bool,
     /// `error`, `left` or `right`.

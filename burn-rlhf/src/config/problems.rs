@@ -121,3 +121,35 @@ impl Problems {
         }
     }
 }
+
+/// For a key verl lets be `null` (`data.seed`, `reward_model.enable`): `null` reads as what it
+/// means there ([`NullDefault`]). Use as `#[serde(deserialize_with = "null_is_default")]`.
+pub(super) fn null_is_default<'de, D, T>(deserializer: D) -> Result<T, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: serde::Deserialize<'de> + NullDefault,
+{
+    use serde::Deserialize;
+    Ok(Option::<T>::deserialize(deserializer)?.unwrap_or_else(T::null_default))
+}
+
+/// What `null` means for a key read with [`null_is_default`].
+pub(super) trait NullDefault {
+    /// The value `null` stands for.
+    fn null_default() -> Self;
+}
+
+/// `reward_model.enable: null`: verl reads it as off.
+impl NullDefault for bool {
+    fn null_default() -> Self {
+        false
+    }
+}
+
+/// `data.seed: null`: verl leaves its data loader unseeded (another order every run); here the
+/// order is seeded whatever happens, with the default seed 1.
+impl NullDefault for u64 {
+    fn null_default() -> Self {
+        1
+    }
+}

@@ -51,7 +51,9 @@ impl Default for RewardModelModelConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RewardModelConfig {
-    /// Score responses with a learned reward model (`model.path`) instead of a rule function.
+    /// Score responses with a learned reward model (`model.path`) instead of a rule function
+    /// (`null`, verl's default: off).
+    #[serde(deserialize_with = "super::problems::null_is_default")]
     pub enable: bool,
     pub model: RewardModelModelConfig,
     /// Sequences per forward pass of the reward model (verl's legacy key; needed unless

@@ -200,6 +200,56 @@ fn defaults_are_verls_and_derived_keys_resolve() {
     );
 }
 
+/// Keys verl lets be `null` read as verl means it (`data.seed`: a seed all the same here,
+/// `reward_model.enable`: off, `filter_groups.metric`: unset while filtering is off); verl 0.9.1's
+/// default metric `reward` is the sequence's reward before KL; a null metric with filtering on,
+/// and more than one generation round in flight, are refused naming the key.
+#[test]
+fn nulls_read_where_verl_allows_them() {
+    use burn_rlhf::config::{KnownNames, Settings};
+    let decode = |args: &[&str]| {
+        load_config(&ppo(), &overrides(args))
+            .map_err(|e| e.to_string())
+            .and_then(|c| {
+                Settings::from_config(&c, &KnownNames::default(), "test").map_err(|e| e.to_string())
+            })
+    };
+    let s = decode(&[
+        "data.seed=null",
+        "reward_model.enable=null",
+        "algorithm.filter_groups.metric=null",
+    ])
+    .unwrap();
+    assert_eq!(s.data.seed, 1);
+    assert!(s.reward.model.is_none());
+    assert!(s.algorithm.filter_groups.is_none());
+    let dapo = decode(&[
+        "algorithm.filter_groups.enable=true",
+        "algorithm.filter_groups.metric=reward",
+    ])
+    .unwrap();
+    let seq = decode(&[
+        "algorithm.filter_groups.enable=true",
+        "algorithm.filter_groups.metric=seq_reward",
+    ])
+    .unwrap();
+    assert_eq!(
+        dapo.algorithm.filter_groups.as_ref().unwrap().metric,
+        seq.algorithm.filter_groups.as_ref().unwrap().metric
+    );
+    let null_on = decode(&[
+        "algorithm.filter_groups.enable=true",
+        "algorithm.filter_groups.metric=null",
+    ])
+    .unwrap_err();
+    assert!(
+        null_on.contains("algorithm.filter_groups.metric"),
+        "{null_on}"
+    );
+    let inflight = decode(&["algorithm.filter_groups.max_inflight_gen_batches=2"]).unwrap_err();
+    assert!(inflight.contains("max_inflight_gen_batches"), "{inflight}");
+}
+
 #[test]
 fn overrides_apply_in_verls_style() {
     let c = load_config(

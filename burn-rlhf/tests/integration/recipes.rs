@@ -83,7 +83,7 @@ fn dapo_drops_groups_without_spread_and_generates_until_the_batch_is_full() {
     let dir = temp_dir("recipe-dapo");
     let mut c = config("grpo", &dir);
     c.algorithm.filter_groups.enable = true;
-    c.algorithm.filter_groups.metric = "score".into();
+    c.algorithm.filter_groups.metric = Some("score".into());
     c.data.gen_batch_size = Some(3);
     // Prompts with an even answer get scores 0 and 1 across their two samples (spread); odd ones
     // get 0 twice (no spread) and must be dropped.
@@ -171,7 +171,7 @@ fn dapo_prompt_drawn_twice_in_a_step_makes_two_groups() {
     let dir = temp_dir("recipe-dapo-epoch");
     let mut c = config("grpo", &dir);
     c.algorithm.filter_groups.enable = true;
-    c.algorithm.filter_groups.metric = "score".into();
+    c.algorithm.filter_groups.metric = Some("score".into());
     c.data.gen_batch_size = Some(4);
     c.data.shuffle = false;
     let (actor, critic) = tiny_models();
