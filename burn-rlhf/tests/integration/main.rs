@@ -16,6 +16,7 @@ mod recipes;
 mod reward_model;
 mod sft;
 mod verl_scripts;
+mod verl_tree;
 
 /// Burn's RNG is one per process: code that seeds it and draws from it (random model
 /// initialisation, fresh heads and adapters) holds this lock, so that what it draws does not
