@@ -235,11 +235,28 @@ fn apply_override(tree: &mut Value, schema: &Value, arg: &str) -> Result<(), Con
         match known.get(part) {
             Some(sub) if known.is_object() => known = sub,
             _ => {
+                // A verl key of a section that changes nothing here: verl's value only.
+                if let (Some(why), Some(verl)) = (
+                    super::verl_tree::inert_reason(key),
+                    super::verl_tree::verl_value(key),
+                ) {
+                    let value = parse_override_value(raw.trim(), verl);
+                    if super::verl_tree::same_value(&value, verl) {
+                        return Ok(());
+                    }
+                    return Err(ConfigError::Override {
+                        arg: arg.to_string(),
+                        message: format!(
+                            "`{key}` is read only at verl's value `{verl}`: {why}; remove it or \
+                             set that"
+                        ),
+                    });
+                }
                 return Err(ConfigError::UnknownKey {
                     key: key.to_string(),
                     origin: format!("override `{arg}`"),
                     suggestion: closest_key(schema, key),
-                })
+                });
             }
         }
     }

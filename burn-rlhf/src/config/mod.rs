@@ -40,6 +40,7 @@ mod supervised;
 mod trainer;
 mod tree;
 pub mod verl_keys;
+pub mod verl_tree;
 
 pub use actor::{ActorConfig, PolicyLossConfig};
 pub use algorithm::{AlgorithmConfig, FilterGroupsConfig, KlCtrlConfig};
