@@ -101,6 +101,42 @@ const INERT: &[(&str, &str)] = &[
         "sandbox_fusion",
         "a sandbox is configured per tool, in the tool config file",
     ),
+    // FSDP's engine details that have no counterpart in how the models run here (the sharding
+    // keys themselves, `strategy`, `fsdp_size`, offload and dtypes, are read or refused
+    // elsewhere).
+    (
+        "*.fsdp_config.wrap_policy",
+        "every decoder layer is its own unit here",
+    ),
+    (
+        "*.fsdp_config.forward_prefetch",
+        "there is no FSDP all-gather to prefetch",
+    ),
+    (
+        "*.fsdp_config.use_orig_params",
+        "parameters are Burn's own, never flattened",
+    ),
+    (
+        "*.fsdp_config.use_torch_compile",
+        "there is no torch.compile: kernels are CubeCL's or the host's",
+    ),
+    (
+        "*.use_torch_compile",
+        "there is no torch.compile: kernels are CubeCL's or the host's",
+    ),
+    (
+        "*.fsdp_config.full_determinism",
+        "runs repeat bit for bit on one machine already",
+    ),
+    (
+        "*.fsdp_config.qat",
+        "quantisation-aware training is not built",
+    ),
+    (
+        "*.fsdp_config.turbo_config",
+        "verl's turbo FSDP engine is not used",
+    ),
+    ("*.freeze_vision_tower", "models here read text only"),
 ];
 
 /// Whether `pattern` (dotted, `*` for any one part) names `key` or a section above it.
