@@ -86,6 +86,19 @@ fn export_linear<B: Backend>(
     }
 }
 
+/// A whole model's tensors (HF names) as the weights rank `group.rank()` cuts its part from.
+fn part_weights(tensors: BTreeMap<String, HostTensor>, group: &TpGroup) -> WeightMap {
+    let mut w = WeightMap::new(format!(
+        "tensor-parallel rank {} of {}",
+        group.rank(),
+        group.size()
+    ));
+    for (name, t) in tensors {
+        w.insert(name, t);
+    }
+    w
+}
+
 /// A whole layer in a column-parallel place (randomly initialised models are whole).
 fn column<B: Backend>(linear: LoraLinear<B>) -> ColumnParallelLinear<B> {
     ColumnParallelLinear::whole(linear)
@@ -617,14 +630,7 @@ impl<B: Backend> CausalLm<B> {
                     .into(),
             });
         }
-        let mut w = WeightMap::new(format!(
-            "tensor-parallel rank {} of {}",
-            group.rank(),
-            group.size()
-        ));
-        for (name, t) in self.export() {
-            w.insert(name, t);
-        }
+        let w = part_weights(self.export(), group);
         Self::load(c, w, Some(group), device)
     }
 

@@ -8,7 +8,7 @@ use burn::nn::{Linear, LinearConfig};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, Tensor};
 
-use super::{export_linear, linear};
+use super::{export_linear, linear, part_weights};
 use crate::config::TransformerConfig;
 use crate::error::ModelError;
 use crate::heads::ScoredModel;
@@ -67,14 +67,7 @@ impl<B: Backend> ScoredModel<B> {
         group: &TpGroup,
         device: &B::Device,
     ) -> Result<Self, ModelError> {
-        let mut w = WeightMap::new(format!(
-            "tensor-parallel rank {} of {}",
-            group.rank(),
-            group.size()
-        ));
-        for (name, t) in self.export() {
-            w.insert(name, t);
-        }
+        let w = part_weights(self.export(), group);
         Self::load_critic(c, w, Some(group), device)
     }
 
