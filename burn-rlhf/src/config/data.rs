@@ -31,6 +31,11 @@ pub struct DataConfig {
     /// `error`, `left` or `right`.
     pub truncation: String,
     pub return_raw_chat: bool,
+    /// At most this many training prompts (`-1`, or any value <= 0: all), taken before long
+    /// prompts are filtered.
+    pub train_max_samples: i64,
+    /// At most this many validation prompts (`-1`: all).
+    pub val_max_samples: i64,
 }
 
 impl Default for DataConfig {
@@ -50,6 +55,8 @@ impl Default for DataConfig {
             seed: 1,
             filter_overlong_prompts: false,
             truncation: "error".into(),
+            train_max_samples: -1,
+            val_max_samples: -1,
             return_raw_chat: true,
         }
     }
@@ -84,6 +91,9 @@ pub struct DataSettings {
     pub filter_overlong_prompts: bool,
     /// What to do with a longer prompt.
     pub truncation: Truncation,
+    /// At most this many training prompts, and validation prompts (`None`: all): the first ones
+    /// without `shuffle`, else a draw seeded by `seed` (as verl's, not numpy's draw itself).
+    pub max_samples: (Option<usize>, Option<usize>),
 }
 
 impl DataConfig {
@@ -133,6 +143,15 @@ impl DataConfig {
             seed: self.seed,
             filter_overlong_prompts: self.filter_overlong_prompts,
             truncation: truncation?,
+            max_samples: (
+                max_samples(self.train_max_samples),
+                max_samples(self.val_max_samples),
+            ),
         })
     }
+}
+
+/// A `*_max_samples` key: verl takes every prompt unless it is positive.
+fn max_samples(value: i64) -> Option<usize> {
+    (value > 0).then_some(value as usize)
 }

@@ -218,6 +218,11 @@ impl<B: LearnerBackend> Learner<B> {
             }
             (None, _) => None,
         };
+        // verl's `*_max_samples`, before long prompts are filtered.
+        let data = &settings.data;
+        let (most_train, most_val) = data.max_samples;
+        let parts_train = at_most(parts.train, most_train, data);
+        let parts_val = at_most(parts.val, most_val, data);
         let (train, val) = if settings.data.filter_overlong_prompts {
             let max = settings.data.max_prompt_length;
             let default_loop = &settings.rollout.default_agent_loop;
@@ -233,9 +238,9 @@ impl<B: LearnerBackend> Learner<B> {
                 }
                 Ok(kept)
             };
-            (fits(parts.train)?, fits(parts.val)?)
+            (fits(parts_train)?, fits(parts_val)?)
         } else {
-            (parts.train, parts.val)
+            (parts_train, parts_val)
         };
         let data = &settings.data;
         if parts.training {
@@ -383,6 +388,31 @@ impl<B: LearnerBackend> PreparedLearner<B> {
     }
 }
 
+/// At most `most` of `records` (all when `None` or fewer): the first ones, or with
+/// `data.shuffle` as many drawn without replacement by a generator seeded with `data.seed`, in
+/// the order drawn (verl draws with numpy's `default_rng(seed).choice`; the subset here is
+/// another one of the same size).
+fn at_most(
+    records: Vec<PromptRecord>,
+    most: Option<usize>,
+    data: &crate::config::settings::DataSettings,
+) -> Vec<PromptRecord> {
+    let Some(n) = most.filter(|&n| n < records.len()) else {
+        return records;
+    };
+    if !data.shuffle {
+        return records.into_iter().take(n).collect();
+    }
+    use rand::SeedableRng;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(data.seed);
+    let picked = rand::seq::index::sample(&mut rng, records.len(), n).into_vec();
+    let mut slots: Vec<Option<PromptRecord>> = records.into_iter().map(Some).collect();
+    picked
+        .into_iter()
+        .map(|i| slots[i].take().expect("drawn without replacement"))
+        .collect()
+}
+
 /// A step draws `data.train_batch_size` prompts (DAPO: `gen_batch_size` per round) without
 /// repeating one within an epoch, as verl's `drop_last` data loader: fewer prompts than that
 /// would make a run of zero steps (or silently smaller batches), so it is an error naming the
@@ -494,4 +524,46 @@ fn build_agents<B: LearnerBackend>(
         )
     })?;
     Ok(agents)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{KnownNames, RlhfConfig};
+
+    /// verl's `train_max_samples`: the first prompts without shuffling, else a seeded draw of
+    /// that many distinct prompts; `-1` keeps all.
+    #[test]
+    fn max_samples_take_the_first_prompts_or_a_seeded_draw() {
+        let records: Vec<PromptRecord> = (0..20)
+            .map(|i| crate::tasks::problem(i, 1, i as i64))
+            .collect();
+        let index =
+            |r: &[PromptRecord]| -> Vec<i64> { r.iter().map(|p| p.extra_info.index).collect() };
+        let data = |shuffle: bool, max: i64| {
+            let mut c = RlhfConfig::default();
+            c.data.shuffle = shuffle;
+            c.data.seed = 7;
+            c.data.train_max_samples = max;
+            Settings::from_config(&c, &KnownNames::default(), "test")
+                .unwrap()
+                .data
+        };
+        let first = data(false, 5);
+        assert_eq!(
+            index(&at_most(records.clone(), first.max_samples.0, &first)),
+            vec![0, 1, 2, 3, 4]
+        );
+        let drawn = data(true, 5);
+        let a = index(&at_most(records.clone(), drawn.max_samples.0, &drawn));
+        let b = index(&at_most(records.clone(), drawn.max_samples.0, &drawn));
+        let mut distinct = a.clone();
+        distinct.sort();
+        distinct.dedup();
+        assert_eq!((a.len(), distinct.len()), (5, 5));
+        assert_eq!(a, b, "seeded");
+        assert_ne!(a, vec![0, 1, 2, 3, 4]);
+        let all = data(true, -1);
+        assert_eq!(at_most(records.clone(), all.max_samples.0, &all).len(), 20);
+    }
 }
