@@ -27,7 +27,7 @@ use burn_rlhf::burn::module::AutodiffModule;
 use burn_rlhf::burn::optim::AdamWConfig;
 use burn_rlhf::burn::tensor::backend::Backend;
 use burn_rlhf::config::RlhfConfig;
-use burn_rlhf::minibatch::{sft_update, OptimizerStep};
+use burn_rlhf::minibatch::{sft_update, OptimizerStep, SftPasses};
 use burn_rlhf::models::pretrained::save_pretrained;
 use burn_rlhf::models::weights::WeightMap;
 use burn_rlhf::models::{CausalLm, ValueModel};
@@ -140,9 +140,12 @@ fn main() -> anyhow::Result<()> {
             grad_clip: 1.0,
             sync: &ReplicaSync::default(),
         };
-        let chunks = (64, burn_rlhf::config::DEFAULT_LOGITS_CHUNK);
+        let passes = SftPasses {
+            remove_padding: true,
+            ..SftPasses::padded(64, burn_rlhf::config::DEFAULT_LOGITS_CHUNK)
+        };
         // A tiny model: its activations are small, so nothing is recomputed.
-        let (updated, m) = sft_update(actor, step_of, &batch, chunks, false, &device)?;
+        let (updated, m) = sft_update(actor, step_of, &batch, passes, false, &device)?;
         actor = updated;
         if step % 50 == 0 || step == args.sft_steps {
             println!("sft step {step}: loss {:.4}", m["train/loss"]);

@@ -23,6 +23,7 @@ pub mod heads;
 mod hf_config;
 pub mod kernels;
 pub mod lora;
+pub mod packing;
 pub mod paged;
 pub mod pretrained;
 pub mod recompute;

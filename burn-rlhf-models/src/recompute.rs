@@ -23,7 +23,7 @@ use crate::kernels::DecoderBackend;
 use crate::rope::Rope;
 use crate::tensor_parallel::VocabParallelEmbedding;
 use crate::transformer::{
-    count_dense_pass, Attend, DecoderLayer, DensePass, FeedForward, Transformer,
+    count_dense_pass, Attend, DecoderLayer, DensePass, FeedForward, PassRows, Transformer,
 };
 
 /// What a layer-checkpointed pass kept for its backward ([`Transformer::forward_kept`]).
@@ -67,13 +67,13 @@ impl<B: DecoderBackend> Transformer<B> {
         &self,
         dtype: Option<FloatDType>,
         input_ids: Tensor<B, 2, Int>,
-        attention_mask: &[Vec<i64>],
-        position_ids: &[Vec<i64>],
+        rows: PassRows<'_>,
         router: Option<&mut Vec<Tensor<B, 2>>>,
     ) -> (Tensor<B, 3>, KeptLayers<B>) {
         count_dense_pass();
         let device = input_ids.device();
-        let pass = DensePass::new(self, attention_mask, position_ids, 0, &device);
+        let pass = DensePass::of_rows(self, rows, &device);
+        let input_ids = rows.input_ids(input_ids);
         let table: VocabParallelEmbedding<B> = computed(self.embed_tokens.clone().no_grad(), dtype);
         let mut x = self.embed_with(&table, input_ids.clone()).detach();
         let mut inputs = Vec::with_capacity(self.layers.len());
@@ -81,10 +81,10 @@ impl<B: DecoderBackend> Transformer<B> {
         let mut router_slot = Vec::with_capacity(self.layers.len());
         for layer in &self.layers {
             let layer: DecoderLayer<B> = computed(layer.clone().no_grad(), dtype);
-            let (rope, mask) = pass.for_layer(&layer);
+            let (rope, attend) = pass.attend(&layer);
             inputs.push(x.clone());
             let mut routed = Vec::new();
-            x = layer.forward(x, rope, Attend::Masked(mask, None), Some(&mut routed));
+            x = layer.forward(x, rope, attend, Some(&mut routed));
             router_slot.push(routed.pop().map(|logits| {
                 kept_router.push(logits.detach());
                 kept_router.len() - 1
@@ -177,18 +177,13 @@ impl<B: AutodiffBackend + DecoderBackend> KeptLayers<B> {
             let grad = dy.unwrap_or_else(|| input.zeros_like().inner());
             let x = input.require_grad();
             let layer: DecoderLayer<B> = computed(layer.clone(), self.dtype);
-            let (rope, mask) = self.pass.for_layer(&layer);
             let dy_out: Tensor<B, 3> = Tensor::from_inner(grad);
-            let attend = Attend::Masked(mask, None);
+            let (rope, attend) = self.pass.attend(&layer);
             let pairing = backward_pairing(&layer, x.clone(), rope, attend, dy_out.clone());
             let surrogate = pairing.unwrap_or_else(|| {
                 let mut routed = Vec::new();
-                let y = layer.forward(
-                    x.clone(),
-                    rope,
-                    Attend::Masked(mask, None),
-                    Some(&mut routed),
-                );
+                let (rope, attend) = self.pass.attend(&layer);
+                let y = layer.forward(x.clone(), rope, attend, Some(&mut routed));
                 let mut surrogate = (y * dy_out).sum();
                 if let Some((router_loss, slot)) = sparse {
                     let mut router = self.router.clone();
@@ -332,13 +327,15 @@ mod tests {
             let whole = grads_of(&model, &loss_of(&model, hidden, &router, &mask).backward());
 
             let mut router = Vec::new();
-            let (last, kept) = model.model.forward_kept(
-                None,
-                input_ids.clone(),
-                &mask,
-                &positions,
-                Some(&mut router),
-            );
+            let rows = PassRows {
+                attention_mask: &mask,
+                position_ids: &positions,
+                packed: None,
+            };
+            let (last, kept) =
+                model
+                    .model
+                    .forward_kept(None, input_ids.clone(), rows, Some(&mut router));
             let hidden = model.model.norm.forward(last);
             let loss = loss_of(&model, hidden, &router, &mask);
             let aux = |r: &[Tensor<A, 2>]| load_balancing_loss(r, 2, &mask).mul_scalar(0.3);

@@ -11,6 +11,7 @@ use crate::cache::KvCache;
 use crate::config::{Activation, ModelType};
 use crate::kernels::{self, AttentionMask, DecoderBackend};
 use crate::lora::LoraLinear;
+use crate::packing::{PackedAttention, PackedRows};
 use crate::paged::{KvPool, PagedLayout};
 use crate::rope::{Rope, RotaryFrequencies};
 pub use crate::routing::load_balancing_loss;
@@ -91,19 +92,35 @@ pub enum Attend<'a, B: Backend> {
     /// A paged pass: the new keys and values are written at the layout's slots of this layer's
     /// pool (the index), and each token attends its sequence's positions there.
     Paged(&'a mut KvPool<B>, usize, &'a PagedLayout),
+    /// A packed pass ([`crate::packing`]): the queries, keys and values go into attention's rows,
+    /// attend under the mask (over those rows), and their output is packed again.
+    Packed(&'a AttentionMask, &'a PackedAttention<B>),
 }
 
 impl<B: DecoderBackend> Attention<B> {
     /// Shapes: x `[B, L, H]` → `[B, L, H]`, attending as `attend` says.
+    /// A packed pass's x is `[1, T, H]`: its projections run over the packed tokens, and what
+    /// attention reads is moved into rows (the rotary tables are those rows').
     pub fn forward(&self, x: Tensor<B, 3>, rope: &Rope<B>, attend: Attend<'_, B>) -> Tensor<B, 3> {
-        let [b, l, _] = x.dims();
+        let packed = match &attend {
+            Attend::Packed(_, packed) => Some(*packed),
+            _ => None,
+        };
+        let [b, l] = match packed {
+            Some(p) => [p.rows, p.longest],
+            None => [x.dims()[0], x.dims()[1]],
+        };
+        let rows = |t: Tensor<B, 3>| match packed {
+            Some(p) => p.to_rows(t),
+            None => t,
+        };
         let (h, kv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
         let tp = self.q_proj.group.as_ref();
         // The split projections' input: its gradient is summed over the ranks.
         let x_in = self.q_proj.copy_in(x.clone());
         let q = per_head_norm(
             &self.q_norm,
-            self.q_proj.forward(x_in.clone()),
+            rows(self.q_proj.forward(x_in.clone())),
             [b, l, h, d],
             tp,
         );
@@ -114,14 +131,12 @@ impl<B: DecoderBackend> Attention<B> {
                 // after a copy, so the heads' gradients add up over the ranks that share them.
                 let k = per_head_norm(
                     &self.k_norm,
-                    self.k_proj.forward(x.clone()),
+                    rows(self.k_proj.forward(x.clone())),
                     [b, l, kv, d],
                     None,
                 );
                 let k = kernels::tp_copy(rope.apply(k), tp).narrow(1, head, 1);
-                let v = self
-                    .v_proj
-                    .forward(x)
+                let v = rows(self.v_proj.forward(x))
                     .reshape([b, l, kv, d])
                     .swap_dims(1, 2);
                 (k, kernels::tp_copy(v, tp).narrow(1, head, 1))
@@ -129,13 +144,11 @@ impl<B: DecoderBackend> Attention<B> {
             _ => {
                 let k = per_head_norm(
                     &self.k_norm,
-                    self.k_proj.forward(x_in.clone()),
+                    rows(self.k_proj.forward(x_in.clone())),
                     [b, l, kv, d],
                     tp,
                 );
-                let v = self
-                    .v_proj
-                    .forward(x_in)
+                let v = rows(self.v_proj.forward(x_in))
                     .reshape([b, l, kv, d])
                     .swap_dims(1, 2);
                 (rope.apply(k), v)
@@ -155,8 +168,13 @@ impl<B: DecoderBackend> Attention<B> {
                 let (k, v) = pool.write(layer, k, v, layout);
                 kernels::paged_attention(q, k, v, layout, self.sliding_window)
             }
+            Attend::Packed(mask, _) => kernels::attention(q, k, v, mask),
         };
         let out = out.swap_dims(1, 2).reshape([b, l, h * d]);
+        let out = match packed {
+            Some(p) => p.from_rows(out),
+            None => out,
+        };
         self.o_proj.forward(out)
     }
 }
@@ -522,6 +540,26 @@ impl<B: DecoderBackend> Transformer<B> {
         self.forward_routed(input_ids, attention_mask, position_ids, cache, None)
     }
 
+    /// Hidden states after the final norm of a pass without a cache over `rows` (a training or
+    /// scoring pass), collecting each sparse layer's router logits (`[tokens, experts]`, f32) in
+    /// `router`. Shapes: input_ids `[B, L]` → `[B, L, H]`, or packed `[1, T, H]`.
+    pub fn forward_pass(
+        &self,
+        input_ids: Tensor<B, 2, Int>,
+        rows: PassRows<'_>,
+        mut router: Option<&mut Vec<Tensor<B, 2>>>,
+    ) -> Tensor<B, 3> {
+        count_dense_pass();
+        let device = input_ids.device();
+        let pass = DensePass::of_rows(self, rows, &device);
+        let mut x = self.embed_with(&self.embed_tokens, rows.input_ids(input_ids));
+        for layer in &self.layers {
+            let (rope, attend) = pass.attend(layer);
+            x = layer.forward(x, rope, attend, router.as_deref_mut());
+        }
+        self.norm.forward(x)
+    }
+
     /// [`Transformer::forward_rows`] that also collects each sparse layer's router logits
     /// (`[B * L, experts]`, f32) in `router`, for the load-balancing loss
     /// ([`load_balancing_loss`]).
@@ -592,9 +630,61 @@ pub(crate) struct DensePass<B: Backend> {
     local_rope: Option<Rope<B>>,
     mask: AttentionMask,
     windowed: Vec<(usize, AttentionMask)>,
+    /// A packed pass's moves into attention's rows (the tables and masks are those rows').
+    packed: Option<PackedAttention<B>>,
+}
+
+/// The rows of a pass without a cache: a padded batch's host mask and positions, and whether it
+/// runs packed.
+#[derive(Debug, Clone, Copy)]
+pub struct PassRows<'a> {
+    /// `[B][L]`, 0/1.
+    pub attention_mask: &'a [Vec<i64>],
+    /// `[B][L]`.
+    pub position_ids: &'a [Vec<i64>],
+    /// When set, the pass runs over the real tokens only ([`crate::packing`]).
+    pub packed: Option<&'a PackedRows>,
+}
+
+impl PassRows<'_> {
+    /// The pass's input ids: `[B, L]` as they are, or packed `[1, T]`.
+    pub fn input_ids<B: Backend>(&self, input_ids: Tensor<B, 2, Int>) -> Tensor<B, 2, Int> {
+        match self.packed {
+            Some(p) => p.pack_ids(input_ids),
+            None => input_ids,
+        }
+    }
 }
 
 impl<B: Backend> DensePass<B> {
+    /// The tables and masks of a pass without a cache over `rows`.
+    pub(crate) fn of_rows(
+        decoder: &Transformer<B>,
+        rows: PassRows<'_>,
+        device: &B::Device,
+    ) -> Self {
+        match rows.packed {
+            None => Self::new(decoder, rows.attention_mask, rows.position_ids, 0, device),
+            Some(p) => {
+                let positions = p.rows_positions(rows.position_ids);
+                Self {
+                    packed: Some(p.attention(device)),
+                    ..Self::new(decoder, &p.rows_mask(), &positions, 0, device)
+                }
+            }
+        }
+    }
+
+    /// The rotary tables `layer` reads and how it attends, in a pass without a cache.
+    pub(crate) fn attend(&self, layer: &DecoderLayer<B>) -> (&Rope<B>, Attend<'_, B>) {
+        let (rope, mask) = self.for_layer(layer);
+        let attend = match &self.packed {
+            Some(p) => Attend::Packed(mask, p),
+            None => Attend::Masked(mask, None),
+        };
+        (rope, attend)
+    }
+
     /// The tables and masks of a pass over `attention_mask` (`[B][past + L]`) at `position_ids`
     /// (`[B][L]`).
     pub(crate) fn new(
@@ -623,6 +713,7 @@ impl<B: Backend> DensePass<B> {
                 .map(|freqs| Rope::new(position_ids, freqs, device)),
             mask,
             windowed,
+            packed: None,
         }
     }
 

@@ -577,3 +577,98 @@ fn tensor_parallel_shards_compute_and_train_as_the_whole_model() {
     // A model no size divides was refused above, naming what does not divide; some split.
     assert!(tested.iter().any(|(_, n)| *n > 0), "{tested:?}");
 }
+
+/// Padding-free passes (verl's `use_remove_padding`): every fixture model's logits at the real
+/// tokens of a packed pass are the padded pass's, and an SGD step on a loss of them moves the
+/// weights as the padded pass's step does.
+#[test]
+fn packed_passes_compute_and_train_as_padded_ones() {
+    use burn_rlhf_models::packing::PackedRows;
+    use burn_rlhf_models::transformer::PassRows;
+    // Three rows of 9: a left-padded prompt and a right-padded response, a full row, a short one.
+    let mask: Vec<Vec<i64>> = vec![
+        vec![0, 0, 1, 1, 1, 1, 1, 1, 0],
+        vec![1, 1, 1, 1, 1, 1, 1, 1, 1],
+        vec![0, 0, 0, 1, 1, 1, 0, 0, 0],
+    ];
+    let positions: Vec<Vec<i64>> = mask
+        .iter()
+        .map(|row| {
+            let mut seen = 0i64;
+            row.iter()
+                .map(|&m| {
+                    seen += m;
+                    (seen - 1).max(0)
+                })
+                .collect()
+        })
+        .collect();
+    let real = PackedRows::new(&mask, 1).unwrap().from_padded();
+    let device = Default::default();
+    // Per real token: Σ logits x a fixed pattern; the logits at the real tokens `[T, V]`.
+    let loss_of = |model: &CausalLm<AD>, pack: Option<&PackedRows>| {
+        let vocab = model.vocab_size();
+        let ids: Vec<i64> = (0..27).map(|i| (i * 37 % vocab) as i64).collect();
+        let ids = Tensor::<AD, 2, Int>::from_data(TensorData::new(ids, [3, 9]), &device);
+        let rows = PassRows {
+            attention_mask: &mask,
+            position_ids: &positions,
+            packed: pack,
+        };
+        let logits = model.logits(model.model.forward_pass(ids, rows, None));
+        let [b, l, v] = logits.dims();
+        let logits = match pack {
+            // The bucket's tokens of no row come last.
+            Some(_) => logits.reshape([l, v]).narrow(0, 0, real.len()),
+            None => logits.reshape([b * l, v]).select(
+                0,
+                Tensor::from_data(TensorData::new(real.clone(), [real.len()]), &device),
+            ),
+        };
+        let t = logits.dims()[0];
+        let pattern: Vec<f32> = (0..t * v)
+            .map(|i| ((i * 7) % 11) as f32 / 11.0 - 0.5)
+            .collect();
+        let pattern = Tensor::<AD, 2>::from_data(TensorData::new(pattern, [t, v]), &device);
+        ((logits.clone() * pattern).sum(), logits.inner())
+    };
+    let step = |model: CausalLm<AD>, pack: Option<&PackedRows>| {
+        let (loss, logits) = loss_of(&model, pack);
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        let model = SgdConfig::new().init().step(0.1, model, grads);
+        (logits, model.valid().export())
+    };
+    for (name, _, pre) in fixture_models() {
+        let model: CausalLm<AD> = pre.causal_lm(&device).unwrap();
+        let start = model.valid().export();
+        let (padded_logits, padded) = step(model.clone(), None);
+        // Exact lengths, and lengths up to a bucket of 8 (GPU backends' shapes).
+        for bucket in [1, 8] {
+            let packed = PackedRows::new(&mask, bucket).unwrap();
+            let (packed_logits, packed_weights) = step(model.clone(), Some(&packed));
+            let logit_diff = max_abs_diff(packed_logits, padded_logits.clone());
+            // Relative to each tensor's largest step.
+            let mut weight_diff = 0.0f32;
+            for (k, t) in &padded {
+                let moved = t
+                    .data
+                    .iter()
+                    .zip(&start[k].data)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0.0, f32::max);
+                for (a, b) in packed_weights[k].data.iter().zip(&t.data) {
+                    weight_diff = weight_diff.max((a - b).abs() / moved.max(1e-3));
+                }
+            }
+            println!(
+                "{name} (bucket {bucket}): packed logits within {logit_diff:.1e}, weights after a \
+             step within {weight_diff:.1e} of the step"
+            );
+            assert!(logit_diff < 1e-5, "{name}: logits differ by {logit_diff}");
+            assert!(
+                weight_diff < 1e-5,
+                "{name}: weights differ by {weight_diff}"
+            );
+        }
+    }
+}

@@ -6,11 +6,12 @@ use burn::module::Module;
 use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 use burn_rlhf_algos::kernels::{entropy_and_logprobs, linear_entropy_and_logprobs};
+use burn_rlhf_models::packing::{PackedColumns, PackedRows};
 use burn_rlhf_models::recompute::KeptLayers;
 use burn_rlhf_models::tensor_parallel::{
     copy_in, vocab_parallel_entropy_and_logprobs, vocab_parallel_linear_entropy_and_logprobs,
 };
-use burn_rlhf_models::transformer::RmsNorm;
+use burn_rlhf_models::transformer::{PassRows, RmsNorm};
 use burn_rlhf_models::{
     cast_weights, CausalLm, DecoderBackend, ScoredModel, Transformer, ValueModel,
 };
@@ -34,6 +35,9 @@ pub struct SequenceTensors<B: Backend> {
     pub response_mask: Tensor<B, 2>,
     /// `P`.
     pub prompt_len: usize,
+    /// The rows packed side by side, when the passes run padding-free (verl's
+    /// `use_remove_padding`; [`SequenceTensors::packed`]).
+    pub packed: Option<PackedRows>,
 }
 
 impl<B: Backend> SequenceTensors<B> {
@@ -79,7 +83,48 @@ impl<B: Backend> SequenceTensors<B> {
                 device,
             ),
             prompt_len: p,
+            packed: None,
         }
+    }
+
+    /// These tensors for padding-free passes when `remove_padding` (verl's
+    /// `use_remove_padding`): the decoder then runs over the real tokens only, lengths padded up
+    /// to multiples of `bucket` (the backend's shape bucket). Every rollout batch packs (each
+    /// row's tokens are one run); one that does not keeps the padded passes, which compute the
+    /// same numbers.
+    pub fn packed_if(mut self, remove_padding: bool, bucket: usize) -> Self {
+        if remove_padding {
+            self.packed = PackedRows::new(&self.attention_mask, bucket);
+        }
+        self
+    }
+
+    /// The rows of a decoder pass over these tensors.
+    pub fn pass_rows(&self) -> PassRows<'_> {
+        PassRows {
+            attention_mask: &self.attention_mask,
+            position_ids: &self.position_ids,
+            packed: self.packed.as_ref(),
+        }
+    }
+
+    /// Which of a pass's routed tokens are real, row by row as the router logits list them
+    /// (the load-balancing loss counts only these): the attention mask, or a packed pass's one
+    /// row of real tokens and then the bucket's.
+    pub fn routed_mask(&self) -> Vec<Vec<i64>> {
+        match &self.packed {
+            None => self.attention_mask.clone(),
+            Some(p) => vec![(0..p.pass_tokens())
+                .map(|i| (i < p.tokens()) as i64)
+                .collect()],
+        }
+    }
+
+    /// The tokens whose last hidden state predicts a response token (columns `P - 1 ..
+    /// P + R - 1`) in a packed pass.
+    fn response_columns(&self) -> Option<PackedColumns> {
+        let p = self.packed.as_ref()?;
+        Some(p.columns(self.prompt_len - 1, self.response_len()))
     }
 
     /// Response width `R`.
@@ -145,13 +190,12 @@ impl<B: DecoderBackend> LayerCheckpoint<B> {
         &mut self,
         norm: &RmsNorm<B>,
         input_ids: Tensor<B, 2, Int>,
-        attention_mask: &[Vec<i64>],
-        position_ids: &[Vec<i64>],
+        rows: PassRows<'_>,
         router: Option<&mut Vec<Tensor<B, 2>>>,
     ) -> Tensor<B, 3> {
-        let (last, kept) =
-            self.decoder
-                .forward_kept(self.dtype, input_ids, attention_mask, position_ids, router);
+        let (last, kept) = self
+            .decoder
+            .forward_kept(self.dtype, input_ids, rows, router);
         self.kept.push(kept);
         norm.forward(last)
     }
@@ -183,24 +227,19 @@ pub fn micro_model<B: Backend, M: WithDecoder<B>>(
     (model, checkpoint)
 }
 
-/// Hidden states after the final norm of a training pass of `decoder`: its whole graph, or
-/// with `checkpoint` its layers kept for recomputation. Shapes: input_ids `[B, L]` → `[B, L, H]`.
+/// Hidden states after the final norm of a training pass of `decoder` over `rows`: its whole
+/// graph, or with `checkpoint` its layers kept for recomputation. Shapes: input_ids `[B, L]` →
+/// `[B, L, H]`, or packed `[1, T, H]`.
 pub fn decoder_hidden<B: DecoderBackend>(
     decoder: &Transformer<B>,
     input_ids: Tensor<B, 2, Int>,
-    (attention_mask, position_ids): (&[Vec<i64>], &[Vec<i64>]),
+    rows: PassRows<'_>,
     router: Option<&mut Vec<Tensor<B, 2>>>,
     checkpoint: Option<&mut LayerCheckpoint<B>>,
 ) -> Tensor<B, 3> {
     match checkpoint {
-        Some(c) => c.hidden(
-            &decoder.norm,
-            input_ids,
-            attention_mask,
-            position_ids,
-            router,
-        ),
-        None => decoder.forward_routed(input_ids, attention_mask, position_ids, None, router),
+        Some(c) => c.hidden(&decoder.norm, input_ids, rows, router),
+        None => decoder.forward_pass(input_ids, rows, router),
     }
 }
 
@@ -228,18 +267,19 @@ pub fn response_logprobs_routed<B: ComputeBackend>(
     router: Option<&mut Vec<Tensor<B, 2>>>,
     checkpoint: Option<&mut LayerCheckpoint<B>>,
 ) -> (Tensor<B, 2>, Tensor<B, 2>) {
-    let hidden = response_hidden(model, seq, router, checkpoint);
-    logprobs_from_hidden(model, hidden, seq, head)
+    let at = response_hidden(model, seq, router, checkpoint);
+    let (logprobs, entropy) = logprobs_from_hidden(model, at.hidden.clone(), at.ids.clone(), head);
+    (at.unpack(logprobs), at.unpack(entropy))
 }
 
 /// Log-probs and entropies of the response tokens from the last hidden state at the positions
 /// that predict them (see [`response_logprobs`]).
 ///
-/// Shapes: hidden `[B, R, H]` → (log-probs `[B, R]`, entropies `[B, R]`).
+/// Shapes: hidden `[B, R, H]`, response_ids `[B, R]` → (log-probs `[B, R]`, entropies `[B, R]`).
 fn logprobs_from_hidden<B: ComputeBackend>(
     model: &CausalLm<B>,
     hidden: Tensor<B, 3>,
-    seq: &SequenceTensors<B>,
+    response_ids: Tensor<B, 2, Int>,
     head: LogprobHead,
 ) -> (Tensor<B, 2>, Tensor<B, 2>) {
     let [b, r, h] = hidden.dims();
@@ -251,7 +291,7 @@ fn logprobs_from_hidden<B: ComputeBackend>(
             let (entropy, logprobs) = vocab_parallel_linear_entropy_and_logprobs(
                 hidden,
                 weight,
-                seq.response_ids.clone().reshape([b * r]),
+                response_ids.clone().reshape([b * r]),
                 (head.temperature, head.chunk),
                 tp,
             );
@@ -261,7 +301,7 @@ fn logprobs_from_hidden<B: ComputeBackend>(
         let v = local.dims()[2];
         let (entropy, logprobs) = vocab_parallel_entropy_and_logprobs(
             local.reshape([b * r, v]),
-            seq.response_ids.clone().reshape([b * r]),
+            response_ids.clone().reshape([b * r]),
             head.temperature,
             Some(tp),
         );
@@ -272,17 +312,13 @@ fn logprobs_from_hidden<B: ComputeBackend>(
             let (entropy, logprobs) = linear_entropy_and_logprobs(
                 hidden.reshape([b * r, h]),
                 weight,
-                seq.response_ids.clone().reshape([b * r]),
+                response_ids.clone().reshape([b * r]),
                 head.temperature,
                 head.chunk,
             );
             (entropy.reshape([b, r]), logprobs.reshape([b, r]))
         }
-        None => entropy_and_logprobs(
-            model.logits(hidden),
-            seq.response_ids.clone(),
-            head.temperature,
-        ),
+        None => entropy_and_logprobs(model.logits(hidden), response_ids, head.temperature),
     };
     (logprobs, entropy)
 }
@@ -298,39 +334,83 @@ pub fn response_logprobs_and_sum_pi_squared<B: ComputeBackend>(
     head: LogprobHead,
 ) -> (Tensor<B, 2>, Tensor<B, 2>, Tensor<B, 2>) {
     // One decoder pass serves both.
-    let hidden = response_hidden(model, seq, None, None);
-    let (logprobs, entropy) = logprobs_from_hidden(model, hidden.clone(), seq, head);
-    let [b, r, _] = hidden.dims();
-    let per = head.chunk.div_ceil(r.max(1)).max(1);
-    let sums = (0..b)
-        .step_by(per)
+    let at = response_hidden(model, seq, None, None);
+    let (logprobs, entropy) = logprobs_from_hidden(model, at.hidden.clone(), at.ids.clone(), head);
+    let [b, r, h] = at.hidden.dims();
+    let tokens = at.hidden.clone().reshape([1, b * r, h]);
+    let chunk = head.chunk.max(1);
+    let sums = (0..b * r)
+        .step_by(chunk)
         .map(|start| {
-            let logits = model.logits(hidden.clone().slice(start..(start + per).min(b)));
+            let n = chunk.min(b * r - start);
+            let logits = model.logits(tokens.clone().narrow(1, start, n));
             let probs = burn::tensor::activation::softmax(logits / head.temperature, 2);
-            probs.powi_scalar(2).sum_dim(2).squeeze_dim::<2>(2)
+            probs.powi_scalar(2).sum_dim(2).reshape([n])
         })
         .collect();
-    (logprobs, entropy, Tensor::cat(sums, 0))
+    let sums = Tensor::cat(sums, 0).reshape([b, r]);
+    (at.unpack(logprobs), at.unpack(entropy), at.unpack(sums))
 }
 
-/// The last hidden state at the positions that predict response tokens. Shapes: →
-/// `[B, R, H]`.
+/// The last hidden state at the positions that predict response tokens, and those tokens: the
+/// padded `[B, R]` block, or a packed pass's `N` such positions as `[1, N]`.
+struct ResponseHidden<B: Backend> {
+    /// `[B, R, H]` or `[1, N, H]`.
+    hidden: Tensor<B, 3>,
+    /// The tokens they predict: `[B, R]` or `[1, N]`.
+    ids: Tensor<B, 2, Int>,
+    /// A packed pass's way back to `[B, R]`.
+    columns: Option<PackedColumns>,
+}
+
+impl<B: Backend> ResponseHidden<B> {
+    /// Per-position values back in the padded block (zero at a packed pass's padding).
+    /// Shapes: `[B, R]` or `[1, N]` → `[B, R]`.
+    fn unpack(&self, values: Tensor<B, 2>) -> Tensor<B, 2> {
+        match &self.columns {
+            None => values,
+            Some(c) => c.scatter(values.reshape([c.len()])),
+        }
+    }
+}
+
+/// The last hidden state at the positions that predict response tokens (only they go through
+/// the LM head).
 fn response_hidden<B: ComputeBackend>(
     model: &CausalLm<B>,
     seq: &SequenceTensors<B>,
     router: Option<&mut Vec<Tensor<B, 2>>>,
     checkpoint: Option<&mut LayerCheckpoint<B>>,
-) -> Tensor<B, 3> {
-    let [b, l] = seq.input_ids.dims();
+) -> ResponseHidden<B> {
     let hidden = decoder_hidden(
         &model.model,
         seq.input_ids.clone(),
-        (&seq.attention_mask, &seq.position_ids),
+        seq.pass_rows(),
         router,
         checkpoint,
     );
-    // Only the positions that predict response tokens go through the LM head.
-    hidden.slice([0..b, seq.prompt_len - 1..l - 1])
+    match seq.response_columns() {
+        None => {
+            let [b, l] = seq.input_ids.dims();
+            ResponseHidden {
+                hidden: hidden.slice([0..b, seq.prompt_len - 1..l - 1]),
+                ids: seq.response_ids.clone(),
+                columns: None,
+            }
+        }
+        Some(columns) => {
+            let n = columns.len();
+            let hidden = columns.gather(hidden);
+            let h = hidden.dims()[1];
+            ResponseHidden {
+                hidden: hidden.reshape([1, n, h]),
+                ids: columns
+                    .gather_padded(seq.response_ids.clone())
+                    .reshape([1, n]),
+                columns: Some(columns),
+            }
+        }
+    }
 }
 
 /// The critic's value of each response position: the value at the position before each response
@@ -351,17 +431,27 @@ pub fn response_values_in<B: DecoderBackend>(
     seq: &SequenceTensors<B>,
     checkpoint: Option<&mut LayerCheckpoint<B>>,
 ) -> Tensor<B, 2> {
-    let [b, l] = seq.input_ids.dims();
     let hidden = decoder_hidden(
         &critic.model,
         seq.input_ids.clone(),
-        (&seq.attention_mask, &seq.position_ids),
+        seq.pass_rows(),
         None,
         checkpoint,
     );
-    critic
-        .values_of(hidden)
-        .slice([0..b, seq.prompt_len - 1..l - 1])
+    match seq.response_columns() {
+        None => {
+            let [b, l] = seq.input_ids.dims();
+            critic
+                .values_of(hidden)
+                .slice([0..b, seq.prompt_len - 1..l - 1])
+        }
+        Some(columns) => {
+            // Only the positions that predict response tokens meet the value head.
+            let hidden = columns.gather(hidden);
+            let [n, h] = hidden.dims();
+            columns.scatter(critic.values_of(hidden.reshape([1, n, h])).reshape([n]))
+        }
+    }
 }
 
 #[cfg(test)]
@@ -391,6 +481,7 @@ mod tests {
                 &device,
             ),
             prompt_len: 3,
+            packed: None,
         };
         let head = LogprobHead {
             temperature: 0.7,
@@ -407,7 +498,7 @@ mod tests {
         assert_eq!(logprobs.into_data(), want_logprobs.into_data());
         assert_eq!(entropy.into_data(), want_entropy.into_data());
         // Σ π² of the tempered distribution, from the whole logits.
-        let hidden = response_hidden(&model, &seq, None, None);
+        let hidden = response_hidden(&model, &seq, None, None).hidden;
         let probs = burn::tensor::activation::softmax(model.logits(hidden) / 0.7, 2);
         let want = probs.powi_scalar(2).sum_dim(2).squeeze_dim::<2>(2);
         let (got, want) = (

@@ -75,10 +75,12 @@ fn backward_peak<B: LearnerBackend>(
             let logits = model.forward(ids.clone(), mask, positions, None);
             return GradientsParams::from_grads(nll(logits).backward(), &model);
         }
-        let (last, kept) =
-            model
-                .model
-                .forward_kept(None, ids.clone(), &mask_rows, &position_rows, None);
+        let pass = burn_rlhf::models::transformer::PassRows {
+            attention_mask: &mask_rows,
+            position_ids: &position_rows,
+            packed: None,
+        };
+        let (last, kept) = model.model.forward_kept(None, ids.clone(), pass, None);
         let logits = model.logits(model.model.norm.forward(last));
         let mut grads = nll(logits).backward();
         let dy = kept.output_grad(&mut grads);

@@ -186,7 +186,8 @@ pub fn run_bench<B: LearnerBackend>(
         .take(if rows == 0 { 0 } else { 2 })
     {
         let (_, usage, compiled, tuned) = timed(|| {
-            let seq = SequenceTensors::<B>::from_batch(&batch, device);
+            let seq = SequenceTensors::<B>::from_batch(&batch, device)
+                .packed_if(learner.settings.model.remove_padding, learner.shape_bucket);
             let head = LogprobHead {
                 temperature: 1.0,
                 chunk: learner.settings.model.logits_chunk_size,

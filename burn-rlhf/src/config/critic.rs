@@ -17,6 +17,9 @@ pub struct CriticModelConfig {
     /// `None`: `actor_rollout_ref.model.path`.
     pub tokenizer_path: Option<String>,
     pub enable_gradient_checkpointing: bool,
+    /// The critic's passes run padding-free: its rows packed side by side, no work on padding
+    /// (same numbers as the padded passes). verl's default is true.
+    pub use_remove_padding: bool,
     /// verl's offload switches (`optimizer_offload`; `param_offload` refused).
     pub fsdp_config: FsdpConfig,
 }
@@ -27,6 +30,7 @@ impl Default for CriticModelConfig {
             path: "~/models/deepseek-llm-7b-chat".into(),
             tokenizer_path: None,
             enable_gradient_checkpointing: true,
+            use_remove_padding: true,
             fsdp_config: FsdpConfig::default(),
         }
     }
@@ -131,6 +135,8 @@ pub struct CriticSettings {
     /// `critic.model.enable_gradient_checkpointing` at the actor's `layer` granularity: the
     /// critic's update recomputes its decoder layers in the backward.
     pub recompute_layers: bool,
+    /// `critic.model.use_remove_padding`: padding-free passes.
+    pub remove_padding: bool,
 }
 
 /// What the critic's rules read from other sections.
@@ -286,6 +292,7 @@ impl CriticConfig {
             grad_clip: self.grad_clip,
             value_loss_scale: self.value_loss_scale,
             recompute_layers,
+            remove_padding: self.model.use_remove_padding,
         }))
     }
 }

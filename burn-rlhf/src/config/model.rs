@@ -93,6 +93,11 @@ pub struct ModelConfig {
     /// state and gradient accumulation (`reduce_dtype`); the critic computes in it too.
     pub dtype: String,
     pub enable_gradient_checkpointing: bool,
+    /// The policy's and reference's passes (old and reference log-probs, updates, validation
+    /// scoring) run padding-free: a micro-batch's rows packed side by side into one sequence,
+    /// each with its own positions, attention block-diagonal and causal, so no work is done on
+    /// padding. Same numbers as the padded passes. verl's default is true.
+    pub use_remove_padding: bool,
     /// What `enable_gradient_checkpointing` recomputes: `layer` (each decoder layer from its
     /// input, HF's and verl's) or `operation` (Burn's: the memory-bound operations only; the
     /// critic's switch must then equal the actor's). burn-rlhf's key.
@@ -123,6 +128,7 @@ impl Default for ModelConfig {
             tokenizer_path: None,
             dtype: "float32".into(),
             enable_gradient_checkpointing: true,
+            use_remove_padding: true,
             gradient_checkpointing_granularity: "layer".into(),
             use_fused_kernels: true,
             lora_rank: 0,
@@ -158,6 +164,8 @@ pub struct ModelSettings {
     /// `enable_gradient_checkpointing` at `gradient_checkpointing_granularity`: what the
     /// actor's backward recomputes.
     pub gradient_checkpointing: Checkpointing,
+    /// `use_remove_padding`: padding-free passes of the policy and the reference.
+    pub remove_padding: bool,
 }
 
 impl ModelConfig {
@@ -192,6 +200,7 @@ impl ModelConfig {
             logits_chunk_size: self.logits_chunk_size,
             dtype: dtype?,
             gradient_checkpointing: checkpointing?,
+            remove_padding: self.use_remove_padding,
         })
     }
 }

@@ -69,6 +69,9 @@ pub struct SftModelConfig {
     /// What it recomputes: `layer` (each decoder layer from its input; HF's) or `operation`
     /// (Burn's: the memory-bound operations only). burn-rlhf's key.
     pub gradient_checkpointing_granularity: String,
+    /// Padding-free passes: each micro-batch's rows packed side by side into one sequence (no
+    /// work on padding; the same numbers). verl's default (its `hf_model` config) is true.
+    pub use_remove_padding: bool,
     /// Response tokens per chunk of LM-head logits in the loss: `[chunk, vocab]` logits and
     /// their gradient at once, never `[tokens, vocab]`. burn-rlhf's key.
     pub logits_chunk_size: usize,
@@ -84,6 +87,7 @@ impl Default for SftModelConfig {
             target_modules: vec!["all-linear".into()],
             enable_gradient_checkpointing: true,
             gradient_checkpointing_granularity: "layer".into(),
+            use_remove_padding: true,
             logits_chunk_size: super::DEFAULT_LOGITS_CHUNK,
         }
     }

@@ -35,27 +35,13 @@ const NO_DROPOUT: &str = "burn-rlhf's decoders have no dropout: 0 is their behav
 
 /// The verl keys handled here, by their full path (without Hydra's `+`).
 pub const VERL_KEYS: &[(&str, Treatment)] = &[
-    // Padding: verl's switch between padded and packed layouts gives the same numbers.
-    (
-        "actor_rollout_ref.model.use_remove_padding",
-        Treatment::Refused(
-            "burn-rlhf has no packed (padding-free) layout to switch to; padding is masked, so \
-             the numbers are those of either verl layout, and `use_dynamic_bsz=true` trims \
-             micro-batches to their longest rows: remove the key",
-        ),
-    ),
-    (
-        "critic.model.use_remove_padding",
-        Treatment::Refused(
-            "burn-rlhf has no packed (padding-free) layout to switch to; padding is masked, so \
-             the numbers are those of either verl layout: remove the key",
-        ),
-    ),
     (
         "reward_model.model.use_remove_padding",
         Treatment::Refused(
-            "burn-rlhf has no packed (padding-free) layout to switch to; padding is masked, so \
-             the scores are those of either verl layout: remove the key",
+            "a reward model's scoring passes run padded here (padding-free passes are the \
+             policy's, reference's and critic's: `actor_rollout_ref.model.use_remove_padding`, \
+             `critic.model.use_remove_padding`); padding is masked, so the scores are those of \
+             either verl layout: remove the key",
         ),
     ),
     (

@@ -63,6 +63,9 @@ pub struct ActorLossConfig {
     /// Token-budget micro-batches are trimmed to a multiple of this width (the learner's shape
     /// bucket; 1 = exact).
     pub shape_bucket: usize,
+    /// Padding-free passes (`actor_rollout_ref.model.use_remove_padding`), lengths up to
+    /// `shape_bucket`.
+    pub remove_padding: bool,
     /// `Some(dtype)`: the forward and backward run on the weights cast to it (autocast; the
     /// weights, their gradients and the optimiser state stay f32). `model.dtype`.
     pub compute_dtype: Option<FloatDType>,
@@ -112,6 +115,7 @@ impl ActorLossConfig {
             micro_batch_size: actor.micro_batch_size.unwrap_or(rows),
             max_token_len: actor.max_token_len,
             shape_bucket: 1,
+            remove_padding: false,
             compute_dtype: None,
             recompute_layers: false,
             router_aux: None,
@@ -197,7 +201,8 @@ pub fn actor_update<B: LearnerBackend, O: Optimizer<CausalLm<B>, B>>(
     for micro in &plans {
         let (part, n, w) = (&micro.batch, micro.rows.len(), micro.batch.response_len);
         let cut = |v: &[f32]| micro.cut(v, r);
-        let seq = SequenceTensors::<B>::from_batch(part, device);
+        let seq = SequenceTensors::<B>::from_batch(part, device)
+            .packed_if(config.remove_padding, config.shape_bucket);
         let mask = seq.response_mask.clone();
         // Cast per micro-batch: each backward consumes the graph, the cast included.
         let (model, mut checkpoint) =
@@ -257,16 +262,18 @@ pub fn actor_update<B: LearnerBackend, O: Optimizer<CausalLm<B>, B>>(
         }
         let tokens: f64 = cut(local.loss_mask()).iter().map(|&m| m as f64).sum();
         let share = tokens / total_tokens * dp.world() as f64;
+        // The real tokens among the routed ones.
+        let routed = seq.routed_mask();
         // The load-balancing loss's part of `loss`, for a layer-checkpointed backward.
         let aux_in_loss = config.router_aux.filter(|aux| aux.in_loss);
         let router_loss = |router: &[burn::tensor::Tensor<B, 2>]| {
             let aux = aux_in_loss.expect("only with the loss in");
-            load_balancing_loss(router, aux.top_k, &seq.attention_mask).mul_scalar(aux.coef * share)
+            load_balancing_loss(router, aux.top_k, &routed).mul_scalar(aux.coef * share)
         };
         if let Some(aux) = config.router_aux {
             // Per micro-batch, as transformers computes it per forward; weighted by its share of
             // the mini-batch's tokens, as the other terms.
-            let aux_loss = load_balancing_loss(&router, aux.top_k, &seq.attention_mask);
+            let aux_loss = load_balancing_loss(&router, aux.top_k, &routed);
             *metrics.entry("actor/router_aux_loss".into()).or_default() +=
                 to_scalar(aux_loss.clone().detach()) * share;
             if aux.in_loss {

@@ -42,6 +42,8 @@ pub struct CriticLossConfig {
     /// Token-budget micro-batches are trimmed to a multiple of this width (the learner's shape
     /// bucket; 1 = exact).
     pub shape_bucket: usize,
+    /// Padding-free passes (`critic.model.use_remove_padding`), lengths up to `shape_bucket`.
+    pub remove_padding: bool,
     /// Multiplies the loss before its gradient (`critic.value_loss_scale`).
     pub value_loss_scale: f64,
     /// `Some(dtype)`: autocast, as the actor's ([`super::ActorLossConfig::compute_dtype`]).
@@ -60,6 +62,7 @@ impl CriticLossConfig {
             micro_batch_size: critic.micro_batch_size.unwrap_or(rows),
             max_token_len: critic.max_token_len,
             shape_bucket: 1,
+            remove_padding: critic.remove_padding,
             value_loss_scale: critic.value_loss_scale,
             compute_dtype: None,
             recompute_layers: false,
@@ -108,7 +111,8 @@ pub fn critic_update<B: LearnerBackend, O: Optimizer<ValueModel<B>, B>>(
         let (n, w) = (micro.rows.len(), micro.batch.response_len);
         let slice = |v: &[f32]| micro.cut(v, r);
         let cut = |v: &[f32]| from_rows::<B>(slice(v), n, w, device);
-        let seq = SequenceTensors::<B>::from_batch(&micro.batch, device);
+        let seq = SequenceTensors::<B>::from_batch(&micro.batch, device)
+            .packed_if(config.remove_padding, config.shape_bucket);
         let (model, mut checkpoint) =
             micro_model(&critic, config.compute_dtype, config.recompute_layers);
         let vpreds = response_values_in(&model, &seq, checkpoint.as_mut());

@@ -15,7 +15,7 @@ pub use actor::{actor_update, ActorLossConfig, ActorTargets, OnPolicyLogProbs, R
 pub use critic::{critic_update, CriticLossConfig, CriticTargets};
 pub use packing::token_budget_partitions;
 pub use rm::{rm_eval, rm_update, sequence_scores, PairExample, PairLoss, ScoreRead};
-pub use sft::{sft_loss, sft_update};
+pub use sft::{sft_loss, sft_update, SftPasses};
 pub use step::{MicroGradients, OptimizerStep};
 
 use burn_rlhf_rollout::RolloutBatch;

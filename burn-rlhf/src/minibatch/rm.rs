@@ -10,6 +10,7 @@ use burn::optim::Optimizer;
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_rlhf_algos::functional::{to_scalar, to_vec};
 use burn_rlhf_algos::preference::{bradley_terry_pair_losses, reward_pair_stats};
+use burn_rlhf_models::transformer::PassRows;
 use burn_rlhf_models::{score_positions, RewardModel};
 
 use super::step::{MicroGradients, OptimizerStep};
@@ -110,7 +111,11 @@ pub fn sequence_scores<B: ComputeBackend>(
     let hidden = decoder_hidden(
         &model.model,
         p.ids,
-        (&p.mask, &p.positions),
+        PassRows {
+            attention_mask: &p.mask,
+            position_ids: &p.positions,
+            packed: None,
+        },
         None,
         checkpoint,
     );

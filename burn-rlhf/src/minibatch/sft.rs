@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 
 use crate::backend::LearnerBackend;
 use burn::optim::Optimizer;
+use burn::tensor::backend::Backend;
 use burn_rlhf_algos::functional::{from_rows, to_scalar};
 use burn_rlhf_algos::{agg_loss, GlobalBatchInfo, LossAggMode};
 use burn_rlhf_models::CausalLm;
@@ -18,19 +19,48 @@ use crate::forward::{
 
 use super::step::{MicroGradients, OptimizerStep};
 
-/// The mean NLL of `batch`'s response tokens under `model` (no update): validation loss, in
-/// micro-batches of `micro_batch_size` rows with `chunk` tokens per chunk of logits.
+/// How an SFT batch goes through the model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SftPasses {
+    /// Rows per forward/backward (`data.micro_batch_size_per_gpu`).
+    pub micro_batch_size: usize,
+    /// Response tokens per chunk of LM-head logits (`model.logits_chunk_size`).
+    pub chunk: usize,
+    /// Padding-free passes (`model.use_remove_padding`).
+    pub remove_padding: bool,
+}
+
+impl SftPasses {
+    /// Padded passes of `micro_batch_size` rows, `chunk` tokens per chunk of logits.
+    pub fn padded(micro_batch_size: usize, chunk: usize) -> Self {
+        Self {
+            micro_batch_size,
+            chunk,
+            remove_padding: false,
+        }
+    }
+
+    /// The tensors of one micro-batch.
+    fn tensors<B: Backend>(&self, part: &RolloutBatch, device: &B::Device) -> SequenceTensors<B> {
+        SequenceTensors::from_batch(part, device).packed_if(self.remove_padding, 1)
+    }
+}
+
+/// The mean NLL of `batch`'s response tokens under `model` (no update): validation loss.
 pub fn sft_loss<B: crate::backend::ComputeBackend>(
     model: &CausalLm<B>,
     batch: &RolloutBatch,
-    (micro_batch_size, chunk): (usize, usize),
+    passes: SftPasses,
     device: &B::Device,
 ) -> f64 {
     let tokens: f64 = batch.response_mask.iter().map(|&m| m as f64).sum();
     let mut nll = 0.0;
-    for part in batch.split(micro_batch_size.max(1)).expect("size >= 1") {
-        let seq = SequenceTensors::<B>::from_batch(&part, device);
-        let (logp, _) = response_logprobs(model, &seq, head(chunk));
+    for part in batch
+        .split(passes.micro_batch_size.max(1))
+        .expect("size >= 1")
+    {
+        let seq = passes.tensors::<B>(&part, device);
+        let (logp, _) = response_logprobs(model, &seq, head(passes.chunk));
         nll -= to_scalar((logp * seq.response_mask).sum());
     }
     nll / tokens.max(1.0)
@@ -45,8 +75,7 @@ fn head(chunk: usize) -> LogprobHead {
 }
 
 /// One SFT optimiser step on `batch` (responses are the targets; prompts are context only), in
-/// micro-batches of `micro_batch_size` rows with `chunk` tokens per chunk of logits (with
-/// `recompute_layers`, layer-level activation checkpointing); with several
+/// `passes` (with `recompute_layers`, layer-level activation checkpointing); with several
 /// ranks (`step.sync.dp`) each takes its share of the rows and the step averages the gradients.
 /// Returns the model and `train/loss` (this rank's part: the ranks' mean is the batch's),
 /// `train/grad_norm`, `train/lr`.
@@ -54,7 +83,7 @@ pub fn sft_update<B: LearnerBackend, O: Optimizer<CausalLm<B>, B>>(
     model: CausalLm<B>,
     step: OptimizerStep<'_, O>,
     batch: &RolloutBatch,
-    (micro_batch_size, chunk): (usize, usize),
+    passes: SftPasses,
     recompute_layers: bool,
     device: &B::Device,
 ) -> Result<(CausalLm<B>, BTreeMap<String, f64>), TrainError> {
@@ -70,11 +99,19 @@ pub fn sft_update<B: LearnerBackend, O: Optimizer<CausalLm<B>, B>>(
     let local = batch.select(&mine);
     let mut gradients = MicroGradients::default();
     let mut loss_sum = 0.0;
-    for part in local.split(micro_batch_size.max(1)).expect("size >= 1") {
-        let seq = SequenceTensors::<B>::from_batch(&part, device);
+    for part in local
+        .split(passes.micro_batch_size.max(1))
+        .expect("size >= 1")
+    {
+        let seq = passes.tensors::<B>(&part, device);
         let (computing, mut checkpoint) = micro_model(&model, None, recompute_layers);
-        let (logp, _) =
-            response_logprobs_routed(&computing, &seq, head(chunk), None, checkpoint.as_mut());
+        let (logp, _) = response_logprobs_routed(
+            &computing,
+            &seq,
+            head(passes.chunk),
+            None,
+            checkpoint.as_mut(),
+        );
         let loss = agg_loss(
             logp.neg(),
             seq.response_mask.clone(),

@@ -103,7 +103,8 @@ impl<B: LearnerBackend> Learner<B> {
                 max_tokens,
                 (key, 2 + sum_pi_squared as usize),
                 |part| {
-                    let seq = SequenceTensors::from_batch(part, &self.device);
+                    let seq = SequenceTensors::from_batch(part, &self.device)
+                        .packed_if(self.settings.model.remove_padding, self.shape_bucket);
                     if sum_pi_squared {
                         let (l, e, s) = response_logprobs_and_sum_pi_squared(model, &seq, head);
                         vec![to_vec(l), to_vec(e), to_vec(s)]
@@ -213,7 +214,8 @@ impl<B: LearnerBackend> Learner<B> {
                     settings.forward_max_token_len,
                     ("critic.forward_max_token_len_per_gpu", 1),
                     |part| {
-                        let seq = SequenceTensors::from_batch(part, &self.device);
+                        let seq = SequenceTensors::from_batch(part, &self.device)
+                            .packed_if(settings.remove_padding, self.shape_bucket);
                         vec![to_vec(response_values(&model, &seq))]
                     },
                 )

@@ -24,7 +24,7 @@ use crate::config::{SftConfig, SftDataConfig};
 use crate::distributed::DataParallel;
 use crate::error::TrainError;
 use crate::loading::{load_policy, with_lora};
-use crate::minibatch::{sft_loss, sft_update, OptimizerStep};
+use crate::minibatch::{sft_loss, sft_update, OptimizerStep, SftPasses};
 use crate::optim::AdamWOf;
 
 /// One tokenized example: prompt ids (context) and response ids (targets, EOS last).
@@ -152,7 +152,7 @@ fn val_loss<B: crate::backend::ComputeBackend>(
     val: &[SftExample],
     batch_size: usize,
     pad: u32,
-    micro: (usize, usize),
+    micro: SftPasses,
     device: &B::Device,
 ) -> Option<f64> {
     if val.is_empty() {
@@ -171,8 +171,8 @@ fn val_loss<B: crate::backend::ComputeBackend>(
 
 /// The SFT trainer's part of the supervised loop: a causal LM on prompt and response pairs.
 struct SftTask {
-    /// Rows per micro-batch, tokens per chunk of logits.
-    micro: (usize, usize),
+    /// Rows per micro-batch, tokens per chunk of logits, padding-free or not.
+    micro: SftPasses,
     /// Layer-level activation checkpointing in the update.
     recompute_layers: bool,
     pad: u32,
@@ -297,7 +297,11 @@ pub fn fit_sft<B: LearnerBackend>(
     });
     SupervisedRun {
         task: SftTask {
-            micro: (d.micro_batch_size_per_gpu, m.logits_chunk_size),
+            micro: SftPasses {
+                micro_batch_size: d.micro_batch_size_per_gpu,
+                chunk: m.logits_chunk_size,
+                remove_padding: m.use_remove_padding,
+            },
             recompute_layers: settings.checkpointing.layers(),
             pad: tokenizer.pad_token_id,
         },

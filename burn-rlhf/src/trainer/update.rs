@@ -158,6 +158,7 @@ impl<B: LearnerBackend> Learner<B> {
                         &targets,
                         &ActorLossConfig {
                             shape_bucket: self.shape_bucket,
+                            remove_padding: self.settings.model.remove_padding,
                             compute_dtype: self.settings.model.dtype,
                             recompute_layers: self.settings.model.gradient_checkpointing.layers(),
                             router_aux: RouterAux::of(&self.model_config),

@@ -119,6 +119,7 @@ fn loss_config(mode: LossAggMode) -> ActorLossConfig {
         micro_batch_size: 1,
         max_token_len: None,
         shape_bucket: 1,
+        remove_padding: false,
         compute_dtype: None,
         recompute_layers: false,
         router_aux: None,
@@ -173,15 +174,22 @@ fn micro_batch_size_does_not_change_the_update_on(dir: &std::path::Path) {
         LossAggMode::SeqMeanTokenMean,
         LossAggMode::SeqMeanTokenSumNorm,
     ] {
-        let run = |micro: usize, max_token_len: Option<usize>, shape_bucket: usize| {
+        let run_packed = |micro: usize,
+                          max_token_len: Option<usize>,
+                          shape_bucket: usize,
+                          remove_padding: bool| {
             let cfg = ActorLossConfig {
                 micro_batch_size: micro,
                 max_token_len,
                 shape_bucket,
+                remove_padding,
                 ..loss_config(mode)
             };
             let (updated, metrics) = sgd_update(dir, loss.as_ref(), &batch, &targets, &cfg);
             (updated.valid().export(), metrics)
+        };
+        let run = |micro, max_token_len, shape_bucket| {
+            run_packed(micro, max_token_len, shape_bucket, false)
         };
         let (whole, m_whole) = run(rows, None, 1);
         // One row per micro-batch, and verl's token-budget packing (`use_dynamic_bsz`): the
@@ -195,11 +203,19 @@ fn micro_batch_size_does_not_change_the_update_on(dir: &std::path::Path) {
             .max()
             .unwrap();
         assert!(longest <= 14);
-        for (single, m_single) in [
+        // And padding-free (`use_remove_padding`): rows packed side by side, whole, one row, and
+        // token-budget micro-batches with lengths up to a bucket of 4.
+        for (variant, (single, m_single)) in [
             run(1, None, 1),
             run(rows, Some(14), 1),
             run(rows, Some(14), 4),
-        ] {
+            run_packed(rows, None, 1, true),
+            run_packed(1, None, 1, true),
+            run_packed(rows, Some(14), 4, true),
+        ]
+        .into_iter()
+        .enumerate()
+        {
             let before = inner.export();
             let mut moved = 0.0f32;
             for (name, t) in &whole {
@@ -212,7 +228,9 @@ fn micro_batch_size_does_not_change_the_update_on(dir: &std::path::Path) {
                     .fold(0.0f32, f32::max);
                 assert!(
                     diff < 1e-5,
-                    "{}: `{name}` differs by {diff} between micro-batch 1 and {rows}",
+                    "{} {}: `{name}` differs by {diff} between the whole batch and variant \
+                     {variant}",
+                    dir.display(),
                     mode.name()
                 );
                 moved = moved.max(
@@ -264,6 +282,8 @@ fn recomputed_layers_give_the_whole_graphs_update() {
                 micro_batch_size: micro,
                 compute_dtype,
                 recompute_layers,
+                // Packed passes recompute as padded ones do; micro-batches of 1 stay padded.
+                remove_padding: micro > 1,
                 ..loss_config(LossAggMode::TokenMean)
             };
             let (updated, metrics) = sgd_update(&dir, loss.as_ref(), &batch, &targets, &cfg);
@@ -404,6 +424,10 @@ fn router_aux_loss_is_reported_and_trains_the_router() {
     }
 }
 
+fn reported_of(m: &std::collections::BTreeMap<String, f64>) -> f64 {
+    m["actor/router_aux_loss"]
+}
+
 fn router_aux_on(dir: &std::path::Path, aux: burn_rlhf::minibatch::RouterAux) {
     use burn_rlhf::models::transformer::FeedForward;
     let device = Default::default();
@@ -411,13 +435,14 @@ fn router_aux_on(dir: &std::path::Path, aux: burn_rlhf::minibatch::RouterAux) {
     let loss = Registry::<B>::builtin()
         .policy_loss("vanilla", &PolicyLossParams::default())
         .unwrap();
-    let run = |in_loss: bool| {
+    let run = |in_loss: bool, remove_padding: bool| {
         let cfg = ActorLossConfig {
             router_aux: Some(burn_rlhf::minibatch::RouterAux {
                 in_loss,
                 coef: 1.0,
                 ..aux
             }),
+            remove_padding,
             ..loss_config(LossAggMode::TokenMean)
         };
         let mut optim = SgdConfig::new().init();
@@ -448,8 +473,19 @@ fn router_aux_on(dir: &std::path::Path, aux: burn_rlhf::minibatch::RouterAux) {
             .expect("a sparse layer");
         (router, metrics)
     };
-    let (out, m_out) = run(false);
-    let (with, m_with) = run(true);
+    let (out, m_out) = run(false, false);
+    let (with, m_with) = run(true, false);
+    // Padding-free passes route the real tokens only: the same loss, the same router step.
+    let (packed, m_packed) = run(true, true);
+    let packed_diff: f32 = (packed - with.clone()).abs().max().into_scalar();
+    assert!(
+        (m_packed["actor/router_aux_loss"] - reported_of(&m_with)).abs() < 1e-6
+            && packed_diff < 1e-6,
+        "{}: packed router aux loss {} vs {}, router within {packed_diff}",
+        dir.display(),
+        m_packed["actor/router_aux_loss"],
+        reported_of(&m_with)
+    );
     let reported = m_out["actor/router_aux_loss"];
     assert!(
         reported.is_finite() && reported > 0.0,

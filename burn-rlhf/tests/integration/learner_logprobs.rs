@@ -108,6 +108,49 @@ fn recomputed_logprobs_equal_the_rollouts(dir: &std::path::Path) {
         assert!((-ent2[i]).exp() <= s + 1e-5, "token {i}: Σπ² {s} < exp(-H)");
     }
 
+    // Padding-free passes (`use_remove_padding`, exact lengths and a bucket of 8) give the same
+    // log-probs, entropies, Σπ² and values at every response token.
+    let critic_f = load_pretrained(dir.to_str().unwrap())
+        .unwrap()
+        .value_model::<Flex>(&Default::default())
+        .unwrap();
+    let head = LogprobHead {
+        temperature: 0.9,
+        chunk: 5,
+    };
+    let host =
+        |t: burn::tensor::Tensor<Flex, 2>| -> Vec<f32> { t.into_data().iter::<f32>().collect() };
+    let (pl, pe, ps) = response_logprobs_and_sum_pi_squared(&model, &seq, head);
+    let padded = [
+        host(pl),
+        host(pe),
+        host(ps),
+        host(response_values(&critic_f, &seq)),
+    ];
+    for bucket in [1, 8] {
+        let packed_seq = seq.clone().packed_if(true, bucket);
+        assert!(packed_seq.packed.is_some(), "a rollout batch packs");
+        let (l, e, s) = response_logprobs_and_sum_pi_squared(&model, &packed_seq, head);
+        let packed = [
+            host(l),
+            host(e),
+            host(s),
+            host(response_values(&critic_f, &packed_seq)),
+        ];
+        let attended = batch.response_attention_mask.clone();
+        for (what, (a, b)) in ["log-probs", "entropies", "Σπ²", "values"]
+            .iter()
+            .zip(padded.iter().zip(&packed))
+        {
+            for (i, ((x, y), &m)) in a.iter().zip(b).zip(&attended).enumerate() {
+                // At padding: the padded pass's value where the position before is a real
+                // token (the last one predicts padding), zero beyond.
+                let close = (x - y).abs() < 1e-5 || (m == 0.0 && *y == 0.0);
+                assert!(close, "{}: packed {what} at {i}: {y} vs {x}", dir.display());
+            }
+        }
+    }
+
     // Under autodiff both the actor's log-probs and the critic's values reach the weights.
     let actor = load_pretrained(dir.to_str().unwrap())
         .unwrap()
@@ -213,6 +256,7 @@ fn chunked_logits_match(dir: &std::path::Path) {
         response_ids: Tensor::from_data(TensorData::new(response, [b, r]), &Default::default()),
         response_mask: Tensor::ones([b, r], &Default::default()),
         prompt_len: p,
+        packed: None,
     };
     let values = |v: Tensor<A, 2>| -> Vec<f32> { v.into_data().iter::<f32>().collect() };
     let close = |a: &[f32], w: &[f32], what: &str| {

@@ -9,7 +9,7 @@ use std::process::{Command, Output};
 use burn::backend::{Autodiff, Flex};
 use burn::module::AutodiffModule;
 use burn::optim::AdamWConfig;
-use burn_rlhf::minibatch::{sft_update, OptimizerStep};
+use burn_rlhf::minibatch::{sft_update, OptimizerStep, SftPasses};
 use burn_rlhf::models::pretrained::save_pretrained;
 use burn_rlhf::models::{CausalLm, RewardModel};
 use burn_rlhf::optim::ReplicaSync;
@@ -49,7 +49,8 @@ fn assets(dir: &Path, hidden: usize, sft_steps: usize) -> Assets {
             sync: &ReplicaSync::default(),
         };
         let batch = tasks::sft_batch(&tokenizer, &picked);
-        model = sft_update(model, step, &batch, (64, 512), false, &Default::default())
+        let passes = SftPasses::padded(64, 512);
+        model = sft_update(model, step, &batch, passes, false, &Default::default())
             .unwrap()
             .0;
     }

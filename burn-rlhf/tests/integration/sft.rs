@@ -8,7 +8,7 @@ use burn::backend::{Autodiff, Flex};
 use burn::module::AutodiffModule;
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{Int, Tensor, TensorData};
-use burn_rlhf::minibatch::sft_loss;
+use burn_rlhf::minibatch::{sft_loss, SftPasses};
 use burn_rlhf::models::pretrained::{load_pretrained, save_pretrained};
 use burn_rlhf::models::CausalLm;
 use burn_rlhf::rollout::data::{write_parquet, TextPair};
@@ -71,7 +71,19 @@ fn loss_counts_only_response_tokens() {
     )
     .unwrap();
     let batch = sft_rollout_batch(&[&example], t.pad_token_id);
-    let loss = sft_loss(&model, &batch, (1, 512), &Default::default());
+    let loss = sft_loss(
+        &model,
+        &batch,
+        SftPasses::padded(1, 512),
+        &Default::default(),
+    );
+    // Padding-free: the same loss.
+    let passes = SftPasses {
+        remove_padding: true,
+        ..SftPasses::padded(1, 512)
+    };
+    let packed = sft_loss(&model, &batch, passes, &Default::default());
+    assert!((packed - loss).abs() < 1e-6, "packed {packed} vs {loss}");
     // By hand: log-softmax over the whole sequence, then the next-token log-prob at every place.
     let ids: Vec<i64> = example
         .prompt

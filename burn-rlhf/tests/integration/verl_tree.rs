@@ -131,10 +131,12 @@ fn verls_whole_tree_is_counted_as_documented() {
         leaves(&tree, "", &mut all);
         let mut counts: BTreeMap<Outcome, usize> = BTreeMap::new();
         let mut unknown_by_section: BTreeMap<String, usize> = BTreeMap::new();
+        let mut unknown = Vec::new();
         for (key, value) in &all {
             let o = outcome(key, value);
             *counts.entry(o).or_default() += 1;
             if o == Outcome::Unknown {
+                unknown.push(format!("{key}={}", spell(value)));
                 let section: Vec<&str> = key.split('.').take(2).collect();
                 *unknown_by_section.entry(section.join(".")).or_default() += 1;
             }
@@ -152,6 +154,9 @@ fn verls_whole_tree_is_counted_as_documented() {
             measured[0], measured[1], measured[2], measured[3], measured[4]
         );
         println!("  unknown by section: {unknown_by_section:?}");
+        for key in &unknown {
+            println!("  unknown: {key}");
+        }
         if documented_counts(&name) != Some(measured) {
             parted.push(name);
         }
