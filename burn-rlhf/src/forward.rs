@@ -88,12 +88,12 @@ impl<B: Backend> SequenceTensors<B> {
     }
 
     /// These tensors for padding-free passes when `remove_padding` (verl's
-    /// `use_remove_padding`): the decoder then runs over the real tokens only, lengths padded up
-    /// to multiples of `bucket` (the backend's shape bucket). Every rollout batch packs (each
-    /// row's tokens are one run); one that does not keeps the padded passes, which compute the
-    /// same numbers.
-    pub fn packed_if(mut self, remove_padding: bool, bucket: usize) -> Self {
-        if remove_padding {
+    /// `use_remove_padding`; `None`: when `bucket` is 1, exact shapes): the decoder then runs over
+    /// the real tokens only, lengths padded up to multiples of `bucket` (the backend's shape
+    /// bucket). Every rollout batch packs (each row's tokens are one run); one that does not
+    /// keeps the padded passes, which compute the same numbers.
+    pub fn packed_if(mut self, remove_padding: Option<bool>, bucket: usize) -> Self {
+        if remove_padding.unwrap_or(bucket == 1) {
             self.packed = PackedRows::new(&self.attention_mask, bucket);
         }
         self

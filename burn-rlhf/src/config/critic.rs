@@ -18,8 +18,9 @@ pub struct CriticModelConfig {
     pub tokenizer_path: Option<String>,
     pub enable_gradient_checkpointing: bool,
     /// The critic's passes run padding-free: its rows packed side by side, no work on padding
-    /// (same numbers as the padded passes). verl's default is true.
-    pub use_remove_padding: bool,
+    /// (same numbers as the padded passes). `None`: as `actor_rollout_ref.model.use_remove_padding`'s
+    /// default (where shapes are exact). verl's default is true.
+    pub use_remove_padding: Option<bool>,
     /// verl's offload switches (`optimizer_offload`; `param_offload` refused).
     pub fsdp_config: FsdpConfig,
 }
@@ -30,7 +31,7 @@ impl Default for CriticModelConfig {
             path: "~/models/deepseek-llm-7b-chat".into(),
             tokenizer_path: None,
             enable_gradient_checkpointing: true,
-            use_remove_padding: true,
+            use_remove_padding: None,
             fsdp_config: FsdpConfig::default(),
         }
     }
@@ -135,8 +136,8 @@ pub struct CriticSettings {
     /// `critic.model.enable_gradient_checkpointing` at the actor's `layer` granularity: the
     /// critic's update recomputes its decoder layers in the backward.
     pub recompute_layers: bool,
-    /// `critic.model.use_remove_padding`: padding-free passes.
-    pub remove_padding: bool,
+    /// `critic.model.use_remove_padding`: padding-free passes (`None`: where shapes are exact).
+    pub remove_padding: Option<bool>,
 }
 
 /// What the critic's rules read from other sections.

@@ -216,6 +216,9 @@ fn apply_override(tree: &mut Value, schema: &Value, arg: &str) -> Result<(), Con
                 message: format!("`{key}` is read only as {}: {why}", accepted.join(" or ")),
             })
         }
+        // `null` sets nothing: there is nothing to refuse (verl's deprecated keys are null by
+        // default).
+        Some(Treatment::Refused(_)) if value_is(raw, &["null", "none", "~"]) => return Ok(()),
         Some(Treatment::Refused(why)) => {
             return Err(ConfigError::Override {
                 arg: arg.to_string(),

@@ -96,8 +96,11 @@ pub struct ModelConfig {
     /// The policy's and reference's passes (old and reference log-probs, updates, validation
     /// scoring) run padding-free: a micro-batch's rows packed side by side into one sequence,
     /// each with its own positions, attention block-diagonal and causal, so no work is done on
-    /// padding. Same numbers as the padded passes. verl's default is true.
-    pub use_remove_padding: bool,
+    /// padding. Same numbers as the padded passes. `None` (burn-rlhf's default): on where shapes
+    /// are exact (CPU backends), off where they are bucketed (`shape_bucket`, GPU backends: packed
+    /// lengths vary more than padded ones, and each new length compiles kernels). verl's default
+    /// is true.
+    pub use_remove_padding: Option<bool>,
     /// What `enable_gradient_checkpointing` recomputes: `layer` (each decoder layer from its
     /// input, HF's and verl's) or `operation` (Burn's: the memory-bound operations only; the
     /// critic's switch must then equal the actor's). burn-rlhf's key.
@@ -109,6 +112,9 @@ pub struct ModelConfig {
     pub lora_alpha: f64,
     /// `all-linear` or a list of module names such as `[q_proj, v_proj]`.
     pub target_modules: Vec<String>,
+    /// verl's `model.lora.*` section: `merge` (its other keys, Megatron's LoRA settings, are
+    /// accepted at verl's values; LoRA here is `lora_rank`, `lora_alpha`, `target_modules`).
+    pub lora: ModelLoraConfig,
     /// Sequence lengths (prompts, responses, the KV cache) are padded up to multiples of this many
     /// tokens, the last micro-batch of a pass to the others' row count, and generation keeps one
     /// shape per decode step: GPU backends then compile and tune each kernel once per bucket.
@@ -128,16 +134,27 @@ impl Default for ModelConfig {
             tokenizer_path: None,
             dtype: "float32".into(),
             enable_gradient_checkpointing: true,
-            use_remove_padding: true,
+            use_remove_padding: None,
             gradient_checkpointing_granularity: "layer".into(),
             use_fused_kernels: true,
             lora_rank: 0,
             lora_alpha: 16.0,
             target_modules: vec!["all-linear".into()],
+            lora: ModelLoraConfig::default(),
             shape_bucket: None,
             logits_chunk_size: DEFAULT_LOGITS_CHUNK,
         }
     }
+}
+
+/// `actor_rollout_ref.model.lora.*` as written (verl's `+actor_rollout_ref.model.lora.merge`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ModelLoraConfig {
+    /// Generation (rollout and validation) runs on the weights with the LoRA adapters merged
+    /// in (`W + B·A·α/r`, one product per projection instead of three); training keeps them
+    /// apart.
+    pub merge: bool,
 }
 
 /// `actor_rollout_ref.model.*`, decoded.
@@ -164,8 +181,11 @@ pub struct ModelSettings {
     /// `enable_gradient_checkpointing` at `gradient_checkpointing_granularity`: what the
     /// actor's backward recomputes.
     pub gradient_checkpointing: Checkpointing,
-    /// `use_remove_padding`: padding-free passes of the policy and the reference.
-    pub remove_padding: bool,
+    /// `use_remove_padding`: padding-free passes of the policy and the reference (`None`: where
+    /// shapes are exact; [`crate::forward::SequenceTensors::packed_if`]).
+    pub remove_padding: Option<bool>,
+    /// `lora.merge`: generation on the weights with the adapters merged in.
+    pub lora_merge: bool,
 }
 
 impl ModelConfig {
@@ -179,6 +199,11 @@ impl ModelConfig {
         p.check(self.logits_chunk_size >= 1, || {
             "`actor_rollout_ref.model.logits_chunk_size` must be >= 1 (response tokens per chunk \
              of LM-head logits)"
+                .into()
+        });
+        p.check(!self.lora.merge || self.lora_rank > 0, || {
+            "`actor_rollout_ref.model.lora.merge` merges LoRA adapters into the weights \
+             generation uses, but `actor_rollout_ref.model.lora_rank` is 0 (no adapters)"
                 .into()
         });
         let checkpointing = Checkpointing::decode(
@@ -201,6 +226,7 @@ impl ModelConfig {
             dtype: dtype?,
             gradient_checkpointing: checkpointing?,
             remove_padding: self.use_remove_padding,
+            lora_merge: self.lora.merge,
         })
     }
 }

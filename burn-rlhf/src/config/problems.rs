@@ -146,6 +146,22 @@ impl NullDefault for bool {
     }
 }
 
+/// `reward_model.model.path: null` (verl's default where no reward model is configured): no path.
+impl NullDefault for String {
+    fn null_default() -> Self {
+        String::new()
+    }
+}
+
+/// `reward_model.reward_manager: null` (verl's Megatron tree): the manager verl then uses, `naive`.
+pub(super) fn null_is_naive<'de, D>(deserializer: D) -> Result<String, D::Error>
+where
+    D: serde::Deserializer<'de>,
+{
+    use serde::Deserialize;
+    Ok(Option::<String>::deserialize(deserializer)?.unwrap_or_else(|| "naive".into()))
+}
+
 /// `data.seed: null`: verl leaves its data loader unseeded (another order every run); here the
 /// order is seeded whatever happens, with the default seed 1.
 impl NullDefault for u64 {

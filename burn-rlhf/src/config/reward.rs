@@ -26,7 +26,8 @@ pub const ACTOR_TOKENIZER: &str = "${actor_rollout_ref.model.path}";
 #[serde(default, deny_unknown_fields)]
 pub struct RewardModelModelConfig {
     /// The reward model: an HF `*ForSequenceClassification` folder with one label, a `.gguf` file
-    /// or a hub id.
+    /// or a hub id (`null`: none).
+    #[serde(deserialize_with = "super::problems::null_is_default")]
     pub path: String,
     /// The tokenizer the rollouts are decoded with before the reward model's chat template renders
     /// them: the actor's (verl's default, written `${actor_rollout_ref.model.path}`); `None`
@@ -66,7 +67,8 @@ pub struct RewardModelConfig {
     pub use_dynamic_bsz: Option<bool>,
     /// `None`: the critic's `forward_max_token_len_per_gpu`.
     pub forward_max_token_len_per_gpu: Option<usize>,
-    /// `naive` or `dapo`.
+    /// `naive` or `dapo` (`null`: `naive`, as verl).
+    #[serde(deserialize_with = "super::problems::null_is_naive")]
     pub reward_manager: String,
     pub overlong_buffer: OverlongBufferConfig,
 }

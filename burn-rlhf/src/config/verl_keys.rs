@@ -144,9 +144,289 @@ pub const VERL_KEYS: &[(&str, Treatment)] = &[
     ),
 ];
 
+/// Also in verl's newer engine sections (`fsdp_config` of the actor and reference, the critic's
+/// `fsdp`), and the keys that take several values with one meaning here.
+pub const ENGINE_KEYS: &[(&str, Treatment)] = &[
+    (
+        "actor_rollout_ref.actor.optim.clip_grad",
+        Treatment::Alias("actor_rollout_ref.actor.grad_clip"),
+    ),
+    (
+        "critic.optim.clip_grad",
+        Treatment::Alias("critic.grad_clip"),
+    ),
+    (
+        "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size",
+        Treatment::OnlyAt(&["1"], NO_MODEL_PARALLEL),
+    ),
+    (
+        "actor_rollout_ref.ref.fsdp_config.ulysses_sequence_parallel_size",
+        Treatment::OnlyAt(&["1"], NO_MODEL_PARALLEL),
+    ),
+    (
+        "critic.fsdp.ulysses_sequence_parallel_size",
+        Treatment::OnlyAt(&["1"], NO_MODEL_PARALLEL),
+    ),
+    (
+        "critic.ulysses_sequence_parallel_size",
+        Treatment::OnlyAt(&["1"], NO_MODEL_PARALLEL),
+    ),
+    (
+        "actor_rollout_ref.actor.fsdp_config.use_no_sync_for_gradient_accumulation",
+        Treatment::OnlyAt(&["false", "true"], ONE_REDUCTION),
+    ),
+    (
+        "actor_rollout_ref.ref.fsdp_config.use_no_sync_for_gradient_accumulation",
+        Treatment::OnlyAt(&["false", "true"], ONE_REDUCTION),
+    ),
+    (
+        "critic.fsdp.use_no_sync_for_gradient_accumulation",
+        Treatment::OnlyAt(&["false", "true"], ONE_REDUCTION),
+    ),
+    (
+        "critic.fsdp.param_offload",
+        Treatment::OnlyAt(&["false"], NO_PARAM_OFFLOAD),
+    ),
+    (
+        "critic.fsdp.optimizer_offload",
+        Treatment::Alias("critic.model.fsdp_config.optimizer_offload"),
+    ),
+    (
+        "actor_rollout_ref.ref.fsdp_config.optimizer_offload",
+        Treatment::OnlyAt(&["false"], "the reference has no optimiser"),
+    ),
+    (
+        "actor_rollout_ref.actor.optim.optimizer",
+        Treatment::OnlyAt(&["adamw", "adam"], ADAMW),
+    ),
+    (
+        "critic.optim.optimizer",
+        Treatment::OnlyAt(&["adamw", "adam"], ADAMW),
+    ),
+    (
+        "actor_rollout_ref.actor.optim.override_optimizer_config",
+        Treatment::OnlyAt(
+            &["null", "{}"],
+            "the optimiser's settings are the `optim.*` keys",
+        ),
+    ),
+    (
+        "critic.optim.override_optimizer_config",
+        Treatment::OnlyAt(
+            &["null", "{}"],
+            "the optimiser's settings are the `optim.*` keys",
+        ),
+    ),
+    (
+        "actor_rollout_ref.actor.strategy",
+        Treatment::OnlyAt(&["fsdp", "fsdp2", "megatron"], STRATEGY),
+    ),
+    (
+        "actor_rollout_ref.ref.strategy",
+        Treatment::OnlyAt(&["fsdp", "fsdp2", "megatron"], STRATEGY),
+    ),
+    (
+        "critic.strategy",
+        Treatment::OnlyAt(&["fsdp", "fsdp2", "megatron"], STRATEGY),
+    ),
+    (
+        "actor_rollout_ref.actor.fsdp_config.strategy",
+        Treatment::OnlyAt(&["fsdp", "fsdp2"], STRATEGY),
+    ),
+    (
+        "actor_rollout_ref.ref.fsdp_config.strategy",
+        Treatment::OnlyAt(&["fsdp", "fsdp2"], STRATEGY),
+    ),
+    (
+        "critic.fsdp.strategy",
+        Treatment::OnlyAt(&["fsdp", "fsdp2"], STRATEGY),
+    ),
+    (
+        "actor_rollout_ref.ref.fsdp_config.fsdp_size",
+        Treatment::OnlyAt(&["-1"], ONE_DP_GROUP),
+    ),
+    (
+        "critic.fsdp.fsdp_size",
+        Treatment::OnlyAt(&["-1"], ONE_DP_GROUP),
+    ),
+    (
+        "actor_rollout_ref.actor.megatron.param_offload",
+        Treatment::OnlyAt(&["false"], NO_PARAM_OFFLOAD),
+    ),
+    (
+        "critic.megatron.param_offload",
+        Treatment::OnlyAt(&["false"], NO_PARAM_OFFLOAD),
+    ),
+    (
+        "actor_rollout_ref.actor.megatron.optimizer_offload",
+        Treatment::Alias("actor_rollout_ref.actor.fsdp_config.optimizer_offload"),
+    ),
+    (
+        "critic.megatron.optimizer_offload",
+        Treatment::Alias("critic.model.fsdp_config.optimizer_offload"),
+    ),
+    (
+        "actor_rollout_ref.ref.megatron.optimizer_offload",
+        Treatment::OnlyAt(&["false"], "the reference has no optimiser"),
+    ),
+    (
+        "actor_rollout_ref.actor.megatron.use_remove_padding",
+        Treatment::Alias("actor_rollout_ref.model.use_remove_padding"),
+    ),
+    (
+        "critic.megatron.use_remove_padding",
+        Treatment::Alias("critic.model.use_remove_padding"),
+    ),
+    (
+        "actor_rollout_ref.actor.megatron.sequence_parallel",
+        Treatment::OnlyAt(&["true", "false"], SEQUENCE_PARALLEL),
+    ),
+    (
+        "actor_rollout_ref.ref.megatron.sequence_parallel",
+        Treatment::OnlyAt(&["true", "false"], SEQUENCE_PARALLEL),
+    ),
+    (
+        "critic.megatron.sequence_parallel",
+        Treatment::OnlyAt(&["true", "false"], SEQUENCE_PARALLEL),
+    ),
+    (
+        "actor_rollout_ref.actor.megatron.use_distributed_optimizer",
+        Treatment::OnlyAt(&["true", "false"], DISTRIBUTED_OPTIMIZER),
+    ),
+    (
+        "actor_rollout_ref.ref.megatron.use_distributed_optimizer",
+        Treatment::OnlyAt(&["true", "false"], "the reference has no optimiser"),
+    ),
+    (
+        "critic.megatron.use_distributed_optimizer",
+        Treatment::OnlyAt(&["true", "false"], DISTRIBUTED_OPTIMIZER),
+    ),
+    (
+        "actor_rollout_ref.actor.fsdp_config.model_dtype",
+        Treatment::OnlyAt(&["fp32", "float32"], MASTER_F32),
+    ),
+    (
+        "actor_rollout_ref.ref.fsdp_config.model_dtype",
+        Treatment::OnlyAt(&["fp32", "float32"], MASTER_F32),
+    ),
+    (
+        "critic.fsdp.model_dtype",
+        Treatment::OnlyAt(&["fp32", "float32"], MASTER_F32),
+    ),
+    (
+        "actor_rollout_ref.rollout.enable_sleep_mode",
+        Treatment::OnlyAt(
+            &["false", "true"],
+            "generation reads the trained weights in place and its KV pool exists only while a \
+             batch generates: nothing sleeps or wakes",
+        ),
+    ),
+    (
+        "actor_rollout_ref.rollout.free_cache_engine",
+        Treatment::OnlyAt(
+            &["true", "false"],
+            "the KV pool exists only while a batch generates (the engine is made per batch)",
+        ),
+    ),
+    (
+        "trainer.use_legacy_worker_impl",
+        Treatment::OnlyAt(
+            &["auto", "enable", "disable"],
+            "burn-rlhf has one implementation of the workers (the learner's phases)",
+        ),
+    ),
+    (
+        "actor_rollout_ref.rollout.load_format",
+        Treatment::OnlyAt(
+            &[
+                "dummy",
+                "auto",
+                "safetensors",
+                "hf",
+                "dtensor",
+                "dummy_dtensor",
+            ],
+            "generation reads the trained weights in place, whatever the format named",
+        ),
+    ),
+    (
+        "actor_rollout_ref.rollout.layered_summon",
+        Treatment::OnlyAt(
+            &["false", "true"],
+            "generation reads the trained (with LoRA, adapted) weights in place: no layer is \
+             gathered to hand over",
+        ),
+    ),
+    (
+        "actor_rollout_ref.model.trust_remote_code",
+        Treatment::OnlyAt(&["false", "true", "null"], NO_REMOTE_CODE),
+    ),
+    (
+        "critic.model.trust_remote_code",
+        Treatment::OnlyAt(&["false", "true", "null"], NO_REMOTE_CODE),
+    ),
+    (
+        "reward_model.model.trust_remote_code",
+        Treatment::OnlyAt(&["false", "true", "null"], NO_REMOTE_CODE),
+    ),
+    (
+        "data.trust_remote_code",
+        Treatment::OnlyAt(&["false", "true", "null"], NO_REMOTE_CODE),
+    ),
+    (
+        "critic.model.lora_rank",
+        Treatment::OnlyAt(
+            &["0"],
+            "the critic trains every weight (LoRA is the actor's)",
+        ),
+    ),
+    (
+        "data.tokenizer",
+        Treatment::Alias("actor_rollout_ref.model.tokenizer_path"),
+    ),
+    (
+        "reward.reward_manager.name",
+        Treatment::Alias("reward_model.reward_manager"),
+    ),
+    (
+        "reward.reward_model.enable",
+        Treatment::Alias("reward_model.enable"),
+    ),
+    (
+        "reward.reward_model.model_path",
+        Treatment::Alias("reward_model.model.path"),
+    ),
+];
+
+const STRATEGY: &str = "every strategy trains the same numbers here: data parallelism over \
+     `trainer.n_gpus_per_node` x `trainer.nnodes` with the parameters on every rank (the AdamW \
+     state sharded with `trainer.zero_stage=1`), split by \
+     `actor_rollout_ref.actor.megatron.tensor_model_parallel_size`; FSDP's sharding of the \
+     parameters themselves is not built yet";
+const MASTER_F32: &str = "the trained weights and the AdamW state are f32 here (a reference is \
+     held as the actor's): half-precision compute is `actor_rollout_ref.model.dtype=bfloat16` \
+     (autocast, f32 master weights)";
+const ADAMW: &str = "the optimiser is AdamW (Burn's, decoupled weight decay: Megatron's `adam` is \
+     the same), with verl's betas, weight decay and schedule";
+const ONE_DP_GROUP: &str = "-1 (one group of every rank) is the only data-parallel layout here \
+     (hybrid groups are not built)";
+const SEQUENCE_PARALLEL: &str = "a tensor-parallel layer's activations are whole on each rank \
+     (Megatron's sequence parallelism splits them along the sequence between the layers, for \
+     memory); the numbers are those of either value";
+const DISTRIBUTED_OPTIMIZER: &str = "the AdamW state is sharded across data-parallel ranks with \
+     `trainer.zero_stage=1` (Megatron's distributed optimiser), whichever value";
+const ONE_REDUCTION: &str = "gradients are reduced once per mini-batch, after its last \
+     micro-batch (what `true` asks for); the numbers are those of either value";
+const NO_REMOTE_CODE: &str = "no code from the hub runs: burn-rlhf's decoders and tokenizers are \
+     built in, for the model types they name";
+
 /// The treatment of `key`, when it is one of [`VERL_KEYS`].
 pub fn treatment(key: &str) -> Option<Treatment> {
-    VERL_KEYS.iter().find(|(k, _)| *k == key).map(|(_, t)| *t)
+    VERL_KEYS
+        .iter()
+        .chain(ENGINE_KEYS)
+        .find(|(k, _)| *k == key)
+        .map(|(_, t)| *t)
 }
 
 /// Whether `raw` (an override's value) is one of `accepted`: case-insensitively, quotes aside,

@@ -137,7 +137,623 @@ const INERT: &[(&str, &str)] = &[
         "verl's turbo FSDP engine is not used",
     ),
     ("*.freeze_vision_tower", "models here read text only"),
+    // The optimiser: Burn's AdamW with verl's schedule.
+    (
+        "*.optim.optimizer_impl",
+        "the optimiser is Burn's AdamW, not a torch class",
+    ),
+    (
+        "*.optim.zero_indexed_step",
+        "the schedule counts steps from 0, as verl's default does",
+    ),
+    (
+        "*.optim.warmup_style",
+        "verl's deprecated name: set `optim.lr_scheduler_type`",
+    ),
+    // More of FSDP's engine details with no counterpart here.
+    (
+        "*.fsdp_config.offload_policy",
+        "parameters stay on the device (FSDP2's CPU offload policy is not built)",
+    ),
+    (
+        "*.fsdp_config.seed",
+        "weights come from the checkpoint; sampling and shuffling are seeded by `trainer.seed` \
+         and `data.seed`",
+    ),
+    (
+        "*.fsdp.seed",
+        "weights come from the checkpoint; sampling and shuffling are seeded by `trainer.seed` \
+         and `data.seed`",
+    ),
+    (
+        "*.fsdp_config.pad_to_length_bucket",
+        "sequence shapes are bucketed by `actor_rollout_ref.model.shape_bucket`",
+    ),
+    (
+        "*.fsdp.pad_to_length_bucket",
+        "sequence shapes are bucketed by `actor_rollout_ref.model.shape_bucket`",
+    ),
+    (
+        "*.fsdp_config.forward_only",
+        "verl's engine flag: the reference only runs forward here, the actor and critic train",
+    ),
+    (
+        "*.fsdp.forward_only",
+        "verl's engine flag: the reference only runs forward here, the actor and critic train",
+    ),
+    (
+        "*.fsdp.wrap_policy",
+        "every decoder layer is its own unit here",
+    ),
+    (
+        "*.fsdp.forward_prefetch",
+        "there is no FSDP all-gather to prefetch",
+    ),
+    (
+        "*.fsdp.use_orig_params",
+        "parameters are Burn's own, never flattened",
+    ),
+    (
+        "*.fsdp.full_determinism",
+        "runs repeat bit for bit on one machine already",
+    ),
+    ("*.fsdp.qat", "quantisation-aware training is not built"),
+    (
+        "*.fsdp.turbo_config",
+        "verl's turbo FSDP engine is not used",
+    ),
+    ("*.fsdp.offload_policy", "parameters stay on the device"),
+    ("*.qat", "quantisation-aware training is not built"),
+    (
+        "*.pad_to_length",
+        "sequence shapes are bucketed by `actor_rollout_ref.model.shape_bucket`",
+    ),
+    // Megatron-Core's optimiser and scheduler keys: the schedule here is verl's FSDP one
+    // (`optim.lr_scheduler_type`, `lr_warmup_steps`, `min_lr_ratio`), the optimiser AdamW.
+    ("*.optim.lr_warmup_init", MEGATRON_SCHEDULE),
+    ("*.optim.lr_decay_steps", MEGATRON_SCHEDULE),
+    ("*.optim.lr_decay_style", MEGATRON_SCHEDULE),
+    ("*.optim.min_lr", MEGATRON_SCHEDULE),
+    ("*.optim.weight_decay_incr_style", MEGATRON_SCHEDULE),
+    ("*.optim.lr_wsd_decay_style", MEGATRON_SCHEDULE),
+    ("*.optim.lr_wsd_decay_steps", MEGATRON_SCHEDULE),
+    (
+        "*.optim.use_checkpoint_opt_param_scheduler",
+        MEGATRON_SCHEDULE,
+    ),
+    (
+        "*.optim.use_precision_aware_optimizer",
+        "gradients and AdamW's moments are f32",
+    ),
+    (
+        "*.optim.main_grads_dtype",
+        "gradients and AdamW's moments are f32",
+    ),
+    (
+        "*.optim.exp_avg_dtype",
+        "gradients and AdamW's moments are f32",
+    ),
+    (
+        "*.optim.exp_avg_sq_dtype",
+        "gradients and AdamW's moments are f32",
+    ),
+    (
+        "*.optim.use_layer_wise_distributed_optimizer",
+        "the AdamW state is sharded with `trainer.zero_stage=1`",
+    ),
+    (
+        "*.optim.muon_momentum",
+        "the optimiser is AdamW (Muon is not built)",
+    ),
+    (
+        "*.optim.muon_nesterov",
+        "the optimiser is AdamW (Muon is not built)",
+    ),
+    (
+        "*.optim.muon_split_qkv",
+        "the optimiser is AdamW (Muon is not built)",
+    ),
+    (
+        "*.optim.muon_scale_mode",
+        "the optimiser is AdamW (Muon is not built)",
+    ),
+    (
+        "*.optim.muon_coefficient_type",
+        "the optimiser is AdamW (Muon is not built)",
+    ),
+    (
+        "*.optim.muon_num_ns_steps",
+        "the optimiser is AdamW (Muon is not built)",
+    ),
+    (
+        "*.optim.muon_tp_mode",
+        "the optimiser is AdamW (Muon is not built)",
+    ),
+    (
+        "*.optim.muon_fp32_matmul_prec",
+        "the optimiser is AdamW (Muon is not built)",
+    ),
+    (
+        "*.optim.muon_extra_scale_factor",
+        "the optimiser is AdamW (Muon is not built)",
+    ),
+    (
+        "*.optim.muon_scalar_optimizer",
+        "the optimiser is AdamW (Muon is not built)",
+    ),
+    (
+        "*.optim.muon_match_adamw_update_rms",
+        "the optimiser is AdamW (Muon is not built)",
+    ),
+    // Megatron-Core's engine: tensor parallelism here is burn-rlhf's own layers
+    // (`megatron.tensor_model_parallel_size`); the rest of Megatron's layout is not built.
+    (
+        "*.megatron.expert_model_parallel_size",
+        "experts are split with the tensor-parallel group (expert parallelism is not built)",
+    ),
+    (
+        "*.megatron.expert_tensor_parallel_size",
+        "experts are split with the tensor-parallel group (expert parallelism is not built)",
+    ),
+    (
+        "*.megatron.pipeline_model_parallel_size",
+        "pipeline parallelism is not built: every rank holds every layer",
+    ),
+    (
+        "*.megatron.virtual_pipeline_model_parallel_size",
+        "pipeline parallelism is not built: every rank holds every layer",
+    ),
+    (
+        "*.megatron.context_parallel_size",
+        "context parallelism is not built: each rank holds whole sequences",
+    ),
+    (
+        "*.megatron.dynamic_context_parallel",
+        "context parallelism is not built: each rank holds whole sequences",
+    ),
+    (
+        "*.megatron.max_seqlen_per_dp_cp_rank",
+        "context parallelism is not built: each rank holds whole sequences",
+    ),
+    (
+        "*.megatron.use_dist_checkpointing",
+        "checkpoints are HF safetensors folders plus the trainer's state",
+    ),
+    (
+        "*.megatron.dist_checkpointing_path",
+        "checkpoints are HF safetensors folders plus the trainer's state",
+    ),
+    (
+        "*.megatron.dist_checkpointing_prefix",
+        "checkpoints are HF safetensors folders plus the trainer's state",
+    ),
+    (
+        "*.megatron.dist_ckpt_optim_fully_reshardable",
+        "checkpoints are HF safetensors folders plus the trainer's state",
+    ),
+    (
+        "*.megatron.distrib_optim_fully_reshardable_mem_efficient",
+        "checkpoints are HF safetensors folders plus the trainer's state",
+    ),
+    (
+        "*.megatron.seed",
+        "weights come from the checkpoint; sampling and shuffling are seeded by `trainer.seed` \
+         and `data.seed`",
+    ),
+    (
+        "*.megatron.override_ddp_config",
+        "data parallelism's settings are `trainer.*` keys",
+    ),
+    (
+        "*.megatron.override_mcore_model_config",
+        "the model's shape is its config.json",
+    ),
+    (
+        "*.megatron.override_transformer_config",
+        "recomputation is `enable_gradient_checkpointing` (each decoder layer); attention is \
+         burn-rlhf's kernel",
+    ),
+    (
+        "*.megatron.use_mbridge",
+        "HF checkpoints are read and written directly: there is no bridge",
+    ),
+    (
+        "*.megatron.vanilla_mbridge",
+        "HF checkpoints are read and written directly: there is no bridge",
+    ),
+    (
+        "*.checkpoint.mbridge_config",
+        "HF checkpoints are read and written directly: there is no bridge",
+    ),
+    (
+        "*.megatron.pad_bshd_to_minibatch_max",
+        "sequence shapes are bucketed by `actor_rollout_ref.model.shape_bucket`",
+    ),
+    (
+        "*.megatron.pad_to_length_bucket",
+        "sequence shapes are bucketed by `actor_rollout_ref.model.shape_bucket`",
+    ),
+    (
+        "*.megatron.use_megatron_fsdp",
+        "Megatron's FSDP is not used (data parallelism is `trainer.*`)",
+    ),
+    (
+        "*.megatron.forward_only",
+        "verl's engine flag: the reference only runs forward here, the actor and critic train",
+    ),
+    (
+        "*.megatron.router_replay",
+        "replaying the rollout's expert routing in training is not built",
+    ),
+    // The policy's passes.
+    (
+        "*.calculate_entropy",
+        "entropies come with every log-prob pass (`actor/entropy` is always measured)",
+    ),
+    (
+        "*.calculate_sum_pi_squared",
+        "Σπ² is computed when the advantage estimator reads it (the optimal token baseline)",
+    ),
+    (
+        "*.use_prefix_grouper",
+        "verl's prefix grouper is not built: a prompt's samples share its KV blocks in \
+         generation",
+    ),
+    (
+        "*.data_loader_seed",
+        "mini-batches are shuffled with `trainer.seed` (and `actor.shuffle`)",
+    ),
+    (
+        "*.checkpoint.save_contents",
+        "checkpoints hold the model, the optimiser and the trainer's state, always",
+    ),
+    (
+        "*.checkpoint.load_contents",
+        "checkpoints hold the model, the optimiser and the trainer's state, always",
+    ),
+    (
+        "*.checkpoint.async_save",
+        "checkpoints are written before the step returns (a kill -9 resumes bit for bit)",
+    ),
+    (
+        "*.checkpoint.strict",
+        "a checkpoint must hold every tensor of the model (a missing one is an error)",
+    ),
+    (
+        "*.entropy_from_logits_with_chunking",
+        "log-probs and entropies always come from chunked logits \
+         (`actor_rollout_ref.model.logits_chunk_size`)",
+    ),
+    (
+        "*.entropy_from_logits_chunk_size",
+        "the chunk is `actor_rollout_ref.model.logits_chunk_size`",
+    ),
+    (
+        "*.entropy_checkpointing",
+        "the chunked LM head recomputes its logits in the backward always",
+    ),
+    // Model loading: burn-rlhf's own decoders, from the checkpoint's folder.
+    (
+        "*.model.hf_config_path",
+        "the model's config.json is read from `model.path`",
+    ),
+    (
+        "*.model.use_shm",
+        "models load from their files, not shared memory",
+    ),
+    (
+        "*.model.custom_chat_template",
+        "the chat template is the tokenizer's (`tokenizer_config.json` or the GGUF's)",
+    ),
+    (
+        "*.model.external_lib",
+        "no Python library is imported: the decoders are built in",
+    ),
+    ("*.model.external_libs", "no Python library is imported"),
+    (
+        "*.model.enable_activation_offload",
+        "activations stay on the device; `enable_gradient_checkpointing` trades them for \
+         recomputation",
+    ),
+    (
+        "*.model.exclude_modules",
+        "LoRA's modules are chosen by `target_modules` only",
+    ),
+    (
+        "*.model.lora_adapter_path",
+        "LoRA adapters start fresh (loading a trained adapter is not built)",
+    ),
+    (
+        "*.model.use_liger",
+        "Liger's kernels are not used: the fused kernels here are burn-rlhf's \
+         (`use_fused_kernels`)",
+    ),
+    (
+        "*.model.fused_kernel_options",
+        "the fused kernels here are burn-rlhf's (CubeCL and the host's)",
+    ),
+    (
+        "*.model.tiled_mlp",
+        "MLPs run whole (tiled MLPs are not built)",
+    ),
+    ("*.model.mtp", "multi-token prediction is not built"),
+    (
+        "*.model.override_config",
+        "HF config overrides other than the dropouts are not read (the checkpoint's \
+         config.json is)",
+    ),
+    // verl's Megatron-style LoRA section (`model.lora.*`): LoRA here is `model.lora_rank`,
+    // `lora_alpha`, `target_modules`.
+    (
+        "*.model.lora",
+        "LoRA here is set with `model.lora_rank`, `model.lora_alpha` and \
+         `model.target_modules`",
+    ),
+    // The rollout engine: burn-rlhf's own, in the trainer's process.
+    (
+        "actor_rollout_ref.rollout.mode",
+        "generation runs in the trainer's process, requests scheduled as verl's async mode does",
+    ),
+    (
+        "actor_rollout_ref.rollout.nnodes",
+        "generation runs on the trained model's devices",
+    ),
+    (
+        "actor_rollout_ref.rollout.data_parallel_size",
+        "generation runs on the trained model's devices, split as it is",
+    ),
+    (
+        "actor_rollout_ref.rollout.expert_parallel_size",
+        "generation runs on the trained model's devices, split as it is",
+    ),
+    (
+        "actor_rollout_ref.rollout.pipeline_model_parallel_size",
+        "generation runs on the trained model's devices, split as it is",
+    ),
+    (
+        "actor_rollout_ref.rollout.full_determinism",
+        "generation repeats bit for bit on one machine already",
+    ),
+    (
+        "actor_rollout_ref.rollout.seed",
+        "sampling is seeded by `trainer.seed` and the step",
+    ),
+    (
+        "actor_rollout_ref.rollout.ignore_eos",
+        "generation stops at the model's end-of-sequence tokens",
+    ),
+    (
+        "critic.model.lora_alpha",
+        "the critic trains every weight (LoRA is the actor's)",
+    ),
+    (
+        "critic.model.target_modules",
+        "the critic trains every weight (LoRA is the actor's)",
+    ),
+    (
+        "critic.model.use_fused_kernels",
+        "the critic's kernels follow `actor_rollout_ref.model.use_fused_kernels`",
+    ),
+    (
+        "actor_rollout_ref.rollout.enforce_eager",
+        "there are no CUDA graphs to capture",
+    ),
+    (
+        "actor_rollout_ref.rollout.cudagraph_capture_sizes",
+        "there are no CUDA graphs to capture",
+    ),
+    (
+        "actor_rollout_ref.rollout.max_model_len",
+        "sequences are at most `data.max_prompt_length` + `data.max_response_length`",
+    ),
+    (
+        "actor_rollout_ref.rollout.enable_prefix_caching",
+        "a prompt's samples and a conversation's turns share their KV blocks always",
+    ),
+    (
+        "actor_rollout_ref.rollout.scheduling_policy",
+        "requests are scheduled first come, first served",
+    ),
+    (
+        "actor_rollout_ref.rollout.disable_log_stats",
+        "the engine logs no statistics of its own (`timing_s/gen` and the rollout metrics are \
+         measured)",
+    ),
+    (
+        "actor_rollout_ref.rollout.over_sample_rate",
+        "over-sampling and aborting the slowest requests is not built",
+    ),
+    (
+        "actor_rollout_ref.rollout.multi_stage_wake_up",
+        "the rollout reads the trained weights in place: nothing sleeps or wakes",
+    ),
+    (
+        "actor_rollout_ref.rollout.engine_kwargs",
+        "the engine's settings are `rollout.*` keys (vLLM's and SGLang's own are not read)",
+    ),
+    (
+        "actor_rollout_ref.rollout.router_config_path",
+        "requests go to the one engine in the process",
+    ),
+    (
+        "actor_rollout_ref.rollout.multi_turn.function_tool_path",
+        "tools come from `multi_turn.tool_config_path`",
+    ),
+    (
+        "actor_rollout_ref.rollout.multi_turn.use_inference_chat_template",
+        "turns are token in, token out: each turn's tokens are the model's own, never \
+         re-rendered",
+    ),
+    (
+        "actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode",
+        "turns are token in, token out: there is no re-tokenisation to check",
+    ),
+    (
+        "actor_rollout_ref.rollout.multi_turn.num_repeat_rollouts",
+        "a prompt's samples are `rollout.n`",
+    ),
+    (
+        "actor_rollout_ref.rollout.calculate_log_probs",
+        "the rollout's log-probs are always recorded (rollout correction reads them)",
+    ),
+    (
+        "actor_rollout_ref.rollout.agent.num_workers",
+        "agent loops run in the engine's scheduler, not in worker processes",
+    ),
+    (
+        "actor_rollout_ref.rollout.agent.agent_loop_config_path",
+        "the agent loops are verl's `single_turn_agent` and `tool_agent`, built in",
+    ),
+    (
+        "actor_rollout_ref.rollout.agent.custom_async_server",
+        "requests go to burn-rlhf's own engine",
+    ),
+    (
+        "actor_rollout_ref.rollout.checkpoint_engine",
+        "the rollout reads the trained weights in place: nothing is transferred",
+    ),
+    (
+        "actor_rollout_ref.rollout.trace",
+        "rollout tracing is not built",
+    ),
+    (
+        "actor_rollout_ref.rollout.skip_tokenizer_init",
+        "the engine takes token ids: there is no tokenizer in it",
+    ),
+    (
+        "actor_rollout_ref.rollout.enable_rollout_routing_replay",
+        "replaying the rollout's expert routing in training is not built",
+    ),
+    (
+        "actor_rollout_ref.rollout.moe_load_balance_metrics_interval",
+        "the rollout measures no expert load (`actor/router_aux_loss` is measured in training)",
+    ),
+    (
+        "actor_rollout_ref.rollout.prometheus",
+        "there is no metrics server",
+    ),
+    (
+        "actor_rollout_ref.rollout.quantization",
+        "generation runs on the trained weights (`rollout.dtype` casts them)",
+    ),
+    (
+        "actor_rollout_ref.rollout.quantization_config_file",
+        "generation runs on the trained weights (`rollout.dtype` casts them)",
+    ),
+    (
+        "actor_rollout_ref.rollout.disaggregation",
+        "prefill and decode run in the one engine",
+    ),
+    // Data.
+    (
+        "data.return_raw_input_ids",
+        "the rollout batch keeps the policy's token ids only",
+    ),
+    (
+        "data.return_full_prompt",
+        "the rollout batch keeps the policy's token ids only",
+    ),
+    (
+        "data.custom_cls",
+        "datasets are read in verl's RLHFDataset layout (jsonl or parquet)",
+    ),
+    (
+        "data.apply_chat_template_kwargs",
+        "the chat template is rendered with the messages and `add_generation_prompt` only",
+    ),
+    (
+        "trainer.checkpoint_callback_class",
+        "checkpoints are written by the trainer itself",
+    ),
+    (
+        "custom_reward_function.path",
+        "reward functions are Rust functions registered by name \
+         (`custom_reward_function.name`, `RewardRegistry`)",
+    ),
+    // verl's reward-loop workers (the `reward_model.*` keys of its reward loop, all null by
+    // default, and the new `reward.*` section): scores are computed in the trainer's process.
+    (
+        "reward_model.num_workers",
+        "scores are computed in the trainer's process",
+    ),
+    (
+        "reward_model.enable_resource_pool",
+        "a reward model runs on the trainer's devices",
+    ),
+    (
+        "reward_model.n_gpus_per_node",
+        "a reward model runs on the trainer's devices",
+    ),
+    (
+        "reward_model.nnodes",
+        "a reward model runs on the trainer's devices",
+    ),
+    (
+        "reward_model.reward_loop_source",
+        "verl's reward loop is not used: scores are computed in the trainer's process",
+    ),
+    (
+        "reward_model.reward_loop_module_path",
+        "verl's reward loop is not used: scores are computed in the trainer's process",
+    ),
+    (
+        "reward_model.reward_loop_class_name",
+        "verl's reward loop is not used: scores are computed in the trainer's process",
+    ),
+    (
+        "reward_model.model.external_lib",
+        "no Python library is imported: the decoders are built in",
+    ),
+    (
+        "reward_model.rollout",
+        "a generative reward model is not built: a reward model scores with its head",
+    ),
+    (
+        "reward.num_workers",
+        "scores are computed in the trainer's process",
+    ),
+    (
+        "reward.reward_manager.source",
+        "reward managers are burn-rlhf's: `reward_model.reward_manager`",
+    ),
+    (
+        "reward.reward_manager.module",
+        "reward managers are burn-rlhf's: `reward_model.reward_manager`",
+    ),
+    (
+        "reward.reward_model.enable_resource_pool",
+        "a reward model runs on the trainer's devices",
+    ),
+    (
+        "reward.reward_model.n_gpus_per_node",
+        "a reward model runs on the trainer's devices",
+    ),
+    (
+        "reward.reward_model.nnodes",
+        "a reward model runs on the trainer's devices",
+    ),
+    (
+        "reward.reward_model.rollout",
+        "a generative reward model is not built: a reward model scores with its head",
+    ),
+    (
+        "reward.sandbox_fusion",
+        "a sandbox is configured per tool, in the tool config file",
+    ),
+    (
+        "reward.custom_reward_function.name",
+        "the reward function is `custom_reward_function.name`, a Rust function registered by \
+         that name (verl's function in a file is not read)",
+    ),
+    (
+        "reward.custom_reward_function.path",
+        "reward functions are Rust functions registered by name \
+         (`custom_reward_function.name`, `RewardRegistry`)",
+    ),
 ];
+
+const MEGATRON_SCHEDULE: &str = "Megatron's scheduler keys: the schedule is \
+     `optim.lr_scheduler_type`, `optim.lr_warmup_steps` and `optim.min_lr_ratio`";
 
 /// Whether `pattern` (dotted, `*` for any one part) names `key` or a section above it.
 fn covers(pattern: &str, key: &str) -> bool {

@@ -65,7 +65,7 @@ pub struct ActorLossConfig {
     pub shape_bucket: usize,
     /// Padding-free passes (`actor_rollout_ref.model.use_remove_padding`), lengths up to
     /// `shape_bucket`.
-    pub remove_padding: bool,
+    pub remove_padding: Option<bool>,
     /// `Some(dtype)`: the forward and backward run on the weights cast to it (autocast; the
     /// weights, their gradients and the optimiser state stay f32). `model.dtype`.
     pub compute_dtype: Option<FloatDType>,
@@ -115,7 +115,7 @@ impl ActorLossConfig {
             micro_batch_size: actor.micro_batch_size.unwrap_or(rows),
             max_token_len: actor.max_token_len,
             shape_bucket: 1,
-            remove_padding: false,
+            remove_padding: Some(false),
             compute_dtype: None,
             recompute_layers: false,
             router_aux: None,

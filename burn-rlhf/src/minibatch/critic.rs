@@ -43,7 +43,7 @@ pub struct CriticLossConfig {
     /// bucket; 1 = exact).
     pub shape_bucket: usize,
     /// Padding-free passes (`critic.model.use_remove_padding`), lengths up to `shape_bucket`.
-    pub remove_padding: bool,
+    pub remove_padding: Option<bool>,
     /// Multiplies the loss before its gradient (`critic.value_loss_scale`).
     pub value_loss_scale: f64,
     /// `Some(dtype)`: autocast, as the actor's ([`super::ActorLossConfig::compute_dtype`]).

@@ -42,7 +42,7 @@ impl SftPasses {
 
     /// The tensors of one micro-batch.
     fn tensors<B: Backend>(&self, part: &RolloutBatch, device: &B::Device) -> SequenceTensors<B> {
-        SequenceTensors::from_batch(part, device).packed_if(self.remove_padding, 1)
+        SequenceTensors::from_batch(part, device).packed_if(Some(self.remove_padding), 1)
     }
 }
 

@@ -174,11 +174,13 @@ impl<B: LearnerBackend> Learner<B> {
         cast_to(model, self.settings.model.dtype)
     }
 
-    /// `model` as generation runs it: cast to `actor_rollout_ref.rollout.dtype`.
-    pub(crate) fn for_generation(
-        &self,
-        model: CausalLm<B::InnerBackend>,
-    ) -> CausalLm<B::InnerBackend> {
+    /// `model` as generation runs it: its LoRA adapters merged in with `model.lora.merge`, cast to
+    /// `actor_rollout_ref.rollout.dtype`.
+    pub fn for_generation(&self, model: CausalLm<B::InnerBackend>) -> CausalLm<B::InnerBackend> {
+        let model = match self.settings.model.lora_merge {
+            true => model.merge_lora(),
+            false => model,
+        };
         cast_to(model, self.settings.rollout.dtype)
     }
 

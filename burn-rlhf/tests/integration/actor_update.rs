@@ -119,7 +119,7 @@ fn loss_config(mode: LossAggMode) -> ActorLossConfig {
         micro_batch_size: 1,
         max_token_len: None,
         shape_bucket: 1,
-        remove_padding: false,
+        remove_padding: Some(false),
         compute_dtype: None,
         recompute_layers: false,
         router_aux: None,
@@ -182,7 +182,7 @@ fn micro_batch_size_does_not_change_the_update_on(dir: &std::path::Path) {
                 micro_batch_size: micro,
                 max_token_len,
                 shape_bucket,
-                remove_padding,
+                remove_padding: Some(remove_padding),
                 ..loss_config(mode)
             };
             let (updated, metrics) = sgd_update(dir, loss.as_ref(), &batch, &targets, &cfg);
@@ -283,7 +283,7 @@ fn recomputed_layers_give_the_whole_graphs_update() {
                 compute_dtype,
                 recompute_layers,
                 // Packed passes recompute as padded ones do; micro-batches of 1 stay padded.
-                remove_padding: micro > 1,
+                remove_padding: Some(micro > 1),
                 ..loss_config(LossAggMode::TokenMean)
             };
             let (updated, metrics) = sgd_update(&dir, loss.as_ref(), &batch, &targets, &cfg);
@@ -442,7 +442,7 @@ fn router_aux_on(dir: &std::path::Path, aux: burn_rlhf::minibatch::RouterAux) {
                 coef: 1.0,
                 ..aux
             }),
-            remove_padding,
+            remove_padding: Some(remove_padding),
             ..loss_config(LossAggMode::TokenMean)
         };
         let mut optim = SgdConfig::new().init();

@@ -128,7 +128,7 @@ fn recomputed_logprobs_equal_the_rollouts(dir: &std::path::Path) {
         host(response_values(&critic_f, &seq)),
     ];
     for bucket in [1, 8] {
-        let packed_seq = seq.clone().packed_if(true, bucket);
+        let packed_seq = seq.clone().packed_if(Some(true), bucket);
         assert!(packed_seq.packed.is_some(), "a rollout batch packs");
         let (l, e, s) = response_logprobs_and_sum_pi_squared(&model, &packed_seq, head);
         let packed = [

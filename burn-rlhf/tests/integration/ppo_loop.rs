@@ -1013,6 +1013,60 @@ fn lora_runs_train_adapters_and_resume_as_if_never_stopped() {
     std::fs::remove_dir_all(dir).ok();
 }
 
+/// `model.lora.merge` (verl's `+actor_rollout_ref.model.lora.merge=True`): generation runs on the
+/// weights with the trained adapters merged in (no adapter left in the generating model), whose
+/// logits are the adapted model's; the trained model keeps its adapters.
+#[test]
+fn lora_merge_generates_on_merged_weights() {
+    use burn_rlhf::models::LoraConfig;
+    let dir = temp_dir("lora-merge");
+    let (actor, critic) = tiny_models();
+    let lora = LoraConfig {
+        rank: 4,
+        alpha: 8.0,
+        target_modules: vec!["all-linear".into()],
+    };
+    let adapted = super::seeded(9, || actor.clone().with_lora(&lora, &Default::default()));
+    let mut config = tiny_config("grpo", &dir);
+    config.actor_rollout_ref.model.lora_rank = lora.rank;
+    config.actor_rollout_ref.model.lora_alpha = lora.alpha;
+    config.actor_rollout_ref.model.lora.merge = true;
+    config.trainer.logger = vec!["jsonl".into()];
+    let mut l = learner(config.clone(), adapted.clone(), critic.clone());
+    // A step, so the adapters are not zero.
+    l.step().unwrap();
+    let trained = l.actor.valid();
+    let generating = l.for_generation(trained.clone());
+    let adapters = |m: &CausalLm<<B as burn::tensor::backend::AutodiffBackend>::InnerBackend>| {
+        m.model.layers[0].self_attn.q_proj.linear.lora.is_some()
+    };
+    assert!(adapters(&trained) && !adapters(&generating));
+    let ids = Tensor::from_data(
+        TensorData::new(vec![1i64, 5, 9, 2], [1, 4]),
+        &Default::default(),
+    );
+    let mask = Tensor::ones([1, 4], &Default::default());
+    let positions = Tensor::from_data(
+        TensorData::new(vec![0i64, 1, 2, 3], [1, 4]),
+        &Default::default(),
+    );
+    let a = trained.forward(ids.clone(), mask.clone(), positions.clone(), None);
+    let b = generating.forward(ids, mask, positions, None);
+    let diff: f32 = (a - b).abs().max().into_scalar();
+    assert!(diff < 1e-5, "merged logits differ by {diff}");
+    // Without adapters there is nothing to merge: refused, naming both keys.
+    config.actor_rollout_ref.model.lora_rank = 0;
+    let refused = try_learner(config, actor, critic)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        refused.contains("lora.merge") && refused.contains("lora_rank"),
+        "{refused}"
+    );
+    std::fs::remove_dir_all(dir).ok();
+}
+
 /// `trainer.val_only`: the validation before training is the whole run (no step, no
 /// checkpoint), logged at step 0; without `val_before_train` it is refused (verl would train).
 #[test]

@@ -41,8 +41,8 @@ fn spell(v: &Value) -> String {
 }
 
 /// Every leaf (`a.b.c`, value) of `tree`; an empty mapping is a leaf. Keys verl's generator adds
-/// for Hydra (`_target_`) and values that are interpolations (`${...}`) are left out: they are
-/// not settings a user writes.
+/// for Hydra (`_target_`), values that are interpolations (`${...}`) and OmegaConf's missing
+/// values (`???`) are left out: they are not settings a user writes.
 fn leaves(tree: &Value, prefix: &str, out: &mut Vec<(String, Value)>) {
     match tree {
         Value::Object(map) if !map.is_empty() => {
@@ -58,7 +58,8 @@ fn leaves(tree: &Value, prefix: &str, out: &mut Vec<(String, Value)>) {
                 leaves(v, &path, out);
             }
         }
-        Value::String(s) if s.contains("${") => {}
+        // `???` is OmegaConf's mark of a value the user must give.
+        Value::String(s) if s.contains("${") || s == "???" => {}
         other => out.push((prefix.to_string(), other.clone())),
     }
 }
@@ -135,6 +136,9 @@ fn verls_whole_tree_is_counted_as_documented() {
         for (key, value) in &all {
             let o = outcome(key, value);
             *counts.entry(o).or_default() += 1;
+            if o == Outcome::Refused {
+                println!("  refused at verl's value: {key}={}", spell(value));
+            }
             if o == Outcome::Unknown {
                 unknown.push(format!("{key}={}", spell(value)));
                 let section: Vec<&str> = key.split('.').take(2).collect();
