@@ -46,6 +46,11 @@ pub struct TrainerConfig {
     pub val_before_train: bool,
     /// Validate before training (`val_before_train`) and stop there: no step, no checkpoint.
     pub val_only: bool,
+    /// After each validation, this many of its generations (prompt, response, score; the same
+    /// ones every time: sorted by prompt, then a draw seeded with 42, as verl picks them) are
+    /// printed with the console logger and written to TensorBoard as text
+    /// (`val/generations/text_summary`). 0: none.
+    pub log_val_generations: usize,
     /// Steps during which only the critic is trained.
     pub critic_warmup: usize,
     /// NeMo-RL's name for the step the policy starts training at: `critic_warmup` when set (the
@@ -88,6 +93,7 @@ impl Default for TrainerConfig {
             test_freq: -1,
             val_before_train: true,
             val_only: false,
+            log_val_generations: 0,
             critic_warmup: 0,
             policy_training_start_step: None,
             ref_update_freq: 0,
@@ -132,6 +138,8 @@ pub struct TrainerSettings {
     pub val_before_train: bool,
     /// Stop after that validation (`trainer.val_only`).
     pub val_only: bool,
+    /// Validation generations shown after each validation (`trainer.log_val_generations`).
+    pub log_val_generations: usize,
     /// The first step that updates the actor (`max(critic_warmup, policy_training_start_step)`).
     pub actor_start_step: usize,
     /// SPIN: the reference becomes the actor every this many steps; `None`: never.
@@ -353,6 +361,7 @@ impl TrainerConfig {
             test_freq: positive(self.test_freq),
             val_before_train: self.val_before_train,
             val_only: self.val_only,
+            log_val_generations: self.log_val_generations,
             actor_start_step: self
                 .critic_warmup
                 .max(self.policy_training_start_step.unwrap_or(0)),

@@ -90,10 +90,11 @@ impl<B: LearnerBackend> Learner<B> {
             ));
         }
         if t.val_before_train && self.global_step == 0 && self.has_validation_data() {
-            let m = self.validate()?;
+            let (m, shown) = self.validate_with_generations()?;
             say(&logger, &super::logger::table(0, &m));
             // verl logs it at step 0.
             logger.record(0, &m)?;
+            logger.generations(0, &shown)?;
             validation = Some(m);
         }
         let mut checkpoint = None;
@@ -104,12 +105,15 @@ impl<B: LearnerBackend> Learner<B> {
             let mut metrics = self.step()?;
             let step = self.global_step;
             let last = step >= total;
+            let mut shown = Vec::new();
             if t.test_freq.is_some_and(|f| step.is_multiple_of(f) || last) {
-                let m = self.validate()?;
+                let (m, generations) = self.validate_with_generations()?;
                 metrics.extend(m.clone());
                 validation = Some(m);
+                shown = generations;
             }
             logger.log(step, &metrics)?;
+            logger.generations(step, &shown)?;
             // Every rank stops after the same step when any saw the request.
             interrupted = self.dp.any(stop.load(Ordering::SeqCst))?;
             let periodic = t.save_freq.is_some_and(|f| step.is_multiple_of(f));

@@ -138,6 +138,26 @@ impl MetricsLogger {
         }
     }
 
+    /// Shows validation generations of `step` (`trainer.log_val_generations`): printed with the
+    /// console logger, written to TensorBoard as text under `val/generations`.
+    pub fn generations(
+        &mut self,
+        step: usize,
+        samples: &[super::validation::ValGeneration],
+    ) -> Result<(), TrainError> {
+        if samples.is_empty() {
+            return Ok(());
+        }
+        let text = super::validation::generations_text(step, samples);
+        if self.bar.is_some() {
+            self.println(&text);
+        }
+        if let Some(writer) = &mut self.tensorboard {
+            writer.text(step, "val/generations", &text)?;
+        }
+        Ok(())
+    }
+
     /// Writes `metrics` of `step` to the files only (jsonl, TensorBoard): the validation before
     /// training, which verl logs at step 0 and the console shows as a table of its own.
     pub fn record(&mut self, step: usize, metrics: &Metrics) -> Result<(), TrainError> {

@@ -34,7 +34,7 @@ pub mod supervised;
 pub mod tensorboard;
 mod update;
 pub mod usage;
-mod validation;
+pub mod validation;
 
 pub use crate::error::TrainError;
 pub use build::LearnerParts;

@@ -58,6 +58,16 @@ impl EventWriter {
         Ok(writer)
     }
 
+    /// A text (markdown) under `tag` at `step`, as `SummaryWriter.add_text(tag, text, step)`.
+    pub fn text(&mut self, step: usize, tag: &str, text: &str) -> Result<(), TrainError> {
+        let tag = format!("{tag}/text_summary");
+        self.write(&Event {
+            wall_time: wall_time(),
+            step: step as i64,
+            what: What::Text(&tag, text),
+        })
+    }
+
     /// The file written.
     pub fn path(&self) -> &Path {
         &self.path
@@ -114,6 +124,9 @@ pub enum What<'a> {
     SessionStart,
     /// `summary { value { tag, simple_value } ... }`.
     Scalars(Vec<(&'a str, f32)>),
+    /// `summary { value { tag, tensor { DT_STRING [1] }, metadata { plugin "text" } } }`: what
+    /// torch's `SummaryWriter.add_text` writes (its tag ends `/text_summary`).
+    Text(&'a str, &'a str),
 }
 
 /// Protobuf wire types.
@@ -173,6 +186,32 @@ impl Event<'_> {
                 }
                 bytes_field(&mut out, 5, &summary);
             }
+            What::Text(tag, text) => {
+                // TensorProto { dtype: DT_STRING (7), tensor_shape { dim { size: 1 } },
+                // string_val }.
+                let mut dim = Vec::new();
+                key(&mut dim, 1, VARINT);
+                varint(&mut dim, 1);
+                let mut shape = Vec::new();
+                bytes_field(&mut shape, 2, &dim);
+                let mut tensor = Vec::new();
+                key(&mut tensor, 1, VARINT);
+                varint(&mut tensor, 7);
+                bytes_field(&mut tensor, 2, &shape);
+                bytes_field(&mut tensor, 8, text.as_bytes());
+                // SummaryMetadata { plugin_data { plugin_name: "text" } }.
+                let mut plugin = Vec::new();
+                bytes_field(&mut plugin, 1, b"text");
+                let mut metadata = Vec::new();
+                bytes_field(&mut metadata, 1, &plugin);
+                let mut value = Vec::new();
+                bytes_field(&mut value, 1, tag.as_bytes());
+                bytes_field(&mut value, 8, &tensor);
+                bytes_field(&mut value, 9, &metadata);
+                let mut summary = Vec::new();
+                bytes_field(&mut summary, 1, &value);
+                bytes_field(&mut out, 5, &summary);
+            }
         }
         out
     }
@@ -225,6 +264,8 @@ mod tests {
                 .unwrap_or_default();
             let what = if let Some(v) = e["file_version"].as_str() {
                 What::FileVersion(v)
+            } else if let Some(t) = e["text"].as_array() {
+                What::Text(t[0].as_str().unwrap(), t[1].as_str().unwrap())
             } else if e["session_log_start"].as_bool() == Some(true) {
                 What::SessionStart
             } else {

@@ -1096,6 +1096,40 @@ fn val_only_validates_and_stops() {
     assert!(!dir.join("global_step_1").exists());
 }
 
+/// `trainer.log_val_generations`: after each validation (before training and at `test_freq`),
+/// that many generations (prompt, response, score), the same rows each time, go to TensorBoard
+/// as text under verl's tag.
+#[test]
+fn log_val_generations_writes_them_to_tensorboard() {
+    let dir = temp_dir("val-generations");
+    let (actor, critic) = tiny_models();
+    let mut config = tiny_config("grpo", &dir);
+    config.trainer.val_before_train = true;
+    config.trainer.test_freq = 1;
+    config.trainer.total_training_steps = Some(1);
+    config.trainer.log_val_generations = 2;
+    config.trainer.logger = vec!["jsonl".into()];
+    let mut l = learner(config, actor, critic);
+    let tb = dir.join("tb");
+    l.settings.trainer.loggers.tensorboard = Some(tb.clone());
+    l.fit(&AtomicBool::new(false)).unwrap();
+    let file = std::fs::read_dir(&tb)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    let bytes = std::fs::read(&file).unwrap();
+    let count = |needle: &[u8]| bytes.windows(needle.len()).filter(|w| *w == needle).count();
+    // Step 0 and step 1, two samples each.
+    assert_eq!(count(b"val/generations/text_summary"), 2);
+    assert_eq!(count(b"### Sample 1"), 2);
+    assert_eq!(count(b"### Sample 2"), 2);
+    assert_eq!(count(b"### Sample 3"), 0);
+    assert!(count(b"**Score:**") == 4 && count(b"**Output:**") == 4);
+    std::fs::remove_dir_all(dir).ok();
+}
+
 /// `trainer.rollout_data_dir` and `validation_data_dir` write verl's dumps: one `{step}.jsonl`
 /// per step (every row of the step's batch) and per validation (every validation response),
 /// each line the decoded prompt and response, the ground truth, the score and the step; the
