@@ -568,28 +568,32 @@ impl<B: DecoderBackend> Transformer<B> {
         input_ids: Tensor<B, 2, Int>,
         attention_mask: &[Vec<i64>],
         position_ids: &[Vec<i64>],
-        mut cache: Option<&mut KvCache<B>>,
+        cache: Option<&mut KvCache<B>>,
         mut router: Option<&mut Vec<Tensor<B, 2>>>,
     ) -> Tensor<B, 3> {
+        let Some(cache) = cache else {
+            let rows = PassRows {
+                attention_mask,
+                position_ids,
+                packed: None,
+            };
+            return self.forward_pass(input_ids, rows, router);
+        };
         count_dense_pass();
         let device = input_ids.device();
         let [_, l] = input_ids.dims();
-        let past = cache.as_ref().map_or(0, |c| c.len());
-        let pass = DensePass::new(self, attention_mask, position_ids, past, &device);
+        let pass = DensePass::new(self, attention_mask, position_ids, cache.len(), &device);
         let mut x = self.embed_with(&self.embed_tokens, input_ids);
         for (i, layer) in self.layers.iter().enumerate() {
-            let layer_cache = cache.as_deref_mut().map(|c| (c, i));
             let (rope, mask) = pass.for_layer(layer);
             x = layer.forward(
                 x,
                 rope,
-                Attend::Masked(mask, layer_cache),
+                Attend::Masked(mask, Some((&mut *cache, i))),
                 router.as_deref_mut(),
             );
         }
-        if let Some(c) = cache {
-            c.advance(l);
-        }
+        cache.advance(l);
         self.norm.forward(x)
     }
 

@@ -36,7 +36,7 @@ pub struct SequenceTensors<B: Backend> {
     /// `P`.
     pub prompt_len: usize,
     /// The rows packed side by side, when the passes run padding-free (verl's
-    /// `use_remove_padding`; [`SequenceTensors::packed`]).
+    /// `use_remove_padding`; [`SequenceTensors::packed_if`]).
     pub packed: Option<PackedRows>,
 }
 

@@ -98,6 +98,7 @@ fn every_key_of_verls_scripts_is_read_or_refused_as_documented() {
                     message.contains(key.as_str()) && !message.contains("unknown key"),
                     "{script}: `{arg}`: {message}"
                 );
+                println!("{script}: `{arg}` refused: {message}");
                 refused += 1;
             }
             other => panic!("{script}: `{arg}` gave {other:?}, the table says {row}"),
