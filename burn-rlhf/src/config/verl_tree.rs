@@ -155,32 +155,12 @@ const INERT: &[(&str, &str)] = &[
         "*.fsdp_config.offload_policy",
         "parameters stay on the device (FSDP2's CPU offload policy is not built)",
     ),
-    (
-        "*.fsdp_config.seed",
-        "weights come from the checkpoint; sampling and shuffling are seeded by `trainer.seed` \
-         and `data.seed`",
-    ),
-    (
-        "*.fsdp.seed",
-        "weights come from the checkpoint; sampling and shuffling are seeded by `trainer.seed` \
-         and `data.seed`",
-    ),
-    (
-        "*.fsdp_config.pad_to_length_bucket",
-        "sequence shapes are bucketed by `actor_rollout_ref.model.shape_bucket`",
-    ),
-    (
-        "*.fsdp.pad_to_length_bucket",
-        "sequence shapes are bucketed by `actor_rollout_ref.model.shape_bucket`",
-    ),
-    (
-        "*.fsdp_config.forward_only",
-        "verl's engine flag: the reference only runs forward here, the actor and critic train",
-    ),
-    (
-        "*.fsdp.forward_only",
-        "verl's engine flag: the reference only runs forward here, the actor and critic train",
-    ),
+    ("*.fsdp_config.seed", SEEDS),
+    ("*.fsdp.seed", SEEDS),
+    ("*.fsdp_config.pad_to_length_bucket", SHAPE_BUCKETS),
+    ("*.fsdp.pad_to_length_bucket", SHAPE_BUCKETS),
+    ("*.fsdp_config.forward_only", FORWARD_ONLY),
+    ("*.fsdp.forward_only", FORWARD_ONLY),
     (
         "*.fsdp.wrap_policy",
         "every decoder layer is its own unit here",
@@ -204,10 +184,7 @@ const INERT: &[(&str, &str)] = &[
     ),
     ("*.fsdp.offload_policy", "parameters stay on the device"),
     ("*.qat", "quantisation-aware training is not built"),
-    (
-        "*.pad_to_length",
-        "sequence shapes are bucketed by `actor_rollout_ref.model.shape_bucket`",
-    ),
+    ("*.pad_to_length", SHAPE_BUCKETS),
     // Megatron-Core's optimiser and scheduler keys: the schedule here is verl's FSDP one
     // (`optim.lr_scheduler_type`, `lr_warmup_steps`, `min_lr_ratio`), the optimiser AdamW.
     ("*.optim.lr_warmup_init", MEGATRON_SCHEDULE),
@@ -221,70 +198,25 @@ const INERT: &[(&str, &str)] = &[
         "*.optim.use_checkpoint_opt_param_scheduler",
         MEGATRON_SCHEDULE,
     ),
-    (
-        "*.optim.use_precision_aware_optimizer",
-        "gradients and AdamW's moments are f32",
-    ),
-    (
-        "*.optim.main_grads_dtype",
-        "gradients and AdamW's moments are f32",
-    ),
-    (
-        "*.optim.exp_avg_dtype",
-        "gradients and AdamW's moments are f32",
-    ),
-    (
-        "*.optim.exp_avg_sq_dtype",
-        "gradients and AdamW's moments are f32",
-    ),
+    ("*.optim.use_precision_aware_optimizer", F32_OPTIMISER),
+    ("*.optim.main_grads_dtype", F32_OPTIMISER),
+    ("*.optim.exp_avg_dtype", F32_OPTIMISER),
+    ("*.optim.exp_avg_sq_dtype", F32_OPTIMISER),
     (
         "*.optim.use_layer_wise_distributed_optimizer",
         "the AdamW state is sharded with `trainer.zero_stage=1`",
     ),
-    (
-        "*.optim.muon_momentum",
-        "the optimiser is AdamW (Muon is not built)",
-    ),
-    (
-        "*.optim.muon_nesterov",
-        "the optimiser is AdamW (Muon is not built)",
-    ),
-    (
-        "*.optim.muon_split_qkv",
-        "the optimiser is AdamW (Muon is not built)",
-    ),
-    (
-        "*.optim.muon_scale_mode",
-        "the optimiser is AdamW (Muon is not built)",
-    ),
-    (
-        "*.optim.muon_coefficient_type",
-        "the optimiser is AdamW (Muon is not built)",
-    ),
-    (
-        "*.optim.muon_num_ns_steps",
-        "the optimiser is AdamW (Muon is not built)",
-    ),
-    (
-        "*.optim.muon_tp_mode",
-        "the optimiser is AdamW (Muon is not built)",
-    ),
-    (
-        "*.optim.muon_fp32_matmul_prec",
-        "the optimiser is AdamW (Muon is not built)",
-    ),
-    (
-        "*.optim.muon_extra_scale_factor",
-        "the optimiser is AdamW (Muon is not built)",
-    ),
-    (
-        "*.optim.muon_scalar_optimizer",
-        "the optimiser is AdamW (Muon is not built)",
-    ),
-    (
-        "*.optim.muon_match_adamw_update_rms",
-        "the optimiser is AdamW (Muon is not built)",
-    ),
+    ("*.optim.muon_momentum", NO_MUON),
+    ("*.optim.muon_nesterov", NO_MUON),
+    ("*.optim.muon_split_qkv", NO_MUON),
+    ("*.optim.muon_scale_mode", NO_MUON),
+    ("*.optim.muon_coefficient_type", NO_MUON),
+    ("*.optim.muon_num_ns_steps", NO_MUON),
+    ("*.optim.muon_tp_mode", NO_MUON),
+    ("*.optim.muon_fp32_matmul_prec", NO_MUON),
+    ("*.optim.muon_extra_scale_factor", NO_MUON),
+    ("*.optim.muon_scalar_optimizer", NO_MUON),
+    ("*.optim.muon_match_adamw_update_rms", NO_MUON),
     // Megatron-Core's engine: tensor parallelism here is burn-rlhf's own layers
     // (`megatron.tensor_model_parallel_size`); the rest of Megatron's layout is not built.
     (
@@ -315,31 +247,18 @@ const INERT: &[(&str, &str)] = &[
         "*.megatron.max_seqlen_per_dp_cp_rank",
         "context parallelism is not built: each rank holds whole sequences",
     ),
-    (
-        "*.megatron.use_dist_checkpointing",
-        "checkpoints are HF safetensors folders plus the trainer's state",
-    ),
-    (
-        "*.megatron.dist_checkpointing_path",
-        "checkpoints are HF safetensors folders plus the trainer's state",
-    ),
-    (
-        "*.megatron.dist_checkpointing_prefix",
-        "checkpoints are HF safetensors folders plus the trainer's state",
-    ),
+    ("*.megatron.use_dist_checkpointing", HF_CHECKPOINTS),
+    ("*.megatron.dist_checkpointing_path", HF_CHECKPOINTS),
+    ("*.megatron.dist_checkpointing_prefix", HF_CHECKPOINTS),
     (
         "*.megatron.dist_ckpt_optim_fully_reshardable",
-        "checkpoints are HF safetensors folders plus the trainer's state",
+        HF_CHECKPOINTS,
     ),
     (
         "*.megatron.distrib_optim_fully_reshardable_mem_efficient",
-        "checkpoints are HF safetensors folders plus the trainer's state",
+        HF_CHECKPOINTS,
     ),
-    (
-        "*.megatron.seed",
-        "weights come from the checkpoint; sampling and shuffling are seeded by `trainer.seed` \
-         and `data.seed`",
-    ),
+    ("*.megatron.seed", SEEDS),
     (
         "*.megatron.override_ddp_config",
         "data parallelism's settings are `trainer.*` keys",
@@ -353,34 +272,16 @@ const INERT: &[(&str, &str)] = &[
         "recomputation is `enable_gradient_checkpointing` (each decoder layer); attention is \
          burn-rlhf's kernel",
     ),
-    (
-        "*.megatron.use_mbridge",
-        "HF checkpoints are read and written directly: there is no bridge",
-    ),
-    (
-        "*.megatron.vanilla_mbridge",
-        "HF checkpoints are read and written directly: there is no bridge",
-    ),
-    (
-        "*.checkpoint.mbridge_config",
-        "HF checkpoints are read and written directly: there is no bridge",
-    ),
-    (
-        "*.megatron.pad_bshd_to_minibatch_max",
-        "sequence shapes are bucketed by `actor_rollout_ref.model.shape_bucket`",
-    ),
-    (
-        "*.megatron.pad_to_length_bucket",
-        "sequence shapes are bucketed by `actor_rollout_ref.model.shape_bucket`",
-    ),
+    ("*.megatron.use_mbridge", NO_BRIDGE),
+    ("*.megatron.vanilla_mbridge", NO_BRIDGE),
+    ("*.checkpoint.mbridge_config", NO_BRIDGE),
+    ("*.megatron.pad_bshd_to_minibatch_max", SHAPE_BUCKETS),
+    ("*.megatron.pad_to_length_bucket", SHAPE_BUCKETS),
     (
         "*.megatron.use_megatron_fsdp",
         "Megatron's FSDP is not used (data parallelism is `trainer.*`)",
     ),
-    (
-        "*.megatron.forward_only",
-        "verl's engine flag: the reference only runs forward here, the actor and critic train",
-    ),
+    ("*.megatron.forward_only", FORWARD_ONLY),
     (
         "*.megatron.router_replay",
         "replaying the rollout's expert routing in training is not built",
@@ -676,18 +577,9 @@ const INERT: &[(&str, &str)] = &[
         "reward_model.num_workers",
         "scores are computed in the trainer's process",
     ),
-    (
-        "reward_model.enable_resource_pool",
-        "a reward model runs on the trainer's devices",
-    ),
-    (
-        "reward_model.n_gpus_per_node",
-        "a reward model runs on the trainer's devices",
-    ),
-    (
-        "reward_model.nnodes",
-        "a reward model runs on the trainer's devices",
-    ),
+    ("reward_model.enable_resource_pool", RM_ON_TRAINER),
+    ("reward_model.n_gpus_per_node", RM_ON_TRAINER),
+    ("reward_model.nnodes", RM_ON_TRAINER),
     (
         "reward_model.reward_loop_source",
         "verl's reward loop is not used: scores are computed in the trainer's process",
@@ -720,18 +612,9 @@ const INERT: &[(&str, &str)] = &[
         "reward.reward_manager.module",
         "reward managers are burn-rlhf's: `reward_model.reward_manager`",
     ),
-    (
-        "reward.reward_model.enable_resource_pool",
-        "a reward model runs on the trainer's devices",
-    ),
-    (
-        "reward.reward_model.n_gpus_per_node",
-        "a reward model runs on the trainer's devices",
-    ),
-    (
-        "reward.reward_model.nnodes",
-        "a reward model runs on the trainer's devices",
-    ),
+    ("reward.reward_model.enable_resource_pool", RM_ON_TRAINER),
+    ("reward.reward_model.n_gpus_per_node", RM_ON_TRAINER),
+    ("reward.reward_model.nnodes", RM_ON_TRAINER),
     (
         "reward.reward_model.rollout",
         "a generative reward model is not built: a reward model scores with its head",
@@ -752,6 +635,16 @@ const INERT: &[(&str, &str)] = &[
     ),
 ];
 
+const NO_MUON: &str = "the optimiser is AdamW (Muon is not built)";
+const HF_CHECKPOINTS: &str = "checkpoints are HF safetensors folders plus the trainer's state";
+const SHAPE_BUCKETS: &str =
+    "sequence shapes are bucketed by `actor_rollout_ref.model.shape_bucket`";
+const FORWARD_ONLY: &str =
+    "verl's engine flag: the reference only runs forward here, the actor and critic train";
+const F32_OPTIMISER: &str = "gradients and AdamW's moments are f32";
+const RM_ON_TRAINER: &str = "a reward model runs on the trainer's devices";
+const NO_BRIDGE: &str = "HF checkpoints are read and written directly: there is no bridge";
+const SEEDS: &str = "weights come from the checkpoint; sampling and shuffling are seeded by `trainer.seed` and `data.seed`";
 const MEGATRON_SCHEDULE: &str = "Megatron's scheduler keys: the schedule is \
      `optim.lr_scheduler_type`, `optim.lr_warmup_steps` and `optim.min_lr_ratio`";
 

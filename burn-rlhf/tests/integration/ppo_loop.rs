@@ -935,25 +935,40 @@ fn rollout_probs_diff_compares_at_the_rollout_temperature() {
     std::fs::remove_dir_all(dir).ok();
 }
 
+/// The LoRA runs' adapter rank and alpha.
+const TINY_LORA: (usize, f64) = (4, 8.0);
+
+/// The tiny actor with fresh adapters on every linear layer (the same ones every call), and the
+/// critic.
+fn tiny_lora_models() -> (CausalLm<B>, ValueModel<B>) {
+    let (actor, critic) = tiny_models();
+    let lora = burn_rlhf::models::LoraConfig {
+        rank: TINY_LORA.0,
+        alpha: TINY_LORA.1,
+        target_modules: vec!["all-linear".into()],
+    };
+    let adapted = super::seeded(9, || actor.with_lora(&lora, &Default::default()));
+    (adapted, critic)
+}
+
+/// [`tiny_config`] training those adapters.
+fn lora_config(estimator: &str, out: &Path) -> RlhfConfig {
+    let mut config = tiny_config(estimator, out);
+    config.actor_rollout_ref.model.lora_rank = TINY_LORA.0;
+    config.actor_rollout_ref.model.lora_alpha = TINY_LORA.1;
+    config
+}
+
 /// LoRA through the Learner: only the adapters train, a checkpoint holds them in PEFT's layout
 /// beside the merged model, and a run resumed from step 2 (`resume_mode=auto`) ends at step 4
 /// with the same weights and metrics as one that never stopped.
 #[test]
 fn lora_runs_train_adapters_and_resume_as_if_never_stopped() {
-    use burn_rlhf::models::LoraConfig;
     let dir = temp_dir("lora");
-    let (actor, critic) = tiny_models();
-    let lora = LoraConfig {
-        rank: 4,
-        alpha: 8.0,
-        target_modules: vec!["all-linear".into()],
-    };
     // One set of fresh adapters for every run.
-    let adapted = super::seeded(9, || actor.clone().with_lora(&lora, &Default::default()));
+    let (adapted, critic) = tiny_lora_models();
     let run = |out: &Path, steps: usize| -> Learner<B> {
-        let mut config = tiny_config("gae", out);
-        config.actor_rollout_ref.model.lora_rank = lora.rank;
-        config.actor_rollout_ref.model.lora_alpha = lora.alpha;
+        let mut config = lora_config("gae", out);
         config.trainer.total_training_steps = Some(steps);
         config.trainer.resume_mode = "auto".into();
         config.trainer.logger = vec!["jsonl".into()];
@@ -1018,18 +1033,9 @@ fn lora_runs_train_adapters_and_resume_as_if_never_stopped() {
 /// logits are the adapted model's; the trained model keeps its adapters.
 #[test]
 fn lora_merge_generates_on_merged_weights() {
-    use burn_rlhf::models::LoraConfig;
     let dir = temp_dir("lora-merge");
-    let (actor, critic) = tiny_models();
-    let lora = LoraConfig {
-        rank: 4,
-        alpha: 8.0,
-        target_modules: vec!["all-linear".into()],
-    };
-    let adapted = super::seeded(9, || actor.clone().with_lora(&lora, &Default::default()));
-    let mut config = tiny_config("grpo", &dir);
-    config.actor_rollout_ref.model.lora_rank = lora.rank;
-    config.actor_rollout_ref.model.lora_alpha = lora.alpha;
+    let (adapted, critic) = tiny_lora_models();
+    let mut config = lora_config("grpo", &dir);
     config.actor_rollout_ref.model.lora.merge = true;
     config.trainer.logger = vec!["jsonl".into()];
     let mut l = learner(config.clone(), adapted.clone(), critic.clone());
@@ -1056,6 +1062,7 @@ fn lora_merge_generates_on_merged_weights() {
     assert!(diff < 1e-5, "merged logits differ by {diff}");
     // Without adapters there is nothing to merge: refused, naming both keys.
     config.actor_rollout_ref.model.lora_rank = 0;
+    let (actor, _) = tiny_models();
     let refused = try_learner(config, actor, critic)
         .err()
         .unwrap()
