@@ -212,6 +212,43 @@ impl Tokenizer {
         tools: Option<&[Value]>,
         add_generation_prompt: bool,
     ) -> Result<String, ModelError> {
+        self.render_chat(
+            minijinja::Value::from_serialize(messages),
+            tools,
+            add_generation_prompt,
+            &serde_json::Map::new(),
+        )
+    }
+
+    /// transformers' `apply_chat_template(messages, tools=tools, add_generation_prompt=...,
+    /// tokenize=True, **kwargs)` for messages as they are stored in a dataset (any fields:
+    /// `tool_calls`, `name`, `reasoning_content`), with extra template variables `kwargs`
+    /// (verl's `apply_chat_template_kwargs`, `enable_thinking`).
+    pub fn encode_chat_json(
+        &self,
+        messages: &[Value],
+        tools: Option<&[Value]>,
+        add_generation_prompt: bool,
+        kwargs: &serde_json::Map<String, Value>,
+    ) -> Result<Vec<u32>, ModelError> {
+        let text = self.render_chat(
+            minijinja::Value::from_serialize(messages),
+            tools,
+            add_generation_prompt,
+            kwargs,
+        )?;
+        self.encode(&text, false)
+    }
+
+    /// Renders the chat template over `messages` with `tools`, the generation prompt or not, and
+    /// the extra variables `kwargs`.
+    fn render_chat(
+        &self,
+        messages: minijinja::Value,
+        tools: Option<&[Value]>,
+        add_generation_prompt: bool,
+        kwargs: &serde_json::Map<String, Value>,
+    ) -> Result<String, ModelError> {
         let err = |m: String| ModelError::Tokenizer {
             path: self.source.clone(),
             message: m,
@@ -257,6 +294,7 @@ impl Tokenizer {
             tools => tools,
             bos_token => self.bos_token.clone().unwrap_or_default(),
             eos_token => self.eos_token.clone().unwrap_or_default(),
+            ..minijinja::Value::from_serialize(kwargs)
         };
         env.get_template("chat")
             .and_then(|t| t.render(ctx))

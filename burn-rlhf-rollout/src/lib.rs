@@ -8,6 +8,7 @@
 pub mod agent;
 pub mod batch;
 mod config_file;
+pub mod conversation;
 pub mod data;
 pub mod encode;
 pub mod engine;

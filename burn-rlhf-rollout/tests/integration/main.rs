@@ -8,3 +8,4 @@ mod engine;
 mod generation;
 mod preference;
 mod rewards;
+mod sft_messages;

@@ -11,7 +11,7 @@ use serde_json::{Map, Value};
 
 use super::error::ConfigError;
 use super::tree::RlhfConfig;
-use super::verl_keys::{value_is, Treatment};
+use super::verl_keys::{value_is, Treatment, VerlDialect};
 
 /// Reads `path` (RON), applies `overrides` (`a.b.c=value`, in order), fills verl's derived keys
 /// and returns the typed tree. Cross-field rules are checked separately by
@@ -28,6 +28,18 @@ pub fn load_typed<T>(path: &Path, overrides: &[String]) -> Result<T, ConfigError
 where
     T: Default + serde::Serialize + serde::de::DeserializeOwned,
 {
+    load_typed_in(path, overrides, VerlDialect::Ppo)
+}
+
+/// [`load_typed`] for a tree whose verl keys are those of `dialect`'s trainer.
+pub fn load_typed_in<T>(
+    path: &Path,
+    overrides: &[String],
+    dialect: VerlDialect,
+) -> Result<T, ConfigError>
+where
+    T: Default + serde::Serialize + serde::de::DeserializeOwned,
+{
     let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
         path: path.to_path_buf(),
         source,
@@ -40,7 +52,7 @@ where
     let schema = serde_json::to_value(T::default()).expect("the config tree serialises to JSON");
     check_known_keys(&tree, &schema, &schema, "", &origin)?;
     for arg in overrides {
-        apply_override(&mut tree, &schema, arg)?;
+        apply_override(&mut tree, &schema, arg, dialect)?;
     }
     let origin = if overrides.is_empty() {
         origin
@@ -180,6 +192,10 @@ fn check_known_keys(
     let (Value::Object(map), Value::Object(known)) = (tree, schema) else {
         return Ok(());
     };
+    // An empty mapping in the schema is a free-form map (the chat template's variables).
+    if known.is_empty() {
+        return Ok(());
+    }
     for (k, v) in map {
         let path = join(prefix, k);
         match known.get(k) {
@@ -197,7 +213,12 @@ fn check_known_keys(
 }
 
 /// Applies one `a.b.c=value` override to the tree, in verl's style.
-fn apply_override(tree: &mut Value, schema: &Value, arg: &str) -> Result<(), ConfigError> {
+fn apply_override(
+    tree: &mut Value,
+    schema: &Value,
+    arg: &str,
+    dialect: VerlDialect,
+) -> Result<(), ConfigError> {
     let Some((key, raw)) = arg.split_once('=') else {
         return Err(ConfigError::Override {
             arg: arg.to_string(),
@@ -207,7 +228,7 @@ fn apply_override(tree: &mut Value, schema: &Value, arg: &str) -> Result<(), Con
     let mut key = key.trim().trim_start_matches('+');
     // verl's keys with no key of their own here: read under another name, read at the value
     // whose meaning holds, or refused with why.
-    match super::verl_keys::treatment(key) {
+    match dialect.treatment(key, in_schema(schema, key)) {
         Some(Treatment::Alias(to)) => key = to,
         Some(Treatment::OnlyAt(accepted, _)) if value_is(raw, accepted) => return Ok(()),
         Some(Treatment::OnlyAt(accepted, why)) => {
@@ -235,14 +256,16 @@ fn apply_override(tree: &mut Value, schema: &Value, arg: &str) -> Result<(), Con
     }
     let mut known = schema;
     for part in key.split('.') {
+        if is_free_map(known) {
+            // A key inside a free-form map: any name, any value.
+            known = &Value::Null;
+            break;
+        }
         match known.get(part) {
             Some(sub) if known.is_object() => known = sub,
             _ => {
                 // A verl key of a section that changes nothing here: verl's value only.
-                if let (Some(why), Some(verl)) = (
-                    super::verl_tree::inert_reason(key),
-                    super::verl_tree::verl_value(key),
-                ) {
+                if let Some((why, verl)) = super::verl_tree::inert_in(dialect, key) {
                     let value = parse_override_value(raw.trim(), verl);
                     if super::verl_tree::same_value(&value, verl) {
                         return Ok(());
@@ -263,7 +286,7 @@ fn apply_override(tree: &mut Value, schema: &Value, arg: &str) -> Result<(), Con
             }
         }
     }
-    if known.is_object() {
+    if known.is_object() && !is_free_map(known) {
         return Err(ConfigError::Override {
             arg: arg.to_string(),
             message: format!("`{key}` is a section, not a value; set one of its keys"),
@@ -290,6 +313,23 @@ fn apply_override(tree: &mut Value, schema: &Value, arg: &str) -> Result<(), Con
     Ok(())
 }
 
+/// Whether a schema node is a free-form map (an empty mapping by default), not a section.
+fn is_free_map(node: &Value) -> bool {
+    node.as_object().is_some_and(serde_json::Map::is_empty)
+}
+
+/// Whether `key` is a value of `schema` (a known key of the tree).
+fn in_schema(schema: &Value, key: &str) -> bool {
+    let mut node = schema;
+    for part in key.split('.') {
+        match node.get(part) {
+            Some(sub) => node = sub,
+            None => return false,
+        }
+    }
+    !node.is_object() || is_free_map(node)
+}
+
 /// Reads an override's value the way verl's command line does: RON/YAML-like literals, with a bare
 /// word taken as a string, and a list's bare words as strings where the key holds strings.
 fn parse_override_value(raw: &str, default: &Value) -> Value {
@@ -298,6 +338,10 @@ fn parse_override_value(raw: &str, default: &Value) -> Value {
         Value::Array(items) => {
             let inner = raw.strip_prefix('[').and_then(|r| r.strip_suffix(']'));
             let Some(inner) = inner else {
+                // verl's `null` for a list (`data.val_files=null`): none.
+                if matches!(raw, "null" | "None" | "~") {
+                    return Value::Array(Vec::new());
+                }
                 // A single item for a list key: `trainer.logger=console`.
                 let elem_default = items.first().cloned().unwrap_or(Value::Null);
                 return Value::Array(vec![parse_override_value(raw, &elem_default)]);

@@ -48,7 +48,8 @@ pub use critic::{CriticConfig, CriticModelConfig};
 pub use data::DataConfig;
 pub use error::ConfigError;
 pub use load::{
-    config_from_ron_str, config_kind, config_to_ron, load_config, load_typed, ConfigKind,
+    config_from_ron_str, config_kind, config_to_ron, load_config, load_typed, load_typed_in,
+    ConfigKind,
 };
 pub use model::{Checkpointing, ModelConfig, DEFAULT_LOGITS_CHUNK};
 pub use names::KnownNames;
@@ -64,11 +65,12 @@ pub use rollout::{RefConfig, RolloutConfig, ValKwargsConfig};
 pub use rollout_correction::{RolloutCorrectionConfig, ThresholdSpec};
 pub use settings::Settings;
 pub use sft::{
-    SftConfig, SftDataConfig, SftDefaults, SftModelConfig, SftOptimConfig, SftSettings,
-    SftTrainerConfig,
+    SftConfig, SftDataConfig, SftDefaults, SftEngineConfig, SftFormat, SftModelConfig,
+    SftOptimConfig, SftSettings, SftTrainerConfig,
 };
 pub use supervised::{
     SupervisedOptimConfig, SupervisedRunSettings, SupervisedTrainerConfig, TrainerDefaults,
 };
 pub use trainer::{CollectiveBackend, Loggers, TrainerConfig};
 pub use tree::{ActorRolloutRefConfig, RlhfConfig};
+pub use verl_keys::VerlDialect;

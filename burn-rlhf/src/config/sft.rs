@@ -3,19 +3,23 @@
 
 use std::path::Path;
 
+use burn_rlhf_rollout::conversation::PadMode;
 use burn_rlhf_rollout::Truncation;
 use serde::{Deserialize, Serialize};
 
 use super::error::ConfigError;
-use super::load::load_typed;
+use super::load::load_typed_in;
 use super::model::Checkpointing;
 use super::problems::Problems;
 use super::supervised::{
     decode_run, SupervisedOptimConfig, SupervisedRunSettings, SupervisedTrainerConfig,
     TrainerDefaults,
 };
+use super::verl_keys::VerlDialect;
 
-/// `data.*` (verl's `sft_trainer.yaml`).
+/// `data.*`: verl 0.9.1's SFT trainer keys (`sft_trainer_engine.yaml`: a `messages` column
+/// through the chat template, its `MultiTurnSFTDataset`), and its older trainer's prompt and
+/// response columns (`prompt_key` and `response_key`, both or neither).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct SftDataConfig {
@@ -23,16 +27,40 @@ pub struct SftDataConfig {
     pub train_batch_size: usize,
     /// Examples per forward/backward.
     pub micro_batch_size_per_gpu: usize,
+    /// Micro-batches of at most `max_token_len_per_gpu` tokens instead of
+    /// `micro_batch_size_per_gpu` rows (the same loss: it is normalised by the batch's tokens).
+    pub use_dynamic_bsz: bool,
+    pub max_token_len_per_gpu: usize,
     /// `.jsonl` / `.parquet` files.
     pub train_files: Vec<String>,
     pub val_files: Vec<String>,
-    /// The prompt's key (`a.b` reads field `b` of `a`).
-    pub prompt_key: String,
-    /// The response's key.
-    pub response_key: String,
-    /// Prompt plus response tokens at most.
+    /// The first this many training (validation) examples of the files; -1: all.
+    pub train_max_samples: i64,
+    pub val_max_samples: i64,
+    /// The column of each row's chat messages (a list of `{role, content, ...}`).
+    pub messages_key: String,
+    /// The column of each row's tool schemas, when the file has it.
+    pub tools_key: String,
+    /// The column of each row's `enable_thinking`, when the file has it.
+    pub enable_thinking_key: String,
+    /// `enable_thinking` for rows without that column, read as verl reads it: `null` passes
+    /// nothing, `true`/`false` pass themselves, and any other string passes `True` (Python's
+    /// truth of a string: verl's default `none` is such a string).
+    pub enable_thinking_default: String,
+    /// Extra variables of the chat template (`enable_thinking`, ...).
+    pub apply_chat_template_kwargs: serde_json::Map<String, serde_json::Value>,
+    /// A row whose messages rendered one at a time differ from the whole conversation's
+    /// rendering trains on the joined turns instead of being refused.
+    pub ignore_input_ids_mismatch: bool,
+    /// `no_padding` or `right`: decides how a long example is cut (`truncation`).
+    pub pad_mode: String,
+    /// The older layout: the prompt's key (`a.b` reads field `b` of `a`), sent as a user turn.
+    pub prompt_key: Option<String>,
+    /// The older layout: the response's key.
+    pub response_key: Option<String>,
+    /// Tokens at most.
     pub max_length: usize,
-    /// Longer examples: `error`, `left` (drop the start) or `right` (drop the end).
+    /// Longer examples: `error`, `left` or `right` (see `pad_mode`).
     pub truncation: String,
 }
 
@@ -41,12 +69,48 @@ impl Default for SftDataConfig {
         Self {
             train_batch_size: 256,
             micro_batch_size_per_gpu: 4,
+            use_dynamic_bsz: true,
+            max_token_len_per_gpu: 8192,
             train_files: vec!["~/data/gsm8k/train.parquet".into()],
-            val_files: vec!["~/data/gsm8k/test.parquet".into()],
-            prompt_key: "question".into(),
-            response_key: "answer".into(),
+            val_files: Vec::new(),
+            train_max_samples: -1,
+            val_max_samples: -1,
+            messages_key: "messages".into(),
+            tools_key: "tools".into(),
+            enable_thinking_key: "enable_thinking".into(),
+            enable_thinking_default: "none".into(),
+            apply_chat_template_kwargs: serde_json::Map::new(),
+            ignore_input_ids_mismatch: false,
+            pad_mode: "no_padding".into(),
+            prompt_key: None,
+            response_key: None,
             max_length: 1024,
             truncation: "error".into(),
+        }
+    }
+}
+
+/// Where an SFT example's tokens come from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SftFormat {
+    /// A row's messages through the chat template, trained on the assistant turns (verl 0.9.1).
+    Messages,
+    /// A prompt (a user turn) and a response column (verl's older SFT trainer).
+    Pairs {
+        /// `data.prompt_key`.
+        prompt: String,
+        /// `data.response_key`.
+        response: String,
+    },
+}
+
+impl SftDataConfig {
+    /// `data.enable_thinking_default` as verl passes it to the template.
+    fn thinking_default(&self) -> Option<bool> {
+        match self.enable_thinking_default.to_lowercase().as_str() {
+            "null" | "~" => None,
+            "false" | "" => Some(false),
+            _ => Some(true),
         }
     }
 }
@@ -69,6 +133,9 @@ pub struct SftModelConfig {
     /// What it recomputes: `layer` (each decoder layer from its input; HF's) or `operation`
     /// (Burn's: the memory-bound operations only). burn-rlhf's key.
     pub gradient_checkpointing_granularity: String,
+    /// burn-rlhf's fused kernels (CubeCL's on GPU backends, the host's on CPU) in the passes;
+    /// off: Burn's tensor operations (the same numbers within rounding).
+    pub use_fused_kernels: bool,
     /// Padding-free passes: each micro-batch's rows packed side by side into one sequence (no
     /// work on padding; the same numbers). verl's default (its `hf_model` config) is true.
     pub use_remove_padding: bool,
@@ -87,6 +154,7 @@ impl Default for SftModelConfig {
             target_modules: vec!["all-linear".into()],
             enable_gradient_checkpointing: true,
             gradient_checkpointing_granularity: "layer".into(),
+            use_fused_kernels: true,
             use_remove_padding: true,
             logits_chunk_size: super::DEFAULT_LOGITS_CHUNK,
         }
@@ -107,20 +175,43 @@ impl TrainerDefaults for SftDefaults {
 /// `trainer.*` with verl's SFT defaults.
 pub type SftTrainerConfig = SupervisedTrainerConfig<SftDefaults>;
 
-/// The SFT trainer's config tree (verl's `sft_trainer.yaml` keys).
+/// `engine.*`: verl's FSDP engine keys that mean something here (the others are read as the
+/// PPO actor's `fsdp_config.*`: accepted at verl's values, refused otherwise).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(default, deny_unknown_fields)]
+pub struct SftEngineConfig {
+    /// AdamW's moments in host memory between steps.
+    pub optimizer_offload: bool,
+}
+
+/// The SFT trainer's config tree: verl 0.9.1's `sft_trainer_engine.yaml` keys (its `model`,
+/// `engine`, `optim`, `data`, `checkpoint` and `trainer` sections), with its older trainer's
+/// names (`model.partial_pretrain`, `optim.warmup_steps_ratio`, `optim.lr_scheduler`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 #[serde(default, deny_unknown_fields)]
 pub struct SftConfig {
     pub data: SftDataConfig,
     pub model: SftModelConfig,
+    pub engine: SftEngineConfig,
     pub optim: SftOptimConfig,
     pub trainer: SftTrainerConfig,
 }
 
 impl SftConfig {
-    /// Reads a RON file with `key.path=value` overrides.
+    /// Reads a RON file with `key.path=value` overrides (verl's SFT keys known,
+    /// [`VerlDialect::Sft`]).
     pub fn load(path: &Path, overrides: &[String]) -> Result<Self, ConfigError> {
-        load_typed(path, overrides)
+        load_typed_in(path, overrides, VerlDialect::Sft)
+    }
+
+    /// What an override of verl's SFT key `key` becomes, as [`SftConfig::load`] treats it.
+    pub fn verl_treatment(key: &str) -> Option<super::verl_keys::Treatment> {
+        let schema = serde_json::to_value(Self::default()).expect("the tree serialises");
+        let known = key
+            .split('.')
+            .try_fold(&schema, |node, part| node.get(part))
+            .is_some_and(|node| !node.is_object());
+        VerlDialect::Sft.treatment(key, known)
     }
 
     /// Checks values that cannot work, every problem reported with its key.
@@ -153,6 +244,39 @@ impl SftConfig {
         p.check(!d.train_files.is_empty(), || {
             "`data.train_files` names no files".into()
         });
+        p.check(!d.use_dynamic_bsz || d.max_token_len_per_gpu >= 2, || {
+            "`data.max_token_len_per_gpu` must be >= 2".into()
+        });
+        for (key, n) in [
+            ("data.train_max_samples", d.train_max_samples),
+            ("data.val_max_samples", d.val_max_samples),
+        ] {
+            p.check(n == -1 || n > 0, || {
+                format!("`{key}` must be -1 (every example) or > 0, not {n}")
+            });
+        }
+        let pad_mode = p.name(
+            "data.pad_mode",
+            &d.pad_mode,
+            &["no_padding", "right"],
+            PadMode::from_name(&d.pad_mode),
+        );
+        let format = match (&d.prompt_key, &d.response_key) {
+            (None, None) => Some(SftFormat::Messages),
+            (Some(prompt), Some(response)) => Some(SftFormat::Pairs {
+                prompt: prompt.clone(),
+                response: response.clone(),
+            }),
+            _ => {
+                p.check(false, || {
+                    "`data.prompt_key` and `data.response_key` go together (the prompt and \
+                     response columns), or neither is set and each row's `data.messages_key` \
+                     is read"
+                        .into()
+                });
+                None
+            }
+        };
         let checkpointing = Checkpointing::decode(
             &mut p,
             "model.gradient_checkpointing_granularity",
@@ -160,15 +284,21 @@ impl SftConfig {
             &self.model.gradient_checkpointing_granularity,
         );
         let run = decode_run(&mut p, o, t);
-        let settings =
-            truncation
-                .zip(run)
-                .zip(checkpointing)
-                .map(|((truncation, run), checkpointing)| SftSettings {
+        let settings = truncation
+            .zip(run)
+            .zip(checkpointing)
+            .zip(pad_mode.zip(format))
+            .map(
+                |(((truncation, run), checkpointing), (pad_mode, format))| SftSettings {
                     truncation,
                     run,
                     checkpointing,
-                });
+                    format,
+                    pad_mode,
+                    enable_thinking_default: d.thinking_default(),
+                    max_token_len: d.use_dynamic_bsz.then_some(d.max_token_len_per_gpu),
+                },
+            );
         p.finish(origin, settings)
     }
 }
@@ -183,6 +313,14 @@ pub struct SftSettings {
     pub run: SupervisedRunSettings,
     /// `model.enable_gradient_checkpointing` at `model.gradient_checkpointing_granularity`.
     pub checkpointing: Checkpointing,
+    /// Messages or prompt and response columns.
+    pub format: SftFormat,
+    /// `data.pad_mode`.
+    pub pad_mode: PadMode,
+    /// `data.enable_thinking_default`.
+    pub enable_thinking_default: Option<bool>,
+    /// `Some(data.max_token_len_per_gpu)` with `data.use_dynamic_bsz`.
+    pub max_token_len: Option<usize>,
 }
 
 #[cfg(test)]
@@ -204,5 +342,41 @@ mod tests {
             assert!(message.contains(key), "{key} in {message}");
         }
         assert!(SftConfig::default().validate("test").is_ok());
+        let mut c = SftConfig::default();
+        c.data.prompt_key = Some("question".into());
+        c.data.pad_mode = "left".into();
+        c.data.train_max_samples = 0;
+        let message = c.validate("test").unwrap_err().to_string();
+        for key in [
+            "data.prompt_key` and `data.response_key",
+            "data.pad_mode",
+            "data.train_max_samples",
+        ] {
+            assert!(message.contains(key), "{key} in {message}");
+        }
+    }
+
+    /// verl's default layout is its messages dataset; `enable_thinking_default` is read as
+    /// Python's truth of verl's value (its default `none` is a string, so `True`).
+    #[test]
+    fn verls_sft_defaults_decode_as_verl_reads_them() {
+        let s = SftConfig::default().decode("test").unwrap();
+        assert_eq!(s.format, SftFormat::Messages);
+        assert_eq!(s.pad_mode, PadMode::NoPadding);
+        assert_eq!(s.max_token_len, Some(8192));
+        let thinking = |v: &str| {
+            let mut c = SftConfig::default();
+            c.data.enable_thinking_default = v.into();
+            c.decode("test").unwrap().enable_thinking_default
+        };
+        assert_eq!(
+            [
+                thinking("none"),
+                thinking("null"),
+                thinking("false"),
+                thinking("true")
+            ],
+            [Some(true), None, Some(false), Some(true)]
+        );
     }
 }

@@ -18,12 +18,20 @@ pub struct SupervisedOptimConfig {
     pub lr: f64,
     pub betas: [f64; 2],
     pub weight_decay: f64,
-    /// Warm-up steps as a fraction of all steps.
+    /// Warm-up steps as a fraction of all steps (verl 0.9.1: `lr_warmup_steps_ratio`).
     pub warmup_steps_ratio: f64,
+    /// Warm-up steps; -1: `warmup_steps_ratio` of the schedule's steps.
+    pub lr_warmup_steps: i64,
     /// Global gradient-norm limit.
     pub clip_grad: f64,
-    /// `cosine` or `constant`.
+    /// `cosine` or `constant` (verl 0.9.1: `lr_scheduler_type`).
     pub lr_scheduler: String,
+    /// The cosine's floor as a fraction of `lr`.
+    pub min_lr_ratio: f64,
+    /// Cosine waves over the schedule.
+    pub num_cycles: f64,
+    /// The schedule's length in steps; -1: the run's.
+    pub total_training_steps: i64,
 }
 
 impl Default for SupervisedOptimConfig {
@@ -33,8 +41,12 @@ impl Default for SupervisedOptimConfig {
             betas: [0.9, 0.95],
             weight_decay: 0.01,
             warmup_steps_ratio: 0.1,
+            lr_warmup_steps: -1,
             clip_grad: 1.0,
             lr_scheduler: "cosine".into(),
+            min_lr_ratio: 0.0,
+            num_cycles: 0.5,
+            total_training_steps: -1,
         }
     }
 }
@@ -69,6 +81,9 @@ pub struct SupervisedTrainerConfig<D: TrainerDefaults> {
     /// `auto` (the newest checkpoint in `default_local_dir`, if any), `disable` or `resume_path`.
     pub resume_mode: String,
     pub resume_from_path: Option<String>,
+    /// The newest this many checkpoints are kept (the one resumed from among them); `None` or
+    /// 0: all.
+    pub max_ckpt_to_keep: Option<usize>,
     #[serde(skip)]
     defaults: PhantomData<D>,
 }
@@ -89,6 +104,7 @@ impl<D: TrainerDefaults> Default for SupervisedTrainerConfig<D> {
             n_gpus_per_node: 1,
             resume_mode: "auto".into(),
             resume_from_path: None,
+            max_ckpt_to_keep: None,
             defaults: PhantomData,
         }
     }
@@ -123,6 +139,16 @@ pub(super) fn decode_run<D: TrainerDefaults>(
     );
     p.check((0.0..1.0).contains(&o.warmup_steps_ratio), || {
         "`optim.warmup_steps_ratio` must be in [0, 1)".into()
+    });
+    p.check(o.lr_warmup_steps >= -1, || {
+        "`optim.lr_warmup_steps` must be -1 (from the ratio) or >= 0".into()
+    });
+    p.check(
+        o.total_training_steps == -1 || o.total_training_steps > 0,
+        || "`optim.total_training_steps` must be -1 (the run's steps) or > 0".into(),
+    );
+    p.check((0.0..=1.0).contains(&o.min_lr_ratio), || {
+        "`optim.min_lr_ratio` must be in [0, 1]".into()
     });
     let loggers = decode_loggers(p, &t.logger, &t.project_name, &t.experiment_name);
     p.check(t.nnodes >= 1 && t.n_gpus_per_node >= 1, || {

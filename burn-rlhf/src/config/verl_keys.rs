@@ -314,6 +314,43 @@ pub const ENGINE_KEYS: &[(&str, Treatment)] = &[
         Treatment::OnlyAt(&["fp32", "float32"], MASTER_F32),
     ),
     (
+        "actor_rollout_ref.actor.fsdp_config.dtype",
+        Treatment::OnlyAt(&["bfloat16", "float16"], FSDP_DTYPE),
+    ),
+    (
+        "actor_rollout_ref.ref.fsdp_config.dtype",
+        Treatment::OnlyAt(&["bfloat16", "float16"], FSDP_DTYPE),
+    ),
+    (
+        "critic.fsdp.dtype",
+        Treatment::OnlyAt(&["bfloat16", "float16"], FSDP_DTYPE),
+    ),
+    (
+        "actor_rollout_ref.actor.fsdp_config.reshard_after_forward",
+        Treatment::OnlyAt(&["true", "false"], RESHARD),
+    ),
+    (
+        "actor_rollout_ref.ref.fsdp_config.reshard_after_forward",
+        Treatment::OnlyAt(&["true", "false"], RESHARD),
+    ),
+    (
+        "critic.fsdp.reshard_after_forward",
+        Treatment::OnlyAt(&["true", "false"], RESHARD),
+    ),
+    // Megatron's parameter dtype is the dtype the model computes in.
+    (
+        "actor_rollout_ref.actor.megatron.dtype",
+        Treatment::Alias("actor_rollout_ref.model.dtype"),
+    ),
+    (
+        "actor_rollout_ref.ref.megatron.dtype",
+        Treatment::Refused(ONE_COMPUTE_DTYPE),
+    ),
+    (
+        "critic.megatron.dtype",
+        Treatment::Refused(ONE_COMPUTE_DTYPE),
+    ),
+    (
         "actor_rollout_ref.rollout.enable_sleep_mode",
         Treatment::OnlyAt(
             &["false", "true"],
@@ -406,6 +443,15 @@ const STRATEGY: &str = "every strategy trains the same numbers here: data parall
 const MASTER_F32: &str = "the trained weights and the AdamW state are f32 here (a reference is \
      held as the actor's): half-precision compute is `actor_rollout_ref.model.dtype=bfloat16` \
      (autocast, f32 master weights)";
+const FSDP_DTYPE: &str = "verl's FSDP engine checks this value and never computes in it (its \
+     compute dtype is `fsdp_config.mixed_precision.param_dtype`, bf16 by default); the compute \
+     dtype here is `actor_rollout_ref.model.dtype`";
+const RESHARD: &str = "parameters are whole on every rank here (no FSDP sharding): nothing is \
+     gathered, so nothing is resharded; in verl the value trades memory for speed, the numbers \
+     are those of either value";
+const ONE_COMPUTE_DTYPE: &str = "the policy, the reference and the critic compute in one dtype \
+     here, `actor_rollout_ref.model.dtype` (the actor's `megatron.dtype` sets it): remove the key \
+     (or set it with `null`)";
 const ADAMW: &str = "the optimiser is AdamW (Burn's, decoupled weight decay: Megatron's `adam` is \
      the same), with verl's betas, weight decay and schedule";
 const ONE_DP_GROUP: &str = "-1 (one group of every rank) is the only data-parallel layout here \
@@ -420,7 +466,78 @@ const ONE_REDUCTION: &str = "gradients are reduced once per mini-batch, after it
 const NO_REMOTE_CODE: &str = "no code from the hub runs: burn-rlhf's decoders and tokenizers are \
      built in, for the model types they name";
 
-/// The treatment of `key`, when it is one of [`VERL_KEYS`].
+/// Whose verl keys a config tree knows beside its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VerlDialect {
+    /// The PPO trainer's (`_generated_ppo_trainer.yaml` and Megatron's).
+    Ppo,
+    /// The SFT trainer's (`sft_trainer_engine.yaml`): its `model`, `engine`, `optim`,
+    /// `profiler` and `checkpoint` sections follow the rules of the PPO actor's same sections
+    /// ([`crate::config::verl_tree::sft_as_ppo`]).
+    Sft,
+}
+
+impl VerlDialect {
+    /// What an override of `key` becomes (`known`: the tree has the key itself).
+    pub fn treatment(self, key: &str, known: bool) -> Option<Treatment> {
+        match self {
+            Self::Ppo => treatment(key),
+            Self::Sft => SFT_KEYS
+                .iter()
+                .find(|(k, _)| *k == key)
+                .map(|(_, t)| *t)
+                .or_else(|| {
+                    // The PPO actor's rule for the same section; its other names are PPO keys.
+                    let ppo = crate::config::verl_tree::sft_as_ppo(key)?;
+                    match treatment(&ppo) {
+                        Some(Treatment::Alias(_)) => None,
+                        t if !known => t,
+                        _ => None,
+                    }
+                }),
+        }
+    }
+}
+
+/// verl 0.9.1's SFT trainer keys with no key of their own in the SFT tree.
+pub const SFT_KEYS: &[(&str, Treatment)] = &[
+    ("model.path", Treatment::Alias("model.partial_pretrain")),
+    (
+        "optim.lr_warmup_steps_ratio",
+        Treatment::Alias("optim.warmup_steps_ratio"),
+    ),
+    (
+        "optim.lr_scheduler_type",
+        Treatment::Alias("optim.lr_scheduler"),
+    ),
+    (
+        "data.balance_dp_token",
+        Treatment::OnlyAt(
+            &["false"],
+            "verl's own note says \"to be implement\": ranks split a batch's rows evenly",
+        ),
+    ),
+    (
+        "data.num_workers",
+        Treatment::OnlyAt(&["8"], "data loads in the process, before training"),
+    ),
+    (
+        "trainer.balance_batch",
+        Treatment::OnlyAt(
+            &["true", "false"],
+            "verl's SFT trainer never reads it: ranks split a batch's rows evenly",
+        ),
+    ),
+    (
+        "trainer.profile_interval",
+        Treatment::OnlyAt(
+            &["[-1,-1]"],
+            "profilers are not built in (time phases with the `timing_s/*` metrics)",
+        ),
+    ),
+];
+
+/// The treatment of the PPO tree's `key`, when it is one of [`VERL_KEYS`] or [`ENGINE_KEYS`].
 pub fn treatment(key: &str) -> Option<Treatment> {
     VERL_KEYS
         .iter()

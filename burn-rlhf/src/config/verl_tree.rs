@@ -8,8 +8,28 @@ use std::sync::OnceLock;
 
 use serde_json::Value;
 
+use super::verl_keys::VerlDialect;
+
 const PPO_TREE: &str = include_str!("../../verl_config/_generated_ppo_trainer.yaml");
 const MEGATRON_TREE: &str = include_str!("../../verl_config/_generated_ppo_megatron_trainer.yaml");
+const SFT_TREE: &str = include_str!("../../verl_config/sft/sft_trainer_engine.yaml");
+
+/// verl's SFT sections and the PPO actor's section whose rules they follow (the same config
+/// groups in verl: `model/hf_model`, `engine/fsdp`, `optim/fsdp`, the profiler, the checkpoint).
+const SFT_SECTIONS: &[(&str, &str)] = &[
+    ("model.", "actor_rollout_ref.model."),
+    ("engine.", "actor_rollout_ref.actor.fsdp_config."),
+    ("optim.", "actor_rollout_ref.actor.optim."),
+    ("profiler.", "actor_rollout_ref.actor.profiler."),
+    ("checkpoint.", "actor_rollout_ref.actor.checkpoint."),
+];
+
+/// The PPO tree's name of the SFT tree's `key`, for the sections they share.
+pub fn sft_as_ppo(key: &str) -> Option<String> {
+    SFT_SECTIONS
+        .iter()
+        .find_map(|(sft, ppo)| key.strip_prefix(sft).map(|rest| format!("{ppo}{rest}")))
+}
 
 /// Sections (a key path or its start; `*` for any one part) whose keys change nothing here at
 /// verl's values, and why.
@@ -672,14 +692,37 @@ pub fn inert_reason(key: &str) -> Option<&'static str> {
 /// Every leaf of verl's trees (`a.b.c` → value); the PPO tree's value where both have a key.
 fn leaves() -> &'static BTreeMap<String, Value> {
     static LEAVES: OnceLock<BTreeMap<String, Value>> = OnceLock::new();
-    LEAVES.get_or_init(|| {
-        let mut all = BTreeMap::new();
-        for text in [MEGATRON_TREE, PPO_TREE] {
-            let tree: Value = serde_saphyr::from_str(text).expect("verl's generated tree is YAML");
-            collect(&tree, "", &mut all);
-        }
-        all
-    })
+    LEAVES.get_or_init(|| leaves_of(&[MEGATRON_TREE, PPO_TREE]))
+}
+
+/// Every leaf of verl's SFT tree.
+fn sft_leaves() -> &'static BTreeMap<String, Value> {
+    static LEAVES: OnceLock<BTreeMap<String, Value>> = OnceLock::new();
+    LEAVES.get_or_init(|| leaves_of(&[SFT_TREE]))
+}
+
+/// The leaves of `trees`, a later tree's value where two have a key.
+fn leaves_of(trees: &[&str]) -> BTreeMap<String, Value> {
+    let mut all = BTreeMap::new();
+    for text in trees {
+        let tree: Value = serde_saphyr::from_str(text).expect("verl's tree is YAML");
+        collect(&tree, "", &mut all);
+    }
+    all
+}
+
+/// For a key of an inert section of `dialect`'s tree: why it changes nothing, and verl's value.
+pub fn inert_in(dialect: VerlDialect, key: &str) -> Option<(&'static str, &'static Value)> {
+    match dialect {
+        VerlDialect::Ppo => inert_reason(key).zip(verl_value(key)),
+        VerlDialect::Sft => sft_inert_reason(key).zip(sft_leaves().get(key)),
+    }
+}
+
+/// [`inert_reason`] of the SFT tree's `key`: its own section's (`data`, `trainer`), or the PPO
+/// actor's section it shares.
+pub fn sft_inert_reason(key: &str) -> Option<&'static str> {
+    inert_reason(&sft_as_ppo(key).unwrap_or_else(|| key.to_string()))
 }
 
 fn collect(tree: &Value, prefix: &str, out: &mut BTreeMap<String, Value>) {

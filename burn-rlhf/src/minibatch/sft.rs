@@ -17,6 +17,7 @@ use crate::forward::{
     micro_model, response_logprobs, response_logprobs_routed, LogprobHead, SequenceTensors,
 };
 
+use super::micro_batches;
 use super::step::{MicroGradients, OptimizerStep};
 
 /// How an SFT batch goes through the model.
@@ -24,6 +25,9 @@ use super::step::{MicroGradients, OptimizerStep};
 pub struct SftPasses {
     /// Rows per forward/backward (`data.micro_batch_size_per_gpu`).
     pub micro_batch_size: usize,
+    /// `Some(tokens)`: micro-batches of at most this many tokens instead
+    /// (`data.use_dynamic_bsz`, `data.max_token_len_per_gpu`).
+    pub max_token_len: Option<usize>,
     /// Response tokens per chunk of LM-head logits (`model.logits_chunk_size`).
     pub chunk: usize,
     /// Padding-free passes (`model.use_remove_padding`).
@@ -35,6 +39,7 @@ impl SftPasses {
     pub fn padded(micro_batch_size: usize, chunk: usize) -> Self {
         Self {
             micro_batch_size,
+            max_token_len: None,
             chunk,
             remove_padding: false,
         }
@@ -99,11 +104,15 @@ pub fn sft_update<B: LearnerBackend, O: Optimizer<CausalLm<B>, B>>(
     let local = batch.select(&mine);
     let mut gradients = MicroGradients::default();
     let mut loss_sum = 0.0;
-    for part in local
-        .split(passes.micro_batch_size.max(1))
-        .expect("size >= 1")
-    {
-        let seq = passes.tensors::<B>(&part, device);
+    let parts = micro_batches(
+        &local,
+        passes.micro_batch_size,
+        passes.max_token_len,
+        (1, 1),
+        "data.max_token_len_per_gpu",
+    )?;
+    for part in parts.iter().map(|m| &m.batch) {
+        let seq = passes.tensors::<B>(part, device);
         let (computing, mut checkpoint) = micro_model(&model, None, recompute_layers);
         let (logp, _) = response_logprobs_routed(
             &computing,

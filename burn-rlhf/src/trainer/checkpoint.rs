@@ -273,6 +273,47 @@ pub(crate) fn write_latest(root: &Path, step: usize) -> Result<(), TrainError> {
     std::fs::rename(&latest_tmp, &latest).map_err(|e| io(&latest, e))
 }
 
+/// The `global_step_N` folders under `root` by step, and the step
+/// `latest_checkpointed_iteration.txt` names (a pointer that cannot be read protects nothing;
+/// resuming reports it).
+fn saved_steps(root: &Path) -> Result<(Vec<(usize, PathBuf)>, Option<usize>), TrainError> {
+    let entries = std::fs::read_dir(root).map_err(|e| io(root, e))?;
+    let mut steps: Vec<(usize, PathBuf)> = entries
+        .filter_map(|e| e.ok())
+        .filter_map(|e| {
+            let name = e.file_name();
+            let step = name.to_str()?.strip_prefix("global_step_")?.parse().ok()?;
+            Some((step, e.path()))
+        })
+        .collect();
+    steps.sort();
+    let pointed = std::fs::read_to_string(root.join(LATEST_FILE))
+        .ok()
+        .and_then(|text| text.trim().parse().ok());
+    Ok((steps, pointed))
+}
+
+/// Keeps the newest `keep` whole `global_step_N` folders under `root` (a supervised run's
+/// checkpoints, `trainer.max_ckpt_to_keep`; `None`: all), the step the pointer names always
+/// among them, as [`prune_checkpoints`] does for the actor and critic.
+pub fn prune_step_folders(root: &Path, keep: Option<usize>) -> Result<(), TrainError> {
+    let Some(keep) = keep else { return Ok(()) };
+    let (steps, pointed) = saved_steps(root)?;
+    let others: Vec<&PathBuf> = steps
+        .iter()
+        .filter(|(step, _)| Some(*step) != pointed)
+        .map(|(_, dir)| dir)
+        .collect();
+    let keep = match pointed {
+        Some(step) if steps.iter().any(|(s, _)| *s == step) => keep.saturating_sub(1),
+        _ => keep,
+    };
+    for dir in &others[..others.len().saturating_sub(keep)] {
+        std::fs::remove_dir_all(dir).map_err(|e| io(dir, e))?;
+    }
+    Ok(())
+}
+
 /// Keeps the newest `keep_actor` actor folders and `keep_critic` critic folders
 /// (`trainer.max_actor_ckpt_to_keep`, `max_critic_ckpt_to_keep`; `None`: all) among the
 /// `global_step_N` checkpoints under `root`, as verl's checkpoint managers do with the folders
@@ -288,20 +329,7 @@ pub fn prune_checkpoints(
     if keep_actor.is_none() && keep_critic.is_none() {
         return Ok(());
     }
-    let entries = std::fs::read_dir(root).map_err(|e| io(root, e))?;
-    let mut steps: Vec<(usize, PathBuf)> = entries
-        .filter_map(|e| e.ok())
-        .filter_map(|e| {
-            let name = e.file_name();
-            let step = name.to_str()?.strip_prefix("global_step_")?.parse().ok()?;
-            Some((step, e.path()))
-        })
-        .collect();
-    steps.sort();
-    // A pointer that cannot be read protects nothing; resuming reports it.
-    let pointed: Option<usize> = std::fs::read_to_string(root.join(LATEST_FILE))
-        .ok()
-        .and_then(|text| text.trim().parse().ok());
+    let (steps, pointed) = saved_steps(root)?;
     for (part, keep) in [("actor", keep_actor), ("critic", keep_critic)] {
         let Some(keep) = keep else { continue };
         let with_part: Vec<&PathBuf> = steps

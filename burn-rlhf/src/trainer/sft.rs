@@ -12,7 +12,8 @@ use crate::backend::LearnerBackend;
 use burn::module::AutodiffModule;
 use burn_rlhf_models::weights::HostTensor;
 use burn_rlhf_models::{CausalLm, ChatMessage, LoraConfig, Tokenizer};
-use burn_rlhf_rollout::data::{read_pairs, TextPair};
+use burn_rlhf_rollout::conversation::{cut_conversation, ConversationEncoder, ConversationTokens};
+use burn_rlhf_rollout::data::{read_conversations, read_pairs, ConversationKeys, TextPair};
 use burn_rlhf_rollout::{RolloutBatch, RolloutError, Sample, Truncation};
 
 use super::metrics::Metrics;
@@ -20,18 +21,42 @@ use super::supervised::{
     launch_supervised, resume_point, SupervisedCommand, SupervisedOutputs, SupervisedRun,
     SupervisedTask,
 };
-use crate::config::{SftConfig, SftDataConfig};
+use crate::config::{SftConfig, SftDataConfig, SftFormat, SftSettings};
 use crate::distributed::DataParallel;
 use crate::error::TrainError;
 use crate::loading::{load_policy, with_lora};
 use crate::minibatch::{sft_loss, sft_update, OptimizerStep, SftPasses};
 use crate::optim::AdamWOf;
 
-/// One tokenized example: prompt ids (context) and response ids (targets, EOS last).
+/// One tokenized example: prompt ids (context) and response ids, of which those with `mask` 1
+/// are targets (a pair's response and EOS; a conversation's assistant turns, not the turns
+/// between them).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SftExample {
     pub prompt: Vec<u32>,
     pub response: Vec<u32>,
+    /// 1 where a response token is trained on; as long as `response`.
+    pub mask: Vec<u8>,
+}
+
+impl SftExample {
+    /// A conversation's tokens as an example: the context up to its first target, then the rest
+    /// with the loss mask. `None` when no token is trained on.
+    pub fn from_conversation(tokens: ConversationTokens) -> Option<Self> {
+        let first = tokens.loss_mask.iter().position(|&m| m == 1)?;
+        // A target needs a token before it to be predicted from.
+        let split = first.max(1);
+        if split >= tokens.input_ids.len() || !tokens.loss_mask[split..].contains(&1) {
+            return None;
+        }
+        let mut ids = tokens.input_ids;
+        let response = ids.split_off(split);
+        Some(Self {
+            prompt: ids,
+            response,
+            mask: tokens.loss_mask[split..].to_vec(),
+        })
+    }
 }
 
 /// Tokenizes a pair as verl's `SFTDataset`: the prompt as a user turn through the chat template
@@ -89,7 +114,12 @@ pub fn encode_pair(
     if response.is_empty() {
         return Err("no response tokens".into());
     }
-    Ok(SftExample { prompt, response })
+    let mask = vec![1; response.len()];
+    Ok(SftExample {
+        prompt,
+        response,
+        mask,
+    })
 }
 
 /// A batch of examples in the rollout layout (prompts left padded, responses right padded, the
@@ -103,7 +133,7 @@ pub fn sft_rollout_batch(examples: &[&SftExample], pad_id: u32) -> RolloutBatch 
             prompt_index: i,
             tokens: e.response.clone(),
             logprobs: vec![0.0; e.response.len()],
-            mask: vec![1; e.response.len()],
+            mask: e.mask.clone(),
             stopped: true,
         })
         .collect();
@@ -118,29 +148,84 @@ pub fn sft_rollout_batch(examples: &[&SftExample], pad_id: u32) -> RolloutBatch 
     )
 }
 
-/// The examples of `specs` (files, or hub ids read as `default_split`).
+/// The examples of `specs` (files, or hub ids read as `default_split`), the first
+/// `max_samples` of them when positive (verl's `train_max_samples` / `val_max_samples`).
 fn load_examples(
     specs: &[String],
-    default_split: &str,
+    (default_split, max_samples): (&str, i64),
     data: &SftDataConfig,
-    truncation: Truncation,
+    settings: &SftSettings,
     tokenizer: &Tokenizer,
 ) -> Result<Vec<SftExample>, TrainError> {
     let mut out = Vec::new();
+    let encoder = match settings.format {
+        SftFormat::Messages => Some(
+            ConversationEncoder::new(
+                tokenizer,
+                data.apply_chat_template_kwargs.clone(),
+                data.ignore_input_ids_mismatch,
+            )
+            .map_err(|e| {
+                TrainError::config(
+                    "data.messages_key",
+                    format!("messages are rendered with the chat template: {e}"),
+                )
+            })?,
+        ),
+        SftFormat::Pairs { .. } => None,
+    };
     for spec in specs {
         let path = crate::datasets::data_file_path(spec, default_split)?;
-        let pairs = read_pairs(&path, &data.prompt_key, &data.response_key)?;
-        for (row, pair) in pairs.iter().enumerate() {
-            let example =
-                encode_pair(tokenizer, pair, data.max_length, truncation).map_err(|message| {
-                    RolloutError::Row {
-                        path: path.clone(),
-                        row: row + 1,
-                        message,
-                    }
-                })?;
-            out.push(example);
+        let row_error = |row: usize| {
+            let path = path.clone();
+            move |message: String| RolloutError::Row {
+                path,
+                row: row + 1,
+                message,
+            }
+        };
+        match (&settings.format, &encoder) {
+            (SftFormat::Pairs { prompt, response }, _) => {
+                for (row, pair) in read_pairs(&path, prompt, response)?.iter().enumerate() {
+                    let example =
+                        encode_pair(tokenizer, pair, data.max_length, settings.truncation)
+                            .map_err(row_error(row))?;
+                    out.push(example);
+                }
+            }
+            (SftFormat::Messages, Some(encoder)) => {
+                let keys = ConversationKeys {
+                    messages: &data.messages_key,
+                    tools: &data.tools_key,
+                    enable_thinking: &data.enable_thinking_key,
+                };
+                let rows = read_conversations(&path, keys, settings.enable_thinking_default)?;
+                for (row, conversation) in rows.iter().enumerate() {
+                    let tokens = encoder
+                        .encode(conversation)
+                        .and_then(|t| {
+                            cut_conversation(
+                                t,
+                                data.max_length,
+                                settings.pad_mode,
+                                settings.truncation,
+                            )
+                        })
+                        .map_err(row_error(row))?;
+                    let example = SftExample::from_conversation(tokens).ok_or_else(|| {
+                        row_error(row)(format!(
+                            "no assistant token to train on within data.max_length {}",
+                            data.max_length
+                        ))
+                    })?;
+                    out.push(example);
+                }
+            }
+            (SftFormat::Messages, None) => unreachable!("messages come with their encoder"),
         }
+    }
+    if let Ok(n) = usize::try_from(max_samples) {
+        out.truncate(n);
     }
     Ok(out)
 }
@@ -175,6 +260,8 @@ struct SftTask {
     micro: SftPasses,
     /// Layer-level activation checkpointing in the update.
     recompute_layers: bool,
+    /// burn-rlhf's fused kernels (`model.use_fused_kernels`).
+    fused_kernels: bool,
     pad: u32,
 }
 
@@ -190,14 +277,16 @@ impl<B: LearnerBackend> SupervisedTask<B> for SftTask {
         device: &B::Device,
     ) -> Result<(CausalLm<B>, Metrics), TrainError> {
         let batch = sft_rollout_batch(batch, self.pad);
-        let (model, m) = sft_update(
-            model,
-            step,
-            &batch,
-            self.micro,
-            self.recompute_layers,
-            device,
-        )?;
+        let (model, m) = burn_rlhf_algos::kernels::with_kernels(self.fused_kernels, || {
+            sft_update(
+                model,
+                step,
+                &batch,
+                self.micro,
+                self.recompute_layers,
+                device,
+            )
+        })?;
         Ok((model, m.into_iter().collect()))
     }
 
@@ -208,7 +297,9 @@ impl<B: LearnerBackend> SupervisedTask<B> for SftTask {
         batch_size: usize,
         device: &B::Device,
     ) -> Metrics {
-        let loss = val_loss(model, val, batch_size, self.pad, self.micro, device);
+        let loss = burn_rlhf_algos::kernels::with_kernels(self.fused_kernels, || {
+            val_loss(model, val, batch_size, self.pad, self.micro, device)
+        });
         loss.map(|v| ("val/loss".to_string(), v))
             .into_iter()
             .collect()
@@ -285,11 +376,23 @@ pub fn fit_sft<B: LearnerBackend>(
     });
     let tokenizer = policy.tokenizer;
     let d = &config.data;
-    let train = load_examples(&d.train_files, "train", d, settings.truncation, &tokenizer)?;
+    let train = load_examples(
+        &d.train_files,
+        ("train", d.train_max_samples),
+        d,
+        &settings,
+        &tokenizer,
+    )?;
     let val = if d.val_files.is_empty() {
         Vec::new()
     } else {
-        load_examples(&d.val_files, "test", d, settings.truncation, &tokenizer)?
+        load_examples(
+            &d.val_files,
+            ("test", d.val_max_samples),
+            d,
+            &settings,
+            &tokenizer,
+        )?
     };
     // LoRA adapters come from Burn's RNG: the same on every rank and in every run.
     let model = crate::runtime::seeded::<B, _>(device, config.trainer.seed, || {
@@ -299,10 +402,12 @@ pub fn fit_sft<B: LearnerBackend>(
         task: SftTask {
             micro: SftPasses {
                 micro_batch_size: d.micro_batch_size_per_gpu,
+                max_token_len: settings.max_token_len,
                 chunk: m.logits_chunk_size,
                 remove_padding: m.use_remove_padding,
             },
             recompute_layers: settings.checkpointing.layers(),
+            fused_kernels: m.use_fused_kernels,
             pad: tokenizer.pad_token_id,
         },
         model,
@@ -313,6 +418,7 @@ pub fn fit_sft<B: LearnerBackend>(
         batch_size: d.train_batch_size,
         train_files: &d.train_files,
         optim: &config.optim,
+        optimizer_offload: config.engine.optimizer_offload,
         trainer: &config.trainer,
         run: &settings.run,
         resumed,

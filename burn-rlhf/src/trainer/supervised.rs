@@ -19,7 +19,7 @@ use burn_rlhf_models::{Tokenizer, TransformerConfig};
 use burn_rlhf_rollout::data::SamplerState;
 use burn_rlhf_rollout::PromptSampler;
 
-use super::checkpoint::{checkpoint_to_resume, save_param_order, write_latest};
+use super::checkpoint::{checkpoint_to_resume, prune_step_folders, save_param_order, write_latest};
 use super::launch::{run_ranks, GroupPlan, NodeLaunch};
 use super::learner::ModelOptimizer;
 use super::logger::MetricsLogger;
@@ -30,7 +30,7 @@ use crate::config::{SupervisedOptimConfig, SupervisedRunSettings, SupervisedTrai
 use crate::distributed::{sync_params, DataParallel};
 use crate::error::TrainError;
 use crate::minibatch::OptimizerStep;
-use crate::optim::{adamw, AdamWOf, LrSchedule, ReplicaSync};
+use crate::optim::{adamw, AdamWOf, LrSchedule, ReplicaSync, ScheduleKind};
 
 /// What a supervised trainer does with its own model and examples.
 pub(crate) trait SupervisedTask<B: LearnerBackend> {
@@ -165,6 +165,21 @@ fn on_ranks<B: LearnerBackend, C: SupervisedCommand + std::fmt::Debug>(
     })
 }
 
+/// The learning rate's schedule of a supervised run of `total` steps (verl's: warm-up steps
+/// given, or a ratio of the schedule's length, which is `optim.total_training_steps` when set).
+fn supervised_schedule(o: &SupervisedOptimConfig, kind: ScheduleKind, total: usize) -> LrSchedule {
+    let total_steps = usize::try_from(o.total_training_steps).unwrap_or(total);
+    LrSchedule {
+        lr: o.lr,
+        warmup_steps: usize::try_from(o.lr_warmup_steps)
+            .unwrap_or((o.warmup_steps_ratio * total_steps as f64) as usize),
+        total_steps,
+        kind,
+        min_lr_ratio: o.min_lr_ratio,
+        num_cycles: o.num_cycles,
+    }
+}
+
 /// What a supervised run left.
 #[derive(Debug, Clone)]
 pub struct SupervisedOutputs {
@@ -193,6 +208,8 @@ pub(crate) struct SupervisedRun<'a, B: LearnerBackend, T: SupervisedTask<B>, D: 
     /// The training files, for the message when they hold less than a batch.
     pub train_files: &'a [String],
     pub optim: &'a SupervisedOptimConfig,
+    /// AdamW's moments in host memory between steps (SFT's `engine.optimizer_offload`).
+    pub optimizer_offload: bool,
     pub trainer: &'a SupervisedTrainerConfig<D>,
     pub run: &'a SupervisedRunSettings,
     /// The checkpoint resumed from, with its state.
@@ -219,6 +236,7 @@ impl<B: LearnerBackend, T: SupervisedTask<B>, D: TrainerDefaults> SupervisedRun<
             batch_size: bs,
             train_files,
             optim: o,
+            optimizer_offload,
             trainer: t,
             run,
             resumed,
@@ -249,15 +267,8 @@ impl<B: LearnerBackend, T: SupervisedTask<B>, D: TrainerDefaults> SupervisedRun<
             .unwrap_or(t.total_epochs * sampler.batches_per_epoch(bs))
             .max(1);
         let mut optimizer = ModelOptimizer::<T::Model, B> {
-            optim: adamw(o.betas, o.weight_decay, false),
-            schedule: LrSchedule {
-                lr: o.lr,
-                warmup_steps: (o.warmup_steps_ratio * total as f64) as usize,
-                total_steps: total,
-                kind: run.schedule,
-                min_lr_ratio: 0.0,
-                num_cycles: 0.5,
-            },
+            optim: adamw(o.betas, o.weight_decay, optimizer_offload),
+            schedule: supervised_schedule(o, run.schedule, total),
             sync: ReplicaSync {
                 dp: dp.clone(),
                 shards: None,
@@ -310,6 +321,7 @@ impl<B: LearnerBackend, T: SupervisedTask<B>, D: TrainerDefaults> SupervisedRun<
                         tokenizer: &tokenizer,
                     };
                     save_checkpoint::<B, T::Model>(root, files, &model, &optimizer, &state)?;
+                    prune_step_folders(root, t.max_ckpt_to_keep.filter(|&n| n > 0))?;
                 }
                 dp.barrier()?;
                 checkpoint = Some(root.join(format!("global_step_{step}")));

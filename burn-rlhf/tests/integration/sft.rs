@@ -208,6 +208,87 @@ fn sft_cli(dir: &Path, out: &Path, steps: usize, extra: &[&str]) {
     assert!(status.success(), "sft {steps} steps into {}", out.display());
 }
 
+/// verl 0.9.1's messages layout: the same problems as `{messages: [user, assistant]}` rows
+/// through a chat template that renders them as the pairs are encoded (the prompt's text, the
+/// answer and EOS) train exactly as the pairs do, in micro-batches of rows; in micro-batches of
+/// at most 24 tokens (`use_dynamic_bsz`) to within rounding; the newest two checkpoints are kept
+/// (`trainer.max_ckpt_to_keep`).
+#[test]
+fn sft_on_messages_trains_as_on_pairs() {
+    let dir = temp_dir("sft-messages");
+    let (model_dir, _, _) = assets(&dir);
+    // The same weights with a chat template.
+    let chat_model = dir.join("chat-model");
+    std::fs::create_dir_all(&chat_model).unwrap();
+    for entry in std::fs::read_dir(&model_dir).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, chat_model.join(path.file_name().unwrap())).unwrap();
+    }
+    std::fs::write(
+        chat_model.join("chat_template.jinja"),
+        "{% for m in messages %}{{ m.content }}{% if m.role == 'assistant' %}<eos>{% endif %}{% endfor %}",
+    )
+    .unwrap();
+    for name in ["train", "test"] {
+        let pairs = std::fs::read_to_string(dir.join(format!("{name}.jsonl"))).unwrap();
+        let rows: Vec<String> = pairs
+            .lines()
+            .map(|line| {
+                let pair: serde_json::Value = serde_json::from_str(line).unwrap();
+                serde_json::json!({"messages": [
+                    {"role": "user", "content": pair["question"]},
+                    {"role": "assistant", "content": pair["answer"]},
+                ]})
+                .to_string()
+            })
+            .collect();
+        std::fs::write(dir.join(format!("{name}-messages.jsonl")), rows.join("\n")).unwrap();
+    }
+    let messages = |extra: &[&str]| {
+        let mut args = vec![
+            format!("model.path={}", chat_model.display()),
+            format!(
+                "data.train_files={}",
+                ron_list(&dir.join("train-messages.jsonl"))
+            ),
+            format!(
+                "data.val_files={}",
+                ron_list(&dir.join("test-messages.jsonl"))
+            ),
+            "data.prompt_key=null".into(),
+            "data.response_key=null".into(),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        args
+    };
+    let (pairs, rows, budget) = (dir.join("pairs"), dir.join("rows"), dir.join("budget"));
+    sft_cli(&dir, &pairs, 4, &[]);
+    let args = messages(&["trainer.max_ckpt_to_keep=2", "trainer.save_freq=1"]);
+    sft_cli(
+        &dir,
+        &rows,
+        4,
+        &args.iter().map(String::as_str).collect::<Vec<_>>(),
+    );
+    super::assert_same_runs(&pairs, &rows, 4, "model.safetensors", &model_dir, 0.0);
+    let kept: Vec<bool> = (1..=4)
+        .map(|s| rows.join(format!("global_step_{s}")).is_dir())
+        .collect();
+    assert_eq!(
+        kept,
+        [false, false, true, true],
+        "the newest two checkpoints"
+    );
+    let args = messages(&["data.use_dynamic_bsz=true", "data.max_token_len_per_gpu=24"]);
+    sft_cli(
+        &dir,
+        &budget,
+        4,
+        &args.iter().map(String::as_str).collect::<Vec<_>>(),
+    );
+    super::assert_same_runs(&pairs, &budget, 4, "model.safetensors", &model_dir, 1e-5);
+}
+
 /// `burn-rlhf sft` stopped after 3 steps and run again to 6 (a new process, `resume_mode=auto`)
 /// ends with the weights and metrics of 6 uninterrupted steps.
 #[test]

@@ -8,8 +8,8 @@
 use std::collections::BTreeMap;
 
 use burn_rlhf::config::verl_keys::{treatment, value_is, Treatment};
-use burn_rlhf::config::verl_tree::inert_reason;
-use burn_rlhf::config::{load_config, ConfigError, KnownNames, Settings};
+use burn_rlhf::config::verl_tree::{inert_reason, sft_inert_reason};
+use burn_rlhf::config::{load_config, ConfigError, KnownNames, Settings, SftConfig};
 use burn_rlhf_test_assets::repo_root;
 use serde_json::Value;
 
@@ -64,23 +64,38 @@ fn leaves(tree: &Value, prefix: &str, out: &mut Vec<(String, Value)>) {
     }
 }
 
-fn outcome(key: &str, value: &Value) -> Outcome {
+/// Which trainer's tree a file is, and so which config its keys are set on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Trainer {
+    /// `configs/ppo_gsm8k.ron` (the PPO and Megatron trees).
+    Ppo,
+    /// `configs/sft_gsm8k.ron` (verl's SFT tree).
+    Sft,
+}
+
+fn outcome(trainer: Trainer, key: &str, value: &Value) -> Outcome {
     let arg = format!("{key}={}", spell(value));
-    if let Some(Treatment::OnlyAt(accepted, _)) = treatment(key) {
+    let (rule, inert) = match trainer {
+        Trainer::Ppo => (treatment(key), inert_reason(key)),
+        Trainer::Sft => (SftConfig::verl_treatment(key), sft_inert_reason(key)),
+    };
+    if let Some(Treatment::OnlyAt(accepted, _)) = rule {
         if value_is(&spell(value), accepted) {
             return Outcome::AcceptedAtDefault;
         }
     }
-    let base = repo_root().join("configs/ppo_gsm8k.ron");
-    match load_config(&base, &[arg]) {
+    let loaded = match trainer {
+        Trainer::Ppo => load_config(&repo_root().join("configs/ppo_gsm8k.ron"), &[arg])
+            .map(|c| Settings::from_config(&c, &KnownNames::default(), "verl tree").is_ok()),
+        Trainer::Sft => SftConfig::load(&repo_root().join("configs/sft_gsm8k.ron"), &[arg])
+            .map(|c| c.decode("verl tree").is_ok()),
+    };
+    match loaded {
         Err(ConfigError::UnknownKey { .. }) => Outcome::Unknown,
-        Err(_) => Outcome::Refused,
-        Ok(c) => match Settings::from_config(&c, &KnownNames::default(), "verl tree") {
-            // A key of a section that changes nothing here, at verl's value.
-            Ok(_) if inert_reason(key).is_some() => Outcome::AcceptedAtDefault,
-            Ok(_) => Outcome::Read,
-            Err(_) => Outcome::Refused,
-        },
+        Err(_) | Ok(false) => Outcome::Refused,
+        // A key of a section that changes nothing here, at verl's value.
+        Ok(true) if inert.is_some() => Outcome::AcceptedAtDefault,
+        Ok(true) => Outcome::Read,
     }
 }
 
@@ -109,22 +124,27 @@ fn documented_counts(file: &str) -> Option<[usize; 5]> {
     })
 }
 
-#[test]
-fn verls_whole_tree_is_counted_as_documented() {
-    let dir = repo_root().join("burn-rlhf/verl_config");
+/// verl's trees in `dir` (YAML files), each for `trainer`.
+fn trees(dir: &str, trainer: Trainer) -> Vec<(std::path::PathBuf, Trainer)> {
+    let dir = repo_root().join(dir);
     let mut files: Vec<_> = std::fs::read_dir(&dir)
         .unwrap()
         .map(|e| e.unwrap().path())
         .filter(|p| p.extension().is_some_and(|e| e == "yaml"))
+        .map(|p| (p, trainer))
         .collect();
     files.sort();
-    assert!(
-        !files.is_empty(),
-        "verl's generated trees in {}",
-        dir.display()
-    );
+    assert!(!files.is_empty(), "verl's trees in {}", dir.display());
+    files
+}
+
+#[test]
+fn verls_whole_tree_is_counted_as_documented() {
+    let mut files = trees("burn-rlhf/verl_config", Trainer::Ppo);
+    files.extend(trees("burn-rlhf/verl_config/sft", Trainer::Sft));
     let mut parted = Vec::new();
-    for file in files {
+    let mut unknown_anywhere = Vec::new();
+    for (file, trainer) in files {
         let name = file.file_name().unwrap().to_string_lossy().into_owned();
         let text = std::fs::read_to_string(&file).unwrap();
         let tree: Value = serde_saphyr::from_str(&text).unwrap();
@@ -134,7 +154,7 @@ fn verls_whole_tree_is_counted_as_documented() {
         let mut unknown_by_section: BTreeMap<String, usize> = BTreeMap::new();
         let mut unknown = Vec::new();
         for (key, value) in &all {
-            let o = outcome(key, value);
+            let o = outcome(trainer, key, value);
             *counts.entry(o).or_default() += 1;
             if o == Outcome::Refused {
                 println!("  refused at verl's value: {key}={}", spell(value));
@@ -162,12 +182,17 @@ fn verls_whole_tree_is_counted_as_documented() {
             println!("  unknown: {key}");
         }
         if documented_counts(&name) != Some(measured) {
-            parted.push(name);
+            parted.push(name.clone());
         }
+        unknown_anywhere.extend(unknown.into_iter().map(|k| format!("{name}: {k}")));
     }
     assert!(
         parted.is_empty(),
         "docs/verl_keys.md's counts for {parted:?} are not the loader's (the lines above are)"
+    );
+    assert!(
+        unknown_anywhere.is_empty(),
+        "keys of verl's trees that are neither read, accepted nor refused: {unknown_anywhere:?}"
     );
 }
 
