@@ -161,6 +161,11 @@ impl TpGroup {
         Self(comm)
     }
 
+    /// The group's transport.
+    pub fn collective(&self) -> Arc<dyn Collective> {
+        self.0.clone()
+    }
+
     /// This rank.
     pub fn rank(&self) -> usize {
         self.0.rank()

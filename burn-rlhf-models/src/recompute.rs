@@ -161,12 +161,14 @@ impl<B: AutodiffBackend + DecoderBackend> KeptLayers<B> {
     /// logits (the load-balancing loss times its weight, given every sparse layer's logits):
     /// each sparse layer's recomputation adds it with its own logits live. `segment` receives
     /// each backward's gradients in turn (a parameter's gradient is in one of them, but a tied
-    /// embedding's, whose LM-head part is in the caller's backward).
+    /// embedding's, whose LM-head part is in the caller's backward), with the module it
+    /// recomputed: the gradients are those of that module's parameters (the same tensors as the
+    /// decoder's, unless the decoder's are lazy: FSDP's gathered copies).
     pub fn backward_layers(
         self,
         mut dy: Option<Tensor<B::InnerBackend, 3>>,
         router_loss: Option<&dyn Fn(&[Tensor<B, 2>]) -> Tensor<B, 1>>,
-        mut segment: impl FnMut(B::Gradients),
+        mut segment: impl FnMut(B::Gradients, Segment<'_, B>),
     ) {
         for (i, layer) in self.decoder.layers.iter().enumerate().rev() {
             let sparse = router_loss.zip(self.router_slot[i]);
@@ -176,7 +178,10 @@ impl<B: AutodiffBackend + DecoderBackend> KeptLayers<B> {
             let input = self.inputs[i].clone();
             let grad = dy.unwrap_or_else(|| input.zeros_like().inner());
             let x = input.require_grad();
-            let layer: DecoderLayer<B> = computed(layer.clone(), self.dtype);
+            // Read once, so the cast copy computes with (and differentiates) these tensors.
+            let source = layer.clone();
+            read_parameters(&source);
+            let layer: DecoderLayer<B> = computed(source.clone(), self.dtype);
             let dy_out: Tensor<B, 3> = Tensor::from_inner(grad);
             let (rope, attend) = self.pass.attend(&layer);
             let pairing = backward_pairing(&layer, x.clone(), rope, attend, dy_out.clone());
@@ -194,14 +199,49 @@ impl<B: AutodiffBackend + DecoderBackend> KeptLayers<B> {
             });
             let mut grads = surrogate.backward();
             dy = x.grad_remove(&mut grads);
-            segment(grads);
+            segment(grads, Segment::Layer(&source));
         }
         let Some(dy) = dy else { return };
-        let table: VocabParallelEmbedding<B> =
-            computed(self.decoder.embed_tokens.clone(), self.dtype);
+        let source = self.decoder.embed_tokens.clone();
+        read_parameters(&source);
+        let table: VocabParallelEmbedding<B> = computed(source.clone(), self.dtype);
         let x = self.decoder.embed_with(&table, self.input_ids);
-        segment((x * Tensor::from_inner(dy)).sum().backward());
+        segment(
+            (x * Tensor::from_inner(dy)).sum().backward(),
+            Segment::Embedding(&source),
+        );
     }
+}
+
+/// The module a segment of a layer-checkpointed backward recomputed
+/// ([`KeptLayers::backward_layers`]).
+pub enum Segment<'a, B: Backend> {
+    /// A decoder layer, in its own dtype.
+    Layer(&'a DecoderLayer<B>),
+    /// The token embeddings, in their own dtype.
+    Embedding(&'a VocabParallelEmbedding<B>),
+}
+
+impl<B: AutodiffBackend> Segment<'_, B> {
+    /// The segment's gradients by parameter id (read from the recomputed module's tensors).
+    pub fn gradients(&self, grads: B::Gradients) -> burn::optim::GradientsParams {
+        match self {
+            Self::Layer(layer) => burn::optim::GradientsParams::from_grads(grads, *layer),
+            Self::Embedding(table) => burn::optim::GradientsParams::from_grads(grads, *table),
+        }
+    }
+}
+
+/// Reads every float parameter of `module` once: a lazy parameter (gathered on first read,
+/// FSDP's) gets its value, so clones of the module share it instead of reading their own.
+pub fn read_parameters<B: Backend, M: Module<B>>(module: &M) {
+    struct Read;
+    impl<B: Backend> burn::module::ModuleVisitor<B> for Read {
+        fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<B, D>>) {
+            let _ = param.val();
+        }
+    }
+    module.visit(&mut Read);
 }
 
 #[cfg(test)]
@@ -352,7 +392,7 @@ mod tests {
             let mut grads = loss.backward();
             let dy = kept.output_grad(&mut grads);
             add(grads);
-            kept.backward_layers(dy, sparse.then_some(&aux as _), &mut add);
+            kept.backward_layers(dy, sparse.then_some(&aux as _), |g, _| add(g));
             assert_eq!(
                 whole.keys().collect::<Vec<_>>(),
                 kept_grads.keys().collect::<Vec<_>>(),

@@ -86,7 +86,7 @@ fn backward_peak<B: LearnerBackend>(
         let dy = kept.output_grad(&mut grads);
         let mut sum = GradientsAccumulator::<CausalLm<B>>::new();
         sum.accumulate(&model, GradientsParams::from_grads(grads, &model));
-        kept.backward_layers(dy, None, |grads| {
+        kept.backward_layers(dy, None, |grads, _| {
             sum.accumulate(&model, GradientsParams::from_grads(grads, &model))
         });
         sum.grads()

@@ -19,6 +19,7 @@
 //!   one of the above.
 
 mod balance;
+pub mod fsdp;
 mod local;
 #[cfg(feature = "mpi")]
 pub mod mpi;

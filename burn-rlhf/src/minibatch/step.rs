@@ -66,8 +66,8 @@ impl<M> MicroGradients<M> {
         let mut micro = GradientsAccumulator::<M>::new();
         micro.accumulate(module, GradientsParams::from_grads(grads, module));
         for (pass, dy) in kept.into_iter().zip(output_grads) {
-            pass.backward_layers(dy, router_loss, |grads| {
-                micro.accumulate(module, GradientsParams::from_grads(grads, module))
+            pass.backward_layers(dy, router_loss, |grads, segment| {
+                micro.accumulate(module, segment.gradients(grads))
             });
         }
         self.sum.accumulate(module, micro.grads());

@@ -37,6 +37,19 @@ pub struct FusedAdamW {
     offload: bool,
 }
 
+impl FusedAdamW {
+    /// AdamW with `betas` and decoupled `weight_decay`, `eps = 1e-8`; its moments in host memory
+    /// between steps when `offload` (see [`adamw`] for a module's optimiser).
+    pub fn new(betas: [f64; 2], weight_decay: f64, offload: bool) -> Self {
+        Self {
+            betas: [betas[0] as f32, betas[1] as f32],
+            epsilon: 1e-8,
+            weight_decay: weight_decay as f32,
+            offload,
+        }
+    }
+}
+
 impl<B: RlBackend> SimpleOptimizer<B> for FusedAdamW {
     type State<const D: usize> = AdamWMoments<B, D>;
 
@@ -98,12 +111,7 @@ where
     B: AutodiffBackend<InnerBackend: RlBackend>,
     M: AutodiffModule<B>,
 {
-    OptimizerAdaptor::from(FusedAdamW {
-        betas: [betas[0] as f32, betas[1] as f32],
-        epsilon: 1e-8,
-        weight_decay: weight_decay as f32,
-        offload,
-    })
+    OptimizerAdaptor::from(FusedAdamW::new(betas, weight_decay, offload))
 }
 
 /// The learning rate at each optimiser step (verl's `get_constant_schedule_with_warmup` and

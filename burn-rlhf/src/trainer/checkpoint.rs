@@ -273,10 +273,13 @@ pub(crate) fn write_latest(root: &Path, step: usize) -> Result<(), TrainError> {
     std::fs::rename(&latest_tmp, &latest).map_err(|e| io(&latest, e))
 }
 
+/// `global_step_N` folders by step, and the step the pointer names.
+type SavedSteps = (Vec<(usize, PathBuf)>, Option<usize>);
+
 /// The `global_step_N` folders under `root` by step, and the step
 /// `latest_checkpointed_iteration.txt` names (a pointer that cannot be read protects nothing;
 /// resuming reports it).
-fn saved_steps(root: &Path) -> Result<(Vec<(usize, PathBuf)>, Option<usize>), TrainError> {
+fn saved_steps(root: &Path) -> Result<SavedSteps, TrainError> {
     let entries = std::fs::read_dir(root).map_err(|e| io(root, e))?;
     let mut steps: Vec<(usize, PathBuf)> = entries
         .filter_map(|e| e.ok())
