@@ -415,7 +415,7 @@ pub fn read_parquet(
 
 /// Row `row` of a parquet column as JSON: structs as objects (nested), lists as arrays,
 /// strings, numbers, booleans and nulls (verl's `tools_kwargs` and `interaction_kwargs` cells).
-fn json_at(s: &Series, row: usize) -> Result<serde_json::Value, String> {
+pub(crate) fn json_at(s: &Series, row: usize) -> Result<serde_json::Value, String> {
     use serde_json::Value;
     if s.is_null().get(row).unwrap_or(true) {
         return Ok(Value::Null);
@@ -491,10 +491,7 @@ pub fn read_records(
             };
             read_gsm8k_jsonl(path, split)
         }
-        _ => Err(RolloutError::Data {
-            path: path.into(),
-            message: "unknown data format (expected .parquet or .jsonl)".into(),
-        }),
+        _ => Err(unknown_format(path)),
     }
 }
 
@@ -576,158 +573,28 @@ pub fn read_pairs(
                 });
             }
         }
-        _ => {
-            return Err(RolloutError::Data {
-                path: path.into(),
-                message: "unknown data format (expected .parquet or .jsonl)".into(),
-            })
-        }
+        _ => return Err(unknown_format(path)),
     }
-    if out.is_empty() {
+    some_rows(path, out)
+}
+
+/// The error of a data file that is neither `.jsonl` nor `.parquet`.
+pub(crate) fn unknown_format(path: &Path) -> RolloutError {
+    RolloutError::Data {
+        path: path.into(),
+        message: "unknown data format (expected .parquet or .jsonl)".into(),
+    }
+}
+
+/// `rows` of `path`, or an error naming the file when it has none.
+pub(crate) fn some_rows<T>(path: &Path, rows: Vec<T>) -> Result<Vec<T>, RolloutError> {
+    if rows.is_empty() {
         return Err(RolloutError::Data {
             path: path.into(),
             message: "no rows".into(),
         });
     }
-    Ok(out)
-}
-
-/// The columns of a messages dataset (verl's SFT `data.messages_key`, `tools_key`,
-/// `enable_thinking_key`).
-#[derive(Debug, Clone, Copy)]
-pub struct ConversationKeys<'a> {
-    /// The list of messages.
-    pub messages: &'a str,
-    /// The tool schemas (optional column).
-    pub tools: &'a str,
-    /// Whether the template thinks (optional column).
-    pub enable_thinking: &'a str,
-}
-
-/// Python's `bool(value)` of a cell, as verl applies it to `enable_thinking`; `None` for null.
-fn truthy(value: &serde_json::Value) -> Option<bool> {
-    use serde_json::Value;
-    match value {
-        Value::Null => None,
-        Value::Bool(b) => Some(*b),
-        Value::Number(n) => Some(n.as_f64().is_some_and(|x| x != 0.0)),
-        Value::String(s) => Some(!s.is_empty()),
-        Value::Array(a) => Some(!a.is_empty()),
-        Value::Object(o) => Some(!o.is_empty()),
-    }
-}
-
-/// One row's conversation from its cells (JSON): `messages` must be a list of objects with a
-/// string `role`; `tools` a list (or a JSON string of one) or null.
-fn conversation_of(
-    messages: serde_json::Value,
-    tools: Option<serde_json::Value>,
-    thinking: Option<serde_json::Value>,
-    keys: ConversationKeys<'_>,
-    enable_thinking_default: Option<bool>,
-) -> Result<crate::conversation::Conversation, String> {
-    use serde_json::Value;
-    let Value::Array(messages) = messages else {
-        return Err(format!("`{}` is not a list of messages", keys.messages));
-    };
-    for (i, m) in messages.iter().enumerate() {
-        if m.get("role").and_then(Value::as_str).is_none() {
-            return Err(format!("`{}` item {i} has no string `role`", keys.messages));
-        }
-    }
-    let tools = match tools {
-        None | Some(Value::Null) => None,
-        Some(Value::Array(t)) => Some(t),
-        Some(Value::String(text)) => match serde_json::from_str(&text) {
-            Ok(Value::Array(t)) => Some(t),
-            _ => return Err(format!("`{}` is not a list of tool schemas", keys.tools)),
-        },
-        Some(_) => return Err(format!("`{}` is not a list of tool schemas", keys.tools)),
-    };
-    let enable_thinking = match thinking {
-        Some(cell) => truthy(&cell),
-        None => enable_thinking_default,
-    };
-    Ok(crate::conversation::Conversation {
-        messages,
-        tools,
-        enable_thinking,
-    })
-}
-
-/// Reads a messages dataset (`.jsonl` or `.parquet`) as verl's multi-turn SFT dataset does: the
-/// list under `keys.messages` of each row, its tools and `enable_thinking` when the file has
-/// those columns (`enable_thinking_default` otherwise). A row without messages is an error
-/// naming the file and row.
-pub fn read_conversations(
-    path: &Path,
-    keys: ConversationKeys<'_>,
-    enable_thinking_default: Option<bool>,
-) -> Result<Vec<crate::conversation::Conversation>, RolloutError> {
-    let row_err = |row: usize| {
-        move |message: String| RolloutError::Row {
-            path: path.into(),
-            row,
-            message,
-        }
-    };
-    let mut out = Vec::new();
-    match path.extension().and_then(|e| e.to_str()) {
-        Some("jsonl") | Some("json") => {
-            for (row, mut value) in json_lines::<serde_json::Value>(path, "JSON object")? {
-                let mut take = |key: &str| value.get_mut(key).map(serde_json::Value::take);
-                let messages = take(keys.messages)
-                    .ok_or_else(|| row_err(row)(format!("no `{}`", keys.messages)))?;
-                let (tools, thinking) = (take(keys.tools), take(keys.enable_thinking));
-                out.push(
-                    conversation_of(messages, tools, thinking, keys, enable_thinking_default)
-                        .map_err(row_err(row))?,
-                );
-            }
-        }
-        Some("parquet") => {
-            let df = read_frame(path)?;
-            let messages = column(&df, path, keys.messages)?;
-            let tools = column(&df, path, keys.tools).ok();
-            let thinking = column(&df, path, keys.enable_thinking).ok();
-            let cell = |s: &Series, row: usize, key: &str| {
-                json_at(s, row).map_err(|m| row_err(row + 1)(format!("`{key}`: {m}")))
-            };
-            for row in 0..df.height() {
-                let tools = tools
-                    .as_ref()
-                    .map(|s| cell(s, row, keys.tools))
-                    .transpose()?;
-                let thinking = thinking
-                    .as_ref()
-                    .map(|s| cell(s, row, keys.enable_thinking))
-                    .transpose()?;
-                out.push(
-                    conversation_of(
-                        cell(&messages, row, keys.messages)?,
-                        tools,
-                        thinking,
-                        keys,
-                        enable_thinking_default,
-                    )
-                    .map_err(row_err(row + 1))?,
-                );
-            }
-        }
-        _ => {
-            return Err(RolloutError::Data {
-                path: path.into(),
-                message: "unknown data format (expected .parquet or .jsonl)".into(),
-            })
-        }
-    }
-    if out.is_empty() {
-        return Err(RolloutError::Data {
-            path: path.into(),
-            message: "no rows".into(),
-        });
-    }
-    Ok(out)
+    Ok(rows)
 }
 
 /// Where a sampler is: what a checkpoint saves to resume the data order exactly.

@@ -128,19 +128,9 @@ pub fn read_preference_pairs(
             .map(|(row, v)| Ok((row, json_row(&v, path, row, keys)?)))
             .collect::<Result<_, RolloutError>>()?,
         Some("parquet") => parquet_rows(path, keys)?,
-        _ => {
-            return Err(RolloutError::Data {
-                path: path.into(),
-                message: "unknown data format (expected .parquet or .jsonl)".into(),
-            })
-        }
+        _ => return Err(crate::data::unknown_format(path)),
     };
-    if rows.is_empty() {
-        return Err(RolloutError::Data {
-            path: path.into(),
-            message: "no rows".into(),
-        });
-    }
+    let rows = crate::data::some_rows(path, rows)?;
     let with_margin = rows[0].1.margin.is_some();
     rows.into_iter()
         .map(|(row, r)| {

@@ -5,8 +5,9 @@
 //! prompts left out of the loss, tool calls and tool turns, a `tools` column).
 
 use burn_rlhf_models::Tokenizer;
-use burn_rlhf_rollout::conversation::{cut_conversation, ConversationEncoder, PadMode};
-use burn_rlhf_rollout::data::{read_conversations, ConversationKeys};
+use burn_rlhf_rollout::conversation::{
+    cut_conversation, read_conversations, ConversationEncoder, ConversationKeys, PadMode,
+};
 use burn_rlhf_rollout::Truncation;
 use serde_json::{json, Map, Value};
 

@@ -12,8 +12,10 @@ use crate::backend::LearnerBackend;
 use burn::module::AutodiffModule;
 use burn_rlhf_models::weights::HostTensor;
 use burn_rlhf_models::{CausalLm, ChatMessage, LoraConfig, Tokenizer};
-use burn_rlhf_rollout::conversation::{cut_conversation, ConversationEncoder, ConversationTokens};
-use burn_rlhf_rollout::data::{read_conversations, read_pairs, ConversationKeys, TextPair};
+use burn_rlhf_rollout::conversation::{
+    cut_conversation, read_conversations, ConversationEncoder, ConversationKeys, ConversationTokens,
+};
+use burn_rlhf_rollout::data::{read_pairs, TextPair};
 use burn_rlhf_rollout::{RolloutBatch, RolloutError, Sample, Truncation};
 
 use super::metrics::Metrics;

@@ -1,0 +1,393 @@
+//! One micro-batch's pass and backward on a sharded model ([`FsdpShards::pass_copy`],
+//! [`FsdpShards::backward_into`]: gradients reduce-scattered per part as they appear) and AdamW
+//! on this rank's chunks ([`ShardedAdamW`]).
+
+use burn::module::{Module, ModuleVisitor, Param, ParamId};
+use burn::optim::GradientsParams;
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{Tensor, TensorData};
+use burn_rlhf_models::recompute::{read_parameters, Segment};
+
+use super::{host, FsdpShards};
+use crate::distributed::{chunk, DistributedError};
+use crate::forward::{LayerCheckpoint, WithDecoder};
+
+/// This rank's chunks of an optimiser step's gradients, summed over the ranks and over the
+/// micro-batches (FSDP's reduce-scattered gradients): per parameter (visiting order), `None`
+/// until a pass reaches it.
+pub struct ChunkGradients<B: Backend> {
+    sums: Vec<Option<Tensor<B, 1>>>,
+}
+
+impl<B: Backend> ChunkGradients<B> {
+    /// No gradient yet for any of `len` parameters.
+    pub fn new(len: usize) -> Self {
+        Self {
+            sums: (0..len).map(|_| None).collect(),
+        }
+    }
+
+    /// Per parameter, this rank's chunk of its gradient. Shapes: each `[chunk]`.
+    pub fn into_chunks(self) -> Vec<Option<Tensor<B, 1>>> {
+        self.sums
+    }
+}
+
+impl<A: AutodiffBackend> FsdpShards<A> {
+    /// Adds the gradients `grads` of the parameters of `module` (a part of the sharded module
+    /// that a pass read: a gathered layer, the embeddings, the copy the loss's graph used),
+    /// summed over the ranks, to this rank's chunks in `into`: a collective per parameter with
+    /// a gradient, so every rank's pass must reach the same parameters (true of a dense
+    /// decoder; checked by count).
+    pub fn reduce_scatter_into<M: Module<A>>(
+        &self,
+        module: &M,
+        grads: &GradientsParams,
+        into: &mut ChunkGradients<A::InnerBackend>,
+    ) -> Result<(), DistributedError> {
+        struct Present<'a, B: Backend> {
+            grads: &'a GradientsParams,
+            out: Vec<(ParamId, Tensor<B, 1>)>,
+        }
+        impl<A: AutodiffBackend> ModuleVisitor<A> for Present<'_, A::InnerBackend> {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<A, D>>) {
+                if let Some(g) = self.grads.get::<A::InnerBackend, D>(param.id) {
+                    let n = g.shape().num_elements();
+                    self.out.push((param.id, g.reshape([n])));
+                }
+            }
+        }
+        let mut present = Present {
+            grads,
+            out: Vec::new(),
+        };
+        module.visit(&mut present);
+        let (world, rank) = (self.group.world(), self.group.rank());
+        let count = present.out.len() as f32;
+        let total = self.group.all_reduce_sum(vec![count])?[0];
+        if total != count * world as f32 {
+            return Err(DistributedError::Transport {
+                rank,
+                message: format!(
+                    "the ranks' passes reached different parameters ({count} here, {total} in \
+                     all): FSDP sharding needs every rank to read the same ones (a mixture of \
+                     experts does not)"
+                ),
+            });
+        }
+        for (id, g) in present.out {
+            let index = self
+                .index_of(id)
+                .ok_or_else(|| DistributedError::Transport {
+                    rank,
+                    message: format!("parameter {id} is not one of the sharded module's"),
+                })?;
+            let device = g.device();
+            let summed = self.group.reduce_scatter(host(g, rank)?)?;
+            let n = summed.len();
+            debug_assert_eq!(n, chunk(self.slots[index].numel, world, rank).len());
+            let part = Tensor::from_data(TensorData::new(summed, [n]), &device);
+            let slot = &mut into.sums[index];
+            *slot = Some(match slot.take() {
+                Some(sum) => sum + part,
+                None => part,
+            });
+        }
+        Ok(())
+    }
+
+    fn index_of(&self, id: ParamId) -> Option<usize> {
+        self.slots.iter().position(|s| s.id == id)
+    }
+}
+
+impl<A: crate::backend::LearnerBackend> FsdpShards<A> {
+    /// A copy of the sharded `model` for one micro-batch's pass: its parameters outside the
+    /// decoder layers (embeddings, final norm, heads) read now, one gather each, so every use in
+    /// the pass shares them; its layers stay lazy, each gathered by the pass that runs it (with
+    /// layer checkpointing: in the forward and again in the backward's recomputation, one layer
+    /// at a time).
+    pub fn pass_copy<M: WithDecoder<A>>(&self, model: &M) -> M {
+        let mut copy = model.clone();
+        let layers = std::mem::take(&mut copy.decoder_mut().layers);
+        read_parameters(&copy);
+        copy.decoder_mut().layers = layers;
+        copy
+    }
+
+    /// The backward of one micro-batch's `loss`, computed with `computing` (a
+    /// [`FsdpShards::pass_copy`], through [`crate::forward::micro_model`] in f32) and its layer
+    /// `checkpoint`: each part's gradients (the loss's graph, then every recomputed layer and
+    /// the embeddings) reduce-scattered into `into` as soon as they exist, so a rank holds its
+    /// chunks of the gradients and one part's whole ones at a time.
+    pub fn backward_into<M: WithDecoder<A> + burn::module::AutodiffModule<A>>(
+        &self,
+        computing: &M,
+        loss: Tensor<A, 1>,
+        checkpoint: Option<LayerCheckpoint<A>>,
+        into: &mut ChunkGradients<A::InnerBackend>,
+    ) -> Result<(), DistributedError> {
+        let mut grads = loss.backward();
+        let kept = checkpoint.map_or_else(Vec::new, LayerCheckpoint::into_kept);
+        let output_grads: Vec<_> = kept.iter().map(|k| k.output_grad(&mut grads)).collect();
+        // The loss's graph reaches the parameters outside the layers (read by the pass); the
+        // layers' own are left out unread (reading them would gather them for nothing).
+        let mut outside = computing.clone();
+        outside.decoder_mut().layers.clear();
+        self.reduce_scatter_into(
+            &outside,
+            &GradientsParams::from_grads(grads, &outside),
+            into,
+        )?;
+        let mut failed = None;
+        for (pass, dy) in kept.into_iter().zip(output_grads) {
+            pass.backward_layers(dy, None, |grads, segment| {
+                let grads = segment.gradients(grads);
+                let done = match segment {
+                    Segment::Layer(layer) => self.reduce_scatter_into(layer, &grads, into),
+                    Segment::Embedding(table) => self.reduce_scatter_into(table, &grads, into),
+                };
+                if let Err(e) = done {
+                    failed.get_or_insert(e);
+                }
+            });
+        }
+        failed.map_or(Ok(()), Err)
+    }
+}
+
+/// AdamW on this rank's chunks (ZeRO-3's optimiser: each rank keeps the moments of its chunks
+/// only), with torch's global gradient-norm clipping over every rank's chunks.
+pub struct ShardedAdamW<B: Backend> {
+    adam: crate::optim::FusedAdamW,
+    states: Vec<Option<crate::optim::AdamWMoments<B, 1>>>,
+}
+
+impl<B: burn_rlhf_algos::kernels::RlBackend> ShardedAdamW<B> {
+    /// The optimiser of `len` chunks.
+    pub fn new(adam: crate::optim::FusedAdamW, len: usize) -> Self {
+        Self {
+            adam,
+            states: (0..len).map(|_| None).collect(),
+        }
+    }
+
+    /// One step of `shards` with `grads` at rate `lr`, clipped to global norm `max_norm`;
+    /// returns the norm before clipping (a non-finite norm steps nothing, as verl skips the
+    /// update). A collective (the norm).
+    pub fn step<A: AutodiffBackend<InnerBackend = B>>(
+        &mut self,
+        shards: &FsdpShards<A>,
+        grads: ChunkGradients<B>,
+        lr: f64,
+        max_norm: f64,
+    ) -> Result<f64, DistributedError> {
+        use burn::optim::SimpleOptimizer;
+        let chunks = grads.into_chunks();
+        // f32 squares summed on the device, the chunks' sums added in f64, the ranks' in two
+        // f32 parts (about f64 precision).
+        let mine: f64 = chunks
+            .iter()
+            .flatten()
+            .map(|g| {
+                g.clone()
+                    .square()
+                    .sum()
+                    .into_data()
+                    .iter::<f64>()
+                    .next()
+                    .unwrap_or(f64::NAN)
+            })
+            .sum();
+        let hi = mine as f32;
+        let sum = shards
+            .group
+            .all_reduce_sum(vec![hi, (mine - hi as f64) as f32])?;
+        let norm = (sum[0] as f64 + sum[1] as f64).sqrt();
+        if !norm.is_finite() {
+            return Ok(norm);
+        }
+        let coef = (max_norm / (norm + 1e-6)).min(1.0);
+        for (index, grad) in chunks.into_iter().enumerate() {
+            let Some(grad) = grad else { continue };
+            let grad = if coef < 1.0 { grad * coef } else { grad };
+            let value = shards.chunk(index).inner();
+            let (value, state) =
+                SimpleOptimizer::<B>::step(&self.adam, lr, value, grad, self.states[index].take());
+            self.states[index] = state;
+            shards.set_chunk(index, Tensor::from_inner(value));
+        }
+        Ok(norm)
+    }
+
+    /// Bytes of AdamW moments this rank holds.
+    pub fn state_bytes(&self) -> usize {
+        self.states
+            .iter()
+            .flatten()
+            .map(|s| {
+                let b = s.bytes();
+                b.device + b.host
+            })
+            .sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::holds_no_parameter;
+    use super::super::tests::{host_of, ids, model, weighted, A};
+    use super::*;
+    use burn::tensor::Int;
+    use burn_rlhf_models::collective::LocalTpGroup;
+    use burn_rlhf_models::CausalLm;
+    use std::sync::Arc;
+
+    /// A layer-checkpointed pass's logits (the decoder's layers recomputed in the backward).
+    /// Shapes: `[2, 5]` → `[2, 5, V]`.
+    fn logits_checkpointed(
+        m: &CausalLm<A>,
+        x: Tensor<A, 2, Int>,
+        checkpoint: Option<&mut crate::forward::LayerCheckpoint<A>>,
+    ) -> Tensor<A, 3> {
+        let [b, l] = x.dims();
+        let mask = vec![vec![1i64; l]; b];
+        let positions = vec![(0..l as i64).collect::<Vec<_>>(); b];
+        let rows = burn_rlhf_models::transformer::PassRows {
+            attention_mask: &mask,
+            position_ids: &positions,
+            packed: None,
+        };
+        m.logits(crate::forward::decoder_hidden(
+            &m.model, x, rows, None, checkpoint,
+        ))
+    }
+
+    /// Each rank's micro-batches: its own ids and another batch of its own.
+    fn micro_batches(rank: usize) -> [Tensor<A, 2, Int>; 2] {
+        [ids(rank), ids(rank + 10)]
+    }
+
+    /// Three AdamW steps (clipped to norm 1) of ranks that each take their own two micro-batches
+    /// through layer-checkpointed passes of a copy of the sharded model, on 2 and 4 ranks: the
+    /// weights and gradient norms of one device stepping on every rank's loss, within 1e-5.
+    /// Each layer is gathered twice per micro-batch (its forward, its recomputation), the rest
+    /// once; between steps a rank holds 1/N of the parameters and of the AdamW moments.
+    #[test]
+    fn three_sharded_adamw_steps_equal_one_device() {
+        use crate::optim::{adamw, synced_step, FusedAdamW, ReplicaSync};
+        let (lr, clip, steps) = (1e-2, 1.0, 3);
+        for world in [1, 2, 4] {
+            let start = model();
+            let mut whole = start.clone();
+            let mut optimizer = adamw::<A, CausalLm<A>>([0.9, 0.95], 0.01, false);
+            let mut norms = Vec::new();
+            for _ in 0..steps {
+                let loss = (0..world)
+                    .flat_map(micro_batches)
+                    .map(|x| weighted(logits_checkpointed(&whole, x, None)))
+                    .reduce(|a, b| a + b)
+                    .unwrap()
+                    .div_scalar(world as f32);
+                let grads = GradientsParams::from_grads(loss.backward(), &whole);
+                let (stepped, norm) = synced_step(
+                    whole,
+                    &mut optimizer,
+                    lr,
+                    grads,
+                    clip,
+                    &ReplicaSync::default(),
+                )
+                .unwrap();
+                whole = stepped;
+                norms.push(norm);
+            }
+            struct Values(Vec<Vec<f32>>, Vec<ParamId>);
+            impl ModuleVisitor<A> for Values {
+                fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<A, D>>) {
+                    self.0.push(p.val().into_data().to_vec().unwrap());
+                    self.1.push(p.id);
+                }
+            }
+            let mut want = Values(Vec::new(), Vec::new());
+            whole.visit(&mut want);
+            let mut layer_ids = Values(Vec::new(), Vec::new());
+            start.model.layers.visit(&mut layer_ids);
+            let (want, layer_ids) = (Arc::new(want.0), Arc::new(layer_ids.1));
+            let norms = Arc::new(norms);
+            let handles: Vec<_> = LocalTpGroup::group(world)
+                .into_iter()
+                .enumerate()
+                .map(|(rank, group)| {
+                    let (replica, want, norms) = (start.clone(), want.clone(), norms.clone());
+                    let layer_ids = layer_ids.clone();
+                    std::thread::spawn(move || {
+                        let device = Default::default();
+                        let (kept, shards) =
+                            FsdpShards::shard(replica, group.collective(), &device);
+                        let mut optimizer = ShardedAdamW::new(
+                            FusedAdamW::new([0.9, 0.95], 0.01, false),
+                            shards.len(),
+                        );
+                        for (step, want_norm) in norms.iter().enumerate() {
+                            let mut sink = ChunkGradients::new(shards.len());
+                            for x in micro_batches(rank) {
+                                let copy = shards.pass_copy(&kept);
+                                let (computing, mut checkpoint) =
+                                    crate::forward::micro_model(&copy, None, true);
+                                let loss = weighted(logits_checkpointed(
+                                    &computing,
+                                    x,
+                                    checkpoint.as_mut(),
+                                ))
+                                .div_scalar(world as f32);
+                                shards
+                                    .backward_into(&computing, loss, checkpoint, &mut sink)
+                                    .unwrap();
+                            }
+                            let norm = optimizer.step(&shards, sink, lr, clip).unwrap();
+                            assert!(
+                                (norm - want_norm).abs() <= 1e-5 * want_norm.max(1.0),
+                                "rank {rank}, step {step}: norm {norm} against {want_norm}"
+                            );
+                        }
+                        assert!(holds_no_parameter(&kept), "rank {rank}: the kept module");
+                        let counts = shards.gather_counts();
+                        for (i, count) in counts.iter().enumerate() {
+                            let in_layer = layer_ids.contains(&shards.slots[i].id);
+                            let per_micro_batch = if in_layer { 2 } else { 1 };
+                            assert_eq!(
+                                *count,
+                                per_micro_batch * 2 * steps,
+                                "rank {rank}: parameter {i} (in a layer: {in_layer})"
+                            );
+                        }
+                        let at_rest = (shards.bytes(), optimizer.state_bytes());
+                        for (i, w) in want.iter().enumerate() {
+                            let got = host_of(shards.gather(i).unwrap().inner());
+                            for (x, y) in got.iter().zip(w) {
+                                assert!(
+                                    (x - y).abs() <= 1e-5,
+                                    "rank {rank}, parameter {i}: {x} against one device's {y}"
+                                );
+                            }
+                        }
+                        at_rest
+                    })
+                })
+                .collect();
+            let held: Vec<(usize, usize)> =
+                handles.into_iter().map(|h| h.join().unwrap()).collect();
+            let total = start.num_params() * 4;
+            println!(
+                "{world} ranks: {total} bytes of parameters and {} of AdamW moments on one \
+                 device; each rank holds (parameters, moments) {held:?}",
+                2 * total
+            );
+            for (params, moments) in &held {
+                assert!(params.abs_diff(total / world) <= 64 * 4, "{held:?}");
+                assert_eq!(*moments, 2 * params, "{held:?}");
+            }
+        }
+    }
+}
