@@ -201,7 +201,9 @@ pub fn run_bench<B: LearnerBackend>(
             let (logp, _) = response_logprobs_routed(&model, &seq, head, None, checkpoint.as_mut());
             let loss = (logp * seq.response_mask).sum().neg();
             let mut grads = MicroGradients::default();
-            grads.add(&learner.actor, loss, checkpoint);
+            grads
+                .add(&learner.actor, loss, checkpoint)
+                .expect("one device's backward");
             B::sync(device).ok();
             drop(grads);
         });

@@ -68,7 +68,7 @@ pub(super) fn run_rollout_cases<B: LearnerBackend>(
         data.truncation,
     )?;
     let keys: Vec<u64> = (0..prompts.len() as u64).collect();
-    let policy = learner.for_generation(learner.actor.valid());
+    let policy = learner.for_generation(learner.actor_whole().valid());
     let config = learner.cache_config()?;
     let dtype = policy.float_dtype();
     let shapes = learner.decode_shapes();

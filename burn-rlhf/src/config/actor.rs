@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use super::data::DataConfig;
 use super::names::KnownNames;
-use super::optim::{FsdpConfig, OptimConfig, OptimSettings};
+use super::optim::{FsdpConfig, OptimConfig, OptimSettings, Strategy};
 use super::problems::Problems;
 use super::rollout::RolloutConfig;
 use super::rollout_correction::RolloutCorrectionSettings;
@@ -78,8 +78,11 @@ impl Default for ActorMegatronConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ActorConfig {
+    /// `fsdp` / `fsdp2` (verl's default): the parameters, gradients and AdamW state sharded over
+    /// the data-parallel ranks; `megatron`: whole on each rank (split by tensor parallelism).
+    pub strategy: String,
     pub optim: OptimConfig,
-    /// verl's offload switches (`optimizer_offload`; `param_offload` refused).
+    /// verl's offload switches (`optimizer_offload`; `param_offload` refused) and FSDP's layout.
     pub fsdp_config: FsdpConfig,
     /// Tensor parallelism.
     pub megatron: ActorMegatronConfig,
@@ -117,6 +120,7 @@ impl Default for ActorConfig {
     fn default() -> Self {
         let p = PolicyLossParams::default();
         Self {
+            strategy: "fsdp".into(),
             optim: OptimConfig::default(),
             fsdp_config: FsdpConfig::default(),
             megatron: ActorMegatronConfig::default(),
@@ -216,8 +220,24 @@ impl ActorConfig {
         let key = |k: &str| format!("actor_rollout_ref.actor.{k}");
         let pl = &self.policy_loss;
         let mut optim = self.optim.decode(p, &key("optim"));
-        self.fsdp_config
-            .decode(p, &key("fsdp_config"), optim.as_mut());
+        let strategy = Strategy::decode(p, &key("strategy"), &self.strategy);
+        let tp = self.megatron.tensor_model_parallel_size;
+        p.check(tp <= 1 || strategy != Some(Strategy::Fsdp), || {
+            format!(
+                "`actor_rollout_ref.actor.megatron.tensor_model_parallel_size` ({tp}) splits the \
+                 models under `strategy: megatron`; `{}` is `{}` (FSDP shards whole \
+                 parameters): set `{}=megatron`",
+                key("strategy"),
+                self.strategy,
+                key("strategy")
+            )
+        });
+        self.fsdp_config.decode(
+            p,
+            &key("fsdp_config"),
+            optim.as_mut(),
+            (&key("strategy"), strategy),
+        );
         let loss_agg_mode = p.algo(
             &key("loss_agg_mode"),
             |_| key("loss_agg_mode"),

@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 
 use super::data::DataConfig;
 use super::model::ModelConfig;
-use super::optim::{FsdpConfig, OptimConfig, OptimSettings};
+use super::optim::{FsdpConfig, OptimConfig, OptimSettings, Strategy};
 use super::problems::Problems;
 
 /// `critic.model.*` as written.
@@ -21,7 +21,7 @@ pub struct CriticModelConfig {
     /// (same numbers as the padded passes). `None`: as `actor_rollout_ref.model.use_remove_padding`'s
     /// default (where shapes are exact). verl's default is true.
     pub use_remove_padding: Option<bool>,
-    /// verl's offload switches (`optimizer_offload`; `param_offload` refused).
+    /// verl's offload switches (`optimizer_offload`; `param_offload` refused) and FSDP's layout.
     pub fsdp_config: FsdpConfig,
 }
 
@@ -51,6 +51,9 @@ pub struct CriticMegatronConfig {
 pub struct CriticConfig {
     /// `None`: on exactly when the advantage estimator needs values (`gae`), as verl decides.
     pub enable: Option<bool>,
+    /// How the critic's parameters are held (`fsdp`, `fsdp2`, `megatron`, as the actor's
+    /// `strategy`); `None`: the actor's.
+    pub strategy: Option<String>,
     pub model: CriticModelConfig,
     pub optim: OptimConfig,
     /// Tensor parallelism: the actor's.
@@ -84,6 +87,7 @@ impl Default for CriticConfig {
     fn default() -> Self {
         Self {
             enable: None,
+            strategy: None,
             model: CriticModelConfig::default(),
             optim: OptimConfig::with_lr(1e-5),
             megatron: CriticMegatronConfig::default(),
@@ -151,6 +155,8 @@ pub(super) struct CriticContext<'a> {
     pub(super) estimator: &'a str,
     /// Whether that estimator reads a critic's values.
     pub(super) needs_critic: bool,
+    /// `actor_rollout_ref.actor.megatron.tensor_model_parallel_size`.
+    pub(super) actor_tp: usize,
 }
 
 impl CriticConfig {
@@ -184,9 +190,23 @@ impl CriticConfig {
                 )
             });
         let mut optim = self.optim.decode(p, "critic.optim");
-        self.model
-            .fsdp_config
-            .decode(p, "critic.model.fsdp_config", optim.as_mut());
+        let strategy = p
+            .derived("critic.strategy", self.strategy.as_deref())
+            .and_then(|name| Strategy::decode(p, "critic.strategy", name));
+        p.check(strategy != Some(Strategy::Fsdp) || cx.actor_tp <= 1, || {
+            format!(
+                "`critic.strategy` is FSDP's while the models are split by \
+                 `actor_rollout_ref.actor.megatron.tensor_model_parallel_size` ({}): set \
+                 `critic.strategy=megatron`",
+                cx.actor_tp
+            )
+        });
+        self.model.fsdp_config.decode(
+            p,
+            "critic.model.fsdp_config",
+            optim.as_mut(),
+            ("critic.strategy", strategy),
+        );
         let mini = p.derived("critic.ppo_mini_batch_size", self.ppo_mini_batch_size);
         if let (Some(cmini), Some(cmicro)) = (mini, self.ppo_micro_batch_size_per_gpu) {
             p.check(cmicro >= 1 && (cmini * n).is_multiple_of(cmicro), || {

@@ -67,6 +67,23 @@ pub struct OptimSettings {
     pub total_steps: Option<usize>,
     /// AdamW's moments in host memory between steps (`fsdp_config.optimizer_offload`).
     pub offload: bool,
+    /// The parameters are sharded over the data-parallel ranks (`strategy: fsdp`), or `None`:
+    /// whole on every rank (`strategy: megatron`).
+    pub fsdp: Option<FsdpSharding>,
+}
+
+/// FSDP's parameter sharding of one model (ZeRO-3, verl's `strategy: fsdp | fsdp2`): each rank
+/// keeps 1/N of the parameters, gradients and AdamW state. Takes effect with more than one
+/// data-parallel rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FsdpSharding {
+    /// `fsdp_config.reshard_after_forward`: each decoder layer is gathered for its use and
+    /// freed after (with layer checkpointing, again for the backward's recomputation); `false`
+    /// gathers the whole model once per micro-batch and keeps it through the backward.
+    pub reshard_after_forward: bool,
+    /// `fsdp_config.fsdp_size`: ranks per shard group, the groups replicas of each other
+    /// (hybrid sharding); `None` (verl's -1): every rank in one group.
+    pub group_size: Option<usize>,
 }
 
 /// How long the warm-up is.
@@ -136,12 +153,36 @@ impl OptimConfig {
             total_steps: (self.total_training_steps > 0)
                 .then_some(self.total_training_steps as usize),
             offload: false,
+            fsdp: None,
         })
     }
 }
 
-/// `fsdp_config.*` of a trained model as written: verl's offload switches.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+/// How a model's parameters are held across the data-parallel ranks (`strategy`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Strategy {
+    /// `fsdp`, `fsdp2`: sharded (FSDP).
+    Fsdp,
+    /// `megatron`: whole on every rank, split by tensor parallelism.
+    Megatron,
+}
+
+impl Strategy {
+    /// The strategy named at `key`: `fsdp` and `fsdp2` (parameters sharded over the
+    /// data-parallel ranks) or `megatron` (parameters whole on each rank, split by tensor
+    /// parallelism).
+    pub(super) fn decode(p: &mut Problems, key: &str, name: &str) -> Option<Self> {
+        let parsed = match name {
+            "fsdp" | "fsdp2" => Some(Self::Fsdp),
+            "megatron" => Some(Self::Megatron),
+            _ => None,
+        };
+        p.name(key, name, &["fsdp", "fsdp2", "megatron"], parsed)
+    }
+}
+
+/// `fsdp_config.*` of a trained model as written: verl's offload switches and FSDP's layout.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct FsdpConfig {
     /// The model's parameters in host memory between uses: refused for a trained model (it is on
@@ -151,20 +192,63 @@ pub struct FsdpConfig {
     /// AdamW's moments in host memory between steps, streamed through the device one parameter
     /// at a time.
     pub optimizer_offload: bool,
+    /// Ranks per FSDP shard group (-1: all of them).
+    pub fsdp_size: i64,
+    /// A layer's gathered parameters are freed after its forward (gathered again for the
+    /// backward).
+    pub reshard_after_forward: bool,
+}
+
+impl Default for FsdpConfig {
+    fn default() -> Self {
+        Self {
+            param_offload: false,
+            optimizer_offload: false,
+            fsdp_size: -1,
+            reshard_after_forward: true,
+        }
+    }
 }
 
 impl FsdpConfig {
     /// Checks the section at `key` (`actor_rollout_ref.actor.fsdp_config`,
-    /// `critic.model.fsdp_config`) and puts the optimiser's offload into `optim`.
-    pub(super) fn decode(&self, p: &mut Problems, key: &str, optim: Option<&mut OptimSettings>) {
+    /// `critic.model.fsdp_config`) and puts the optimiser's offload and, under `strategy`
+    /// (named at `strategy_key`), FSDP's sharding into `optim`.
+    pub(super) fn decode(
+        &self,
+        p: &mut Problems,
+        key: &str,
+        optim: Option<&mut OptimSettings>,
+        (strategy_key, strategy): (&str, Option<Strategy>),
+    ) {
         p.check(!self.param_offload, || {
             format!(
                 "`{key}.param_offload=true` is not read: {}",
                 super::verl_keys::NO_PARAM_OFFLOAD
             )
         });
+        p.check(self.fsdp_size == -1 || self.fsdp_size >= 1, || {
+            format!(
+                "`{key}.fsdp_size` ({}) must be -1 (one shard group of every rank) or >= 1",
+                self.fsdp_size
+            )
+        });
+        let fsdp = (strategy == Some(Strategy::Fsdp)).then(|| FsdpSharding {
+            reshard_after_forward: self.reshard_after_forward,
+            group_size: (self.fsdp_size >= 1).then_some(self.fsdp_size as usize),
+        });
+        if strategy == Some(Strategy::Megatron) {
+            p.check(self.fsdp_size == -1, || {
+                format!(
+                    "`{key}.fsdp_size` ({}) shards under `strategy: fsdp`; `{strategy_key}` is \
+                     `megatron` (parameters whole on each rank)",
+                    self.fsdp_size
+                )
+            });
+        }
         if let Some(optim) = optim {
             optim.offload = self.optimizer_offload;
+            optim.fsdp = fsdp;
         }
     }
 }

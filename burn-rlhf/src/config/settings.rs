@@ -111,6 +111,7 @@ fn decode(c: &RlhfConfig, known: &KnownNames, p: &mut Problems) -> Option<Settin
             n: arr.rollout.n,
             estimator: &c.algorithm.adv_estimator,
             needs_critic: algorithm.needs_critic,
+            actor_tp: arr.actor.megatron.tensor_model_parallel_size,
         },
     );
     let reward = c.reward_model.decode(
@@ -129,6 +130,15 @@ fn decode(c: &RlhfConfig, known: &KnownNames, p: &mut Problems) -> Option<Settin
         },
     );
     let trainer = c.trainer.decode(p);
+    if let Some(actor) = &actor {
+        p.check(c.trainer.zero_stage == 0 || actor.optim.fsdp.is_none(), || {
+            "`trainer.zero_stage=1` shards the AdamW state of parameters held whole on each rank \
+             (`actor_rollout_ref.actor.strategy=megatron`, Megatron's distributed optimiser); \
+             under `strategy: fsdp` the parameters, gradients and state are sharded already: \
+             set one of the two"
+                .into()
+        });
+    }
     let tp = arr.actor.megatron.tensor_model_parallel_size.max(1);
     arr.rollout.check_tensor_parallel(p, tp);
     c.critic.check_tensor_parallel(p, tp);

@@ -87,6 +87,9 @@ impl RlhfConfig {
             .ppo_mini_batch_size
             .get_or_insert(actor.ppo_mini_batch_size);
         critic.ppo_epochs.get_or_insert(actor.ppo_epochs);
+        critic
+            .strategy
+            .get_or_insert_with(|| actor.strategy.clone());
         critic.use_dynamic_bsz.get_or_insert(actor.use_dynamic_bsz);
         critic
             .forward_max_token_len_per_gpu

@@ -61,15 +61,6 @@ pub const VERL_KEYS: &[(&str, Treatment)] = &[
         "critic.model.fsdp_config.param_offload",
         Treatment::OnlyAt(&["false"], NO_PARAM_OFFLOAD),
     ),
-    (
-        "actor_rollout_ref.actor.fsdp_config.fsdp_size",
-        Treatment::OnlyAt(
-            &["-1"],
-            "-1 (one group of every rank) is the only data-parallel layout here (parameters \
-             replicated, the AdamW state sharded with `trainer.zero_stage=1`); hybrid groups are \
-             not built",
-        ),
-    ),
     // Model parallelism.
     (
         "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
@@ -192,6 +183,14 @@ pub const ENGINE_KEYS: &[(&str, Treatment)] = &[
         Treatment::Alias("critic.model.fsdp_config.optimizer_offload"),
     ),
     (
+        "critic.fsdp.fsdp_size",
+        Treatment::Alias("critic.model.fsdp_config.fsdp_size"),
+    ),
+    (
+        "critic.fsdp.reshard_after_forward",
+        Treatment::Alias("critic.model.fsdp_config.reshard_after_forward"),
+    ),
+    (
         "actor_rollout_ref.ref.fsdp_config.optimizer_offload",
         Treatment::OnlyAt(&["false"], "the reference has no optimiser"),
     ),
@@ -218,16 +217,8 @@ pub const ENGINE_KEYS: &[(&str, Treatment)] = &[
         ),
     ),
     (
-        "actor_rollout_ref.actor.strategy",
-        Treatment::OnlyAt(&["fsdp", "fsdp2", "megatron"], STRATEGY),
-    ),
-    (
         "actor_rollout_ref.ref.strategy",
-        Treatment::OnlyAt(&["fsdp", "fsdp2", "megatron"], STRATEGY),
-    ),
-    (
-        "critic.strategy",
-        Treatment::OnlyAt(&["fsdp", "fsdp2", "megatron"], STRATEGY),
+        Treatment::OnlyAt(&["fsdp", "fsdp2", "megatron"], REF_WHOLE),
     ),
     (
         "actor_rollout_ref.actor.fsdp_config.strategy",
@@ -235,7 +226,7 @@ pub const ENGINE_KEYS: &[(&str, Treatment)] = &[
     ),
     (
         "actor_rollout_ref.ref.fsdp_config.strategy",
-        Treatment::OnlyAt(&["fsdp", "fsdp2"], STRATEGY),
+        Treatment::OnlyAt(&["fsdp", "fsdp2"], REF_WHOLE),
     ),
     (
         "critic.fsdp.strategy",
@@ -243,11 +234,7 @@ pub const ENGINE_KEYS: &[(&str, Treatment)] = &[
     ),
     (
         "actor_rollout_ref.ref.fsdp_config.fsdp_size",
-        Treatment::OnlyAt(&["-1"], ONE_DP_GROUP),
-    ),
-    (
-        "critic.fsdp.fsdp_size",
-        Treatment::OnlyAt(&["-1"], ONE_DP_GROUP),
+        Treatment::OnlyAt(&["-1"], REF_WHOLE),
     ),
     (
         "actor_rollout_ref.actor.megatron.param_offload",
@@ -326,16 +313,8 @@ pub const ENGINE_KEYS: &[(&str, Treatment)] = &[
         Treatment::OnlyAt(&["bfloat16", "float16"], FSDP_DTYPE),
     ),
     (
-        "actor_rollout_ref.actor.fsdp_config.reshard_after_forward",
-        Treatment::OnlyAt(&["true", "false"], RESHARD),
-    ),
-    (
         "actor_rollout_ref.ref.fsdp_config.reshard_after_forward",
-        Treatment::OnlyAt(&["true", "false"], RESHARD),
-    ),
-    (
-        "critic.fsdp.reshard_after_forward",
-        Treatment::OnlyAt(&["true", "false"], RESHARD),
+        Treatment::OnlyAt(&["true", "false"], REF_WHOLE),
     ),
     // Megatron's parameter dtype is the dtype the model computes in.
     (
@@ -435,27 +414,25 @@ pub const ENGINE_KEYS: &[(&str, Treatment)] = &[
     ),
 ];
 
-const STRATEGY: &str = "every strategy trains the same numbers here: data parallelism over \
-     `trainer.n_gpus_per_node` x `trainer.nnodes` with the parameters on every rank (the AdamW \
-     state sharded with `trainer.zero_stage=1`), split by \
-     `actor_rollout_ref.actor.megatron.tensor_model_parallel_size`; FSDP's sharding of the \
-     parameters themselves is not built yet";
+const STRATEGY: &str = "FSDP's version (verl fills it from the model's `strategy`): both shard \
+     the parameters the same way here; `actor_rollout_ref.actor.strategy` and `critic.strategy` \
+     choose between sharding (`fsdp`, `fsdp2`) and whole parameters (`megatron`)";
+const REF_WHOLE: &str = "the frozen reference is held whole on each rank (in host memory between \
+     its passes with `actor_rollout_ref.ref.fsdp_config.param_offload=true`), not sharded; its \
+     log-probs are the same numbers under any strategy";
 const MASTER_F32: &str = "the trained weights and the AdamW state are f32 here (a reference is \
      held as the actor's): half-precision compute is `actor_rollout_ref.model.dtype=bfloat16` \
      (autocast, f32 master weights)";
 const FSDP_DTYPE: &str = "verl's FSDP engine checks this value and never computes in it (its \
      compute dtype is `fsdp_config.mixed_precision.param_dtype`, bf16 by default); the compute \
      dtype here is `actor_rollout_ref.model.dtype`";
-const RESHARD: &str = "parameters are whole on every rank here (no FSDP sharding): nothing is \
-     gathered, so nothing is resharded; in verl the value trades memory for speed, the numbers \
-     are those of either value";
+
 const ONE_COMPUTE_DTYPE: &str = "the policy, the reference and the critic compute in one dtype \
      here, `actor_rollout_ref.model.dtype` (the actor's `megatron.dtype` sets it): remove the key \
      (or set it with `null`)";
 const ADAMW: &str = "the optimiser is AdamW (Burn's, decoupled weight decay: Megatron's `adam` is \
      the same), with verl's betas, weight decay and schedule";
-const ONE_DP_GROUP: &str = "-1 (one group of every rank) is the only data-parallel layout here \
-     (hybrid groups are not built)";
+
 const SEQUENCE_PARALLEL: &str = "a tensor-parallel layer's activations are whole on each rank \
      (Megatron's sequence parallelism splits them along the sequence between the layers, for \
      memory); the numbers are those of either value";
@@ -499,9 +476,25 @@ impl VerlDialect {
     }
 }
 
+const SFT_REPLICATED: &str = "the SFT trainer holds the parameters whole on every data-parallel \
+     rank (the AdamW state too); FSDP's sharding is built in the RL trainer \
+     (`actor_rollout_ref.actor.strategy`, `critic.strategy`); the numbers are those of either layout";
+
 /// verl 0.9.1's SFT trainer keys with no key of their own in the SFT tree.
 pub const SFT_KEYS: &[(&str, Treatment)] = &[
     ("model.path", Treatment::Alias("model.partial_pretrain")),
+    (
+        "engine.strategy",
+        Treatment::OnlyAt(&["fsdp", "fsdp2"], SFT_REPLICATED),
+    ),
+    (
+        "engine.fsdp_size",
+        Treatment::OnlyAt(&["-1"], SFT_REPLICATED),
+    ),
+    (
+        "engine.reshard_after_forward",
+        Treatment::OnlyAt(&["true", "false"], SFT_REPLICATED),
+    ),
     (
         "optim.lr_warmup_steps_ratio",
         Treatment::Alias("optim.warmup_steps_ratio"),

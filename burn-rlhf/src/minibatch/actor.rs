@@ -20,7 +20,7 @@ use crate::error::TrainError;
 use crate::forward::{micro_model, response_logprobs_routed, LogprobHead, SequenceTensors};
 use burn_rlhf_models::transformer::load_balancing_loss;
 
-use super::step::{MicroGradients, OptimizerStep};
+use super::step::OptimizerStep;
 use super::{micro_batches, rows_of};
 
 /// Per-token targets of a mini-batch, `[rows * response_len]` row-major like the batch's
@@ -157,7 +157,7 @@ enum OldLogProbs {
 /// and entropies it computed ([`OnPolicyLogProbs`]).
 pub fn actor_update<B: LearnerBackend, O: Optimizer<CausalLm<B>, B>>(
     actor: CausalLm<B>,
-    step: OptimizerStep<'_, O>,
+    step: OptimizerStep<'_, O, B>,
     policy_loss: &dyn PolicyLoss<B>,
     batch: &RolloutBatch,
     targets: &ActorTargets,
@@ -189,7 +189,7 @@ pub fn actor_update<B: LearnerBackend, O: Optimizer<CausalLm<B>, B>>(
     let adv_all = pick(&targets.advantages);
     let ref_all = targets.ref_log_probs.as_deref().map(pick);
     let is_all = targets.rollout_is_weights.as_deref().map(pick);
-    let mut gradients = MicroGradients::default();
+    let mut gradients = step.gradients();
     let mut metrics: BTreeMap<String, f64> = BTreeMap::new();
     let plans = micro_batches(
         &local,
@@ -205,8 +205,9 @@ pub fn actor_update<B: LearnerBackend, O: Optimizer<CausalLm<B>, B>>(
             .packed_if(config.remove_padding, config.shape_bucket);
         let mask = seq.response_mask.clone();
         // Cast per micro-batch: each backward consumes the graph, the cast included.
+        let pass = step.pass_model(&actor, config.recompute_layers);
         let (model, mut checkpoint) =
-            micro_model(&actor, config.compute_dtype, config.recompute_layers);
+            micro_model(&pass, config.compute_dtype, config.recompute_layers);
         let mut router = Vec::new();
         let (log_prob, entropy) = response_logprobs_routed(
             &model,
@@ -284,11 +285,11 @@ pub fn actor_update<B: LearnerBackend, O: Optimizer<CausalLm<B>, B>>(
             *metrics.entry(name).or_default() += value * share;
         }
         gradients.add_routed(
-            &actor,
+            &pass,
             loss,
             checkpoint,
             aux_in_loss.map(|_| &router_loss as _),
-        );
+        )?;
     }
     let mut metrics = dp.mean_metrics(metrics)?;
     let actor = step.apply(actor, gradients, &mut metrics, "actor")?;

@@ -16,7 +16,7 @@ use crate::config::settings::CriticSettings;
 use crate::error::TrainError;
 use crate::forward::{micro_model, response_values_in, SequenceTensors};
 
-use super::step::{MicroGradients, OptimizerStep};
+use super::step::OptimizerStep;
 use super::{micro_batches, rows_of};
 
 /// Per-token targets of a mini-batch, `[rows * response_len]` row-major.
@@ -76,7 +76,7 @@ impl CriticLossConfig {
 /// are averaged before the step, as in [`actor_update`](super::actor_update).
 pub fn critic_update<B: LearnerBackend, O: Optimizer<ValueModel<B>, B>>(
     critic: ValueModel<B>,
-    step: OptimizerStep<'_, O>,
+    step: OptimizerStep<'_, O, B>,
     batch: &RolloutBatch,
     targets: &CriticTargets,
     config: &CriticLossConfig,
@@ -98,7 +98,7 @@ pub fn critic_update<B: LearnerBackend, O: Optimizer<ValueModel<B>, B>>(
     let local = batch.select(&mine);
     let pick = |v: &[f32]| rows_of(v, &mine, r);
     let (values_all, returns_all) = (pick(&targets.values), pick(&targets.returns));
-    let mut gradients = MicroGradients::default();
+    let mut gradients = step.gradients();
     let (mut vf_loss, mut vf_clipfrac) = (0.0, 0.0);
     let plans = micro_batches(
         &local,
@@ -113,8 +113,9 @@ pub fn critic_update<B: LearnerBackend, O: Optimizer<ValueModel<B>, B>>(
         let cut = |v: &[f32]| from_rows::<B>(slice(v), n, w, device);
         let seq = SequenceTensors::<B>::from_batch(&micro.batch, device)
             .packed_if(config.remove_padding, config.shape_bucket);
+        let pass = step.pass_model(&critic, config.recompute_layers);
         let (model, mut checkpoint) =
-            micro_model(&critic, config.compute_dtype, config.recompute_layers);
+            micro_model(&pass, config.compute_dtype, config.recompute_layers);
         let vpreds = response_values_in(&model, &seq, checkpoint.as_mut());
         let out = value_loss(
             vpreds,
@@ -128,7 +129,7 @@ pub fn critic_update<B: LearnerBackend, O: Optimizer<ValueModel<B>, B>>(
         let tokens: f64 = slice(local.loss_mask()).iter().map(|&m| m as f64).sum();
         vf_loss += to_scalar(out.vf_loss.clone().detach());
         vf_clipfrac += out.vf_clipfrac * tokens / total_tokens * dp.world() as f64;
-        gradients.add(&critic, out.vf_loss * config.value_loss_scale, checkpoint);
+        gradients.add(&pass, out.vf_loss * config.value_loss_scale, checkpoint)?;
     }
     let mut metrics = dp.mean_metrics(BTreeMap::from([
         ("critic/vf_loss".to_string(), vf_loss),

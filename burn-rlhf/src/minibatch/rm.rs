@@ -229,7 +229,7 @@ impl PairSums {
 /// (the same on every rank), `train/grad_norm`, `train/lr`.
 pub fn rm_update<B: LearnerBackend, O: Optimizer<RewardModel<B>, B>>(
     model: RewardModel<B>,
-    step: OptimizerStep<'_, O>,
+    step: OptimizerStep<'_, O, B>,
     pairs: &[&PairExample],
     loss: &PairLoss,
     device: &B::Device,
@@ -266,7 +266,7 @@ pub fn rm_update<B: LearnerBackend, O: Optimizer<RewardModel<B>, B>>(
             &to_vec(chosen.detach()),
             &to_vec(rejected.detach()),
         );
-        gradients.add(&model, total.mul_scalar(scale), checkpoint);
+        gradients.add(&model, total.mul_scalar(scale), checkpoint)?;
     }
     let mut metrics = sums.over_ranks(dp)?.metrics("train");
     let model = step.apply(model, gradients, &mut metrics, "train")?;

@@ -86,7 +86,7 @@ fn head(chunk: usize) -> LogprobHead {
 /// `train/grad_norm`, `train/lr`.
 pub fn sft_update<B: LearnerBackend, O: Optimizer<CausalLm<B>, B>>(
     model: CausalLm<B>,
-    step: OptimizerStep<'_, O>,
+    step: OptimizerStep<'_, O, B>,
     batch: &RolloutBatch,
     passes: SftPasses,
     recompute_layers: bool,
@@ -128,7 +128,7 @@ pub fn sft_update<B: LearnerBackend, O: Optimizer<CausalLm<B>, B>>(
             &global,
         )?;
         loss_sum += to_scalar(loss.clone().detach());
-        gradients.add(&model, loss, checkpoint);
+        gradients.add(&model, loss, checkpoint)?;
     }
     let mut metrics = BTreeMap::from([("train/loss".to_string(), loss_sum)]);
     let model = step.apply(model, gradients, &mut metrics, "train")?;

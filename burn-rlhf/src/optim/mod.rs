@@ -48,6 +48,11 @@ impl FusedAdamW {
             offload,
         }
     }
+
+    /// Whether the moments live in host memory between steps.
+    pub fn offloads(&self) -> bool {
+        self.offload
+    }
 }
 
 impl<B: RlBackend> SimpleOptimizer<B> for FusedAdamW {
@@ -457,6 +462,7 @@ mod tests {
             num_cycles: 0.5,
             total_steps: None,
             offload: false,
+            fsdp: None,
         };
         let constant = LrSchedule::new(&optim, 20);
         assert_eq!(

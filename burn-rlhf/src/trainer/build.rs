@@ -11,12 +11,15 @@ use burn_rlhf_rollout::{PromptRecord, PromptSampler, RewardRegistry};
 
 use super::learner::{Algorithms, CriticState, Learner, ModelOptimizer};
 use super::reward_model::{LoadedRewardModel, RewardScorer};
+use crate::config::settings::OptimSettings;
 use crate::config::{KnownNames, RlhfConfig, Settings};
 use crate::datasets::load_data_files;
-use crate::distributed::{sync_params, DataParallel, ShardPlan};
+use crate::distributed::fsdp::{FsdpShards, ShardedAdamW, ShardedModel};
+use crate::distributed::{sync_params, Collective, DataParallel, ShardPlan, Subgroup};
 use crate::error::TrainError;
 use crate::loading::{load_policy, load_value_model, with_lora};
 use crate::offload::Parked;
+use crate::optim::FusedAdamW;
 use crate::optim::ReplicaSync;
 use crate::optim::TpSplit;
 use burn_rlhf_rollout::agent::render::ChatRenderer;
@@ -290,6 +293,52 @@ pub(crate) struct PreparedLearner<B: LearnerBackend> {
     settings: Settings,
 }
 
+/// `model` as `optim` holds it on this rank: whole, or with `strategy: fsdp` on several
+/// data-parallel ranks sharded ([`FsdpShards::shard`]) over shard groups of `fsdp_size`
+/// (`size_key`; every rank by default), the groups' same chunks summed across them (hybrid).
+pub(crate) fn shard_model<B: LearnerBackend, M: burn::module::Module<B>>(
+    model: M,
+    optim: &OptimSettings,
+    size_key: &str,
+    dp: &DataParallel,
+    device: &B::Device,
+) -> Result<(M, Option<ShardedModel<B>>), TrainError> {
+    let world = dp.world();
+    let Some(fsdp) = optim.fsdp.filter(|_| world > 1 && dp.tp.is_none()) else {
+        return Ok((model, None));
+    };
+    let whole = dp.collective.clone();
+    let (group, replicas): (Arc<dyn Collective>, Option<Arc<dyn Collective>>) = match fsdp
+        .group_size
+    {
+        None => (whole, None),
+        Some(size) if size == world => (whole, None),
+        Some(size) if size >= 1 && world.is_multiple_of(size) => (
+            Arc::new(Subgroup::blocks(whole.clone(), size)),
+            Some(Arc::new(Subgroup::new(whole, size))),
+        ),
+        Some(size) => {
+            return Err(TrainError::config(
+                size_key,
+                format!("shard groups of {size} ranks must divide the {world} data-parallel ranks"),
+            ))
+        }
+    };
+    let (model, shards) = FsdpShards::shard(model, group, replicas, device);
+    let adam = ShardedAdamW::new(
+        FusedAdamW::new(optim.betas, optim.weight_decay, optim.offload),
+        shards.len(),
+    );
+    Ok((
+        model,
+        Some(ShardedModel {
+            shards,
+            adam,
+            reshard_after_forward: fsdp.reshard_after_forward,
+        }),
+    ))
+}
+
 impl<B: LearnerBackend> PreparedLearner<B> {
     /// The learner as rank `dp.rank()` of its run, built in its layout: under tensor
     /// parallelism its models are this rank's parts of the given ones; every rank starts from
@@ -349,11 +398,27 @@ impl<B: LearnerBackend> PreparedLearner<B> {
         let actor = sync_params(actor, &rank0, &dp)?;
         let mut actor_optimizer = ModelOptimizer::new(&settings.actor.optim, self.total_steps);
         actor_optimizer.sync = sync(shards(&|| ShardPlan::new::<B, _>(&actor, world)));
+        let (actor, sharded) = shard_model(
+            actor,
+            &settings.actor.optim,
+            "actor_rollout_ref.actor.fsdp_config.fsdp_size",
+            &dp,
+            &device,
+        )?;
+        actor_optimizer.sharded = sharded;
         let critic = match (critic, &settings.critic) {
             (Some((model, config)), Some(cs)) => {
                 let model = sync_params(model, &rank0, &dp)?;
                 let mut optimizer = ModelOptimizer::new(&cs.optim, self.total_steps);
                 optimizer.sync = sync(shards(&|| ShardPlan::new::<B, _>(&model, world)));
+                let (model, sharded) = shard_model(
+                    model,
+                    &cs.optim,
+                    "critic.model.fsdp_config.fsdp_size",
+                    &dp,
+                    &device,
+                )?;
+                optimizer.sharded = sharded;
                 Some(CriticState {
                     model,
                     config,

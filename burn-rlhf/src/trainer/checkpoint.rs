@@ -129,6 +129,18 @@ impl<M: AutodiffModule<B>, B: LearnerBackend> ModelOptimizer<M, B> {
     /// whole state (`main`), every rank its shard under ZeRO-1, and under tensor parallelism
     /// each rank of the first replica its shard's, with its parameter order.
     pub(crate) fn save(&self, dir: &Path, main: bool, module: &M) -> Result<(), TrainError> {
+        if let Some(sharded) = &self.sharded {
+            // Gathered from every rank's chunks into the unsharded optimiser's record: the
+            // checkpoint resumes at any world size, sharded or not.
+            let record = sharded.adam.whole_record::<B, M>(&sharded.shards)?;
+            if main {
+                let stem = self.stem();
+                BinFileRecorder::<FullPrecisionSettings>::new()
+                    .record(record, dir.join(&stem))
+                    .map_err(|e| io(&dir.join(format!("{stem}.bin")), e))?;
+            }
+            return Ok(());
+        }
         let tp_shard = self.sync.tp.is_some() && self.sync.dp.rank() == 0;
         if !main && self.sync.shards.is_none() && !tp_shard {
             return Ok(());
@@ -143,16 +155,32 @@ impl<M: AutodiffModule<B>, B: LearnerBackend> ModelOptimizer<M, B> {
         Ok(())
     }
 
-    /// Reads the optimiser state saved in `dir` for `module` (a fresh load of the saved weights).
+    /// Reads the optimiser state saved in `dir` for `module` (a fresh load of the saved weights,
+    /// whole) and returns `module` as this optimiser holds it: under FSDP sharded again, this
+    /// rank keeping its chunks of the parameters and of the state (any world size reads the
+    /// whole state a sharded or unsharded run wrote).
     pub(crate) fn load(
         &mut self,
         dir: &Path,
-        module: &M,
+        module: M,
         device: &B::Device,
-    ) -> Result<(), TrainError> {
+    ) -> Result<M, TrainError> {
         let (stem, params) = (self.stem(), self.params_file());
-        self.optim = load_optimizer(dir, module, self.optim.clone(), (&stem, &params), device)?;
-        Ok(())
+        self.optim = load_optimizer(dir, &module, self.optim.clone(), (&stem, &params), device)?;
+        let Some(sharded) = self.sharded.as_mut() else {
+            return Ok(module);
+        };
+        let (module, shards) = sharded.shards.reshard(module);
+        // The whole state read is dealt out to the chunks and not kept.
+        let fresh = burn::optim::adaptor::OptimizerAdaptor::from(sharded.adam.adam());
+        let record = std::mem::replace(&mut self.optim, fresh).to_record();
+        sharded.adam = crate::distributed::fsdp::ShardedAdamW::from_whole_record::<B, M>(
+            sharded.adam.adam(),
+            &shards,
+            record,
+        );
+        sharded.shards = shards;
+        Ok(module)
     }
 }
 
@@ -380,12 +408,14 @@ impl<B: LearnerBackend> Learner<B> {
         // split layer gathers its group's parts: an exchange each of them makes) and the first
         // of them writes.
         let gathers = self.dp.rank() == 0;
-        let actor_weights = gathers.then(|| self.actor.valid().export());
-        let critic_weights = self
-            .critic
+        // Under FSDP every rank takes part in gathering the whole models.
+        let actor = self.actor_whole();
+        let actor_weights = gathers.then(|| actor.valid().export());
+        let critic = self.critic.as_ref().map(|c| c.optimizer.whole(&c.model));
+        let critic_weights = critic
             .as_ref()
             .filter(|_| gathers)
-            .map(|c| c.model.valid().export());
+            .map(|m| m.valid().export());
         let reference_weights = match (self.reference_refreshed_at, self.reference()) {
             (Some(_), Some(r)) if gathers => Some(r.export()),
             _ => None,
@@ -411,12 +441,7 @@ impl<B: LearnerBackend> Learner<B> {
                 save_param_order::<B, _>(&actor_dir, &self.actor)?;
             }
             if let Some(lora) = &self.settings.model.lora {
-                save_adapters(
-                    &actor_dir,
-                    &self.actor.valid(),
-                    lora,
-                    &self.settings.model.path,
-                )?;
+                save_adapters(&actor_dir, &actor.valid(), lora, &self.settings.model.path)?;
             }
             if let (Some(c), Some(weights)) = (&self.critic, &critic_weights) {
                 save_pretrained(
@@ -508,7 +533,7 @@ impl<B: LearnerBackend> Learner<B> {
             (Some(_), true) => {
                 let mut w = WeightMap::new(adapters.display().to_string());
                 w.read_safetensors(&adapters)?;
-                let actor = self.actor.clone().load_lora(&mut w, &self.device)?;
+                let actor = self.actor_whole().load_lora(&mut w, &self.device)?;
                 w.finish()?;
                 actor
             }
@@ -527,15 +552,12 @@ impl<B: LearnerBackend> Learner<B> {
             (None, false) => load_pretrained(&actor_dir.display().to_string())?
                 .causal_lm_part(self.dp.tp.as_ref(), &self.device)?,
         };
-        self.actor_optimizer
-            .load(&actor_dir, &actor, &self.device)?;
-        self.actor = actor;
+        self.actor = self.actor_optimizer.load(&actor_dir, actor, &self.device)?;
         if let Some(c) = self.critic.as_mut() {
             let critic_dir = dir.join("critic");
             let model: ValueModel<B> = load_pretrained(&critic_dir.display().to_string())?
                 .value_model_part(self.dp.tp.as_ref(), &self.device)?;
-            c.optimizer.load(&critic_dir, &model, &self.device)?;
-            c.model = model;
+            c.model = c.optimizer.load(&critic_dir, model, &self.device)?;
         }
         if state.reference_refreshed_at.is_some() {
             let ref_dir = dir.join("ref");

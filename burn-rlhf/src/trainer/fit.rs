@@ -37,13 +37,15 @@ pub struct RankMemory {
 }
 
 impl<B: LearnerBackend> Learner<B> {
-    /// What this rank holds of the actor and the critic.
+    /// What this rank holds of the actor and the critic between steps (under FSDP its chunks).
     pub fn rank_memory(&self) -> RankMemory {
-        use crate::offload::param_bytes;
         let (actor, critic) = self.optimizer_memory();
-        let critic_params = self.critic.as_ref().map_or(0, |c| param_bytes(&c.model));
+        let critic_params = self
+            .critic
+            .as_ref()
+            .map_or(0, |c| c.optimizer.parameter_bytes(&c.model));
         RankMemory {
-            parameters: param_bytes(&self.actor) + critic_params,
+            parameters: self.actor_optimizer.parameter_bytes(&self.actor) + critic_params,
             optimizer: actor + critic,
         }
     }

@@ -19,6 +19,7 @@ use burn_rlhf_rollout::{PromptRecord, PromptSampler, RewardFn};
 use super::reward_model::RewardScorer;
 use crate::config::settings::OptimSettings;
 use crate::config::Settings;
+use crate::distributed::fsdp::ShardedModel;
 use crate::distributed::DataParallel;
 use crate::error::TrainError;
 use crate::minibatch::OptimizerStep;
@@ -31,6 +32,9 @@ pub(crate) struct ModelOptimizer<M: AutodiffModule<B>, B: LearnerBackend> {
     pub optim: AdamWOf<M, B>,
     pub schedule: LrSchedule,
     pub sync: ReplicaSync,
+    /// FSDP (`strategy: fsdp` on several ranks): the model's shards and AdamW on this rank's
+    /// chunks (`optim` then holds nothing).
+    pub sharded: Option<ShardedModel<B>>,
     /// Updates so far: the schedule's position (it moves once per update, as verl's scheduler
     /// steps once per `update_policy`).
     pub updates: usize,
@@ -43,17 +47,45 @@ impl<M: AutodiffModule<B>, B: LearnerBackend> ModelOptimizer<M, B> {
             optim: adamw(settings.betas, settings.weight_decay, settings.offload),
             schedule: LrSchedule::new(settings, total_steps),
             sync: ReplicaSync::default(),
+            sharded: None,
             updates: 0,
         }
     }
 
     /// One optimiser step of this update, at its learning rate, clipped at `grad_clip`.
-    pub fn step(&mut self, grad_clip: f64) -> OptimizerStep<'_, AdamWOf<M, B>> {
+    pub fn step(&mut self, grad_clip: f64) -> OptimizerStep<'_, AdamWOf<M, B>, B> {
         OptimizerStep {
             lr: self.schedule.lr(self.updates),
             optimizer: &mut self.optim,
             grad_clip,
             sync: &self.sync,
+            sharded: self.sharded.as_mut(),
+        }
+    }
+
+    /// Bytes of `model`'s parameters this rank holds: all of them, or under FSDP its chunks
+    /// (reading nothing).
+    pub fn parameter_bytes(&self, model: &M) -> usize {
+        match &self.sharded {
+            None => crate::offload::param_bytes(model),
+            Some(s) => s.shards.bytes(),
+        }
+    }
+
+    /// Bytes of AdamW moments this rank holds, on the device and in host memory.
+    pub fn state_bytes(&self) -> StateBytes {
+        match &self.sharded {
+            None => adamw_state_bytes(&self.optim),
+            Some(s) => s.adam.state_bytes(),
+        }
+    }
+
+    /// A copy of `model` (this optimiser's) with every parameter present: itself, or under
+    /// FSDP one gathering them all now (a collective: every rank calls it at the same point).
+    pub fn whole(&self, model: &M) -> M {
+        match &self.sharded {
+            None => model.clone(),
+            Some(s) => s.shards.whole(model),
         }
     }
 }
@@ -147,6 +179,12 @@ impl<B: LearnerBackend> Learner<B> {
         })
     }
 
+    /// The policy with every parameter present: [`Learner::actor`] itself, or under FSDP a copy
+    /// gathering them now (a collective: every rank calls it at the same point of the step).
+    pub fn actor_whole(&self) -> CausalLm<B> {
+        self.actor_optimizer.whole(&self.actor)
+    }
+
     /// This learner's place in a data-parallel run.
     pub fn data_parallel(&self) -> &DataParallel {
         &self.dp
@@ -157,10 +195,10 @@ impl<B: LearnerBackend> Learner<B> {
     /// them to the host).
     pub fn optimizer_memory(&self) -> (StateBytes, StateBytes) {
         (
-            adamw_state_bytes(&self.actor_optimizer.optim),
+            self.actor_optimizer.state_bytes(),
             self.critic
                 .as_ref()
-                .map(|c| adamw_state_bytes(&c.optimizer.optim))
+                .map(|c| c.optimizer.state_bytes())
                 .unwrap_or_default(),
         )
     }

@@ -106,7 +106,7 @@ impl<B: LearnerBackend> SupervisedTask<B> for RmTask {
     fn update(
         &self,
         model: RewardModel<B>,
-        step: OptimizerStep<'_, AdamWOf<RewardModel<B>, B>>,
+        step: OptimizerStep<'_, AdamWOf<RewardModel<B>, B>, B>,
         batch: &[&PairExample],
         device: &B::Device,
     ) -> Result<(RewardModel<B>, Metrics), TrainError> {

@@ -190,7 +190,7 @@ impl<B: LearnerBackend> Learner<B> {
                 key: indices[i] as u64,
             })
             .collect();
-        let policy = self.for_generation(self.actor.valid());
+        let policy = self.for_generation(self.actor_whole().valid());
         let pad = self.tokenizer.pad_token_id;
         let cache_config = self.cache_config()?;
         let engine =

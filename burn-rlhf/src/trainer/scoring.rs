@@ -129,7 +129,12 @@ impl<B: LearnerBackend> Learner<B> {
             );
             let with_sum = self.algorithms.estimator.needs_sum_pi_squared();
             let mut out = self
-                .log_probs_of(&self.for_scoring(self.actor.valid()), batch, plan, with_sum)?
+                .log_probs_of(
+                    &self.for_scoring(self.actor_whole().valid()),
+                    batch,
+                    plan,
+                    with_sum,
+                )?
                 .into_iter();
             let mut next = || out.next().expect("one output per requested pass");
             Ok(OldLogProbs {
@@ -203,9 +208,10 @@ impl<B: LearnerBackend> Learner<B> {
                 return Ok(None);
             };
             // In the compute dtype, as the critic's update computes.
+            let whole = critic.optimizer.whole(&critic.model).valid();
             let model = match self.settings.model.dtype {
-                Some(dtype) => critic.model.valid().cast(dtype),
-                None => critic.model.valid(),
+                Some(dtype) => whole.cast(dtype),
+                None => whole,
             };
             let mut out = self.sharded_pass(batch, |mine| {
                 self.in_micro_batches(

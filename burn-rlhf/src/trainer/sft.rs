@@ -274,7 +274,7 @@ impl<B: LearnerBackend> SupervisedTask<B> for SftTask {
     fn update(
         &self,
         model: CausalLm<B>,
-        step: OptimizerStep<'_, AdamWOf<CausalLm<B>, B>>,
+        step: OptimizerStep<'_, AdamWOf<CausalLm<B>, B>, B>,
         batch: &[&SftExample],
         device: &B::Device,
     ) -> Result<(CausalLm<B>, Metrics), TrainError> {

@@ -172,7 +172,7 @@ impl<B: LearnerBackend> Learner<B> {
             .ref_update_freq
             .is_some_and(|freq| step.is_multiple_of(freq));
         if due && self.reference.is_some() {
-            self.reference = Some(self.park_reference(self.actor.valid()));
+            self.reference = Some(self.park_reference(self.actor_whole().valid()));
             self.reference_refreshed_at = Some(step);
         }
     }

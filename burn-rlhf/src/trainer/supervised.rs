@@ -45,7 +45,7 @@ pub(crate) trait SupervisedTask<B: LearnerBackend> {
     fn update(
         &self,
         model: Self::Model,
-        step: OptimizerStep<'_, AdamWOf<Self::Model, B>>,
+        step: OptimizerStep<'_, AdamWOf<Self::Model, B>, B>,
         batch: &[&Self::Example],
         device: &B::Device,
     ) -> Result<(Self::Model, Metrics), TrainError>;
@@ -274,10 +274,11 @@ impl<B: LearnerBackend, T: SupervisedTask<B>, D: TrainerDefaults> SupervisedRun<
                 shards: None,
                 tp: None,
             },
+            sharded: None,
             updates: start,
         };
         if let Some((dir, _)) = &resumed {
-            optimizer.load(dir, &model, device)?;
+            model = optimizer.load(dir, model, device)?;
             if main {
                 eprintln!("resumed from {} (step {start})", dir.display());
             }

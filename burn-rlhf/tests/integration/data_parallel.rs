@@ -230,6 +230,8 @@ fn assert_same_metrics_but(a: &Path, b: &Path, what: &str, skip: &[&str]) {
     println!("{what}: {compared} metric values equal");
 }
 
+/// Parameters whole on each rank (`strategy: megatron` without tensor parallelism: plain data
+/// parallelism).
 #[test]
 fn two_devices_in_one_process_reproduce_one_device() {
     let _turn = ONE_GROUP_AT_A_TIME
@@ -237,10 +239,94 @@ fn two_devices_in_one_process_reproduce_one_device() {
         .unwrap_or_else(|e| e.into_inner());
     let dir = temp_dir("dp-devices");
     let single = one_device(&dir.join("single"));
-    let dp = two_devices(config(&dir.join("dp")), Arc::new(tasks::ExactAnswer)).unwrap();
+    let mut c = config(&dir.join("dp"));
+    c.actor_rollout_ref.actor.strategy = "megatron".into();
+    let dp = two_devices(c, Arc::new(tasks::ExactAnswer)).unwrap();
     assert!(single.ends_with(format!("global_step_{STEPS}")));
     assert_same_weights(&single, &dp, "2 devices vs 1");
     assert_same_metrics(&single, &dp, "2 devices vs 1");
+}
+
+/// FSDP (`strategy: fsdp`, verl's default) on 2 and 4 ranks, with hybrid shard groups of 2 on 4
+/// and without resharding after the forward: three PPO steps with a critic equal one device
+/// within 1e-5, and rank 0 holds about 1/N of the actor's and critic's parameter and AdamW bytes
+/// between steps. A checkpoint saved at 2 ranks (an HF folder of the whole models and the whole
+/// AdamW state) resumes at 4 ranks and on one device to the weights of the straight runs.
+#[test]
+fn fsdp_ranks_reproduce_one_device_holding_a_share_of_the_state() {
+    let _turn = ONE_GROUP_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    let dir = temp_dir("dp-fsdp");
+    let parts = || self::parts(Arc::new(tasks::ExactAnswer));
+    let (single, whole) = n_devices_memory(config(&dir.join("one")), parts(), 1).unwrap();
+    println!("one device holds {whole:?}");
+    for (n, size, reshard) in [(2, -1, true), (4, -1, true), (4, 2, false)] {
+        let what = format!("FSDP on {n} ranks, fsdp_size {size}, reshard_after_forward {reshard}");
+        let mut c = config(&dir.join(format!("fsdp{n}-{size}-{reshard}")));
+        c.actor_rollout_ref.model.enable_gradient_checkpointing = true;
+        c.critic.model.enable_gradient_checkpointing = true;
+        for f in [
+            &mut c.actor_rollout_ref.actor.fsdp_config,
+            &mut c.critic.model.fsdp_config,
+        ] {
+            f.fsdp_size = size;
+            f.reshard_after_forward = reshard;
+        }
+        let (run, memory) = n_devices_memory(c, parts(), n).unwrap();
+        assert_same_weights(&single, &run, &what);
+        assert_same_metrics(&single, &run, &what);
+        let share = |x: usize, of: usize| x as f64 / of as f64;
+        let group = if size > 0 { size as usize } else { n };
+        let (params, moments) = (
+            share(memory.parameters, whole.parameters),
+            share(memory.optimizer.device, whole.optimizer.device),
+        );
+        println!(
+            "{what}: rank 0 holds {params:.3} of the parameter bytes and {moments:.3} of the \
+             AdamW bytes ({memory:?})"
+        );
+        // Each parameter's chunk rounds up by at most one value.
+        for x in [params, moments] {
+            assert!((x - 1.0 / group as f64).abs() < 0.02, "{what}: {x}");
+        }
+    }
+    // Two steps on 2 ranks, then the third resumed on 4 ranks, and on one device.
+    for (name, resume_on) in [("resumed-4", 4), ("resumed-1", 1)] {
+        let resumed_dir = dir.join(name);
+        let mut c = config(&resumed_dir);
+        c.trainer.total_training_steps = Some(STEPS - 1);
+        n_devices(c, Arc::new(tasks::ExactAnswer), 2).unwrap();
+        let mut c = config(&resumed_dir);
+        c.trainer.resume_mode = "auto".into();
+        let resumed = n_devices(c, Arc::new(tasks::ExactAnswer), resume_on).unwrap();
+        let what = format!("FSDP on 2 ranks resumed on {resume_on}");
+        assert_same_weights(&single, &resumed, &what);
+        assert_same_metrics(&single, &resumed, &what);
+    }
+}
+
+/// bf16 autocast (`model.dtype=bfloat16`: the passes on a bf16 copy of the f32 weights) under
+/// FSDP on 2 ranks, the layers recomputed and resharded: the weights and metrics of 2 ranks
+/// holding the parameters whole in the same dtype (each rank computes the same rows in bf16; the
+/// gradients meet in f32).
+#[test]
+fn fsdp_in_bf16_equals_whole_parameters_in_bf16() {
+    let _turn = ONE_GROUP_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    let dir = temp_dir("dp-fsdp-bf16");
+    let run = |strategy: &str| {
+        let mut c = config(&dir.join(strategy));
+        c.actor_rollout_ref.model.dtype = "bfloat16".into();
+        c.actor_rollout_ref.model.enable_gradient_checkpointing = true;
+        c.critic.model.enable_gradient_checkpointing = true;
+        c.actor_rollout_ref.actor.strategy = strategy.into();
+        two_devices(c, Arc::new(tasks::ExactAnswer)).unwrap()
+    };
+    let (whole, sharded) = (run("megatron"), run("fsdp"));
+    assert_same_weights(&whole, &sharded, "FSDP vs whole parameters, bf16 compute");
+    assert_same_metrics(&whole, &sharded, "FSDP vs whole parameters, bf16 compute");
 }
 
 /// The tiny models as a mixture of experts (Qwen3-MoE's layout): 64 experts, one per token. A rank
@@ -370,7 +456,7 @@ fn sharded_optimizer_state_gives_the_same_parameters_with_half_the_state_per_ran
     let dir = temp_dir("dp-zero");
     let full = two_devices(config(&dir.join("full")), Arc::new(tasks::ExactAnswer)).unwrap();
     let mut c = config(&dir.join("zero"));
-    c.trainer.zero_stage = 1;
+    zero1(&mut c);
     let zero = two_devices(c, Arc::new(tasks::ExactAnswer)).unwrap();
     assert_same_weights(&full, &zero, "ZeRO-1 vs unsharded");
     assert_same_metrics(&full, &zero, "ZeRO-1 vs unsharded");
@@ -400,15 +486,22 @@ fn sharded_optimizer_state_gives_the_same_parameters_with_half_the_state_per_ran
     // steps, then a resumed run to three, equal three straight.
     let resumed_dir = dir.join("resumed");
     let mut c = config(&resumed_dir);
-    c.trainer.zero_stage = 1;
+    zero1(&mut c);
     c.trainer.total_training_steps = Some(STEPS - 1);
     two_devices(c, Arc::new(tasks::ExactAnswer)).unwrap();
     let mut c = config(&resumed_dir);
-    c.trainer.zero_stage = 1;
+    zero1(&mut c);
     c.trainer.resume_mode = "auto".into();
     let resumed = two_devices(c, Arc::new(tasks::ExactAnswer)).unwrap();
     assert_same_weights(&zero, &resumed, "ZeRO-1 resumed vs straight");
     assert_same_metrics(&zero, &resumed, "ZeRO-1 resumed vs straight");
+}
+
+/// `c` with the parameters whole on every rank and the AdamW state sharded (ZeRO-1, Megatron's
+/// distributed optimiser).
+fn zero1(c: &mut RlhfConfig) {
+    c.actor_rollout_ref.actor.strategy = "megatron".into();
+    c.trainer.zero_stage = 1;
 }
 
 /// `config` with AdamW's moments of the actor and the critic and the reference's weights in host
@@ -471,7 +564,7 @@ fn offloaded_optimizer_state_and_reference_give_the_same_parameters_with_none_on
     );
     // With ZeRO-1 over two devices, each rank keeps its shard in host memory.
     let mut c = offloaded(config(&dir.join("zero-off")));
-    c.trainer.zero_stage = 1;
+    zero1(&mut c);
     let zero_off = two_devices(c, Arc::new(tasks::ExactAnswer)).unwrap();
     let full = two_devices(config(&dir.join("full")), Arc::new(tasks::ExactAnswer)).unwrap();
     assert_same_weights(&full, &zero_off, "ZeRO-1 offloaded vs unsharded");
@@ -479,6 +572,7 @@ fn offloaded_optimizer_state_and_reference_give_the_same_parameters_with_none_on
 
 /// `config` with every model split over `tp` of `devices` devices (the rest data parallelism).
 fn tensor_parallel(mut c: RlhfConfig, tp: usize, devices: usize) -> RlhfConfig {
+    c.actor_rollout_ref.actor.strategy = "megatron".into();
     c.actor_rollout_ref
         .actor
         .megatron
@@ -846,7 +940,10 @@ mod processes {
         mpi_job_of(
             "dp-mpi-tp",
             2,
-            &["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"],
+            &[
+                "actor_rollout_ref.actor.strategy=megatron",
+                "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+            ],
         );
     }
 
@@ -858,7 +955,10 @@ mod processes {
             "dp-mpi-tp-across",
             2,
             1,
-            &["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"],
+            &[
+                "actor_rollout_ref.actor.strategy=megatron",
+                "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+            ],
         );
     }
 
@@ -870,7 +970,10 @@ mod processes {
             "dp-mpi-tp-across-2x2",
             4,
             1,
-            &["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"],
+            &[
+                "actor_rollout_ref.actor.strategy=megatron",
+                "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+            ],
         );
     }
 

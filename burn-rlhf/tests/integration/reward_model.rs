@@ -47,6 +47,7 @@ fn assets(dir: &Path, hidden: usize, sft_steps: usize) -> Assets {
             lr: 1e-3,
             grad_clip: 1.0,
             sync: &ReplicaSync::default(),
+            sharded: None,
         };
         let batch = tasks::sft_batch(&tokenizer, &picked);
         let passes = SftPasses::padded(64, 512);

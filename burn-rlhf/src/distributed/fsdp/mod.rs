@@ -24,7 +24,7 @@ use burn::tensor::{Tensor, TensorData};
 
 mod step;
 
-pub use step::{ChunkGradients, ShardedAdamW};
+pub use step::{ChunkGradients, ShardedAdamW, ShardedModel};
 
 use super::{chunk, Collective, DistributedError};
 
@@ -35,11 +35,16 @@ struct Slot {
     id: ParamId,
     /// Its element count; this rank holds `chunk(numel, world, rank)` of them.
     numel: usize,
+    /// Its shape.
+    dims: Vec<usize>,
 }
 
 /// This rank's chunks of a module's parameters and the shard group they are gathered from.
 pub struct FsdpShards<B: Backend> {
     group: Arc<dyn Collective>,
+    /// Hybrid sharding (`fsdp_config.fsdp_size`): the ranks holding the same chunks in the other
+    /// shard groups, over which the reduced chunks of the gradients are summed.
+    replicas: Option<Arc<dyn Collective>>,
     slots: Vec<Slot>,
     /// Per parameter (visiting order): this rank's chunk of its flattened values. `[chunk]`.
     chunks: Vec<RwLock<Tensor<B, 1>>>,
@@ -69,12 +74,14 @@ struct TakeChunks<B: Backend> {
 impl<B: Backend> ModuleVisitor<B> for TakeChunks<B> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         let value = param.val().detach();
+        let dims = value.dims().to_vec();
         let numel = value.shape().num_elements();
         let range = chunk(numel, self.world, self.rank);
         self.chunks.push(value.reshape([numel]).slice(range));
         self.slots.push(Slot {
             id: param.id,
             numel,
+            dims,
         });
     }
 }
@@ -116,10 +123,12 @@ impl<B: Backend> ModuleMapper<B> for Lazify<B> {
 impl<B: Backend> FsdpShards<B> {
     /// Shards `module` over `group` (every rank passes the same module): this rank keeps its
     /// chunk of each parameter, and gets back the module with lazy parameters gathered on first
-    /// read ([`crate::distributed::fsdp`]) and the shards they read.
+    /// read ([`crate::distributed::fsdp`]) and the shards they read. `replicas`: with hybrid
+    /// sharding, the ranks of the other groups holding the same chunks.
     pub fn shard<M: Module<B>>(
         module: M,
         group: Arc<dyn Collective>,
+        replicas: Option<Arc<dyn Collective>>,
         device: &B::Device,
     ) -> (M, Arc<Self>) {
         let mut take = TakeChunks {
@@ -131,6 +140,7 @@ impl<B: Backend> FsdpShards<B> {
         module.visit(&mut take);
         let shards = Arc::new(Self {
             group,
+            replicas,
             gathers: take.slots.iter().map(|_| Default::default()).collect(),
             slots: take.slots,
             chunks: take.chunks.into_iter().map(RwLock::new).collect(),
@@ -141,6 +151,17 @@ impl<B: Backend> FsdpShards<B> {
             next: 0,
         });
         (lazy, shards)
+    }
+
+    /// `module` (the same model's parameters, e.g. loaded from a checkpoint) sharded over the
+    /// same groups as these shards.
+    pub fn reshard<M: Module<B>>(&self, module: M) -> (M, Arc<Self>) {
+        Self::shard(
+            module,
+            self.group.clone(),
+            self.replicas.clone(),
+            &self.device,
+        )
     }
 
     /// Per parameter (visiting order): the gathers so far.
@@ -333,7 +354,7 @@ mod tests {
                     std::thread::spawn(move || {
                         let device = Default::default();
                         let (kept, shards) =
-                            FsdpShards::shard(replica, group.collective(), &device);
+                            FsdpShards::shard(replica, group.collective(), None, &device);
                         let held = shards.bytes();
                         let copy = kept.clone();
                         let got: Vec<f32> = logits(&copy, ids(0)).into_data().to_vec().unwrap();

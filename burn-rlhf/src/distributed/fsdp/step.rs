@@ -2,7 +2,10 @@
 //! [`FsdpShards::backward_into`]: gradients reduce-scattered per part as they appear) and AdamW
 //! on this rank's chunks ([`ShardedAdamW`]).
 
+use std::sync::Arc;
+
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
+use burn::optim::record::{AdaptorRecord, AdaptorRecordV1};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Tensor, TensorData};
@@ -36,57 +39,77 @@ impl<B: Backend> ChunkGradients<B> {
 impl<A: AutodiffBackend> FsdpShards<A> {
     /// Adds the gradients `grads` of the parameters of `module` (a part of the sharded module
     /// that a pass read: a gathered layer, the embeddings, the copy the loss's graph used),
-    /// summed over the ranks, to this rank's chunks in `into`: a collective per parameter with
-    /// a gradient, so every rank's pass must reach the same parameters (true of a dense
-    /// decoder; checked by count).
+    /// summed over the ranks, to this rank's chunks in `into`. Which parameters have a gradient
+    /// is agreed first (one sum of flags): a parameter no rank's pass reached has none (as in
+    /// the unsharded backward: AdamW leaves it alone), one that some rank reached is
+    /// reduce-scattered with zeros from the others (a mixture of experts' unreached experts).
+    /// With hybrid groups the chunks are then summed over the replicas.
     pub fn reduce_scatter_into<M: Module<A>>(
         &self,
         module: &M,
         grads: &GradientsParams,
         into: &mut ChunkGradients<A::InnerBackend>,
     ) -> Result<(), DistributedError> {
-        struct Present<'a, B: Backend> {
+        struct Each<'a, B: Backend> {
             grads: &'a GradientsParams,
-            out: Vec<(ParamId, Tensor<B, 1>)>,
+            out: Vec<(ParamId, Option<Tensor<B, 1>>)>,
         }
-        impl<A: AutodiffBackend> ModuleVisitor<A> for Present<'_, A::InnerBackend> {
+        impl<A: AutodiffBackend> ModuleVisitor<A> for Each<'_, A::InnerBackend> {
             fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<A, D>>) {
-                if let Some(g) = self.grads.get::<A::InnerBackend, D>(param.id) {
+                let g = self.grads.get::<A::InnerBackend, D>(param.id).map(|g| {
                     let n = g.shape().num_elements();
-                    self.out.push((param.id, g.reshape([n])));
-                }
+                    g.reshape([n])
+                });
+                self.out.push((param.id, g));
             }
         }
-        let mut present = Present {
+        let mut each = Each {
             grads,
             out: Vec::new(),
         };
-        module.visit(&mut present);
-        let (world, rank) = (self.group.world(), self.group.rank());
-        let count = present.out.len() as f32;
-        let total = self.group.all_reduce_sum(vec![count])?[0];
-        if total != count * world as f32 {
-            return Err(DistributedError::Transport {
-                rank,
-                message: format!(
-                    "the ranks' passes reached different parameters ({count} here, {total} in \
-                     all): FSDP sharding needs every rank to read the same ones (a mixture of \
-                     experts does not)"
-                ),
-            });
+        module.visit(&mut each);
+        if each.out.is_empty() {
+            return Ok(());
         }
-        for (id, g) in present.out {
+        let rank = self.group.rank();
+        let flags: Vec<f32> = each
+            .out
+            .iter()
+            .map(|(_, g)| g.is_some() as u8 as f32)
+            .collect();
+        let mut reached = self.group.all_reduce_sum(flags)?;
+        if let Some(replicas) = &self.replicas {
+            reached = replicas.all_reduce_sum(reached)?;
+        }
+        for ((id, g), ranks) in each.out.into_iter().zip(reached) {
+            if ranks == 0.0 {
+                continue;
+            }
             let index = self
                 .index_of(id)
                 .ok_or_else(|| DistributedError::Transport {
                     rank,
                     message: format!("parameter {id} is not one of the sharded module's"),
                 })?;
-            let device = g.device();
-            let summed = self.group.reduce_scatter(host(g, rank)?)?;
+            let values = match g {
+                Some(g) => host(g, rank)?,
+                None => vec![0.0; self.slots[index].numel],
+            };
+            let mut summed = self.group.reduce_scatter(values)?;
+            if let Some(replicas) = &self.replicas {
+                // Padded to the longest chunk: every operation has the same length on every
+                // rank of the transport the groups share.
+                let n = summed.len();
+                summed.resize(self.slots[index].numel.div_ceil(self.group.world()), 0.0);
+                summed = replicas.all_reduce_sum(summed)?;
+                summed.truncate(n);
+            }
             let n = summed.len();
-            debug_assert_eq!(n, chunk(self.slots[index].numel, world, rank).len());
-            let part = Tensor::from_data(TensorData::new(summed, [n]), &device);
+            debug_assert_eq!(
+                n,
+                chunk(self.slots[index].numel, self.group.world(), rank).len()
+            );
+            let part = Tensor::from_data(TensorData::new(summed, [n]), &self.device_inner());
             let slot = &mut into.sums[index];
             *slot = Some(match slot.take() {
                 Some(sum) => sum + part,
@@ -99,16 +122,26 @@ impl<A: AutodiffBackend> FsdpShards<A> {
     fn index_of(&self, id: ParamId) -> Option<usize> {
         self.slots.iter().position(|s| s.id == id)
     }
+
+    /// The device the chunks are on, as the inner backend's.
+    pub(super) fn device_inner(&self) -> burn::tensor::Device<A::InnerBackend> {
+        self.chunk(0).inner().device()
+    }
 }
 
 impl<A: crate::backend::LearnerBackend> FsdpShards<A> {
-    /// A copy of the sharded `model` for one micro-batch's pass: its parameters outside the
-    /// decoder layers (embeddings, final norm, heads) read now, one gather each, so every use in
-    /// the pass shares them; its layers stay lazy, each gathered by the pass that runs it (with
-    /// layer checkpointing: in the forward and again in the backward's recomputation, one layer
-    /// at a time).
-    pub fn pass_copy<M: WithDecoder<A>>(&self, model: &M) -> M {
+    /// A copy of the sharded `model` for one micro-batch's pass. With `whole`, every parameter
+    /// is read now (gathered once and kept through the backward: no layer checkpointing, or
+    /// `reshard_after_forward=false`); else the parameters outside the decoder layers
+    /// (embeddings, final norm, heads) are read now, one gather each, and the layers stay lazy,
+    /// each gathered by the pass that runs it (with layer checkpointing: in the forward and
+    /// again in the backward's recomputation, one layer at a time).
+    pub fn pass_copy<M: WithDecoder<A>>(&self, model: &M, whole: bool) -> M {
         let mut copy = model.clone();
+        if whole {
+            read_parameters(&copy);
+            return copy;
+        }
         let layers = std::mem::take(&mut copy.decoder_mut().layers);
         read_parameters(&copy);
         copy.decoder_mut().layers = layers;
@@ -116,19 +149,26 @@ impl<A: crate::backend::LearnerBackend> FsdpShards<A> {
     }
 
     /// The backward of one micro-batch's `loss`, computed with `computing` (a
-    /// [`FsdpShards::pass_copy`], through [`crate::forward::micro_model`] in f32) and its layer
+    /// [`FsdpShards::pass_copy`], through [`crate::forward::micro_model`]) and its layer
     /// `checkpoint`: each part's gradients (the loss's graph, then every recomputed layer and
     /// the embeddings) reduce-scattered into `into` as soon as they exist, so a rank holds its
-    /// chunks of the gradients and one part's whole ones at a time.
+    /// chunks of the gradients and one part's whole ones at a time. `router_loss`: a
+    /// mixture of experts' load-balancing loss, added to each sparse layer's recomputation.
     pub fn backward_into<M: WithDecoder<A> + burn::module::AutodiffModule<A>>(
         &self,
         computing: &M,
         loss: Tensor<A, 1>,
         checkpoint: Option<LayerCheckpoint<A>>,
+        router_loss: Option<&dyn Fn(&[Tensor<A, 2>]) -> Tensor<A, 1>>,
         into: &mut ChunkGradients<A::InnerBackend>,
     ) -> Result<(), DistributedError> {
         let mut grads = loss.backward();
         let kept = checkpoint.map_or_else(Vec::new, LayerCheckpoint::into_kept);
+        if kept.is_empty() {
+            // The whole graph in one backward: `computing` was read whole.
+            let grads = GradientsParams::from_grads(grads, computing);
+            return self.reduce_scatter_into(computing, &grads, into);
+        }
         let output_grads: Vec<_> = kept.iter().map(|k| k.output_grad(&mut grads)).collect();
         // The loss's graph reaches the parameters outside the layers (read by the pass); the
         // layers' own are left out unread (reading them would gather them for nothing).
@@ -141,7 +181,7 @@ impl<A: crate::backend::LearnerBackend> FsdpShards<A> {
         )?;
         let mut failed = None;
         for (pass, dy) in kept.into_iter().zip(output_grads) {
-            pass.backward_layers(dy, None, |grads, segment| {
+            pass.backward_layers(dy, router_loss, |grads, segment| {
                 let grads = segment.gradients(grads);
                 let done = match segment {
                     Segment::Layer(layer) => self.reduce_scatter_into(layer, &grads, into),
@@ -153,6 +193,28 @@ impl<A: crate::backend::LearnerBackend> FsdpShards<A> {
             });
         }
         failed.map_or(Ok(()), Err)
+    }
+
+    /// A copy of the sharded `model` with every parameter gathered now, in the module's
+    /// visiting order (a collective: every rank calls it), for the passes that read the whole
+    /// model (generation, log-probs, values, saving).
+    pub fn whole<M: Module<A>>(&self, model: &M) -> M {
+        let copy = model.clone();
+        read_parameters(&copy);
+        copy
+    }
+}
+
+impl<B: Backend> ChunkGradients<B> {
+    /// Every chunk times `factor` (the ranks' sum made their mean).
+    pub fn scaled(self, factor: f64) -> Self {
+        Self {
+            sums: self
+                .sums
+                .into_iter()
+                .map(|g| g.map(|g| g.mul_scalar(factor)))
+                .collect(),
+        }
     }
 }
 
@@ -185,7 +247,7 @@ impl<B: burn_rlhf_algos::kernels::RlBackend> ShardedAdamW<B> {
         use burn::optim::SimpleOptimizer;
         let chunks = grads.into_chunks();
         // f32 squares summed on the device, the chunks' sums added in f64, the ranks' in two
-        // f32 parts (about f64 precision).
+        // f32 parts (about f64 precision). The shard group holds the whole gradient once.
         let mine: f64 = chunks
             .iter()
             .flatten()
@@ -220,17 +282,170 @@ impl<B: burn_rlhf_algos::kernels::RlBackend> ShardedAdamW<B> {
         Ok(norm)
     }
 
-    /// Bytes of AdamW moments this rank holds.
-    pub fn state_bytes(&self) -> usize {
+    /// The optimiser each chunk steps with.
+    pub fn adam(&self) -> crate::optim::FusedAdamW {
+        self.adam
+    }
+
+    /// Bytes of AdamW moments this rank holds, on the device and in host memory.
+    pub fn state_bytes(&self) -> crate::optim::StateBytes {
         self.states
             .iter()
             .flatten()
-            .map(|s| {
-                let b = s.bytes();
-                b.device + b.host
-            })
-            .sum()
+            .map(|s| s.bytes())
+            .fold(Default::default(), |a, b| a + b)
     }
+
+    /// Every parameter's whole AdamW state, gathered from the shard group's chunks (a
+    /// collective), as the unsharded optimiser's record keyed by the parameters' ids: a
+    /// checkpoint of a sharded run is one of an unsharded run, whatever the world size.
+    pub fn whole_record<A, M>(
+        &self,
+        shards: &FsdpShards<A>,
+    ) -> Result<WholeRecord<M, A>, DistributedError>
+    where
+        A: AutodiffBackend<InnerBackend = B>,
+        M: burn::module::AutodiffModule<A>,
+    {
+        let rank = shards.group.rank();
+        let mut record = WholeRecord::<M, A>::default();
+        for (index, state) in self.states.iter().enumerate() {
+            // Every rank of the group holds a state for the same parameters (each steps its
+            // chunk of every parameter with a gradient).
+            let Some(state) = state else { continue };
+            let (m, v) = state.clone().on_device(&shards.device_inner());
+            let m = whole_of(&shards.group, host(m, rank)?)?;
+            let v = whole_of(&shards.group, host(v, rank)?)?;
+            let slot = &shards.slots[index];
+            record.insert(
+                slot.id,
+                moments_record::<A>(state.time, m, v, &slot.dims, &shards.device_inner())?,
+            );
+        }
+        Ok(record)
+    }
+
+    /// The optimiser of `shards` holding this rank's chunks of the whole states in `record`
+    /// (keyed by the parameters' ids, as [`ShardedAdamW::whole_record`] writes them).
+    pub fn from_whole_record<A, M>(
+        adam: crate::optim::FusedAdamW,
+        shards: &FsdpShards<A>,
+        mut record: WholeRecord<M, A>,
+    ) -> Self
+    where
+        A: AutodiffBackend<InnerBackend = B>,
+        M: burn::module::AutodiffModule<A>,
+    {
+        let (world, rank) = (shards.group.world(), shards.group.rank());
+        let device = shards.device_inner();
+        let states = shards
+            .slots
+            .iter()
+            .map(|slot| {
+                let AdaptorRecord::V1(state) = record.remove(&slot.id)?;
+                let (time, m, v) = flat_moments(state, &device);
+                let range = chunk(slot.numel, world, rank);
+                Some(crate::optim::AdamWMoments::kept(
+                    time,
+                    m.slice(range.clone()),
+                    v.slice(range),
+                    adam.offloads(),
+                ))
+            })
+            .collect();
+        Self { adam, states }
+    }
+}
+
+/// The unsharded optimiser's record of a model `M`: each parameter's AdamW state by its id.
+pub type WholeRecord<M, A> = <crate::optim::AdamWOf<M, A> as burn::optim::Optimizer<M, A>>::Record;
+
+/// `mine` of every rank of `group`, joined in rank order.
+fn whole_of(
+    group: &Arc<dyn crate::distributed::Collective>,
+    mine: Vec<f32>,
+) -> Result<Vec<f32>, DistributedError> {
+    Ok(group.all_gather(mine)?.into_iter().flatten().collect())
+}
+
+/// One parameter's AdamW state as Burn's record, its moments `m`, `v` (flat) shaped `dims`.
+fn moments_record<A: AutodiffBackend>(
+    time: usize,
+    m: Vec<f32>,
+    v: Vec<f32>,
+    dims: &[usize],
+    device: &burn::tensor::Device<A::InnerBackend>,
+) -> Result<AdaptorRecord<crate::optim::FusedAdamW, A>, DistributedError>
+where
+    A::InnerBackend: burn_rlhf_algos::kernels::RlBackend,
+{
+    fn shaped<A: AutodiffBackend, const D: usize>(
+        time: usize,
+        m: Vec<f32>,
+        v: Vec<f32>,
+        dims: &[usize],
+        device: &burn::tensor::Device<A::InnerBackend>,
+    ) -> AdaptorRecord<crate::optim::FusedAdamW, A>
+    where
+        A::InnerBackend: burn_rlhf_algos::kernels::RlBackend,
+    {
+        let t = |x: Vec<f32>| {
+            Tensor::<A::InnerBackend, D>::from_data(TensorData::new(x, dims.to_vec()), device)
+        };
+        AdaptorRecord::V1(AdaptorRecordV1::from_state::<D>(
+            crate::optim::AdamWMoments::kept(time, t(m), t(v), false),
+        ))
+    }
+    Ok(match dims.len() {
+        1 => shaped::<A, 1>(time, m, v, dims, device),
+        2 => shaped::<A, 2>(time, m, v, dims, device),
+        3 => shaped::<A, 3>(time, m, v, dims, device),
+        4 => shaped::<A, 4>(time, m, v, dims, device),
+        n => {
+            return Err(DistributedError::Transport {
+                rank: 0,
+                message: format!("a parameter of rank {n}: FSDP's checkpoints hold ranks 1 to 4"),
+            })
+        }
+    })
+}
+
+/// A record's step count and flattened moments. Shapes: → `[numel]` each.
+fn flat_moments<B: burn_rlhf_algos::kernels::RlBackend>(
+    state: AdaptorRecordV1<crate::optim::FusedAdamW, B>,
+    device: &B::Device,
+) -> (usize, Tensor<B, 1>, Tensor<B, 1>) {
+    fn flat<B: Backend, const D: usize>(
+        s: crate::optim::AdamWMoments<B, D>,
+        device: &B::Device,
+    ) -> (usize, Tensor<B, 1>, Tensor<B, 1>) {
+        let time = s.time;
+        let (m, v) = s.on_device(device);
+        let n = m.shape().num_elements();
+        (time, m.reshape([n]), v.reshape([n]))
+    }
+    match state {
+        AdaptorRecordV1::Rank0(s) => flat(s, device),
+        AdaptorRecordV1::Rank1(s) => flat(s, device),
+        AdaptorRecordV1::Rank2(s) => flat(s, device),
+        AdaptorRecordV1::Rank3(s) => flat(s, device),
+        AdaptorRecordV1::Rank4(s) => flat(s, device),
+        AdaptorRecordV1::Rank5(s) => flat(s, device),
+        AdaptorRecordV1::Rank6(s) => flat(s, device),
+        AdaptorRecordV1::Rank7(s) => flat(s, device),
+        AdaptorRecordV1::Rank8(s) => flat(s, device),
+    }
+}
+
+/// A model whose parameters are sharded for training (`strategy: fsdp`): its shards, AdamW on
+/// this rank's chunks, and whether a layer is freed between its forward and its backward.
+pub struct ShardedModel<A: crate::backend::LearnerBackend> {
+    /// This rank's chunks and the groups they are gathered from.
+    pub shards: Arc<FsdpShards<A>>,
+    /// AdamW on the chunks.
+    pub adam: ShardedAdamW<A::InnerBackend>,
+    /// `fsdp_config.reshard_after_forward`.
+    pub reshard_after_forward: bool,
 }
 
 #[cfg(test)]
@@ -324,7 +539,7 @@ mod tests {
                     std::thread::spawn(move || {
                         let device = Default::default();
                         let (kept, shards) =
-                            FsdpShards::shard(replica, group.collective(), &device);
+                            FsdpShards::shard(replica, group.collective(), None, &device);
                         let mut optimizer = ShardedAdamW::new(
                             FusedAdamW::new([0.9, 0.95], 0.01, false),
                             shards.len(),
@@ -332,7 +547,7 @@ mod tests {
                         for (step, want_norm) in norms.iter().enumerate() {
                             let mut sink = ChunkGradients::new(shards.len());
                             for x in micro_batches(rank) {
-                                let copy = shards.pass_copy(&kept);
+                                let copy = shards.pass_copy(&kept, false);
                                 let (computing, mut checkpoint) =
                                     crate::forward::micro_model(&copy, None, true);
                                 let loss = weighted(logits_checkpointed(
@@ -342,7 +557,7 @@ mod tests {
                                 ))
                                 .div_scalar(world as f32);
                                 shards
-                                    .backward_into(&computing, loss, checkpoint, &mut sink)
+                                    .backward_into(&computing, loss, checkpoint, None, &mut sink)
                                     .unwrap();
                             }
                             let norm = optimizer.step(&shards, sink, lr, clip).unwrap();
@@ -362,7 +577,7 @@ mod tests {
                                 "rank {rank}: parameter {i} (in a layer: {in_layer})"
                             );
                         }
-                        let at_rest = (shards.bytes(), optimizer.state_bytes());
+                        let at_rest = (shards.bytes(), optimizer.state_bytes().device);
                         for (i, w) in want.iter().enumerate() {
                             let got = host_of(shards.gather(i).unwrap().inner());
                             for (x, y) in got.iter().zip(w) {
