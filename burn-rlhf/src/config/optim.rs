@@ -74,9 +74,12 @@ pub struct OptimSettings {
 
 /// FSDP's parameter sharding of one model (ZeRO-3, verl's `strategy: fsdp | fsdp2`): each rank
 /// keeps 1/N of the parameters, gradients and AdamW state. Takes effect with more than one
-/// data-parallel rank.
+/// data-parallel rank, or with `param_offload`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FsdpSharding {
+    /// `fsdp_config.param_offload`: each rank's chunks in host memory, uploaded for a gather
+    /// or a step (sharded over one rank too).
+    pub param_offload: bool,
     /// `fsdp_config.reshard_after_forward`: each decoder layer is gathered for its use and
     /// freed after (with layer checkpointing, again for the backward's recomputation); `false`
     /// gathers the whole model once per micro-batch and keeps it through the backward.
@@ -185,9 +188,8 @@ impl Strategy {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct FsdpConfig {
-    /// The model's parameters in host memory between uses: refused for a trained model (it is on
-    /// the device in every phase that touches it: generation runs on the trained weights, there is
-    /// no second copy to make room for).
+    /// Under `strategy: fsdp`, each rank's chunks of the parameters in host memory, gathered to
+    /// the device per layer when a pass uses them (refused under `megatron`).
     pub param_offload: bool,
     /// AdamW's moments in host memory between steps, streamed through the device one parameter
     /// at a time.
@@ -221,12 +223,15 @@ impl FsdpConfig {
         optim: Option<&mut OptimSettings>,
         (strategy_key, strategy): (&str, Option<Strategy>),
     ) {
-        p.check(!self.param_offload, || {
-            format!(
-                "`{key}.param_offload=true` is not read: {}",
-                super::verl_keys::NO_PARAM_OFFLOAD
-            )
-        });
+        p.check(
+            !self.param_offload || strategy != Some(Strategy::Megatron),
+            || {
+                format!(
+                    "`{key}.param_offload=true` with `{strategy_key}=megatron`: {}",
+                    super::verl_keys::NO_PARAM_OFFLOAD
+                )
+            },
+        );
         p.check(self.fsdp_size == -1 || self.fsdp_size >= 1, || {
             format!(
                 "`{key}.fsdp_size` ({}) must be -1 (one shard group of every rank) or >= 1",
@@ -234,6 +239,7 @@ impl FsdpConfig {
             )
         });
         let fsdp = (strategy == Some(Strategy::Fsdp)).then(|| FsdpSharding {
+            param_offload: self.param_offload,
             reshard_after_forward: self.reshard_after_forward,
             group_size: (self.fsdp_size >= 1).then_some(self.fsdp_size as usize),
         });

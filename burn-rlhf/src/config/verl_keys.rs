@@ -17,11 +17,12 @@ pub enum Treatment {
 
 /// Also `FsdpConfig::decode`'s reason, for the key written in a config file.
 pub(super) const NO_PARAM_OFFLOAD: &str =
-    "a trained model is on the device in every phase that uses it (generation runs on the \
-     trained weights: there is no second copy to make room for); \
-     `fsdp_config.optimizer_offload=true` keeps AdamW's moments in host memory, \
-     `trainer.zero_stage=1` shards them, and `actor_rollout_ref.ref.fsdp_config.param_offload=true` \
-     keeps the reference in host memory between its passes";
+    "under `strategy: megatron` a trained model's parameters are whole on the device in every \
+     phase that uses it; `strategy: fsdp` with `fsdp_config.param_offload=true` keeps each rank's \
+     chunks of them in host memory (gathered to the device per layer on use), \
+     `fsdp_config.optimizer_offload=true` keeps AdamW's moments there, and \
+     `actor_rollout_ref.ref.fsdp_config.param_offload=true` keeps the reference there between its \
+     passes";
 const NO_GRAD_OFFLOAD: &str = "gradients stay on the device (verl 0.9.1 has no such key): \
      `fsdp_config.optimizer_offload=true` keeps AdamW's moments in host memory and \
      `trainer.zero_stage=1` shards them across data-parallel ranks";
@@ -50,16 +51,8 @@ pub const VERL_KEYS: &[(&str, Treatment)] = &[
     ),
     // FSDP offload and layout.
     (
-        "actor_rollout_ref.actor.fsdp_config.param_offload",
-        Treatment::OnlyAt(&["false"], NO_PARAM_OFFLOAD),
-    ),
-    (
         "actor_rollout_ref.actor.fsdp_config.grad_offload",
         Treatment::OnlyAt(&["false"], NO_GRAD_OFFLOAD),
-    ),
-    (
-        "critic.model.fsdp_config.param_offload",
-        Treatment::OnlyAt(&["false"], NO_PARAM_OFFLOAD),
     ),
     // Model parallelism.
     (
@@ -176,7 +169,7 @@ pub const ENGINE_KEYS: &[(&str, Treatment)] = &[
     ),
     (
         "critic.fsdp.param_offload",
-        Treatment::OnlyAt(&["false"], NO_PARAM_OFFLOAD),
+        Treatment::Alias("critic.model.fsdp_config.param_offload"),
     ),
     (
         "critic.fsdp.optimizer_offload",
@@ -490,6 +483,10 @@ pub const SFT_KEYS: &[(&str, Treatment)] = &[
     (
         "engine.fsdp_size",
         Treatment::OnlyAt(&["-1"], SFT_REPLICATED),
+    ),
+    (
+        "engine.param_offload",
+        Treatment::OnlyAt(&["false"], SFT_REPLICATED),
     ),
     (
         "engine.reshard_after_forward",

@@ -14,7 +14,7 @@ use super::reward_model::{LoadedRewardModel, RewardScorer};
 use crate::config::settings::OptimSettings;
 use crate::config::{KnownNames, RlhfConfig, Settings};
 use crate::datasets::load_data_files;
-use crate::distributed::fsdp::{FsdpShards, ShardedAdamW, ShardedModel};
+use crate::distributed::fsdp::{FsdpShards, ShardGroups, ShardedAdamW, ShardedModel};
 use crate::distributed::{sync_params, Collective, DataParallel, ShardPlan, Subgroup};
 use crate::error::TrainError;
 use crate::loading::{load_policy, load_value_model, with_lora};
@@ -304,7 +304,10 @@ pub(crate) fn shard_model<B: LearnerBackend, M: burn::module::Module<B>>(
     device: &B::Device,
 ) -> Result<(M, Option<ShardedModel<B>>), TrainError> {
     let world = dp.world();
-    let Some(fsdp) = optim.fsdp.filter(|_| world > 1 && dp.tp.is_none()) else {
+    let Some(fsdp) = optim
+        .fsdp
+        .filter(|f| (world > 1 || f.param_offload) && dp.tp.is_none())
+    else {
         return Ok((model, None));
     };
     let whole = dp.collective.clone();
@@ -324,7 +327,12 @@ pub(crate) fn shard_model<B: LearnerBackend, M: burn::module::Module<B>>(
             ))
         }
     };
-    let (model, shards) = FsdpShards::shard(model, group, replicas, device);
+    let groups = ShardGroups {
+        group,
+        replicas,
+        offload: fsdp.param_offload,
+    };
+    let (model, shards) = FsdpShards::shard(model, groups, device);
     let adam = ShardedAdamW::new(
         FusedAdamW::new(optim.betas, optim.weight_decay, optim.offload),
         shards.len(),

@@ -30,8 +30,11 @@ pub struct RunOutputs {
 /// What one rank holds of the trained models, in bytes.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct RankMemory {
-    /// The actor's and the critic's parameters (this rank's shards under tensor parallelism).
+    /// The actor's and the critic's parameters on the device (this rank's shards under tensor
+    /// parallelism, its chunks under FSDP).
     pub parameters: usize,
+    /// Their parameters in host memory (FSDP's chunks with `fsdp_config.param_offload`).
+    pub parameters_host: usize,
     /// Their AdamW moments, on the device and in host memory.
     pub optimizer: StateBytes,
 }
@@ -40,12 +43,14 @@ impl<B: LearnerBackend> Learner<B> {
     /// What this rank holds of the actor and the critic between steps (under FSDP its chunks).
     pub fn rank_memory(&self) -> RankMemory {
         let (actor, critic) = self.optimizer_memory();
-        let critic_params = self
+        let (critic_device, critic_host) = self
             .critic
             .as_ref()
-            .map_or(0, |c| c.optimizer.parameter_bytes(&c.model));
+            .map_or((0, 0), |c| c.optimizer.parameter_bytes(&c.model));
+        let (device, host) = self.actor_optimizer.parameter_bytes(&self.actor);
         RankMemory {
-            parameters: self.actor_optimizer.parameter_bytes(&self.actor) + critic_params,
+            parameters: device + critic_device,
+            parameters_host: host + critic_host,
             optimizer: actor + critic,
         }
     }

@@ -63,11 +63,11 @@ impl<M: AutodiffModule<B>, B: LearnerBackend> ModelOptimizer<M, B> {
         }
     }
 
-    /// Bytes of `model`'s parameters this rank holds: all of them, or under FSDP its chunks
-    /// (reading nothing).
-    pub fn parameter_bytes(&self, model: &M) -> usize {
+    /// Bytes of `model`'s parameters this rank holds on the device and in host memory: all of
+    /// them, or under FSDP its chunks (reading nothing).
+    pub fn parameter_bytes(&self, model: &M) -> (usize, usize) {
         match &self.sharded {
-            None => crate::offload::param_bytes(model),
+            None => (crate::offload::param_bytes(model), 0),
             Some(s) => s.shards.bytes(),
         }
     }

@@ -306,6 +306,33 @@ fn fsdp_ranks_reproduce_one_device_holding_a_share_of_the_state() {
     }
 }
 
+/// `fsdp_config.param_offload=true` (actor, critic) under FSDP keeps each rank's chunks of the
+/// parameters in host memory, on one device (sharded over itself) and on two: the weights and
+/// metrics of the runs that keep them on the device, with no trained parameter on the device
+/// between steps.
+#[test]
+fn fsdp_param_offload_keeps_the_chunks_in_host_memory_with_the_same_numbers() {
+    let _turn = ONE_GROUP_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    let dir = temp_dir("dp-fsdp-offload");
+    let parts = || self::parts(Arc::new(tasks::ExactAnswer));
+    for n in [1, 2] {
+        let (plain, on_device) =
+            n_devices_memory(config(&dir.join(format!("plain{n}"))), parts(), n).unwrap();
+        let mut c = config(&dir.join(format!("offload{n}")));
+        c.actor_rollout_ref.actor.fsdp_config.param_offload = true;
+        c.critic.model.fsdp_config.param_offload = true;
+        let (off, in_host) = n_devices_memory(c, parts(), n).unwrap();
+        let what = format!("param_offload on {n} device(s)");
+        assert_same_weights(&plain, &off, &what);
+        assert_same_metrics(&plain, &off, &what);
+        println!("{what}: rank 0 holds {in_host:?}; without offload {on_device:?}");
+        assert_eq!(in_host.parameters, 0, "{what}");
+        assert_eq!(in_host.parameters_host, on_device.parameters, "{what}");
+    }
+}
+
 /// bf16 autocast (`model.dtype=bfloat16`: the passes on a bf16 copy of the f32 weights) under
 /// FSDP on 2 ranks, the layers recomputed and resharded: the weights and metrics of 2 ranks
 /// holding the parameters whole in the same dtype (each rank computes the same rows in bf16; the

@@ -24,7 +24,7 @@ use burn::tensor::{Tensor, TensorData};
 
 mod step;
 
-pub use step::{ChunkGradients, ShardedAdamW, ShardedModel};
+pub use step::{ChunkGradients, ShardedAdamW, ShardedModel, WholeRecord};
 
 use super::{chunk, Collective, DistributedError};
 
@@ -39,15 +39,46 @@ struct Slot {
     dims: Vec<usize>,
 }
 
+/// Where a model's shards are gathered from and kept.
+#[derive(Clone)]
+pub struct ShardGroups {
+    /// The ranks the parameters are split over.
+    pub group: Arc<dyn Collective>,
+    /// Hybrid sharding (`fsdp_config.fsdp_size`): the ranks holding the same chunks in the other
+    /// shard groups, over which the reduced chunks of the gradients are summed.
+    pub replicas: Option<Arc<dyn Collective>>,
+    /// `fsdp_config.param_offload`: the chunks in host memory, uploaded for a gather or a step.
+    pub offload: bool,
+}
+
+impl ShardGroups {
+    /// Every rank of `group` in one shard group, the chunks on the device.
+    pub fn of(group: Arc<dyn Collective>) -> Self {
+        Self {
+            group,
+            replicas: None,
+            offload: false,
+        }
+    }
+}
+
+/// One rank's chunk of a parameter, where it is kept. `[chunk]`.
+enum Chunk<B: Backend> {
+    Device(Tensor<B, 1>),
+    Host(Vec<f32>),
+}
+
 /// This rank's chunks of a module's parameters and the shard group they are gathered from.
 pub struct FsdpShards<B: Backend> {
     group: Arc<dyn Collective>,
     /// Hybrid sharding (`fsdp_config.fsdp_size`): the ranks holding the same chunks in the other
     /// shard groups, over which the reduced chunks of the gradients are summed.
     replicas: Option<Arc<dyn Collective>>,
+    /// The chunks are kept in host memory.
+    offload: bool,
     slots: Vec<Slot>,
-    /// Per parameter (visiting order): this rank's chunk of its flattened values. `[chunk]`.
-    chunks: Vec<RwLock<Tensor<B, 1>>>,
+    /// Per parameter (visiting order): this rank's chunk of its flattened values.
+    chunks: Vec<RwLock<Chunk<B>>>,
     /// Per parameter: how many times it was gathered (each pass that reads it gathers it).
     gathers: Vec<std::sync::atomic::AtomicUsize>,
     device: B::Device,
@@ -123,14 +154,17 @@ impl<B: Backend> ModuleMapper<B> for Lazify<B> {
 impl<B: Backend> FsdpShards<B> {
     /// Shards `module` over `group` (every rank passes the same module): this rank keeps its
     /// chunk of each parameter, and gets back the module with lazy parameters gathered on first
-    /// read ([`crate::distributed::fsdp`]) and the shards they read. `replicas`: with hybrid
-    /// sharding, the ranks of the other groups holding the same chunks.
+    /// read ([`crate::distributed::fsdp`]) and the shards they read, over `groups`.
     pub fn shard<M: Module<B>>(
         module: M,
-        group: Arc<dyn Collective>,
-        replicas: Option<Arc<dyn Collective>>,
+        groups: ShardGroups,
         device: &B::Device,
     ) -> (M, Arc<Self>) {
+        let ShardGroups {
+            group,
+            replicas,
+            offload,
+        } = groups;
         let mut take = TakeChunks {
             world: group.world(),
             rank: group.rank(),
@@ -138,12 +172,22 @@ impl<B: Backend> FsdpShards<B> {
             chunks: Vec::new(),
         };
         module.visit(&mut take);
+        let rank = group.rank();
+        let keep = |c: Tensor<B, 1>| match offload {
+            true => Chunk::Host(host(c, rank).expect("a parameter's values read")),
+            false => Chunk::Device(c),
+        };
         let shards = Arc::new(Self {
             group,
             replicas,
+            offload,
             gathers: take.slots.iter().map(|_| Default::default()).collect(),
             slots: take.slots,
-            chunks: take.chunks.into_iter().map(RwLock::new).collect(),
+            chunks: take
+                .chunks
+                .into_iter()
+                .map(|c| RwLock::new(keep(c)))
+                .collect(),
             device: device.clone(),
         });
         let lazy = module.map(&mut Lazify {
@@ -156,12 +200,12 @@ impl<B: Backend> FsdpShards<B> {
     /// `module` (the same model's parameters, e.g. loaded from a checkpoint) sharded over the
     /// same groups as these shards.
     pub fn reshard<M: Module<B>>(&self, module: M) -> (M, Arc<Self>) {
-        Self::shard(
-            module,
-            self.group.clone(),
-            self.replicas.clone(),
-            &self.device,
-        )
+        let groups = ShardGroups {
+            group: self.group.clone(),
+            replicas: self.replicas.clone(),
+            offload: self.offload,
+        };
+        Self::shard(module, groups, &self.device)
     }
 
     /// Per parameter (visiting order): the gathers so far.
@@ -182,42 +226,54 @@ impl<B: Backend> FsdpShards<B> {
         self.slots.is_empty()
     }
 
-    /// Bytes of parameters this rank holds (f32 chunks).
-    pub fn bytes(&self) -> usize {
+    /// Bytes of parameters this rank holds (f32 chunks): on the device, in host memory.
+    pub fn bytes(&self) -> (usize, usize) {
         self.chunks
             .iter()
-            .map(|c| {
-                c.read()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .shape()
-                    .num_elements()
-                    * 4
+            .map(|c| match &*c.read().unwrap_or_else(|e| e.into_inner()) {
+                Chunk::Device(t) => (t.shape().num_elements() * 4, 0),
+                Chunk::Host(v) => (0, v.len() * 4),
             })
-            .sum()
+            .fold((0, 0), |(d, h), (x, y)| (d + x, h + y))
     }
 
-    /// This rank's chunk of parameter `index` (visiting order). Shapes: → `[chunk]`.
+    /// This rank's chunk of parameter `index` (visiting order), on the device. Shapes: →
+    /// `[chunk]`.
     pub fn chunk(&self, index: usize) -> Tensor<B, 1> {
-        self.chunks[index]
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+        match &*self.chunks[index].read().unwrap_or_else(|e| e.into_inner()) {
+            Chunk::Device(t) => t.clone(),
+            Chunk::Host(v) => {
+                Tensor::from_data(TensorData::new(v.clone(), [v.len()]), &self.device)
+            }
+        }
+    }
+
+    /// This rank's chunk of parameter `index`'s values.
+    fn chunk_values(&self, index: usize) -> Result<Vec<f32>, DistributedError> {
+        match &*self.chunks[index].read().unwrap_or_else(|e| e.into_inner()) {
+            Chunk::Device(t) => host(t.clone(), self.group.rank()),
+            Chunk::Host(v) => Ok(v.clone()),
+        }
     }
 
     /// Replaces this rank's chunk of parameter `index` (after an optimiser step on it): copies
     /// of the module read it from their next gather. Shapes: `[chunk]`.
-    pub fn set_chunk(&self, index: usize, value: Tensor<B, 1>) {
+    pub fn set_chunk(&self, index: usize, value: Tensor<B, 1>) -> Result<(), DistributedError> {
+        let chunk = match self.offload {
+            true => Chunk::Host(host(value, self.group.rank())?),
+            false => Chunk::Device(value.detach()),
+        };
         *self.chunks[index]
             .write()
-            .unwrap_or_else(|e| e.into_inner()) = value.detach();
+            .unwrap_or_else(|e| e.into_inner()) = chunk;
+        Ok(())
     }
 
     /// Parameter `index` whole, from every rank's chunk (a collective: every rank calls it in
     /// the same order). Shapes: → `[numel]`.
     pub fn gather(&self, index: usize) -> Result<Tensor<B, 1>, DistributedError> {
         self.gathers[index].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let mine = host(self.chunk(index), self.group.rank())?;
-        let parts = self.group.all_gather(mine)?;
+        let parts = self.group.all_gather(self.chunk_values(index)?)?;
         let whole: Vec<f32> = parts.into_iter().flatten().collect();
         let numel = self.slots[index].numel;
         if whole.len() != numel {
@@ -353,9 +409,12 @@ mod tests {
                     let replica = whole.clone();
                     std::thread::spawn(move || {
                         let device = Default::default();
-                        let (kept, shards) =
-                            FsdpShards::shard(replica, group.collective(), None, &device);
-                        let held = shards.bytes();
+                        let (kept, shards) = FsdpShards::shard(
+                            replica,
+                            ShardGroups::of(group.collective()),
+                            &device,
+                        );
+                        let held = shards.bytes().0;
                         let copy = kept.clone();
                         let got: Vec<f32> = logits(&copy, ids(0)).into_data().to_vec().unwrap();
                         assert_eq!(&got, want_logits.as_ref(), "rank {rank}: logits");
@@ -380,7 +439,7 @@ mod tests {
                         }
                         // An optimiser step on the chunks, as SGD: the next copy reads it.
                         let stepped = shards.chunk(0).mul_scalar(0.5);
-                        shards.set_chunk(0, stepped);
+                        shards.set_chunk(0, stepped).unwrap();
                         let first = shards.gather(0).unwrap();
                         (held, host_of(first.inner()))
                     })

@@ -277,7 +277,7 @@ impl<B: burn_rlhf_algos::kernels::RlBackend> ShardedAdamW<B> {
             let (value, state) =
                 SimpleOptimizer::<B>::step(&self.adam, lr, value, grad, self.states[index].take());
             self.states[index] = state;
-            shards.set_chunk(index, Tensor::from_inner(value));
+            shards.set_chunk(index, Tensor::from_inner(value))?;
         }
         Ok(norm)
     }
@@ -538,8 +538,11 @@ mod tests {
                     let layer_ids = layer_ids.clone();
                     std::thread::spawn(move || {
                         let device = Default::default();
-                        let (kept, shards) =
-                            FsdpShards::shard(replica, group.collective(), None, &device);
+                        let (kept, shards) = FsdpShards::shard(
+                            replica,
+                            super::super::ShardGroups::of(group.collective()),
+                            &device,
+                        );
                         let mut optimizer = ShardedAdamW::new(
                             FusedAdamW::new([0.9, 0.95], 0.01, false),
                             shards.len(),
@@ -577,7 +580,7 @@ mod tests {
                                 "rank {rank}: parameter {i} (in a layer: {in_layer})"
                             );
                         }
-                        let at_rest = (shards.bytes(), optimizer.state_bytes().device);
+                        let at_rest = (shards.bytes().0, optimizer.state_bytes().device);
                         for (i, w) in want.iter().enumerate() {
                             let got = host_of(shards.gather(i).unwrap().inner());
                             for (x, y) in got.iter().zip(w) {
