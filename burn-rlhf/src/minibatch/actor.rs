@@ -198,7 +198,10 @@ pub fn actor_update<B: LearnerBackend, O: Optimizer<CausalLm<B>, B>>(
         (unit, config.shape_bucket),
         "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
     )?;
-    for micro in &plans {
+    for (micro, counts) in step.in_lockstep(&plans)? {
+        // A replay (FSDP's lockstep) adds nothing: its loss and metrics are weighted by 0.
+        let weight = if counts { 1.0 } else { 0.0 };
+        let mut micro_metrics: BTreeMap<String, f64> = BTreeMap::new();
         let (part, n, w) = (&micro.batch, micro.rows.len(), micro.batch.response_len);
         let cut = |v: &[f32]| micro.cut(v, r);
         let seq = SequenceTensors::<B>::from_batch(part, device)
@@ -220,8 +223,10 @@ pub fn actor_update<B: LearnerBackend, O: Optimizer<CausalLm<B>, B>>(
             OldLogProbs::Given(v) => from_rows::<B>(cut(v), n, w, device),
             OldLogProbs::Own(own) => {
                 let detached = log_prob.clone().detach();
-                micro.scatter(&to_vec(detached.clone()), &mut own.log_probs, r);
-                micro.scatter(&to_vec(entropy.clone().detach()), &mut own.entropy, r);
+                if counts {
+                    micro.scatter(&to_vec(detached.clone()), &mut own.log_probs, r);
+                    micro.scatter(&to_vec(entropy.clone().detach()), &mut own.entropy, r);
+                }
                 detached
             }
         };
@@ -242,9 +247,10 @@ pub fn actor_update<B: LearnerBackend, O: Optimizer<CausalLm<B>, B>>(
         let out = policy_loss.compute(&input)?;
         let entropy_loss = agg_loss(entropy, mask.clone(), config.loss_agg_mode, &global)?;
         let mut loss = out.loss.clone() - entropy_loss.clone() * config.entropy_coeff;
-        *metrics.entry("actor/pg_loss".into()).or_default() += to_scalar(out.loss.detach());
-        *metrics.entry("actor/entropy_loss".into()).or_default() +=
-            to_scalar(entropy_loss.detach());
+        *micro_metrics.entry("actor/pg_loss".into()).or_default() += to_scalar(out.loss.detach());
+        *micro_metrics
+            .entry("actor/entropy_loss".into())
+            .or_default() += to_scalar(entropy_loss.detach());
         if let Some(reference) = &ref_all {
             // With a reference the KL to it is always measured; it joins the loss only with
             // `use_kl_loss` (then with its own estimator and coefficient).
@@ -255,14 +261,14 @@ pub fn actor_update<B: LearnerBackend, O: Optimizer<CausalLm<B>, B>>(
                 penalty,
             );
             let kl_loss = agg_loss(kl, mask, config.loss_agg_mode, &global)?;
-            *metrics.entry("actor/kl_loss".into()).or_default() +=
+            *micro_metrics.entry("actor/kl_loss".into()).or_default() +=
                 to_scalar(kl_loss.clone().detach());
             if config.kl_loss.is_some() {
                 loss = loss + kl_loss * coef;
             }
         }
         let tokens: f64 = cut(local.loss_mask()).iter().map(|&m| m as f64).sum();
-        let share = tokens / total_tokens * dp.world() as f64;
+        let share = tokens / total_tokens * dp.world() as f64 * weight;
         // The real tokens among the routed ones.
         let routed = seq.routed_mask();
         // The load-balancing loss's part of `loss`, for a layer-checkpointed backward.
@@ -275,18 +281,24 @@ pub fn actor_update<B: LearnerBackend, O: Optimizer<CausalLm<B>, B>>(
             // Per micro-batch, as transformers computes it per forward; weighted by its share of
             // the mini-batch's tokens, as the other terms.
             let aux_loss = load_balancing_loss(&router, aux.top_k, &routed);
-            *metrics.entry("actor/router_aux_loss".into()).or_default() +=
-                to_scalar(aux_loss.clone().detach()) * share;
+            *micro_metrics
+                .entry("actor/router_aux_loss".into())
+                .or_default() += to_scalar(aux_loss.clone().detach()) * share;
             if aux.in_loss {
                 loss = loss + aux_loss.mul_scalar(aux.coef * share);
             }
         }
         for (name, value) in out.metrics {
-            *metrics.entry(name).or_default() += value * share;
+            *micro_metrics.entry(name).or_default() += value * share;
+        }
+        if counts {
+            for (name, value) in micro_metrics {
+                *metrics.entry(name).or_default() += value;
+            }
         }
         gradients.add_routed(
             &pass,
-            loss,
+            loss.mul_scalar(weight),
             checkpoint,
             aux_in_loss.map(|_| &router_loss as _),
         )?;

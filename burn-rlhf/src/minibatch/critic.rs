@@ -107,7 +107,9 @@ pub fn critic_update<B: LearnerBackend, O: Optimizer<ValueModel<B>, B>>(
         (1, config.shape_bucket),
         "critic.ppo_max_token_len_per_gpu",
     )?;
-    for micro in &plans {
+    for (micro, counts) in step.in_lockstep(&plans)? {
+        // A replay (FSDP's lockstep) adds nothing: its loss and metrics are weighted by 0.
+        let weight = if counts { 1.0 } else { 0.0 };
         let (n, w) = (micro.rows.len(), micro.batch.response_len);
         let slice = |v: &[f32]| micro.cut(v, r);
         let cut = |v: &[f32]| from_rows::<B>(slice(v), n, w, device);
@@ -127,9 +129,13 @@ pub fn critic_update<B: LearnerBackend, O: Optimizer<ValueModel<B>, B>>(
             &global,
         )?;
         let tokens: f64 = slice(local.loss_mask()).iter().map(|&m| m as f64).sum();
-        vf_loss += to_scalar(out.vf_loss.clone().detach());
-        vf_clipfrac += out.vf_clipfrac * tokens / total_tokens * dp.world() as f64;
-        gradients.add(&pass, out.vf_loss * config.value_loss_scale, checkpoint)?;
+        vf_loss += to_scalar(out.vf_loss.clone().detach()) * weight;
+        vf_clipfrac += out.vf_clipfrac * tokens / total_tokens * dp.world() as f64 * weight;
+        gradients.add(
+            &pass,
+            out.vf_loss * (config.value_loss_scale * weight),
+            checkpoint,
+        )?;
     }
     let mut metrics = dp.mean_metrics(BTreeMap::from([
         ("critic/vf_loss".to_string(), vf_loss),

@@ -116,6 +116,26 @@ impl<O, B: LearnerBackend> OptimizerStep<'_, O, B> {
         }
     }
 
+    /// The micro-batches this rank runs, each with whether it counts: `plans`, then under FSDP
+    /// as many replays of the last as make every rank run the same number (each pass is a
+    /// sequence of collectives: gathers and reduce-scatters), whose losses are weighted by 0.
+    pub fn in_lockstep<'p, T>(&self, plans: &'p [T]) -> Result<Vec<(&'p T, bool)>, TrainError> {
+        let mut runs: Vec<(&T, bool)> = plans.iter().map(|p| (p, true)).collect();
+        if self.sharded.is_none() || self.sync.dp.world() == 1 {
+            return Ok(runs);
+        }
+        let counts = self
+            .sync
+            .dp
+            .collective
+            .all_gather(vec![plans.len() as f32])?;
+        let most = counts.iter().flatten().fold(0.0f32, |a, &b| a.max(b)) as usize;
+        if let Some(last) = plans.last() {
+            runs.extend(std::iter::repeat_n((last, false), most - plans.len()));
+        }
+        Ok(runs)
+    }
+
     /// An empty sum of gradients for this step.
     pub fn gradients<M>(&self) -> MicroGradients<M, B> {
         match &self.sharded {

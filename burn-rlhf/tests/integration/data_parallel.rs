@@ -306,6 +306,45 @@ fn fsdp_ranks_reproduce_one_device_holding_a_share_of_the_state() {
     }
 }
 
+/// FSDP on 3 ranks, whose shares of a mini-batch's 8 rows are 3, 3 and 2 rows in micro-batches of
+/// one row (and with token-budget micro-batches): a rank with fewer micro-batches replays its last
+/// with its loss weighted by 0, so every rank gathers and reduces in lockstep; one device's
+/// weights and metrics.
+#[test]
+fn fsdp_ranks_with_unequal_micro_batch_counts_stay_in_lockstep() {
+    let _turn = ONE_GROUP_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    let dir = temp_dir("dp-fsdp-uneven");
+    let parts = || self::parts(Arc::new(tasks::ExactAnswer));
+    for dynamic in [false, true] {
+        let tune = |mut c: RlhfConfig| {
+            c.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu = Some(1);
+            c.critic.ppo_micro_batch_size_per_gpu = Some(1);
+            c.actor_rollout_ref.actor.use_dynamic_bsz = dynamic;
+            // One whole sequence per micro-batch at most.
+            c.actor_rollout_ref.actor.ppo_max_token_len_per_gpu = 12;
+            c.critic.ppo_max_token_len_per_gpu = 12;
+            c
+        };
+        let one = n_devices(
+            tune(config(&dir.join(format!("one-{dynamic}")))),
+            Arc::new(tasks::ExactAnswer),
+            1,
+        )
+        .unwrap();
+        let three = n_devices_of(
+            tune(config(&dir.join(format!("three-{dynamic}")))),
+            parts(),
+            3,
+        )
+        .unwrap();
+        let what = format!("FSDP on 3 ranks, unequal micro-batch counts, dynamic {dynamic}");
+        assert_same_weights(&one, &three, &what);
+        assert_same_metrics(&one, &three, &what);
+    }
+}
+
 /// `fsdp_config.param_offload=true` (actor, critic) under FSDP keeps each rank's chunks of the
 /// parameters in host memory, on one device (sharded over itself) and on two: the weights and
 /// metrics of the runs that keep them on the device, with no trained parameter on the device
