@@ -7,8 +7,9 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 
 /// A frozen module on its device, or parked: its parameters in host memory and an empty shell
-/// (every parameter a zero-sized tensor) on the device.
-#[derive(Debug, Clone)]
+/// (every parameter a zero-sized tensor) on the device; or sharded over data-parallel ranks
+/// (FSDP), gathered whole for a pass.
+#[derive(Clone)]
 pub enum Parked<B: Backend, M: Module<B>> {
     /// The whole module on the device.
     Device(M),
@@ -20,6 +21,24 @@ pub enum Parked<B: Backend, M: Module<B>> {
         weights: Vec<TensorData>,
         _backend: std::marker::PhantomData<B>,
     },
+    /// This rank's chunks (on the device or, offloaded, in host memory) and the module of lazy
+    /// parameters gathered from them.
+    Sharded {
+        /// The module, every parameter unread.
+        model: M,
+        /// The chunks.
+        shards: std::sync::Arc<crate::distributed::fsdp::FsdpShards<B>>,
+    },
+}
+
+impl<B: Backend, M: Module<B>> std::fmt::Debug for Parked<B, M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (device, host) = self.bytes();
+        f.debug_struct("Parked")
+            .field("device_bytes", &device)
+            .field("host_bytes", &host)
+            .finish()
+    }
 }
 
 impl<B: Backend, M: Module<B>> Parked<B, M> {
@@ -37,11 +56,24 @@ impl<B: Backend, M: Module<B>> Parked<B, M> {
         }
     }
 
-    /// The module on `device` for a pass: itself, or a copy of its parked weights uploaded (the
-    /// copy is the caller's, freed when it drops).
+    /// `module` sharded over `groups` (every rank passes the same module; its chunks in host
+    /// memory when `groups.offload`).
+    pub fn sharded(
+        module: M,
+        groups: crate::distributed::fsdp::ShardGroups,
+        device: &B::Device,
+    ) -> Self {
+        let (model, shards) = crate::distributed::fsdp::FsdpShards::shard(module, groups, device);
+        Self::Sharded { model, shards }
+    }
+
+    /// The module on `device` for a pass: itself, or a copy of its parked weights uploaded, or
+    /// of its shards gathered (a collective: every rank calls it at the same point); the copy is
+    /// the caller's, freed when it drops.
     pub fn on_device(&self, device: &B::Device) -> M {
         match self {
             Self::Device(m) => m.clone(),
+            Self::Sharded { model, shards } => shards.whole(model),
             Self::Host { shell, weights, .. } => shell.clone().map(&mut ToDevice {
                 weights: weights.iter(),
                 device,
@@ -51,13 +83,18 @@ impl<B: Backend, M: Module<B>> Parked<B, M> {
 
     /// Whether the parameters are in host memory.
     pub fn is_parked(&self) -> bool {
-        matches!(self, Self::Host { .. })
+        match self {
+            Self::Host { .. } => true,
+            Self::Sharded { shards, .. } => shards.bytes().0 == 0,
+            Self::Device(_) => false,
+        }
     }
 
     /// Bytes of parameters on the device and in host memory.
     pub fn bytes(&self) -> (usize, usize) {
         match self {
             Self::Device(m) => (param_bytes(m), 0),
+            Self::Sharded { shards, .. } => shards.bytes(),
             Self::Host { weights, .. } => (0, weights.iter().map(|w| w.bytes.len()).sum()),
         }
     }

@@ -179,6 +179,9 @@ impl Default for RolloutConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 #[serde(default, deny_unknown_fields)]
 pub struct RefConfig {
+    /// How the reference's parameters are held (`fsdp`, `fsdp2`: sharded over the data-parallel
+    /// ranks and gathered for its pass; `megatron`: whole on each rank); `None`: the actor's.
+    pub strategy: Option<String>,
     pub log_prob_micro_batch_size_per_gpu: Option<usize>,
     /// Reference log-probs in micro-batches of at most `log_prob_max_token_len_per_gpu` tokens;
     /// `None`: `actor.use_dynamic_bsz`.
@@ -190,11 +193,23 @@ pub struct RefConfig {
 }
 
 /// `actor_rollout_ref.ref.fsdp_config.*` as written.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RefFsdpConfig {
-    /// The reference's weights in host memory except during its log-prob pass.
+    /// The reference's weights (under FSDP each rank's chunks) in host memory except during its
+    /// log-prob pass.
     pub param_offload: bool,
+    /// Ranks per FSDP shard group (-1: all); smaller groups replicate each other.
+    pub fsdp_size: i64,
+}
+
+impl Default for RefFsdpConfig {
+    fn default() -> Self {
+        Self {
+            param_offload: false,
+            fsdp_size: -1,
+        }
+    }
 }
 
 /// Sampling for one kind of generation (training or validation), decoded.
@@ -471,6 +486,39 @@ impl RefConfig {
     /// Whether the reference's weights stay in host memory between its passes.
     pub(super) fn offloads_params(&self) -> bool {
         self.fsdp_config.param_offload
+    }
+
+    /// The reference's sharding under `strategy: fsdp` (`None` under `megatron`); checks
+    /// `fsdp_size` and that a split model (`actor_tp` > 1) is not sharded.
+    pub(super) fn decode_sharding(
+        &self,
+        p: &mut Problems,
+        actor_tp: usize,
+    ) -> Option<super::optim::FsdpSharding> {
+        use super::optim::{FsdpSharding, Strategy};
+        let key = "actor_rollout_ref.ref.strategy";
+        let strategy = p
+            .derived(key, self.strategy.as_deref())
+            .and_then(|name| Strategy::decode(p, key, name))?;
+        let size = self.fsdp_config.fsdp_size;
+        p.check(size == -1 || size >= 1, || {
+            format!(
+                "`actor_rollout_ref.ref.fsdp_config.fsdp_size` ({size}) must be -1 (one shard \
+                 group of every rank) or >= 1"
+            )
+        });
+        p.check(strategy != Strategy::Fsdp || actor_tp <= 1, || {
+            format!(
+                "`{key}` is FSDP's while the models are split by \
+                 `actor_rollout_ref.actor.megatron.tensor_model_parallel_size` ({actor_tp}): set \
+                 `{key}=megatron`"
+            )
+        });
+        (strategy == Strategy::Fsdp).then_some(FsdpSharding {
+            param_offload: self.fsdp_config.param_offload,
+            reshard_after_forward: true,
+            group_size: (size >= 1).then_some(size as usize),
+        })
     }
 
     /// The reference pass's token budget (`log_prob_max_token_len_per_gpu` when

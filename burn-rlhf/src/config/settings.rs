@@ -41,6 +41,9 @@ pub struct Settings {
     /// `actor_rollout_ref.ref.fsdp_config.param_offload`: the reference's weights in host memory
     /// except during its pass.
     pub ref_param_offload: bool,
+    /// `actor_rollout_ref.ref.strategy: fsdp` (the actor's by default): the reference sharded
+    /// over the data-parallel ranks (with more than one), gathered whole for its pass.
+    pub ref_fsdp: Option<super::optim::FsdpSharding>,
     /// `critic.*`; `None` when the estimator reads no values (verl's `critic.enable` default).
     pub critic: Option<CriticSettings>,
     /// `reward_model.*` and `custom_reward_function.*`.
@@ -140,6 +143,7 @@ fn decode(c: &RlhfConfig, known: &KnownNames, p: &mut Problems) -> Option<Settin
         });
     }
     let tp = arr.actor.megatron.tensor_model_parallel_size.max(1);
+    let ref_fsdp = arr.reference.decode_sharding(p, tp);
     arr.rollout.check_tensor_parallel(p, tp);
     c.critic.check_tensor_parallel(p, tp);
     let devices = c.trainer.nnodes * c.trainer.n_gpus_per_node;
@@ -171,6 +175,7 @@ fn decode(c: &RlhfConfig, known: &KnownNames, p: &mut Problems) -> Option<Settin
         ref_micro_batch_size: arr.reference.log_prob_micro_batch_size_per_gpu,
         ref_max_token_len: ref_max_token_len?,
         ref_param_offload: arr.reference.offloads_params(),
+        ref_fsdp,
         critic: critic?,
         reward: reward?,
         algorithm: algorithm.settings?,

@@ -82,6 +82,10 @@ impl RlhfConfig {
             .gen_batch_size
             .get_or_insert(self.data.train_batch_size);
         let actor = &self.actor_rollout_ref.actor;
+        self.actor_rollout_ref
+            .reference
+            .strategy
+            .get_or_insert_with(|| actor.strategy.clone());
         let critic = &mut self.critic;
         critic
             .ppo_mini_batch_size

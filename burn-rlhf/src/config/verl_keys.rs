@@ -210,24 +210,16 @@ pub const ENGINE_KEYS: &[(&str, Treatment)] = &[
         ),
     ),
     (
-        "actor_rollout_ref.ref.strategy",
-        Treatment::OnlyAt(&["fsdp", "fsdp2", "megatron"], REF_WHOLE),
-    ),
-    (
         "actor_rollout_ref.actor.fsdp_config.strategy",
         Treatment::OnlyAt(&["fsdp", "fsdp2"], STRATEGY),
     ),
     (
         "actor_rollout_ref.ref.fsdp_config.strategy",
-        Treatment::OnlyAt(&["fsdp", "fsdp2"], REF_WHOLE),
+        Treatment::OnlyAt(&["fsdp", "fsdp2"], STRATEGY),
     ),
     (
         "critic.fsdp.strategy",
         Treatment::OnlyAt(&["fsdp", "fsdp2"], STRATEGY),
-    ),
-    (
-        "actor_rollout_ref.ref.fsdp_config.fsdp_size",
-        Treatment::OnlyAt(&["-1"], REF_WHOLE),
     ),
     (
         "actor_rollout_ref.actor.megatron.param_offload",
@@ -409,10 +401,10 @@ pub const ENGINE_KEYS: &[(&str, Treatment)] = &[
 
 const STRATEGY: &str = "FSDP's version (verl fills it from the model's `strategy`): both shard \
      the parameters the same way here; `actor_rollout_ref.actor.strategy` and `critic.strategy` \
-     choose between sharding (`fsdp`, `fsdp2`) and whole parameters (`megatron`)";
-const REF_WHOLE: &str = "the frozen reference is held whole on each rank (in host memory between \
-     its passes with `actor_rollout_ref.ref.fsdp_config.param_offload=true`), not sharded; its \
-     log-probs are the same numbers under any strategy";
+     choose between sharding (`fsdp`, `fsdp2`) and whole parameters (`megatron`), as `actor_rollout_ref.ref.strategy` does \
+     for the reference";
+const REF_WHOLE: &str = "the frozen reference's pass gathers it whole once (it has no backward to \
+     gather its layers for again): either value computes the same numbers";
 const MASTER_F32: &str = "the trained weights and the AdamW state are f32 here (a reference is \
      held as the actor's): half-precision compute is `actor_rollout_ref.model.dtype=bfloat16` \
      (autocast, f32 master weights)";

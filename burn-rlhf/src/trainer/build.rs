@@ -15,7 +15,7 @@ use crate::config::settings::OptimSettings;
 use crate::config::{KnownNames, RlhfConfig, Settings};
 use crate::datasets::load_data_files;
 use crate::distributed::fsdp::{FsdpShards, ShardGroups, ShardedAdamW, ShardedModel};
-use crate::distributed::{sync_params, Collective, DataParallel, ShardPlan, Subgroup};
+use crate::distributed::{sync_params, DataParallel, ShardPlan};
 use crate::error::TrainError;
 use crate::loading::{load_policy, load_value_model, with_lora};
 use crate::offload::Parked;
@@ -310,28 +310,8 @@ pub(crate) fn shard_model<B: LearnerBackend, M: burn::module::Module<B>>(
     else {
         return Ok((model, None));
     };
-    let whole = dp.collective.clone();
-    let (group, replicas): (Arc<dyn Collective>, Option<Arc<dyn Collective>>) = match fsdp
-        .group_size
-    {
-        None => (whole, None),
-        Some(size) if size == world => (whole, None),
-        Some(size) if size >= 1 && world.is_multiple_of(size) => (
-            Arc::new(Subgroup::blocks(whole.clone(), size)),
-            Some(Arc::new(Subgroup::new(whole, size))),
-        ),
-        Some(size) => {
-            return Err(TrainError::config(
-                size_key,
-                format!("shard groups of {size} ranks must divide the {world} data-parallel ranks"),
-            ))
-        }
-    };
-    let groups = ShardGroups {
-        group,
-        replicas,
-        offload: fsdp.param_offload,
-    };
+    let groups = ShardGroups::of_ranks(dp, fsdp.group_size, fsdp.param_offload)
+        .map_err(|reason| TrainError::config(size_key, reason))?;
     let (model, shards) = FsdpShards::shard(model, groups, device);
     let adam = ShardedAdamW::new(
         FusedAdamW::new(optim.betas, optim.weight_decay, optim.offload),
@@ -345,6 +325,27 @@ pub(crate) fn shard_model<B: LearnerBackend, M: burn::module::Module<B>>(
             reshard_after_forward: fsdp.reshard_after_forward,
         }),
     ))
+}
+
+/// The frozen reference `model` as `settings` hold it on this rank: whole on the device, in host
+/// memory (`ref.fsdp_config.param_offload`), or with `ref.strategy: fsdp` on several
+/// data-parallel ranks sharded over them (its chunks in host memory with `param_offload`),
+/// gathered whole for its pass.
+pub(crate) fn hold_reference<B: LearnerBackend>(
+    model: CausalLm<B::InnerBackend>,
+    settings: &Settings,
+    dp: &DataParallel,
+    device: &B::Device,
+) -> Result<Parked<B::InnerBackend, CausalLm<B::InnerBackend>>, TrainError> {
+    match settings.ref_fsdp {
+        Some(fsdp) if dp.world() > 1 && dp.tp.is_none() => {
+            let groups = ShardGroups::of_ranks(dp, fsdp.group_size, fsdp.param_offload).map_err(
+                |reason| TrainError::config("actor_rollout_ref.ref.fsdp_config.fsdp_size", reason),
+            )?;
+            Ok(Parked::sharded(model, groups, &device.clone().into()))
+        }
+        _ => Ok(Parked::new(model, settings.ref_param_offload)),
+    }
 }
 
 impl<B: LearnerBackend> PreparedLearner<B> {
@@ -435,6 +436,9 @@ impl<B: LearnerBackend> PreparedLearner<B> {
             }
             _ => None,
         };
+        let reference = reference
+            .map(|r| hold_reference::<B>(r, &settings, &dp, &device))
+            .transpose()?;
         Ok(Learner {
             actor_optimizer,
             device,
@@ -442,7 +446,7 @@ impl<B: LearnerBackend> PreparedLearner<B> {
             model_config,
             actor,
             critic,
-            reference: reference.map(|r| Parked::new(r, settings.ref_param_offload)),
+            reference,
             reference_refreshed_at: None,
             engine_counters: Default::default(),
             reward_scorer: self.reward_scorer,

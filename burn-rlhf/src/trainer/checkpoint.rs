@@ -563,7 +563,7 @@ impl<B: LearnerBackend> Learner<B> {
             let ref_dir = dir.join("ref");
             let reference = load_pretrained(&ref_dir.display().to_string())?
                 .causal_lm_part::<B::InnerBackend>(self.dp.tp.as_ref(), &self.device)?;
-            self.reference = Some(self.park_reference(reference));
+            self.reference = Some(self.park_reference(reference)?);
         }
         self.reference_refreshed_at = state.reference_refreshed_at;
         self.algorithms.kl_ctrl.load_state(&state.kl_ctrl)?;

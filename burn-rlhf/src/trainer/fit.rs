@@ -37,6 +37,8 @@ pub struct RankMemory {
     pub parameters_host: usize,
     /// Their AdamW moments, on the device and in host memory.
     pub optimizer: StateBytes,
+    /// The reference's weights (its chunks under FSDP), on the device and in host memory.
+    pub reference: StateBytes,
 }
 
 impl<B: LearnerBackend> Learner<B> {
@@ -52,6 +54,10 @@ impl<B: LearnerBackend> Learner<B> {
             parameters: device + critic_device,
             parameters_host: host + critic_host,
             optimizer: actor + critic,
+            reference: {
+                let (device, host) = self.reference_memory();
+                StateBytes { device, host }
+            },
         }
     }
 

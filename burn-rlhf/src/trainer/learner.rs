@@ -164,8 +164,8 @@ impl<B: LearnerBackend> Learner<B> {
     pub(crate) fn park_reference(
         &self,
         model: CausalLm<B::InnerBackend>,
-    ) -> Parked<B::InnerBackend, CausalLm<B::InnerBackend>> {
-        Parked::new(model, self.settings.ref_param_offload)
+    ) -> Result<Parked<B::InnerBackend, CausalLm<B::InnerBackend>>, TrainError> {
+        super::build::hold_reference::<B>(model, &self.settings, &self.dp, &self.device)
     }
 
     /// The shape generation's KV cache takes: the policy's, or under tensor parallelism one

@@ -100,7 +100,7 @@ impl<B: LearnerBackend> Learner<B> {
                         sum_pi_squared: None,
                     });
                 }
-                self.refresh_reference(step);
+                self.refresh_reference(step)?;
             }
             let old = old.expect("the old log-probs come from their pass or the update");
             metrics.extend(self.batch_metrics(
@@ -165,16 +165,17 @@ impl<B: LearnerBackend> Learner<B> {
 
     /// SPIN's self-play: every `ref_update_freq` steps the opponent (the reference) becomes the
     /// current policy.
-    fn refresh_reference(&mut self, step: usize) {
+    fn refresh_reference(&mut self, step: usize) -> Result<(), TrainError> {
         let due = self
             .settings
             .trainer
             .ref_update_freq
             .is_some_and(|freq| step.is_multiple_of(freq));
         if due && self.reference.is_some() {
-            self.reference = Some(self.park_reference(self.actor_whole().valid()));
+            self.reference = Some(self.park_reference(self.actor_whole().valid())?);
             self.reference_refreshed_at = Some(step);
         }
+        Ok(())
     }
 
     /// The batch's metrics: verl's data metrics, and when the old-log-prob pass ran (not in

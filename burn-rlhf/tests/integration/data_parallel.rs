@@ -273,6 +273,7 @@ fn fsdp_ranks_reproduce_one_device_holding_a_share_of_the_state() {
             f.fsdp_size = size;
             f.reshard_after_forward = reshard;
         }
+        c.actor_rollout_ref.reference.fsdp_config.fsdp_size = size;
         let (run, memory) = n_devices_memory(c, parts(), n).unwrap();
         assert_same_weights(&single, &run, &what);
         assert_same_metrics(&single, &run, &what);
@@ -286,8 +287,10 @@ fn fsdp_ranks_reproduce_one_device_holding_a_share_of_the_state() {
             "{what}: rank 0 holds {params:.3} of the parameter bytes and {moments:.3} of the \
              AdamW bytes ({memory:?})"
         );
+        let reference = share(memory.reference.device, whole.reference.device);
+        println!("{what}: rank 0 holds {reference:.3} of the reference's bytes");
         // Each parameter's chunk rounds up by at most one value.
-        for x in [params, moments] {
+        for x in [params, moments, reference] {
             assert!((x - 1.0 / group as f64).abs() < 0.02, "{what}: {x}");
         }
     }

@@ -52,6 +52,36 @@ pub struct ShardGroups {
 }
 
 impl ShardGroups {
+    /// The shard groups of the data-parallel ranks `dp`: every rank in one, or with `size` (FSDP's
+    /// `fsdp_size`) blocks of that many consecutive ranks, the ranks at the same place in each
+    /// block replicas of each other (hybrid sharding); the chunks in host memory when `offload`.
+    /// Errs with the reason when `size` does not divide the ranks.
+    pub fn of_ranks(
+        dp: &super::DataParallel,
+        size: Option<usize>,
+        offload: bool,
+    ) -> Result<Self, String> {
+        let (whole, world) = (dp.collective.clone(), dp.world());
+        let (group, replicas): (Arc<dyn Collective>, Option<Arc<dyn Collective>>) = match size {
+            None => (whole, None),
+            Some(size) if size == world => (whole, None),
+            Some(size) if size >= 1 && world.is_multiple_of(size) => (
+                Arc::new(super::Subgroup::blocks(whole.clone(), size)),
+                Some(Arc::new(super::Subgroup::new(whole, size))),
+            ),
+            Some(size) => {
+                return Err(format!(
+                    "shard groups of {size} ranks must divide the {world} data-parallel ranks"
+                ))
+            }
+        };
+        Ok(Self {
+            group,
+            replicas,
+            offload,
+        })
+    }
+
     /// Every rank of `group` in one shard group, the chunks on the device.
     pub fn of(group: Arc<dyn Collective>) -> Self {
         Self {
@@ -206,6 +236,15 @@ impl<B: Backend> FsdpShards<B> {
             offload: self.offload,
         };
         Self::shard(module, groups, &self.device)
+    }
+
+    /// A copy of the sharded `model` with every parameter gathered now, in the module's
+    /// visiting order (a collective: every rank calls it), for the passes that read the whole
+    /// model (generation, log-probs, values, saving).
+    pub fn whole<M: Module<B>>(&self, model: &M) -> M {
+        let copy = model.clone();
+        burn_rlhf_models::recompute::read_parameters(&copy);
+        copy
     }
 
     /// Per parameter (visiting order): the gathers so far.

@@ -194,15 +194,6 @@ impl<A: crate::backend::LearnerBackend> FsdpShards<A> {
         }
         failed.map_or(Ok(()), Err)
     }
-
-    /// A copy of the sharded `model` with every parameter gathered now, in the module's
-    /// visiting order (a collective: every rank calls it), for the passes that read the whole
-    /// model (generation, log-probs, values, saving).
-    pub fn whole<M: Module<A>>(&self, model: &M) -> M {
-        let copy = model.clone();
-        read_parameters(&copy);
-        copy
-    }
 }
 
 impl<B: Backend> ChunkGradients<B> {
