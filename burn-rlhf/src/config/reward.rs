@@ -56,6 +56,10 @@ pub struct RewardModelConfig {
     /// (`null`, verl's default: off).
     #[serde(deserialize_with = "super::problems::null_is_default")]
     pub enable: bool,
+    /// How the reward model's parameters are held (`fsdp`, `fsdp2`: sharded over the
+    /// data-parallel ranks and gathered for its pass; `megatron`: whole on each rank; verl's
+    /// legacy key); `None`: the actor's.
+    pub strategy: Option<String>,
     pub model: RewardModelModelConfig,
     /// Sequences per forward pass of the reward model (verl's legacy key; needed unless
     /// `use_dynamic_bsz`).
@@ -77,6 +81,7 @@ impl Default for RewardModelConfig {
     fn default() -> Self {
         Self {
             enable: false,
+            strategy: None,
             model: RewardModelModelConfig::default(),
             micro_batch_size_per_gpu: None,
             max_length: None,
@@ -136,6 +141,12 @@ pub struct RewardModelSettings {
     pub max_length: Option<usize>,
     /// `reward_model.model.fsdp_config.param_offload`.
     pub param_offload: bool,
+    /// `reward_model.strategy: fsdp`: sharded over the data-parallel ranks (with more than one),
+    /// gathered whole for its pass.
+    pub fsdp: Option<super::optim::FsdpSharding>,
+    /// `reward_model.model.fsdp_config.model_dtype`: the dtype its weights are held in (`None`:
+    /// as loaded, f32).
+    pub model_dtype: Option<burn::tensor::FloatDType>,
 }
 
 /// DAPO's overlong penalty.
@@ -156,6 +167,8 @@ pub(super) struct RewardContext<'a> {
     /// `actor_rollout_ref.model.path` and `tokenizer_path` (resolved): the tokenizers
     /// `input_tokenizer` may name.
     pub actor_tokenizers: [&'a str; 2],
+    /// `actor_rollout_ref.actor.megatron.tensor_model_parallel_size`.
+    pub actor_tp: usize,
 }
 
 impl RewardModelConfig {
@@ -231,6 +244,17 @@ impl RewardModelConfig {
             max_tokens: self.forward_max_token_len_per_gpu.filter(|_| dynamic),
             max_length: self.max_length,
             param_offload: m.fsdp_config.param_offload,
+            fsdp: m.fsdp_config.decode_sharding(
+                p,
+                ("reward_model.strategy", self.strategy.as_deref()),
+                "reward_model.model.fsdp_config",
+                ctx.actor_tp,
+            ),
+            model_dtype: super::model::dtype(
+                p,
+                "reward_model.model.fsdp_config.model_dtype",
+                &m.fsdp_config.model_dtype,
+            )?,
         })
     }
 

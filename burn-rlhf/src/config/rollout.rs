@@ -201,6 +201,9 @@ pub struct RefFsdpConfig {
     pub param_offload: bool,
     /// Ranks per FSDP shard group (-1: all); smaller groups replicate each other.
     pub fsdp_size: i64,
+    /// The dtype the frozen model's weights are held in (`fp32`, or `bf16`/`fp16`: half the
+    /// bytes, the passes computing on the rounded weights).
+    pub model_dtype: String,
 }
 
 impl Default for RefFsdpConfig {
@@ -208,7 +211,47 @@ impl Default for RefFsdpConfig {
         Self {
             param_offload: false,
             fsdp_size: -1,
+            model_dtype: "fp32".into(),
         }
+    }
+}
+
+impl RefFsdpConfig {
+    /// A frozen model's sharding (the reference's, the reward model's; this section at `key`)
+    /// under the strategy named at `strategy_key` (`None`: not derived): `None` under `megatron`;
+    /// checks `fsdp_size` and that a split model (`actor_tp` > 1) is not sharded.
+    pub(super) fn decode_sharding(
+        &self,
+        p: &mut Problems,
+        (strategy_key, strategy): (&str, Option<&str>),
+        key: &str,
+        actor_tp: usize,
+    ) -> Option<super::optim::FsdpSharding> {
+        use super::optim::{FsdpSharding, Strategy};
+        let strategy = p
+            .derived(strategy_key, strategy)
+            .and_then(|name| Strategy::decode(p, strategy_key, name))?;
+        let size = self.fsdp_size;
+        p.check(size == -1 || size >= 1, || {
+            format!("`{key}.fsdp_size` ({size}) must be -1 (one shard group of every rank) or >= 1")
+        });
+        p.check(strategy != Strategy::Fsdp || actor_tp <= 1, || {
+            format!(
+                "`{strategy_key}` is FSDP's while the models are split by \
+                 `actor_rollout_ref.actor.megatron.tensor_model_parallel_size` ({actor_tp}): set \
+                 `{strategy_key}=megatron`"
+            )
+        });
+        p.check(strategy == Strategy::Fsdp || size == -1, || {
+            format!(
+                "`{key}.fsdp_size` ({size}) shards under `{strategy_key}: fsdp`; it is `megatron`"
+            )
+        });
+        (strategy == Strategy::Fsdp).then_some(FsdpSharding {
+            param_offload: self.param_offload,
+            reshard_after_forward: true,
+            group_size: (size >= 1).then_some(size as usize),
+        })
     }
 }
 
@@ -488,37 +531,30 @@ impl RefConfig {
         self.fsdp_config.param_offload
     }
 
-    /// The reference's sharding under `strategy: fsdp` (`None` under `megatron`); checks
-    /// `fsdp_size` and that a split model (`actor_tp` > 1) is not sharded.
+    /// `fsdp_config.model_dtype`: the dtype the reference is held in (`None`: f32).
+    pub(super) fn decode_model_dtype(
+        &self,
+        p: &mut Problems,
+    ) -> Option<Option<burn::tensor::FloatDType>> {
+        super::model::dtype(
+            p,
+            "actor_rollout_ref.ref.fsdp_config.model_dtype",
+            &self.fsdp_config.model_dtype,
+        )
+    }
+
+    /// The reference's sharding under `strategy: fsdp` (`None` under `megatron`).
     pub(super) fn decode_sharding(
         &self,
         p: &mut Problems,
         actor_tp: usize,
     ) -> Option<super::optim::FsdpSharding> {
-        use super::optim::{FsdpSharding, Strategy};
-        let key = "actor_rollout_ref.ref.strategy";
-        let strategy = p
-            .derived(key, self.strategy.as_deref())
-            .and_then(|name| Strategy::decode(p, key, name))?;
-        let size = self.fsdp_config.fsdp_size;
-        p.check(size == -1 || size >= 1, || {
-            format!(
-                "`actor_rollout_ref.ref.fsdp_config.fsdp_size` ({size}) must be -1 (one shard \
-                 group of every rank) or >= 1"
-            )
-        });
-        p.check(strategy != Strategy::Fsdp || actor_tp <= 1, || {
-            format!(
-                "`{key}` is FSDP's while the models are split by \
-                 `actor_rollout_ref.actor.megatron.tensor_model_parallel_size` ({actor_tp}): set \
-                 `{key}=megatron`"
-            )
-        });
-        (strategy == Strategy::Fsdp).then_some(FsdpSharding {
-            param_offload: self.fsdp_config.param_offload,
-            reshard_after_forward: true,
-            group_size: (size >= 1).then_some(size as usize),
-        })
+        self.fsdp_config.decode_sharding(
+            p,
+            ("actor_rollout_ref.ref.strategy", self.strategy.as_deref()),
+            "actor_rollout_ref.ref.fsdp_config",
+            actor_tp,
+        )
     }
 
     /// The reference pass's token budget (`log_prob_max_token_len_per_gpu` when

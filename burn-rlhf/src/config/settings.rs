@@ -44,6 +44,9 @@ pub struct Settings {
     /// `actor_rollout_ref.ref.strategy: fsdp` (the actor's by default): the reference sharded
     /// over the data-parallel ranks (with more than one), gathered whole for its pass.
     pub ref_fsdp: Option<super::optim::FsdpSharding>,
+    /// `actor_rollout_ref.ref.fsdp_config.model_dtype`: the dtype the reference's weights are
+    /// held in (`None`: f32).
+    pub ref_dtype: Option<burn::tensor::FloatDType>,
     /// `critic.*`; `None` when the estimator reads no values (verl's `critic.enable` default).
     pub critic: Option<CriticSettings>,
     /// `reward_model.*` and `custom_reward_function.*`.
@@ -130,6 +133,7 @@ fn decode(c: &RlhfConfig, known: &KnownNames, p: &mut Problems) -> Option<Settin
                     .as_deref()
                     .unwrap_or(&arr.model.path),
             ],
+            actor_tp: arr.actor.megatron.tensor_model_parallel_size,
         },
     );
     let trainer = c.trainer.decode(p);
@@ -144,6 +148,7 @@ fn decode(c: &RlhfConfig, known: &KnownNames, p: &mut Problems) -> Option<Settin
     }
     let tp = arr.actor.megatron.tensor_model_parallel_size.max(1);
     let ref_fsdp = arr.reference.decode_sharding(p, tp);
+    let ref_dtype = arr.reference.decode_model_dtype(p);
     arr.rollout.check_tensor_parallel(p, tp);
     c.critic.check_tensor_parallel(p, tp);
     let devices = c.trainer.nnodes * c.trainer.n_gpus_per_node;
@@ -176,6 +181,7 @@ fn decode(c: &RlhfConfig, known: &KnownNames, p: &mut Problems) -> Option<Settin
         ref_max_token_len: ref_max_token_len?,
         ref_param_offload: arr.reference.offloads_params(),
         ref_fsdp,
+        ref_dtype: ref_dtype?,
         critic: critic?,
         reward: reward?,
         algorithm: algorithm.settings?,

@@ -86,6 +86,9 @@ impl RlhfConfig {
             .reference
             .strategy
             .get_or_insert_with(|| actor.strategy.clone());
+        self.reward_model
+            .strategy
+            .get_or_insert_with(|| actor.strategy.clone());
         let critic = &mut self.critic;
         critic
             .ppo_mini_batch_size

@@ -278,10 +278,6 @@ pub const ENGINE_KEYS: &[(&str, Treatment)] = &[
         Treatment::OnlyAt(&["fp32", "float32"], MASTER_F32),
     ),
     (
-        "actor_rollout_ref.ref.fsdp_config.model_dtype",
-        Treatment::OnlyAt(&["fp32", "float32"], MASTER_F32),
-    ),
-    (
         "critic.fsdp.model_dtype",
         Treatment::OnlyAt(&["fp32", "float32"], MASTER_F32),
     ),

@@ -337,6 +337,10 @@ pub(crate) fn hold_reference<B: LearnerBackend>(
     dp: &DataParallel,
     device: &B::Device,
 ) -> Result<Parked<B::InnerBackend, CausalLm<B::InnerBackend>>, TrainError> {
+    let model = match settings.ref_dtype {
+        Some(dtype) => model.cast(dtype),
+        None => model,
+    };
     match settings.ref_fsdp {
         Some(fsdp) if dp.world() > 1 && dp.tp.is_none() => {
             let groups = ShardGroups::of_ranks(dp, fsdp.group_size, fsdp.param_offload).map_err(
@@ -439,6 +443,10 @@ impl<B: LearnerBackend> PreparedLearner<B> {
         let reference = reference
             .map(|r| hold_reference::<B>(r, &settings, &dp, &device))
             .transpose()?;
+        let reward_scorer = self
+            .reward_scorer
+            .map(|s| s.held(&dp, &device.clone().into()))
+            .transpose()?;
         Ok(Learner {
             actor_optimizer,
             device,
@@ -449,7 +457,7 @@ impl<B: LearnerBackend> PreparedLearner<B> {
             reference,
             reference_refreshed_at: None,
             engine_counters: Default::default(),
-            reward_scorer: self.reward_scorer,
+            reward_scorer,
             algorithms: self.algorithms,
             train: self.train,
             val: self.val,

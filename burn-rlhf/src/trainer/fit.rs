@@ -39,6 +39,8 @@ pub struct RankMemory {
     pub optimizer: StateBytes,
     /// The reference's weights (its chunks under FSDP), on the device and in host memory.
     pub reference: StateBytes,
+    /// The reward model's weights (its chunks under FSDP), on the device and in host memory.
+    pub reward_model: StateBytes,
 }
 
 impl<B: LearnerBackend> Learner<B> {
@@ -56,6 +58,10 @@ impl<B: LearnerBackend> Learner<B> {
             optimizer: actor + critic,
             reference: {
                 let (device, host) = self.reference_memory();
+                StateBytes { device, host }
+            },
+            reward_model: {
+                let (device, host) = self.reward_scorer.as_ref().map_or((0, 0), |s| s.bytes());
                 StateBytes { device, host }
             },
         }

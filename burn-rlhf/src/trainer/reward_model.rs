@@ -106,11 +106,43 @@ impl<B: ComputeBackend> RewardScorer<B> {
             }
         };
         Ok(Self {
-            model: Parked::new(loaded.model, settings.param_offload),
+            model: Parked::new(
+                match settings.model_dtype {
+                    Some(dtype) => loaded.model.cast(dtype),
+                    None => loaded.model,
+                },
+                settings.param_offload,
+            ),
             tokenizer,
             score_pad: loaded.config.pad_token_id,
             settings: settings.clone(),
         })
+    }
+
+    /// This scorer as rank `dp.rank()` holds it: under `reward_model.strategy: fsdp` on several
+    /// data-parallel ranks its model sharded over them (its chunks in host memory with
+    /// `param_offload`), gathered whole for each scoring pass.
+    pub fn held(mut self, dp: &DataParallel, device: &B::Device) -> Result<Self, TrainError> {
+        let Some(fsdp) = self
+            .settings
+            .fsdp
+            .filter(|_| dp.world() > 1 && dp.tp.is_none())
+        else {
+            return Ok(self);
+        };
+        let groups = crate::distributed::fsdp::ShardGroups::of_ranks(
+            dp,
+            fsdp.group_size,
+            fsdp.param_offload,
+        )
+        .map_err(|reason| TrainError::config("reward_model.model.fsdp_config.fsdp_size", reason))?;
+        self.model = Parked::sharded(self.model.on_device(device), groups, device);
+        Ok(self)
+    }
+
+    /// Bytes of the reward model's weights this rank holds, on the device and in host memory.
+    pub fn bytes(&self) -> (usize, usize) {
+        self.model.bytes()
     }
 
     /// The sequence the reward model scores for row `r` of `batch`.

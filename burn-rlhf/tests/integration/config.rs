@@ -793,6 +793,13 @@ fn every_key_is_read_or_refused() {
             ],
         ),
         (
+            "reward_model.strategy",
+            &[
+                "reward_model.enable=true",
+                "reward_model.micro_batch_size_per_gpu=4",
+            ],
+        ),
+        (
             "reward_model.use_dynamic_bsz",
             &[
                 "reward_model.enable=true",

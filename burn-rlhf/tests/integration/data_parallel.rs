@@ -348,6 +348,129 @@ fn fsdp_ranks_with_unequal_micro_batch_counts_stay_in_lockstep() {
     }
 }
 
+/// LoRA under FSDP on 2 ranks (the frozen base sharded too: no rank's pass reaches a gradient of
+/// it, so none is reduced and AdamW leaves it alone): the weights and metrics of 2 ranks holding
+/// the parameters whole, and a run resumed from its step-2 checkpoint (the adapters, the whole
+/// AdamW state) ends where the straight one does.
+#[test]
+fn lora_under_fsdp_trains_as_whole_parameters_and_resumes() {
+    let _turn = ONE_GROUP_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    let dir = temp_dir("dp-fsdp-lora");
+    let (rank, alpha) = (4, 8.0);
+    let adapted = {
+        let (actor, _) = tiny_models();
+        let lora = burn_rlhf::models::LoraConfig {
+            rank,
+            alpha,
+            target_modules: vec!["all-linear".into()],
+        };
+        super::seeded(9, || actor.with_lora(&lora, &Default::default()))
+    };
+    let run = |name: &str, strategy: &str, steps: usize| {
+        let mut c = config(&dir.join(name));
+        c.actor_rollout_ref.actor.strategy = strategy.into();
+        c.actor_rollout_ref.model.lora_rank = rank;
+        c.actor_rollout_ref.model.lora_alpha = alpha;
+        c.trainer.total_training_steps = Some(steps);
+        c.trainer.resume_mode = "auto".into();
+        let (_, critic) = tiny_models();
+        let parts = parts_of(
+            adapted.clone(),
+            critic,
+            tasks::model_config(32, 1),
+            Arc::new(tasks::ExactAnswer),
+        );
+        n_devices_of(c, parts, 2).unwrap()
+    };
+    let whole = run("whole", "megatron", STEPS);
+    let sharded = run("sharded", "fsdp", STEPS);
+    assert_same_weights(&whole, &sharded, "LoRA under FSDP vs whole parameters");
+    assert_same_metrics(&whole, &sharded, "LoRA under FSDP vs whole parameters");
+    run("resumed", "fsdp", STEPS - 1);
+    let resumed = run("resumed", "fsdp", STEPS);
+    assert_same_weights(&sharded, &resumed, "LoRA under FSDP, resumed vs straight");
+    assert_same_metrics(&sharded, &resumed, "LoRA under FSDP, resumed vs straight");
+}
+
+/// `ref.fsdp_config.model_dtype=bf16` holds the frozen reference in bf16: half its bytes on one
+/// device, a quarter on each of 2 FSDP ranks; its log-probs are those of the rounded weights
+/// (within bf16's rounding of the f32 reference's: the runs' KL stays within 1e-2 of each other).
+#[test]
+fn a_reference_held_in_bf16_takes_half_the_bytes() {
+    let _turn = ONE_GROUP_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    let dir = temp_dir("dp-ref-bf16");
+    let run = |name: &str, dtype: &str, n: usize| {
+        let mut c = config(&dir.join(name));
+        c.actor_rollout_ref.reference.fsdp_config.model_dtype = dtype.into();
+        n_devices_memory(c, parts(Arc::new(tasks::ExactAnswer)), n).unwrap()
+    };
+    let (f32_run, f32_memory) = run("f32", "fp32", 1);
+    let (_, bf16_memory) = run("bf16", "bf16", 1);
+    let (bf16_2, sharded_memory) = run("bf16-2", "bf16", 2);
+    let bytes = |m: &RankMemory| m.reference.device;
+    println!(
+        "reference bytes: f32 {}, bf16 {}, bf16 on each of 2 FSDP ranks {}",
+        bytes(&f32_memory),
+        bytes(&bf16_memory),
+        bytes(&sharded_memory)
+    );
+    assert_eq!(2 * bytes(&bf16_memory), bytes(&f32_memory));
+    assert_eq!(4 * bytes(&sharded_memory), bytes(&f32_memory));
+    let kl = |dir: &Path| -> Vec<f64> {
+        read_jsonl(&dir.parent().unwrap().join("metrics.jsonl"))
+            .unwrap()
+            .into_iter()
+            .map(|(_, m): (usize, Metrics)| m["actor/reward_kl_penalty"])
+            .collect()
+    };
+    let (a, b) = (kl(&f32_run), kl(&bf16_2));
+    println!("KL in reward per step: f32 reference {a:?}, bf16 {b:?}");
+    for (x, y) in a.iter().zip(&b) {
+        assert!((x - y).abs() <= 1e-2, "{x} against {y}");
+    }
+}
+
+/// A learned reward model scoring the rollouts under `reward_model.strategy: fsdp` (the actor's,
+/// by default) on 2 ranks: sharded (rank 0 holds half its bytes), gathered whole for each
+/// scoring pass, the scores and so the run those of 2 ranks holding it whole.
+#[test]
+fn a_sharded_reward_model_scores_as_a_whole_one() {
+    let _turn = ONE_GROUP_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    use burn_rlhf::trainer::reward_model::LoadedRewardModel;
+    let dir = temp_dir("dp-fsdp-rm");
+    let rm = crate::reward_model::reward_model_folder(&dir.join("rm"), false);
+    let run = |strategy: &str| {
+        let mut c = config(&dir.join(strategy));
+        c.actor_rollout_ref.actor.strategy = strategy.into();
+        c.reward_model.enable = true;
+        c.reward_model.model.path = rm.display().to_string();
+        c.reward_model.micro_batch_size_per_gpu = Some(3);
+        c.custom_reward_function.name = None;
+        let mut parts = parts(Arc::new(tasks::ExactAnswer));
+        parts.reward_model =
+            Some(LoadedRewardModel::load(&rm.display().to_string(), &Default::default()).unwrap());
+        n_devices_memory(c, parts, 2).unwrap()
+    };
+    let ((whole, whole_memory), (sharded, sharded_memory)) = (run("megatron"), run("fsdp"));
+    assert_same_weights(&whole, &sharded, "a sharded reward model vs a whole one");
+    assert_same_metrics(&whole, &sharded, "a sharded reward model vs a whole one");
+    let (held, all) = (
+        sharded_memory.reward_model.device,
+        whole_memory.reward_model.device,
+    );
+    println!("rank 0 holds {held} of the reward model's {all} bytes");
+    assert!(
+        all > 0 && (held as f64 / all as f64 - 0.5).abs() < 0.01,
+        "{held} of {all}"
+    );
+}
+
 /// `fsdp_config.param_offload=true` (actor, critic) under FSDP keeps each rank's chunks of the
 /// parameters in host memory, on one device (sharded over itself) and on two: the weights and
 /// metrics of the runs that keep them on the device, with no trained parameter on the device

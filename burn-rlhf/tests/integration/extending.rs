@@ -103,6 +103,8 @@ fn section_file(key: &str) -> &'static str {
         ("critic.optim.", "optim.rs"),
         ("critic.model.fsdp_config.", "optim.rs"),
         ("critic.", "critic.rs"),
+        // The frozen models' FSDP section is one type, the reference's.
+        ("reward_model.model.fsdp_config.", "rollout.rs"),
         ("reward_model.", "reward.rs"),
         ("custom_reward_function.", "reward.rs"),
         ("algorithm.rollout_correction.", "rollout_correction.rs"),

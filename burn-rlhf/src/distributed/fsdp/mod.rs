@@ -37,6 +37,8 @@ struct Slot {
     numel: usize,
     /// Its shape.
     dims: Vec<usize>,
+    /// Its dtype (chunks keep it; a gather restores it).
+    dtype: burn::tensor::DType,
 }
 
 /// Where a model's shards are gathered from and kept.
@@ -92,10 +94,10 @@ impl ShardGroups {
     }
 }
 
-/// One rank's chunk of a parameter, where it is kept. `[chunk]`.
+/// One rank's chunk of a parameter, where it is kept (in the parameter's dtype). `[chunk]`.
 enum Chunk<B: Backend> {
     Device(Tensor<B, 1>),
-    Host(Vec<f32>),
+    Host(TensorData),
 }
 
 /// This rank's chunks of a module's parameters and the shard group they are gathered from.
@@ -136,6 +138,7 @@ impl<B: Backend> ModuleVisitor<B> for TakeChunks<B> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         let value = param.val().detach();
         let dims = value.dims().to_vec();
+        let dtype = value.dtype();
         let numel = value.shape().num_elements();
         let range = chunk(numel, self.world, self.rank);
         self.chunks.push(value.reshape([numel]).slice(range));
@@ -143,6 +146,7 @@ impl<B: Backend> ModuleVisitor<B> for TakeChunks<B> {
             id: param.id,
             numel,
             dims,
+            dtype,
         });
     }
 }
@@ -202,9 +206,8 @@ impl<B: Backend> FsdpShards<B> {
             chunks: Vec::new(),
         };
         module.visit(&mut take);
-        let rank = group.rank();
         let keep = |c: Tensor<B, 1>| match offload {
-            true => Chunk::Host(host(c, rank).expect("a parameter's values read")),
+            true => Chunk::Host(c.into_data()),
             false => Chunk::Device(c),
         };
         let shards = Arc::new(Self {
@@ -265,13 +268,14 @@ impl<B: Backend> FsdpShards<B> {
         self.slots.is_empty()
     }
 
-    /// Bytes of parameters this rank holds (f32 chunks): on the device, in host memory.
+    /// Bytes of parameters this rank holds (its chunks, in their dtypes): on the device, in
+    /// host memory.
     pub fn bytes(&self) -> (usize, usize) {
         self.chunks
             .iter()
             .map(|c| match &*c.read().unwrap_or_else(|e| e.into_inner()) {
-                Chunk::Device(t) => (t.shape().num_elements() * 4, 0),
-                Chunk::Host(v) => (0, v.len() * 4),
+                Chunk::Device(t) => (t.shape().num_elements() * t.dtype().size(), 0),
+                Chunk::Host(data) => (0, data.bytes.len()),
             })
             .fold((0, 0), |(d, h), (x, y)| (d + x, h + y))
     }
@@ -281,9 +285,7 @@ impl<B: Backend> FsdpShards<B> {
     pub fn chunk(&self, index: usize) -> Tensor<B, 1> {
         match &*self.chunks[index].read().unwrap_or_else(|e| e.into_inner()) {
             Chunk::Device(t) => t.clone(),
-            Chunk::Host(v) => {
-                Tensor::from_data(TensorData::new(v.clone(), [v.len()]), &self.device)
-            }
+            Chunk::Host(data) => Tensor::from_data(data.clone(), &self.device),
         }
     }
 
@@ -291,7 +293,14 @@ impl<B: Backend> FsdpShards<B> {
     fn chunk_values(&self, index: usize) -> Result<Vec<f32>, DistributedError> {
         match &*self.chunks[index].read().unwrap_or_else(|e| e.into_inner()) {
             Chunk::Device(t) => host(t.clone(), self.group.rank()),
-            Chunk::Host(v) => Ok(v.clone()),
+            Chunk::Host(data) => data
+                .clone()
+                .convert::<f32>()
+                .into_vec::<f32>()
+                .map_err(|e| DistributedError::Transport {
+                    rank: self.group.rank(),
+                    message: format!("reading a chunk: {e:?}"),
+                }),
         }
     }
 
@@ -299,7 +308,7 @@ impl<B: Backend> FsdpShards<B> {
     /// of the module read it from their next gather. Shapes: `[chunk]`.
     pub fn set_chunk(&self, index: usize, value: Tensor<B, 1>) -> Result<(), DistributedError> {
         let chunk = match self.offload {
-            true => Chunk::Host(host(value, self.group.rank())?),
+            true => Chunk::Host(value.into_data()),
             false => Chunk::Device(value.detach()),
         };
         *self.chunks[index]
@@ -324,10 +333,12 @@ impl<B: Backend> FsdpShards<B> {
                 ),
             });
         }
-        Ok(Tensor::from_data(
-            TensorData::new(whole, [numel]),
-            &self.device,
-        ))
+        // In the parameter's dtype (the values travel as f32, which holds every half-precision
+        // value exactly).
+        Ok(
+            Tensor::<B, 1>::from_data(TensorData::new(whole, [numel]), &self.device)
+                .cast(burn::tensor::FloatDType::from(self.slots[index].dtype)),
+        )
     }
 }
 
