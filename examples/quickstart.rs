@@ -139,6 +139,7 @@ fn main() -> anyhow::Result<()> {
             lr: 1e-3,
             grad_clip: 1.0,
             sync: &ReplicaSync::default(),
+            sharded: None,
         };
         let passes = SftPasses {
             remove_padding: true,

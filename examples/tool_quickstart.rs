@@ -155,6 +155,7 @@ fn main() -> anyhow::Result<()> {
             lr: args.sft_lr,
             grad_clip: 1.0,
             sync: &ReplicaSync::default(),
+            sharded: None,
         };
         let passes = SftPasses {
             remove_padding: true,

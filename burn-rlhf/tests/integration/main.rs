@@ -9,6 +9,7 @@ mod actor_update;
 mod config;
 mod data_parallel;
 mod extending;
+mod fsdp;
 mod learner_logprobs;
 mod on_policy;
 mod ppo_loop;
