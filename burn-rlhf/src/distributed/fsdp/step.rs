@@ -263,6 +263,20 @@ impl<B: burn_rlhf_algos::kernels::RlBackend> ShardedAdamW<B> {
         let coef = (max_norm / (norm + 1e-6)).min(1.0);
         for (index, grad) in chunks.into_iter().enumerate() {
             let Some(grad) = grad else { continue };
+            if grad.shape().num_elements() == 0 {
+                // A parameter smaller than the group (a value head's bias): this rank's chunk is
+                // empty. Its step count still moves, so every rank holds a state for it (the
+                // checkpoint's gather visits the same parameters everywhere); no kernel runs on
+                // nothing.
+                let time = self.states[index].as_ref().map_or(0, |s| s.time) + 1;
+                self.states[index] = Some(crate::optim::AdamWMoments::kept(
+                    time,
+                    grad.clone(),
+                    grad,
+                    self.adam.offloads(),
+                ));
+                continue;
+            }
             let grad = if coef < 1.0 { grad * coef } else { grad };
             let value = shards.chunk(index).inner();
             let (value, state) =
