@@ -431,7 +431,7 @@ pub enum VerlDialect {
     Ppo,
     /// The SFT trainer's (`sft_trainer_engine.yaml`): its `model`, `engine`, `optim`,
     /// `profiler` and `checkpoint` sections follow the rules of the PPO actor's same sections
-    /// ([`crate::config::verl_tree::sft_as_ppo`]).
+    /// ([`sft_as_ppo`]).
     Sft,
 }
 
@@ -446,7 +446,7 @@ impl VerlDialect {
                 .map(|(_, t)| *t)
                 .or_else(|| {
                     // The PPO actor's rule for the same section; its other names are PPO keys.
-                    let ppo = crate::config::verl_tree::sft_as_ppo(key)?;
+                    let ppo = sft_as_ppo(key)?;
                     match treatment(&ppo) {
                         Some(Treatment::Alias(_)) => None,
                         t if !known => t,
@@ -460,6 +460,23 @@ impl VerlDialect {
 const SFT_REPLICATED: &str = "the SFT trainer holds the parameters whole on every data-parallel \
      rank (the AdamW state too); FSDP's sharding is built in the RL trainer \
      (`actor_rollout_ref.actor.strategy`, `critic.strategy`); the numbers are those of either layout";
+
+/// verl's SFT sections and the PPO actor's section whose rules they follow (the same config
+/// groups in verl: `model/hf_model`, `engine/fsdp`, `optim/fsdp`, the profiler, the checkpoint).
+const SFT_SECTIONS: &[(&str, &str)] = &[
+    ("model.", "actor_rollout_ref.model."),
+    ("engine.", "actor_rollout_ref.actor.fsdp_config."),
+    ("optim.", "actor_rollout_ref.actor.optim."),
+    ("profiler.", "actor_rollout_ref.actor.profiler."),
+    ("checkpoint.", "actor_rollout_ref.actor.checkpoint."),
+];
+
+/// The PPO tree's name of the SFT tree's `key`, for the sections they share.
+pub fn sft_as_ppo(key: &str) -> Option<String> {
+    SFT_SECTIONS
+        .iter()
+        .find_map(|(sft, ppo)| key.strip_prefix(sft).map(|rest| format!("{ppo}{rest}")))
+}
 
 /// verl 0.9.1's SFT trainer keys with no key of their own in the SFT tree.
 pub const SFT_KEYS: &[(&str, Treatment)] = &[

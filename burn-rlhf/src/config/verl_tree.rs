@@ -14,23 +14,6 @@ const PPO_TREE: &str = include_str!("../../verl_config/_generated_ppo_trainer.ya
 const MEGATRON_TREE: &str = include_str!("../../verl_config/_generated_ppo_megatron_trainer.yaml");
 const SFT_TREE: &str = include_str!("../../verl_config/sft/sft_trainer_engine.yaml");
 
-/// verl's SFT sections and the PPO actor's section whose rules they follow (the same config
-/// groups in verl: `model/hf_model`, `engine/fsdp`, `optim/fsdp`, the profiler, the checkpoint).
-const SFT_SECTIONS: &[(&str, &str)] = &[
-    ("model.", "actor_rollout_ref.model."),
-    ("engine.", "actor_rollout_ref.actor.fsdp_config."),
-    ("optim.", "actor_rollout_ref.actor.optim."),
-    ("profiler.", "actor_rollout_ref.actor.profiler."),
-    ("checkpoint.", "actor_rollout_ref.actor.checkpoint."),
-];
-
-/// The PPO tree's name of the SFT tree's `key`, for the sections they share.
-pub fn sft_as_ppo(key: &str) -> Option<String> {
-    SFT_SECTIONS
-        .iter()
-        .find_map(|(sft, ppo)| key.strip_prefix(sft).map(|rest| format!("{ppo}{rest}")))
-}
-
 /// Sections (a key path or its start; `*` for any one part) whose keys change nothing here at
 /// verl's values, and why.
 const INERT: &[(&str, &str)] = &[
@@ -722,7 +705,7 @@ pub fn inert_in(dialect: VerlDialect, key: &str) -> Option<(&'static str, &'stat
 /// [`inert_reason`] of the SFT tree's `key`: its own section's (`data`, `trainer`), or the PPO
 /// actor's section it shares.
 pub fn sft_inert_reason(key: &str) -> Option<&'static str> {
-    inert_reason(&sft_as_ppo(key).unwrap_or_else(|| key.to_string()))
+    inert_reason(&super::verl_keys::sft_as_ppo(key).unwrap_or_else(|| key.to_string()))
 }
 
 fn collect(tree: &Value, prefix: &str, out: &mut BTreeMap<String, Value>) {

@@ -9,7 +9,7 @@ use burn_rlhf_algos::Registry;
 use burn_rlhf_models::{CausalLm, Tokenizer, TransformerConfig, ValueModel};
 use burn_rlhf_rollout::{PromptRecord, PromptSampler, RewardRegistry};
 
-use super::learner::{Algorithms, CriticState, Learner, ModelOptimizer};
+use super::learner::{hold_reference, Algorithms, CriticState, Learner, ModelOptimizer};
 use super::reward_model::{LoadedRewardModel, RewardScorer};
 use crate::config::settings::OptimSettings;
 use crate::config::{KnownNames, RlhfConfig, Settings};
@@ -18,7 +18,6 @@ use crate::distributed::fsdp::{FsdpShards, ShardGroups, ShardedAdamW, ShardedMod
 use crate::distributed::{sync_params, DataParallel, ShardPlan};
 use crate::error::TrainError;
 use crate::loading::{load_policy, load_value_model, with_lora};
-use crate::offload::Parked;
 use crate::optim::FusedAdamW;
 use crate::optim::ReplicaSync;
 use crate::optim::TpSplit;
@@ -325,31 +324,6 @@ pub(crate) fn shard_model<B: LearnerBackend, M: burn::module::Module<B>>(
             reshard_after_forward: fsdp.reshard_after_forward,
         }),
     ))
-}
-
-/// The frozen reference `model` as `settings` hold it on this rank: whole on the device, in host
-/// memory (`ref.fsdp_config.param_offload`), or with `ref.strategy: fsdp` on several
-/// data-parallel ranks sharded over them (its chunks in host memory with `param_offload`),
-/// gathered whole for its pass.
-pub(crate) fn hold_reference<B: LearnerBackend>(
-    model: CausalLm<B::InnerBackend>,
-    settings: &Settings,
-    dp: &DataParallel,
-    device: &B::Device,
-) -> Result<Parked<B::InnerBackend, CausalLm<B::InnerBackend>>, TrainError> {
-    let model = match settings.ref_dtype {
-        Some(dtype) => model.cast(dtype),
-        None => model,
-    };
-    match settings.ref_fsdp {
-        Some(fsdp) if dp.world() > 1 && dp.tp.is_none() => {
-            let groups = ShardGroups::of_ranks(dp, fsdp.group_size, fsdp.param_offload).map_err(
-                |reason| TrainError::config("actor_rollout_ref.ref.fsdp_config.fsdp_size", reason),
-            )?;
-            Ok(Parked::sharded(model, groups, &device.clone().into()))
-        }
-        _ => Ok(Parked::new(model, settings.ref_param_offload)),
-    }
 }
 
 impl<B: LearnerBackend> PreparedLearner<B> {

@@ -19,7 +19,7 @@ use burn_rlhf_rollout::{PromptRecord, PromptSampler, RewardFn};
 use super::reward_model::RewardScorer;
 use crate::config::settings::OptimSettings;
 use crate::config::Settings;
-use crate::distributed::fsdp::ShardedModel;
+use crate::distributed::fsdp::{ShardGroups, ShardedModel};
 use crate::distributed::DataParallel;
 use crate::error::TrainError;
 use crate::minibatch::OptimizerStep;
@@ -165,7 +165,7 @@ impl<B: LearnerBackend> Learner<B> {
         &self,
         model: CausalLm<B::InnerBackend>,
     ) -> Result<Parked<B::InnerBackend, CausalLm<B::InnerBackend>>, TrainError> {
-        super::build::hold_reference::<B>(model, &self.settings, &self.dp, &self.device)
+        hold_reference::<B>(model, &self.settings, &self.dp, &self.device)
     }
 
     /// The shape generation's KV cache takes: the policy's, or under tensor parallelism one
@@ -245,6 +245,31 @@ impl<B: LearnerBackend> Learner<B> {
     /// Whether there are validation prompts.
     pub(crate) fn has_validation_data(&self) -> bool {
         !self.val.is_empty()
+    }
+}
+
+/// The frozen reference `model` as `settings` hold it on this rank: whole on the device, in host
+/// memory (`ref.fsdp_config.param_offload`), or with `ref.strategy: fsdp` on several
+/// data-parallel ranks sharded over them (its chunks in host memory with `param_offload`),
+/// gathered whole for its pass.
+pub(crate) fn hold_reference<B: LearnerBackend>(
+    model: CausalLm<B::InnerBackend>,
+    settings: &Settings,
+    dp: &DataParallel,
+    device: &B::Device,
+) -> Result<Parked<B::InnerBackend, CausalLm<B::InnerBackend>>, TrainError> {
+    let model = match settings.ref_dtype {
+        Some(dtype) => model.cast(dtype),
+        None => model,
+    };
+    match settings.ref_fsdp {
+        Some(fsdp) if dp.world() > 1 && dp.tp.is_none() => {
+            let groups = ShardGroups::of_ranks(dp, fsdp.group_size, fsdp.param_offload).map_err(
+                |reason| TrainError::config("actor_rollout_ref.ref.fsdp_config.fsdp_size", reason),
+            )?;
+            Ok(Parked::sharded(model, groups, &device.clone().into()))
+        }
+        _ => Ok(Parked::new(model, settings.ref_param_offload)),
     }
 }
 
