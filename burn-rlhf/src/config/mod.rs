@@ -53,7 +53,7 @@ pub use load::{
 };
 pub use model::{Checkpointing, ModelConfig, DEFAULT_LOGITS_CHUNK};
 pub use names::KnownNames;
-pub use optim::OptimConfig;
+pub use optim::{FsdpSharding, OptimConfig};
 pub use reward::{
     CustomRewardFunctionConfig, OverlongBufferConfig, RewardModelConfig, RewardModelModelConfig,
     ACTOR_TOKENIZER,
@@ -69,7 +69,8 @@ pub use sft::{
     SftOptimConfig, SftSettings, SftTrainerConfig,
 };
 pub use supervised::{
-    SupervisedOptimConfig, SupervisedRunSettings, SupervisedTrainerConfig, TrainerDefaults,
+    EngineSettings, SupervisedEngineConfig, SupervisedOptimConfig, SupervisedRunSettings,
+    SupervisedTrainerConfig, TrainerDefaults,
 };
 pub use trainer::{CollectiveBackend, Loggers, TrainerConfig};
 pub use tree::{ActorRolloutRefConfig, RlhfConfig};

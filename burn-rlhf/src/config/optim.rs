@@ -221,8 +221,23 @@ impl FsdpConfig {
         p: &mut Problems,
         key: &str,
         optim: Option<&mut OptimSettings>,
-        (strategy_key, strategy): (&str, Option<Strategy>),
+        strategy: (&str, Option<Strategy>),
     ) {
+        let fsdp = self.sharding(p, key, strategy);
+        if let Some(optim) = optim {
+            optim.offload = self.optimizer_offload;
+            optim.fsdp = fsdp;
+        }
+    }
+
+    /// Checks the section at `key` and returns FSDP's sharding under `strategy` (named at
+    /// `strategy_key`; `None` under `megatron`).
+    pub(super) fn sharding(
+        &self,
+        p: &mut Problems,
+        key: &str,
+        (strategy_key, strategy): (&str, Option<Strategy>),
+    ) -> Option<FsdpSharding> {
         p.check(
             !self.param_offload || strategy != Some(Strategy::Megatron),
             || {
@@ -252,9 +267,6 @@ impl FsdpConfig {
                 )
             });
         }
-        if let Some(optim) = optim {
-            optim.offload = self.optimizer_offload;
-            optim.fsdp = fsdp;
-        }
+        fsdp
     }
 }

@@ -11,8 +11,8 @@ use super::load::load_typed;
 use super::model::Checkpointing;
 use super::problems::Problems;
 use super::supervised::{
-    decode_run, SupervisedOptimConfig, SupervisedRunSettings, SupervisedTrainerConfig,
-    TrainerDefaults,
+    decode_run, SupervisedEngineConfig, SupervisedOptimConfig, SupervisedRunSettings,
+    SupervisedTrainerConfig, TrainerDefaults,
 };
 
 /// `data.*`: preference pairs (TRL's layouts) from jsonl, parquet or hub files, as SFT data.
@@ -110,6 +110,8 @@ pub struct RmConfig {
     pub data: RmDataConfig,
     pub model: RmModelConfig,
     pub loss: RmLossConfig,
+    /// How the model's parameters and AdamW state are held (SFT's `engine.*`).
+    pub engine: SupervisedEngineConfig,
     pub optim: SupervisedOptimConfig,
     pub trainer: SupervisedTrainerConfig<RmDefaults>,
 }
@@ -191,7 +193,7 @@ impl RmConfig {
             self.model.enable_gradient_checkpointing,
             &self.model.gradient_checkpointing_granularity,
         );
-        let run = decode_run(&mut p, &self.optim, &self.trainer);
+        let run = decode_run(&mut p, &self.engine, &self.optim, &self.trainer);
         let settings =
             truncation
                 .zip(run)

@@ -12,8 +12,8 @@ use super::load::load_typed_in;
 use super::model::Checkpointing;
 use super::problems::Problems;
 use super::supervised::{
-    decode_run, SupervisedOptimConfig, SupervisedRunSettings, SupervisedTrainerConfig,
-    TrainerDefaults,
+    decode_run, SupervisedEngineConfig, SupervisedOptimConfig, SupervisedRunSettings,
+    SupervisedTrainerConfig, TrainerDefaults,
 };
 use super::verl_keys::VerlDialect;
 
@@ -175,14 +175,8 @@ impl TrainerDefaults for SftDefaults {
 /// `trainer.*` with verl's SFT defaults.
 pub type SftTrainerConfig = SupervisedTrainerConfig<SftDefaults>;
 
-/// `engine.*`: verl's FSDP engine keys that mean something here (the others are read as the
-/// PPO actor's `fsdp_config.*`: accepted at verl's values, refused otherwise).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
-#[serde(default, deny_unknown_fields)]
-pub struct SftEngineConfig {
-    /// AdamW's moments in host memory between steps.
-    pub optimizer_offload: bool,
-}
+/// `engine.*` (verl's FSDP engine keys; the supervised trainers share them).
+pub type SftEngineConfig = SupervisedEngineConfig;
 
 /// The SFT trainer's config tree: verl 0.9.1's `sft_trainer_engine.yaml` keys (its `model`,
 /// `engine`, `optim`, `data`, `checkpoint` and `trainer` sections), with its older trainer's
@@ -283,7 +277,7 @@ impl SftConfig {
             self.model.enable_gradient_checkpointing,
             &self.model.gradient_checkpointing_granularity,
         );
-        let run = decode_run(&mut p, o, t);
+        let run = decode_run(&mut p, &self.engine, o, t);
         let settings = truncation
             .zip(run)
             .zip(checkpointing)

@@ -1,12 +1,13 @@
-//! The sections the supervised trainers share (`burn-rlhf sft`, `burn-rlhf rm`): `optim.*` and
-//! `trainer.*` with verl's SFT trainer keys, and their decoding into the run's settings.
+//! The sections the supervised trainers share (`burn-rlhf sft`, `burn-rlhf rm`): `engine.*`,
+//! `optim.*` and `trainer.*` with verl's SFT trainer keys, and their decoding into the run's
+//! settings.
 
 use std::marker::PhantomData;
 use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
-use super::optim::ScheduleKind;
+use super::optim::{FsdpConfig, FsdpSharding, ScheduleKind, Strategy};
 use super::problems::Problems;
 use super::trainer::{decode_loggers, decode_resume, Loggers, ResumeMode};
 use burn_rlhf_models::pretrained::expand_home;
@@ -49,6 +50,64 @@ impl Default for SupervisedOptimConfig {
             total_training_steps: -1,
         }
     }
+}
+
+/// `engine.*`: verl's SFT engine keys that mean something here (the others are read as the
+/// PPO actor's `fsdp_config.*`: accepted at verl's values, refused otherwise).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SupervisedEngineConfig {
+    /// `fsdp` / `fsdp2`: parameters, gradients and AdamW state sharded over the data-parallel
+    /// ranks; `megatron`: whole on every rank.
+    pub strategy: String,
+    /// Ranks per shard group (-1: all of them), the groups replicas of each other.
+    pub fsdp_size: i64,
+    /// Under `fsdp`, each rank's chunks of the parameters in host memory.
+    pub param_offload: bool,
+    /// AdamW's moments in host memory between steps.
+    pub optimizer_offload: bool,
+    /// A layer's gathered parameters are freed after its forward (gathered again for the
+    /// backward's recomputation).
+    pub reshard_after_forward: bool,
+}
+
+impl Default for SupervisedEngineConfig {
+    fn default() -> Self {
+        Self {
+            strategy: "fsdp".into(),
+            fsdp_size: -1,
+            param_offload: false,
+            optimizer_offload: false,
+            reshard_after_forward: true,
+        }
+    }
+}
+
+impl SupervisedEngineConfig {
+    /// Checks the section (every problem into `p`, with its key) and decodes it.
+    pub(super) fn decode(&self, p: &mut Problems) -> Option<EngineSettings> {
+        let strategy = Strategy::decode(p, "engine.strategy", &self.strategy);
+        let fsdp = FsdpConfig {
+            param_offload: self.param_offload,
+            optimizer_offload: self.optimizer_offload,
+            fsdp_size: self.fsdp_size,
+            reshard_after_forward: self.reshard_after_forward,
+        };
+        let sharding = fsdp.sharding(p, "engine", ("engine.strategy", strategy));
+        strategy.map(|_| EngineSettings {
+            optimizer_offload: self.optimizer_offload,
+            fsdp: sharding,
+        })
+    }
+}
+
+/// `engine.*`, decoded: how a supervised run holds its model's parameters and AdamW state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct EngineSettings {
+    /// AdamW's moments in host memory between steps.
+    pub optimizer_offload: bool,
+    /// FSDP's sharding (`strategy: fsdp`), or `None`: whole on every rank.
+    pub fsdp: Option<FsdpSharding>,
 }
 
 /// What differs between the supervised trainers' `trainer.*` defaults.
@@ -122,14 +181,18 @@ pub struct SupervisedRunSettings {
     pub checkpoint_dir: PathBuf,
     /// Where a run continues from.
     pub resume: ResumeMode,
+    /// `engine.*`: sharding and offload.
+    pub engine: EngineSettings,
 }
 
 /// Checks `optim.*` and `trainer.*` (every problem into `p`, with its key) and decodes them.
 pub(super) fn decode_run<D: TrainerDefaults>(
     p: &mut Problems,
+    e: &SupervisedEngineConfig,
     o: &SupervisedOptimConfig,
     t: &SupervisedTrainerConfig<D>,
 ) -> Option<SupervisedRunSettings> {
+    let engine = e.decode(p);
     p.check(o.lr > 0.0, || "`optim.lr` must be > 0".into());
     let schedule = p.name(
         "optim.lr_scheduler",
@@ -161,10 +224,12 @@ pub(super) fn decode_run<D: TrainerDefaults>(
     )));
     schedule
         .zip(resume)
-        .map(|(schedule, resume)| SupervisedRunSettings {
+        .zip(engine)
+        .map(|((schedule, resume), engine)| SupervisedRunSettings {
             schedule,
             loggers,
             checkpoint_dir,
             resume,
+            engine,
         })
 }

@@ -457,10 +457,6 @@ impl VerlDialect {
     }
 }
 
-const SFT_REPLICATED: &str = "the SFT trainer holds the parameters whole on every data-parallel \
-     rank (the AdamW state too); FSDP's sharding is built in the RL trainer \
-     (`actor_rollout_ref.actor.strategy`, `critic.strategy`); the numbers are those of either layout";
-
 /// verl's SFT sections and the PPO actor's section whose rules they follow (the same config
 /// groups in verl: `model/hf_model`, `engine/fsdp`, `optim/fsdp`, the profiler, the checkpoint).
 const SFT_SECTIONS: &[(&str, &str)] = &[
@@ -481,22 +477,6 @@ pub fn sft_as_ppo(key: &str) -> Option<String> {
 /// verl 0.9.1's SFT trainer keys with no key of their own in the SFT tree.
 pub const SFT_KEYS: &[(&str, Treatment)] = &[
     ("model.path", Treatment::Alias("model.partial_pretrain")),
-    (
-        "engine.strategy",
-        Treatment::OnlyAt(&["fsdp", "fsdp2"], SFT_REPLICATED),
-    ),
-    (
-        "engine.fsdp_size",
-        Treatment::OnlyAt(&["-1"], SFT_REPLICATED),
-    ),
-    (
-        "engine.param_offload",
-        Treatment::OnlyAt(&["false"], SFT_REPLICATED),
-    ),
-    (
-        "engine.reshard_after_forward",
-        Treatment::OnlyAt(&["true", "false"], SFT_REPLICATED),
-    ),
     (
         "optim.lr_warmup_steps_ratio",
         Treatment::Alias("optim.warmup_steps_ratio"),

@@ -13,7 +13,7 @@ use burn_rlhf_algos::preference::{bradley_terry_pair_losses, reward_pair_stats};
 use burn_rlhf_models::transformer::PassRows;
 use burn_rlhf_models::{score_positions, RewardModel};
 
-use super::step::{MicroGradients, OptimizerStep};
+use super::step::OptimizerStep;
 use crate::backend::{ComputeBackend, LearnerBackend};
 use crate::distributed::{chunk, DataParallel};
 use crate::error::TrainError;
@@ -248,10 +248,14 @@ pub fn rm_update<B: LearnerBackend, O: Optimizer<RewardModel<B>, B>>(
     }
     // Averaged over the ranks by the step: each rank's sum is scaled to its share of the mean.
     let scale = dp.world() as f64 / pairs.len() as f64;
-    let mut gradients = MicroGradients::default();
+    let mut gradients = step.gradients();
     let mut sums = PairSums::default();
-    for part in mine.chunks(loss.micro_batch_size.max(1)) {
-        let (computing, mut checkpoint) = micro_model(&model, None, loss.recompute_layers);
+    let parts: Vec<_> = mine.chunks(loss.micro_batch_size.max(1)).collect();
+    for (&part, counts) in step.in_lockstep(&parts)? {
+        // A replay (FSDP's lockstep) adds nothing: its loss is weighted by 0.
+        let weight = if counts { 1.0 } else { 0.0 };
+        let pass = step.pass_model(&model, loss.recompute_layers);
+        let (computing, mut checkpoint) = micro_model(&pass, None, loss.recompute_layers);
         let (chosen, rejected) =
             pair_scores(&computing, part, &loss.read, device, checkpoint.as_mut());
         let losses = bradley_terry_pair_losses(
@@ -261,12 +265,14 @@ pub fn rm_update<B: LearnerBackend, O: Optimizer<RewardModel<B>, B>>(
             loss.center_rewards_coefficient,
         );
         let total = losses.sum();
-        sums.add(
-            to_scalar(total.clone().detach()),
-            &to_vec(chosen.detach()),
-            &to_vec(rejected.detach()),
-        );
-        gradients.add(&model, total.mul_scalar(scale), checkpoint)?;
+        if counts {
+            sums.add(
+                to_scalar(total.clone().detach()),
+                &to_vec(chosen.detach()),
+                &to_vec(rejected.detach()),
+            );
+        }
+        gradients.add(&pass, total.mul_scalar(scale * weight), checkpoint)?;
     }
     let mut metrics = sums.over_ranks(dp)?.metrics("train");
     let model = step.apply(model, gradients, &mut metrics, "train")?;

@@ -18,7 +18,7 @@ use crate::forward::{
 };
 
 use super::micro_batches;
-use super::step::{MicroGradients, OptimizerStep};
+use super::step::OptimizerStep;
 
 /// How an SFT batch goes through the model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -102,7 +102,7 @@ pub fn sft_update<B: LearnerBackend, O: Optimizer<CausalLm<B>, B>>(
     );
     let mine = dp.my_rows(batch, 1, "data.train_batch_size")?;
     let local = batch.select(&mine);
-    let mut gradients = MicroGradients::default();
+    let mut gradients = step.gradients();
     let mut loss_sum = 0.0;
     let parts = micro_batches(
         &local,
@@ -111,9 +111,12 @@ pub fn sft_update<B: LearnerBackend, O: Optimizer<CausalLm<B>, B>>(
         (1, 1),
         "data.max_token_len_per_gpu",
     )?;
-    for part in parts.iter().map(|m| &m.batch) {
-        let seq = passes.tensors::<B>(part, device);
-        let (computing, mut checkpoint) = micro_model(&model, None, recompute_layers);
+    for (part, counts) in step.in_lockstep(&parts)? {
+        // A replay (FSDP's lockstep) adds nothing: its loss is weighted by 0.
+        let weight = if counts { 1.0 } else { 0.0 };
+        let seq = passes.tensors::<B>(&part.batch, device);
+        let pass = step.pass_model(&model, recompute_layers);
+        let (computing, mut checkpoint) = micro_model(&pass, None, recompute_layers);
         let (logp, _) = response_logprobs_routed(
             &computing,
             &seq,
@@ -126,9 +129,10 @@ pub fn sft_update<B: LearnerBackend, O: Optimizer<CausalLm<B>, B>>(
             seq.response_mask.clone(),
             LossAggMode::TokenMean,
             &global,
-        )?;
+        )?
+        .mul_scalar(weight);
         loss_sum += to_scalar(loss.clone().detach());
-        gradients.add(&model, loss, checkpoint)?;
+        gradients.add(&pass, loss, checkpoint)?;
     }
     let mut metrics = BTreeMap::from([("train/loss".to_string(), loss_sum)]);
     let model = step.apply(model, gradients, &mut metrics, "train")?;

@@ -106,6 +106,17 @@ impl<B: RlBackend> MomentsOf<B> for FusedAdamW {
     }
 }
 
+impl OptimSettings {
+    /// FSDP's sharding of the model these settings train, with its AdamW (for
+    /// [`ModelOptimizer::shard`](crate::trainer)).
+    pub fn sharding(&self) -> (Option<crate::config::FsdpSharding>, FusedAdamW) {
+        (
+            self.fsdp,
+            FusedAdamW::new(self.betas, self.weight_decay, self.offload),
+        )
+    }
+}
+
 /// The optimiser of a module: [`FusedAdamW`].
 pub type AdamWOf<M, B> = OptimizerAdaptor<FusedAdamW, M, B>;
 

@@ -11,14 +11,11 @@ use burn_rlhf_rollout::{PromptRecord, PromptSampler, RewardRegistry};
 
 use super::learner::{hold_reference, Algorithms, CriticState, Learner, ModelOptimizer};
 use super::reward_model::{LoadedRewardModel, RewardScorer};
-use crate::config::settings::OptimSettings;
 use crate::config::{KnownNames, RlhfConfig, Settings};
 use crate::datasets::load_data_files;
-use crate::distributed::fsdp::{FsdpShards, ShardGroups, ShardedAdamW, ShardedModel};
 use crate::distributed::{sync_params, DataParallel, ShardPlan};
 use crate::error::TrainError;
 use crate::loading::{load_policy, load_value_model, with_lora};
-use crate::optim::FusedAdamW;
 use crate::optim::ReplicaSync;
 use crate::optim::TpSplit;
 use burn_rlhf_rollout::agent::render::ChatRenderer;
@@ -292,40 +289,6 @@ pub(crate) struct PreparedLearner<B: LearnerBackend> {
     settings: Settings,
 }
 
-/// `model` as `optim` holds it on this rank: whole, or with `strategy: fsdp` on several
-/// data-parallel ranks sharded ([`FsdpShards::shard`]) over shard groups of `fsdp_size`
-/// (`size_key`; every rank by default), the groups' same chunks summed across them (hybrid).
-pub(crate) fn shard_model<B: LearnerBackend, M: burn::module::Module<B>>(
-    model: M,
-    optim: &OptimSettings,
-    size_key: &str,
-    dp: &DataParallel,
-    device: &B::Device,
-) -> Result<(M, Option<ShardedModel<B>>), TrainError> {
-    let world = dp.world();
-    let Some(fsdp) = optim
-        .fsdp
-        .filter(|f| (world > 1 || f.param_offload) && dp.tp.is_none())
-    else {
-        return Ok((model, None));
-    };
-    let groups = ShardGroups::of_ranks(dp, fsdp.group_size, fsdp.param_offload)
-        .map_err(|reason| TrainError::config(size_key, reason))?;
-    let (model, shards) = FsdpShards::shard(model, groups, device);
-    let adam = ShardedAdamW::new(
-        FusedAdamW::new(optim.betas, optim.weight_decay, optim.offload),
-        shards.len(),
-    );
-    Ok((
-        model,
-        Some(ShardedModel {
-            shards,
-            adam,
-            reshard_after_forward: fsdp.reshard_after_forward,
-        }),
-    ))
-}
-
 impl<B: LearnerBackend> PreparedLearner<B> {
     /// The learner as rank `dp.rank()` of its run, built in its layout: under tensor
     /// parallelism its models are this rank's parts of the given ones; every rank starts from
@@ -385,27 +348,25 @@ impl<B: LearnerBackend> PreparedLearner<B> {
         let actor = sync_params(actor, &rank0, &dp)?;
         let mut actor_optimizer = ModelOptimizer::new(&settings.actor.optim, self.total_steps);
         actor_optimizer.sync = sync(shards(&|| ShardPlan::new::<B, _>(&actor, world)));
-        let (actor, sharded) = shard_model(
+        let actor = actor_optimizer.shard(
             actor,
-            &settings.actor.optim,
+            settings.actor.optim.sharding(),
             "actor_rollout_ref.actor.fsdp_config.fsdp_size",
             &dp,
             &device,
         )?;
-        actor_optimizer.sharded = sharded;
         let critic = match (critic, &settings.critic) {
             (Some((model, config)), Some(cs)) => {
                 let model = sync_params(model, &rank0, &dp)?;
                 let mut optimizer = ModelOptimizer::new(&cs.optim, self.total_steps);
                 optimizer.sync = sync(shards(&|| ShardPlan::new::<B, _>(&model, world)));
-                let (model, sharded) = shard_model(
+                let model = optimizer.shard(
                     model,
-                    &cs.optim,
+                    cs.optim.sharding(),
                     "critic.model.fsdp_config.fsdp_size",
                     &dp,
                     &device,
                 )?;
-                optimizer.sharded = sharded;
                 Some(CriticState {
                     model,
                     config,

@@ -18,13 +18,16 @@ use burn_rlhf_rollout::{PromptRecord, PromptSampler, RewardFn};
 
 use super::reward_model::RewardScorer;
 use crate::config::settings::OptimSettings;
+use crate::config::FsdpSharding;
 use crate::config::Settings;
-use crate::distributed::fsdp::{ShardGroups, ShardedModel};
+use crate::distributed::fsdp::{FsdpShards, ShardGroups, ShardedAdamW, ShardedModel};
 use crate::distributed::DataParallel;
 use crate::error::TrainError;
 use crate::minibatch::OptimizerStep;
 use crate::offload::Parked;
-use crate::optim::{adamw, adamw_state_bytes, AdamWOf, LrSchedule, ReplicaSync, StateBytes};
+use crate::optim::{
+    adamw, adamw_state_bytes, AdamWOf, FusedAdamW, LrSchedule, ReplicaSync, StateBytes,
+};
 
 /// What trains one model (the actor, the critic): AdamW and its state, the learning-rate
 /// schedule and its position, and how the model's gradients meet the other ranks'.
@@ -78,6 +81,35 @@ impl<M: AutodiffModule<B>, B: LearnerBackend> ModelOptimizer<M, B> {
             None => adamw_state_bytes(&self.optim),
             Some(s) => s.adam.state_bytes(),
         }
+    }
+
+    /// `model` as this optimiser holds it on this rank: whole, or with `strategy: fsdp`
+    /// (`fsdp`) on several data-parallel ranks (or with `param_offload`) sharded
+    /// ([`FsdpShards::shard`]) over shard groups of `fsdp_size` (`size_key`; every rank by
+    /// default), the groups' same chunks summed across them (hybrid); `adam` (this optimiser's
+    /// AdamW) then steps this rank's chunks.
+    pub fn shard(
+        &mut self,
+        model: M,
+        (fsdp, adam): (Option<FsdpSharding>, FusedAdamW),
+        size_key: &str,
+        dp: &DataParallel,
+        device: &B::Device,
+    ) -> Result<M, TrainError> {
+        let Some(fsdp) = fsdp.filter(|f| (dp.world() > 1 || f.param_offload) && dp.tp.is_none())
+        else {
+            return Ok(model);
+        };
+        let groups = ShardGroups::of_ranks(dp, fsdp.group_size, fsdp.param_offload)
+            .map_err(|reason| TrainError::config(size_key, reason))?;
+        let (model, shards) = FsdpShards::shard(model, groups, device);
+        let adam = ShardedAdamW::new(adam, shards.len());
+        self.sharded = Some(ShardedModel {
+            shards,
+            adam,
+            reshard_after_forward: fsdp.reshard_after_forward,
+        });
+        Ok(model)
     }
 
     /// A copy of `model` (this optimiser's) with every parameter present: itself, or under

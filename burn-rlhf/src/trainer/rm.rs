@@ -249,7 +249,6 @@ pub fn fit_rm<B: LearnerBackend>(
         batch_size: d.train_batch_size,
         train_files: &d.train_files,
         optim: &config.optim,
-        optimizer_offload: false,
         trainer: &config.trainer,
         run: &settings.run,
         resumed,

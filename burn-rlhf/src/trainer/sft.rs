@@ -420,7 +420,6 @@ pub fn fit_sft<B: LearnerBackend>(
         batch_size: d.train_batch_size,
         train_files: &d.train_files,
         optim: &config.optim,
-        optimizer_offload: config.engine.optimizer_offload,
         trainer: &config.trainer,
         run: &settings.run,
         resumed,

@@ -20,6 +20,7 @@ use burn_rlhf_rollout::data::SamplerState;
 use burn_rlhf_rollout::PromptSampler;
 
 use super::checkpoint::{checkpoint_to_resume, prune_step_folders, save_param_order, write_latest};
+use super::fit::RankMemory;
 use super::launch::{run_ranks, GroupPlan, NodeLaunch};
 use super::learner::ModelOptimizer;
 use super::logger::MetricsLogger;
@@ -30,7 +31,8 @@ use crate::config::{SupervisedOptimConfig, SupervisedRunSettings, SupervisedTrai
 use crate::distributed::{sync_params, DataParallel};
 use crate::error::TrainError;
 use crate::minibatch::OptimizerStep;
-use crate::optim::{adamw, AdamWOf, LrSchedule, ReplicaSync, ScheduleKind};
+use crate::optim::{AdamWOf, FusedAdamW, LrSchedule, ReplicaSync, ScheduleKind};
+use burn::optim::adaptor::OptimizerAdaptor;
 
 /// What a supervised trainer does with its own model and examples.
 pub(crate) trait SupervisedTask<B: LearnerBackend> {
@@ -189,6 +191,9 @@ pub struct SupervisedOutputs {
     pub jsonl: Option<PathBuf>,
     /// The last validation's `val/*` metrics (empty without validation data).
     pub val: Metrics,
+    /// What the returning rank held of the model at the end: its parameters and AdamW moments
+    /// (under `engine.strategy: fsdp` on several ranks its chunks).
+    pub memory: RankMemory,
 }
 
 /// One rank's run of a supervised trainer: what it starts from and trains on.
@@ -208,8 +213,6 @@ pub(crate) struct SupervisedRun<'a, B: LearnerBackend, T: SupervisedTask<B>, D: 
     /// The training files, for the message when they hold less than a batch.
     pub train_files: &'a [String],
     pub optim: &'a SupervisedOptimConfig,
-    /// AdamW's moments in host memory between steps (SFT's `engine.optimizer_offload`).
-    pub optimizer_offload: bool,
     pub trainer: &'a SupervisedTrainerConfig<D>,
     pub run: &'a SupervisedRunSettings,
     /// The checkpoint resumed from, with its state.
@@ -236,7 +239,6 @@ impl<B: LearnerBackend, T: SupervisedTask<B>, D: TrainerDefaults> SupervisedRun<
             batch_size: bs,
             train_files,
             optim: o,
-            optimizer_offload,
             trainer: t,
             run,
             resumed,
@@ -266,8 +268,9 @@ impl<B: LearnerBackend, T: SupervisedTask<B>, D: TrainerDefaults> SupervisedRun<
             .total_training_steps
             .unwrap_or(t.total_epochs * sampler.batches_per_epoch(bs))
             .max(1);
+        let adam = FusedAdamW::new(o.betas, o.weight_decay, run.engine.optimizer_offload);
         let mut optimizer = ModelOptimizer::<T::Model, B> {
-            optim: adamw(o.betas, o.weight_decay, optimizer_offload),
+            optim: OptimizerAdaptor::from(adam),
             schedule: supervised_schedule(o, run.schedule, total),
             sync: ReplicaSync {
                 dp: dp.clone(),
@@ -277,11 +280,23 @@ impl<B: LearnerBackend, T: SupervisedTask<B>, D: TrainerDefaults> SupervisedRun<
             sharded: None,
             updates: start,
         };
+        // Under `engine.strategy: fsdp` this rank keeps its chunks; a resumed run's whole
+        // weights and AdamW state are dealt out to them.
+        let whole = model.clone();
+        model = optimizer.shard(
+            model,
+            (run.engine.fsdp, adam),
+            "engine.fsdp_size",
+            &dp,
+            device,
+        )?;
         if let Some((dir, _)) = &resumed {
-            model = optimizer.load(dir, model, device)?;
+            model = optimizer.load(dir, whole, device)?;
             if main {
                 eprintln!("resumed from {} (step {start})", dir.display());
             }
+        } else {
+            drop(whole);
         }
         let root = &run.checkpoint_dir;
         // Rank 0 logs and checkpoints; every rank holds the same metrics.
@@ -298,12 +313,13 @@ impl<B: LearnerBackend, T: SupervisedTask<B>, D: TrainerDefaults> SupervisedRun<
             let mut metrics: Metrics = dp.mean_metrics(m.into_iter().collect())?;
             metrics.insert("train/epoch".into(), sampler.state().epoch as f64);
             let last = step == total;
-            if main
-                && !val.is_empty()
-                && ((t.test_freq > 0 && step as i64 % t.test_freq == 0) || last)
-            {
-                last_val = task.validate(&model.valid(), &val, bs, device);
-                metrics.extend(last_val.clone());
+            if !val.is_empty() && ((t.test_freq > 0 && step as i64 % t.test_freq == 0) || last) {
+                // Every rank gathers the parameters (a collective); rank 0 validates.
+                let whole = optimizer.whole(&model);
+                if main {
+                    last_val = task.validate(&whole.valid(), &val, bs, device);
+                    metrics.extend(last_val.clone());
+                }
             }
             logger.log(step, &metrics)?;
             // Every rank stops after the same step when any saw the request.
@@ -313,16 +329,21 @@ impl<B: LearnerBackend, T: SupervisedTask<B>, D: TrainerDefaults> SupervisedRun<
                     global_step: step,
                     sampler: sampler.state(),
                 };
+                // Under FSDP every rank takes part in gathering the model and its AdamW state;
+                // rank 0 writes them.
+                let whole = optimizer.whole(&model);
                 if main {
-                    let (tensors, architecture) = task.export(&model);
+                    let (tensors, architecture) = task.export(&whole);
                     let files = CheckpointFiles {
                         tensors: &tensors,
                         architecture: architecture.as_deref(),
                         config: &model_config,
                         tokenizer: &tokenizer,
                     };
-                    save_checkpoint::<B, T::Model>(root, files, &model, &optimizer, &state)?;
+                    save_checkpoint::<B, T::Model>(root, files, &whole, &optimizer, &state)?;
                     prune_step_folders(root, t.max_ckpt_to_keep.filter(|&n| n > 0))?;
+                } else {
+                    optimizer.save(root, false, &whole)?;
                 }
                 dp.barrier()?;
                 checkpoint = Some(root.join(format!("global_step_{step}")));
@@ -333,10 +354,17 @@ impl<B: LearnerBackend, T: SupervisedTask<B>, D: TrainerDefaults> SupervisedRun<
             }
         }
         logger.finish()?;
+        let (parameters, parameters_host) = optimizer.parameter_bytes(&model);
         Ok(SupervisedOutputs {
             checkpoint: checkpoint.expect("the last step saves"),
             jsonl,
             val: last_val,
+            memory: RankMemory {
+                parameters,
+                parameters_host,
+                optimizer: optimizer.state_bytes(),
+                ..RankMemory::default()
+            },
         })
     }
 }

@@ -282,12 +282,14 @@ fn rm_resumes_in_a_new_process_as_if_never_stopped() {
 }
 
 /// `burn-rlhf rm` on two devices (each rank half of every batch's pairs, the loss normalised by
-/// the whole batch) ends where one device does, with the same metrics.
+/// the whole batch) ends where one device does, with the same metrics: sharded (FSDP, the
+/// default `engine.strategy`), whole (`megatron`), and on three ranks whose micro-batch counts
+/// differ (2, 1, 1: the sharded ranks' gathers kept in lockstep).
 #[test]
 fn rm_on_two_devices_reproduces_one() {
     let dir = temp_dir("rm-dp");
     let a = assets(&dir, 32, 0);
-    let (one, two) = (dir.join("one"), dir.join("two"));
+    let one = dir.join("one");
     let small = [
         "data.train_batch_size=16",
         "data.micro_batch_size_per_gpu=3",
@@ -301,17 +303,34 @@ fn rm_on_two_devices_reproduces_one() {
         ),
         "one device",
     );
-    let mut on_two = small.to_vec();
-    on_two.push("trainer.n_gpus_per_node=2");
-    ok(
-        &cli(
-            "rm",
-            "configs/rm_arithmetic.ron",
-            &rm_args(&a, &two, 4, &on_two),
+    let cases: [(&str, &[&str]); 3] = [
+        ("two", &["trainer.n_gpus_per_node=2"]),
+        (
+            "two-whole",
+            &["trainer.n_gpus_per_node=2", "engine.strategy=megatron"],
         ),
-        "two devices",
-    );
-    super::assert_same_runs(&one, &two, 4, "model.safetensors", &a.model, 1e-5);
+        (
+            "three",
+            &[
+                "trainer.n_gpus_per_node=3",
+                "data.micro_batch_size_per_gpu=5",
+            ],
+        ),
+    ];
+    for (name, extra) in cases {
+        let mut args = small.to_vec();
+        args.extend(extra);
+        let out = dir.join(name);
+        ok(
+            &cli(
+                "rm",
+                "configs/rm_arithmetic.ron",
+                &rm_args(&a, &out, 4, &args),
+            ),
+            name,
+        );
+        super::assert_same_runs(&one, &out, 4, "model.safetensors", &a.model, 1e-5);
+    }
 }
 
 /// A PPO run scored by a reward model on two devices (each rank scores its share of the rows,

@@ -208,6 +208,108 @@ fn sft_cli(dir: &Path, out: &Path, steps: usize, extra: &[&str]) {
     assert!(status.success(), "sft {steps} steps into {}", out.display());
 }
 
+/// [`sft_cli`]'s run in this process (`burn_rlhf::trainer::sft::sft`), for what the returning
+/// rank held.
+fn sft_here(
+    dir: &Path,
+    out: &Path,
+    steps: usize,
+    extra: &[&str],
+) -> burn_rlhf::trainer::supervised::SupervisedOutputs {
+    static STOP: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/sft_gsm8k.ron");
+    let mut overrides = vec![
+        format!("model.partial_pretrain={}", dir.join("model").display()),
+        format!("data.train_files={}", ron_list(&dir.join("train.jsonl"))),
+        format!("data.val_files={}", ron_list(&dir.join("test.jsonl"))),
+        "data.max_length=16".into(),
+        "data.train_batch_size=8".into(),
+        "data.micro_batch_size_per_gpu=3".into(),
+        "optim.lr=0.003".into(),
+        "optim.lr_scheduler=constant".into(),
+        format!("trainer.total_training_steps={steps}"),
+        "trainer.test_freq=2".into(),
+        "trainer.logger=[jsonl]".into(),
+        format!("trainer.default_local_dir={}", out.display()),
+    ];
+    overrides.extend(extra.iter().map(|e| e.to_string()));
+    let config = burn_rlhf::config::SftConfig::load(&config, &overrides).unwrap();
+    burn_rlhf::trainer::sft::sft(&config, &STOP).unwrap()
+}
+
+/// `engine.strategy: fsdp` (verl's default) shards the parameters, gradients and AdamW state
+/// over the ranks: 2 ranks, 3 ranks with unequal micro-batch counts (the ranks' gathers kept in
+/// lockstep) and 4 ranks in hybrid groups of 2 end where one device does, each rank holding
+/// 1/N of the parameter and AdamW bytes; `megatron` keeps them whole. A checkpoint of the
+/// sharded run resumes on one device.
+#[test]
+fn sft_sharded_over_ranks_reproduces_one_device() {
+    let dir = temp_dir("sft-fsdp");
+    let (model_dir, _, _) = assets(&dir);
+    let one = sft_here(&dir, &dir.join("one"), 4, &[]);
+    let (params, state) = (one.memory.parameters, one.memory.optimizer.device);
+    assert!(params > 0 && state == 2 * params, "{:?}", one.memory);
+    let cases: [(&str, &[&str], usize); 4] = [
+        ("two", &["trainer.n_gpus_per_node=2"], 2),
+        (
+            "three",
+            &[
+                "trainer.n_gpus_per_node=3",
+                "data.micro_batch_size_per_gpu=2",
+            ],
+            3,
+        ),
+        (
+            "hybrid",
+            &["trainer.n_gpus_per_node=4", "engine.fsdp_size=2"],
+            2,
+        ),
+        (
+            "whole",
+            &["trainer.n_gpus_per_node=2", "engine.strategy=megatron"],
+            1,
+        ),
+    ];
+    for (name, extra, share) in cases {
+        let run = sft_here(&dir, &dir.join(name), 4, extra);
+        super::assert_same_runs(
+            &dir.join("one"),
+            &dir.join(name),
+            4,
+            "model.safetensors",
+            &model_dir,
+            1e-5,
+        );
+        // Chunks are rounded up to whole elements per parameter: within a few per tensor.
+        let slack = 64 * 4 * 8;
+        let held = run.memory.parameters;
+        eprintln!(
+            "{name}: rank 0 holds {held} of {params} parameter bytes, {} of {state} AdamW bytes",
+            run.memory.optimizer.device
+        );
+        assert!(
+            held.abs_diff(params / share) <= slack,
+            "{name}: {held} of {params} bytes, 1/{share} expected"
+        );
+        let moments = run.memory.optimizer.device;
+        assert!(
+            moments.abs_diff(state / share) <= 2 * slack,
+            "{name}: {moments} of {state} AdamW bytes, 1/{share} expected"
+        );
+    }
+    let resumed = dir.join("resumed");
+    sft_here(&dir, &resumed, 2, &["trainer.n_gpus_per_node=2"]);
+    sft_here(&dir, &resumed, 4, &[]);
+    super::assert_same_runs(
+        &dir.join("one"),
+        &resumed,
+        4,
+        "model.safetensors",
+        &model_dir,
+        1e-5,
+    );
+}
+
 /// verl 0.9.1's messages layout: the same problems as `{messages: [user, assistant]}` rows
 /// through a chat template that renders them as the pairs are encoded (the prompt's text, the
 /// answer and EOS) train exactly as the pairs do, in micro-batches of rows; in micro-batches of
