@@ -465,6 +465,75 @@ mod tests {
         }
     }
 
+    /// A bf16 parameter (no f32 master copy) steps as its f32 values would, each result rounded
+    /// once to bf16: the parameter and both moments, over three steps, with an f32 gradient
+    /// (FSDP's reduce) and a bf16 one; moments read back in f32 (a resumed checkpoint's) step
+    /// the same.
+    #[test]
+    fn a_bf16_parameter_steps_in_f32_and_keeps_bf16_moments() {
+        use burn::tensor::{DType, FloatDType};
+        let bf16 = |t: Tensor<Flex, 2>| t.cast(FloatDType::BF16);
+        let up = |t: Tensor<Flex, 2>| t.cast(FloatDType::F32);
+        for grad_dtype in [DType::F32, DType::BF16] {
+            let start = bf16(random([37, 1000], 7));
+            let mut half = (start.clone(), None);
+            let mut full = (up(start), None::<(Tensor<Flex, 2>, Tensor<Flex, 2>)>);
+            for time in 1..=3 {
+                let grad = match grad_dtype {
+                    DType::F32 => random([37, 1000], 10 + time as u64),
+                    _ => bf16(random([37, 1000], 10 + time as u64)),
+                };
+                let step = AdamWStep {
+                    lr: 1e-2,
+                    beta_1: 0.9,
+                    beta_2: 0.999,
+                    epsilon: 1e-8,
+                    weight_decay: 0.1,
+                    time,
+                };
+                let (p, m, v) = super::super::adamw_step(half.0, grad.clone(), half.1, step);
+                assert_eq!(
+                    [p.dtype(), m.dtype(), v.dtype()],
+                    [DType::BF16; 3],
+                    "kept in bf16"
+                );
+                // The f32 step from the same (bf16) values, rounded once.
+                let (fp, fm, fv) = super::super::adamw_step(
+                    up(full.0.clone()),
+                    up(grad),
+                    full.1.clone().map(|(m, v)| (up(m), up(v))),
+                    step,
+                );
+                let (fp, fm, fv) = (bf16(fp), bf16(fm), bf16(fv));
+                for (got, want, what) in [(&p, &fp, "parameter"), (&m, &fm, "m"), (&v, &fv, "v")] {
+                    assert_eq!(
+                        got.clone().into_data().convert::<f32>(),
+                        want.clone().into_data().convert::<f32>(),
+                        "{what} at step {time}"
+                    );
+                }
+                // Moments in f32 (read back from a checkpoint) step the same.
+                if time == 2 {
+                    let (p2, _, _) = super::super::adamw_step(
+                        p.clone(),
+                        up(random([37, 1000], 99)),
+                        Some((up(m.clone()), up(v.clone()))),
+                        step,
+                    );
+                    let (p3, _, _) = super::super::adamw_step(
+                        p.clone(),
+                        up(random([37, 1000], 99)),
+                        Some((m.clone(), v.clone())),
+                        step,
+                    );
+                    assert_eq!(p2.into_data(), p3.into_data());
+                }
+                half = (p, Some((m, v)));
+                full = (fp, Some((fm, fv)));
+            }
+        }
+    }
+
     /// The chunked LM head for chunk sizes that split the rows unevenly, for a weight stored as
     /// `[vocab, hidden]` (tied embeddings) and as the transpose of `[hidden, vocab]` (a head).
     #[test]

@@ -60,7 +60,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
-use burn::tensor::{Int, Tensor, TensorPrimitive};
+use burn::tensor::{DType, FloatDType, Int, Tensor, TensorPrimitive};
 
 static KERNELS_ENABLED: AtomicBool = AtomicBool::new(true);
 
@@ -496,7 +496,11 @@ pub fn value_clip_token_loss<B: RlBackend>(
     (wrap(l), wrap(c))
 }
 
-/// One AdamW step of `param` (see [`RlBackend::rl_adamw_step`]).
+/// One AdamW step of `param` (see [`RlBackend::rl_adamw_step`]). A half-precision parameter
+/// (verl's `fsdp_config.model_dtype=bf16`: no f32 master copy) keeps its moments in its own
+/// dtype, as torch's AdamW does for such a parameter; the step itself runs in f32 (the fused
+/// kernel on the values cast up, any gradient dtype), and the parameter and moments are rounded
+/// once to their dtype after it.
 ///
 /// Shapes: param, grad and moments alike → (param, first moment, second moment) alike.
 pub fn adamw_step<B: RlBackend, const D: usize>(
@@ -506,6 +510,25 @@ pub fn adamw_step<B: RlBackend, const D: usize>(
     step: AdamWStep,
 ) -> (Tensor<B, D>, Tensor<B, D>, Tensor<B, D>) {
     assert_eq!(param.dims(), grad.dims(), "parameter and gradient shapes");
+    let dtype = param.dtype();
+    if dtype != DType::F32 || grad.dtype() != DType::F32 {
+        let up = |t: Tensor<B, D>| match t.dtype() {
+            DType::F32 => t,
+            _ => t.cast(FloatDType::F32),
+        };
+        let (p, m, v) = adamw_step(
+            up(param),
+            up(grad),
+            moments.map(|(m, v)| (up(m), up(v))),
+            step,
+        );
+        let kept = FloatDType::from(dtype);
+        let down = |t: Tensor<B, D>| match dtype {
+            DType::F32 => t,
+            _ => t.cast(kept),
+        };
+        return (down(p), down(m), down(v));
+    }
     let (p, m, v) = B::rl_adamw_step(
         prim(param),
         prim(grad),

@@ -70,6 +70,10 @@ pub struct OptimSettings {
     /// The parameters are sharded over the data-parallel ranks (`strategy: fsdp`), or `None`:
     /// whole on every rank (`strategy: megatron`).
     pub fsdp: Option<FsdpSharding>,
+    /// `fsdp_config.model_dtype`: the dtype the trained weights and their AdamW moments are held
+    /// in (`None`: f32 master weights; bf16/f16: no f32 copy, verl's pure half-precision
+    /// training).
+    pub master_dtype: Option<burn::tensor::FloatDType>,
 }
 
 /// FSDP's parameter sharding of one model (ZeRO-3, verl's `strategy: fsdp | fsdp2`): each rank
@@ -153,6 +157,7 @@ impl OptimConfig {
             schedule: schedule?,
             min_lr_ratio: self.min_lr_ratio,
             num_cycles: self.num_cycles,
+            master_dtype: None,
             total_steps: (self.total_training_steps > 0)
                 .then_some(self.total_training_steps as usize),
             offload: false,
@@ -199,6 +204,9 @@ pub struct FsdpConfig {
     /// A layer's gathered parameters are freed after its forward (gathered again for the
     /// backward).
     pub reshard_after_forward: bool,
+    /// The dtype the weights and AdamW moments are held in (`fp32`: f32 master weights;
+    /// `bf16`, `fp16`: pure half precision).
+    pub model_dtype: String,
 }
 
 impl Default for FsdpConfig {
@@ -208,6 +216,7 @@ impl Default for FsdpConfig {
             optimizer_offload: false,
             fsdp_size: -1,
             reshard_after_forward: true,
+            model_dtype: "fp32".into(),
         }
     }
 }
@@ -224,10 +233,21 @@ impl FsdpConfig {
         strategy: (&str, Option<Strategy>),
     ) {
         let fsdp = self.sharding(p, key, strategy);
+        let master = self.master_dtype(p, key);
         if let Some(optim) = optim {
             optim.offload = self.optimizer_offload;
             optim.fsdp = fsdp;
+            optim.master_dtype = master.flatten();
         }
+    }
+
+    /// `model_dtype` (at `key.model_dtype`): `Some(None)` for f32 master weights.
+    pub(super) fn master_dtype(
+        &self,
+        p: &mut Problems,
+        key: &str,
+    ) -> Option<Option<burn::tensor::FloatDType>> {
+        super::model::dtype(p, &format!("{key}.model_dtype"), &self.model_dtype)
     }
 
     /// Checks the section at `key` and returns FSDP's sharding under `strategy` (named at

@@ -172,17 +172,28 @@ fn decode(c: &RlhfConfig, known: &KnownNames, p: &mut Problems) -> Option<Settin
                 .into()
         },
     );
+    let (mut model, actor, mut rollout, critic) = (model?, actor?, rollout?, critic?);
+    if actor.optim.master_dtype.is_some()
+        || critic
+            .as_ref()
+            .is_some_and(|c| c.optim.master_dtype.is_some())
+    {
+        // Weights held in half precision compute in `model.dtype` / `rollout.dtype` all the
+        // same (float32 by default: a pass casts them up), as verl's FSDP mixed precision does.
+        model.dtype.get_or_insert(burn::tensor::FloatDType::F32);
+        rollout.dtype.get_or_insert(burn::tensor::FloatDType::F32);
+    }
     Some(Settings {
         data: data?,
-        model: model?,
-        actor: actor?,
-        rollout: rollout?,
+        model,
+        actor,
+        rollout,
         ref_micro_batch_size: arr.reference.log_prob_micro_batch_size_per_gpu,
         ref_max_token_len: ref_max_token_len?,
         ref_param_offload: arr.reference.offloads_params(),
         ref_fsdp,
         ref_dtype: ref_dtype?,
-        critic: critic?,
+        critic,
         reward: reward?,
         algorithm: algorithm.settings?,
         trainer: trainer?,

@@ -69,6 +69,9 @@ pub struct SupervisedEngineConfig {
     /// A layer's gathered parameters are freed after its forward (gathered again for the
     /// backward's recomputation).
     pub reshard_after_forward: bool,
+    /// The dtype the weights and AdamW moments are held in (`fp32`: f32 master weights;
+    /// `bf16`, `fp16`: pure half precision, computing in it).
+    pub model_dtype: String,
 }
 
 impl Default for SupervisedEngineConfig {
@@ -79,6 +82,7 @@ impl Default for SupervisedEngineConfig {
             param_offload: false,
             optimizer_offload: false,
             reshard_after_forward: true,
+            model_dtype: "fp32".into(),
         }
     }
 }
@@ -92,12 +96,17 @@ impl SupervisedEngineConfig {
             optimizer_offload: self.optimizer_offload,
             fsdp_size: self.fsdp_size,
             reshard_after_forward: self.reshard_after_forward,
+            model_dtype: self.model_dtype.clone(),
         };
         let sharding = fsdp.sharding(p, "engine", ("engine.strategy", strategy));
-        strategy.map(|_| EngineSettings {
-            optimizer_offload: self.optimizer_offload,
-            fsdp: sharding,
-        })
+        let master = fsdp.master_dtype(p, "engine");
+        strategy
+            .zip(master)
+            .map(|(_, master_dtype)| EngineSettings {
+                optimizer_offload: self.optimizer_offload,
+                fsdp: sharding,
+                master_dtype,
+            })
     }
 }
 
@@ -108,6 +117,8 @@ pub struct EngineSettings {
     pub optimizer_offload: bool,
     /// FSDP's sharding (`strategy: fsdp`), or `None`: whole on every rank.
     pub fsdp: Option<FsdpSharding>,
+    /// `engine.model_dtype`: the weights' and AdamW moments' dtype (`None`: f32).
+    pub master_dtype: Option<burn::tensor::FloatDType>,
 }
 
 /// What differs between the supervised trainers' `trainer.*` defaults.

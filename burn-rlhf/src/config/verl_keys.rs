@@ -274,12 +274,8 @@ pub const ENGINE_KEYS: &[(&str, Treatment)] = &[
         Treatment::OnlyAt(&["true", "false"], DISTRIBUTED_OPTIMIZER),
     ),
     (
-        "actor_rollout_ref.actor.fsdp_config.model_dtype",
-        Treatment::OnlyAt(&["fp32", "float32"], MASTER_F32),
-    ),
-    (
         "critic.fsdp.model_dtype",
-        Treatment::OnlyAt(&["fp32", "float32"], MASTER_F32),
+        Treatment::Alias("critic.model.fsdp_config.model_dtype"),
     ),
     (
         "actor_rollout_ref.actor.fsdp_config.dtype",
@@ -401,9 +397,6 @@ const STRATEGY: &str = "FSDP's version (verl fills it from the model's `strategy
      for the reference";
 const REF_WHOLE: &str = "the frozen reference's pass gathers it whole once (it has no backward to \
      gather its layers for again): either value computes the same numbers";
-const MASTER_F32: &str = "the trained weights and the AdamW state are f32 here (a reference is \
-     held as the actor's): half-precision compute is `actor_rollout_ref.model.dtype=bfloat16` \
-     (autocast, f32 master weights)";
 const FSDP_DTYPE: &str = "verl's FSDP engine checks this value and never computes in it (its \
      compute dtype is `fsdp_config.mixed_precision.param_dtype`, bf16 by default); the compute \
      dtype here is `actor_rollout_ref.model.dtype`";

@@ -36,6 +36,34 @@ fn all_reduce_flat<B: Backend>(
     dp: &DataParallel,
     tensors: Vec<Tensor<B, 1>>,
 ) -> Result<Vec<Tensor<B, 1>>, DistributedError> {
+    // Summed in f32 (a half-precision parameter's or gradient's values cast up), each result
+    // back in its tensor's dtype.
+    let dtypes: Vec<burn::tensor::DType> = tensors.iter().map(|t| t.dtype()).collect();
+    let tensors: Vec<Tensor<B, 1>> = tensors.into_iter().map(f32_of).collect();
+    let out = all_reduce_f32(dp, tensors)?;
+    Ok(out
+        .into_iter()
+        .zip(dtypes)
+        .map(|(t, dtype)| match dtype {
+            burn::tensor::DType::F32 => t,
+            other => t.cast(burn::tensor::FloatDType::from(other)),
+        })
+        .collect())
+}
+
+/// `t` in f32.
+fn f32_of<B: Backend, const D: usize>(t: Tensor<B, D>) -> Tensor<B, D> {
+    match t.dtype() {
+        burn::tensor::DType::F32 => t,
+        _ => t.cast(burn::tensor::FloatDType::F32),
+    }
+}
+
+/// [`all_reduce_flat`] of f32 tensors.
+fn all_reduce_f32<B: Backend>(
+    dp: &DataParallel,
+    tensors: Vec<Tensor<B, 1>>,
+) -> Result<Vec<Tensor<B, 1>>, DistributedError> {
     if let Some(sums) = &dp.device_sums {
         return tensors
             .into_iter()

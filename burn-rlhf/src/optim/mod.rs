@@ -117,6 +117,29 @@ impl OptimSettings {
     }
 }
 
+/// `module` with every weight held in `dtype` (verl's `fsdp_config.model_dtype`): each a leaf of
+/// its own as before, trainable as it was, its gradients then in `dtype` too. `None` or f32
+/// leaves it as it is.
+pub fn held_in<B: AutodiffBackend, M: AutodiffModule<B>>(
+    module: M,
+    dtype: Option<burn::tensor::FloatDType>,
+) -> M {
+    struct Cast(burn::tensor::FloatDType);
+    impl<B: AutodiffBackend> burn::module::ModuleMapper<B> for Cast {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            let dtype = self.0;
+            param.map(|t| {
+                let require = t.is_require_grad();
+                Tensor::<B, D>::from_inner(t.inner().cast(dtype)).set_require_grad(require)
+            })
+        }
+    }
+    match dtype {
+        None | Some(burn::tensor::FloatDType::F32) => module,
+        Some(dtype) => module.map(&mut Cast(dtype)),
+    }
+}
+
 /// The optimiser of a module: [`FusedAdamW`].
 pub type AdamWOf<M, B> = OptimizerAdaptor<FusedAdamW, M, B>;
 
@@ -203,7 +226,12 @@ struct SquaredNorm<'a> {
 impl<B: AutodiffBackend> ModuleVisitor<B> for SquaredNorm<'_> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         if let Some(g) = self.grads.get::<B::InnerBackend, D>(param.id) {
-            // f32 squares summed on the device, the per-tensor sums added in f64 here.
+            // f32 squares summed on the device (a half-precision gradient cast up first), the
+            // per-tensor sums added in f64 here.
+            let g = match g.dtype() {
+                burn::tensor::DType::F32 => g,
+                _ => g.cast(burn::tensor::FloatDType::F32),
+            };
             let sq = g
                 .square()
                 .sum()
@@ -474,6 +502,7 @@ mod tests {
             total_steps: None,
             offload: false,
             fsdp: None,
+            master_dtype: None,
         };
         let constant = LrSchedule::new(&optim, 20);
         assert_eq!(

@@ -183,6 +183,14 @@ impl<B: LearnerBackend> Learner<B> {
         for (key, dtype) in [
             ("actor_rollout_ref.model.dtype", settings.model.dtype),
             ("actor_rollout_ref.rollout.dtype", settings.rollout.dtype),
+            (
+                "actor_rollout_ref.actor.fsdp_config.model_dtype",
+                settings.actor.optim.master_dtype,
+            ),
+            (
+                "critic.model.fsdp_config.model_dtype",
+                settings.critic.as_ref().and_then(|c| c.optim.master_dtype),
+            ),
         ] {
             let Some(dtype) = dtype else { continue };
             if !<B::InnerBackend as burn::tensor::backend::Backend>::supports_dtype(
@@ -348,7 +356,7 @@ impl<B: LearnerBackend> PreparedLearner<B> {
         let actor = sync_params(actor, &rank0, &dp)?;
         let mut actor_optimizer = ModelOptimizer::new(&settings.actor.optim, self.total_steps);
         actor_optimizer.sync = sync(shards(&|| ShardPlan::new::<B, _>(&actor, world)));
-        let actor = actor_optimizer.shard(
+        let actor = actor_optimizer.hold(
             actor,
             settings.actor.optim.sharding(),
             "actor_rollout_ref.actor.fsdp_config.fsdp_size",
@@ -360,7 +368,7 @@ impl<B: LearnerBackend> PreparedLearner<B> {
                 let model = sync_params(model, &rank0, &dp)?;
                 let mut optimizer = ModelOptimizer::new(&cs.optim, self.total_steps);
                 optimizer.sync = sync(shards(&|| ShardPlan::new::<B, _>(&model, world)));
-                let model = optimizer.shard(
+                let model = optimizer.hold(
                     model,
                     cs.optim.sharding(),
                     "critic.model.fsdp_config.fsdp_size",

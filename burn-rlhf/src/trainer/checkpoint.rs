@@ -166,6 +166,8 @@ impl<M: AutodiffModule<B>, B: LearnerBackend> ModelOptimizer<M, B> {
         device: &B::Device,
     ) -> Result<M, TrainError> {
         let (stem, params) = (self.stem(), self.params_file());
+        // Saved in f32 (the values of a half-precision model exactly), held in the master dtype.
+        let module = crate::optim::held_in(module, self.master);
         self.optim = load_optimizer(dir, &module, self.optim.clone(), (&stem, &params), device)?;
         let Some(sharded) = self.sharded.as_mut() else {
             return Ok(module);

@@ -26,7 +26,7 @@ use crate::error::TrainError;
 use crate::minibatch::OptimizerStep;
 use crate::offload::Parked;
 use crate::optim::{
-    adamw, adamw_state_bytes, AdamWOf, FusedAdamW, LrSchedule, ReplicaSync, StateBytes,
+    adamw, adamw_state_bytes, held_in, AdamWOf, FusedAdamW, LrSchedule, ReplicaSync, StateBytes,
 };
 
 /// What trains one model (the actor, the critic): AdamW and its state, the learning-rate
@@ -38,6 +38,9 @@ pub(crate) struct ModelOptimizer<M: AutodiffModule<B>, B: LearnerBackend> {
     /// FSDP (`strategy: fsdp` on several ranks): the model's shards and AdamW on this rank's
     /// chunks (`optim` then holds nothing).
     pub sharded: Option<ShardedModel<B>>,
+    /// The dtype the weights and AdamW moments are held in (`fsdp_config.model_dtype`; `None`:
+    /// f32 master weights).
+    pub master: Option<burn::tensor::FloatDType>,
     /// Updates so far: the schedule's position (it moves once per update, as verl's scheduler
     /// steps once per `update_policy`).
     pub updates: usize,
@@ -51,6 +54,7 @@ impl<M: AutodiffModule<B>, B: LearnerBackend> ModelOptimizer<M, B> {
             schedule: LrSchedule::new(settings, total_steps),
             sync: ReplicaSync::default(),
             sharded: None,
+            master: settings.master_dtype,
             updates: 0,
         }
     }
@@ -83,12 +87,12 @@ impl<M: AutodiffModule<B>, B: LearnerBackend> ModelOptimizer<M, B> {
         }
     }
 
-    /// `model` as this optimiser holds it on this rank: whole, or with `strategy: fsdp`
-    /// (`fsdp`) on several data-parallel ranks (or with `param_offload`) sharded
-    /// ([`FsdpShards::shard`]) over shard groups of `fsdp_size` (`size_key`; every rank by
-    /// default), the groups' same chunks summed across them (hybrid); `adam` (this optimiser's
-    /// AdamW) then steps this rank's chunks.
-    pub fn shard(
+    /// `model` as this optimiser holds it on this rank: in its master dtype
+    /// ([`ModelOptimizer::master`]), whole, or with `strategy: fsdp` (`fsdp`) on several
+    /// data-parallel ranks (or with `param_offload`) sharded ([`FsdpShards::shard`]) over shard
+    /// groups of `fsdp_size` (`size_key`; every rank by default), the groups' same chunks summed
+    /// across them (hybrid); `adam` (this optimiser's AdamW) then steps this rank's chunks.
+    pub fn hold(
         &mut self,
         model: M,
         (fsdp, adam): (Option<FsdpSharding>, FusedAdamW),
@@ -96,6 +100,7 @@ impl<M: AutodiffModule<B>, B: LearnerBackend> ModelOptimizer<M, B> {
         dp: &DataParallel,
         device: &B::Device,
     ) -> Result<M, TrainError> {
+        let model = held_in(model, self.master);
         let Some(fsdp) = fsdp.filter(|f| (dp.world() > 1 || f.param_offload) && dp.tp.is_none())
         else {
             return Ok(model);

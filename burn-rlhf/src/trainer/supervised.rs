@@ -278,12 +278,13 @@ impl<B: LearnerBackend, T: SupervisedTask<B>, D: TrainerDefaults> SupervisedRun<
                 tp: None,
             },
             sharded: None,
+            master: run.engine.master_dtype,
             updates: start,
         };
-        // Under `engine.strategy: fsdp` this rank keeps its chunks; a resumed run's whole
-        // weights and AdamW state are dealt out to them.
+        // In `engine.model_dtype`; under `engine.strategy: fsdp` this rank keeps its chunks, a
+        // resumed run's whole weights and AdamW state dealt out to them.
         let whole = model.clone();
-        model = optimizer.shard(
+        model = optimizer.hold(
             model,
             (run.engine.fsdp, adam),
             "engine.fsdp_size",

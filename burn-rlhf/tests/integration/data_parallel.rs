@@ -152,7 +152,7 @@ pub(super) fn n_devices_memory(
         .map_err(|e| e.to_string())
 }
 
-fn tensors(path: &Path) -> Vec<(String, Vec<f32>)> {
+pub(super) fn tensors(path: &Path) -> Vec<(String, Vec<f32>)> {
     let mut w = WeightMap::new(path.display().to_string());
     w.read_safetensors(path).unwrap();
     let mut names = w.remaining();
@@ -166,7 +166,7 @@ fn tensors(path: &Path) -> Vec<(String, Vec<f32>)> {
         .collect()
 }
 
-fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+pub(super) fn max_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
     a.iter()
         .zip(b)

@@ -14,8 +14,8 @@ use burn_rlhf::trainer::{Metrics, RankMemory};
 use burn_rlhf_test_assets::temp_dir;
 
 use super::data_parallel::{
-    assert_same_metrics, assert_same_weights, config, n_devices, n_devices_memory, n_devices_of,
-    parts, parts_of, tiny_models, two_devices, ONE_GROUP_AT_A_TIME, STEPS,
+    assert_same_metrics, assert_same_weights, config, max_diff, n_devices, n_devices_memory,
+    n_devices_of, parts, parts_of, tensors, tiny_models, two_devices, ONE_GROUP_AT_A_TIME, STEPS,
 };
 
 /// FSDP (`strategy: fsdp`, verl's default) on 2 and 4 ranks, with hybrid shard groups of 2 on 4
@@ -142,9 +142,10 @@ fn lora_under_fsdp_trains_as_whole_parameters_and_resumes() {
         };
         super::seeded(9, || actor.with_lora(&lora, &Default::default()))
     };
-    let run = |name: &str, strategy: &str, steps: usize| {
+    let run_in = |name: &str, strategy: &str, steps: usize, dtype: &str| {
         let mut c = config(&dir.join(name));
         c.actor_rollout_ref.actor.strategy = strategy.into();
+        c.actor_rollout_ref.actor.fsdp_config.model_dtype = dtype.into();
         c.actor_rollout_ref.model.lora_rank = rank;
         c.actor_rollout_ref.model.lora_alpha = alpha;
         c.trainer.total_training_steps = Some(steps);
@@ -158,6 +159,7 @@ fn lora_under_fsdp_trains_as_whole_parameters_and_resumes() {
         );
         n_devices_of(c, parts, 2).unwrap()
     };
+    let run = |name: &str, strategy: &str, steps: usize| run_in(name, strategy, steps, "fp32");
     let whole = run("whole", "megatron", STEPS);
     let sharded = run("sharded", "fsdp", STEPS);
     assert_same_weights(&whole, &sharded, "LoRA under FSDP vs whole parameters");
@@ -166,6 +168,21 @@ fn lora_under_fsdp_trains_as_whole_parameters_and_resumes() {
     let resumed = run("resumed", "fsdp", STEPS);
     assert_same_weights(&sharded, &resumed, "LoRA under FSDP, resumed vs straight");
     assert_same_metrics(&sharded, &resumed, "LoRA under FSDP, resumed vs straight");
+    // With the weights held in bf16 (verl's LoRA script sets `fsdp_config.model_dtype=bf16`):
+    // the adapters train, the frozen base keeps its (rounded) values.
+    let half = run_in("bf16", "fsdp", STEPS, "bf16");
+    let file = |root: &Path| root.join("actor/adapter_model.safetensors");
+    let (full, rounded) = (tensors(&file(&sharded)), tensors(&file(&half)));
+    let worst = full
+        .iter()
+        .zip(&rounded)
+        .map(|((_, a), (_, b))| max_diff(a, b))
+        .fold(0.0f32, f32::max);
+    println!("LoRA adapters held in bf16 against f32 after {STEPS} steps: within {worst:.2e}");
+    assert!(worst > 0.0 && worst < 2e-2, "{worst}");
+    assert!(rounded
+        .iter()
+        .all(|(_, v)| v.iter().all(|x| x.to_bits() & 0xffff == 0)));
 }
 
 /// `ref.fsdp_config.model_dtype=bf16` holds the frozen reference in bf16: half its bytes on one
@@ -300,4 +317,102 @@ fn fsdp_in_bf16_equals_whole_parameters_in_bf16() {
     let (whole, sharded) = (run("megatron"), run("fsdp"));
     assert_same_weights(&whole, &sharded, "FSDP vs whole parameters, bf16 compute");
     assert_same_metrics(&whole, &sharded, "FSDP vs whole parameters, bf16 compute");
+}
+
+/// `fsdp_config.model_dtype=bf16` for the trained models (verl's pure half precision: no f32
+/// master copy): the actor's and critic's weights and AdamW moments held in bf16 take half the
+/// bytes on one device and on 2 ranks holding them whole, a quarter on each of 2 FSDP ranks; the
+/// checkpoints hold bf16 values; the passes compute in `model.dtype` (f32 here), so the runs stay
+/// near the f32 run; a bf16 run resumed from its step-2 checkpoint ends where the straight one
+/// does, and 2 ranks (sharded or whole) end where one device does within bf16's rounding.
+#[test]
+fn trained_models_held_in_bf16_take_half_the_bytes() {
+    let _turn = ONE_GROUP_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    let dir = temp_dir("dp-master-bf16");
+    let run = |name: &str, dtype: &str, n: usize, strategy: &str, steps: usize| {
+        let mut c = config(&dir.join(name));
+        c.actor_rollout_ref.actor.fsdp_config.model_dtype = dtype.into();
+        c.critic.model.fsdp_config.model_dtype = dtype.into();
+        c.actor_rollout_ref.actor.strategy = strategy.into();
+        c.trainer.total_training_steps = Some(steps);
+        c.trainer.resume_mode = "auto".into();
+        n_devices_memory(c, parts(Arc::new(tasks::ExactAnswer)), n).unwrap()
+    };
+    let (f32_run, f32_memory) = run("f32", "fp32", 1, "fsdp", STEPS);
+    let (bf16_run, bf16_memory) = run("bf16", "bf16", 1, "fsdp", STEPS);
+    let (sharded, sharded_memory) = run("bf16-fsdp2", "bf16", 2, "fsdp", STEPS);
+    let (whole2, whole2_memory) = run("bf16-whole2", "bf16", 2, "megatron", STEPS);
+    for (what, m) in [
+        ("f32", &f32_memory),
+        ("bf16", &bf16_memory),
+        ("bf16 on each of 2 FSDP ranks", &sharded_memory),
+        ("bf16 on each of 2 whole ranks", &whole2_memory),
+    ] {
+        println!(
+            "{what}: parameters {} bytes, AdamW {} bytes",
+            m.parameters, m.optimizer.device
+        );
+    }
+    assert_eq!(2 * bf16_memory.parameters, f32_memory.parameters);
+    assert_eq!(
+        2 * bf16_memory.optimizer.device,
+        f32_memory.optimizer.device
+    );
+    assert_eq!(whole2_memory, bf16_memory);
+    let share = |x: usize, of: usize| x as f64 / of as f64;
+    for x in [
+        share(sharded_memory.parameters, f32_memory.parameters),
+        share(sharded_memory.optimizer.device, f32_memory.optimizer.device),
+    ] {
+        assert!(
+            (x - 0.25).abs() < 0.01,
+            "a bf16 FSDP rank holds {x} of f32's bytes"
+        );
+    }
+    // The checkpoints hold the bf16 values (written as f32: the low 16 bits are zero).
+    for part in ["actor", "critic"] {
+        for (name, values) in tensors(&bf16_run.join(format!("{part}/model.safetensors"))) {
+            assert!(
+                values.iter().all(|v| v.to_bits() & 0xffff == 0),
+                "{part} {name} is not bf16"
+            );
+        }
+    }
+    let worst = |a: &Path, b: &Path| {
+        ["actor", "critic"]
+            .iter()
+            .flat_map(|part| {
+                let file = |root: &Path| root.join(format!("{part}/model.safetensors"));
+                tensors(&file(a))
+                    .into_iter()
+                    .zip(tensors(&file(b)))
+                    .map(|((_, x), (_, y))| max_diff(&x, &y))
+            })
+            .fold(0.0f32, f32::max)
+    };
+    let (from_f32, sharded_diff, whole_diff) = (
+        worst(&f32_run, &bf16_run),
+        worst(&bf16_run, &sharded),
+        worst(&bf16_run, &whole2),
+    );
+    println!(
+        "weights after {STEPS} steps: bf16 against f32 within {from_f32:.2e}; 2 FSDP ranks \
+         against one device {sharded_diff:.2e}, 2 whole ranks {whole_diff:.2e}"
+    );
+    assert!(from_f32 < 2e-2, "bf16 against f32: {from_f32}");
+    assert!(sharded_diff < 2e-2 && whole_diff < 2e-2);
+    let (_, _) = run("bf16-resumed", "bf16", 1, "fsdp", STEPS - 1);
+    let (resumed, _) = run("bf16-resumed", "bf16", 1, "fsdp", STEPS);
+    assert_same_weights(
+        &bf16_run,
+        &resumed,
+        "bf16 master weights resumed vs straight",
+    );
+    assert_same_metrics(
+        &bf16_run,
+        &resumed,
+        "bf16 master weights resumed vs straight",
+    );
 }

@@ -240,8 +240,8 @@ fn sft_here(
 /// `engine.strategy: fsdp` (verl's default) shards the parameters, gradients and AdamW state
 /// over the ranks: 2 ranks, 3 ranks with unequal micro-batch counts (the ranks' gathers kept in
 /// lockstep) and 4 ranks in hybrid groups of 2 end where one device does, each rank holding
-/// 1/N of the parameter and AdamW bytes; `megatron` keeps them whole. A checkpoint of the
-/// sharded run resumes on one device.
+/// 1/N of the parameter and AdamW bytes; `megatron` keeps them whole; `engine.model_dtype=bf16`
+/// halves them again. A checkpoint of the sharded run resumes on one device.
 #[test]
 fn sft_sharded_over_ranks_reproduces_one_device() {
     let dir = temp_dir("sft-fsdp");
@@ -296,6 +296,29 @@ fn sft_sharded_over_ranks_reproduces_one_device() {
             moments.abs_diff(state / share) <= 2 * slack,
             "{name}: {moments} of {state} AdamW bytes, 1/{share} expected"
         );
+    }
+    // `engine.model_dtype=bf16`: weights and AdamW moments in bf16 (half the bytes), the loss
+    // still falling as the f32 run's does.
+    let half = sft_here(
+        &dir,
+        &dir.join("bf16"),
+        4,
+        &["engine.model_dtype=bf16", "trainer.n_gpus_per_node=2"],
+    );
+    assert_eq!(4 * half.memory.parameters, params, "{:?}", half.memory);
+    assert_eq!(4 * half.memory.optimizer.device, state, "{:?}", half.memory);
+    let losses = |name: &str| -> Vec<f64> {
+        read_jsonl(&dir.join(name).join("metrics.jsonl"))
+            .unwrap()
+            .into_iter()
+            .filter_map(|(_, m)| m.get("train/loss").copied())
+            .collect()
+    };
+    let (full, bf16) = (losses("one"), losses("bf16"));
+    println!("train/loss per step: f32 {full:?}, bf16 {bf16:?}");
+    assert!(bf16.last() < bf16.first(), "{bf16:?}");
+    for (a, b) in full.iter().zip(&bf16) {
+        assert!((a - b).abs() < 0.05 * a.abs(), "{full:?} against {bf16:?}");
     }
     let resumed = dir.join("resumed");
     sft_here(&dir, &resumed, 2, &["trainer.n_gpus_per_node=2"]);

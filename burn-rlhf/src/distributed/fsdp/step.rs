@@ -244,6 +244,7 @@ impl<B: burn_rlhf_algos::kernels::RlBackend> ShardedAdamW<B> {
             .flatten()
             .map(|g| {
                 g.clone()
+                    .cast(burn::tensor::FloatDType::F32)
                     .square()
                     .sum()
                     .into_data()
