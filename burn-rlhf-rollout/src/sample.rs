@@ -37,6 +37,28 @@ pub fn log_softmax_row(logits: &[f32]) -> Vec<f64> {
     logits.iter().map(|&x| x as f64 - lse).collect()
 }
 
+/// The log-prob of `label` under `softmax(logits / temperature)` computed exactly as the
+/// trainer's log-prob kernels compute it (`burn_rlhf_algos`' flex `row_stats`: `z = x * (1 /
+/// T)` in f32, the row's max, the exponentials summed in vocabulary order in f32, `z_label -
+/// (max + ln sum)`), so that a rollout's log-prob and the trainer's recomputation of it from the
+/// same logits are the same f32 bit for bit (a parity test in `burn-rlhf` holds the two
+/// together).
+pub fn trainer_logprob(logits: &[f32], label: usize, temperature: f32) -> f32 {
+    let inv_t = 1.0 / temperature;
+    let max = logits.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x)) * inv_t;
+    let mut sum = 0.0f32;
+    for &x in logits {
+        sum += (x * inv_t - max).exp();
+    }
+    logits[label] * inv_t - (max + sum.ln())
+}
+
+/// Whether `params` keep every token (no top-k or top-p cut): the processed distribution is then
+/// the tempered softmax the trainer recomputes.
+fn keeps_every_token(params: &SamplingParams) -> bool {
+    params.top_k.is_none() && params.top_p >= 1.0
+}
+
 /// Whether `params` decode greedily.
 pub fn is_greedy(params: &SamplingParams) -> bool {
     params.greedy || params.temperature <= 0.0
@@ -97,6 +119,9 @@ pub fn pick(logits: &[f32], params: &SamplingParams, u: f64) -> (u32, f32) {
         }
         return (best as u32, log_softmax_row(logits)[best] as f32);
     }
+    if keeps_every_token(params) {
+        return pick_whole(logits, params, u);
+    }
     let dist = processed_distribution(logits, params.temperature, params.top_k, params.top_p);
     let mut chosen = *dist.last().expect("a row has at least one token");
     let mut cum = 0.0;
@@ -112,6 +137,37 @@ pub fn pick(logits: &[f32], params: &SamplingParams, u: f64) -> (u32, f32) {
         LogprobsMode::Processed => chosen.1.ln(),
     };
     (chosen.0 as u32, logprob as f32)
+}
+
+/// [`pick`] from the whole tempered distribution (no top-k or top-p cut), in one pass of
+/// exponentials: the trainer's arithmetic ([`trainer_logprob`]: `z = x * (1 / T)` in f32, the
+/// exponentials of `z - max` summed in vocabulary order in f32), so the chosen token's log-prob
+/// is the trainer's recomputation of it bit for bit; the draw inverts the cumulative sum of the
+/// same exponentials (in f64) at `u` times their total.
+fn pick_whole(logits: &[f32], params: &SamplingParams, u: f64) -> (u32, f32) {
+    let inv_t = 1.0 / params.temperature as f32;
+    let max = logits.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x)) * inv_t;
+    let e: Vec<f32> = logits.iter().map(|&x| (x * inv_t - max).exp()).collect();
+    let (mut sum, mut total) = (0.0f32, 0.0f64);
+    for &x in &e {
+        sum += x;
+        total += x as f64;
+    }
+    let target = u * total;
+    let mut chosen = e.len() - 1;
+    let mut cum = 0.0f64;
+    for (i, &x) in e.iter().enumerate() {
+        cum += x as f64;
+        if target < cum {
+            chosen = i;
+            break;
+        }
+    }
+    let logprob = match params.logprobs_mode {
+        LogprobsMode::Processed => logits[chosen] * inv_t - (max + sum.ln()),
+        LogprobsMode::Raw => trainer_logprob(logits, chosen, 1.0),
+    };
+    (chosen as u32, logprob)
 }
 
 /// [`pick`] for every row of `logits` on the device: `u` holds each row's draw.

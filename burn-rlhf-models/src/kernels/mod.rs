@@ -624,10 +624,14 @@ mod tests {
         )
     }
 
+    /// Paged test cases: the `(queries, past)` sequences, `[heads, kv heads, head width]`, the
+    /// block size and the sliding window.
+    type PagedCase = (Vec<(usize, usize)>, [usize; 3], usize, Option<usize>);
+
     /// Decoding sequences (one query), a few queries, prefill chunks over one and two query
     /// blocks, block sizes that do and do not divide the contexts, a head width under and over
     /// the kernel's lanes, with and without a sliding window.
-    fn paged_cases() -> Vec<(Vec<(usize, usize)>, [usize; 3], usize, Option<usize>)> {
+    fn paged_cases() -> Vec<PagedCase> {
         let seqs = vec![(1, 10), (1, 3), (1, 0), (7, 5), (3, 0), (70, 2), (1, 33)];
         vec![
             (seqs.clone(), [4, 2, 16], 4, None),
@@ -698,6 +702,141 @@ mod tests {
             let pad = kernel.narrow(2, layout.real_tokens(), t - layout.real_tokens());
             assert_eq!(pad.abs().sum().into_scalar(), 0.0, "padding rows are 0");
             let _ = h;
+        }
+    }
+
+    /// Batch invariance of the layers' products: a row of `x · w` is the same f32 whether the
+    /// product has 1, 2, 3, 17 or 300 rows and wherever the row sits among them, for depths
+    /// under, just over and at three times gemm's 512-deep block, and for the tied LM head's
+    /// transposed weight with a vocabulary small enough for gemm's tiny-product kernels.
+    #[test]
+    fn a_products_rows_do_not_depend_on_the_other_rows() {
+        for (k, n, transposed) in [
+            (64, 96, false),
+            (576, 192, false),
+            (1536, 576, false),
+            (576, 14, true),
+            (576, 1000, true),
+        ] {
+            let x = random::<Flex, 2>([300, k], 3);
+            let w = match transposed {
+                true => random::<Flex, 2>([n, k], 4).transpose(),
+                false => random::<Flex, 2>([k, n], 4),
+            };
+            let whole: Vec<f32> = linear(x.clone(), w.clone()).into_data().to_vec().unwrap();
+            for (start, rows) in [(0, 1), (7, 1), (5, 2), (11, 3), (100, 17), (0, 300)] {
+                let part: Vec<f32> = linear(x.clone().narrow(0, start, rows), w.clone())
+                    .into_data()
+                    .to_vec()
+                    .unwrap();
+                assert!(
+                    part == whole[start * n..(start + rows) * n],
+                    "k {k}, n {n}: rows {start}..{} of 300 differ in a product of {rows}",
+                    start + rows
+                );
+            }
+        }
+    }
+
+    /// Batch- and cache-invariance: a sequence's queries through the paged kernel (decode steps
+    /// of one query, a few queries, prefill chunks) give exactly the numbers the training pass's
+    /// dense attention gives for the same positions of the whole sequence, in one batch with
+    /// another sequence and alone: head widths of the kernel's specialisations and not (64, 128,
+    /// 80), block sizes that divide 512 and not, contexts past one and two 512-key blocks of the
+    /// products' depth, grouped queries, and a sliding window.
+    #[test]
+    fn paged_attention_equals_the_training_pass_bit_for_bit() {
+        let cases: Vec<PagedCase> = vec![
+            (
+                vec![(1, 700), (3, 40), (1, 0), (70, 530)],
+                [6, 2, 64],
+                16,
+                None,
+            ),
+            (vec![(1, 1100), (5, 600)], [4, 2, 128], 24, None),
+            (vec![(1, 520), (2, 9), (66, 460)], [6, 3, 80], 16, None),
+            (vec![(1, 900), (4, 513)], [4, 2, 64], 32, Some(600)),
+        ];
+        for (seqs, dims, bs, window) in cases {
+            let (layout, q, k, v) = paged_case(&seqs, dims, bs, 1, 71);
+            let kernel: Tensor<Flex, 4> = wrap(Flex::dec_paged_attention(
+                prim(q.clone()),
+                prim(k.clone()),
+                prim(v.clone()),
+                &layout,
+                window,
+            ));
+            let [_, h, _, d] = q.dims();
+            let kv = dims[1];
+            for (i, seq) in layout.seqs().iter().enumerate() {
+                let ctx = seq.context();
+                let gather = |pool: &Tensor<Flex, 4>, keys: bool| {
+                    let rows: Vec<Tensor<Flex, 4>> = (0..ctx)
+                        .map(|p| {
+                            let (b, o) = (seq.blocks[p / bs] as usize, p % bs);
+                            match keys {
+                                true => pool
+                                    .clone()
+                                    .slice([b..b + 1, 0..kv, 0..d, o..o + 1])
+                                    .swap_dims(2, 3),
+                                false => pool.clone().slice([b..b + 1, 0..kv, o..o + 1, 0..d]),
+                            }
+                        })
+                        .collect();
+                    Tensor::cat(rows, 2)
+                };
+                // The training pass: every position's query (the earlier ones random), the
+                // sequence alone and beside a shorter padded row.
+                let earlier = random::<Flex, 4>([1, h, seq.past, d], 90 + i as u64);
+                let ours = kernel.clone().narrow(2, seq.first, seq.queries);
+                let qs = Tensor::cat(
+                    vec![
+                        earlier,
+                        ours.clone().zeros_like() + q.clone().narrow(2, seq.first, seq.queries),
+                    ],
+                    2,
+                );
+                let (keys, values) = (gather(&k, true), gather(&v, false));
+                let alone = AttentionMask::new(&[vec![1; ctx]], 0);
+                let alone = window.map_or(alone.clone(), |w| alone.with_window(w));
+                let dense = attention(qs.clone(), keys.clone(), values.clone(), &alone).narrow(
+                    2,
+                    seq.past,
+                    seq.queries,
+                );
+                let (a, b): (Vec<f32>, Vec<f32>) = (
+                    ours.clone().into_data().to_vec().unwrap(),
+                    dense.into_data().to_vec().unwrap(),
+                );
+                let worst = a
+                    .iter()
+                    .zip(&b)
+                    .map(|(x, y)| (x - y).abs())
+                    .fold(0.0, f32::max);
+                assert!(
+                    a == b,
+                    "{dims:?} bs {bs} window {window:?}: sequence {i} ({} queries after {}) differs \
+                     from the training pass by up to {worst:e}",
+                    seq.queries,
+                    seq.past
+                );
+                // In a batch of two rows, the second a shorter one padded on the right.
+                let short = ctx / 2;
+                let batch_mask = AttentionMask::new(
+                    &[
+                        vec![1; ctx],
+                        [vec![1; short], vec![0; ctx - short]].concat(),
+                    ],
+                    0,
+                );
+                let batch_mask = window.map_or(batch_mask.clone(), |w| batch_mask.with_window(w));
+                let two = |t: Tensor<Flex, 4>| Tensor::cat(vec![t.clone(), t.flip([2])], 0);
+                let batched = attention(two(qs), two(keys), two(values), &batch_mask)
+                    .narrow(0, 0, 1)
+                    .narrow(2, seq.past, seq.queries);
+                let c: Vec<f32> = batched.into_data().to_vec().unwrap();
+                assert!(a == c, "{dims:?}: sequence {i} in a batch of two differs");
+            }
         }
     }
 

@@ -8,6 +8,7 @@ use burn::backend::{Autodiff, Flex};
 mod actor_update;
 mod config;
 mod data_parallel;
+mod exact_logprobs;
 mod extending;
 mod fsdp;
 mod learner_logprobs;

@@ -41,15 +41,57 @@ pub(super) unsafe fn matmul(
         shape,
         (dst, dst_rs),
         accumulate,
-        lhs,
-        rhs,
-        scale,
+        (lhs, rhs),
+        (scale, DepthSplit::FromZero),
         gemm::Parallelism::None,
     );
 }
 
+/// The deepest block of a product's inner dimension gemm is handed at once. gemm sums each
+/// output element over the depth in blocks of `kc` (in order, one register chain per element,
+/// then added to the destination), and picks `kc` from the whole problem's shape: 512 for small
+/// products, a cache-derived depth for large ones, and a vector kernel for a single row. So the
+/// same row of the same operands could round differently in a decode step of a few rows and in
+/// a training pass of thousands. Split here into blocks of at most this depth, each block is one
+/// of gemm's (its `kc` is the block's depth whatever the shape), and every row's sum is the same
+/// sequence of additions in every product: the basis of rollout log-probs equal to the trainer's
+/// bit for bit.
+pub(super) const DEPTH_BLOCK: usize = 512;
+
+/// How a product's depth is cut into blocks of at most [`DEPTH_BLOCK`]; either way a function
+/// of the depth alone (never of the rows), so a row's sum is the same in every product.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(super) enum DepthSplit {
+    /// As even as can be (gemm's own split of a large product on a common L1 cache: 576 as
+    /// 288 + 288): the layers' products, whose depth is the layer's width.
+    Even,
+    /// [`DEPTH_BLOCK`] deep from position 0, the last block the rest: attention's sums over
+    /// keys, whose depth is the keys a product sees (a decode step's `0..=t`, a training block's
+    /// `0..end` with the later keys weighted by 0), cut at the same positions whatever it is.
+    FromZero,
+}
+
+/// The depth blocks `(start, len)` of an inner dimension `k` under `split`.
+pub(super) fn depth_blocks(k: usize, split: DepthSplit) -> impl Iterator<Item = (usize, usize)> {
+    let len = match split {
+        DepthSplit::Even => k.div_ceil(k.div_ceil(DEPTH_BLOCK).max(1)).max(1),
+        DepthSplit::FromZero => DEPTH_BLOCK,
+    };
+    (0..k).step_by(len).map(move |s| (s, len.min(k - s)))
+}
+
+/// The rows gemm is given for `m` rows of output: at least 2 (one row takes gemm's vector kernel,
+/// which sums in another order), and when both operands run along the depth in memory, more than
+/// 256 outputs in all (gemm's horizontal kernel for tiny products, another order again).
+fn padded_rows(m: usize, n: usize, lhs: Operand, rhs: Operand) -> usize {
+    let horizontal = lhs.2 == 1 && rhs.1 == 1;
+    let least = if horizontal { 256 / n + 1 } else { 0 };
+    m.max(least).max(2)
+}
+
 /// gemm's product with the operands as `(pointer, row stride, column stride)`; writes every
-/// element of `dst` (reads it only when `accumulate`).
+/// element of `dst` (reads it only when `accumulate`). Batch-invariant: an output row depends on
+/// its own row of `lhs` and on `rhs`, never on `m` ([`DEPTH_BLOCK`], [`padded_rows`]).
 ///
 /// # Safety
 /// As [`matmul`].
@@ -57,9 +99,8 @@ unsafe fn gemm_into(
     (m, n, k): (usize, usize, usize),
     (dst, dst_rs): (*mut f32, isize),
     accumulate: bool,
-    lhs: Operand,
-    rhs: Operand,
-    scale: f32,
+    (lhs, rhs): (Operand, Operand),
+    (scale, split): (f32, DepthSplit),
     parallelism: gemm::Parallelism,
 ) {
     if m == 0 || n == 0 {
@@ -73,27 +114,85 @@ unsafe fn gemm_into(
         }
         return;
     }
-    gemm::gemm(
-        m,
-        n,
-        k,
-        dst,
-        1,
-        dst_rs,
+    let rows = padded_rows(m, n, lhs, rhs);
+    if rows > m {
+        // The extra rows repeat the last (row stride 0 past it is not expressible, so a copy of
+        // the destination's rows and a scratch output), and only the real rows are kept.
+        let mut scratch = vec![0.0f32; rows * n];
+        for r in 0..m {
+            let from = std::slice::from_raw_parts(dst.offset(r as isize * dst_rs), n);
+            if accumulate {
+                scratch[r * n..(r + 1) * n].copy_from_slice(from);
+            }
+        }
+        let mut padded_lhs = vec![0.0f32; rows * k];
+        for r in 0..rows {
+            let from = r.min(m - 1) as isize * lhs.1;
+            for c in 0..k {
+                padded_lhs[r * k + c] = *lhs.0.offset(from + c as isize * lhs.2);
+            }
+        }
+        // Row-major copy: column stride 1, as the original when it ran along the depth.
+        let copy = (padded_lhs.as_ptr(), k as isize, 1);
+        gemm_blocks(
+            (rows, n, k),
+            (scratch.as_mut_ptr(), n as isize),
+            accumulate,
+            (copy, rhs),
+            (scale, split),
+            parallelism,
+        );
+        for r in 0..m {
+            std::slice::from_raw_parts_mut(dst.offset(r as isize * dst_rs), n)
+                .copy_from_slice(&scratch[r * n..(r + 1) * n]);
+        }
+        return;
+    }
+    gemm_blocks(
+        (m, n, k),
+        (dst, dst_rs),
         accumulate,
-        lhs.0,
-        lhs.2,
-        lhs.1,
-        rhs.0,
-        rhs.2,
-        rhs.1,
-        1.0,
-        scale,
-        false,
-        false,
-        false,
+        (lhs, rhs),
+        (scale, split),
         parallelism,
     );
+}
+
+/// [`gemm_into`] of enough rows, one gemm call per depth block.
+///
+/// # Safety
+/// As [`matmul`].
+unsafe fn gemm_blocks(
+    (m, n, k): (usize, usize, usize),
+    (dst, dst_rs): (*mut f32, isize),
+    accumulate: bool,
+    (lhs, rhs): (Operand, Operand),
+    (scale, split): (f32, DepthSplit),
+    parallelism: gemm::Parallelism,
+) {
+    for (i, (start, depth)) in depth_blocks(k, split).enumerate() {
+        gemm::gemm(
+            m,
+            n,
+            depth,
+            dst,
+            1,
+            dst_rs,
+            accumulate || i > 0,
+            lhs.0.offset(start as isize * lhs.2),
+            lhs.2,
+            lhs.1,
+            rhs.0.offset(start as isize * rhs.1),
+            rhs.2,
+            rhs.1,
+            1.0,
+            scale,
+            false,
+            false,
+            false,
+            parallelism,
+        );
+    }
 }
 
 /// A 2-D f32 tensor read in place as a matrix operand, at any non-negative strides.
@@ -151,9 +250,8 @@ pub(super) unsafe fn product(
                 (m, width, k),
                 (dst.get().add(c0), n as isize),
                 false,
-                lhs,
-                rhs,
-                1.0,
+                (lhs, rhs),
+                (1.0, DepthSplit::Even),
                 gemm::Parallelism::None,
             );
         });
@@ -164,7 +262,14 @@ pub(super) unsafe fn product(
             gemm::Parallelism::None
         };
         let dst = (out.as_mut_ptr(), n as isize);
-        gemm_into((m, n, k), dst, false, lhs, rhs, 1.0, parallelism);
+        gemm_into(
+            (m, n, k),
+            dst,
+            false,
+            (lhs, rhs),
+            (1.0, DepthSplit::Even),
+            parallelism,
+        );
     }
     // Every one of the m * n elements is written (the destination is not read).
     out.set_len(m * n);

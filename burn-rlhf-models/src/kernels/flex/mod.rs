@@ -8,7 +8,15 @@
 //!   the keys past the block's causal end never computed. The output is written token-major
 //!   (`[B, L, H, D]` memory seen as `[B, H, L, D]`), so `o_proj` reads it without a copy.
 //! - RMSNorm, SwiGLU and the rotary embedding (`rows.rs`): one pass each, forward and backward.
-//! - products (`gemm.rs`): gemm into buffers that are written once, never zero-filled and copied.
+//! - products (`gemm.rs`): gemm into buffers that are written once, never zero-filled and copied,
+//!   batch-invariant: in depth blocks that depend on the depth alone and on at least 2 rows, so a
+//!   row's result never depends on the other rows of its product.
+//!
+//! Together with the paged kernels (`paged.rs`), which compute a decode step's attention with the
+//! training kernel's arithmetic, a token's logits are the same f32 in the rollout's decode step,
+//! its prefill and any training or scoring pass (any micro-batch, padding, packing or rank): the
+//! basis of rollout log-probs equal to the trainer's bit for bit (`training/rollout_probs_diff_max`
+//! 0; tested in `burn-rlhf/tests/integration/exact_logprobs.rs`).
 
 mod attention;
 mod gemm;

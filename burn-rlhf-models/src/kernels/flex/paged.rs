@@ -9,12 +9,20 @@
 //! time. A sequence with many queries (a prefill chunk) runs one task per (sequence, key/value
 //! head, block of queries): its keys and values gathered once into scratch buffers and the
 //! products on gemm, as the dense kernel does.
+//!
+//! Both compute every number as the training passes' attention does (`attention.rs` on gemm),
+//! bit for bit: a score is `scale * Σ_i q_i k_i` summed by fused multiply-adds in the order of
+//! the head's dimensions from 0 (gemm's micro-kernel), the softmax is the same loop, and an
+//! output is the probabilities times the values summed by fused multiply-adds in key order, in
+//! blocks of [`DEPTH_BLOCK`] keys from position 0 added up in order (gemm's depth blocks). The
+//! decode loops reproduce that arithmetic in their own order of work; so a token's log-prob from
+//! the rollout is the trainer's.
 
 use burn::backend::flex::FlexTensor;
 use rayon::prelude::*;
 
 use super::attention::Rows4;
-use super::gemm::{matmul, Shared};
+use super::gemm::{matmul, Shared, DEPTH_BLOCK};
 use super::{tensor, zeros};
 use crate::paged::{PagedLayout, PagedSeq};
 
@@ -162,10 +170,11 @@ unsafe fn decode_task(
 ) {
     #[cfg(target_arch = "x86_64")]
     {
-        if std::arch::is_x86_feature_detected!("avx512f") {
+        let fma = std::arch::is_x86_feature_detected!("fma");
+        if fma && std::arch::is_x86_feature_detected!("avx512f") {
             return decode_avx512(inputs, seq, kv, scores, out);
         }
-        if std::arch::is_x86_feature_detected!("avx2") {
+        if fma && std::arch::is_x86_feature_detected!("avx2") {
             return decode_avx2(inputs, seq, kv, scores, out);
         }
     }
@@ -173,7 +182,7 @@ unsafe fn decode_task(
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
+#[target_feature(enable = "avx512f,fma")]
 unsafe fn decode_avx512(
     inputs: &Inputs,
     seq: &PagedSeq,
@@ -185,7 +194,7 @@ unsafe fn decode_avx512(
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
+#[target_feature(enable = "avx2,fma")]
 unsafe fn decode_avx2(
     inputs: &Inputs,
     seq: &PagedSeq,
@@ -214,11 +223,21 @@ fn prefetch(block: &[f32]) {
     let _ = block;
 }
 
-/// `y += a x`.
+/// `y += a x`, each element by one fused multiply-add.
 #[inline(always)]
 fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
     for (y, x) in y.iter_mut().zip(x) {
-        *y += a * x;
+        *y = a.mul_add(*x, *y);
+    }
+}
+
+/// Adds a finished depth block's sums `acc` into `total` as gemm does (the first block's sums as
+/// they are, the later ones added), and clears `acc` for the next block.
+#[inline(always)]
+fn flush(total: &mut [f32], acc: &mut [f32], first: bool) {
+    for (t, a) in total.iter_mut().zip(acc.iter_mut()) {
+        *t = if first { *a } else { *t + *a };
+        *a = 0.0;
     }
 }
 
@@ -230,7 +249,7 @@ const ROWS: usize = 4;
 
 /// `out[r][0..LANES] = Σ_i q[r][i] keys[i][0..LANES]` for `ROWS` query rows (`q`, `ROWS * d`)
 /// over one group of lanes of a block's transposed keys (`keys[i]` at `i * stride`), the
-/// accumulators in registers.
+/// accumulators in registers, each sum by fused multiply-adds in the order of `i`.
 #[inline(always)]
 fn score_lanes(q: &[f32], keys: &[f32], stride: usize, d: usize) -> [[f32; LANES]; ROWS] {
     let mut acc = [[0.0f32; LANES]; ROWS];
@@ -241,7 +260,7 @@ fn score_lanes(q: &[f32], keys: &[f32], stride: usize, d: usize) -> [[f32; LANES
         for (r, acc) in acc.iter_mut().enumerate() {
             let x = q[r * d + i];
             for (a, k) in acc.iter_mut().zip(k) {
-                *a += x * k;
+                *a = x.mul_add(*k, *a);
             }
         }
     }
@@ -249,7 +268,9 @@ fn score_lanes(q: &[f32], keys: &[f32], stride: usize, d: usize) -> [[f32; LANES
 }
 
 /// `out[r] = Σ_j p[r][j] v_j` for `R` rows over the values of `seq`'s blocks `b0..` (positions
-/// `b0 * bs..end`), each value row read once for all `R`, the sums in registers.
+/// `b0 * bs..end`), each value row read once for all `R`, the sums in registers: by fused
+/// multiply-adds in key order within each [`DEPTH_BLOCK`] of positions, the blocks' sums added
+/// in order (gemm's arithmetic).
 #[inline(always)]
 fn weighted_sums<const D: usize, const R: usize>(
     inputs: &Inputs,
@@ -259,6 +280,8 @@ fn weighted_sums<const D: usize, const R: usize>(
 ) -> [[f32; D]; R] {
     let bs = inputs.layout.block_size();
     let mut acc = [[0.0f32; D]; R];
+    let mut total = [[0.0f32; D]; R];
+    let mut first = true;
     let b1 = end.div_ceil(bs);
     for b in b0..b1 {
         if b + 2 < b1 {
@@ -267,16 +290,26 @@ fn weighted_sums<const D: usize, const R: usize>(
         let block = inputs.value_block(seq, kv, b);
         let (j0, n) = (b * bs, bs.min(end - b * bs));
         for (o, v) in block.chunks_exact(D).take(n).enumerate() {
+            let j = j0 + o;
+            if j % DEPTH_BLOCK == 0 && j > b0 * bs {
+                for (t, a) in total.iter_mut().zip(acc.iter_mut()) {
+                    flush(t, a, first);
+                }
+                first = false;
+            }
             let v: &[f32; D] = v.try_into().expect("a value row");
             for (acc, p) in acc.iter_mut().zip(&probs) {
-                let w = p[j0 + o - b0 * bs];
+                let w = p[j - b0 * bs];
                 for (a, v) in acc.iter_mut().zip(v) {
-                    *a += w * v;
+                    *a = w.mul_add(*v, *a);
                 }
             }
         }
     }
-    acc
+    for (t, a) in total.iter_mut().zip(acc.iter_mut()) {
+        flush(t, a, first);
+    }
+    total
 }
 
 /// The rows `r0..r0 + R` of the output: their weighted sums of the values, written to their
@@ -323,9 +356,16 @@ unsafe fn write_sums_any(
     let at = ((seq.first + r % nq) * h + kv * groups + r / nq) * d;
     let dst = std::slice::from_raw_parts_mut(out.get().add(at), d);
     let p = &scores[r * width..(r + 1) * width];
+    let mut acc = vec![0.0f32; d];
+    let mut first = true;
     for j in b0 * bs..seq.context() {
-        axpy(dst, p[j - b0 * bs], inputs.value_row(seq, kv, j));
+        if j % DEPTH_BLOCK == 0 && j > b0 * bs {
+            flush(dst, &mut acc, first);
+            first = false;
+        }
+        axpy(&mut acc, p[j - b0 * bs], inputs.value_row(seq, kv, j));
     }
+    flush(dst, &mut acc, first);
 }
 
 /// All queries of `seq` for the query heads of key/value head `kv`: each row's scores over each
@@ -361,9 +401,7 @@ unsafe fn decode_body(
     let (scores, qs) = scores.split_at_mut(rows * width);
     for r in 0..rows {
         let q = inputs.q.row(0, kv * groups + r / nq, seq.first + r % nq);
-        for (o, x) in qs[r * d..(r + 1) * d].iter_mut().zip(q) {
-            *o = x * scale;
-        }
+        qs[r * d..(r + 1) * d].copy_from_slice(q);
     }
     // Two blocks ahead: the keys while scoring, then the first values.
     for b in b0..(b0 + 2).min(b1) {
@@ -385,7 +423,9 @@ unsafe fn decode_body(
                 let acc = score_lanes(q, &keys[c..], bs, d);
                 for (k, lanes) in acc.iter().enumerate().take(rows - r0) {
                     let at = (r0 + k) * width + (b - b0) * bs + c;
-                    scores[at..at + LANES].copy_from_slice(lanes);
+                    for (s, a) in scores[at..at + LANES].iter_mut().zip(lanes) {
+                        *s = scale * a;
+                    }
                 }
                 c += LANES;
             }
@@ -393,8 +433,8 @@ unsafe fn decode_body(
             for lane in c..bs {
                 for k in 0..ROWS.min(rows - r0) {
                     let q = &q[k * d..(k + 1) * d];
-                    let dot: f32 = (0..d).map(|i| q[i] * keys[i * bs + lane]).sum();
-                    scores[(r0 + k) * width + (b - b0) * bs + lane] = dot;
+                    let dot = (0..d).fold(0.0f32, |a, i| q[i].mul_add(keys[i * bs + lane], a));
+                    scores[(r0 + k) * width + (b - b0) * bs + lane] = scale * dot;
                 }
             }
         }
@@ -457,7 +497,9 @@ unsafe fn prefill_task(
     let groups = h / inputs.v.dims[1];
     let lb = i1 - i0;
     let end = seq.past + i1;
-    let start = inputs.first_key(seq.past + i0);
+    // From a depth block's first position (a sliding window starts anywhere): the products'
+    // blocks of keys then fall where the training pass's do.
+    let start = inputs.first_key(seq.past + i0) / DEPTH_BLOCK * DEPTH_BLOCK;
     let n = end - start;
     let scale = 1.0 / (d as f32).sqrt();
     // Keys as `[D, n]` (the pool's transposed blocks side by side), values as `[n, D]`.

@@ -1,0 +1,202 @@
+//! Rollout log-probs equal to the trainer's bit for bit on flex (issue 42): the engine's decode
+//! steps and prefill chunks and the trainer's passes compute every number the same way (the
+//! products in fixed depth blocks on at least 2 rows, attention's sums in the training kernel's
+//! order, the log-prob with the trainer's arithmetic), so `training/rollout_probs_diff_max` is
+//! exactly 0 whatever the micro-batches, dynamic batches, padding or ranks.
+
+use std::path::Path;
+
+use burn::backend::{Autodiff, Flex};
+use burn::tensor::{Distribution, Int, Tensor, TensorData};
+use burn_rlhf::config::RlhfConfig;
+use burn_rlhf::models::{CausalLm, TransformerConfig};
+use burn_rlhf::tasks;
+use burn_rlhf::trainer::{Learner, LearnerParts};
+use burn_rlhf_test_assets::temp_dir;
+
+type B = Autodiff<Flex>;
+
+/// The arithmetic task's vocabulary in a decoder `hidden` wide (4 heads of `hidden / 4`), 2
+/// layers, its MLP 4 times wider: 576 passes gemm's 512-deep block in every product (as
+/// SmolLM2-135M's 576 and 1536), 256 gives SmolLM2's head width of 64.
+fn model_config(hidden: usize) -> TransformerConfig {
+    tasks::small_llama(tasks::VOCAB.len(), hidden, 2, 64)
+}
+
+/// A random model of [`model_config`]`(hidden)`, its weights materialised (a lazily initialised
+/// parameter would draw its values anew in each copy of the model).
+fn actor(dir: &Path, hidden: usize) -> CausalLm<B> {
+    use burn::module::AutodiffModule;
+    let fresh: CausalLm<B> = super::seeded(11, || {
+        model_config(hidden).init_causal_lm(&Default::default())
+    });
+    let folder = dir.join(format!("model-{hidden}"));
+    burn_rlhf::models::pretrained::save_pretrained(
+        &folder,
+        &model_config(hidden),
+        &fresh.valid().export(),
+        None,
+        Some(&tasks::tokenizer()),
+    )
+    .unwrap();
+    burn_rlhf::models::pretrained::load_pretrained(&folder.display().to_string())
+        .unwrap()
+        .causal_lm(&Default::default())
+        .unwrap()
+}
+
+/// GRPO on 4 prompts x 4 samples of up to 12 tokens at temperature 0.8, two mini-batches (so the
+/// old-log-prob pass runs).
+fn grpo(dir: &Path) -> RlhfConfig {
+    let mut c = RlhfConfig::default();
+    c.data.train_batch_size = 4;
+    c.data.max_prompt_length = 8;
+    c.data.max_response_length = 12;
+    c.custom_reward_function.name = Some(tasks::DATA_SOURCE.into());
+    c.actor_rollout_ref.actor.optim.lr = 1e-4;
+    c.actor_rollout_ref.actor.ppo_mini_batch_size = 2;
+    c.actor_rollout_ref.rollout.n = 4;
+    c.actor_rollout_ref.rollout.temperature = 0.8;
+    c.algorithm.adv_estimator = "grpo".into();
+    c.trainer.total_training_steps = Some(2);
+    c.trainer.logger = vec![];
+    c.trainer.test_freq = -1;
+    c.trainer.val_before_train = false;
+    c.trainer.resume_mode = "disable".into();
+    c.trainer.default_local_dir = Some(dir.display().to_string());
+    c
+}
+
+/// Two GRPO steps of `config` on `ranks` devices; each step's `training/rollout_probs_diff_max`.
+fn probs_diff(config: RlhfConfig, actor: &CausalLm<B>, hidden: usize, ranks: usize) -> Vec<f64> {
+    let (train, val) = tasks::split_problems(10, 20, 1);
+    let mut parts = LearnerParts::new(actor.clone(), model_config(hidden), tasks::tokenizer());
+    parts
+        .rewards
+        .register(std::sync::Arc::new(tasks::ExactAnswer));
+    parts.train = train;
+    parts.val = val;
+    if ranks == 1 {
+        let mut learner = Learner::new(config, parts, &Default::default()).unwrap();
+        return (0..2)
+            .map(|_| learner.step().unwrap()["training/rollout_probs_diff_max"])
+            .collect();
+    }
+    let _turn = super::data_parallel::ONE_GROUP_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    let mut config = config;
+    config.trainer.logger = vec!["jsonl".into()];
+    let dir = std::path::PathBuf::from(config.trainer.default_local_dir.clone().unwrap());
+    super::data_parallel::n_devices_of(config, parts, ranks).unwrap();
+    burn_rlhf::trainer::logger::read_jsonl(&dir.join("metrics.jsonl"))
+        .unwrap()
+        .into_iter()
+        .map(|(_, m)| m["training/rollout_probs_diff_max"])
+        .collect()
+}
+
+/// The rollout's sampled log-probs are the trainer's recomputation bit for bit: old-log-prob
+/// micro-batches of 1, 3 and the whole batch, dynamic batches of a token budget, padded passes
+/// instead of packed ones, two ranks, and a model whose heads are 64 wide.
+#[test]
+fn rollout_log_probs_are_the_trainers_bit_for_bit() {
+    let dir = temp_dir("exact-logprobs");
+    let wide = actor(&dir, 576);
+    let narrow = actor(&dir, 256);
+    type Tune = fn(&mut RlhfConfig);
+    let cases: [(&str, usize, usize, Tune); 7] = [
+        ("micro-batches of 1", 576, 1, |c| {
+            c.actor_rollout_ref
+                .rollout
+                .log_prob_micro_batch_size_per_gpu = Some(1)
+        }),
+        ("micro-batches of 3", 576, 1, |c| {
+            c.actor_rollout_ref
+                .rollout
+                .log_prob_micro_batch_size_per_gpu = Some(3)
+        }),
+        ("the whole batch", 576, 1, |c| {
+            c.actor_rollout_ref
+                .rollout
+                .log_prob_micro_batch_size_per_gpu = None
+        }),
+        ("dynamic batches", 576, 1, |c| {
+            c.actor_rollout_ref.rollout.log_prob_use_dynamic_bsz = Some(true);
+            c.actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu = Some(45);
+        }),
+        ("padded passes", 576, 1, |c| {
+            c.actor_rollout_ref.model.use_remove_padding = Some(false)
+        }),
+        ("two ranks", 576, 2, |c| {
+            c.actor_rollout_ref
+                .rollout
+                .log_prob_micro_batch_size_per_gpu = Some(3)
+        }),
+        ("heads 64 wide", 256, 1, |c| {
+            c.actor_rollout_ref
+                .rollout
+                .log_prob_micro_batch_size_per_gpu = Some(3)
+        }),
+    ];
+    for (what, hidden, ranks, tune) in cases {
+        let mut c = grpo(&dir.join(what.replace(' ', "-")));
+        tune(&mut c);
+        let model = if hidden == 576 { &wide } else { &narrow };
+        let diffs = probs_diff(c, model, hidden, ranks);
+        println!("{what}: training/rollout_probs_diff_max per step {diffs:?}");
+        assert_eq!(diffs, vec![0.0, 0.0], "{what}");
+    }
+}
+
+/// The rollout's log-prob of a sampled token (`rollout::sample::trainer_logprob` on the logits
+/// of the decoder's LM head, `burn_rlhf_models::kernels::linear`) equals the trainer's fused LM
+/// head (`burn_rlhf::algos::kernels::linear_entropy_and_logprobs`, its logits made a chunk of rows
+/// at a time) bit for bit: any rows, any chunk, a tied (transposed) head, temperatures 1 and 0.7.
+#[test]
+fn the_rollouts_log_prob_is_the_fused_heads() {
+    let d = Default::default();
+    let (n, h, v) = (37, 576, 1000);
+    <Flex as burn::tensor::backend::Backend>::seed(&d, 5);
+    let hidden: Tensor<Flex, 2> = Tensor::random([n, h], Distribution::Normal(0.0, 1.0), &d);
+    let weight: Tensor<Flex, 2> = Tensor::random([v, h], Distribution::Normal(0.0, 0.05), &d);
+    let labels: Vec<i64> = (0..n).map(|i| (i * 37 % v) as i64).collect();
+    for temperature in [1.0f64, 0.7] {
+        for chunk in [1, 5, 64] {
+            let (_, trainer) = burn_rlhf::algos::kernels::linear_entropy_and_logprobs(
+                hidden.clone(),
+                weight.clone(),
+                Tensor::<Flex, 1, Int>::from_data(TensorData::new(labels.clone(), [n]), &d),
+                temperature,
+                chunk,
+            );
+            let trainer: Vec<f32> = trainer.into_data().to_vec().unwrap();
+            for rows in [1, 2, 8] {
+                for start in (0..n - rows).step_by(9) {
+                    let logits: Vec<f32> = burn_rlhf::models::kernels::linear(
+                        hidden.clone().narrow(0, start, rows),
+                        weight.clone().transpose(),
+                    )
+                    .into_data()
+                    .to_vec()
+                    .unwrap();
+                    for r in 0..rows {
+                        let row = &logits[r * v..(r + 1) * v];
+                        let label = labels[start + r] as usize;
+                        let rollout = burn_rlhf::rollout::sample::trainer_logprob(
+                            row,
+                            label,
+                            temperature as f32,
+                        );
+                        assert_eq!(
+                            rollout.to_bits(),
+                            trainer[start + r].to_bits(),
+                            "row {} of a product of {rows}, chunk {chunk}, T {temperature}",
+                            start + r
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
