@@ -315,6 +315,46 @@ mod tests {
         }
     }
 
+    /// The one-pass pick of the whole tempered distribution (f32 exponentials, the trainer's
+    /// arithmetic) draws the token the f64 distribution draws except where a draw falls within
+    /// rounding of a boundary of the cumulative sum, and its log-prob is within f32 rounding of
+    /// the f64 one: 10,000 draws over rows of 2,000 logits at temperatures 1 and 0.7.
+    #[test]
+    fn the_one_pass_pick_draws_as_the_f64_distribution() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        let (mut draws, mut apart, mut worst) = (0, 0, 0.0f64);
+        for row in 0..100 {
+            let logits: Vec<f32> = (0..2000).map(|_| rng.random_range(-6.0..6.0)).collect();
+            let p = SamplingParams {
+                logprobs_mode: LogprobsMode::Processed,
+                ..params([1.0, 0.7][row % 2], None, 1.0)
+            };
+            for _ in 0..100 {
+                let u: f64 = rng.random();
+                let (token, logprob) = pick_whole(&logits, &p, u);
+                let dist = processed_distribution(&logits, p.temperature, None, 1.0);
+                let mut cum = 0.0;
+                let chosen = dist
+                    .iter()
+                    .find(|(_, q)| {
+                        cum += q;
+                        u < cum
+                    })
+                    .unwrap_or(dist.last().unwrap());
+                draws += 1;
+                if chosen.0 != token as usize {
+                    apart += 1;
+                } else {
+                    worst = worst.max((chosen.1.ln() - logprob as f64).abs());
+                }
+            }
+        }
+        println!("{apart} of {draws} draws differ; log-probs within {worst:e}");
+        assert!(apart <= 2, "{apart} of {draws} draws differ");
+        assert!(worst < 1e-5, "{worst}");
+    }
+
     #[test]
     fn top_k_and_top_p_keep_the_right_tokens() {
         let logits = [0.0f32, 1.0, 2.0, 3.0];
