@@ -200,3 +200,63 @@ fn the_rollouts_log_prob_is_the_fused_heads() {
         }
     }
 }
+
+/// Runs repeat bit for bit whatever the number of threads: the same GRPO step in rayon pools of
+/// 1, 2 and 3 threads samples the same tokens with the same log-probs, recomputes the same old
+/// log-probs, and ends with the same weights (every metric but the timings equal).
+#[test]
+fn a_step_is_the_same_on_any_number_of_threads() {
+    use burn::module::{AutodiffModule, Module};
+    /// Every parameter's values, in visiting order.
+    struct Collect<'a>(&'a mut Vec<f32>);
+    impl burn::module::ModuleVisitor<Flex> for Collect<'_> {
+        fn visit_float<const D: usize>(&mut self, p: &burn::module::Param<Tensor<Flex, D>>) {
+            self.0.extend(p.val().into_data().iter::<f32>());
+        }
+    }
+    let dir = temp_dir("exact-logprobs-threads");
+    let model = actor(&dir, 576);
+    let run = |threads: usize| {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap()
+            .install(|| {
+                let (train, val) = tasks::split_problems(10, 20, 1);
+                let mut parts =
+                    LearnerParts::new(model.clone(), model_config(576), tasks::tokenizer());
+                parts
+                    .rewards
+                    .register(std::sync::Arc::new(tasks::ExactAnswer));
+                parts.train = train;
+                parts.val = val;
+                let c = grpo(&dir.join(format!("threads-{threads}")));
+                let mut learner = Learner::new(c, parts, &Default::default()).unwrap();
+                let batch = learner.generate(&[0, 1, 2, 3], 1).unwrap();
+                let old = learner.old_log_probs(&batch).unwrap().log_probs;
+                let metrics = learner.step().unwrap();
+                let mut weights = Vec::new();
+                learner.actor.valid().visit(&mut Collect(&mut weights));
+                let metrics: Vec<(String, f64)> = metrics
+                    .into_iter()
+                    .filter(|(k, _)| !burn_rlhf::trainer::usage::measures_the_machine(k))
+                    .collect();
+                (
+                    batch.response_ids,
+                    batch.rollout_log_probs,
+                    old,
+                    metrics,
+                    weights,
+                )
+            })
+    };
+    let one = run(1);
+    for threads in [2, 3] {
+        let other = run(threads);
+        assert_eq!(one.0, other.0, "tokens on {threads} threads");
+        assert_eq!(one.1, other.1, "rollout log-probs on {threads} threads");
+        assert_eq!(one.2, other.2, "old log-probs on {threads} threads");
+        assert_eq!(one.3, other.3, "metrics on {threads} threads");
+        assert_eq!(one.4, other.4, "weights on {threads} threads");
+    }
+}
