@@ -23,17 +23,36 @@ fn model_config(hidden: usize) -> TransformerConfig {
     tasks::small_llama(tasks::VOCAB.len(), hidden, 2, 64)
 }
 
-/// A random model of [`model_config`]`(hidden)`, its weights materialised (a lazily initialised
-/// parameter would draw its values anew in each copy of the model).
+/// A random model of [`model_config`]`(hidden)`.
 fn actor(dir: &Path, hidden: usize) -> CausalLm<B> {
-    use burn::module::AutodiffModule;
-    let fresh: CausalLm<B> = super::seeded(11, || {
-        model_config(hidden).init_causal_lm(&Default::default())
+    actor_of(dir, &model_config(hidden), &format!("model-{hidden}"))
+}
+
+/// [`model_config`]`(576)` as a mixture of experts (Qwen3-MoE's layout): 8 experts, 2 per token.
+fn moe_config() -> TransformerConfig {
+    let mut mc = model_config(576);
+    mc.model_type = burn_rlhf::models::ModelType::Qwen3Moe;
+    mc.moe = Some(burn_rlhf::models::MoeConfig {
+        num_experts: 8,
+        num_experts_per_tok: 2,
+        expert_intermediate_size: 576,
+        norm_topk_prob: true,
+        router_aux_loss_coef: 0.0,
+        output_router_logits: false,
+        sparse_layers: vec![true, true],
     });
-    let folder = dir.join(format!("model-{hidden}"));
+    mc
+}
+
+/// A random model of `config`, saved as `dir/name` and loaded back: its weights materialised (a
+/// lazily initialised parameter would draw its values anew in each copy of the model).
+fn actor_of(dir: &Path, config: &TransformerConfig, name: &str) -> CausalLm<B> {
+    use burn::module::AutodiffModule;
+    let fresh: CausalLm<B> = super::seeded(11, || config.init_causal_lm(&Default::default()));
+    let folder = dir.join(name);
     burn_rlhf::models::pretrained::save_pretrained(
         &folder,
-        &model_config(hidden),
+        config,
         &fresh.valid().export(),
         None,
         Some(&tasks::tokenizer()),
@@ -68,9 +87,14 @@ fn grpo(dir: &Path) -> RlhfConfig {
 }
 
 /// Two GRPO steps of `config` on `ranks` devices; each step's `training/rollout_probs_diff_max`.
-fn probs_diff(config: RlhfConfig, actor: &CausalLm<B>, hidden: usize, ranks: usize) -> Vec<f64> {
+fn probs_diff(
+    config: RlhfConfig,
+    actor: &CausalLm<B>,
+    model: &TransformerConfig,
+    ranks: usize,
+) -> Vec<f64> {
     let (train, val) = tasks::split_problems(10, 20, 1);
-    let mut parts = LearnerParts::new(actor.clone(), model_config(hidden), tasks::tokenizer());
+    let mut parts = LearnerParts::new(actor.clone(), model.clone(), tasks::tokenizer());
     parts
         .rewards
         .register(std::sync::Arc::new(tasks::ExactAnswer));
@@ -98,14 +122,17 @@ fn probs_diff(config: RlhfConfig, actor: &CausalLm<B>, hidden: usize, ranks: usi
 
 /// The rollout's sampled log-probs are the trainer's recomputation bit for bit: old-log-prob
 /// micro-batches of 1, 3 and the whole batch, dynamic batches of a token budget, padded passes
-/// instead of packed ones, two ranks, and a model whose heads are 64 wide.
+/// instead of packed ones, two ranks, a model whose heads are 64 wide and a mixture of experts.
+/// (Not under tensor parallelism: there the trainer's vocabulary-parallel log-softmax sums each
+/// rank's share first, 1.7e-7 and 2.7e-7 apart on this test, 2026-11-28.)
 #[test]
 fn rollout_log_probs_are_the_trainers_bit_for_bit() {
     let dir = temp_dir("exact-logprobs");
     let wide = actor(&dir, 576);
     let narrow = actor(&dir, 256);
+    let experts = actor_of(&dir, &moe_config(), "moe");
     type Tune = fn(&mut RlhfConfig);
-    let cases: [(&str, usize, usize, Tune); 7] = [
+    let cases: [(&str, usize, usize, Tune); 8] = [
         ("micro-batches of 1", 576, 1, |c| {
             c.actor_rollout_ref
                 .rollout
@@ -138,12 +165,21 @@ fn rollout_log_probs_are_the_trainers_bit_for_bit() {
                 .rollout
                 .log_prob_micro_batch_size_per_gpu = Some(3)
         }),
+        ("mixture of experts", 0, 1, |c| {
+            c.actor_rollout_ref
+                .rollout
+                .log_prob_micro_batch_size_per_gpu = Some(3)
+        }),
     ];
     for (what, hidden, ranks, tune) in cases {
         let mut c = grpo(&dir.join(what.replace(' ', "-")));
         tune(&mut c);
-        let model = if hidden == 576 { &wide } else { &narrow };
-        let diffs = probs_diff(c, model, hidden, ranks);
+        let (model, shape) = match hidden {
+            576 => (&wide, model_config(576)),
+            256 => (&narrow, model_config(256)),
+            _ => (&experts, moe_config()),
+        };
+        let diffs = probs_diff(c, model, &shape, ranks);
         println!("{what}: training/rollout_probs_diff_max per step {diffs:?}");
         assert_eq!(diffs, vec![0.0, 0.0], "{what}");
     }
