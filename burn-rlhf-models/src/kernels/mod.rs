@@ -628,6 +628,26 @@ mod tests {
     /// block size and the sliding window.
     type PagedCase = (Vec<(usize, usize)>, [usize; 3], usize, Option<usize>);
 
+    /// `seq`'s positions of a keys pool (`[N, KV, D, bs]`, `keys`) or a values pool
+    /// (`[N, KV, bs, D]`) in order, as dense attention reads them: `[1, KV, context, D]`.
+    fn gather_positions(pool: &Tensor<Flex, 4>, seq: &PagedSeq, keys: bool) -> Tensor<Flex, 4> {
+        let [_, kv, a, b] = pool.dims();
+        let (d, bs) = if keys { (a, b) } else { (b, a) };
+        let rows: Vec<Tensor<Flex, 4>> = (0..seq.context())
+            .map(|p| {
+                let (blk, o) = (seq.blocks[p / bs] as usize, p % bs);
+                match keys {
+                    true => pool
+                        .clone()
+                        .slice([blk..blk + 1, 0..kv, 0..d, o..o + 1])
+                        .swap_dims(2, 3),
+                    false => pool.clone().slice([blk..blk + 1, 0..kv, o..o + 1, 0..d]),
+                }
+            })
+            .collect();
+        Tensor::cat(rows, 2)
+    }
+
     /// Decoding sequences (one query), a few queries, prefill chunks over one and two query
     /// blocks, block sizes that do and do not divide the contexts, a head width under and over
     /// the kernel's lanes, with and without a sliding window.
@@ -673,25 +693,10 @@ mod tests {
             ));
             assert_close(kernel.clone(), padded, 1e-5, "bucketed paged attention");
             // Each sequence as dense attention over its positions gathered in order.
-            let [_, h, t, d] = q.dims();
-            let kv = dims[1];
+            let [_, h, t, _] = q.dims();
             for seq in layout.seqs() {
                 let ctx = seq.context();
-                let gather = |pool: &Tensor<Flex, 4>, keys: bool| {
-                    let rows: Vec<Tensor<Flex, 4>> = (0..ctx)
-                        .map(|p| {
-                            let (b, o) = (seq.blocks[p / bs] as usize, p % bs);
-                            match keys {
-                                true => pool
-                                    .clone()
-                                    .slice([b..b + 1, 0..kv, 0..d, o..o + 1])
-                                    .swap_dims(2, 3),
-                                false => pool.clone().slice([b..b + 1, 0..kv, o..o + 1, 0..d]),
-                            }
-                        })
-                        .collect();
-                    Tensor::cat(rows, 2)
-                };
+                let gather = |pool: &Tensor<Flex, 4>, keys: bool| gather_positions(pool, seq, keys);
                 let mask = AttentionMask::new(&[vec![1; ctx]], seq.past);
                 let mask = window.map_or(mask.clone(), |w| mask.with_window(w));
                 let qs = q.clone().narrow(2, seq.first, seq.queries);
@@ -767,24 +772,9 @@ mod tests {
                 window,
             ));
             let [_, h, _, d] = q.dims();
-            let kv = dims[1];
             for (i, seq) in layout.seqs().iter().enumerate() {
                 let ctx = seq.context();
-                let gather = |pool: &Tensor<Flex, 4>, keys: bool| {
-                    let rows: Vec<Tensor<Flex, 4>> = (0..ctx)
-                        .map(|p| {
-                            let (b, o) = (seq.blocks[p / bs] as usize, p % bs);
-                            match keys {
-                                true => pool
-                                    .clone()
-                                    .slice([b..b + 1, 0..kv, 0..d, o..o + 1])
-                                    .swap_dims(2, 3),
-                                false => pool.clone().slice([b..b + 1, 0..kv, o..o + 1, 0..d]),
-                            }
-                        })
-                        .collect();
-                    Tensor::cat(rows, 2)
-                };
+                let gather = |pool: &Tensor<Flex, 4>, keys: bool| gather_positions(pool, seq, keys);
                 // The training pass: every position's query (the earlier ones random), the
                 // sequence alone and beside a shorter padded row.
                 let earlier = random::<Flex, 4>([1, h, seq.past, d], 90 + i as u64);

@@ -86,13 +86,8 @@ fn grpo(dir: &Path) -> RlhfConfig {
     c
 }
 
-/// Two GRPO steps of `config` on `ranks` devices; each step's `training/rollout_probs_diff_max`.
-fn probs_diff(
-    config: RlhfConfig,
-    actor: &CausalLm<B>,
-    model: &TransformerConfig,
-    ranks: usize,
-) -> Vec<f64> {
+/// A learner's parts: `actor` of shape `model`, the arithmetic task's problems and reward.
+fn parts(actor: &CausalLm<B>, model: &TransformerConfig) -> LearnerParts<B> {
     let (train, val) = tasks::split_problems(10, 20, 1);
     let mut parts = LearnerParts::new(actor.clone(), model.clone(), tasks::tokenizer());
     parts
@@ -100,6 +95,17 @@ fn probs_diff(
         .register(std::sync::Arc::new(tasks::ExactAnswer));
     parts.train = train;
     parts.val = val;
+    parts
+}
+
+/// Two GRPO steps of `config` on `ranks` devices; each step's `training/rollout_probs_diff_max`.
+fn probs_diff(
+    config: RlhfConfig,
+    actor: &CausalLm<B>,
+    model: &TransformerConfig,
+    ranks: usize,
+) -> Vec<f64> {
+    let parts = parts(actor, model);
     if ranks == 1 {
         let mut learner = Learner::new(config, parts, &Default::default()).unwrap();
         return (0..2)
@@ -258,14 +264,7 @@ fn a_step_is_the_same_on_any_number_of_threads() {
             .build()
             .unwrap()
             .install(|| {
-                let (train, val) = tasks::split_problems(10, 20, 1);
-                let mut parts =
-                    LearnerParts::new(model.clone(), model_config(576), tasks::tokenizer());
-                parts
-                    .rewards
-                    .register(std::sync::Arc::new(tasks::ExactAnswer));
-                parts.train = train;
-                parts.val = val;
+                let parts = parts(&model, &model_config(576));
                 let c = grpo(&dir.join(format!("threads-{threads}")));
                 let mut learner = Learner::new(c, parts, &Default::default()).unwrap();
                 let batch = learner.generate(&[0, 1, 2, 3], 1).unwrap();

@@ -179,46 +179,21 @@ fn sft_command_lowers_the_loss_and_its_checkpoint_starts_ppo() {
 /// `burn-rlhf sft` on the tiny assets of `dir` for `steps` steps into `out`, with `extra`
 /// overrides.
 fn sft_cli(dir: &Path, out: &Path, steps: usize, extra: &[&str]) {
-    let (model, train, test) = (
-        dir.join("model"),
-        dir.join("train.jsonl"),
-        dir.join("test.jsonl"),
-    );
     let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/sft_gsm8k.ron");
     let status = Command::new(env!("CARGO_BIN_EXE_burn-rlhf"))
         .arg("sft")
         .arg(&config)
-        .args([
-            format!("model.partial_pretrain={}", model.display()),
-            format!("data.train_files={}", ron_list(&train)),
-            format!("data.val_files={}", ron_list(&test)),
-            "data.max_length=16".into(),
-            "data.train_batch_size=8".into(),
-            "data.micro_batch_size_per_gpu=3".into(),
-            "optim.lr=0.003".into(),
-            "optim.lr_scheduler=constant".into(),
-            format!("trainer.total_training_steps={steps}"),
-            "trainer.test_freq=2".into(),
-            "trainer.logger=[jsonl]".into(),
-            format!("trainer.default_local_dir={}", out.display()),
-        ])
+        .args(sft_overrides(dir, out, steps))
         .args(extra)
         .status()
         .unwrap();
     assert!(status.success(), "sft {steps} steps into {}", out.display());
 }
 
-/// [`sft_cli`]'s run in this process (`burn_rlhf::trainer::sft::sft`), for what the returning
-/// rank held.
-fn sft_here(
-    dir: &Path,
-    out: &Path,
-    steps: usize,
-    extra: &[&str],
-) -> burn_rlhf::trainer::supervised::SupervisedOutputs {
-    static STOP: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-    let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/sft_gsm8k.ron");
-    let mut overrides = vec![
+/// The overrides of [`sft_cli`]'s runs: `dir`'s model and problems, batches of 8 in micro-batches
+/// of 3, `steps` steps validated every 2, into `out`.
+fn sft_overrides(dir: &Path, out: &Path, steps: usize) -> Vec<String> {
+    vec![
         format!("model.partial_pretrain={}", dir.join("model").display()),
         format!("data.train_files={}", ron_list(&dir.join("train.jsonl"))),
         format!("data.val_files={}", ron_list(&dir.join("test.jsonl"))),
@@ -231,7 +206,20 @@ fn sft_here(
         "trainer.test_freq=2".into(),
         "trainer.logger=[jsonl]".into(),
         format!("trainer.default_local_dir={}", out.display()),
-    ];
+    ]
+}
+
+/// [`sft_cli`]'s run in this process (`burn_rlhf::trainer::sft::sft`), for what the returning
+/// rank held.
+fn sft_here(
+    dir: &Path,
+    out: &Path,
+    steps: usize,
+    extra: &[&str],
+) -> burn_rlhf::trainer::supervised::SupervisedOutputs {
+    static STOP: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/sft_gsm8k.ron");
+    let mut overrides = sft_overrides(dir, out, steps);
     overrides.extend(extra.iter().map(|e| e.to_string()));
     let config = burn_rlhf::config::SftConfig::load(&config, &overrides).unwrap();
     burn_rlhf::trainer::sft::sft(&config, &STOP).unwrap()
