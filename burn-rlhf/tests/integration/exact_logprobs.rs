@@ -48,12 +48,18 @@ fn moe_config() -> TransformerConfig {
 /// lazily initialised parameter would draw its values anew in each copy of the model).
 fn actor_of(dir: &Path, config: &TransformerConfig, name: &str) -> CausalLm<B> {
     use burn::module::AutodiffModule;
-    let fresh: CausalLm<B> = super::seeded(11, || config.init_causal_lm(&Default::default()));
+    // Drawn and read under the lock on the backend's random stream: the parameters are lazy, so
+    // their values are drawn when first read (outside the lock, another test's model drawn
+    // meanwhile would come out different).
+    let weights = super::seeded(11, || {
+        let fresh: CausalLm<B> = config.init_causal_lm(&Default::default());
+        fresh.valid().export()
+    });
     let folder = dir.join(name);
     burn_rlhf::models::pretrained::save_pretrained(
         &folder,
         config,
-        &fresh.valid().export(),
+        &weights,
         None,
         Some(&tasks::tokenizer()),
     )
@@ -199,9 +205,14 @@ fn rollout_log_probs_are_the_trainers_bit_for_bit() {
 fn the_rollouts_log_prob_is_the_fused_heads() {
     let d = Default::default();
     let (n, h, v) = (37, 576, 1000);
-    <Flex as burn::tensor::backend::Backend>::seed(&d, 5);
-    let hidden: Tensor<Flex, 2> = Tensor::random([n, h], Distribution::Normal(0.0, 1.0), &d);
-    let weight: Tensor<Flex, 2> = Tensor::random([v, h], Distribution::Normal(0.0, 0.05), &d);
+    // Under the tests' lock on the backend's one random stream (another test's model drawn
+    // meanwhile would come out different).
+    let (hidden, weight): (Tensor<Flex, 2>, Tensor<Flex, 2>) = super::seeded(5, || {
+        (
+            Tensor::random([n, h], Distribution::Normal(0.0, 1.0), &d),
+            Tensor::random([v, h], Distribution::Normal(0.0, 0.05), &d),
+        )
+    });
     let labels: Vec<i64> = (0..n).map(|i| (i * 37 % v) as i64).collect();
     for temperature in [1.0f64, 0.7] {
         for chunk in [1, 5, 64] {

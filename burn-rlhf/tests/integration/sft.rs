@@ -218,6 +218,10 @@ fn sft_here(
     extra: &[&str],
 ) -> burn_rlhf::trainer::supervised::SupervisedOutputs {
     static STOP: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    // Ranks of this process share the one in-process collective group with the other tests'.
+    let _turn = super::data_parallel::ONE_GROUP_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
     let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/sft_gsm8k.ron");
     let mut overrides = sft_overrides(dir, out, steps);
     overrides.extend(extra.iter().map(|e| e.to_string()));
