@@ -32,6 +32,10 @@ pub struct RolloutBatch {
     pub response_attention_mask: Vec<f32>,
     /// `[rows * response_len]`, the rollout policy's log-prob of each generated token.
     pub rollout_log_probs: Vec<f32>,
+    /// `[rows * response_len]`, the entropy of the distribution each generated token was drawn
+    /// from (0 elsewhere), computed as the trainer computes it; `None` unless the sampler
+    /// computed it for every token the model sampled (see `sample::Picked::entropy`).
+    pub rollout_entropy: Option<Vec<f32>>,
     /// The prompt (group) of each row: rows of one prompt share an id.
     pub group_ids: Vec<u64>,
     /// Each row's data source.
@@ -65,6 +69,14 @@ impl RolloutBatch {
     ) -> Self {
         let prompt_len = prompts.iter().map(Vec::len).max().unwrap_or(0);
         let response_len = samples.iter().map(|s| s.tokens.len()).max().unwrap_or(0);
+        let with_entropy = samples.iter().all(|s| {
+            s.entropies.len() == s.tokens.len()
+                && s.mask
+                    .iter()
+                    .zip(&s.entropies)
+                    .all(|(&m, e)| m == 0 || e.is_some())
+        });
+        let mut entropy = Vec::new();
         let mut b = Self {
             prompt_len,
             response_len,
@@ -99,10 +111,19 @@ impl RolloutBatch {
                     .cloned()
                     .chain(std::iter::repeat_n(0.0, rpad)),
             );
+            if with_entropy {
+                entropy.extend(
+                    s.entropies
+                        .iter()
+                        .map(|e| e.unwrap_or(0.0))
+                        .chain(std::iter::repeat_n(0.0, rpad)),
+                );
+            }
             b.group_ids.push(group_ids[s.prompt_index]);
             b.data_source.push(data_source[s.prompt_index].clone());
             b.ground_truth.push(ground_truth[s.prompt_index].clone());
         }
+        b.rollout_entropy = with_entropy.then_some(entropy);
         b
     }
 
@@ -199,6 +220,7 @@ impl RolloutBatch {
             response_mask: pick(&self.response_mask, r),
             response_attention_mask: pick(&self.response_attention_mask, r),
             rollout_log_probs: pick(&self.rollout_log_probs, r),
+            rollout_entropy: self.rollout_entropy.as_ref().map(|s| pick(s, r)),
             group_ids: rows.iter().map(|&i| self.group_ids[i]).collect(),
             data_source: rows.iter().map(|&i| self.data_source[i].clone()).collect(),
             ground_truth: rows.iter().map(|&i| self.ground_truth[i].clone()).collect(),
@@ -274,6 +296,10 @@ impl RolloutBatch {
             response_mask: gather(&self.response_mask, rows, response_cols),
             response_attention_mask: gather(&self.response_attention_mask, rows, response_cols),
             rollout_log_probs: gather(&self.rollout_log_probs, rows, response_cols),
+            rollout_entropy: self
+                .rollout_entropy
+                .as_ref()
+                .map(|s| gather(s, rows, response_cols)),
             group_ids: self.group_ids.clone(),
             data_source: self.data_source.clone(),
             ground_truth: self.ground_truth.clone(),
@@ -297,13 +323,15 @@ impl RolloutBatch {
             prompt_len,
             response_len,
             token_level_scores: self.token_level_scores.as_ref().map(|_| Vec::new()),
+            rollout_entropy: self.rollout_entropy.as_ref().map(|_| Vec::new()),
             ..Default::default()
         };
         Self::concat(&[self.clone(), frame], pad_id)
     }
 
     /// Concatenates batches, re-padding prompts (on the left) and responses (on the right) to the
-    /// widest. Scores are kept when every part has them; a loss mask when any part has one.
+    /// widest. Scores and rollout entropies are kept when every part has them; a loss mask when
+    /// any part has one.
     pub fn concat(parts: &[Self], pad_id: u32) -> Self {
         let p = parts.iter().map(|b| b.prompt_len).max().unwrap_or(0);
         let r = parts.iter().map(|b| b.response_len).max().unwrap_or(0);
@@ -314,13 +342,14 @@ impl RolloutBatch {
             ..Default::default()
         };
         let with_loss_mask = parts.iter().any(|b| b.loss_mask.is_some());
+        let with_entropy = !parts.is_empty() && parts.iter().all(|b| b.rollout_entropy.is_some());
         let with_raw_prompts = parts
             .iter()
             .all(|b| b.rows() == 0 || b.raw_prompt.len() == b.rows());
         let with_conversations = parts
             .iter()
             .all(|b| b.rows() == 0 || b.conversations.len() == b.rows());
-        let (mut scores, mut loss_mask) = (Vec::new(), Vec::new());
+        let (mut scores, mut loss_mask, mut entropy) = (Vec::new(), Vec::new(), Vec::new());
         for b in parts {
             for row in 0..b.rows() {
                 let extra = p - b.prompt_len;
@@ -364,6 +393,15 @@ impl RolloutBatch {
                         .cloned()
                         .chain(std::iter::repeat_n(0.0, extra)),
                 );
+                if with_entropy {
+                    let e = b.rollout_entropy.as_ref().expect("checked");
+                    entropy.extend(
+                        e[seg.clone()]
+                            .iter()
+                            .cloned()
+                            .chain(std::iter::repeat_n(0.0, extra)),
+                    );
+                }
                 if with_loss_mask {
                     loss_mask.extend(
                         b.loss_mask()[seg.clone()]
@@ -394,6 +432,7 @@ impl RolloutBatch {
         }
         out.token_level_scores = with_scores.then_some(scores);
         out.loss_mask = with_loss_mask.then_some(loss_mask);
+        out.rollout_entropy = with_entropy.then_some(entropy);
         out
     }
 }
@@ -409,6 +448,7 @@ mod tests {
             mask: vec![1; tokens.len()],
             tokens,
             logprobs,
+            entropies: Vec::new(),
             stopped: true,
         }
     }
@@ -461,6 +501,44 @@ mod tests {
         }
         assert_eq!(masked.select(&[1]).loss_mask(), &[1.0, 0.0, 1.0]);
         assert_eq!(masked.padded_to(3, 4, 0).trimmed(1), masked);
+        // Entropies travel with their tokens; a tool's token has none.
+        assert_eq!(b.rollout_entropy, None, "not sampled");
+        for (s, e) in samples.iter_mut().zip([
+            vec![Some(0.5)],
+            vec![Some(1.0), None, Some(2.0)],
+            vec![Some(3.0), Some(4.0)],
+        ]) {
+            s.entropies = e;
+        }
+        let sampled = RolloutBatch::from_samples(
+            &prompts,
+            &samples,
+            0,
+            &[10, 11],
+            &["a".into(), "b".into()],
+            &["1".into(), "2".into()],
+        );
+        let want = [0.5, 0.0, 0.0, 1.0, 0.0, 2.0, 3.0, 4.0, 0.0];
+        assert_eq!(sampled.rollout_entropy.as_deref(), Some(&want[..]));
+        for size in 1..=3 {
+            let parts = sampled.split(size).unwrap();
+            assert_eq!(RolloutBatch::concat(&parts, 0), sampled, "split({size})");
+        }
+        assert_eq!(sampled.padded_to(3, 4, 0).trimmed(1), sampled);
+        assert_eq!(
+            sampled.select(&[2]).rollout_entropy,
+            Some(vec![3.0, 4.0, 0.0])
+        );
+        samples[2].entropies[1] = None;
+        let partly = RolloutBatch::from_samples(
+            &prompts,
+            &samples,
+            0,
+            &[10, 11],
+            &["a".into(), "b".into()],
+            &["1".into(), "2".into()],
+        );
+        assert_eq!(partly.rollout_entropy, None, "a sampled token without one");
         assert_eq!(b.loss_mask(), &b.response_mask[..]);
         assert_eq!(b.model_token_counts(), vec![1, 2, 2]);
         assert_eq!(b.score_ends(), vec![1, 3, 2]);

@@ -107,9 +107,22 @@ pub fn processed_distribution(
         .collect()
 }
 
+/// One sampled token.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Picked {
+    /// The token's id.
+    pub token: u32,
+    /// Its log-prob (under `params.logprobs_mode`).
+    pub logprob: f32,
+    /// The entropy of the tempered distribution it was drawn from, computed as the trainer's
+    /// kernels compute it (`lse - E_p[z]`, bit for bit); `None` where the sampler did not hold
+    /// the whole tempered distribution (top-k/top-p cuts, greedy decoding, the device sampler).
+    pub entropy: Option<f32>,
+}
+
 /// Picks the next token of one row and its log-prob under `params`; `u` is the row's uniform
 /// draw in `[0, 1)` (unused when greedy).
-pub fn pick(logits: &[f32], params: &SamplingParams, u: f64) -> (u32, f32) {
+pub fn pick(logits: &[f32], params: &SamplingParams, u: f64) -> Picked {
     if is_greedy(params) {
         let mut best = 0;
         for (i, &x) in logits.iter().enumerate() {
@@ -117,7 +130,11 @@ pub fn pick(logits: &[f32], params: &SamplingParams, u: f64) -> (u32, f32) {
                 best = i;
             }
         }
-        return (best as u32, log_softmax_row(logits)[best] as f32);
+        return Picked {
+            token: best as u32,
+            logprob: log_softmax_row(logits)[best] as f32,
+            entropy: None,
+        };
     }
     if keeps_every_token(params) {
         return pick_whole(logits, params, u);
@@ -136,22 +153,29 @@ pub fn pick(logits: &[f32], params: &SamplingParams, u: f64) -> (u32, f32) {
         LogprobsMode::Raw => log_softmax_row(logits)[chosen.0],
         LogprobsMode::Processed => chosen.1.ln(),
     };
-    (chosen.0 as u32, logprob as f32)
+    Picked {
+        token: chosen.0 as u32,
+        logprob: logprob as f32,
+        entropy: None,
+    }
 }
 
 /// [`pick`] from the whole tempered distribution (no top-k or top-p cut), in one pass of
 /// exponentials: the trainer's arithmetic ([`trainer_logprob`]: `z = x * (1 / T)` in f32, the
 /// exponentials of `z - max` summed in vocabulary order in f32), so the chosen token's log-prob
-/// is the trainer's recomputation of it bit for bit; the draw inverts the cumulative sum of the
-/// same exponentials (in f64) at `u` times their total.
-fn pick_whole(logits: &[f32], params: &SamplingParams, u: f64) -> (u32, f32) {
+/// is the trainer's recomputation of it bit for bit, and so is the entropy (`lse - E_p[z]`, with
+/// `E_p[z]` the f32 sum of `e * z` over the sum of `e`); the draw inverts the cumulative sum of
+/// the same exponentials (in f64) at `u` times their total.
+fn pick_whole(logits: &[f32], params: &SamplingParams, u: f64) -> Picked {
     let inv_t = 1.0 / params.temperature as f32;
     let max = logits.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x)) * inv_t;
     let e: Vec<f32> = logits.iter().map(|&x| (x * inv_t - max).exp()).collect();
-    let (mut sum, mut total) = (0.0f32, 0.0f64);
-    for &x in &e {
-        sum += x;
-        total += x as f64;
+    // The f32 sums in the trainer's `row_stats` order; the draw's total in f64.
+    let (mut sum, mut weighted, mut total) = (0.0f32, 0.0f32, 0.0f64);
+    for (&x, &e) in logits.iter().zip(&e) {
+        sum += e;
+        weighted += e * (x * inv_t);
+        total += e as f64;
     }
     let target = u * total;
     let mut chosen = e.len() - 1;
@@ -163,11 +187,16 @@ fn pick_whole(logits: &[f32], params: &SamplingParams, u: f64) -> (u32, f32) {
             break;
         }
     }
+    let lse = max + sum.ln();
     let logprob = match params.logprobs_mode {
-        LogprobsMode::Processed => logits[chosen] * inv_t - (max + sum.ln()),
+        LogprobsMode::Processed => logits[chosen] * inv_t - lse,
         LogprobsMode::Raw => trainer_logprob(logits, chosen, 1.0),
     };
-    (chosen as u32, logprob)
+    Picked {
+        token: chosen as u32,
+        logprob,
+        entropy: Some(lse - weighted / sum),
+    }
 }
 
 /// [`pick`] for every row of `logits` on the device: `u` holds each row's draw.
@@ -332,7 +361,7 @@ mod tests {
             };
             for _ in 0..100 {
                 let u: f64 = rng.random();
-                let (token, logprob) = pick_whole(&logits, &p, u);
+                let Picked { token, logprob, .. } = pick_whole(&logits, &p, u);
                 let dist = processed_distribution(&logits, p.temperature, None, 1.0);
                 let mut cum = 0.0;
                 let chosen = dist
@@ -353,6 +382,28 @@ mod tests {
         println!("{apart} of {draws} draws differ; log-probs within {worst:e}");
         assert!(apart <= 2, "{apart} of {draws} draws differ");
         assert!(worst < 1e-5, "{worst}");
+    }
+
+    /// The one-pass pick's entropy is the tempered distribution's (within f32 rounding of the f64
+    /// sum), and the samplers that do not hold the whole distribution report none.
+    #[test]
+    fn the_one_pass_pick_reports_the_tempered_entropy() {
+        let logits: Vec<f32> = (0..3000).map(|i| ((i * 37 % 101) as f32) / 9.0).collect();
+        for t in [1.0, 0.6, 1.4] {
+            let p = params(t, None, 1.0);
+            let dist = processed_distribution(&logits, t, None, 1.0);
+            let want: f64 = dist.iter().map(|&(_, q)| -q * q.ln()).sum();
+            let got = pick(&logits, &p, 0.3)
+                .entropy
+                .expect("the whole distribution");
+            assert!(
+                (got as f64 - want).abs() < 1e-4 * want.max(1.0),
+                "{got} vs {want} at {t}"
+            );
+        }
+        assert_eq!(pick(&logits, &params(1.0, Some(5), 1.0), 0.3).entropy, None);
+        assert_eq!(pick(&logits, &params(1.0, None, 0.9), 0.3).entropy, None);
+        assert_eq!(pick(&logits, &params(0.0, None, 1.0), 0.3).entropy, None);
     }
 
     #[test]
@@ -407,9 +458,9 @@ mod tests {
                 let ids: Vec<i64> = ids.into_data().iter::<i64>().collect();
                 let lps: Vec<f32> = lps.into_data().iter::<f32>().collect();
                 for r in 0..rows {
-                    let (want, want_lp) = pick(&logits[r * vocab..(r + 1) * vocab], &p, u[r]);
-                    assert_eq!(ids[r], want as i64, "row {r} of {p:?}");
-                    assert!((lps[r] - want_lp).abs() < 1e-4, "row {r} of {p:?}");
+                    let want = pick(&logits[r * vocab..(r + 1) * vocab], &p, u[r]);
+                    assert_eq!(ids[r], want.token as i64, "row {r} of {p:?}");
+                    assert!((lps[r] - want.logprob).abs() < 1e-4, "row {r} of {p:?}");
                 }
             }
         }

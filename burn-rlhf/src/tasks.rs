@@ -139,6 +139,7 @@ pub fn sft_batch(tokenizer: &Tokenizer, records: &[&PromptRecord]) -> RolloutBat
         samples.push(Sample {
             prompt_index: i,
             logprobs: vec![0.0; tokens.len()],
+            entropies: Vec::new(),
             mask: vec![1; tokens.len()],
             tokens,
             stopped: true,

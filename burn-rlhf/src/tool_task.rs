@@ -184,6 +184,7 @@ pub fn sft_batch(tokenizer: &Tokenizer, records: &[&PromptRecord]) -> RolloutBat
         samples.push(Sample {
             prompt_index: i,
             logprobs: vec![0.0; tokens.len()],
+            entropies: Vec::new(),
             mask,
             tokens,
             stopped: true,

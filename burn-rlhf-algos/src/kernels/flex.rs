@@ -182,6 +182,10 @@ fn zeros(n: usize) -> Vec<f32> {
 }
 
 impl RlBackend for Flex {
+    fn rl_batch_invariant() -> bool {
+        true
+    }
+
     fn rl_adamw_step(
         param: FloatTensor<Self>,
         grad: FloatTensor<Self>,

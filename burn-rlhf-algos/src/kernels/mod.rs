@@ -207,6 +207,15 @@ pub trait RlBackend: Backend {
         false
     }
 
+    /// Whether the fused LM head's f32 log-probs and entropies of a row are the same bit for bit
+    /// whatever the other rows of the product and the chunk size (Flex: the product handed to
+    /// gemm in fixed depth blocks), so that the rollout's sampled log-prob equals the trainer's
+    /// recomputation (see `burn_rlhf_models::DecoderBackend::dec_batch_invariant` for the
+    /// decoder's part).
+    fn rl_batch_invariant() -> bool {
+        false
+    }
+
     /// Bytes the backend's device memory pool holds on `device` (CubeCL's reserved pool), for
     /// the per-phase memory report; `None` where memory is the process heap (CPU backends).
     fn device_memory_reserved(_device: &Self::Device) -> Option<u64> {

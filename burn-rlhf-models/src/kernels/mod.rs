@@ -42,6 +42,14 @@ use burn::tensor::Tensor;
 /// heads, `KV` key/value heads (`H` a multiple of `KV`: grouped-query attention), `L` queries,
 /// `S` keys, `D` the head width.
 pub trait DecoderBackend: Backend {
+    /// Whether a row's f32 hidden states are the same bit for bit whatever the other rows of
+    /// the pass, padding, and whether its keys and values come from the paged cache one token
+    /// at a time or from one forward over the sequence (Flex on a CPU with fused multiply-add:
+    /// see `docs/exact_logprobs.md`).
+    fn dec_batch_invariant() -> bool {
+        false
+    }
+
     /// Scaled dot-product attention (`1/sqrt(D)`) under `mask`, scores and softmax in f32:
     /// q `[B, H, L, D]`, k and v `[B, KV, S, D]` → (out `[B, H, L, D]` in q's dtype, the
     /// log-sum-exp of each query's scaled scores `[B, H, L]` in f32).

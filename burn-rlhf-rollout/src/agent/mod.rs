@@ -203,6 +203,7 @@ pub fn run_conversations<B: DecoderBackend>(
                     prompt_index: i,
                     tokens: Vec::new(),
                     logprobs: Vec::new(),
+                    entropies: Vec::new(),
                     mask: Vec::new(),
                     stopped: false,
                 },
@@ -225,6 +226,7 @@ pub fn run_conversations<B: DecoderBackend>(
             let s = &mut run.sample;
             s.tokens.extend_from_slice(&f.tokens);
             s.logprobs.extend_from_slice(&f.logprobs);
+            s.entropies.extend_from_slice(&f.entropies);
             s.mask.extend(std::iter::repeat_n(1u8, f.tokens.len()));
             s.stopped = f.reason == FinishReason::Stop;
             run.turns.push((TurnRole::Assistant, f.tokens.len()));
@@ -244,6 +246,7 @@ pub fn run_conversations<B: DecoderBackend>(
                 {
                     s.tokens.extend_from_slice(&tokens);
                     s.logprobs.extend(std::iter::repeat_n(0.0, tokens.len()));
+                    s.entropies.extend(std::iter::repeat_n(None, tokens.len()));
                     s.mask.extend(std::iter::repeat_n(0u8, tokens.len()));
                     run.turns.push((role, tokens.len()));
                     engine.continue_seq(f.seq, &tokens, left - tokens.len())?;

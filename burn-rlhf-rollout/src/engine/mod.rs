@@ -38,7 +38,7 @@ pub use request::{
 use self::scheduler::{Limits, LogitsOf, Plan, Scheduler};
 use crate::error::RolloutError;
 use crate::params::{DecodeShapes, SamplingParams};
-use crate::sample::{draws, is_greedy, pick, sample_on_device, stream};
+use crate::sample::{draws, is_greedy, pick, sample_on_device, stream, Picked};
 
 /// The engine over one model (see the module's documentation).
 pub struct Engine<'a, B: DecoderBackend> {
@@ -313,10 +313,10 @@ impl<'a, B: DecoderBackend> Engine<'a, B> {
         }
         let sampled = self.sample(&plan, logits, &rows);
         let mut finished = Vec::new();
-        for ((seq, _), (token, logprob)) in plan.sampling.iter().zip(sampled) {
-            on_token(*seq, token);
+        for ((seq, _), picked) in plan.sampling.iter().zip(sampled) {
+            on_token(*seq, picked.token);
             self.stats.generated_tokens += 1;
-            if let Some(f) = self.sched.commit(*seq, token, logprob) {
+            if let Some(f) = self.sched.commit(*seq, picked) {
                 finished.push(f);
             }
         }
@@ -399,7 +399,7 @@ impl<'a, B: DecoderBackend> Engine<'a, B> {
         plan: &Plan,
         logits: Tensor<B, 2>,
         rows: &BTreeMap<usize, usize>,
-    ) -> Vec<(u32, f32)> {
+    ) -> Vec<Picked> {
         // Every row sampled from: the pass's, then kept prompts'.
         let mut kept_at = BTreeMap::new();
         let mut parts = vec![logits];
@@ -447,7 +447,7 @@ impl<'a, B: DecoderBackend> Engine<'a, B> {
         &mut self,
         logits: Tensor<B, 2>,
         entries: &[(usize, f64, Arc<SamplingParams>)],
-    ) -> Vec<(u32, f32)> {
+    ) -> Vec<Picked> {
         let v = self.vocab;
         let data = logits.into_data().convert::<f32>();
         let flat = data.as_slice::<f32>().expect("f32 logits");
@@ -465,8 +465,13 @@ impl<'a, B: DecoderBackend> Engine<'a, B> {
         logits: Tensor<B, 2>,
         entries: &[(usize, f64, Arc<SamplingParams>)],
         bucket: usize,
-    ) -> Vec<(u32, f32)> {
-        let mut out = vec![(0u32, 0f32); entries.len()];
+    ) -> Vec<Picked> {
+        let none = Picked {
+            token: 0,
+            logprob: 0.0,
+            entropy: None,
+        };
+        let mut out = vec![none; entries.len()];
         let mut done = vec![false; entries.len()];
         for i in 0..entries.len() {
             if done[i] {
@@ -491,7 +496,11 @@ impl<'a, B: DecoderBackend> Engine<'a, B> {
                 .collect();
             self.stats.max_values_read_per_row = self.stats.max_values_read_per_row.max(2);
             for (k, &j) in members.iter().enumerate() {
-                out[j] = (chosen[k] as u32, chosen[padded + k]);
+                out[j] = Picked {
+                    token: chosen[k] as u32,
+                    logprob: chosen[padded + k],
+                    entropy: None,
+                };
                 done[j] = true;
             }
         }
@@ -540,6 +549,7 @@ impl<'a, B: DecoderBackend> Engine<'a, B> {
                         mask: vec![1; f.tokens.len()],
                         tokens: f.tokens,
                         logprobs: f.logprobs,
+                        entropies: f.entropies,
                         stopped: f.reason == FinishReason::Stop,
                     });
                 }

@@ -55,6 +55,9 @@ pub struct Finished {
     pub tokens: Vec<u32>,
     /// Each one's log-prob.
     pub logprobs: Vec<f32>,
+    /// Each one's sampling distribution's entropy, where the sampler computed one (see
+    /// [`crate::sample::Picked::entropy`]).
+    pub entropies: Vec<Option<f32>>,
     /// Why it ended.
     pub reason: FinishReason,
 }
@@ -69,6 +72,10 @@ pub struct Sample {
     pub tokens: Vec<u32>,
     /// Log-prob of each generated id (0 for appended ones).
     pub logprobs: Vec<f32>,
+    /// Entropy of each generated id's sampling distribution, where the sampler computed one (see
+    /// [`crate::sample::Picked::entropy`]; `None` for appended ones; empty when the sample was
+    /// not generated).
+    pub entropies: Vec<Option<f32>>,
     /// Per token: 1 when the model sampled it, 0 when a tool's or user's turn appended it.
     pub mask: Vec<u8>,
     /// Whether it ended on a stop token (not on the length limit).

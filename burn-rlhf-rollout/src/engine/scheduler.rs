@@ -23,6 +23,7 @@ use rand::rngs::StdRng;
 use super::blocks::BlockManager;
 use super::request::{FinishReason, Finished, RequestId, SeqId};
 use crate::params::SamplingParams;
+use crate::sample::Picked;
 
 /// Where a sampled row's logits come from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -85,6 +86,8 @@ pub(crate) struct Seq {
     /// This turn's token budget.
     max_new: usize,
     logprobs: Vec<f32>,
+    /// Each sampled token's entropy, where the sampler computed one.
+    entropies: Vec<Option<f32>>,
     state: State,
     /// Admission order (the youngest is preempted first).
     admitted: u64,
@@ -184,6 +187,7 @@ impl Scheduler {
                     turn: prompt.len(),
                     max_new: params.max_new_tokens,
                     logprobs: Vec::new(),
+                    entropies: Vec::new(),
                     state: State::Waiting,
                     admitted: 0,
                     retain,
@@ -475,11 +479,13 @@ impl Scheduler {
         }
     }
 
-    /// Records `token` (log-prob `logprob`) sampled by `id`; the turn it ends, if it does.
-    pub(crate) fn commit(&mut self, id: SeqId, token: u32, logprob: f32) -> Option<Finished> {
+    /// Records the token `picked` by `id`; the turn it ends, if it does.
+    pub(crate) fn commit(&mut self, id: SeqId, picked: Picked) -> Option<Finished> {
         let s = self.seqs.get_mut(&id).expect("sampling sequence");
+        let token = picked.token;
         s.tokens.push(token);
-        s.logprobs.push(logprob);
+        s.logprobs.push(picked.logprob);
+        s.entropies.push(picked.entropy);
         let reason = if s.params.stop_token_ids.contains(&token) {
             FinishReason::Stop
         } else if s.tokens.len() - s.turn >= s.max_new {
@@ -500,6 +506,7 @@ impl Scheduler {
             seq: id,
             tokens: s.tokens[s.turn..].to_vec(),
             logprobs: std::mem::take(&mut s.logprobs),
+            entropies: std::mem::take(&mut s.entropies),
             reason,
         };
         if !s.retain || reason == FinishReason::Aborted {

@@ -85,6 +85,7 @@ fn one_at_a_time(
                 prompt_index: i,
                 tokens: Vec::new(),
                 logprobs: Vec::new(),
+                entropies: Vec::new(),
                 mask: Vec::new(),
                 stopped: false,
             };
@@ -95,9 +96,11 @@ fn one_at_a_time(
                 } else {
                     rng.random::<f64>()
                 };
-                let (token, logprob) = pick(&row, params, u);
+                let picked = pick(&row, params, u);
+                let token = picked.token;
                 sample.tokens.push(token);
-                sample.logprobs.push(logprob);
+                sample.logprobs.push(picked.logprob);
+                sample.entropies.push(picked.entropy);
                 sample.mask.push(1);
                 sample.stopped = params.stop_token_ids.contains(&token);
                 if sample.stopped || sample.tokens.len() == params.max_new_tokens {

@@ -258,6 +258,7 @@ fn sequences(rows: &[Vec<u32>]) -> RolloutBatch {
             prompt_index: i,
             tokens: r[1..].to_vec(),
             logprobs: vec![0.0; r.len() - 1],
+            entropies: Vec::new(),
             mask: vec![1; r.len() - 1],
             stopped: false,
         })

@@ -138,6 +138,11 @@ pub struct RolloutConfig {
     /// Generation's tensor parallelism: generation runs on the trained model, so it is the
     /// actor's (`actor.megatron.tensor_model_parallel_size`); `None`: that.
     pub tensor_model_parallel_size: Option<usize>,
+    /// The rollout's log-probs are the old log-probs and its entropies the reported ones, with
+    /// no old-log-prob pass (burn-rlhf's key; verl has none): `null` does so wherever they equal
+    /// the trainer's recomputation bit for bit (`docs/exact_logprobs.md`), `true` requires that
+    /// (an error says what prevents it), `false` runs verl's pass.
+    pub exact_logprobs: Option<bool>,
     pub val_kwargs: ValKwargsConfig,
     /// Multi-turn rollouts with tools and interactions.
     pub multi_turn: MultiTurnConfig,
@@ -168,6 +173,7 @@ impl Default for RolloutConfig {
             gpu_memory_utilization: 0.5,
             kv_cache_memory_bytes: None,
             tensor_model_parallel_size: None,
+            exact_logprobs: None,
             val_kwargs: ValKwargsConfig::default(),
             multi_turn: MultiTurnConfig::default(),
             agent: AgentConfig::default(),
@@ -304,6 +310,9 @@ pub struct RolloutSettings {
     /// The loop of rows that name none (`tool_agent` with multi-turn on, else
     /// `agent.default_agent_loop`).
     pub default_agent_loop: String,
+    /// `exact_logprobs` as written (`None`: wherever exact; resolved with the backend by
+    /// [`crate::trainer::Learner`]'s build).
+    pub exact_logprobs: Option<bool>,
 }
 
 /// `multi_turn.*`, decoded.
@@ -506,6 +515,7 @@ impl RolloutConfig {
             },
             multi_turn,
             default_agent_loop,
+            exact_logprobs: self.exact_logprobs,
         })
     }
 }

@@ -77,6 +77,73 @@ impl Settings {
     pub fn n(&self) -> usize {
         self.rollout.train.n
     }
+
+    /// What in these settings makes the rollout's log-probs differ from the trainer's
+    /// recomputation (each a key and why; empty: nothing here, the backend, its shape bucket and
+    /// the estimator still have their say): what `actor_rollout_ref.rollout.exact_logprobs`
+    /// checks.
+    pub fn inexact_logprobs(&self) -> Vec<(&'static str, String)> {
+        use burn::tensor::FloatDType;
+        let mut why = Vec::new();
+        let f32_only = |d: Option<FloatDType>| matches!(d, None | Some(FloatDType::F32));
+        if !f32_only(self.model.dtype) || !f32_only(self.rollout.dtype) {
+            why.push((
+                "actor_rollout_ref.rollout.dtype",
+                "generation or the passes compute in half precision, whose kernels are not \
+                 batch-invariant"
+                    .to_string(),
+            ));
+        }
+        let train = &self.rollout.train;
+        if train.greedy() {
+            why.push((
+                "actor_rollout_ref.rollout.temperature",
+                "greedy decoding's log-probs are not the tempered distribution's".into(),
+            ));
+        }
+        if train.top_k.is_some() || train.top_p < 1.0 {
+            why.push((
+                "actor_rollout_ref.rollout.top_k",
+                "a top-k or top-p cut samples from another distribution than the trainer \
+                 scores (as in verl)"
+                    .into(),
+            ));
+        }
+        if self.rollout.logprobs_mode == burn_rlhf_rollout::LogprobsMode::Raw
+            && train.temperature != 1.0
+        {
+            why.push((
+                "actor_rollout_ref.rollout.logprobs_mode",
+                format!(
+                    "raw log-probs are the untempered distribution's, the trainer scores at \
+                     temperature {}",
+                    train.temperature
+                ),
+            ));
+        }
+        if !self.model.use_fused_kernels {
+            why.push((
+                "actor_rollout_ref.model.use_fused_kernels",
+                "without the fused LM head the trainer's log-softmax is Burn's, summed in \
+                 another order"
+                    .into(),
+            ));
+        }
+        if self.model.lora_merge {
+            why.push((
+                "actor_rollout_ref.model.lora.merge",
+                "generation runs on the merged weights, the trainer on the adapters".into(),
+            ));
+        }
+        if self.actor.tensor_parallel_size > 1 {
+            why.push((
+                "actor_rollout_ref.actor.megatron.tensor_model_parallel_size",
+                "the vocabulary-parallel log-softmax sums each rank's share first (1.7e-7 apart)"
+                    .into(),
+            ));
+        }
+        why
+    }
 }
 
 impl RlhfConfig {

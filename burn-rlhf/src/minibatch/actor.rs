@@ -38,6 +38,10 @@ pub struct ActorTargets {
     pub ref_log_probs: Option<Vec<f32>>,
     /// Rollout correction's IS weights, multiplying each token's policy loss.
     pub rollout_is_weights: Option<Vec<f32>>,
+    /// Return the log-probs and entropies the update computes before its step even when old
+    /// log-probs are given (with exact rollout log-probs, the trainer's view of the first
+    /// mini-batch for the rollout-vs-trainer metrics).
+    pub record_own: bool,
 }
 
 /// The loss terms' settings (`actor_rollout_ref.actor.*`).
@@ -123,9 +127,10 @@ impl ActorLossConfig {
     }
 }
 
-/// What an on-policy update ([`ActorTargets::old_log_probs`] `None`) computed on the way: the
-/// log-prob and entropy of every response token of the mini-batch (all ranks gathered,
-/// `[rows * response_len]`), which stand in for the old-log-prob pass's.
+/// What an on-policy update ([`ActorTargets::old_log_probs`] `None`, or one asked to with
+/// [`ActorTargets::record_own`]) computed on the way: the log-prob and entropy of every response
+/// token of the mini-batch under the weights before its step (all ranks gathered, `[rows *
+/// response_len]`), which stand in for the old-log-prob pass's.
 #[derive(Debug, Clone, PartialEq)]
 pub struct OnPolicyLogProbs {
     /// Log-prob of each response token under the weights before the step.
@@ -134,14 +139,9 @@ pub struct OnPolicyLogProbs {
     pub entropy: Vec<f32>,
 }
 
-/// An updated actor, its metrics and, for an on-policy update, its log-probs and entropies.
+/// An updated actor, its metrics and, for an on-policy or recording update, its log-probs and
+/// entropies.
 pub type ActorUpdated<B> = (CausalLm<B>, BTreeMap<String, f64>, Option<OnPolicyLogProbs>);
-
-/// This rank's old log-probs: given, or its own (on-policy), filled micro-batch by micro-batch.
-enum OldLogProbs {
-    Given(Vec<f32>),
-    Own(OnPolicyLogProbs),
-}
 
 /// Updates `actor` once on `batch` (one mini-batch) and returns it with verl's metrics
 /// (`actor/pg_loss`, `actor/entropy_loss` (the update's entropy term), `actor/kl_loss`,
@@ -153,8 +153,8 @@ enum OldLogProbs {
 ///
 /// With several ranks (`sync.dp`) each rank runs its balanced share of the rows, the gradients
 /// are averaged before the step, and the metrics are the ranks' mean: every rank returns the
-/// same model and metrics as one device would. An on-policy update also returns the log-probs
-/// and entropies it computed ([`OnPolicyLogProbs`]).
+/// same model and metrics as one device would. An on-policy (or recording) update also returns
+/// the log-probs and entropies it computed ([`OnPolicyLogProbs`]).
 pub fn actor_update<B: LearnerBackend, O: Optimizer<CausalLm<B>, B>>(
     actor: CausalLm<B>,
     step: OptimizerStep<'_, O, B>,
@@ -179,13 +179,12 @@ pub fn actor_update<B: LearnerBackend, O: Optimizer<CausalLm<B>, B>>(
     let mine = dp.my_rows(batch, unit, "actor_rollout_ref.actor.ppo_mini_batch_size")?;
     let local = batch.select(&mine);
     let pick = |v: &[f32]| rows_of(v, &mine, r);
-    let mut old = match targets.old_log_probs.as_deref() {
-        Some(v) => OldLogProbs::Given(pick(v)),
-        None => OldLogProbs::Own(OnPolicyLogProbs {
-            log_probs: vec![0.0; mine.len() * r],
-            entropy: vec![0.0; mine.len() * r],
-        }),
-    };
+    let given = targets.old_log_probs.as_deref().map(pick);
+    // This rank's own log-probs and entropies, filled micro-batch by micro-batch.
+    let mut own = (given.is_none() || targets.record_own).then(|| OnPolicyLogProbs {
+        log_probs: vec![0.0; mine.len() * r],
+        entropy: vec![0.0; mine.len() * r],
+    });
     let adv_all = pick(&targets.advantages);
     let ref_all = targets.ref_log_probs.as_deref().map(pick);
     let is_all = targets.rollout_is_weights.as_deref().map(pick);
@@ -219,16 +218,13 @@ pub fn actor_update<B: LearnerBackend, O: Optimizer<CausalLm<B>, B>>(
             config.router_aux.is_some().then_some(&mut router),
             checkpoint.as_mut(),
         );
-        let old_log_prob = match &mut old {
-            OldLogProbs::Given(v) => from_rows::<B>(cut(v), n, w, device),
-            OldLogProbs::Own(own) => {
-                let detached = log_prob.clone().detach();
-                if counts {
-                    micro.scatter(&to_vec(detached.clone()), &mut own.log_probs, r);
-                    micro.scatter(&to_vec(entropy.clone().detach()), &mut own.entropy, r);
-                }
-                detached
-            }
+        if let (Some(own), true) = (own.as_mut(), counts) {
+            micro.scatter(&to_vec(log_prob.clone().detach()), &mut own.log_probs, r);
+            micro.scatter(&to_vec(entropy.clone().detach()), &mut own.entropy, r);
+        }
+        let old_log_prob = match &given {
+            Some(v) => from_rows::<B>(cut(v), n, w, device),
+            None => log_prob.clone().detach(),
         };
         let input = PolicyLossInput {
             old_log_prob,
@@ -305,12 +301,12 @@ pub fn actor_update<B: LearnerBackend, O: Optimizer<CausalLm<B>, B>>(
     }
     let mut metrics = dp.mean_metrics(metrics)?;
     let actor = step.apply(actor, gradients, &mut metrics, "actor")?;
-    let on_policy = match old {
-        OldLogProbs::Given(_) => None,
-        OldLogProbs::Own(own) => Some(OnPolicyLogProbs {
+    let own = match own {
+        Some(own) => Some(OnPolicyLogProbs {
             log_probs: dp.gather_rows(&own.log_probs, &mine, rows, r)?,
             entropy: dp.gather_rows(&own.entropy, &mine, rows, r)?,
         }),
+        None => None,
     };
-    Ok((actor, metrics, on_policy))
+    Ok((actor, metrics, own))
 }

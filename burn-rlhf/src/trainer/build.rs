@@ -390,6 +390,9 @@ impl<B: LearnerBackend> PreparedLearner<B> {
             .reward_scorer
             .map(|s| s.held(&dp, &device.clone().into()))
             .transpose()?;
+        let shape_bucket =
+            crate::backend::shape_bucket::<B::InnerBackend>(settings.model.shape_bucket);
+        let exact_logprobs = exact_logprobs::<B>(&settings, &self.algorithms, shape_bucket)?;
         Ok(Learner {
             actor_optimizer,
             device,
@@ -405,14 +408,72 @@ impl<B: LearnerBackend> PreparedLearner<B> {
             train: self.train,
             val: self.val,
             sampler: self.sampler,
-            shape_bucket: crate::backend::shape_bucket::<B::InnerBackend>(
-                settings.model.shape_bucket,
-            ),
+            shape_bucket,
+            exact_logprobs,
             global_step: 0,
             total_steps: self.total_steps,
             dp,
             settings,
         })
+    }
+}
+
+/// `actor_rollout_ref.rollout.exact_logprobs` resolved: whether the rollout's log-probs and
+/// entropies stand in for the old-log-prob pass. On by default where they equal the trainer's
+/// recomputation bit for bit: batch-invariant kernels (flex on a CPU with fused multiply-add),
+/// exact shapes, f32, the whole tempered distribution, the fused LM head, no merged LoRA, no
+/// tensor parallelism, and an estimator that reads nothing else of the pass (Σπ²). `true` where
+/// one of these fails is an error naming them.
+fn exact_logprobs<B: LearnerBackend>(
+    settings: &Settings,
+    algorithms: &Algorithms<B>,
+    shape_bucket: usize,
+) -> Result<bool, TrainError> {
+    use burn_rlhf_algos::RlBackend;
+    use burn_rlhf_models::DecoderBackend;
+    let key = "actor_rollout_ref.rollout.exact_logprobs";
+    let mut why = Vec::new();
+    if !(<B::InnerBackend as RlBackend>::rl_batch_invariant()
+        && <B::InnerBackend as DecoderBackend>::dec_batch_invariant())
+    {
+        why.push((
+            key,
+            "this backend's kernels are not batch-invariant (flex's are, on a CPU with fused \
+             multiply-add)"
+                .to_string(),
+        ));
+    }
+    if shape_bucket > 1 {
+        why.push((
+            "actor_rollout_ref.model.shape_bucket",
+            format!("shapes bucketed by {shape_bucket} sample on the device, which computes its own log-probs"),
+        ));
+    }
+    why.extend(settings.inexact_logprobs());
+    if algorithms.estimator.needs_sum_pi_squared() {
+        why.push((
+            "algorithm.adv_estimator",
+            format!(
+                "`{}` reads the old policy's Σπ² from the old-log-prob pass",
+                settings.algorithm.adv_estimator
+            ),
+        ));
+    }
+    match settings.rollout.exact_logprobs {
+        Some(false) => Ok(false),
+        None => Ok(why.is_empty()),
+        Some(true) if why.is_empty() => Ok(true),
+        Some(true) => Err(TrainError::config(
+            key,
+            format!(
+                "the rollout's log-probs would not equal the trainer's bit for bit: {} (leave the \
+                 key unset to run the old-log-prob pass where they do not)",
+                why.iter()
+                    .map(|(k, w)| format!("`{k}`: {w}"))
+                    .collect::<Vec<_>>()
+                    .join("; ")
+            ),
+        )),
     }
 }
 

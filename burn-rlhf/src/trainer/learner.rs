@@ -177,6 +177,9 @@ pub struct Learner<B: LearnerBackend> {
     pub(crate) dp: DataParallel,
     /// Tokens per length bucket for this backend (1: exact shapes).
     pub(crate) shape_bucket: usize,
+    /// `actor_rollout_ref.rollout.exact_logprobs`, resolved: the rollout's log-probs and
+    /// entropies are the old ones, and no old-log-prob pass runs.
+    pub(crate) exact_logprobs: bool,
     /// The rollout engines' counters since the step's generation began, summed over the ranks:
     /// prefill tokens, decode tokens, samples that took a sibling's prompt blocks, preemptions.
     pub(crate) engine_counters: std::sync::Mutex<[f64; 4]>,

@@ -204,6 +204,7 @@ mod tests {
             response_mask: vec![1.0, 1.0, 0.0, 1.0, 0.0, 1.0],
             response_attention_mask: vec![1.0, 1.0, 0.0, 1.0, 1.0, 1.0],
             rollout_log_probs: vec![0.0; 6],
+            rollout_entropy: None,
             group_ids: vec![0, 1],
             data_source: vec!["a".into(); 2],
             ground_truth: vec!["1".into(); 2],

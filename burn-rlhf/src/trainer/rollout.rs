@@ -249,7 +249,8 @@ impl<B: LearnerBackend> Learner<B> {
 
     /// Every rank's samples, in prompt order: `mine` are the samples of prompts `first..` of
     /// `total`. Each row travels as `[length, stopped, tool calls, tool errors, truncated
-    /// responses, tool reward, interaction reward (NaN: none), tokens.., log-probs.., roles..]`
+    /// responses, tool reward, interaction reward (NaN: none), tokens.., log-probs.., roles..,
+    /// entropies.. (NaN: none)]`
     /// (token ids are exact in f32 below 2^24; a token's role is 1 for the model's, 2 for a
     /// tool's, 3 for a user's, and a conversation's turns are the runs of one role).
     fn gather_samples(
@@ -264,7 +265,7 @@ impl<B: LearnerBackend> Learner<B> {
         }
         const HEAD: usize = 7;
         let (n, w) = (params.n, params.max_new_tokens);
-        let width = HEAD + 3 * w;
+        let width = HEAD + 4 * w;
         let code = |r: TurnRole| match r {
             TurnRole::Assistant => 1.0,
             TurnRole::Tool => 2.0,
@@ -290,6 +291,7 @@ impl<B: LearnerBackend> Learner<B> {
             for (i, (&t, &lp)) in s.tokens.iter().zip(&s.logprobs).enumerate() {
                 row[HEAD + i] = t as f32;
                 row[HEAD + w + i] = lp;
+                row[HEAD + 3 * w + i] = s.entropies.get(i).copied().flatten().unwrap_or(f32::NAN);
             }
             let mut at = HEAD + 2 * w;
             for &(role, len) in &stats.turns {
@@ -322,6 +324,10 @@ impl<B: LearnerBackend> Learner<B> {
                         prompt_index: row / n,
                         tokens: v[HEAD..HEAD + len].iter().map(|&t| t as u32).collect(),
                         logprobs: v[HEAD + w..HEAD + w + len].to_vec(),
+                        entropies: v[HEAD + 3 * w..HEAD + 3 * w + len]
+                            .iter()
+                            .map(|&e| (!e.is_nan()).then_some(e))
+                            .collect(),
                         mask: roles.iter().map(|&c| u8::from(c == 1.0)).collect(),
                         stopped: v[1] > 0.5,
                     },

@@ -155,6 +155,23 @@ impl<B: LearnerBackend> Learner<B> {
         }
     }
 
+    /// Exact rollout log-probs (`rollout.exact_logprobs`): the rollout's log-probs and entropies
+    /// are the old ones, equal bit for bit to what the pass would compute; no pass runs.
+    pub fn exact_rollout_as_old(&self, batch: &RolloutBatch) -> Result<OldLogProbs, TrainError> {
+        let entropy = batch.rollout_entropy.clone().ok_or_else(|| {
+            TrainError::config(
+                "actor_rollout_ref.rollout.exact_logprobs",
+                "the rollout did not compute the entropy of every token it sampled (a top-k or \
+                 top-p cut, greedy decoding, or the device sampler)",
+            )
+        })?;
+        Ok(OldLogProbs {
+            log_probs: batch.rollout_log_probs.clone(),
+            entropy: Some(entropy),
+            sum_pi_squared: None,
+        })
+    }
+
     /// verl's rollout correction in its decoupled mode (`compute_rollout_correction_and_add_to_batch`):
     /// from the recomputed old log-probs against the rollout's, the IS weights (when
     /// `rollout_is` is set) and, with `rollout_rs`, the batch's loss mask without the rejected

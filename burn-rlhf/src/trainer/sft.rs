@@ -135,6 +135,7 @@ pub fn sft_rollout_batch(examples: &[&SftExample], pad_id: u32) -> RolloutBatch 
             prompt_index: i,
             tokens: e.response.clone(),
             logprobs: vec![0.0; e.response.len()],
+            entropies: Vec::new(),
             mask: e.mask.clone(),
             stopped: true,
         })

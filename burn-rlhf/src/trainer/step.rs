@@ -15,6 +15,7 @@ use super::metrics::{data_metrics, rollout_probs_diff, Metrics, StepData};
 use super::scoring::OldLogProbs;
 use super::usage::{cpu_seconds, Timing};
 use crate::error::TrainError;
+use crate::minibatch::rows_of;
 
 impl<B: LearnerBackend> Learner<B> {
     /// One training step; returns its metrics. `global_step` counts from 1, and the actor is
@@ -36,12 +37,17 @@ impl<B: LearnerBackend> Learner<B> {
                 None
             };
             let bypass = self.settings.algorithm.bypass_mode;
+            // Exact: the rollout's log-probs are the pass's bit for bit, so no pass runs.
+            let exact = self.exact_logprobs && !bypass;
             // On-policy, the update's own log-probs are the old ones: no separate pass.
-            let deferred = self.update_is_on_policy(&batch, step);
-            let old = match (bypass, deferred) {
-                (true, _) => Some(self.rollout_as_old(&batch)),
-                (false, true) => None,
-                (false, false) => Some(timing.time("old_log_prob", || self.old_log_probs(&batch))?),
+            let deferred = !exact && self.update_is_on_policy(&batch, step);
+            let old = match (bypass, exact, deferred) {
+                (true, ..) => Some(self.rollout_as_old(&batch)),
+                (false, true, _) => Some(self.exact_rollout_as_old(&batch)?),
+                (false, false, true) => None,
+                (false, false, false) => {
+                    Some(timing.time("old_log_prob", || self.old_log_probs(&batch))?)
+                }
             };
             // A phase that does not run leaves no timing.
             let ref_log_probs = match self.reference {
@@ -81,43 +87,59 @@ impl<B: LearnerBackend> Learner<B> {
                 metrics.extend(m);
             }
             let mut old = old;
+            // The trainer's view of the rows it recomputed, against the rollout's: the
+            // old-log-prob pass's (every row), else the update's before its first step.
+            let mut trainer_view: Option<(Vec<usize>, Vec<f32>)> = None;
             if self.settings.trainer.actor_start_step <= step {
-                let (m, own) = timing.time("update_actor", || {
+                let (m, first) = timing.time("update_actor", || {
                     self.update_actor(
                         &batch,
                         old.as_ref().map(|o| o.log_probs.as_slice()),
                         &advantages,
                         (ref_log_probs.as_deref(), is_weights.as_deref()),
+                        exact,
                     )
                 })?;
                 metrics.extend(m);
-                if let Some(own) = own {
-                    let (_, m) = self.correct_rollout(&mut batch, &own.log_probs)?;
-                    metrics.extend(m);
-                    old = Some(OldLogProbs {
-                        log_probs: own.log_probs,
-                        entropy: Some(own.entropy),
-                        sum_pi_squared: None,
-                    });
+                match first {
+                    Some(first) if deferred => {
+                        let own = first.own;
+                        let (_, m) = self.correct_rollout(&mut batch, &own.log_probs)?;
+                        metrics.extend(m);
+                        old = Some(OldLogProbs {
+                            log_probs: own.log_probs,
+                            entropy: Some(own.entropy),
+                            sum_pi_squared: None,
+                        });
+                    }
+                    Some(first) => trainer_view = Some((first.rows, first.own.log_probs)),
+                    None => {}
                 }
                 self.refresh_reference(step)?;
             }
             let old = old.expect("the old log-probs come from their pass or the update");
-            metrics.extend(self.batch_metrics(
-                &batch,
-                old.entropy.as_deref(),
-                &old.log_probs,
-                &StepData {
-                    batch: &batch,
-                    scores: batch.token_level_scores.as_deref().unwrap_or(&[]),
-                    rewards: &rewards,
-                    advantages: &advantages,
-                    returns: &returns,
-                    values: values.as_deref(),
-                    max_response_length: self.settings.data.max_response_length,
-                    max_prompt_length: self.settings.data.max_prompt_length,
-                },
-            )?);
+            if !bypass && !exact {
+                trainer_view = Some(((0..batch.rows()).collect(), old.log_probs.clone()));
+            }
+            metrics.extend(
+                self.batch_metrics(
+                    &batch,
+                    old.entropy.as_deref(),
+                    trainer_view
+                        .as_ref()
+                        .map(|(rows, lp)| (rows.as_slice(), lp.as_slice())),
+                    &StepData {
+                        batch: &batch,
+                        scores: batch.token_level_scores.as_deref().unwrap_or(&[]),
+                        rewards: &rewards,
+                        advantages: &advantages,
+                        returns: &returns,
+                        values: values.as_deref(),
+                        max_response_length: self.settings.data.max_response_length,
+                        max_prompt_length: self.settings.data.max_prompt_length,
+                    },
+                )?,
+            );
             let elapsed = start.elapsed().as_secs_f64();
             timing.write(&mut metrics);
             if let (Some(a), Some(b)) = (cpu_start, cpu_seconds()) {
@@ -178,14 +200,16 @@ impl<B: LearnerBackend> Learner<B> {
         Ok(())
     }
 
-    /// The batch's metrics: verl's data metrics, and when the old-log-prob pass ran (not in
-    /// bypass mode) the rollout policy's entropy (aggregated as the loss) and the
-    /// rollout-vs-actor probability gap.
+    /// The batch's metrics: verl's data metrics; the policy's entropy at the sampled positions
+    /// (aggregated as the loss) when the old-log-prob pass, the on-policy update or the exact
+    /// rollout computed it (not in bypass mode); and the rollout-vs-trainer probability gap over
+    /// `trainer_view`'s rows (the pass's every row, or with exact log-probs the first
+    /// mini-batch's, recomputed by the update before its step).
     fn batch_metrics(
         &self,
         batch: &RolloutBatch,
         entropy: Option<&[f32]>,
-        old_log_probs: &[f32],
+        trainer_view: Option<(&[usize], &[f32])>,
         data: &StepData<'_>,
     ) -> Result<Metrics, TrainError> {
         let mut metrics = data_metrics(data);
@@ -205,10 +229,17 @@ impl<B: LearnerBackend> Learner<B> {
                 &whole_batch,
             )?;
             metrics.insert("actor/entropy".into(), to_scalar(entropy));
+        }
+        if let Some((rows, log_probs)) = trainer_view {
             let rollout = &self.settings.rollout;
             let same_temperature = rollout.logprobs_mode == LogprobsMode::Processed
                 || rollout.train.temperature == 1.0;
-            metrics.extend(rollout_probs_diff(batch, old_log_probs, same_temperature));
+            let width = batch.response_len;
+            metrics.extend(rollout_probs_diff(
+                &batch.select(rows),
+                &rows_of(log_probs, rows, width),
+                same_temperature,
+            ));
         }
         Ok(metrics)
     }

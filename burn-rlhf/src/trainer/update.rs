@@ -53,6 +53,16 @@ fn unshuffle(own: OnPolicyLogProbs, rows: &[usize], width: usize) -> OnPolicyLog
     }
 }
 
+/// The actor's own log-probs and entropies of its first mini-batch's rows, computed by the
+/// update before its first optimiser step (the weights that generated the batch).
+pub struct FirstPass {
+    /// The mini-batch's rows, in the batch's numbering.
+    pub rows: Vec<usize>,
+    /// Their values in the batch's layout (`[rows * response_len]` of the whole batch, 0 on the
+    /// other rows).
+    pub own: OnPolicyLogProbs,
+}
+
 /// The shuffle seed of `epoch` of the update of `model` at `step`, from `trainer.seed`.
 fn shuffle_seed(seed: u64, model: u64, step: usize, epoch: usize) -> u64 {
     seed ^ (model << 56) ^ ((step as u64) << 16) ^ epoch as u64
@@ -111,14 +121,16 @@ impl<B: LearnerBackend> Learner<B> {
     /// Actor update: `ppo_epochs` passes over the mini-batches, one optimiser step each.
     /// Without old log-probs the update must be exactly on-policy (one epoch of one
     /// mini-batch, see [`Learner::update_is_on_policy`]): it then takes its own log-probs as the
-    /// old ones and returns them with its entropies.
+    /// old ones and returns them with its entropies. With `record_first` it returns those of its
+    /// first mini-batch however many there are.
     pub fn update_actor(
         &mut self,
         batch: &RolloutBatch,
         old_log_probs: Option<&[f32]>,
         advantages: &[f32],
         (ref_log_probs, is_weights): (Option<&[f32]>, Option<&[f32]>),
-    ) -> Result<(Metrics, Option<OnPolicyLogProbs>), TrainError> {
+        record_first: bool,
+    ) -> Result<(Metrics, Option<FirstPass>), TrainError> {
         burn_rlhf_algos::kernels::with_kernels(self.settings.model.use_fused_kernels, || {
             let settings = &self.settings.actor;
             let head = LogprobHead {
@@ -128,7 +140,7 @@ impl<B: LearnerBackend> Learner<B> {
             let r = batch.response_len;
             let unit = self.algorithms.policy_loss.rows_per_unit();
             let mut means = MeanMetrics::default();
-            let mut on_policy = None;
+            let mut first = None;
             for epoch in 0..settings.ppo_epochs {
                 let seed = shuffle_seed(self.settings.trainer.seed, 1, self.global_step, epoch);
                 let minis = mini_batches(
@@ -149,6 +161,7 @@ impl<B: LearnerBackend> Learner<B> {
                         advantages: rows_of(advantages, rows, r),
                         ref_log_probs: ref_log_probs.map(|v| rows_of(v, rows, r)),
                         rollout_is_weights: is_weights.map(|v| rows_of(v, rows, r)),
+                        record_own: record_first && first.is_none(),
                     };
                     let (actor, m, own) = actor_update(
                         self.actor.clone(),
@@ -168,13 +181,17 @@ impl<B: LearnerBackend> Learner<B> {
                     )?;
                     self.actor = actor;
                     means.add(m);
-                    // One mini-batch holding every row: its order is the batch's unless
-                    // shuffled.
-                    on_policy = own.map(|own| unshuffle(own, rows, r));
+                    if let (Some(own), None) = (own, &first) {
+                        // In the mini-batch's order, which is the batch's unless shuffled.
+                        first = Some(FirstPass {
+                            rows: rows.clone(),
+                            own: unshuffle(own, rows, r),
+                        });
+                    }
                 }
             }
             self.actor_optimizer.updates += 1;
-            Ok((means.finish(), on_policy))
+            Ok((means.finish(), first))
         })
     }
 }

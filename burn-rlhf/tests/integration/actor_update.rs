@@ -99,6 +99,7 @@ fn fixture(dir: &std::path::Path) -> (CausalLm<B>, RolloutBatch, ActorTargets) {
                 .map(|i| 0.5 + (i * 7 % 5) as f32 / 4.0)
                 .collect(),
         ),
+        record_own: false,
     };
     (model, batch, targets)
 }

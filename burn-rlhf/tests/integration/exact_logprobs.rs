@@ -2,7 +2,9 @@
 //! steps and prefill chunks and the trainer's passes compute every number the same way (the
 //! products in fixed depth blocks on at least 2 rows, attention's sums in the training kernel's
 //! order, the log-prob with the trainer's arithmetic), so `training/rollout_probs_diff_max` is
-//! exactly 0 whatever the micro-batches, dynamic batches, padding or ranks.
+//! exactly 0 whatever the micro-batches, dynamic batches, padding or ranks; and so the rollout's
+//! log-probs and entropies can stand in for the old-log-prob pass (`rollout.exact_logprobs`)
+//! without changing a bit of the run.
 
 use std::path::Path;
 
@@ -70,8 +72,9 @@ fn actor_of(dir: &Path, config: &TransformerConfig, name: &str) -> CausalLm<B> {
         .unwrap()
 }
 
-/// GRPO on 4 prompts x 4 samples of up to 12 tokens at temperature 0.8, two mini-batches (so the
-/// old-log-prob pass runs).
+/// GRPO on 4 prompts x 4 samples of up to 12 tokens at temperature 0.8, two mini-batches, with
+/// verl's old-log-prob pass (`rollout.exact_logprobs=false`: the pass is what these tests compare
+/// the rollout with).
 fn grpo(dir: &Path) -> RlhfConfig {
     let mut c = RlhfConfig::default();
     c.data.train_batch_size = 4;
@@ -82,6 +85,7 @@ fn grpo(dir: &Path) -> RlhfConfig {
     c.actor_rollout_ref.actor.ppo_mini_batch_size = 2;
     c.actor_rollout_ref.rollout.n = 4;
     c.actor_rollout_ref.rollout.temperature = 0.8;
+    c.actor_rollout_ref.rollout.exact_logprobs = Some(false);
     c.algorithm.adv_estimator = "grpo".into();
     c.trainer.total_training_steps = Some(2);
     c.trainer.logger = vec![];
@@ -304,5 +308,217 @@ fn a_step_is_the_same_on_any_number_of_threads() {
         assert_eq!(one.2, other.2, "old log-probs on {threads} threads");
         assert_eq!(one.3, other.3, "metrics on {threads} threads");
         assert_eq!(one.4, other.4, "weights on {threads} threads");
+    }
+}
+
+/// Every parameter's values of `model`, in visiting order (reading a lazy parameter draws it).
+fn values_of<M: burn::module::Module<BB>, BB: burn::tensor::backend::Backend>(
+    model: &M,
+) -> Vec<f32> {
+    struct Collect(Vec<f32>);
+    impl<BB: burn::tensor::backend::Backend> burn::module::ModuleVisitor<BB> for Collect {
+        fn visit_float<const D: usize>(&mut self, p: &burn::module::Param<Tensor<BB, D>>) {
+            self.0.extend(p.val().into_data().iter::<f32>());
+        }
+    }
+    let mut c = Collect(Vec::new());
+    model.visit(&mut c);
+    c.0
+}
+
+/// Two steps of `config` on `ranks` devices: each step's metrics (the machine's measures left
+/// out) and the actor's weights after them.
+fn run(
+    config: RlhfConfig,
+    parts: LearnerParts<B>,
+    ranks: usize,
+) -> (Vec<std::collections::BTreeMap<String, f64>>, Vec<f32>) {
+    use burn::module::AutodiffModule;
+    let keep = |m: burn_rlhf::trainer::metrics::Metrics| {
+        m.into_iter()
+            .filter(|(k, _)| !burn_rlhf::trainer::usage::measures_the_machine(k))
+            .collect()
+    };
+    if ranks == 1 {
+        let mut learner = Learner::new(config, parts, &Default::default()).unwrap();
+        let metrics = (0..2).map(|_| keep(learner.step().unwrap())).collect();
+        return (metrics, values_of(&learner.actor.valid()));
+    }
+    let _turn = super::data_parallel::ONE_GROUP_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    let mut config = config;
+    config.trainer.logger = vec!["jsonl".into()];
+    let dir = std::path::PathBuf::from(config.trainer.default_local_dir.clone().unwrap());
+    let checkpoint = super::data_parallel::n_devices_of(config, parts, ranks).unwrap();
+    let metrics = burn_rlhf::trainer::logger::read_jsonl(&dir.join("metrics.jsonl"))
+        .unwrap()
+        .into_iter()
+        .map(|(_, m)| keep(m))
+        .collect();
+    let weights = super::data_parallel::tensors(&checkpoint.join("actor/model.safetensors"))
+        .into_iter()
+        .flat_map(|(_, v)| v)
+        .collect();
+    (metrics, weights)
+}
+
+/// With `rollout.exact_logprobs` (on by default where it holds) the rollout's log-probs and
+/// entropies are the old ones and no old-log-prob pass runs, and the run is the one with verl's
+/// pass bit for bit: the same weights and every metric equal (`actor/entropy`, the
+/// `rollout_corr/*` diagnostics, the probability gaps, here measured on the first mini-batch's
+/// forward before its step) over two steps of two epochs of two mini-batches, for GRPO with a KL
+/// loss, rollout correction's weights and rejection and padded passes, PPO with a critic and the
+/// KL in the reward, and GRPO on two ranks.
+#[test]
+fn exact_rollout_log_probs_replace_the_pass_bit_for_bit() {
+    let dir = temp_dir("exact-logprobs-no-pass");
+    let shape = model_config(256);
+    let model = actor(&dir, 256);
+    let critic = super::seeded(12, || {
+        let critic = burn_rlhf::models::ValueModel::critic_from_weights(
+            &shape,
+            {
+                use burn::module::AutodiffModule;
+                let mut w = burn_rlhf::models::weights::WeightMap::new("actor");
+                for (k, v) in model.valid().export() {
+                    w.insert(k, v);
+                }
+                w
+            },
+            &Default::default(),
+        )
+        .unwrap();
+        // Its value head drawn now, once for every copy.
+        values_of(&critic);
+        critic
+    });
+    type Tune = fn(&mut RlhfConfig);
+    // (what, with a critic, with conversations, ranks, settings)
+    let cases: [(&str, bool, bool, usize, Tune); 4] = [
+        ("grpo", false, false, 1, |c| {
+            c.actor_rollout_ref.actor.use_kl_loss = true;
+            c.actor_rollout_ref.model.use_remove_padding = Some(false);
+            let rc = &mut c.algorithm.rollout_correction;
+            rc.rollout_is = Some("token".into());
+            rc.rollout_rs = Some("token_k1".into());
+            rc.rollout_rs_threshold =
+                Some(burn_rlhf::config::ThresholdSpec::Text("0.5_2.0".into()));
+        }),
+        ("ppo", true, false, 1, |c| {
+            c.algorithm.adv_estimator = "gae".into();
+            c.algorithm.use_kl_in_reward = true;
+            c.critic.ppo_epochs = Some(2);
+            c.critic.ppo_mini_batch_size = Some(2);
+        }),
+        ("grpo on two ranks", false, false, 2, |c| {
+            c.actor_rollout_ref.actor.use_kl_loss = true;
+        }),
+        ("conversations", false, true, 1, |c| {
+            // A user turn appended after the model's first: the engine continues the sequence.
+            c.data.max_response_length = 16;
+            c.actor_rollout_ref.rollout.agent.default_agent_loop = "hint".into();
+        }),
+    ];
+    for (what, with_critic, with_hint, ranks, tune) in cases {
+        let config = |exact: Option<bool>| {
+            let name = format!("{}-{exact:?}", what.replace(' ', "-"));
+            let mut c = grpo(&dir.join(name));
+            c.actor_rollout_ref.actor.ppo_epochs = 2;
+            c.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu = Some(2);
+            c.actor_rollout_ref.rollout.exact_logprobs = exact;
+            // A reward that varies within each group, so the policy loss moves the weights.
+            c.custom_reward_function.name = Some("length".into());
+            tune(&mut c);
+            c
+        };
+        let parts = || {
+            let mut p = parts(&model, &shape);
+            p.rewards.register(std::sync::Arc::new(super::Length));
+            if with_critic {
+                p.critic = Some((critic.clone(), shape.clone()));
+            }
+            if with_hint {
+                p.agent_loops
+                    .push(std::sync::Arc::new(super::data_parallel::Hint(
+                        tasks::tokenizer(),
+                    )));
+            }
+            p
+        };
+        let (exact, exact_weights) = run(config(None), parts(), ranks);
+        let (pass, pass_weights) = run(config(Some(false)), parts(), ranks);
+        for (step, (e, p)) in exact.iter().zip(&pass).enumerate() {
+            assert!(
+                e.contains_key("actor/entropy")
+                    && e.contains_key("rollout_corr/kl")
+                    && e["training/rollout_probs_diff_valid"] == 1.0,
+                "{what}: still reported at step {step}"
+            );
+            assert_eq!(e["training/rollout_probs_diff_max"], 0.0, "{what}");
+            // The diagnostics comparing the two policies: exactly none apart.
+            for k in [
+                "kl",
+                "k3_kl",
+                "log_ppl_diff",
+                "log_ppl_abs_diff",
+                "chi2_seq",
+            ] {
+                assert_eq!(e[&format!("rollout_corr/{k}")], 0.0, "{what}: {k}");
+            }
+            println!(
+                "{what} step {step}: entropy {}, turns {}, rollout_corr/chi2_token {:e}",
+                e["actor/entropy"], e["num_turns/max"], e["rollout_corr/chi2_token"]
+            );
+            assert_eq!(e, p, "{what}: the metrics of step {step}");
+        }
+        assert_eq!(exact.len(), 2, "{what}");
+        assert!(
+            exact
+                .iter()
+                .all(|m| m["actor/pg_clipfrac"] > 0.0 || m["actor/ppo_kl"] != 0.0),
+            "{what}: the ratio moves"
+        );
+        assert!(exact_weights == pass_weights, "{what}: the weights");
+    }
+}
+
+/// The key's rules: a top-k cut (another distribution than the trainer's) runs verl's pass by
+/// default and refuses `true` naming the key and the reason; the pass runs with `false`, and not
+/// by default where the log-probs are exact.
+#[test]
+fn exact_logprobs_runs_where_it_holds_and_refuses_true_elsewhere() {
+    let dir = temp_dir("exact-logprobs-rules");
+    let shape = model_config(256);
+    let model = actor(&dir, 256);
+    // Whether a step of the settings ran the old-log-prob pass.
+    let ran_the_pass = |tune: &dyn Fn(&mut RlhfConfig)| {
+        let mut c = grpo(&dir);
+        c.actor_rollout_ref.rollout.exact_logprobs = None;
+        tune(&mut c);
+        Learner::new(c, parts(&model, &shape), &Default::default())
+            .map(|mut l| l.step().unwrap().contains_key("timing_s/old_log_prob"))
+    };
+    assert!(!ran_the_pass(&|_| {}).unwrap(), "exact by default");
+    assert!(
+        ran_the_pass(&|c| c.actor_rollout_ref.rollout.exact_logprobs = Some(false)).unwrap(),
+        "verl's pass when off"
+    );
+    assert!(
+        ran_the_pass(&|c| c.actor_rollout_ref.rollout.top_k = 5).unwrap(),
+        "a top-k cut runs the pass"
+    );
+    let Err(refused) = ran_the_pass(&|c| {
+        c.actor_rollout_ref.rollout.top_k = 5;
+        c.actor_rollout_ref.rollout.exact_logprobs = Some(true);
+    }) else {
+        panic!("`true` under a top-k cut is refused");
+    };
+    let refused = refused.to_string();
+    for part in [
+        "actor_rollout_ref.rollout.exact_logprobs",
+        "actor_rollout_ref.rollout.top_k",
+    ] {
+        assert!(refused.contains(part), "{refused}");
     }
 }

@@ -20,6 +20,22 @@ mod sft;
 mod verl_scripts;
 mod verl_tree;
 
+/// A reward that varies within every group: the response's length in characters.
+pub struct Length;
+
+impl burn_rlhf::rollout::reward::RewardFn for Length {
+    fn name(&self) -> &str {
+        "length"
+    }
+
+    fn score(
+        &self,
+        batch: &[burn_rlhf::rollout::reward::RewardInput<'_>],
+    ) -> Result<Vec<f64>, burn_rlhf::rollout::RolloutError> {
+        Ok(batch.iter().map(|r| r.response.len() as f64).collect())
+    }
+}
+
 /// Burn's RNG is one per process: code that seeds it and draws from it (random model
 /// initialisation, fresh heads and adapters) holds this lock, so that what it draws does not
 /// depend on which other tests of this binary run beside it.

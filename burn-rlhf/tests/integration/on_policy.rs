@@ -7,29 +7,14 @@ use burn::backend::{Autodiff, Flex};
 use burn::module::{AutodiffModule, Module};
 use burn::tensor::Tensor;
 use burn_rlhf::config::RlhfConfig;
-use burn_rlhf::rollout::reward::{RewardFn, RewardInput};
-use burn_rlhf::rollout::RolloutError;
 use burn_rlhf::tasks;
 use burn_rlhf::trainer::{Learner, LearnerParts};
 use burn_rlhf_test_assets::temp_dir;
 
 type B = Autodiff<Flex>;
 
-/// A reward that varies within every group: the response's length in characters.
-struct Length;
-
-impl RewardFn for Length {
-    fn name(&self) -> &str {
-        "length"
-    }
-
-    fn score(&self, batch: &[RewardInput<'_>]) -> Result<Vec<f64>, RolloutError> {
-        Ok(batch.iter().map(|r| r.response.len() as f64).collect())
-    }
-}
-
 /// GRPO on the arithmetic task's prompts with the whole batch in one mini-batch, prompts in file
-/// order, rewarded by [`Length`].
+/// order, rewarded by [`super::Length`].
 fn config(dir: &Path) -> RlhfConfig {
     let mut c = RlhfConfig::default();
     c.data.train_batch_size = 4;
@@ -41,6 +26,8 @@ fn config(dir: &Path) -> RlhfConfig {
     c.actor_rollout_ref.actor.ppo_mini_batch_size = 4;
     c.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu = Some(2);
     c.actor_rollout_ref.rollout.n = 4;
+    // The on-policy path, not the exact rollout log-probs (which also skip the pass).
+    c.actor_rollout_ref.rollout.exact_logprobs = Some(false);
     c.algorithm.adv_estimator = "grpo".into();
     c.trainer.logger = vec![];
     c.trainer.test_freq = -1;
@@ -54,7 +41,7 @@ fn learner(config: RlhfConfig) -> Learner<B> {
     let (actor, _) = super::tiny_models(5);
     let (train, _) = tasks::split_problems(10, 20, 1);
     let mut parts = LearnerParts::new(actor, tasks::model_config(32, 1), tasks::tokenizer());
-    parts.rewards.register(std::sync::Arc::new(Length));
+    parts.rewards.register(std::sync::Arc::new(super::Length));
     parts.train = train;
     Learner::new(config, parts, &Default::default()).unwrap()
 }
@@ -107,7 +94,13 @@ fn an_on_policy_update_takes_its_own_log_probs_as_the_old_ones() {
         "the test needs a batch that teaches something"
     );
     let (phased_metrics, own) = phased
-        .update_actor(&batch, Some(&old.log_probs), &advantages, (None, None))
+        .update_actor(
+            &batch,
+            Some(&old.log_probs),
+            &advantages,
+            (None, None),
+            false,
+        )
         .unwrap();
     assert!(own.is_none(), "with old log-probs given, none are returned");
 

@@ -148,6 +148,9 @@ fn ppo_with_critic_runs_and_reports_every_metric() {
     let (actor, critic) = tiny_models();
     let mut config = tiny_config("gae", &dir);
     config.algorithm.use_kl_in_reward = true;
+    // verl's phases, its old-log-prob pass included (exact rollout log-probs skip it:
+    // `exact_logprobs.rs`).
+    config.actor_rollout_ref.rollout.exact_logprobs = Some(false);
     config.trainer.logger = vec!["jsonl".into()];
     let mut l = learner(config, actor, critic);
     let before = params(&l.actor.valid());

@@ -79,6 +79,10 @@ fn tensor<const N: usize>(data: Vec<f32>, shape: [usize; N]) -> FlexTensor {
 }
 
 impl DecoderBackend for Flex {
+    fn dec_batch_invariant() -> bool {
+        paged::fused_multiply_add()
+    }
+
     fn dec_attention(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,

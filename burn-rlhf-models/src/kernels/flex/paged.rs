@@ -157,6 +157,23 @@ pub(super) fn paged_attention_f32(
     tensor(out, [1, t, h, d]).permute(&[0, 2, 1, 3])
 }
 
+/// Whether the decode loop runs on fused multiply-adds as gemm's kernels do (AVX2 or AVX-512
+/// with FMA): without, the software `mul_add` fallback rounds once where gemm's non-FMA kernels
+/// round twice, and the decode step's attention no longer equals the training pass's.
+pub(crate) fn fused_multiply_add() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("fma")
+            && (std::arch::is_x86_feature_detected!("avx2")
+                || std::arch::is_x86_feature_detected!("avx512f"))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        // Not measured elsewhere (aarch64 fuses in both, untested).
+        false
+    }
+}
+
 /// The direct path on the widest SIMD the CPU has.
 ///
 /// # Safety
