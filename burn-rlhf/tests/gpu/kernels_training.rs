@@ -133,6 +133,44 @@ fn wgpu_refuses_bf16_naming_the_key_and_the_backend() {
     }
 }
 
+/// Exact rollout log-probs (`rollout.exact_logprobs`) do not hold on a CubeCL backend: its matmul
+/// and attention kernels pick their tiling from the shape, and the decode step's paged attention is
+/// its own kernel. The key resolves off (the old-log-prob pass runs), `true` is refused naming
+/// the backend's kernels (and the bucketed shapes' device sampler), and the gap the pass then
+/// measures is printed, with the device sampler (the default bucket) and with exact shapes on the
+/// host sampler.
+#[test]
+fn exact_logprobs_are_off_on_cubecl_and_the_gap_measured() {
+    let (actor, critic) = models();
+    for bucket in [None, Some(1)] {
+        let mut c = config(true);
+        c.actor_rollout_ref.model.shape_bucket = bucket;
+        let mut l = learner(c.clone(), actor.clone(), critic.clone()).unwrap();
+        let gaps: Vec<f64> = (0..2)
+            .map(|_| {
+                let m = l.step().unwrap();
+                assert!(m.contains_key("timing_s/old_log_prob"), "the pass runs");
+                m["training/rollout_probs_diff_max"]
+            })
+            .collect();
+        println!("shape_bucket {bucket:?}: training/rollout_probs_diff_max per step {gaps:?}");
+        c.actor_rollout_ref.rollout.exact_logprobs = Some(true);
+        let e = learner(c, actor.clone(), critic.clone())
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(
+            e.contains("actor_rollout_ref.rollout.exact_logprobs") && e.contains("batch-invariant"),
+            "{e}"
+        );
+        assert_eq!(
+            e.contains("actor_rollout_ref.model.shape_bucket"),
+            bucket.is_none(),
+            "{e}"
+        );
+    }
+}
+
 /// The fused-kernel switch is each learner's own: a learner with `use_fused_kernels=false` built
 /// before one with it on still runs no fused kernel, interleaved with the other on one thread.
 #[test]

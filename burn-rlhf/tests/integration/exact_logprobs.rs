@@ -483,9 +483,10 @@ fn exact_rollout_log_probs_replace_the_pass_bit_for_bit() {
     }
 }
 
-/// The key's rules: a top-k cut (another distribution than the trainer's) runs verl's pass by
-/// default and refuses `true` naming the key and the reason; the pass runs with `false`, and not
-/// by default where the log-probs are exact.
+/// The key's rules: a top-k cut (another distribution than the trainer's) and bf16 passes (Burn's
+/// reference kernels, not batch-invariant) run verl's pass by default and refuse `true` naming
+/// the key and the reason; the pass runs with `false`, and not by default where the log-probs are
+/// exact. The gap bf16 leaves is printed.
 #[test]
 fn exact_logprobs_runs_where_it_holds_and_refuses_true_elsewhere() {
     let dir = temp_dir("exact-logprobs-rules");
@@ -521,4 +522,24 @@ fn exact_logprobs_runs_where_it_holds_and_refuses_true_elsewhere() {
     ] {
         assert!(refused.contains(part), "{refused}");
     }
+    let bf16 = |c: &mut RlhfConfig| c.actor_rollout_ref.model.dtype = "bfloat16".into();
+    assert!(ran_the_pass(&bf16).unwrap(), "bf16 runs the pass");
+    let Err(refused) = ran_the_pass(&|c| {
+        bf16(c);
+        c.actor_rollout_ref.rollout.exact_logprobs = Some(true);
+    }) else {
+        panic!("`true` in bf16 is refused");
+    };
+    assert!(
+        refused
+            .to_string()
+            .contains("actor_rollout_ref.rollout.dtype"),
+        "{refused}"
+    );
+    // On a model whose products are deeper than 512 (as SmolLM2's 576): gemm's depth blocking
+    // then depends on the product's shape.
+    let mut c = grpo(&dir.join("bf16"));
+    bf16(&mut c);
+    let gaps = probs_diff(c, &actor(&dir, 576), &model_config(576), 1);
+    println!("bf16: training/rollout_probs_diff_max per step {gaps:?}");
 }
