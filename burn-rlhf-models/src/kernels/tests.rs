@@ -1,0 +1,596 @@
+//! Each host kernel against the reference, forward and backward; the references' backward
+//! against autodiff through their own forward ops.
+
+use burn::backend::{Autodiff, Flex};
+use burn::tensor::{Distribution, Tensor, TensorData};
+
+use super::*;
+use crate::paged::PagedSeq;
+
+type A = Autodiff<Flex>;
+
+fn random<B: Backend, const D: usize>(shape: [usize; D], seed: u64) -> Tensor<B, D> {
+    B::seed(&Default::default(), seed);
+    Tensor::random(shape, Distribution::Normal(0.0, 1.0), &Default::default())
+}
+
+fn assert_close<B: Backend, const D: usize>(
+    a: Tensor<B, D>,
+    b: Tensor<B, D>,
+    tol: f32,
+    what: &str,
+) {
+    assert_eq!(a.dims(), b.dims(), "{what}: shapes");
+    let (a, b): (Vec<f32>, Vec<f32>) = (
+        a.into_data().iter::<f32>().collect(),
+        b.into_data().iter::<f32>().collect(),
+    );
+    let worst = a
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| (x - y).abs() / (1.0 + y.abs()))
+        .fold(0.0f32, f32::max);
+    assert!(worst <= tol, "{what}: largest difference {worst} > {tol}");
+}
+
+/// Left padding of `pads[b]` keys in each row, queries from absolute position `past`.
+fn padded_mask(pads: &[usize], keys: usize, past: usize) -> AttentionMask {
+    let rows: Vec<Vec<i64>> = pads
+        .iter()
+        .map(|&p| (0..keys).map(|j| (j >= p) as i64).collect())
+        .collect();
+    AttentionMask::new(&rows, past)
+}
+
+/// Shapes and masks that cover the cases: grouped heads, several query blocks of both
+/// implementations, left padding (padding queries see no key), queries after a cache, and
+/// sliding windows.
+fn cases() -> Vec<([usize; 4], usize, AttentionMask)> {
+    vec![
+        // [B, H, L, D], KV heads, mask over S = L keys.
+        ([3, 4, 150, 16], 2, padded_mask(&[0, 5, 70], 150, 0)),
+        ([2, 3, 9, 8], 3, padded_mask(&[2, 0], 9, 0)),
+        // Decoding 2 queries after 30 cached keys (S = 32), one row padded.
+        ([2, 4, 2, 8], 1, padded_mask(&[0, 4], 32, 30)),
+        // Sliding-window layers: a window shorter than a query block, and while decoding.
+        (
+            [3, 4, 150, 16],
+            2,
+            padded_mask(&[0, 5, 70], 150, 0).with_window(40),
+        ),
+        ([2, 4, 2, 8], 1, padded_mask(&[0, 4], 32, 30).with_window(7)),
+    ]
+}
+
+fn qkv<B: Backend>(
+    [b, h, l, d]: [usize; 4],
+    kv: usize,
+    s: usize,
+    seed: u64,
+) -> (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>) {
+    // q as a strided view, as the model passes v.
+    let q = random::<B, 4>([b, l, h, d], seed).swap_dims(1, 2);
+    (
+        q,
+        random([b, kv, s, d], seed + 1),
+        random([b, kv, s, d], seed + 2),
+    )
+}
+
+/// The output's gradient, zero at queries that see no key (autodiff through the reference's
+/// additive mask differs there by design).
+fn out_grad<B: Backend>(shape: [usize; 4], mask: &AttentionMask, seed: u64) -> Tensor<B, 4> {
+    let [b, h, l, _] = shape;
+    let seen: Vec<f32> = (0..b)
+        .flat_map(|r| (0..h).flat_map(move |_| (0..l).map(move |i| (r, i))))
+        .map(|(r, i)| mask.sees_any(r, i) as u8 as f32)
+        .collect();
+    let seen = Tensor::<B, 3>::from_data(TensorData::new(seen, [b, h, l]), &Default::default());
+    random::<B, 4>(shape, seed) * seen.unsqueeze_dim(3)
+}
+
+#[test]
+fn attention_kernel_matches_the_reference() {
+    for (shape, kv, mask) in cases() {
+        let s = mask.keys_len();
+        let (q, k, v) = qkv::<Flex>(shape, kv, s, 7);
+        let (out, lse) =
+            Flex::dec_attention(prim(q.clone()), prim(k.clone()), prim(v.clone()), &mask);
+        let (ref_out, ref_lse) =
+            reference::attention::<Flex>(prim(q.clone()), prim(k.clone()), prim(v.clone()), &mask);
+        assert_close::<Flex, 4>(wrap(out.clone()), wrap(ref_out.clone()), 1e-5, "out");
+        // The log-sum-exp only matters where a query sees a key.
+        let grad = out_grad::<Flex>(shape, &mask, 9);
+        let seen = grad
+            .clone()
+            .abs()
+            .sum_dim(3)
+            .squeeze_dim::<3>(3)
+            .greater_elem(0.0)
+            .float();
+        assert_close::<Flex, 3>(
+            wrap::<Flex, 3>(lse.clone()) * seen.clone(),
+            wrap::<Flex, 3>(ref_lse.clone()) * seen,
+            1e-5,
+            "lse",
+        );
+        let kernel = Flex::dec_attention_backward(
+            prim(q.clone()),
+            prim(k.clone()),
+            prim(v.clone()),
+            out,
+            lse,
+            prim(grad.clone()),
+            &mask,
+        );
+        let refd = reference::attention_backward::<Flex>(
+            prim(q),
+            prim(k),
+            prim(v),
+            ref_out,
+            ref_lse,
+            prim(grad),
+            &mask,
+        );
+        assert_close::<Flex, 4>(wrap(kernel.0), wrap(refd.0), 1e-4, "dq");
+        assert_close::<Flex, 4>(wrap(kernel.1), wrap(refd.1), 1e-4, "dk");
+        assert_close::<Flex, 4>(wrap(kernel.2), wrap(refd.2), 1e-4, "dv");
+    }
+}
+
+#[test]
+fn attention_gradients_match_autodiff_through_the_reference() {
+    for (shape, kv, mask) in cases() {
+        let s = mask.keys_len();
+        let (q, k, v) = qkv::<A>(shape, kv, s, 11);
+        let grad = out_grad::<A>(shape, &mask, 12).detach();
+        let grads_of = |fused: bool| {
+            let (q, k, v) = (
+                q.clone().require_grad(),
+                k.clone().require_grad(),
+                v.clone().require_grad(),
+            );
+            let out: Tensor<A, 4> = if fused {
+                attention(q.clone(), k.clone(), v.clone(), &mask)
+            } else {
+                wrap(
+                    reference::attention::<A>(
+                        prim(q.clone()),
+                        prim(k.clone()),
+                        prim(v.clone()),
+                        &mask,
+                    )
+                    .0,
+                )
+            };
+            let g = (out * grad.clone()).sum().backward();
+            [
+                q.grad(&g).unwrap(),
+                k.grad(&g).unwrap(),
+                v.grad(&g).unwrap(),
+            ]
+        };
+        for (what, (a, b)) in ["dq", "dk", "dv"]
+            .iter()
+            .zip(grads_of(true).into_iter().zip(grads_of(false)))
+        {
+            assert_close::<Flex, 4>(a, b, 1e-4, what);
+        }
+    }
+}
+
+/// The linear product and its gradients, for a stored and a transposed-view weight; the
+/// second size is a decode step's few rows against a wide weight, whose product Flex splits
+/// by blocks of output columns (the last one narrower).
+#[test]
+fn linear_kernel_matches_autodiff_through_the_reference() {
+    // Sums over 1000 terms in another order differ by more than sums over 9.
+    for ((rows, k, n), tol) in [((7, 5, 9), 1e-5), ((5, 256, 1000), 1e-4)] {
+        linear_matches_the_reference(rows, k, n, tol);
+    }
+}
+
+fn linear_matches_the_reference(rows: usize, k: usize, n: usize, tol: f32) {
+    let x = random::<A, 2>([rows, k], 21);
+    let dy = random::<A, 2>([rows, n], 22);
+    for w in [
+        random::<A, 2>([k, n], 23),
+        random::<A, 2>([n, k], 24).transpose(),
+    ] {
+        let run = |fused: bool| {
+            let (x, w) = (x.clone().require_grad(), w.clone().require_grad());
+            let y: Tensor<A, 2> = if fused {
+                linear(x.clone(), w.clone())
+            } else {
+                x.clone().matmul(w.clone())
+            };
+            let g = (y.clone() * dy.clone()).sum().backward();
+            (y.inner(), x.grad(&g).unwrap(), w.grad(&g).unwrap())
+        };
+        let (fused, plain) = (run(true), run(false));
+        assert_close(fused.0, plain.0, tol, "linear");
+        assert_close(fused.1, plain.1, tol, "linear dx");
+        assert_close(fused.2, plain.2, tol, "linear dw");
+    }
+}
+
+/// The cache's write lands at its positions and, on a buffer nobody else holds, in place.
+#[test]
+fn positions_are_written_in_place() {
+    let buffer = Tensor::<Flex, 4>::zeros([2, 3, 6, 4], &Default::default());
+    let value = random::<Flex, 4>([2, 3, 2, 4], 25);
+    let before = buffer.clone().into_primitive().tensor().bytes().as_ptr();
+    let out = write_positions(buffer, value.clone(), 3);
+    let after = out.clone().into_primitive().tensor().bytes().as_ptr();
+    assert_eq!(before, after, "written in place");
+    assert_close(
+        out.clone().slice([0..2, 0..3, 3..5, 0..4]),
+        value,
+        0.0,
+        "written",
+    );
+    assert_eq!(
+        out.slice([0..2, 0..3, 0..3, 0..4])
+            .abs()
+            .sum()
+            .into_scalar(),
+        0.0
+    );
+}
+
+#[test]
+fn norm_glu_and_rotary_kernels_match_autodiff_through_the_reference() {
+    let x = random::<A, 3>([3, 5, 16], 1);
+    let w = random::<A, 1>([16], 2);
+    let dy = random::<A, 3>([3, 5, 16], 3);
+    let norm = |fused: bool| {
+        let (x, w) = (x.clone().require_grad(), w.clone().require_grad());
+        let y: Tensor<A, 3> = if fused {
+            rms_norm(x.clone(), w.clone(), 1e-5)
+        } else {
+            wrap(reference::rms_norm::<A>(
+                prim(x.clone()),
+                prim(w.clone()),
+                1e-5,
+            ))
+        };
+        let g = (y.clone() * dy.clone()).sum().backward();
+        (y.inner(), x.grad(&g).unwrap(), w.grad(&g).unwrap())
+    };
+    let (fused, plain) = (norm(true), norm(false));
+    assert_close(fused.0, plain.0, 1e-5, "rms_norm");
+    assert_close(fused.1, plain.1, 1e-4, "rms_norm dx");
+    assert_close(fused.2, plain.2, 1e-4, "rms_norm dw");
+
+    let up = random::<A, 3>([3, 5, 16], 4);
+    let glu = |fused: bool| {
+        let (g, u) = (x.clone().require_grad(), up.clone().require_grad());
+        let y = if fused {
+            swiglu(g.clone(), u.clone())
+        } else {
+            wrap(reference::swiglu::<A>(prim(g.clone()), prim(u.clone())))
+        };
+        let grads = (y.clone() * dy.clone()).sum().backward();
+        (y.inner(), g.grad(&grads).unwrap(), u.grad(&grads).unwrap())
+    };
+    let (fused, plain) = (glu(true), glu(false));
+    assert_close(fused.0, plain.0, 1e-5, "swiglu");
+    assert_close(fused.1, plain.1, 1e-4, "swiglu dgate");
+    assert_close(fused.2, plain.2, 1e-4, "swiglu dup");
+
+    let xr = random::<A, 4>([2, 5, 3, 8], 5);
+    // Tables of HF's default rotary embedding for two rows of positions, `[2, 1, 5, 8]`.
+    let positions = [[0.0f64, 1.0, 2.0, 3.0, 4.0], [0.0, 0.0, 0.0, 1.0, 2.0]];
+    let (mut cos, mut sin) = (Vec::new(), Vec::new());
+    for row in positions {
+        for p in row {
+            for j in 0..8 {
+                let angle = p / 10_000f64.powf(2.0 * (j % 4) as f64 / 8.0);
+                cos.push(angle.cos() as f32);
+                sin.push(angle.sin() as f32);
+            }
+        }
+    }
+    let table = |v: Vec<f32>| {
+        Tensor::<A, 4>::from_data(TensorData::new(v, [2, 1, 5, 8]), &Default::default())
+    };
+    let (cos, sin) = (table(cos), table(sin));
+    let dr = random::<A, 4>([2, 3, 5, 8], 6);
+    let rot = |fused: bool| {
+        let x = xr.clone().require_grad();
+        let y: Tensor<A, 4> = if fused {
+            rotary(x.clone(), cos.clone(), sin.clone())
+        } else {
+            let (cos, sin) = (prim(cos.clone()), prim(sin.clone()));
+            wrap(reference::rotary::<A>(prim(x.clone()), cos, sin))
+        };
+        let g = (y.clone() * dr.clone()).sum().backward();
+        (y.inner(), x.grad(&g).unwrap())
+    };
+    let (fused, plain) = (rot(true), rot(false));
+    assert_close(fused.0, plain.0, 1e-5, "rotary");
+    assert_close(fused.1, plain.1, 1e-5, "rotary dx");
+}
+
+/// A paged pass over `(queries, past)` sequences with shuffled block tables in a random
+/// pool, and 3 padding tokens: (layout, q `[1, H, T, D]`, the keys `[N, KV, D, bs]` and
+/// values `[N, KV, bs, D]` pools).
+fn paged_case(
+    seqs: &[(usize, usize)],
+    [h, kv, d]: [usize; 3],
+    bs: usize,
+    bucket: usize,
+    seed: u64,
+) -> (
+    PagedLayout,
+    Tensor<Flex, 4>,
+    Tensor<Flex, 4>,
+    Tensor<Flex, 4>,
+) {
+    let need: usize = seqs.iter().map(|&(q, p)| (q + p).div_ceil(bs)).sum();
+    let n = need + 1;
+    // Blocks 1.. handed out in a scrambled order, so tables are not consecutive.
+    let mut free: Vec<u32> = (1..n as u32).collect();
+    free.sort_by_key(|&b| (b as u64).wrapping_mul(0x9E37_79B9) % 97);
+    let mut first = 0;
+    let mut paged = Vec::new();
+    for &(queries, past) in seqs {
+        let blocks = free.split_off(free.len() - (queries + past).div_ceil(bs));
+        paged.push(PagedSeq {
+            first,
+            queries,
+            past,
+            blocks,
+            rope_floor: 0,
+        });
+        first += queries;
+    }
+    let layout = PagedLayout::new(paged, first + 3, bs, bucket);
+    let q = random::<Flex, 4>([1, first + 3, h, d], seed).swap_dims(1, 2);
+    (
+        layout,
+        q,
+        random([n, kv, d, bs], seed + 1),
+        random([n, kv, bs, d], seed + 2),
+    )
+}
+
+/// Paged test cases: the `(queries, past)` sequences, `[heads, kv heads, head width]`, the
+/// block size and the sliding window.
+type PagedCase = (Vec<(usize, usize)>, [usize; 3], usize, Option<usize>);
+
+/// `seq`'s positions of a keys pool (`[N, KV, D, bs]`, `keys`) or a values pool
+/// (`[N, KV, bs, D]`) in order, as dense attention reads them: `[1, KV, context, D]`.
+fn gather_positions(pool: &Tensor<Flex, 4>, seq: &PagedSeq, keys: bool) -> Tensor<Flex, 4> {
+    let [_, kv, a, b] = pool.dims();
+    let (d, bs) = if keys { (a, b) } else { (b, a) };
+    let rows: Vec<Tensor<Flex, 4>> = (0..seq.context())
+        .map(|p| {
+            let (blk, o) = (seq.blocks[p / bs] as usize, p % bs);
+            match keys {
+                true => pool
+                    .clone()
+                    .slice([blk..blk + 1, 0..kv, 0..d, o..o + 1])
+                    .swap_dims(2, 3),
+                false => pool.clone().slice([blk..blk + 1, 0..kv, o..o + 1, 0..d]),
+            }
+        })
+        .collect();
+    Tensor::cat(rows, 2)
+}
+
+/// Decoding sequences (one query), a few queries, prefill chunks over one and two query
+/// blocks, block sizes that do and do not divide the contexts, a head width under and over
+/// the kernel's lanes, with and without a sliding window.
+fn paged_cases() -> Vec<PagedCase> {
+    let seqs = vec![(1, 10), (1, 3), (1, 0), (7, 5), (3, 0), (70, 2), (1, 33)];
+    vec![
+        (seqs.clone(), [4, 2, 16], 4, None),
+        (seqs.clone(), [6, 2, 8], 16, None),
+        (seqs.clone(), [4, 4, 32], 4, Some(6)),
+        (vec![(2, 9), (1, 40)], [4, 1, 16], 8, Some(17)),
+        // Two lane groups per block and the head width of SmolLM2 and Qwen2.5.
+        (seqs, [6, 2, 64], 32, None),
+    ]
+}
+
+#[test]
+fn paged_attention_kernel_matches_the_reference_and_dense_attention() {
+    for (seqs, dims, bs, window) in paged_cases() {
+        let (layout, q, k, v) = paged_case(&seqs, dims, bs, 1, 41);
+        let kernel: Tensor<Flex, 4> = wrap(Flex::dec_paged_attention(
+            prim(q.clone()),
+            prim(k.clone()),
+            prim(v.clone()),
+            &layout,
+            window,
+        ));
+        let plain: Tensor<Flex, 4> = wrap(reference::paged_attention::<Flex>(
+            prim(q.clone()),
+            prim(k.clone()),
+            prim(v.clone()),
+            &layout,
+            window,
+        ));
+        assert_close(kernel.clone(), plain, 1e-5, "paged attention");
+        // The reference's bucketed shapes (padded rows, queries and keys) change nothing.
+        let bucketed = PagedLayout::new(layout.seqs().to_vec(), layout.tokens(), bs, 16);
+        let padded: Tensor<Flex, 4> = wrap(reference::paged_attention::<Flex>(
+            prim(q.clone()),
+            prim(k.clone()),
+            prim(v.clone()),
+            &bucketed,
+            window,
+        ));
+        assert_close(kernel.clone(), padded, 1e-5, "bucketed paged attention");
+        // Each sequence as dense attention over its positions gathered in order.
+        let [_, h, t, _] = q.dims();
+        for seq in layout.seqs() {
+            let ctx = seq.context();
+            let gather = |pool: &Tensor<Flex, 4>, keys: bool| gather_positions(pool, seq, keys);
+            let mask = AttentionMask::new(&[vec![1; ctx]], seq.past);
+            let mask = window.map_or(mask.clone(), |w| mask.with_window(w));
+            let qs = q.clone().narrow(2, seq.first, seq.queries);
+            let dense = attention(qs, gather(&k, true), gather(&v, false), &mask);
+            let ours = kernel.clone().narrow(2, seq.first, seq.queries);
+            assert_close(ours, dense, 1e-5, "paged vs dense");
+        }
+        let pad = kernel.narrow(2, layout.real_tokens(), t - layout.real_tokens());
+        assert_eq!(pad.abs().sum().into_scalar(), 0.0, "padding rows are 0");
+        let _ = h;
+    }
+}
+
+/// Batch invariance of the layers' products: a row of `x · w` is the same f32 whether the
+/// product has 1, 2, 3, 17 or 300 rows and wherever the row sits among them, for depths
+/// under, just over and at three times gemm's 512-deep block, and for the tied LM head's
+/// transposed weight with a vocabulary small enough for gemm's tiny-product kernels.
+#[test]
+fn a_products_rows_do_not_depend_on_the_other_rows() {
+    for (k, n, transposed) in [
+        (64, 96, false),
+        (576, 192, false),
+        (1536, 576, false),
+        (576, 14, true),
+        (576, 1000, true),
+    ] {
+        let x = random::<Flex, 2>([300, k], 3);
+        let w = match transposed {
+            true => random::<Flex, 2>([n, k], 4).transpose(),
+            false => random::<Flex, 2>([k, n], 4),
+        };
+        let whole: Vec<f32> = linear(x.clone(), w.clone()).into_data().to_vec().unwrap();
+        for (start, rows) in [(0, 1), (7, 1), (5, 2), (11, 3), (100, 17), (0, 300)] {
+            let part: Vec<f32> = linear(x.clone().narrow(0, start, rows), w.clone())
+                .into_data()
+                .to_vec()
+                .unwrap();
+            assert!(
+                part == whole[start * n..(start + rows) * n],
+                "k {k}, n {n}: rows {start}..{} of 300 differ in a product of {rows}",
+                start + rows
+            );
+        }
+    }
+}
+
+/// Batch- and cache-invariance: a sequence's queries through the paged kernel (decode steps
+/// of one query, a few queries, prefill chunks) give exactly the numbers the training pass's
+/// dense attention gives for the same positions of the whole sequence, in one batch with
+/// another sequence and alone: head widths of the kernel's specialisations and not (64, 128,
+/// 80), block sizes that divide 512 and not, contexts past one and two 512-key blocks of the
+/// products' depth, grouped queries, and a sliding window.
+#[test]
+fn paged_attention_equals_the_training_pass_bit_for_bit() {
+    let cases: Vec<PagedCase> = vec![
+        (
+            vec![(1, 700), (3, 40), (1, 0), (70, 530)],
+            [6, 2, 64],
+            16,
+            None,
+        ),
+        (vec![(1, 1100), (5, 600)], [4, 2, 128], 24, None),
+        (vec![(1, 520), (2, 9), (66, 460)], [6, 3, 80], 16, None),
+        (vec![(1, 900), (4, 513)], [4, 2, 64], 32, Some(600)),
+    ];
+    for (seqs, dims, bs, window) in cases {
+        let (layout, q, k, v) = paged_case(&seqs, dims, bs, 1, 71);
+        let kernel: Tensor<Flex, 4> = wrap(Flex::dec_paged_attention(
+            prim(q.clone()),
+            prim(k.clone()),
+            prim(v.clone()),
+            &layout,
+            window,
+        ));
+        let [_, h, _, d] = q.dims();
+        for (i, seq) in layout.seqs().iter().enumerate() {
+            let ctx = seq.context();
+            let gather = |pool: &Tensor<Flex, 4>, keys: bool| gather_positions(pool, seq, keys);
+            // The training pass: every position's query (the earlier ones random), the
+            // sequence alone and beside a shorter padded row.
+            let earlier = random::<Flex, 4>([1, h, seq.past, d], 90 + i as u64);
+            let ours = kernel.clone().narrow(2, seq.first, seq.queries);
+            let qs = Tensor::cat(
+                vec![
+                    earlier,
+                    ours.clone().zeros_like() + q.clone().narrow(2, seq.first, seq.queries),
+                ],
+                2,
+            );
+            let (keys, values) = (gather(&k, true), gather(&v, false));
+            let alone = AttentionMask::new(&[vec![1; ctx]], 0);
+            let alone = window.map_or(alone.clone(), |w| alone.with_window(w));
+            let dense = attention(qs.clone(), keys.clone(), values.clone(), &alone).narrow(
+                2,
+                seq.past,
+                seq.queries,
+            );
+            let (a, b): (Vec<f32>, Vec<f32>) = (
+                ours.clone().into_data().to_vec().unwrap(),
+                dense.into_data().to_vec().unwrap(),
+            );
+            let worst = a
+                .iter()
+                .zip(&b)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0.0, f32::max);
+            assert!(
+                a == b,
+                "{dims:?} bs {bs} window {window:?}: sequence {i} ({} queries after {}) differs \
+                 from the training pass by up to {worst:e}",
+                seq.queries,
+                seq.past
+            );
+            // In a batch of two rows, the second a shorter one padded on the right.
+            let short = ctx / 2;
+            let batch_mask = AttentionMask::new(
+                &[
+                    vec![1; ctx],
+                    [vec![1; short], vec![0; ctx - short]].concat(),
+                ],
+                0,
+            );
+            let batch_mask = window.map_or(batch_mask.clone(), |w| batch_mask.with_window(w));
+            let two = |t: Tensor<Flex, 4>| Tensor::cat(vec![t.clone(), t.flip([2])], 0);
+            let batched = attention(two(qs), two(keys), two(values), &batch_mask)
+                .narrow(0, 0, 1)
+                .narrow(2, seq.past, seq.queries);
+            let c: Vec<f32> = batched.into_data().to_vec().unwrap();
+            assert!(a == c, "{dims:?}: sequence {i} in a batch of two differs");
+        }
+    }
+}
+
+/// The pool's write (keys transposed, values not) and block copy land where the reference
+/// puts them, in place.
+#[test]
+fn paged_writes_and_copies_equal_the_reference() {
+    let (layout, _, k, v) = paged_case(&[(1, 6), (5, 0), (2, 3)], [4, 2, 8], 4, 1, 51);
+    let value = random::<Flex, 4>([1, layout.tokens(), 2, 8], 52).swap_dims(1, 2);
+    for (pool, keys) in [(k, true), (v, false)] {
+        let plain: Tensor<Flex, 4> = wrap(reference::paged_write::<Flex>(
+            prim(pool.clone()),
+            prim(value.clone()),
+            &layout,
+            keys,
+        ));
+        // A pool nobody else holds is written in place.
+        let mine = pool.clone() + 0.0;
+        let before = mine.clone().into_primitive().tensor().bytes().as_ptr();
+        let written = paged_write(mine, value.clone(), &layout, keys);
+        let after = written.clone().into_primitive().tensor().bytes().as_ptr();
+        assert_eq!(before, after, "written in place");
+        // The null block takes padding's writes, in whatever order: compare the others.
+        let n = pool.dims()[0];
+        let real = |t: Tensor<Flex, 4>| t.narrow(0, 1, n - 1);
+        assert_close(real(written.clone()), real(plain), 0.0, "paged write");
+        let (from, to) = ([2u32, 5], [6u32, 1]);
+        let plain: Tensor<Flex, 4> = wrap(reference::paged_copy::<Flex>(
+            prim(written.clone()),
+            &from,
+            &to,
+        ));
+        let copied = paged_copy(written + 0.0, &from, &to);
+        assert_close(copied, plain, 0.0, "paged copy");
+    }
+}
