@@ -37,11 +37,15 @@ fn mini_batches(
     order.chunks(size).map(<[usize]>::to_vec).collect()
 }
 
-/// Per-token outputs of a mini-batch holding rows `rows` (in its order) put back in the batch's
-/// row order.
-fn unshuffle(own: OnPolicyLogProbs, rows: &[usize], width: usize) -> OnPolicyLogProbs {
+/// Per-token outputs of a mini-batch holding rows `rows` (in its order) put in their places in a
+/// batch of `batch_rows` rows (0 on the others).
+fn unshuffle(
+    own: OnPolicyLogProbs,
+    rows: &[usize],
+    (batch_rows, width): (usize, usize),
+) -> OnPolicyLogProbs {
     let back = |v: Vec<f32>| {
-        let mut out = vec![0.0; v.len()];
+        let mut out = vec![0.0; batch_rows * width];
         for (k, &row) in rows.iter().enumerate() {
             out[row * width..(row + 1) * width].copy_from_slice(&v[k * width..(k + 1) * width]);
         }
@@ -185,7 +189,7 @@ impl<B: LearnerBackend> Learner<B> {
                         // In the mini-batch's order, which is the batch's unless shuffled.
                         first = Some(FirstPass {
                             rows: rows.clone(),
-                            own: unshuffle(own, rows, r),
+                            own: unshuffle(own, rows, (batch.rows(), r)),
                         });
                     }
                 }

@@ -368,7 +368,7 @@ fn run(
 /// pass bit for bit: the same weights and every metric equal (`actor/entropy`, the
 /// `rollout_corr/*` diagnostics, the probability gaps, here measured on the first mini-batch's
 /// forward before its step) over two steps of two epochs of two mini-batches, for GRPO with a KL
-/// loss, rollout correction's weights and rejection and padded passes, PPO with a critic and the
+/// loss, shuffled mini-batches, rollout correction's weights and rejection and padded passes, PPO with a critic and the
 /// KL in the reward, and GRPO on two ranks.
 #[test]
 fn exact_rollout_log_probs_replace_the_pass_bit_for_bit() {
@@ -398,6 +398,8 @@ fn exact_rollout_log_probs_replace_the_pass_bit_for_bit() {
     let cases: [(&str, bool, bool, usize, Tune); 4] = [
         ("grpo", false, false, 1, |c| {
             c.actor_rollout_ref.actor.use_kl_loss = true;
+            // Shuffled mini-batches: the first one's rows are any of the batch's.
+            c.actor_rollout_ref.actor.shuffle = true;
             c.actor_rollout_ref.model.use_remove_padding = Some(false);
             let rc = &mut c.algorithm.rollout_correction;
             rc.rollout_is = Some("token".into());
