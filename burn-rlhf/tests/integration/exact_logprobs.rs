@@ -115,24 +115,10 @@ fn probs_diff(
     model: &TransformerConfig,
     ranks: usize,
 ) -> Vec<f64> {
-    let parts = parts(actor, model);
-    if ranks == 1 {
-        let mut learner = Learner::new(config, parts, &Default::default()).unwrap();
-        return (0..2)
-            .map(|_| learner.step().unwrap()["training/rollout_probs_diff_max"])
-            .collect();
-    }
-    let _turn = super::data_parallel::ONE_GROUP_AT_A_TIME
-        .lock()
-        .unwrap_or_else(|e| e.into_inner());
-    let mut config = config;
-    config.trainer.logger = vec!["jsonl".into()];
-    let dir = std::path::PathBuf::from(config.trainer.default_local_dir.clone().unwrap());
-    super::data_parallel::n_devices_of(config, parts, ranks).unwrap();
-    burn_rlhf::trainer::logger::read_jsonl(&dir.join("metrics.jsonl"))
-        .unwrap()
-        .into_iter()
-        .map(|(_, m)| m["training/rollout_probs_diff_max"])
+    let (metrics, _) = run(config, parts(actor, model), ranks);
+    metrics
+        .iter()
+        .map(|m| m["training/rollout_probs_diff_max"])
         .collect()
 }
 
