@@ -48,6 +48,20 @@ pub fn seeded<T>(seed: u64, f: impl FnOnce() -> T) -> T {
     f()
 }
 
+/// Reads every parameter of `model` once, drawing any lazily initialised one now.
+pub fn materialise<M: burn::module::Module<Autodiff<Flex>>>(model: &M) {
+    struct Touch;
+    impl burn::module::ModuleVisitor<Autodiff<Flex>> for Touch {
+        fn visit_float<const D: usize>(
+            &mut self,
+            p: &burn::module::Param<burn::tensor::Tensor<Autodiff<Flex>, D>>,
+        ) {
+            let _ = p.val();
+        }
+    }
+    model.visit(&mut Touch);
+}
+
 /// The arithmetic task's tiny actor and a critic starting from its backbone, the same for the
 /// same seed.
 pub fn tiny_models(
@@ -61,6 +75,10 @@ pub fn tiny_models(
         let c = burn_rlhf::tasks::model_config(32, 1);
         let actor: burn_rlhf::models::CausalLm<Autodiff<Flex>> =
             c.init_causal_lm(&Default::default());
+        // Drawn here, under the lock: a lazy parameter's clone (`valid()`) draws its own values,
+        // and the returned actor's would be drawn at its first read, from whatever another test
+        // left in the random stream (two "same" actors then differed now and then).
+        materialise(&actor);
         let mut w = burn_rlhf::models::weights::WeightMap::new("tiny actor");
         for (k, v) in actor.valid().export() {
             w.insert(k, v);
