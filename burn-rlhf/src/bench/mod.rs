@@ -231,7 +231,10 @@ pub fn run_bench<B: LearnerBackend>(
             json!({"case": "ppo_step", "step": step, "impl": tag, "median_s": secs,
             "unit_per_s": metrics.get("perf/throughput"), "unit": "tokens",
             "phases_s": phases, "kernels_compiled": compiled, "autotune_runs": tuned,
-            "cpu_util": metrics.get("perf/cpu_util"), "peak_rss_gb": metrics.get("perf/peak_rss_gb")}),
+            "cpu_util": metrics.get("perf/cpu_util"), "peak_rss_gb": metrics.get("perf/peak_rss_gb"),
+            // The rollout's probabilities against the trainer's (0 where `exact_logprobs` holds).
+            "rollout_probs_diff_max": metrics.get("training/rollout_probs_diff_max"),
+            "old_log_prob_pass": metrics.contains_key("timing_s/old_log_prob")}),
         );
     }
     if let Some(peer) = &options.peer {
