@@ -136,7 +136,17 @@ pub fn run_bench<B: LearnerBackend>(
     )?;
     let vocab = parts.model_config.vocab_size;
     let mut learner = Learner::from_settings(settings, parts, device)?;
-    let tag = format!("burn-rlhf {backend} f32");
+    // Each case names the dtype it computes in (generation: `rollout.dtype`; the passes and
+    // steps: `model.dtype`).
+    let tag_of = |dtype: Option<burn::tensor::FloatDType>| {
+        let dtype = dtype.unwrap_or(burn::tensor::FloatDType::F32);
+        format!(
+            "burn-rlhf {backend} {}",
+            format!("{dtype:?}").to_lowercase()
+        )
+    };
+    let tag = tag_of(learner.settings.model.dtype);
+    let gen_tag = tag_of(learner.settings.rollout.dtype);
 
     let (rows, prompt, tokens) = options.gen;
     // Zero rows: no generation case.
@@ -149,7 +159,8 @@ pub fn run_bench<B: LearnerBackend>(
         stop_token_ids: Vec::new(),
         ..learner.sampling_params(&learner.settings.rollout.train, false, 1)
     };
-    let policy = learner.actor.valid();
+    // As the rollout generates: in `rollout.dtype` (LoRA merged with `model.lora.merge`).
+    let policy = learner.for_generation(learner.actor_whole().valid());
     let case = format!("generate_b{rows}_p{prompt}_n{tokens}");
     let mut engine = learner.engine_config(rows, &learner.model_config, policy.float_dtype())?;
     // Every row at once, as the peer's one `generate` call.
@@ -167,7 +178,7 @@ pub fn run_bench<B: LearnerBackend>(
         let new: usize = samples?.iter().map(|s| s.tokens.len()).sum();
         let (secs, (cpu_util, peak_rss_gb)) = (usage.seconds, usage_fields(&usage));
         emit(
-            json!({"case": case, "run": run, "impl": tag, "median_s": secs,
+            json!({"case": case, "run": run, "impl": gen_tag, "median_s": secs,
             "unit_per_s": new as f64 / secs, "unit": "new tokens",
             "cpu_util": cpu_util, "peak_rss_gb": peak_rss_gb,
             "kernels_compiled": compiled, "autotune_runs": tuned}),

@@ -654,7 +654,9 @@ fn event_records(dir: &Path) -> Vec<usize> {
 }
 
 /// `burn-rlhf bench` runs a config's generation, forward+backward and PPO steps and prints one
-/// JSON line per measurement, in the peer script's form.
+/// JSON line per measurement, in the peer script's form; each names the dtype it computed in
+/// (generation `rollout.dtype`'s) and a step says its probability gap and whether the
+/// old-log-prob pass ran.
 #[test]
 fn bench_prints_generation_forward_backward_and_step_lines() {
     let dir = temp_dir("bench_cli");
@@ -675,6 +677,7 @@ fn bench_prints_generation_forward_backward_and_step_lines() {
             "custom_reward_function.name=arithmetic".into(),
             "trainer.val_before_train=false".into(),
             "trainer.test_freq=-1".into(),
+            "actor_rollout_ref.rollout.dtype=bfloat16".into(),
             format!("trainer.default_local_dir={}", path(&dir.join("out"))),
         ])
         .args([
@@ -726,6 +729,26 @@ fn bench_prints_generation_forward_backward_and_step_lines() {
     assert!((rate * gen["median_s"].as_f64().unwrap() - 12.0).abs() < 1e-6);
     assert!(lines[4]["phases_s"]["gen"].as_f64().unwrap() > 0.0);
     assert!(lines[4]["phases_s"]["update_actor"].is_number());
+    let impls: Vec<&str> = lines.iter().map(|l| l["impl"].as_str().unwrap()).collect();
+    assert_eq!(
+        impls,
+        [
+            "burn-rlhf flex bf16",
+            "burn-rlhf flex bf16",
+            "burn-rlhf flex f32",
+            "burn-rlhf flex f32",
+            "burn-rlhf flex f32",
+            "burn-rlhf flex f32",
+        ]
+    );
+    // bf16 generation against f32 passes: another precision's log-probs, so the pass runs.
+    for step in &lines[4..] {
+        assert!(
+            step["rollout_probs_diff_max"].as_f64().unwrap() > 0.0,
+            "{step}"
+        );
+        assert_eq!(step["old_log_prob_pass"], true, "{step}");
+    }
     // Each case says how busy the cores were (CPU time is counted in 10 ms ticks, so a case this
     // small may read 0) and the peak memory, read from /proc on Linux.
     if cfg!(target_os = "linux") {
