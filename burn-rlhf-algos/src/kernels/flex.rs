@@ -5,12 +5,14 @@
 //! reused by every chunk, the weight's gradient accumulated in place by the matrix product;
 //! and AdamW's step, the parameter and both moments updated in place in one pass on every core
 //! (Flex's tensor ops would make nine serial passes and as many new buffers per parameter).
-//! Other dtypes take the references.
+//! A bf16 LM head runs on f32 copies of its operands with its logits rounded to bf16, as the
+//! decoder's bf16 product rounds them for the rollout. Other dtypes take the references.
 
 use burn::backend::flex::FlexTensor;
 use burn::backend::Flex;
 use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{DType, TensorData};
+use half::bf16;
 use rayon::prelude::*;
 
 use super::{reference, AdamWStep, RlBackend};
@@ -75,6 +77,60 @@ fn operand(t: &FlexTensor) -> Option<Operand> {
     // SAFETY: the offset is inside the storage the tensor views.
     let first = unsafe { t.storage::<f32>().as_ptr().add(layout.start_offset()) };
     Some((first, strides[0], strides[1]))
+}
+
+/// f32 copies of an LM head's hidden states and weight when one is bf16 and the other bf16 or
+/// f32 (exact: a bf16 is an f32's upper half; views keep their layout), `None` otherwise.
+fn widened_head(hidden: &FlexTensor, weight: &FlexTensor) -> Option<(FlexTensor, FlexTensor)> {
+    let dtypes = [hidden.dtype(), weight.dtype()];
+    if !dtypes.contains(&DType::BF16)
+        || dtypes
+            .iter()
+            .any(|d| !matches!(d, DType::BF16 | DType::F32))
+    {
+        return None;
+    }
+    let widen = |t: &FlexTensor| {
+        if t.dtype() == DType::F32 {
+            return t.clone();
+        }
+        let n = t.layout().num_elements();
+        let whole = t.layout().start_offset() == 0 && t.bytes().len() == n * 2;
+        let t = if whole { t.clone() } else { t.to_contiguous() };
+        let mut out = Vec::with_capacity(n);
+        out.par_extend(
+            t.storage::<bf16>()
+                .par_iter()
+                .with_min_len(ELEMENTS_PER_TASK)
+                .map(|x| x.to_f32()),
+        );
+        let len = out.len();
+        FlexTensor::from_data(TensorData::new(out, [len])).with_layout(t.layout().clone())
+    };
+    Some((widen(hidden), widen(weight)))
+}
+
+/// Rounds logits to bf16 (to nearest even) in place: what a bf16 product of the decoder
+/// returns.
+fn round_to_bf16(logits: &mut [f32]) {
+    logits
+        .par_iter_mut()
+        .with_min_len(ELEMENTS_PER_TASK)
+        .for_each(|x| *x = bf16::from_f32(*x).to_f32());
+}
+
+/// An f32 gradient as `dtype` (bf16 rounded to nearest even; f32 as it is).
+fn gradient_as(grad: Vec<f32>, shape: [usize; 2], dtype: DType) -> FlexTensor {
+    if dtype != DType::BF16 {
+        return FlexTensor::from_data(TensorData::new(grad, shape));
+    }
+    let mut out = Vec::with_capacity(grad.len());
+    out.par_extend(
+        grad.par_iter()
+            .with_min_len(ELEMENTS_PER_TASK)
+            .map(|&x| bf16::from_f32(x)),
+    );
+    FlexTensor::from_data(TensorData::new(out, shape))
 }
 
 /// Rows `start..` of an operand.
@@ -233,6 +289,11 @@ impl RlBackend for Flex {
         temperature: f32,
         chunk: usize,
     ) -> FloatTensor<Self> {
+        // A bf16 head: its logits rounded to bf16 after each chunk's f32 product.
+        let (hidden, weight, round) = match widened_head(&hidden, &weight) {
+            Some((h, w)) => (h, w, true),
+            None => (hidden, weight, false),
+        };
         let (Some(h), Some(w)) = (operand(&hidden), operand(&weight)) else {
             return reference::linear_logprob_entropy::<Self>(
                 hidden,
@@ -261,6 +322,9 @@ impl RlBackend for Flex {
                     wt,
                 );
             }
+            if round {
+                round_to_bf16(&mut logits[..n * vocab]);
+            }
             out[start * 2..end * 2]
                 .par_chunks_mut(2)
                 .zip(logits[..n * vocab].par_chunks(vocab))
@@ -282,6 +346,12 @@ impl RlBackend for Flex {
         temperature: f32,
         chunk: usize,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let dtypes = (hidden.dtype(), weight.dtype());
+        let widened = widened_head(&hidden, &weight).filter(|_| grad.dtype() == DType::F32);
+        let (hidden, weight, round) = match widened {
+            Some((h, w)) => (h, w, true),
+            None => (hidden, weight, false),
+        };
         let (Some(h), Some(w), DType::F32) = (operand(&hidden), operand(&weight), grad.dtype())
         else {
             return reference::linear_logprob_entropy_backward::<Self>(
@@ -315,6 +385,9 @@ impl RlBackend for Flex {
                     wt,
                 );
             }
+            if round {
+                round_to_bf16(&mut dlogits[..n * vocab]);
+            }
             // The logits' gradient in place of the logits.
             dlogits[..n * vocab]
                 .par_chunks_mut(vocab)
@@ -343,8 +416,8 @@ impl RlBackend for Flex {
             }
         }
         (
-            FlexTensor::from_data(TensorData::new(d_hidden, [rows, width])),
-            FlexTensor::from_data(TensorData::new(d_weight, [vocab, width])),
+            gradient_as(d_hidden, [rows, width], dtypes.0),
+            gradient_as(d_weight, [vocab, width], dtypes.1),
         )
     }
 

@@ -208,8 +208,9 @@ pub trait RlBackend: Backend {
     }
 
     /// Whether the fused LM head's f32 log-probs and entropies of a row are the same bit for bit
-    /// whatever the other rows of the product and the chunk size (Flex: the product handed to
-    /// gemm in fixed depth blocks), so that the rollout's sampled log-prob equals the trainer's
+    /// whatever the other rows of the product and the chunk size, for f32 and bf16 operands
+    /// (Flex: the product handed to gemm in fixed depth blocks; bf16 logits rounded as the
+    /// decoder's bf16 product rounds them), so that the rollout's sampled log-prob equals the trainer's
     /// recomputation (see `burn_rlhf_models::DecoderBackend::dec_batch_invariant` for the
     /// decoder's part).
     fn rl_batch_invariant() -> bool {

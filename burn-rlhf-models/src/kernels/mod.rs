@@ -42,8 +42,8 @@ use burn::tensor::Tensor;
 /// heads, `KV` key/value heads (`H` a multiple of `KV`: grouped-query attention), `L` queries,
 /// `S` keys, `D` the head width.
 pub trait DecoderBackend: Backend {
-    /// Whether a row's f32 hidden states are the same bit for bit whatever the other rows of
-    /// the pass, padding, and whether its keys and values come from the paged cache one token
+    /// Whether a row's hidden states (f32, and bf16 on the same kernels) are the same bit for
+    /// bit whatever the other rows of the pass, padding, and whether its keys and values come from the paged cache one token
     /// at a time or from one forward over the sequence (Flex on a CPU with fused multiply-add:
     /// see `docs/exact_logprobs.md`).
     fn dec_batch_invariant() -> bool {

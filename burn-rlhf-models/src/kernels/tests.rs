@@ -2,7 +2,7 @@
 //! against autodiff through their own forward ops.
 
 use burn::backend::{Autodiff, Flex};
-use burn::tensor::{Distribution, Tensor, TensorData};
+use burn::tensor::{DType, Distribution, Tensor, TensorData};
 
 use super::*;
 use crate::paged::PagedSeq;
@@ -444,34 +444,42 @@ fn paged_attention_kernel_matches_the_reference_and_dense_attention() {
 /// Batch invariance of the layers' products: a row of `x · w` is the same f32 whether the
 /// product has 1, 2, 3, 17 or 300 rows and wherever the row sits among them, for depths
 /// under, just over and at three times gemm's 512-deep block, and for the tied LM head's
-/// transposed weight with a vocabulary small enough for gemm's tiny-product kernels.
+/// transposed weight with a vocabulary small enough for gemm's tiny-product kernels; in f32
+/// and in bf16.
 #[test]
 fn a_products_rows_do_not_depend_on_the_other_rows() {
-    for (k, n, transposed) in [
-        (64, 96, false),
-        (576, 192, false),
-        (1536, 576, false),
-        (576, 14, true),
-        (576, 1000, true),
-    ] {
-        let x = random::<Flex, 2>([300, k], 3);
-        let w = match transposed {
-            true => random::<Flex, 2>([n, k], 4).transpose(),
-            false => random::<Flex, 2>([k, n], 4),
-        };
-        let whole: Vec<f32> = linear(x.clone(), w.clone()).into_data().to_vec().unwrap();
-        for (start, rows) in [(0, 1), (7, 1), (5, 2), (11, 3), (100, 17), (0, 300)] {
-            let part: Vec<f32> = linear(x.clone().narrow(0, start, rows), w.clone())
-                .into_data()
-                .to_vec()
-                .unwrap();
-            assert!(
-                part == whole[start * n..(start + rows) * n],
-                "k {k}, n {n}: rows {start}..{} of 300 differ in a product of {rows}",
-                start + rows
-            );
+    for dtype in [DType::F32, DType::BF16] {
+        for (k, n, transposed) in [
+            (64, 96, false),
+            (576, 192, false),
+            (1536, 576, false),
+            (576, 14, true),
+            (576, 1000, true),
+        ] {
+            let x = random::<Flex, 2>([300, k], 3).cast(dtype);
+            let w = match transposed {
+                true => random::<Flex, 2>([n, k], 4).cast(dtype).transpose(),
+                false => random::<Flex, 2>([k, n], 4).cast(dtype),
+            };
+            let whole = linear(x.clone(), w.clone());
+            assert_eq!(whole.dtype(), dtype);
+            let whole = host(whole);
+            for (start, rows) in [(0, 1), (7, 1), (5, 2), (11, 3), (100, 17), (0, 300)] {
+                let part = host(linear(x.clone().narrow(0, start, rows), w.clone()));
+                assert!(
+                    part == whole[start * n..(start + rows) * n],
+                    "{dtype:?} k {k}, n {n}: rows {start}..{} of 300 differ in a product of \
+                     {rows}",
+                    start + rows
+                );
+            }
         }
     }
+}
+
+/// A tensor's values as f32 (exact for bf16).
+fn host<const D: usize>(t: Tensor<Flex, D>) -> Vec<f32> {
+    t.into_data().iter::<f32>().collect()
 }
 
 /// Batch- and cache-invariance: a sequence's queries through the paged kernel (decode steps
@@ -493,8 +501,13 @@ fn paged_attention_equals_the_training_pass_bit_for_bit() {
         (vec![(1, 520), (2, 9), (66, 460)], [6, 3, 80], 16, None),
         (vec![(1, 900), (4, 513)], [4, 2, 64], 32, Some(600)),
     ];
-    for (seqs, dims, bs, window) in cases {
+    for ((seqs, dims, bs, window), dtype) in cases
+        .into_iter()
+        .flat_map(|case| [(case.clone(), DType::F32), (case, DType::BF16)])
+    {
         let (layout, q, k, v) = paged_case(&seqs, dims, bs, 1, 71);
+        // A bf16 pass reads a bf16 pool and bf16 queries (the kernels compute in f32).
+        let (q, k, v) = (q.cast(dtype), k.cast(dtype), v.cast(dtype));
         let kernel: Tensor<Flex, 4> = wrap(Flex::dec_paged_attention(
             prim(q.clone()),
             prim(k.clone()),
@@ -508,7 +521,7 @@ fn paged_attention_equals_the_training_pass_bit_for_bit() {
             let gather = |pool: &Tensor<Flex, 4>, keys: bool| gather_positions(pool, seq, keys);
             // The training pass: every position's query (the earlier ones random), the
             // sequence alone and beside a shorter padded row.
-            let earlier = random::<Flex, 4>([1, h, seq.past, d], 90 + i as u64);
+            let earlier = random::<Flex, 4>([1, h, seq.past, d], 90 + i as u64).cast(dtype);
             let ours = kernel.clone().narrow(2, seq.first, seq.queries);
             let qs = Tensor::cat(
                 vec![
@@ -525,10 +538,8 @@ fn paged_attention_equals_the_training_pass_bit_for_bit() {
                 seq.past,
                 seq.queries,
             );
-            let (a, b): (Vec<f32>, Vec<f32>) = (
-                ours.clone().into_data().to_vec().unwrap(),
-                dense.into_data().to_vec().unwrap(),
-            );
+            assert_eq!((ours.dtype(), dense.dtype()), (dtype, dtype));
+            let (a, b) = (host(ours.clone()), host(dense));
             let worst = a
                 .iter()
                 .zip(&b)
@@ -536,7 +547,7 @@ fn paged_attention_equals_the_training_pass_bit_for_bit() {
                 .fold(0.0, f32::max);
             assert!(
                 a == b,
-                "{dims:?} bs {bs} window {window:?}: sequence {i} ({} queries after {}) differs \
+                "{dtype:?} {dims:?} bs {bs} window {window:?}: sequence {i} ({} queries after {}) differs \
                  from the training pass by up to {worst:e}",
                 seq.queries,
                 seq.past
@@ -555,8 +566,11 @@ fn paged_attention_equals_the_training_pass_bit_for_bit() {
             let batched = attention(two(qs), two(keys), two(values), &batch_mask)
                 .narrow(0, 0, 1)
                 .narrow(2, seq.past, seq.queries);
-            let c: Vec<f32> = batched.into_data().to_vec().unwrap();
-            assert!(a == c, "{dims:?}: sequence {i} in a batch of two differs");
+            let c = host(batched);
+            assert!(
+                a == c,
+                "{dtype:?} {dims:?}: sequence {i} in a batch of two differs"
+            );
         }
     }
 }
@@ -567,7 +581,13 @@ fn paged_attention_equals_the_training_pass_bit_for_bit() {
 fn paged_writes_and_copies_equal_the_reference() {
     let (layout, _, k, v) = paged_case(&[(1, 6), (5, 0), (2, 3)], [4, 2, 8], 4, 1, 51);
     let value = random::<Flex, 4>([1, layout.tokens(), 2, 8], 52).swap_dims(1, 2);
-    for (pool, keys) in [(k, true), (v, false)] {
+    for (pool, keys, dtype) in [
+        (k.clone(), true, DType::F32),
+        (v.clone(), false, DType::F32),
+        (k, true, DType::BF16),
+        (v, false, DType::BF16),
+    ] {
+        let (pool, value) = (pool.cast(dtype), value.clone().cast(dtype));
         let plain: Tensor<Flex, 4> = wrap(reference::paged_write::<Flex>(
             prim(pool.clone()),
             prim(value.clone()),
@@ -593,4 +613,124 @@ fn paged_writes_and_copies_equal_the_reference() {
         let copied = paged_copy(written + 0.0, &from, &to);
         assert_close(copied, plain, 0.0, "paged copy");
     }
+}
+
+/// `t` rounded to bf16, as a leaf that takes a gradient.
+fn bf16_leaf<const D: usize>(t: Tensor<A, D>) -> Tensor<A, D> {
+    t.cast(DType::BF16).detach().require_grad()
+}
+
+/// bf16 runs the f32 kernels on exact f32 copies and rounds each result once: every operation
+/// and its gradients come back as bf16 and agree with the references computing in bf16 within
+/// bf16's rounding (a few units of 2^-8 relative).
+#[test]
+fn bf16_operations_match_the_references_in_bf16() {
+    let tol = 3e-2;
+    let all_bf16 = |dtypes: &[DType], what: &str| {
+        assert!(
+            dtypes.iter().all(|&d| d == DType::BF16),
+            "{what}: {dtypes:?}"
+        );
+    };
+    // Attention (grouped heads, padding, a window), forward and backward.
+    for (shape, kv, mask) in cases() {
+        let (q, k, v) = qkv::<A>(shape, kv, mask.keys_len(), 31);
+        let grad = out_grad::<A>(shape, &mask, 32).cast(DType::BF16).detach();
+        let run = |fused: bool| {
+            let (q, k, v) = (
+                bf16_leaf(q.clone()),
+                bf16_leaf(k.clone()),
+                bf16_leaf(v.clone()),
+            );
+            let out: Tensor<A, 4> = if fused {
+                attention(q.clone(), k.clone(), v.clone(), &mask)
+            } else {
+                let (q, k, v) = (prim(q.clone()), prim(k.clone()), prim(v.clone()));
+                wrap(reference::attention::<A>(q, k, v, &mask).0)
+            };
+            let g = (out.clone() * grad.clone()).sum().backward();
+            let grads = [&q, &k, &v].map(|t| t.grad(&g).unwrap());
+            (out.inner(), grads)
+        };
+        let ((out, grads), (ref_out, ref_grads)) = (run(true), run(false));
+        all_bf16(
+            &[
+                out.dtype(),
+                grads[0].dtype(),
+                grads[1].dtype(),
+                grads[2].dtype(),
+            ],
+            "attention",
+        );
+        assert_close(out, ref_out, tol, "bf16 attention");
+        for (what, (a, b)) in ["dq", "dk", "dv"]
+            .iter()
+            .zip(grads.into_iter().zip(ref_grads))
+        {
+            assert_close(a, b, tol, what);
+        }
+    }
+    // The linear product (a stored and a transposed weight).
+    let (x, dy) = (random::<A, 2>([5, 256], 33), random::<A, 2>([5, 96], 34));
+    for w in [
+        random::<A, 2>([256, 96], 35),
+        random::<A, 2>([96, 256], 36).transpose(),
+    ] {
+        let run = |fused: bool| {
+            let (x, w) = (bf16_leaf(x.clone()), bf16_leaf(w.clone()));
+            let y = match fused {
+                true => linear(x.clone(), w.clone()),
+                false => x.clone().matmul(w.clone()),
+            };
+            let g = (y.clone() * dy.clone().cast(DType::BF16)).sum().backward();
+            (y.inner(), x.grad(&g).unwrap(), w.grad(&g).unwrap())
+        };
+        let (ours, plain) = (run(true), run(false));
+        all_bf16(&[ours.0.dtype(), ours.1.dtype(), ours.2.dtype()], "linear");
+        assert_close(ours.0, plain.0, tol, "bf16 linear");
+        assert_close(ours.1, plain.1, tol, "bf16 linear dx");
+        assert_close(ours.2, plain.2, tol, "bf16 linear dw");
+    }
+    // RMSNorm and SwiGLU.
+    let (x, up, dy) = (
+        random::<A, 3>([3, 5, 64], 37),
+        random::<A, 3>([3, 5, 64], 38),
+        random::<A, 3>([3, 5, 64], 39).cast(DType::BF16),
+    );
+    let w = random::<A, 1>([64], 40);
+    let norm = |fused: bool| {
+        let (x, w) = (bf16_leaf(x.clone()), bf16_leaf(w.clone()));
+        let y: Tensor<A, 3> = match fused {
+            true => rms_norm(x.clone(), w.clone(), 1e-5),
+            false => wrap(reference::rms_norm::<A>(
+                prim(x.clone()),
+                prim(w.clone()),
+                1e-5,
+            )),
+        };
+        let g = (y.clone() * dy.clone()).sum().backward();
+        (y.inner(), x.grad(&g).unwrap(), w.grad(&g).unwrap())
+    };
+    let (ours, plain) = (norm(true), norm(false));
+    all_bf16(
+        &[ours.0.dtype(), ours.1.dtype(), ours.2.dtype()],
+        "rms_norm",
+    );
+    assert_close(ours.0, plain.0, tol, "bf16 rms_norm");
+    assert_close(ours.1, plain.1, tol, "bf16 rms_norm dx");
+    assert_close(ours.2, plain.2, tol, "bf16 rms_norm dw");
+    let glu = |fused: bool| {
+        let (g, u) = (bf16_leaf(x.clone()), bf16_leaf(up.clone()));
+        let y = match fused {
+            true => swiglu(g.clone(), u.clone()),
+            false => wrap(reference::swiglu::<A>(prim(g.clone()), prim(u.clone()))),
+        };
+        let grads = (y.clone() * dy.clone()).sum().backward();
+        (y.inner(), g.grad(&grads).unwrap(), u.grad(&grads).unwrap())
+    };
+    let (ours, plain) = (glu(true), glu(false));
+    all_bf16(&[ours.0.dtype(), ours.1.dtype(), ours.2.dtype()], "swiglu");
+    assert_close(ours.0, plain.0, tol, "bf16 swiglu");
+    assert_close(ours.1, plain.1, tol, "bf16 swiglu dgate");
+    assert_close(ours.2, plain.2, tol, "bf16 swiglu dup");
 }

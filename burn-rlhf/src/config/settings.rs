@@ -85,13 +85,23 @@ impl Settings {
     pub fn inexact_logprobs(&self) -> Vec<(&'static str, String)> {
         use burn::tensor::FloatDType;
         let mut why = Vec::new();
-        let f32_only = |d: Option<FloatDType>| matches!(d, None | Some(FloatDType::F32));
-        if !f32_only(self.model.dtype) || !f32_only(self.rollout.dtype) {
+        let (passes, generation) = (
+            self.model.dtype.unwrap_or(FloatDType::F32),
+            self.rollout.dtype.unwrap_or(FloatDType::F32),
+        );
+        if passes != generation {
             why.push((
                 "actor_rollout_ref.rollout.dtype",
-                "generation or the passes compute in half precision, whose kernels are not \
-                 batch-invariant"
-                    .to_string(),
+                format!(
+                    "generation computes in {generation:?} and the passes in {passes:?} \
+                     (`actor_rollout_ref.model.dtype`): the rollout's log-probs are another \
+                     precision's"
+                ),
+            ));
+        } else if !matches!(passes, FloatDType::F32 | FloatDType::BF16) {
+            why.push((
+                "actor_rollout_ref.model.dtype",
+                format!("{passes:?} passes run Burn's reference kernels, not batch-invariant"),
             ));
         }
         let train = &self.rollout.train;

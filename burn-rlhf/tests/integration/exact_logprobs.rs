@@ -9,7 +9,7 @@
 use std::path::Path;
 
 use burn::backend::{Autodiff, Flex};
-use burn::tensor::{Distribution, Int, Tensor, TensorData};
+use burn::tensor::{DType, Distribution, Int, Tensor, TensorData};
 use burn_rlhf::config::RlhfConfig;
 use burn_rlhf::models::{CausalLm, TransformerConfig};
 use burn_rlhf::tasks;
@@ -124,8 +124,8 @@ fn probs_diff(
 
 /// The rollout's sampled log-probs are the trainer's recomputation bit for bit: old-log-prob
 /// micro-batches of 1, 3 and the whole batch, dynamic batches of a token budget, padded passes
-/// instead of packed ones, two ranks, a model whose heads are 64 wide and a mixture of experts.
-/// (Not under tensor parallelism: there the trainer's vocabulary-parallel log-softmax sums each
+/// instead of packed ones, two ranks, a model whose heads are 64 wide, a mixture of experts, and
+/// bf16 generation and passes. (Not under tensor parallelism: there the trainer's vocabulary-parallel log-softmax sums each
 /// rank's share first, 1.7e-7 and 2.7e-7 apart on this test, 2026-11-28.)
 #[test]
 fn rollout_log_probs_are_the_trainers_bit_for_bit() {
@@ -134,7 +134,7 @@ fn rollout_log_probs_are_the_trainers_bit_for_bit() {
     let narrow = actor(&dir, 256);
     let experts = actor_of(&dir, &moe_config(), "moe");
     type Tune = fn(&mut RlhfConfig);
-    let cases: [(&str, usize, usize, Tune); 8] = [
+    let cases: [(&str, usize, usize, Tune); 9] = [
         ("micro-batches of 1", 576, 1, |c| {
             c.actor_rollout_ref
                 .rollout
@@ -172,6 +172,13 @@ fn rollout_log_probs_are_the_trainers_bit_for_bit() {
                 .rollout
                 .log_prob_micro_batch_size_per_gpu = Some(3)
         }),
+        // bf16 on both sides: the f32 kernels on widened inputs, each result rounded once.
+        ("bf16", 576, 1, |c| {
+            c.actor_rollout_ref.model.dtype = "bfloat16".into();
+            c.actor_rollout_ref
+                .rollout
+                .log_prob_micro_batch_size_per_gpu = Some(3)
+        }),
     ];
     for (what, hidden, ranks, tune) in cases {
         let mut c = grpo(&dir.join(what.replace(' ', "-")));
@@ -190,7 +197,8 @@ fn rollout_log_probs_are_the_trainers_bit_for_bit() {
 /// The rollout's log-prob of a sampled token (`rollout::sample::trainer_logprob` on the logits
 /// of the decoder's LM head, `burn_rlhf_models::kernels::linear`) equals the trainer's fused LM
 /// head (`burn_rlhf::algos::kernels::linear_entropy_and_logprobs`, its logits made a chunk of rows
-/// at a time) bit for bit: any rows, any chunk, a tied (transposed) head, temperatures 1 and 0.7.
+/// at a time) bit for bit: any rows, any chunk, a tied (transposed) head, temperatures 1 and 0.7,
+/// in f32 and in bf16 (the decoder's logits rounded to bf16, the fused head's too).
 #[test]
 fn the_rollouts_log_prob_is_the_fused_heads() {
     let d = Default::default();
@@ -204,7 +212,13 @@ fn the_rollouts_log_prob_is_the_fused_heads() {
         )
     });
     let labels: Vec<i64> = (0..n).map(|i| (i * 37 % v) as i64).collect();
-    for temperature in [1.0f64, 0.7] {
+    for (temperature, dtype) in [
+        (1.0f64, DType::F32),
+        (0.7, DType::F32),
+        (1.0, DType::BF16),
+        (0.7, DType::BF16),
+    ] {
+        let (hidden, weight) = (hidden.clone().cast(dtype), weight.clone().cast(dtype));
         for chunk in [1, 5, 64] {
             let (_, trainer) = burn_rlhf::algos::kernels::linear_entropy_and_logprobs(
                 hidden.clone(),
@@ -216,13 +230,14 @@ fn the_rollouts_log_prob_is_the_fused_heads() {
             let trainer: Vec<f32> = trainer.into_data().to_vec().unwrap();
             for rows in [1, 2, 8] {
                 for start in (0..n - rows).step_by(9) {
+                    // As the decoder's head: in the model's dtype, read as f32.
                     let logits: Vec<f32> = burn_rlhf::models::kernels::linear(
                         hidden.clone().narrow(0, start, rows),
                         weight.clone().transpose(),
                     )
                     .into_data()
-                    .to_vec()
-                    .unwrap();
+                    .iter::<f32>()
+                    .collect();
                     for r in 0..rows {
                         let row = &logits[r * v..(r + 1) * v];
                         let label = labels[start + r] as usize;
@@ -234,7 +249,8 @@ fn the_rollouts_log_prob_is_the_fused_heads() {
                         assert_eq!(
                             rollout.to_bits(),
                             trainer[start + r].to_bits(),
-                            "row {} of a product of {rows}, chunk {chunk}, T {temperature}",
+                            "{dtype:?} row {} of a product of {rows}, chunk {chunk}, T \
+                             {temperature}",
                             start + r
                         );
                     }
@@ -354,8 +370,8 @@ fn run(
 /// pass bit for bit: the same weights and every metric equal (`actor/entropy`, the
 /// `rollout_corr/*` diagnostics, the probability gaps, here measured on the first mini-batch's
 /// forward before its step) over two steps of two epochs of two mini-batches, for GRPO with a KL
-/// loss, shuffled mini-batches, rollout correction's weights and rejection and padded passes, PPO with a critic and the
-/// KL in the reward, and GRPO on two ranks.
+/// loss, shuffled mini-batches, rollout correction's weights and rejection and padded passes, PPO
+/// with a critic and the KL in the reward, GRPO on two ranks, conversations, and GRPO in bf16.
 #[test]
 fn exact_rollout_log_probs_replace_the_pass_bit_for_bit() {
     let dir = temp_dir("exact-logprobs-no-pass");
@@ -381,7 +397,7 @@ fn exact_rollout_log_probs_replace_the_pass_bit_for_bit() {
     });
     type Tune = fn(&mut RlhfConfig);
     // (what, with a critic, with conversations, ranks, settings)
-    let cases: [(&str, bool, bool, usize, Tune); 4] = [
+    let cases: [(&str, bool, bool, usize, Tune); 5] = [
         ("grpo", false, false, 1, |c| {
             c.actor_rollout_ref.actor.use_kl_loss = true;
             // Shuffled mini-batches: the first one's rows are any of the batch's.
@@ -406,6 +422,10 @@ fn exact_rollout_log_probs_replace_the_pass_bit_for_bit() {
             // A user turn appended after the model's first: the engine continues the sequence.
             c.data.max_response_length = 16;
             c.actor_rollout_ref.rollout.agent.default_agent_loop = "hint".into();
+        }),
+        ("grpo in bf16", false, false, 1, |c| {
+            c.actor_rollout_ref.model.dtype = "bfloat16".into();
+            c.actor_rollout_ref.actor.use_kl_loss = true;
         }),
     ];
     for (what, with_critic, with_hint, ranks, tune) in cases {
@@ -471,10 +491,11 @@ fn exact_rollout_log_probs_replace_the_pass_bit_for_bit() {
     }
 }
 
-/// The key's rules: a top-k cut (another distribution than the trainer's) and bf16 passes (Burn's
-/// reference kernels, not batch-invariant) run verl's pass by default and refuse `true` naming
-/// the key and the reason; the pass runs with `false`, and not by default where the log-probs are
-/// exact. The gap bf16 leaves is printed.
+/// The key's rules: a top-k cut (another distribution than the trainer's), bf16 generation for
+/// f32 passes (another precision's log-probs) and f16 (Burn's reference kernels, not
+/// batch-invariant) run verl's pass by default and refuse `true` naming the key and the reason;
+/// the pass runs with `false`, and not by default where the log-probs are exact (f32, and bf16 on
+/// both sides).
 #[test]
 fn exact_logprobs_runs_where_it_holds_and_refuses_true_elsewhere() {
     let dir = temp_dir("exact-logprobs-rules");
@@ -490,44 +511,36 @@ fn exact_logprobs_runs_where_it_holds_and_refuses_true_elsewhere() {
     };
     assert!(!ran_the_pass(&|_| {}).unwrap(), "exact by default");
     assert!(
+        !ran_the_pass(&|c| c.actor_rollout_ref.model.dtype = "bfloat16".into()).unwrap(),
+        "exact by default in bf16"
+    );
+    assert!(
         ran_the_pass(&|c| c.actor_rollout_ref.rollout.exact_logprobs = Some(false)).unwrap(),
         "verl's pass when off"
     );
-    assert!(
-        ran_the_pass(&|c| c.actor_rollout_ref.rollout.top_k = 5).unwrap(),
-        "a top-k cut runs the pass"
-    );
-    let Err(refused) = ran_the_pass(&|c| {
-        c.actor_rollout_ref.rollout.top_k = 5;
-        c.actor_rollout_ref.rollout.exact_logprobs = Some(true);
-    }) else {
-        panic!("`true` under a top-k cut is refused");
-    };
-    let refused = refused.to_string();
-    for part in [
-        "actor_rollout_ref.rollout.exact_logprobs",
-        "actor_rollout_ref.rollout.top_k",
-    ] {
-        assert!(refused.contains(part), "{refused}");
+    type Tune = fn(&mut RlhfConfig);
+    let inexact: [(&str, Tune); 3] = [
+        ("actor_rollout_ref.rollout.top_k", |c| {
+            c.actor_rollout_ref.rollout.top_k = 5
+        }),
+        ("actor_rollout_ref.rollout.dtype", |c| {
+            c.actor_rollout_ref.rollout.dtype = Some("bfloat16".into())
+        }),
+        ("actor_rollout_ref.model.dtype", |c| {
+            c.actor_rollout_ref.model.dtype = "float16".into()
+        }),
+    ];
+    for (key, tune) in inexact {
+        assert!(ran_the_pass(&tune).unwrap(), "{key}: the pass runs");
+        let Err(refused) = ran_the_pass(&|c| {
+            tune(c);
+            c.actor_rollout_ref.rollout.exact_logprobs = Some(true);
+        }) else {
+            panic!("{key}: `true` is refused");
+        };
+        let refused = refused.to_string();
+        for part in ["actor_rollout_ref.rollout.exact_logprobs", key] {
+            assert!(refused.contains(part), "{key}: {refused}");
+        }
     }
-    let bf16 = |c: &mut RlhfConfig| c.actor_rollout_ref.model.dtype = "bfloat16".into();
-    assert!(ran_the_pass(&bf16).unwrap(), "bf16 runs the pass");
-    let Err(refused) = ran_the_pass(&|c| {
-        bf16(c);
-        c.actor_rollout_ref.rollout.exact_logprobs = Some(true);
-    }) else {
-        panic!("`true` in bf16 is refused");
-    };
-    assert!(
-        refused
-            .to_string()
-            .contains("actor_rollout_ref.rollout.dtype"),
-        "{refused}"
-    );
-    // On a model whose products are deeper than 512 (as SmolLM2's 576): gemm's depth blocking
-    // then depends on the product's shape.
-    let mut c = grpo(&dir.join("bf16"));
-    bf16(&mut c);
-    let gaps = probs_diff(c, &actor(&dir, 576), &model_config(576), 1);
-    println!("bf16: training/rollout_probs_diff_max per step {gaps:?}");
 }

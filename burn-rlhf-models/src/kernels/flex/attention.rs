@@ -2,39 +2,39 @@
 //! each block's probabilities from it.
 
 use burn::backend::flex::FlexTensor;
-use burn::tensor::DType;
 use rayon::prelude::*;
 
 use super::gemm::{matmul, Shared};
+use super::widen::Elem;
 use super::{tensor, zeros};
 use crate::kernels::AttentionMask;
 
 /// Queries per attention task.
 const QUERY_BLOCK: usize = 64;
 
-/// A 4-D f32 tensor read in place: rows of its last axis, which must be contiguous, at any
-/// non-negative strides of the other three.
-pub(super) struct Rows4<'a> {
-    data: &'a [f32],
+/// A 4-D f32 (or, for the paged pool, bf16) tensor read in place: rows of its last axis, which
+/// must be contiguous, at any non-negative strides of the other three.
+pub(super) struct Rows4<'a, E = f32> {
+    data: &'a [E],
     offset: usize,
     strides: [usize; 3],
     pub(super) dims: [usize; 4],
 }
 
-impl<'a> Rows4<'a> {
-    /// `None` unless `t` is an f32 4-D tensor with a contiguous last axis and non-negative
+impl<'a, E: Elem> Rows4<'a, E> {
+    /// `None` unless `t` is a 4-D tensor of `E` with a contiguous last axis and non-negative
     /// strides.
     pub(super) fn of(t: &'a FlexTensor) -> Option<Self> {
         let layout = t.layout();
         let (shape, strides) = (layout.shape(), layout.strides());
-        if t.dtype() != DType::F32 || shape.num_dims() != 4 {
+        if t.dtype() != E::DTYPE || shape.num_dims() != 4 {
             return None;
         }
         if strides[3] != 1 && shape[3] > 1 || strides.iter().any(|&s| s < 0) {
             return None;
         }
         Some(Self {
-            data: t.storage::<f32>(),
+            data: E::storage(t),
             offset: layout.start_offset(),
             strides: [
                 strides[0] as usize,
@@ -52,13 +52,13 @@ impl<'a> Rows4<'a> {
     }
 
     #[inline]
-    pub(super) fn row(&self, a: usize, b: usize, c: usize) -> &[f32] {
+    pub(super) fn row(&self, a: usize, b: usize, c: usize) -> &[E] {
         let at = self.at(a, b, c);
         &self.data[at..at + self.dims[3]]
     }
 
     #[inline]
-    fn ptr(&self, a: usize, b: usize, c: usize) -> *const f32 {
+    fn ptr(&self, a: usize, b: usize, c: usize) -> *const E {
         self.row(a, b, c).as_ptr()
     }
 

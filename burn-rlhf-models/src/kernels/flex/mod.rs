@@ -1,5 +1,6 @@
-//! Flex's host kernels for [`DecoderBackend`], for f32 tensors (other dtypes take the
-//! references). Each runs on every core (rayon, the pool Flex's own matmul uses), reads strided
+//! Flex's host kernels for [`DecoderBackend`], for f32 tensors, and for bf16 ones through the
+//! same kernels (`widen.rs`: inputs widened exactly, outputs rounded once; the paged pool read
+//! as bf16); other dtypes take the references. Each runs on every core (rayon, the pool Flex's own matmul uses), reads strided
 //! inputs in place (a head's rows need only a contiguous last axis) and writes its outputs in the
 //! layout the next operation reads, so the model's `swap_dims`/`reshape` around them are views:
 //!
@@ -23,16 +24,19 @@ mod gemm;
 mod paged;
 mod pages;
 mod rows;
+mod widen;
 
 use burn::backend::flex::FlexTensor;
 use burn::backend::Flex;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, TensorData};
+use half::bf16;
 use rayon::prelude::*;
 
 use self::attention::{attention_backward_f32, attention_f32, Rows4};
 use self::gemm::{operand, product, transposed};
 use self::rows::{rms_norm_backward_f32, rms_norm_f32, rotate_row, sigmoid, unrotate_row};
+use self::widen::{narrow, widened, Elem};
 use super::{reference, AttentionMask, DecoderBackend};
 use crate::paged::PagedLayout;
 
@@ -41,10 +45,15 @@ const CHUNK: usize = 1 << 14;
 
 /// `t` as an f32 tensor with a contiguous last axis, copying only when it is not one.
 fn readable(t: FlexTensor) -> Option<FlexTensor> {
-    if t.dtype() != DType::F32 {
+    readable_as::<f32>(t)
+}
+
+/// `t` as a tensor of `E` with a contiguous last axis, copying only when it is not one.
+fn readable_as<E: Elem>(t: FlexTensor) -> Option<FlexTensor> {
+    if t.dtype() != E::DTYPE {
         return None;
     }
-    if Rows4::of(&t).is_some() {
+    if Rows4::<E>::of(&t).is_some() {
         Some(t)
     } else {
         Some(t.to_contiguous())
@@ -57,12 +66,12 @@ fn contiguous_f32(t: FlexTensor) -> Option<FlexTensor> {
     (t.dtype() == DType::F32).then(|| t.to_contiguous())
 }
 
-/// `t` when it is a whole, uniquely owned, row-major f32 buffer (writable in place).
-fn writable(t: &FlexTensor) -> bool {
-    t.dtype() == DType::F32
+/// `t` when it is a whole, uniquely owned, row-major buffer of `E` (writable in place).
+fn writable<E: Elem>(t: &FlexTensor) -> bool {
+    t.dtype() == E::DTYPE
         && t.is_contiguous()
         && t.layout().start_offset() == 0
-        && t.bytes().len() == t.layout().num_elements() * 4
+        && t.bytes().len() == t.layout().num_elements() * std::mem::size_of::<E>()
         && t.is_unique()
 }
 
@@ -78,6 +87,59 @@ fn tensor<const N: usize>(data: Vec<f32>, shape: [usize; N]) -> FlexTensor {
     FlexTensor::from_data(TensorData::new(data, shape))
 }
 
+/// [`DecoderBackend::dec_paged_write`] in place on a pool of `E` (the values of its dtype), else
+/// the reference.
+fn paged_write<E: Elem>(
+    mut pool: FlexTensor,
+    value: FlexTensor,
+    layout: &PagedLayout,
+    keys: bool,
+) -> FlexTensor {
+    let value = match (writable::<E>(&pool), readable_as::<E>(value.clone())) {
+        (true, Some(v)) => v,
+        _ => return reference::paged_write::<Flex>(pool, value, layout, keys),
+    };
+    let rows = Rows4::<E>::of(&value).expect("readable");
+    let dst = E::storage_mut(&mut pool).expect("a unique buffer is writable");
+    paged::write(dst, &rows, layout, keys);
+    pool
+}
+
+/// [`DecoderBackend::dec_paged_copy`] in place on a pool of `E`, else the reference.
+fn paged_copy<E: Elem>(mut pool: FlexTensor, from: &[u32], to: &[u32]) -> FlexTensor {
+    if !writable::<E>(&pool) {
+        return reference::paged_copy::<Flex>(pool, from, to);
+    }
+    let shape = pool.layout().shape().clone();
+    let block = shape.num_elements() / shape[0].max(1);
+    let dst = E::storage_mut(&mut pool).expect("a unique buffer is writable");
+    paged::copy(dst, from, to, block);
+    pool
+}
+
+/// The paged kernels on a pool of `E`, the queries (f32 or bf16) computed in f32 and the output
+/// in their dtype; `None` where the reference runs instead.
+fn paged_attention<E: Elem>(
+    q: &FlexTensor,
+    k: &FlexTensor,
+    v: &FlexTensor,
+    layout: &PagedLayout,
+    window: Option<usize>,
+) -> Option<FlexTensor> {
+    let q32 = match widened([q]) {
+        Some([q32]) => q32,
+        None => q.clone(),
+    };
+    let q32 = readable(q32)?;
+    let (k, v) = (readable_as::<E>(k.clone())?, readable_as::<E>(v.clone())?);
+    if !(k.is_contiguous() && v.is_contiguous()) {
+        return None;
+    }
+    let rows = (Rows4::of(&q32)?, Rows4::<E>::of(&k)?, Rows4::<E>::of(&v)?);
+    let out = paged::paged_attention(&rows.0, &rows.1, &rows.2, layout, window);
+    Some(narrow(out, q.dtype()))
+}
+
 impl DecoderBackend for Flex {
     fn dec_batch_invariant() -> bool {
         paged::fused_multiply_add()
@@ -89,13 +151,17 @@ impl DecoderBackend for Flex {
         v: FloatTensor<Self>,
         mask: &AttentionMask,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        if let Some([q32, k32, v32]) = widened([&q, &k, &v]) {
+            let (out, lse) = Self::dec_attention(q32, k32, v32, mask);
+            return (narrow(out, q.dtype()), lse);
+        }
         match (
             readable(q.clone()),
             readable(k.clone()),
             readable(v.clone()),
         ) {
             (Some(q), Some(k), Some(v)) => {
-                let rows = |t| Rows4::of(t).expect("readable");
+                let rows = |t| Rows4::<f32>::of(t).expect("readable");
                 attention_f32(&rows(&q), &rows(&k), &rows(&v), mask)
             }
             _ => reference::attention::<Self>(q, k, v, mask),
@@ -111,10 +177,18 @@ impl DecoderBackend for Flex {
         grad: FloatTensor<Self>,
         mask: &AttentionMask,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        if let Some([q32, k32, v32, o32, l32, g32]) = widened([&q, &k, &v, &out, &lse, &grad]) {
+            let (dq, dk, dv) = Self::dec_attention_backward(q32, k32, v32, o32, l32, g32, mask);
+            return (
+                narrow(dq, q.dtype()),
+                narrow(dk, k.dtype()),
+                narrow(dv, v.dtype()),
+            );
+        }
         let parts = [&q, &k, &v, &out, &grad].map(|t| readable((*t).clone()));
         match (parts, contiguous_f32(lse.clone())) {
             ([Some(q), Some(k), Some(v), Some(o), Some(g)], Some(lse)) => {
-                let rows = |t| Rows4::of(t).expect("readable");
+                let rows = |t| Rows4::<f32>::of(t).expect("readable");
                 attention_backward_f32(
                     (&rows(&q), &rows(&k), &rows(&v)),
                     &rows(&o),
@@ -128,6 +202,9 @@ impl DecoderBackend for Flex {
     }
 
     fn dec_linear(x: FloatTensor<Self>, weight: FloatTensor<Self>) -> FloatTensor<Self> {
+        if let Some([x32, w32]) = widened([&x, &weight]) {
+            return narrow(Self::dec_linear(x32, w32), x.dtype());
+        }
         let (Some(xo), Some(wo)) = (operand(&x), operand(&weight)) else {
             return reference::linear::<Self>(x, weight);
         };
@@ -145,6 +222,10 @@ impl DecoderBackend for Flex {
         x: FloatTensor<Self>,
         weight: FloatTensor<Self>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        if let Some([g32, x32, w32]) = widened([&grad, &x, &weight]) {
+            let (dx, dw) = Self::dec_linear_backward(g32, x32, w32);
+            return (narrow(dx, x.dtype()), narrow(dw, weight.dtype()));
+        }
         let (Some(go), Some(xo), Some(wo)) = (operand(&grad), operand(&x), operand(&weight)) else {
             return reference::linear_backward::<Self>(grad, x, weight);
         };
@@ -168,13 +249,13 @@ impl DecoderBackend for Flex {
         value: FloatTensor<Self>,
         start: usize,
     ) -> FloatTensor<Self> {
-        let (mut buffer, value) = match (writable(&buffer), readable(value.clone())) {
+        let (mut buffer, value) = match (writable::<f32>(&buffer), readable(value.clone())) {
             (true, Some(v)) => (buffer, v),
             _ => return reference::write_positions::<Self>(buffer, value, start),
         };
         let shape = buffer.layout().shape().clone();
         let (s, d) = (shape[2], shape[3]);
-        let rows = Rows4::of(&value).expect("readable");
+        let rows = Rows4::<f32>::of(&value).expect("readable");
         let [b, kv, l, _] = rows.dims;
         let dst = buffer
             .try_storage_mut::<f32>()
@@ -191,48 +272,39 @@ impl DecoderBackend for Flex {
     }
 
     fn dec_paged_write(
-        mut pool: FloatTensor<Self>,
+        pool: FloatTensor<Self>,
         value: FloatTensor<Self>,
         layout: &PagedLayout,
         keys: bool,
     ) -> FloatTensor<Self> {
-        let value = match (writable(&pool), readable(value.clone())) {
-            (true, Some(v)) => v,
-            _ => return reference::paged_write::<Self>(pool, value, layout, keys),
-        };
-        let rows = Rows4::of(&value).expect("readable");
-        let dst = pool
-            .try_storage_mut::<f32>()
-            .expect("a unique buffer is writable");
-        paged::write_f32(dst, &rows, layout, keys);
-        pool
+        match pool.dtype() {
+            DType::BF16 => paged_write::<bf16>(pool, value, layout, keys),
+            _ => paged_write::<f32>(pool, value, layout, keys),
+        }
     }
 
     fn dec_pool_zeros(shape: [usize; 4], device: &Self::Device, dtype: DType) -> FloatTensor<Self> {
-        if dtype != DType::F32 {
-            return super::prim(burn::tensor::Tensor::<Self, 4>::zeros(
+        let n: usize = shape.iter().product();
+        let bytes = match dtype {
+            DType::F32 => pages::zeroed(n * 4),
+            DType::BF16 => pages::zeroed(n * 2),
+            _ => None,
+        };
+        match bytes {
+            Some(bytes) => FlexTensor::from_data(TensorData::from_bytes(bytes, shape, dtype)),
+            None if dtype == DType::F32 => tensor(zeros(n), shape),
+            None => super::prim(burn::tensor::Tensor::<Self, 4>::zeros(
                 shape,
                 (device, dtype),
-            ));
-        }
-        let n: usize = shape.iter().product();
-        match pages::zeroed(n * 4) {
-            Some(bytes) => FlexTensor::from_data(TensorData::from_bytes(bytes, shape, DType::F32)),
-            None => tensor(zeros(n), shape),
+            )),
         }
     }
 
-    fn dec_paged_copy(mut pool: FloatTensor<Self>, from: &[u32], to: &[u32]) -> FloatTensor<Self> {
-        if !writable(&pool) {
-            return reference::paged_copy::<Self>(pool, from, to);
+    fn dec_paged_copy(pool: FloatTensor<Self>, from: &[u32], to: &[u32]) -> FloatTensor<Self> {
+        match pool.dtype() {
+            DType::BF16 => paged_copy::<bf16>(pool, from, to),
+            _ => paged_copy::<f32>(pool, from, to),
         }
-        let shape = pool.layout().shape().clone();
-        let block = shape.num_elements() / shape[0].max(1);
-        let dst = pool
-            .try_storage_mut::<f32>()
-            .expect("a unique buffer is writable");
-        paged::copy_f32(dst, from, to, block);
-        pool
     }
 
     fn dec_paged_attention(
@@ -242,17 +314,11 @@ impl DecoderBackend for Flex {
         layout: &PagedLayout,
         window: Option<usize>,
     ) -> FloatTensor<Self> {
-        match (
-            readable(q.clone()),
-            readable(k.clone()),
-            readable(v.clone()),
-        ) {
-            (Some(q), Some(k), Some(v)) if k.is_contiguous() && v.is_contiguous() => {
-                let rows = |t| Rows4::of(t).expect("readable");
-                paged::paged_attention_f32(&rows(&q), &rows(&k), &rows(&v), layout, window)
-            }
-            _ => reference::paged_attention::<Self>(q, k, v, layout, window),
-        }
+        let out = match k.dtype() {
+            DType::BF16 => paged_attention::<bf16>(&q, &k, &v, layout, window),
+            _ => paged_attention::<f32>(&q, &k, &v, layout, window),
+        };
+        out.unwrap_or_else(|| reference::paged_attention::<Self>(q, k, v, layout, window))
     }
 
     fn dec_rms_norm(
@@ -260,6 +326,9 @@ impl DecoderBackend for Flex {
         weight: FloatTensor<Self>,
         eps: f64,
     ) -> FloatTensor<Self> {
+        if let Some([x32, w32]) = widened([&x, &weight]) {
+            return narrow(Self::dec_rms_norm(x32, w32, eps), x.dtype());
+        }
         match (contiguous_f32(x.clone()), contiguous_f32(weight.clone())) {
             (Some(xc), Some(w)) => {
                 let shape = xc.layout().shape().clone();
@@ -276,6 +345,10 @@ impl DecoderBackend for Flex {
         weight: FloatTensor<Self>,
         eps: f64,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        if let Some([g32, x32, w32]) = widened([&grad, &x, &weight]) {
+            let (dx, dw) = Self::dec_rms_norm_backward(g32, x32, w32, eps);
+            return (narrow(dx, x.dtype()), narrow(dw, weight.dtype()));
+        }
         let parts = [&grad, &x, &weight].map(|t| contiguous_f32((*t).clone()));
         match parts {
             [Some(g), Some(xc), Some(w)] => {
@@ -293,6 +366,9 @@ impl DecoderBackend for Flex {
     }
 
     fn dec_swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
+        if let Some([g32, u32_]) = widened([&gate, &up]) {
+            return narrow(Self::dec_swiglu(g32, u32_), gate.dtype());
+        }
         match (contiguous_f32(gate.clone()), contiguous_f32(up.clone())) {
             (Some(g), Some(u)) => {
                 let shape = g.layout().shape().clone();
@@ -316,6 +392,10 @@ impl DecoderBackend for Flex {
         gate: FloatTensor<Self>,
         up: FloatTensor<Self>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        if let Some([d32, g32, u32_]) = widened([&grad, &gate, &up]) {
+            let (dg, du) = Self::dec_swiglu_backward(d32, g32, u32_);
+            return (narrow(dg, gate.dtype()), narrow(du, up.dtype()));
+        }
         let parts = [&grad, &gate, &up].map(|t| contiguous_f32((*t).clone()));
         match parts {
             [Some(dy), Some(g), Some(u)] => {
@@ -348,6 +428,9 @@ impl DecoderBackend for Flex {
         cos: FloatTensor<Self>,
         sin: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        if let Some([x32, c32, s32]) = widened([&x, &cos, &sin]) {
+            return narrow(Self::dec_rotary(x32, c32, s32), x.dtype());
+        }
         let parts = (
             readable(x.clone()),
             contiguous_f32(cos.clone()),
@@ -356,7 +439,7 @@ impl DecoderBackend for Flex {
         let (Some(xr), Some(c), Some(s)) = parts else {
             return reference::rotary::<Self>(x, cos, sin);
         };
-        let xs = Rows4::of(&xr).expect("readable");
+        let xs = Rows4::<f32>::of(&xr).expect("readable");
         let [b, l, heads, d] = xs.dims;
         let (c, s) = (c.storage::<f32>(), s.storage::<f32>());
         let mut y = zeros(b * heads * l * d);
@@ -378,6 +461,9 @@ impl DecoderBackend for Flex {
         cos: FloatTensor<Self>,
         sin: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        if let Some([g32, c32, s32]) = widened([&grad, &cos, &sin]) {
+            return narrow(Self::dec_rotary_backward(g32, c32, s32), grad.dtype());
+        }
         let parts = (
             readable(grad.clone()),
             contiguous_f32(cos.clone()),
@@ -386,7 +472,7 @@ impl DecoderBackend for Flex {
         let (Some(gr), Some(c), Some(s)) = parts else {
             return reference::rotary_backward::<Self>(grad, cos, sin);
         };
-        let gs = Rows4::of(&gr).expect("readable");
+        let gs = Rows4::<f32>::of(&gr).expect("readable");
         let [b, heads, l, d] = gs.dims;
         let (c, s) = (c.storage::<f32>(), s.storage::<f32>());
         let mut dx = zeros(b * l * heads * d);

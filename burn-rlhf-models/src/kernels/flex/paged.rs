@@ -23,6 +23,7 @@ use rayon::prelude::*;
 
 use super::attention::Rows4;
 use super::gemm::{matmul, Shared, DEPTH_BLOCK};
+use super::widen::Elem;
 use super::{tensor, zeros};
 use crate::paged::{PagedLayout, PagedSeq};
 
@@ -34,7 +35,7 @@ const QUERY_BLOCK: usize = 64;
 
 /// Writes the layout's tokens of `value` (`[1, KV, T, D]`) into `pool` (row-major
 /// `[N, KV, bs, D]`, or `[N, KV, D, bs]` for `keys`).
-pub(super) fn write_f32(pool: &mut [f32], value: &Rows4, layout: &PagedLayout, keys: bool) {
+pub(super) fn write<E: Elem>(pool: &mut [E], value: &Rows4<E>, layout: &PagedLayout, keys: bool) {
     let [_, kv, _, d] = value.dims;
     let bs = layout.block_size();
     for (t, &slot) in layout.slots()[..layout.real_tokens()].iter().enumerate() {
@@ -54,24 +55,24 @@ pub(super) fn write_f32(pool: &mut [f32], value: &Rows4, layout: &PagedLayout, k
 }
 
 /// Copies blocks `from[i]` to `to[i]` of a row-major pool of `block` elements per block.
-pub(super) fn copy_f32(pool: &mut [f32], from: &[u32], to: &[u32], block: usize) {
+pub(super) fn copy<E: Elem>(pool: &mut [E], from: &[u32], to: &[u32], block: usize) {
     for (&f, &t) in from.iter().zip(to) {
         let (f, t) = (f as usize * block, t as usize * block);
         pool.copy_within(f..f + block, t);
     }
 }
 
-/// What a task reads: the pass's queries, the pool's keys (`[N, KV, D, bs]`) and values
-/// (`[N, KV, bs, D]`), the layout, the window.
-struct Inputs<'a> {
+/// What a task reads: the pass's queries (f32), the pool's keys (`[N, KV, D, bs]`) and values
+/// (`[N, KV, bs, D]`) as `E` (f32 or bf16, widened as they are loaded), the layout, the window.
+struct Inputs<'a, E> {
     q: &'a Rows4<'a>,
-    k: &'a Rows4<'a>,
-    v: &'a Rows4<'a>,
+    k: &'a Rows4<'a, E>,
+    v: &'a Rows4<'a, E>,
     layout: &'a PagedLayout,
     window: Option<usize>,
 }
 
-impl Inputs<'_> {
+impl<E: Elem> Inputs<'_, E> {
     /// The first key position query position `p` sees.
     #[inline]
     fn first_key(&self, p: usize) -> usize {
@@ -80,7 +81,7 @@ impl Inputs<'_> {
 
     /// The values of block `b` of `seq`'s table, head `kv`: `[bs][D]`, row-major.
     #[inline]
-    fn value_block(&self, seq: &PagedSeq, kv: usize, b: usize) -> &[f32] {
+    fn value_block(&self, seq: &PagedSeq, kv: usize, b: usize) -> &[E] {
         let [_, _, bs, d] = self.v.dims;
         let first = self.v.row(seq.blocks[b] as usize, kv, 0).as_ptr();
         // SAFETY: the pool is contiguous (the caller checks), so the block's rows follow one
@@ -90,14 +91,14 @@ impl Inputs<'_> {
 
     /// Value row of position `j` of `seq`, head `kv`.
     #[inline]
-    fn value_row(&self, seq: &PagedSeq, kv: usize, j: usize) -> &[f32] {
+    fn value_row(&self, seq: &PagedSeq, kv: usize, j: usize) -> &[E] {
         let bs = self.layout.block_size();
         self.v.row(seq.blocks[j / bs] as usize, kv, j % bs)
     }
 
     /// The transposed keys of block `b` of `seq`'s table, head `kv`: `[D][bs]`, row-major.
     #[inline]
-    fn key_block(&self, seq: &PagedSeq, kv: usize, b: usize) -> &[f32] {
+    fn key_block(&self, seq: &PagedSeq, kv: usize, b: usize) -> &[E] {
         let [_, _, d, bs] = self.k.dims;
         let first = self.k.row(seq.blocks[b] as usize, kv, 0).as_ptr();
         // SAFETY: the pool is contiguous (the caller checks), so the block's D rows of bs
@@ -107,11 +108,11 @@ impl Inputs<'_> {
 }
 
 /// The attention of a paged pass: out as `[1, H, T, D]` over token-major memory (`[1, T, H, D]`),
-/// padding tokens 0.
-pub(super) fn paged_attention_f32(
+/// f32, padding tokens 0.
+pub(super) fn paged_attention<E: Elem>(
     q: &Rows4,
-    k: &Rows4,
-    v: &Rows4,
+    k: &Rows4<E>,
+    v: &Rows4<E>,
     layout: &PagedLayout,
     window: Option<usize>,
 ) -> FlexTensor {
@@ -178,8 +179,8 @@ pub(crate) fn fused_multiply_add() -> bool {
 ///
 /// # Safety
 /// As [`decode_body`].
-unsafe fn decode_task(
-    inputs: &Inputs,
+unsafe fn decode_task<E: Elem>(
+    inputs: &Inputs<E>,
     seq: &PagedSeq,
     kv: usize,
     scores: &mut Vec<f32>,
@@ -200,8 +201,8 @@ unsafe fn decode_task(
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,fma")]
-unsafe fn decode_avx512(
-    inputs: &Inputs,
+unsafe fn decode_avx512<E: Elem>(
+    inputs: &Inputs<E>,
     seq: &PagedSeq,
     kv: usize,
     scores: &mut Vec<f32>,
@@ -212,8 +213,8 @@ unsafe fn decode_avx512(
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn decode_avx2(
-    inputs: &Inputs,
+unsafe fn decode_avx2<E: Elem>(
+    inputs: &Inputs<E>,
     seq: &PagedSeq,
     kv: usize,
     scores: &mut Vec<f32>,
@@ -226,9 +227,9 @@ unsafe fn decode_avx2(
 /// one is computed: a sequence's blocks lie anywhere in the pool, so the hardware prefetcher
 /// cannot guess them).
 #[inline(always)]
-fn prefetch(block: &[f32]) {
+fn prefetch<E>(block: &[E]) {
     #[cfg(target_arch = "x86_64")]
-    for line in block.chunks(16) {
+    for line in block.chunks(64 / std::mem::size_of::<E>()) {
         // SAFETY: a prefetch of a valid address has no effect but on the caches.
         unsafe {
             std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
@@ -242,9 +243,9 @@ fn prefetch(block: &[f32]) {
 
 /// `y += a x`, each element by one fused multiply-add.
 #[inline(always)]
-fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
+fn axpy<E: Elem>(y: &mut [f32], a: f32, x: &[E]) {
     for (y, x) in y.iter_mut().zip(x) {
-        *y = a.mul_add(*x, *y);
+        *y = a.mul_add(x.f32(), *y);
     }
 }
 
@@ -268,15 +269,16 @@ const ROWS: usize = 4;
 /// over one group of lanes of a block's transposed keys (`keys[i]` at `i * stride`), the
 /// accumulators in registers, each sum by fused multiply-adds in the order of `i`.
 #[inline(always)]
-fn score_lanes(q: &[f32], keys: &[f32], stride: usize, d: usize) -> [[f32; LANES]; ROWS] {
+fn score_lanes<E: Elem>(q: &[f32], keys: &[E], stride: usize, d: usize) -> [[f32; LANES]; ROWS] {
     let mut acc = [[0.0f32; LANES]; ROWS];
     for i in 0..d {
-        let k: &[f32; LANES] = keys[i * stride..i * stride + LANES]
+        let k: &[E; LANES] = keys[i * stride..i * stride + LANES]
             .try_into()
             .expect("a group of lanes");
+        let k: [f32; LANES] = k.map(E::f32);
         for (r, acc) in acc.iter_mut().enumerate() {
             let x = q[r * d + i];
-            for (a, k) in acc.iter_mut().zip(k) {
+            for (a, k) in acc.iter_mut().zip(&k) {
                 *a = x.mul_add(*k, *a);
             }
         }
@@ -289,8 +291,8 @@ fn score_lanes(q: &[f32], keys: &[f32], stride: usize, d: usize) -> [[f32; LANES
 /// multiply-adds in key order within each [`DEPTH_BLOCK`] of positions, the blocks' sums added
 /// in order (gemm's arithmetic).
 #[inline(always)]
-fn weighted_sums<const D: usize, const R: usize>(
-    inputs: &Inputs,
+fn weighted_sums<const D: usize, const R: usize, E: Elem>(
+    inputs: &Inputs<E>,
     (seq, kv): (&PagedSeq, usize),
     probs: [&[f32]; R],
     (b0, end): (usize, usize),
@@ -314,10 +316,11 @@ fn weighted_sums<const D: usize, const R: usize>(
                 }
                 first = false;
             }
-            let v: &[f32; D] = v.try_into().expect("a value row");
+            let v: &[E; D] = v.try_into().expect("a value row");
+            let v: [f32; D] = v.map(E::f32);
             for (acc, p) in acc.iter_mut().zip(&probs) {
                 let w = p[j - b0 * bs];
-                for (a, v) in acc.iter_mut().zip(v) {
+                for (a, v) in acc.iter_mut().zip(&v) {
                     *a = w.mul_add(*v, *a);
                 }
             }
@@ -335,8 +338,8 @@ fn weighted_sums<const D: usize, const R: usize>(
 /// # Safety
 /// As [`decode_body`].
 #[inline(always)]
-unsafe fn write_sums<const D: usize, const R: usize>(
-    inputs: &Inputs,
+unsafe fn write_sums<const D: usize, const R: usize, E: Elem>(
+    inputs: &Inputs<E>,
     (seq, kv): (&PagedSeq, usize),
     scores: &[f32],
     (r0, width, b0): (usize, usize, usize),
@@ -347,7 +350,7 @@ unsafe fn write_sums<const D: usize, const R: usize>(
     let nq = seq.queries;
     let probs: [&[f32]; R] =
         std::array::from_fn(|k| &scores[(r0 + k) * width..(r0 + k + 1) * width]);
-    let sums = weighted_sums::<D, R>(inputs, (seq, kv), probs, (b0, seq.context()));
+    let sums = weighted_sums::<D, R, E>(inputs, (seq, kv), probs, (b0, seq.context()));
     for (k, sum) in sums.iter().enumerate() {
         let r = r0 + k;
         let at = ((seq.first + r % nq) * h + kv * groups + r / nq) * D;
@@ -359,8 +362,8 @@ unsafe fn write_sums<const D: usize, const R: usize>(
 ///
 /// # Safety
 /// As [`decode_body`].
-unsafe fn write_sums_any(
-    inputs: &Inputs,
+unsafe fn write_sums_any<E: Elem>(
+    inputs: &Inputs<E>,
     (seq, kv): (&PagedSeq, usize),
     scores: &[f32],
     (r, width, b0): (usize, usize, usize),
@@ -394,8 +397,8 @@ unsafe fn write_sums_any(
 /// `out` is the `[T, H, D]` output; this call writes only the rows of `seq`'s tokens and `kv`'s
 /// query heads.
 #[inline(always)]
-unsafe fn decode_body(
-    inputs: &Inputs,
+unsafe fn decode_body<E: Elem>(
+    inputs: &Inputs<E>,
     seq: &PagedSeq,
     kv: usize,
     scores: &mut Vec<f32>,
@@ -450,7 +453,8 @@ unsafe fn decode_body(
             for lane in c..bs {
                 for k in 0..ROWS.min(rows - r0) {
                     let q = &q[k * d..(k + 1) * d];
-                    let dot = (0..d).fold(0.0f32, |a, i| q[i].mul_add(keys[i * bs + lane], a));
+                    let dot =
+                        (0..d).fold(0.0f32, |a, i| q[i].mul_add(keys[i * bs + lane].f32(), a));
                     scores[(r0 + k) * width + (b - b0) * bs + lane] = scale * dot;
                 }
             }
@@ -481,12 +485,12 @@ unsafe fn decode_body(
         let at = (r, width, b0);
         let pair = rows - r >= 2;
         match (d, pair) {
-            (64, true) => write_sums::<64, 2>(inputs, (seq, kv), scores, at, out),
-            (64, false) => write_sums::<64, 1>(inputs, (seq, kv), scores, at, out),
-            (128, true) => write_sums::<128, 2>(inputs, (seq, kv), scores, at, out),
-            (128, false) => write_sums::<128, 1>(inputs, (seq, kv), scores, at, out),
-            (32, true) => write_sums::<32, 2>(inputs, (seq, kv), scores, at, out),
-            (32, false) => write_sums::<32, 1>(inputs, (seq, kv), scores, at, out),
+            (64, true) => write_sums::<64, 2, E>(inputs, (seq, kv), scores, at, out),
+            (64, false) => write_sums::<64, 1, E>(inputs, (seq, kv), scores, at, out),
+            (128, true) => write_sums::<128, 2, E>(inputs, (seq, kv), scores, at, out),
+            (128, false) => write_sums::<128, 1, E>(inputs, (seq, kv), scores, at, out),
+            (32, true) => write_sums::<32, 2, E>(inputs, (seq, kv), scores, at, out),
+            (32, false) => write_sums::<32, 1, E>(inputs, (seq, kv), scores, at, out),
             _ => {
                 write_sums_any(inputs, (seq, kv), scores, at, out);
                 r += 1;
@@ -502,8 +506,8 @@ unsafe fn decode_body(
 ///
 /// # Safety
 /// As [`decode_body`], for queries `i0..i1`.
-unsafe fn prefill_task(
-    inputs: &Inputs,
+unsafe fn prefill_task<E: Elem>(
+    inputs: &Inputs<E>,
     seq: &PagedSeq,
     (kv, i0, i1): (usize, usize, usize),
     (scores, keys, values): (&mut Vec<f32>, &mut Vec<f32>, &mut Vec<f32>),
@@ -528,11 +532,14 @@ unsafe fn prefill_task(
         let (j0, j1) = ((b * bs).max(start), ((b + 1) * bs).min(end));
         for i in 0..d {
             let from = &block[i * bs + j0 - b * bs..i * bs + j1 - b * bs];
-            keys[i * n + j0 - start..i * n + j1 - start].copy_from_slice(from);
+            let to = &mut keys[i * n + j0 - start..i * n + j1 - start];
+            for (to, from) in to.iter_mut().zip(from) {
+                *to = from.f32();
+            }
         }
     }
     for j in start..end {
-        values.extend_from_slice(inputs.value_row(seq, kv, j));
+        values.extend(inputs.value_row(seq, kv, j).iter().map(|x| x.f32()));
     }
     for head in kv * groups..(kv + 1) * groups {
         scores.clear();
