@@ -275,11 +275,11 @@ fn score_lanes<E: Elem>(q: &[f32], keys: &[E], stride: usize, d: usize) -> [[f32
         let k: &[E; LANES] = keys[i * stride..i * stride + LANES]
             .try_into()
             .expect("a group of lanes");
-        let k: [f32; LANES] = k.map(E::f32);
         for (r, acc) in acc.iter_mut().enumerate() {
             let x = q[r * d + i];
-            for (a, k) in acc.iter_mut().zip(&k) {
-                *a = x.mul_add(*k, *a);
+            // Widened at the use (a no-op for f32; no copy of the lanes).
+            for (a, k) in acc.iter_mut().zip(k) {
+                *a = x.mul_add(k.f32(), *a);
             }
         }
     }
@@ -317,11 +317,10 @@ fn weighted_sums<const D: usize, const R: usize, E: Elem>(
                 first = false;
             }
             let v: &[E; D] = v.try_into().expect("a value row");
-            let v: [f32; D] = v.map(E::f32);
             for (acc, p) in acc.iter_mut().zip(&probs) {
                 let w = p[j - b0 * bs];
-                for (a, v) in acc.iter_mut().zip(&v) {
-                    *a = w.mul_add(*v, *a);
+                for (a, v) in acc.iter_mut().zip(v) {
+                    *a = w.mul_add(v.f32(), *a);
                 }
             }
         }
