@@ -1,8 +1,9 @@
 //! Flex's host kernels for [`DecoderBackend`], for f32 tensors, and for bf16 ones through the
 //! same kernels (`widen.rs`: inputs widened exactly, outputs rounded once; the paged pool read
-//! as bf16); other dtypes take the references. Each runs on every core (rayon, the pool Flex's own matmul uses), reads strided
-//! inputs in place (a head's rows need only a contiguous last axis) and writes its outputs in the
-//! layout the next operation reads, so the model's `swap_dims`/`reshape` around them are views:
+//! as bf16); other dtypes take the references. Each runs on every core (rayon, the pool Flex's
+//! own matmul uses), reads strided inputs in place (a head's rows need only a contiguous last
+//! axis) and writes its outputs in the layout the next operation reads, so the model's
+//! `swap_dims`/`reshape` around them are views:
 //!
 //! - attention (`attention.rs`): one task per (row, head, block of queries) forward, per (row,
 //!   key/value head) backward; a task's scores are `[block, keys seen]` in a scratch buffer, with
