@@ -114,6 +114,13 @@ impl ModelType {
         }
     }
 
+    /// Whether a sparse layer rounds its router's top-k weights to the hidden states' dtype
+    /// before they weigh the experts' outputs (HF's Qwen3-MoE router casts them back to the
+    /// logits' dtype; Mixtral's keeps them in f32). Only half precision sees the difference.
+    pub fn rounds_router_weights(self) -> bool {
+        self == Self::Qwen3Moe
+    }
+
     /// Gemma's layout: RMSNorms scale by `1 + weight`, embeddings are multiplied by
     /// `sqrt(hidden_size)`, and each block's output is normalised too (`post_attention_layernorm`
     /// after attention, `pre_`/`post_feedforward_layernorm` around the MLP).

@@ -88,11 +88,12 @@ impl<B: DecoderBackend> CausalLm<B> {
                 kernels::linear(hidden.reshape([b * l, h]), w.transpose()).reshape([b, l, v])
             }
         };
-        let logits = logits.cast(DType::F32);
-        match self.model.final_logit_softcapping {
+        // Gemma's soft-capping in the head's dtype, as HF's three operations round.
+        let logits = match self.model.final_logit_softcapping {
             Some(cap) => logits.div_scalar(cap).tanh().mul_scalar(cap),
             None => logits,
-        }
+        };
+        logits.cast(DType::F32)
     }
 }
 

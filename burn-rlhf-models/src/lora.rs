@@ -59,10 +59,10 @@ impl<B: DecoderBackend> LoraLinear<B> {
         let d_in = dims[D - 1];
         let rows = dims[..D - 1].iter().product::<usize>();
         let flat: Tensor<B, 2> = x.reshape([rows, d_in]);
-        let y = crate::kernels::linear(flat.clone(), self.base.weight.val());
+        let weight = self.base.weight.val();
         let y = match &self.base.bias {
-            Some(bias) => y + bias.val().unsqueeze(),
-            None => y,
+            Some(bias) => crate::kernels::linear_bias(flat.clone(), weight, bias.val()),
+            None => crate::kernels::linear(flat.clone(), weight),
         };
         let y = match &self.lora {
             None => y,

@@ -5,7 +5,7 @@
 
 use burn::module::{Module, Param};
 use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{DType, Int, Tensor, TensorData};
 
 use crate::cache::KvCache;
 use crate::config::{Activation, ModelType};
@@ -35,13 +35,15 @@ impl<B: DecoderBackend> RmsNorm<B> {
     /// Shapes: `[B, L, H]` → `[B, L, H]`. The statistics are f32 whatever the model's dtype (as
     /// HF's), the result in it.
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        let weight = self.weight.val();
-        let weight = if self.offset == 0.0 {
-            weight
-        } else {
-            weight.add_scalar(self.offset)
-        };
-        kernels::rms_norm(x, weight, self.eps)
+        kernels::rms_norm(x, self.weight.val(), self.params())
+    }
+
+    /// Its constants as the kernels take them.
+    pub fn params(&self) -> kernels::RmsNormParams {
+        kernels::RmsNormParams {
+            eps: self.eps,
+            weight_offset: self.offset,
+        }
     }
 }
 
@@ -194,8 +196,8 @@ fn per_head_norm<B: DecoderBackend>(
             let flat = x.reshape([b, l * heads, d]);
             let normed = match tp {
                 Some(g) => {
-                    let weight = kernels::tp_copy(norm.weight.val().add_scalar(norm.offset), g);
-                    kernels::rms_norm(flat, weight, norm.eps)
+                    let weight = kernels::tp_copy(norm.weight.val(), g);
+                    kernels::rms_norm(flat, weight, norm.params())
                 }
                 None => norm.forward(flat),
             };
@@ -240,7 +242,10 @@ impl<B: DecoderBackend> Mlp<B> {
         let up = self.up_proj.forward(x);
         match self.act {
             Activation::Silu => kernels::swiglu(gate, up),
-            Activation::GeluPytorchTanh => gelu_tanh(gate) * up,
+            // PyTorch's `gelu` computes in f32 and rounds once, then the product rounds.
+            Activation::GeluPytorchTanh => {
+                gelu_tanh(gate.clone().cast(DType::F32)).cast(gate.dtype()) * up
+            }
         }
     }
 }
@@ -320,10 +325,7 @@ impl<B: DecoderBackend> SparseMoe<B> {
         let [b, l, h] = x.dims();
         let n = b * l;
         let flat = x.reshape([n, h]);
-        let logits = self
-            .gate
-            .forward(flat.clone())
-            .cast(burn::tensor::DType::F32);
+        let logits = self.gate.forward(flat.clone()).cast(DType::F32);
         let experts = self.experts.len();
         let probs = burn::tensor::activation::softmax(logits.clone(), 1);
         let host: Vec<f32> = probs.clone().detach().into_data().iter::<f32>().collect();
@@ -339,9 +341,16 @@ impl<B: DecoderBackend> SparseMoe<B> {
         // Under tensor parallelism the experts' outputs are this rank's parts: the weights and
         // the experts' input are copied into the region, so their gradients sum the ranks'.
         let tp = self.group();
-        let weights = copy_in(weights.cast(flat.dtype()).reshape([n * k]), tp);
+        let dtype = flat.dtype();
+        let weights = match self.model_type.rounds_router_weights() {
+            true => weights.cast(dtype).cast(DType::F32),
+            false => weights,
+        };
+        let weights = copy_in(weights.reshape([n * k]), tp);
         let flat = copy_in(flat, tp);
-        let mut out = Tensor::<B, 2>::zeros([n, h], &device).cast(flat.dtype());
+        // As HF's grouped experts: each weighted output in f32 (rounded to the hidden dtype
+        // where the weights were), summed over a token's experts in f32, rounded once.
+        let mut out = Tensor::<B, 2>::zeros([n, h], (&device, DType::F32));
         for (e, expert) in self.experts.iter().enumerate() {
             let slots: Vec<i64> = (0..n * k)
                 .filter(|&i| chosen[i] == e as i64)
@@ -357,9 +366,14 @@ impl<B: DecoderBackend> SparseMoe<B> {
             let routed = flat.clone().select(0, tokens.clone()).reshape([1, m, h]);
             let y = expert.forward_in_region(routed).reshape([m, h]);
             let w = weights.clone().select(0, slots).reshape([m, 1]);
-            out = out.select_assign(0, tokens, y * w, burn::tensor::IndexingUpdateOp::Add);
+            let weighted = y.cast(DType::F32) * w;
+            let weighted = match self.model_type.rounds_router_weights() {
+                true => weighted.cast(dtype).cast(DType::F32),
+                false => weighted,
+            };
+            out = out.select_assign(0, tokens, weighted, burn::tensor::IndexingUpdateOp::Add);
         }
-        let out = crate::tensor_parallel::reduce_out(out, tp);
+        let out = crate::tensor_parallel::reduce_out(out, tp).cast(dtype);
         (out.reshape([b, l, h]), logits)
     }
 }

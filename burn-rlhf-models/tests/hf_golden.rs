@@ -589,17 +589,90 @@ fn smollm2_gguf_matches_transformers() {
     println!("hf golden: SmolLM2-135M-Instruct passed");
 }
 
-/// bf16 and f16 inference copies (`CausalLm::cast`, for `model.dtype`) compute in their dtype with
-/// f32 norms, attention scores and logits, and track the f32 model within half precision, with and
-/// without a KV cache in their dtype. The CPU backend (flex) supports both dtypes.
+/// The bf16 inference copy (`CausalLm::cast`, for `model.dtype`) is no farther from the f32
+/// logits than transformers' own bf16 copy of the same weights is, with and without a KV cache:
+/// the root mean square of its differences from the golden's f32 logits at the attended
+/// positions is at most [`BF16_MARGIN`] times the golden's `bf16_logits_rms_diff` (written by
+/// transformers' code, `tests/fixtures/gen/hf_model_goldens.py`). A fixture set without that
+/// field is held to [`BF16_RELATIVE_RMS`] of the f32 logits' own root mean square instead.
 #[test]
-fn half_precision_copies_track_the_f32_model() {
+fn bf16_copies_are_as_close_to_f32_as_transformers_own() {
     for dir in burn_rlhf_test_assets::fixture_models() {
-        half_precision_copy_tracks(&dir);
+        bf16_copy_tracks(&dir);
     }
 }
 
-fn half_precision_copy_tracks(dir: &Path) {
+/// How much farther than transformers' bf16 the bf16 copy may be.
+const BF16_MARGIN: f64 = 1.1;
+
+/// Without the golden's own figure: the largest root mean square of transformers' bf16 logit
+/// differences relative to the f32 logits' root mean square over the repository's fixture
+/// models (`tiny-llama`, 1.456%; the generator's own families 0.79-1.42%), rounded up, times
+/// [`BF16_MARGIN`].
+const BF16_RELATIVE_RMS: f64 = 0.015 * BF16_MARGIN;
+
+fn bf16_copy_tracks(dir: &Path) {
+    use burn::tensor::{DType, FloatDType};
+    let golden = read_golden(&dir.join("golden.json"));
+    let pre = load_pretrained(dir.to_str().unwrap()).unwrap();
+    let config = pre.config.clone();
+    let device = Default::default();
+    let half = pre.causal_lm::<B>(&device).unwrap().cast(FloatDType::BF16);
+    assert_eq!(half.float_dtype(), DType::BF16);
+    for (ci, case) in golden.cases.iter().enumerate() {
+        let (shape, ids) = tensor(case, "input_ids");
+        let (_, mask) = tensor(case, "attention_mask");
+        let (_, pos) = tensor(case, "position_ids");
+        let (_, want) = tensor(case, "logits");
+        let (b, l) = (shape[0], shape[1]);
+        let attended: Vec<usize> = (0..want.len())
+            .filter(|&i| mask[i / (want.len() / mask.len())] != 0.0)
+            .collect();
+        let rms = |f: &dyn Fn(usize) -> f64| {
+            (attended.iter().map(|&i| f(i).powi(2)).sum::<f64>() / attended.len() as f64).sqrt()
+        };
+        let bound = match case.get("bf16_logits_rms_diff").and_then(Value::as_f64) {
+            Some(theirs) => BF16_MARGIN * theirs,
+            None => BF16_RELATIVE_RMS * rms(&|i| want[i]),
+        };
+        let run = |cache: Option<&mut KvCache<B>>| {
+            let logits = half.forward(
+                int2(&shape, &ids),
+                int2(&shape, &mask),
+                int2(&shape, &pos),
+                cache,
+            );
+            assert_eq!(logits.dtype(), DType::F32, "logits are f32 in any dtype");
+            logits.into_data().iter::<f32>().collect::<Vec<_>>()
+        };
+        let mut cache = KvCache::<B>::new(&config, b, l, (&device, half.float_dtype()));
+        for (how, ours) in [("no cache", run(None)), ("KV cache", run(Some(&mut cache)))] {
+            let distance = rms(&|i| ours[i] as f64 - want[i]);
+            println!(
+                "{} case {ci} bf16 ({how}): logit RMS difference {distance:.5}, bound {bound:.5}",
+                dir.display()
+            );
+            assert!(
+                distance <= bound,
+                "{} case {ci} ({how}): the bf16 copy is {distance} from the f32 logits (RMS), \
+                 more than {bound}",
+                dir.display()
+            );
+            assert!(distance > 0.0, "{}: bf16 computed in f32", dir.display());
+        }
+    }
+}
+
+/// The f16 copy computes in f16 (norm statistics, attention scores and logits in f32) and
+/// tracks the f32 model within 1% of its largest logit, with and without an f16 KV cache.
+#[test]
+fn f16_copies_track_the_f32_model() {
+    for dir in burn_rlhf_test_assets::fixture_models() {
+        f16_copy_tracks(&dir);
+    }
+}
+
+fn f16_copy_tracks(dir: &Path) {
     use burn::tensor::{DType, FloatDType};
     let pre = load_pretrained(dir.to_str().unwrap()).unwrap();
     let config = pre.config.clone();
@@ -619,35 +692,25 @@ fn half_precision_copy_tracks(dir: &Path) {
             int(pos.clone()),
             cache,
         );
-        assert_eq!(
-            logits.dtype(),
-            DType::F32,
-            "logits are f32 whatever the model's dtype"
-        );
+        assert_eq!(logits.dtype(), DType::F32, "logits are f32 in any dtype");
         logits.into_data().iter::<f32>().collect::<Vec<_>>()
     };
     let full = run(&model, None);
     let scale = full.iter().fold(0.0f32, |a, x| a.max(x.abs()));
-    for (dtype, tol) in [(FloatDType::BF16, 0.05), (FloatDType::F16, 0.01)] {
-        let half = model.clone().cast(dtype);
-        assert_eq!(half.float_dtype(), DType::from(dtype));
-        let mut cache = KvCache::<B>::new(&config, b, l, (&device, half.float_dtype()));
-        for out in [run(&half, None), run(&half, Some(&mut cache))] {
-            let diff = out
-                .iter()
-                .zip(&full)
-                .fold(0.0f32, |a, (x, y)| a.max((x - y).abs()));
-            println!("{dtype:?}: max |logit diff| {diff} (max |logit| {scale})");
-            assert!(
-                diff < tol * scale.max(1.0),
-                "{}: {dtype:?}: {diff} vs scale {scale}",
-                dir.display()
-            );
-            assert!(
-                diff > 0.0,
-                "{}: {dtype:?} should not be computed in f32",
-                dir.display()
-            );
-        }
+    let half = model.clone().cast(FloatDType::F16);
+    assert_eq!(half.float_dtype(), DType::F16);
+    let mut cache = KvCache::<B>::new(&config, b, l, (&device, half.float_dtype()));
+    for out in [run(&half, None), run(&half, Some(&mut cache))] {
+        let diff = out
+            .iter()
+            .zip(&full)
+            .fold(0.0f32, |a, (x, y)| a.max((x - y).abs()));
+        println!("F16: max |logit diff| {diff} (max |logit| {scale})");
+        assert!(
+            diff < 0.01 * scale.max(1.0),
+            "{}: f16: {diff} vs scale {scale}",
+            dir.display()
+        );
+        assert!(diff > 0.0, "{}: f16 computed in f32", dir.display());
     }
 }

@@ -22,7 +22,7 @@ use burn::backend::Autodiff;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::FloatTensor;
 
-use super::{AttentionMask, DecoderBackend};
+use super::{AttentionMask, DecoderBackend, RmsNormParams};
 use crate::collective::TpGroup;
 
 type Ad<B, C> = Autodiff<B, C>;
@@ -77,6 +77,33 @@ impl<B: DecoderBackend> Backward<B, 2> for LinearBackward {
     }
 }
 
+/// The gradients of `x · weight + bias`: the product's, and the bias's `Σ_rows grad` (in f32,
+/// then the bias's dtype).
+#[derive(Debug)]
+struct LinearBiasBackward(burn::tensor::DType);
+
+impl<B: DecoderBackend> Backward<B, 3> for LinearBiasBackward {
+    type State = [NodeId; 2];
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, c: &mut Checkpointer) {
+        use burn::tensor::{DType, Tensor, TensorPrimitive};
+        let grad = grads.consume::<B>(&ops.node);
+        let [x, weight] = ops
+            .state
+            .map(|id| c.retrieve_node_output::<FloatTensor<B>>(id));
+        let g = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(grad.clone()));
+        let width = g.dims()[1];
+        let db = g.cast(DType::F32).sum_dim(0).reshape([width]).cast(self.0);
+        let (dx, dw) = B::dec_linear_backward(grad, x, weight);
+        register!(
+            B,
+            ops.parents,
+            [dx, dw, db.into_primitive().tensor()],
+            grads
+        );
+    }
+}
+
 #[derive(Debug)]
 struct LinearVjpBackward;
 
@@ -110,13 +137,13 @@ impl<B: DecoderBackend> Backward<B, 2> for VocabStatsBackward {
 }
 
 #[derive(Debug)]
-struct RmsNormBackward(f64);
+struct RmsNormBackward(RmsNormParams);
 
 #[derive(Debug, Clone)]
 struct RetroRmsNorm<B> {
     x: NodeId,
     weight: NodeId,
-    eps: f64,
+    params: RmsNormParams,
     _backend: PhantomData<B>,
 }
 
@@ -124,7 +151,7 @@ impl<B: DecoderBackend> RetroForward for RetroRmsNorm<B> {
     fn forward(&self, states: &mut BackwardStates, out: NodeId) {
         let x = states.get_state::<FloatTensor<B>>(&self.x);
         let weight = states.get_state::<FloatTensor<B>>(&self.weight);
-        states.save(out, B::dec_rms_norm(x, weight, self.eps));
+        states.save(out, B::dec_rms_norm(x, weight, self.params));
     }
 }
 
@@ -326,6 +353,30 @@ impl<B: DecoderBackend, C: CheckpointStrategy> DecoderBackend for Autodiff<B, C>
         }
     }
 
+    fn dec_linear_bias(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        use burn::tensor::TensorMetadata;
+        let out = B::dec_linear_bias(
+            x.primitive.clone(),
+            weight.primitive.clone(),
+            bias.primitive.clone(),
+        );
+        match LinearBiasBackward(bias.primitive.dtype())
+            .prepare::<C>([x.node.clone(), weight.node.clone(), bias.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(mut prep) => {
+                let state = [prep.checkpoint(&x), prep.checkpoint(&weight)];
+                prep.finish(state, out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(out),
+        }
+    }
+
     fn dec_vocab_stats(
         hidden: FloatTensor<Self>,
         weight: FloatTensor<Self>,
@@ -407,16 +458,16 @@ impl<B: DecoderBackend, C: CheckpointStrategy> DecoderBackend for Autodiff<B, C>
     fn dec_rms_norm(
         x: FloatTensor<Self>,
         weight: FloatTensor<Self>,
-        eps: f64,
+        params: RmsNormParams,
     ) -> FloatTensor<Self> {
-        let y = || B::dec_rms_norm(x.primitive.clone(), weight.primitive.clone(), eps);
-        match RmsNormBackward(eps)
+        let y = || B::dec_rms_norm(x.primitive.clone(), weight.primitive.clone(), params);
+        match RmsNormBackward(params)
             .prepare::<C>([x.node.clone(), weight.node.clone()])
             .memory_bound()
             .retro_forward(RetroRmsNorm::<B> {
                 x: x.node.id,
                 weight: weight.node.id,
-                eps,
+                params,
                 _backend: PhantomData,
             })
             .parents([&x, &weight])
@@ -434,13 +485,13 @@ impl<B: DecoderBackend, C: CheckpointStrategy> DecoderBackend for Autodiff<B, C>
         grad: FloatTensor<Self>,
         x: FloatTensor<Self>,
         weight: FloatTensor<Self>,
-        eps: f64,
+        params: RmsNormParams,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         let (dx, dw) = B::dec_rms_norm_backward(
             inner::<B, C>(grad),
             inner::<B, C>(x),
             inner::<B, C>(weight),
-            eps,
+            params,
         );
         (outer::<B, C>(dx), outer::<B, C>(dw))
     }

@@ -16,8 +16,11 @@ use cubecl::prelude::*;
 
 use super::cube_attention::{attention, paged_attention};
 use super::cube_launch::{cube_count, empty, native, threads, Cube, THREADS};
+use super::RmsNormParams;
 
-/// `y = x / sqrt(mean(x²) + eps) * weight` over each row of `x` (`[rows, h]`, `weight` `[h]`):
+/// `y = x / sqrt(mean(x²) + eps) * (offset + weight)` over each row of `x` (`[rows, h]`, `weight`
+/// `[h]`, `params` `[eps, offset]`; in the backend's float type, where HF's two conventions
+/// agree):
 /// each of the cube's threads sums the squares of every `THREADS`-th value, the partial sums
 /// meet in shared memory and every thread adds them in the same order.
 #[cube(launch)]
@@ -50,11 +53,11 @@ fn rms_norm_kernel<F: Float>(
     let inv = F::new(1.0) / F::sqrt(total / F::cast_from(h as u32) + params[0]);
     for i in 0..steps {
         let k = lane + i * THREADS;
-        out[base + k] = x[base + k] * inv * weight[k];
+        out[base + k] = x[base + k] * inv * (params[1] + weight[k]);
     }
 }
 
-/// RMSNorm's gradients per row: with `x̂ = x / rms` and `g = dy * w`,
+/// RMSNorm's gradients per row: with `x̂ = x / rms` and `g = dy * (offset + w)`,
 /// `dx = (g - x̂ * mean(g * x̂)) / rms`, and each row's share of the weight's, `dy * x̂`.
 #[cube(launch)]
 fn rms_norm_backward_kernel<F: Float>(
@@ -79,7 +82,7 @@ fn rms_norm_backward_kernel<F: Float>(
         let k = lane + i * THREADS;
         let v = x[base + k];
         squares += v * v;
-        gx += grad[base + k] * weight[k] * v;
+        gx += grad[base + k] * (params[1] + weight[k]) * v;
     }
     let mut sums = SharedMemory::<F>::new(THREADS * 2);
     sums[lane] = squares;
@@ -98,7 +101,7 @@ fn rms_norm_backward_kernel<F: Float>(
     for i in 0..steps {
         let k = lane + i * THREADS;
         let normed = x[base + k] * inv;
-        let g = grad[base + k] * weight[k];
+        let g = grad[base + k] * (params[1] + weight[k]);
         dx[base + k] = (g - normed * mean) * inv;
         dw_rows[base + k] = grad[base + k] * normed;
     }
@@ -189,13 +192,13 @@ fn swiglu_kernel<F: Float>(gate: &Tensor<F>, up: &Tensor<F>, out: &mut Tensor<F>
     out[i] = g / (F::new(1.0) + F::exp(-g)) * up[i];
 }
 
-/// `eps` as a one-value device tensor (one compiled kernel serves every value).
-fn eps_param<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
+/// `[eps, offset]` as a device tensor (one compiled kernel serves every value).
+fn norm_params<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
     like: &CubeTensor<R>,
-    eps: f64,
+    params: RmsNormParams,
 ) -> CubeTensor<R> {
     burn::tensor::Tensor::<Cube<R, F, I, BT>, 1>::from_data(
-        TensorData::new(vec![eps as f32], [1]),
+        TensorData::new(vec![params.eps as f32, params.weight_offset as f32], [2]),
         &like.device,
     )
     .into_primitive()
@@ -206,17 +209,17 @@ fn eps_param<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
 pub fn rms_norm<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
     x: FloatTensor<Cube<R, F, I, BT>>,
     weight: FloatTensor<Cube<R, F, I, BT>>,
-    eps: f64,
+    params: RmsNormParams,
 ) -> FloatTensor<Cube<R, F, I, BT>> {
     if !native::<R, F>(&[&x, &weight]) {
-        return super::reference::rms_norm::<Cube<R, F, I, BT>>(x, weight, eps);
+        return super::reference::rms_norm::<Cube<R, F, I, BT>>(x, weight, params);
     }
     let (x, weight) = (into_contiguous(x), into_contiguous(weight));
     let shape = x.meta.shape().clone();
     let h = weight.meta.shape()[0];
     let rows = shape.num_elements() / h.max(1);
     let out = empty::<R, F>(&x, shape);
-    let params = eps_param::<R, F, I, BT>(&x, eps);
+    let params = norm_params::<R, F, I, BT>(&x, params);
     rms_norm_kernel::launch::<F, R>(
         &x.client,
         cube_count(rows),
@@ -258,13 +261,13 @@ pub fn rms_norm_backward<R: CubeRuntime, F: FloatElement, I: IntElement, BT: Boo
     grad: FloatTensor<Cube<R, F, I, BT>>,
     x: FloatTensor<Cube<R, F, I, BT>>,
     weight: FloatTensor<Cube<R, F, I, BT>>,
-    eps: f64,
+    params: RmsNormParams,
 ) -> (
     FloatTensor<Cube<R, F, I, BT>>,
     FloatTensor<Cube<R, F, I, BT>>,
 ) {
     if !native::<R, F>(&[&grad, &x, &weight]) {
-        return super::reference::rms_norm_backward::<Cube<R, F, I, BT>>(grad, x, weight, eps);
+        return super::reference::rms_norm_backward::<Cube<R, F, I, BT>>(grad, x, weight, params);
     }
     let (grad, x, weight) = (
         into_contiguous(grad),
@@ -276,7 +279,7 @@ pub fn rms_norm_backward<R: CubeRuntime, F: FloatElement, I: IntElement, BT: Boo
     let rows = shape.num_elements() / h.max(1);
     let dx = empty::<R, F>(&x, shape);
     let dw_rows = empty::<R, F>(&x, Shape::new([rows, h]));
-    let params = eps_param::<R, F, I, BT>(&x, eps);
+    let params = norm_params::<R, F, I, BT>(&x, params);
     rms_norm_backward_kernel::launch::<F, R>(
         &x.client,
         cube_count(rows),
@@ -427,18 +430,18 @@ where
     fn dec_rms_norm(
         x: FloatTensor<Self>,
         weight: FloatTensor<Self>,
-        eps: f64,
+        params: RmsNormParams,
     ) -> FloatTensor<Self> {
-        rms_norm::<R, F, I, BT>(x, weight, eps)
+        rms_norm::<R, F, I, BT>(x, weight, params)
     }
 
     fn dec_rms_norm_backward(
         grad: FloatTensor<Self>,
         x: FloatTensor<Self>,
         weight: FloatTensor<Self>,
-        eps: f64,
+        params: RmsNormParams,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        rms_norm_backward::<R, F, I, BT>(grad, x, weight, eps)
+        rms_norm_backward::<R, F, I, BT>(grad, x, weight, params)
     }
 
     fn dec_swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {

@@ -38,6 +38,21 @@ use crate::paged::PagedLayout;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::Tensor;
 
+/// An RMSNorm's constants: `eps`, added to the mean square, and `weight_offset`, added to the
+/// weight (1 for Gemma's `(1 + weight)`, else 0). They also say where a half-precision norm
+/// rounds, as HF's two conventions do: with no offset (Llama's and most families'
+/// `weight * x̂.to(dtype)`) the normalised value is rounded to x's dtype and then multiplied by
+/// the weight in that dtype (rounded again); with one (Gemma's `(x̂ * (1 + weight.float()))
+/// .to(dtype)`) the offset weight and the product stay in f32 and the result is rounded once.
+/// In f32 both are `x̂ * (weight_offset + weight)`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RmsNormParams {
+    /// Added to the mean square.
+    pub eps: f64,
+    /// Added to the weight.
+    pub weight_offset: f64,
+}
+
 /// The decoder's operations as backend operations. Tensors are row-major; `B` rows, `H` query
 /// heads, `KV` key/value heads (`H` a multiple of `KV`: grouped-query attention), `L` queries,
 /// `S` keys, `D` the head width.
@@ -80,6 +95,18 @@ pub trait DecoderBackend: Backend {
     /// `[N, out]`.
     fn dec_linear(x: FloatTensor<Self>, weight: FloatTensor<Self>) -> FloatTensor<Self> {
         reference::linear::<Self>(x, weight)
+    }
+
+    /// A linear layer with a bias: x `[N, in]` · weight `[in, out]` + bias `[out]` → `[N, out]`,
+    /// the bias added to the f32 product before it is rounded to x's dtype (PyTorch's
+    /// `F.linear` with a bias rounds a half-precision result once). Its gradients are
+    /// [`DecoderBackend::dec_linear_backward`]'s and the bias's, `Σ_rows grad`.
+    fn dec_linear_bias(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        reference::linear_bias::<Self>(x, weight, bias)
     }
 
     /// The gradients (x, weight) of [`DecoderBackend::dec_linear`]: `grad · weightᵀ` and
@@ -132,14 +159,14 @@ pub trait DecoderBackend: Backend {
         vocab_stats::vocab_stats_backward::<Self>(grad, hidden, weight, labels, settings)
     }
 
-    /// RMSNorm over the last axis, statistics in f32: x `[B, L, H]`, weight `[H]` → y in x's
-    /// dtype.
+    /// RMSNorm over the last axis, statistics in f32, rounded where HF's own norm rounds
+    /// ([`RmsNormParams`]): x `[B, L, H]`, weight `[H]` → y in x's dtype.
     fn dec_rms_norm(
         x: FloatTensor<Self>,
         weight: FloatTensor<Self>,
-        eps: f64,
+        params: RmsNormParams,
     ) -> FloatTensor<Self> {
-        reference::rms_norm::<Self>(x, weight, eps)
+        reference::rms_norm::<Self>(x, weight, params)
     }
 
     /// The gradients (x, weight) of [`DecoderBackend::dec_rms_norm`] (its statistics
@@ -148,9 +175,9 @@ pub trait DecoderBackend: Backend {
         grad: FloatTensor<Self>,
         x: FloatTensor<Self>,
         weight: FloatTensor<Self>,
-        eps: f64,
+        params: RmsNormParams,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        reference::rms_norm_backward::<Self>(grad, x, weight, eps)
+        reference::rms_norm_backward::<Self>(grad, x, weight, params)
     }
 
     /// SwiGLU's gate: `silu(gate) * up`, elementwise: `[B, L, I]` each.

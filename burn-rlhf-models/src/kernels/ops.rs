@@ -5,7 +5,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Tensor, TensorPrimitive};
 
-use super::{AttentionMask, DecoderBackend};
+use super::{AttentionMask, DecoderBackend, RmsNormParams};
 use crate::collective::TpGroup;
 use crate::paged::PagedLayout;
 
@@ -72,6 +72,24 @@ pub fn linear<B: DecoderBackend>(x: Tensor<B, 2>, weight: Tensor<B, 2>) -> Tenso
     wrap(B::dec_linear(prim(x), prim(weight)))
 }
 
+/// `x · weight + bias` for a linear layer with a bias, rounded once (see
+/// [`DecoderBackend::dec_linear_bias`]). Shapes: x `[N, in]`, weight `[in, out]`, bias `[out]` →
+/// `[N, out]`.
+pub fn linear_bias<B: DecoderBackend>(
+    x: Tensor<B, 2>,
+    weight: Tensor<B, 2>,
+    bias: Tensor<B, 1>,
+) -> Tensor<B, 2> {
+    assert!(
+        x.dims()[1] == weight.dims()[0] && bias.dims()[0] == weight.dims()[1],
+        "linear_bias: x {:?} weight {:?} bias {:?}",
+        x.dims(),
+        weight.dims(),
+        bias.dims()
+    );
+    wrap(B::dec_linear_bias(prim(x), prim(weight), prim(bias)))
+}
+
 /// [`DecoderBackend::dec_vocab_stats`] (see there). Shapes: hidden `[N, H]`, weight `[V_r, H]`,
 /// labels `[N]` → `[N, 3]`.
 pub fn vocab_stats<B: DecoderBackend>(
@@ -110,14 +128,14 @@ pub fn linear_vjp<B: DecoderBackend>(
     wrap(B::dec_linear_vjp(prim(x), prim(weight), prim(dy)))
 }
 
-/// RMSNorm over the last axis with f32 statistics. Shapes: x `[B, L, H]`, weight `[H]` →
-/// `[B, L, H]`.
+/// RMSNorm over the last axis with f32 statistics (see [`RmsNormParams`]). Shapes: x
+/// `[B, L, H]`, weight `[H]` → `[B, L, H]`.
 pub fn rms_norm<B: DecoderBackend>(
     x: Tensor<B, 3>,
     weight: Tensor<B, 1>,
-    eps: f64,
+    params: RmsNormParams,
 ) -> Tensor<B, 3> {
-    wrap(B::dec_rms_norm(prim(x), prim(weight), eps))
+    wrap(B::dec_rms_norm(prim(x), prim(weight), params))
 }
 
 /// `silu(gate) * up`. Shapes: `[B, L, I]` each → `[B, L, I]`.

@@ -1,12 +1,14 @@
 //! The reference implementations of [`super::DecoderBackend`]: plain tensor ops, the default on
-//! every backend and what the host kernels are tested against. Their numerics are HF's eager
-//! ones: f32 norm statistics, attention scores and softmax in f32 whatever the model's dtype.
+//! every backend and what the host kernels are tested against. Their numerics are HF's: f32
+//! norm statistics, attention scores and softmax in f32 whatever the model's dtype, and in half
+//! precision each result rounded where HF's own modules round it (so a bf16 copy is as far from
+//! the f32 model as transformers' own bf16 is).
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, IndexingUpdateOp, Int, Tensor, TensorData};
 
-use super::{prim, wrap, AttentionMask};
+use super::{prim, wrap, AttentionMask, RmsNormParams};
 use crate::paged::{PagedLayout, NULL_BLOCK};
 
 /// Queries per block of the reference attention: the scores of one block, `[B, H, 128, S]`, are
@@ -83,7 +85,26 @@ fn block_scores<B: Backend>(
     mask: Tensor<B, 4>,
 ) -> Tensor<B, 4> {
     let d = qb.dims()[3];
-    (qb.matmul(k.clone().swap_dims(2, 3)) / (d as f64).sqrt()).cast(DType::F32) + mask
+    let (qb, k) = (qb.cast(DType::F32), k.clone().cast(DType::F32));
+    qb.matmul(k.swap_dims(2, 3)) / (d as f64).sqrt() + mask
+}
+
+/// Attention's output from f32 scores (scaled and masked) as PyTorch's fused attention (HF's
+/// default `sdpa`) computes it: the unnormalised probabilities `exp(s - max)` rounded to the
+/// values' dtype, their products with the values summed in f32, divided by the (unrounded) sum
+/// and rounded once; in f32 the casts do nothing. Shapes: scores `[B, KV, R, S]`, values
+/// `[B, KV, S, D]` → (out `[B, KV, R, D]` in the values' dtype, log-sum-exp `[B, KV, R, 1]`).
+fn weighted_values<B: Backend>(
+    scores: Tensor<B, 4>,
+    values: &Tensor<B, 4>,
+) -> (Tensor<B, 4>, Tensor<B, 4>) {
+    let dtype = values.dtype();
+    let max = scores.clone().max_dim(3);
+    let exp = (scores - max.clone()).exp();
+    let sum = exp.clone().sum_dim(3);
+    let weights = exp.cast(dtype).cast(DType::F32);
+    let out = weights.matmul(values.clone().cast(DType::F32)) / sum.clone();
+    (out.cast(dtype), max + sum.log())
 }
 
 /// Blocked attention: see [`super::DecoderBackend::dec_attention`].
@@ -103,17 +124,9 @@ pub fn attention<B: Backend>(
     for block in query_blocks(l) {
         let lb = block.1 - block.0;
         let scores = block_scores(stacked(&q5, block), &k, block_mask(mask, block, g, &device));
-        let max = scores.clone().max_dim(3);
-        let exp = (scores - max.clone()).exp();
-        let sum = exp.clone().sum_dim(3);
-        let probs = exp / sum.clone();
-        lses.push((max + sum.log()).reshape([b, kv, g, lb]));
-        outs.push(
-            probs
-                .cast(v.dtype())
-                .matmul(v.clone())
-                .reshape([b, kv, g, lb, d]),
-        );
+        let (out, lse) = weighted_values(scores, &v);
+        lses.push(lse.reshape([b, kv, g, lb]));
+        outs.push(out.reshape([b, kv, g, lb, d]));
     }
     let out = Tensor::cat(outs, 3).reshape([b, h, l, d]);
     let lse = Tensor::cat(lses, 3).reshape([b, h, l]);
@@ -175,6 +188,19 @@ pub fn linear<B: Backend>(x: FloatTensor<B>, weight: FloatTensor<B>) -> FloatTen
     B::float_matmul(x, weight)
 }
 
+/// `x · weight + bias`, the sum in f32 and rounded to x's dtype once.
+pub fn linear_bias<B: Backend>(
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    bias: FloatTensor<B>,
+) -> FloatTensor<B> {
+    let (x, weight, bias): (Tensor<B, 2>, Tensor<B, 2>, Tensor<B, 1>) =
+        (wrap(x), wrap(weight), wrap(bias));
+    let dtype = x.dtype();
+    let product = x.cast(DType::F32).matmul(weight.cast(DType::F32));
+    prim((product + bias.cast(DType::F32).unsqueeze()).cast(dtype))
+}
+
 /// `(grad · weightᵀ, xᵀ · grad)`.
 pub fn linear_backward<B: Backend>(
     grad: FloatTensor<B>,
@@ -197,12 +223,24 @@ pub fn write_positions<B: Backend>(
     prim(buffer.slice_assign([0..b, 0..kv, start..start + l, 0..d], value))
 }
 
-/// RMSNorm: `x * rsqrt(mean(x²) + eps)` in f32, cast back, times the weight (HF's order).
-pub fn rms_norm<B: Backend>(x: FloatTensor<B>, weight: FloatTensor<B>, eps: f64) -> FloatTensor<B> {
+/// RMSNorm: `x̂ = x * rsqrt(mean(x²) + eps)` in f32, then the weight as HF's norm applies it
+/// ([`RmsNormParams`]): `x̂` cast back and times the weight (no offset), or times
+/// `offset + weight` in f32 and cast back once.
+pub fn rms_norm<B: Backend>(
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    params: RmsNormParams,
+) -> FloatTensor<B> {
     let (x, weight): (Tensor<B, 3>, Tensor<B, 1>) = (wrap(x), wrap(weight));
     let dtype = x.dtype();
     let x = x.cast(DType::F32);
-    let y = (x.clone() * inv_rms(x, eps)).cast(dtype) * weight.unsqueeze::<3>();
+    let normed = x.clone() * inv_rms(x, params.eps);
+    let y = if params.weight_offset == 0.0 {
+        normed.cast(dtype) * weight.unsqueeze::<3>()
+    } else {
+        let scale = weight.cast(DType::F32).add_scalar(params.weight_offset);
+        (normed * scale.unsqueeze::<3>()).cast(dtype)
+    };
     prim(y)
 }
 
@@ -211,13 +249,13 @@ fn inv_rms<B: Backend>(x: Tensor<B, 3>, eps: f64) -> Tensor<B, 3> {
     (x.square().mean_dim(2) + eps).sqrt().recip()
 }
 
-/// RMSNorm's gradients (x, weight), in f32: with `x̂ = x / rms` and `g = dy * w`,
+/// RMSNorm's gradients (x, weight), in f32: with `x̂ = x / rms` and `g = dy * (offset + w)`,
 /// `dx = (g - x̂ * mean(g * x̂)) / rms` and `dw = Σ dy * x̂`.
 pub fn rms_norm_backward<B: Backend>(
     grad: FloatTensor<B>,
     x: FloatTensor<B>,
     weight: FloatTensor<B>,
-    eps: f64,
+    params: RmsNormParams,
 ) -> (FloatTensor<B>, FloatTensor<B>) {
     let (grad, x, weight): (Tensor<B, 3>, Tensor<B, 3>, Tensor<B, 1>) =
         (wrap(grad), wrap(x), wrap(weight));
@@ -225,9 +263,10 @@ pub fn rms_norm_backward<B: Backend>(
     let h = weight.dims()[0];
     let grad = grad.cast(DType::F32);
     let x = x.cast(DType::F32);
-    let inv_rms = inv_rms(x.clone(), eps);
+    let inv_rms = inv_rms(x.clone(), params.eps);
     let normed = x * inv_rms.clone();
-    let scaled = grad.clone() * weight.cast(DType::F32).unsqueeze::<3>();
+    let scale = weight.cast(DType::F32).add_scalar(params.weight_offset);
+    let scaled = grad.clone() * scale.unsqueeze::<3>();
     let mean = (scaled.clone() * normed.clone()).mean_dim(2);
     let dx = (scaled - normed.clone() * mean) * inv_rms;
     let dw = (grad * normed)
@@ -237,10 +276,12 @@ pub fn rms_norm_backward<B: Backend>(
     (prim(dx.cast(x_dtype)), prim(dw.cast(w_dtype)))
 }
 
-/// `silu(gate) * up`. Shapes: `[B, L, I]` each.
+/// `silu(gate) * up`, as HF's `act_fn(gate) * up` rounds in half precision: `silu` in f32 and
+/// rounded to the inputs' dtype, then the product in it. Shapes: `[B, L, I]` each.
 pub fn swiglu<B: Backend>(gate: FloatTensor<B>, up: FloatTensor<B>) -> FloatTensor<B> {
     let (gate, up): (Tensor<B, 3>, Tensor<B, 3>) = (wrap(gate), wrap(up));
-    prim(burn::tensor::activation::silu(gate) * up)
+    let dtype = gate.dtype();
+    prim(burn::tensor::activation::silu(gate.cast(DType::F32)).cast(dtype) * up)
 }
 
 /// SwiGLU's gradients (gate, up), in f32: `d gate = dy * up * σ(g) (1 + g (1 - σ(g)))`,
@@ -560,11 +601,9 @@ fn paged_group<B: Backend>(
     let mask = mask
         .expand([rows, 1, g, lp, s_keys])
         .reshape([rows, 1, g * lp, s_keys]);
-    let scores = (q.matmul(keys) / (d as f64).sqrt()).cast(DType::F32) + mask;
-    let probs = burn::tensor::activation::softmax(scores, 3);
-    let out = probs
-        .cast(values.dtype())
-        .matmul(values) // [rows, KV, G * lp, D]
+    let scores = block_scores(q, &keys.swap_dims(2, 3), mask);
+    let (out, _) = weighted_values(scores, &values); // [rows, KV, G * lp, D]
+    let out = out
         .reshape([rows, kv, g, lp, d])
         .permute([0, 3, 1, 2, 4])
         .reshape([rows * lp, h, d]);

@@ -30,13 +30,25 @@ fn assert_close<const D: usize>(got: Tensor<B, D>, want: Tensor<B, D>, what: &st
 fn rms_norm_and_swiglu_kernels_match_their_references() {
     // CubeCL's logs are set up before this binary's first device use.
     crate::gpu_shapes::logs();
-    for (rows, h) in [(1, 24), (3, 64), (5, 100), (7, 896), (2, 1000)] {
+    // Llama's norm, then Gemma's `(1 + weight)` one.
+    let cases = [
+        (1, 24, 0.0),
+        (3, 64, 1.0),
+        (5, 100, 0.0),
+        (7, 896, 1.0),
+        (2, 1000, 0.0),
+    ];
+    for (rows, h, weight_offset) in cases {
+        let norm = kernels::RmsNormParams {
+            eps: 1e-6,
+            weight_offset,
+        };
         let x = random([1, rows, h], rows as u64);
         let w = random([h], h as u64);
         let prim = |t: Tensor<B, 3>| t.into_primitive().tensor();
         let want =
-            reference::rms_norm::<B>(prim(x.clone()), w.clone().into_primitive().tensor(), 1e-6);
-        let got = kernels::rms_norm(x.clone(), w.clone(), 1e-6);
+            reference::rms_norm::<B>(prim(x.clone()), w.clone().into_primitive().tensor(), norm);
+        let got = kernels::rms_norm(x.clone(), w.clone(), norm);
         assert_close(
             got,
             Tensor::from_primitive(TensorPrimitive::Float(want)),
@@ -59,13 +71,13 @@ fn rms_norm_and_swiglu_kernels_match_their_references() {
             prim(dy.clone()),
             prim(x.clone()),
             w.clone().into_primitive().tensor(),
-            1e-6,
+            norm,
         );
         let (want_dx, want_dw) = reference::rms_norm_backward::<B>(
             prim(dy.clone()),
             prim(x.clone()),
             w.clone().into_primitive().tensor(),
-            1e-6,
+            norm,
         );
         assert_close(
             float(dx),

@@ -5,7 +5,7 @@ use burn::backend::flex::FlexTensor;
 use rayon::prelude::*;
 
 use super::gemm::{matmul, Shared};
-use super::widen::Elem;
+use super::widen::{Elem, Rounding, ToBf16};
 use super::{tensor, zeros};
 use crate::kernels::AttentionMask;
 
@@ -70,14 +70,19 @@ impl<'a, E: Elem> Rows4<'a, E> {
 
 /// Turns each row of `scores` (`[rows, keys]`, the scaled scores of queries `i0..` of row `b`)
 /// into probabilities over its visible keys (0 elsewhere) and returns each row's log-sum-exp,
-/// or `None` for a row that sees no key (left all 0).
+/// or `None` for a row that sees no key (left all 0). With `round_probs` (bf16 values) the row
+/// keeps its unnormalised `exp(s - max)` rounded to bf16, as PyTorch's fused attention weighs
+/// bf16 values, and `post[r]` gets the `1 / sum` its weighted sum is to be scaled by; otherwise
+/// the row is normalised and `post[r]` is 1.
 fn softmax_rows(
     scores: &mut [f32],
     keys: usize,
     mask: &AttentionMask,
     (b, i0): (usize, usize),
+    (round_probs, post): (bool, &mut Vec<f32>),
 ) -> Vec<Option<f32>> {
     let key_row = mask.key_row(b);
+    post.clear();
     scores
         .chunks_mut(keys)
         .enumerate()
@@ -93,6 +98,7 @@ fn softmax_rows(
             }
             if max == f32::NEG_INFINITY {
                 row.fill(0.0);
+                post.push(1.0);
                 return None;
             }
             let mut sum = 0.0f32;
@@ -100,11 +106,40 @@ fn softmax_rows(
                 *s = if visible(j) { (*s - max).exp() } else { 0.0 };
                 sum += *s;
             }
-            let inv = 1.0 / sum;
-            row.iter_mut().for_each(|p| *p *= inv);
+            post.push(finish_probs(row, sum, round_probs));
             Some(max + sum.ln())
         })
         .collect()
+}
+
+/// A row of unnormalised probabilities (`exp(s - max)`, summing to `sum`) made ready to weigh
+/// the values: normalised (returns 1), or with `round_probs` rounded to bf16 and left
+/// unnormalised (returns `1 / sum`, the scale of the weighted sum).
+#[inline]
+pub(super) fn finish_probs(row: &mut [f32], sum: f32, round_probs: bool) -> f32 {
+    let inv = 1.0 / sum;
+    if round_probs {
+        row.iter_mut().for_each(|p| *p = ToBf16::round(*p));
+        inv
+    } else {
+        row.iter_mut().for_each(|p| *p *= inv);
+        1.0
+    }
+}
+
+/// Scales output rows by their `post` factors (see [`softmax_rows`]): row `r` at `dst + r *
+/// stride`, `d` wide.
+///
+/// # Safety
+/// Every row is in bounds of one allocation the caller may write.
+#[inline]
+pub(super) unsafe fn scale_rows(dst: *mut f32, stride: usize, d: usize, post: &[f32]) {
+    for (r, &f) in post.iter().enumerate() {
+        if f != 1.0 {
+            let row = std::slice::from_raw_parts_mut(dst.add(r * stride), d);
+            row.iter_mut().for_each(|x| *x *= f);
+        }
+    }
 }
 
 /// The forward kernel: (out as `[B, H, L, D]` over token-major memory, log-sum-exp `[B, H, L]`).
@@ -113,6 +148,7 @@ pub(super) fn attention_f32(
     k: &Rows4,
     v: &Rows4,
     mask: &AttentionMask,
+    round_probs: bool,
 ) -> (FlexTensor, FlexTensor) {
     let [b, h, l, d] = q.dims;
     let [_, kvh, s, _] = k.dims;
@@ -122,9 +158,9 @@ pub(super) fn attention_f32(
     let mut lse = vec![0.0f32; b * h * l];
     let blocks = l.div_ceil(QUERY_BLOCK);
     let (out_ptr, lse_ptr) = (Shared(out.as_mut_ptr()), Shared(lse.as_mut_ptr()));
-    (0..b * h * blocks)
-        .into_par_iter()
-        .for_each_init(Vec::new, |scores: &mut Vec<f32>, task| {
+    (0..b * h * blocks).into_par_iter().for_each_init(
+        || (Vec::new(), Vec::new()),
+        |(scores, post): &mut (Vec<f32>, Vec<f32>), task| {
             let (bi, hi, blk) = (task / (h * blocks), task / blocks % h, task % blocks);
             let (i0, i1) = (blk * QUERY_BLOCK, ((blk + 1) * QUERY_BLOCK).min(l));
             let (lb, kv) = (i1 - i0, hi / groups);
@@ -143,7 +179,7 @@ pub(super) fn attention_f32(
                     (k.ptr(bi, kv, 0), 1, k.row_stride()),
                     scale,
                 );
-                let lses = softmax_rows(scores, keys, mask, (bi, i0));
+                let lses = softmax_rows(scores, keys, mask, (bi, i0), (round_probs, post));
                 let dst = out_ptr.get().add(((bi * l + i0) * h + hi) * d);
                 matmul(
                     (lb, d, keys),
@@ -154,6 +190,7 @@ pub(super) fn attention_f32(
                     (v.ptr(bi, kv, 0), v.row_stride(), 1),
                     1.0,
                 );
+                scale_rows(dst, h * d, d, post);
                 for (r, row_lse) in lses.into_iter().enumerate() {
                     let i = i0 + r;
                     *lse_ptr.get().add((bi * h + hi) * l + i) = row_lse.unwrap_or(0.0);
@@ -169,7 +206,8 @@ pub(super) fn attention_f32(
                     }
                 }
             }
-        });
+        },
+    );
     let out = tensor(out, [b, l, h, d]).permute(&[0, 2, 1, 3]);
     (out, tensor(lse, [b, h, l]))
 }

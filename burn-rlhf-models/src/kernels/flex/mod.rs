@@ -37,8 +37,8 @@ use rayon::prelude::*;
 use self::attention::{attention_backward_f32, attention_f32, Rows4};
 use self::gemm::{operand, product, transposed};
 use self::rows::{rms_norm_backward_f32, rms_norm_f32, rotate_row, sigmoid, unrotate_row};
-use self::widen::{narrow, widened, Elem};
-use super::{reference, AttentionMask, DecoderBackend};
+use self::widen::{narrow, widened, Elem, Exact, Rounding, ToBf16};
+use super::{reference, AttentionMask, DecoderBackend, RmsNormParams};
 use crate::paged::PagedLayout;
 
 /// Elements per task of the elementwise kernels.
@@ -141,6 +141,42 @@ fn paged_attention<E: Elem>(
     Some(narrow(out, q.dtype()))
 }
 
+/// SwiGLU's gate of contiguous f32 tensors of one shape: `R(R(silu(g)) * u)`, rounded as
+/// HF's `act_fn(gate) * up` rounds in the dtype `R` stands for.
+fn swiglu_on<R: Rounding>(g: FlexTensor, u: FlexTensor) -> FlexTensor {
+    let shape = g.layout().shape().clone();
+    let mut out = zeros(shape.num_elements());
+    out.par_chunks_mut(CHUNK)
+        .zip(g.storage::<f32>().par_chunks(CHUNK))
+        .zip(u.storage::<f32>().par_chunks(CHUNK))
+        .for_each(|((o, g), u)| {
+            for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
+                *o = R::round(R::round(g * sigmoid(g)) * u);
+            }
+        });
+    tensor(out, [shape.num_elements()]).reshape(shape)
+}
+
+/// The rotary embedding of `x` (f32 `[B, L, heads, D]`, rows contiguous) with f32 tables
+/// `[B, 1, L, D]` → `[B, heads, L, D]`, rounded as `R` says.
+fn rotary_on<R: Rounding>(x: &FlexTensor, c: &FlexTensor, s: &FlexTensor) -> FlexTensor {
+    let xs = Rows4::<f32>::of(x).expect("readable");
+    let [b, l, heads, d] = xs.dims;
+    let (c, s) = (c.storage::<f32>(), s.storage::<f32>());
+    let mut y = zeros(b * heads * l * d);
+    // One task per (row, head): its `[L, D]` block of the output.
+    y.par_chunks_mut(l * d)
+        .enumerate()
+        .for_each(|(task, block)| {
+            let (bi, hi) = (task / heads, task % heads);
+            for (i, out) in block.chunks_mut(d).enumerate() {
+                let at = (bi * l + i) * d;
+                rotate_row::<R>(out, xs.row(bi, i, hi), &c[at..at + d], &s[at..at + d]);
+            }
+        });
+    tensor(y, [b, heads, l, d])
+}
+
 impl DecoderBackend for Flex {
     fn dec_batch_invariant() -> bool {
         paged::fused_multiply_add()
@@ -152,18 +188,23 @@ impl DecoderBackend for Flex {
         v: FloatTensor<Self>,
         mask: &AttentionMask,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        if let Some([q32, k32, v32]) = widened([&q, &k, &v]) {
-            let (out, lse) = Self::dec_attention(q32, k32, v32, mask);
-            return (narrow(out, q.dtype()), lse);
-        }
-        match (
-            readable(q.clone()),
-            readable(k.clone()),
-            readable(v.clone()),
-        ) {
-            (Some(q), Some(k), Some(v)) => {
+        // Probabilities rounded to the values' dtype before they weigh them, as PyTorch's
+        // fused attention does in half precision.
+        let round_probs = v.dtype() == DType::BF16;
+        let parts = match widened([&q, &k, &v]) {
+            Some([q32, k32, v32]) => (readable(q32), readable(k32), readable(v32)),
+            None => (
+                readable(q.clone()),
+                readable(k.clone()),
+                readable(v.clone()),
+            ),
+        };
+        match parts {
+            (Some(q32), Some(k32), Some(v32)) => {
                 let rows = |t| Rows4::<f32>::of(t).expect("readable");
-                attention_f32(&rows(&q), &rows(&k), &rows(&v), mask)
+                let (out, lse) =
+                    attention_f32(&rows(&q32), &rows(&k32), &rows(&v32), mask, round_probs);
+                (narrow(out, q.dtype()), lse)
             }
             _ => reference::attention::<Self>(q, k, v, mask),
         }
@@ -216,6 +257,33 @@ impl DecoderBackend for Flex {
         );
         // SAFETY: both operands are f32 matrices read at their own strides.
         tensor(unsafe { product((n, m, k), xo, wo) }, [n, m])
+    }
+
+    fn dec_linear_bias(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        let (x32, w32, b32) = match widened([&x, &weight, &bias]) {
+            Some([x32, w32, b32]) => (x32, w32, b32),
+            None => (x.clone(), weight.clone(), bias.clone()),
+        };
+        let (Some(_), Some(_), Some(b)) = (operand(&x32), operand(&w32), contiguous_f32(b32))
+        else {
+            return reference::linear_bias::<Self>(x, weight, bias);
+        };
+        // The product on the batch-invariant kernel, then the bias added in f32.
+        let mut out = Self::dec_linear(x32, w32);
+        let m = b.layout().shape()[0];
+        let dst = out
+            .try_storage_mut::<f32>()
+            .expect("a fresh product is a unique f32 buffer");
+        dst.par_chunks_mut(m).with_min_len(16).for_each(|row| {
+            row.iter_mut()
+                .zip(b.storage::<f32>())
+                .for_each(|(y, b)| *y += b)
+        });
+        narrow(out, x.dtype())
     }
 
     fn dec_linear_backward(
@@ -325,18 +393,22 @@ impl DecoderBackend for Flex {
     fn dec_rms_norm(
         x: FloatTensor<Self>,
         weight: FloatTensor<Self>,
-        eps: f64,
+        params: RmsNormParams,
     ) -> FloatTensor<Self> {
+        let (eps, offset) = (params.eps as f32, params.weight_offset as f32);
         if let Some([x32, w32]) = widened([&x, &weight]) {
-            return narrow(Self::dec_rms_norm(x32, w32, eps), x.dtype());
+            let (xc, w) = (x32.to_contiguous(), w32.to_contiguous());
+            let shape = xc.layout().shape().clone();
+            let y = rms_norm_f32::<ToBf16>(xc.storage(), w.storage(), eps, offset);
+            return narrow(tensor(y, [shape.num_elements()]).reshape(shape), x.dtype());
         }
         match (contiguous_f32(x.clone()), contiguous_f32(weight.clone())) {
             (Some(xc), Some(w)) => {
                 let shape = xc.layout().shape().clone();
-                let y = rms_norm_f32(xc.storage(), w.storage(), eps as f32);
+                let y = rms_norm_f32::<Exact>(xc.storage(), w.storage(), eps, offset);
                 tensor(y, [shape.num_elements()]).reshape(shape)
             }
-            _ => reference::rms_norm::<Self>(x, weight, eps),
+            _ => reference::rms_norm::<Self>(x, weight, params),
         }
     }
 
@@ -344,46 +416,36 @@ impl DecoderBackend for Flex {
         grad: FloatTensor<Self>,
         x: FloatTensor<Self>,
         weight: FloatTensor<Self>,
-        eps: f64,
+        params: RmsNormParams,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         if let Some([g32, x32, w32]) = widened([&grad, &x, &weight]) {
-            let (dx, dw) = Self::dec_rms_norm_backward(g32, x32, w32, eps);
+            let (dx, dw) = Self::dec_rms_norm_backward(g32, x32, w32, params);
             return (narrow(dx, x.dtype()), narrow(dw, weight.dtype()));
         }
         let parts = [&grad, &x, &weight].map(|t| contiguous_f32((*t).clone()));
         match parts {
             [Some(g), Some(xc), Some(w)] => {
                 let shape = xc.layout().shape().clone();
+                let constants = (params.eps as f32, params.weight_offset as f32);
                 let (dx, dw) =
-                    rms_norm_backward_f32(g.storage(), xc.storage(), w.storage(), eps as f32);
+                    rms_norm_backward_f32(g.storage(), xc.storage(), w.storage(), constants);
                 let h = dw.len();
                 (
                     tensor(dx, [shape.num_elements() / h, h]).reshape(shape),
                     tensor(dw, [h]),
                 )
             }
-            _ => reference::rms_norm_backward::<Self>(grad, x, weight, eps),
+            _ => reference::rms_norm_backward::<Self>(grad, x, weight, params),
         }
     }
 
     fn dec_swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
         if let Some([g32, u32_]) = widened([&gate, &up]) {
-            return narrow(Self::dec_swiglu(g32, u32_), gate.dtype());
+            let out = swiglu_on::<ToBf16>(g32.to_contiguous(), u32_.to_contiguous());
+            return narrow(out, gate.dtype());
         }
         match (contiguous_f32(gate.clone()), contiguous_f32(up.clone())) {
-            (Some(g), Some(u)) => {
-                let shape = g.layout().shape().clone();
-                let mut out = zeros(shape.num_elements());
-                out.par_chunks_mut(CHUNK)
-                    .zip(g.storage::<f32>().par_chunks(CHUNK))
-                    .zip(u.storage::<f32>().par_chunks(CHUNK))
-                    .for_each(|((o, g), u)| {
-                        for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
-                            *o = g * sigmoid(g) * u;
-                        }
-                    });
-                tensor(out, [shape.num_elements()]).reshape(shape)
-            }
+            (Some(g), Some(u)) => swiglu_on::<Exact>(g, u),
             _ => reference::swiglu::<Self>(gate, up),
         }
     }
@@ -430,31 +492,20 @@ impl DecoderBackend for Flex {
         sin: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
         if let Some([x32, c32, s32]) = widened([&x, &cos, &sin]) {
-            return narrow(Self::dec_rotary(x32, c32, s32), x.dtype());
+            let parts = (readable(x32), contiguous_f32(c32), contiguous_f32(s32));
+            if let (Some(xr), Some(c), Some(s)) = parts {
+                return narrow(rotary_on::<ToBf16>(&xr, &c, &s), x.dtype());
+            }
         }
         let parts = (
             readable(x.clone()),
             contiguous_f32(cos.clone()),
             contiguous_f32(sin.clone()),
         );
-        let (Some(xr), Some(c), Some(s)) = parts else {
-            return reference::rotary::<Self>(x, cos, sin);
-        };
-        let xs = Rows4::<f32>::of(&xr).expect("readable");
-        let [b, l, heads, d] = xs.dims;
-        let (c, s) = (c.storage::<f32>(), s.storage::<f32>());
-        let mut y = zeros(b * heads * l * d);
-        // One task per (row, head): its `[L, D]` block of the output.
-        y.par_chunks_mut(l * d)
-            .enumerate()
-            .for_each(|(task, block)| {
-                let (bi, hi) = (task / heads, task % heads);
-                for (i, out) in block.chunks_mut(d).enumerate() {
-                    let at = (bi * l + i) * d;
-                    rotate_row(out, xs.row(bi, i, hi), &c[at..at + d], &s[at..at + d]);
-                }
-            });
-        tensor(y, [b, heads, l, d])
+        match parts {
+            (Some(xr), Some(c), Some(s)) => rotary_on::<Exact>(&xr, &c, &s),
+            _ => reference::rotary::<Self>(x, cos, sin),
+        }
     }
 
     fn dec_rotary_backward(

@@ -21,7 +21,7 @@
 use burn::backend::flex::FlexTensor;
 use rayon::prelude::*;
 
-use super::attention::Rows4;
+use super::attention::{finish_probs, scale_rows, Rows4};
 use super::gemm::{matmul, Shared, DEPTH_BLOCK};
 use super::widen::Elem;
 use super::{tensor, zeros};
@@ -70,6 +70,8 @@ struct Inputs<'a, E> {
     v: &'a Rows4<'a, E>,
     layout: &'a PagedLayout,
     window: Option<usize>,
+    /// Probabilities rounded to bf16 before they weigh bf16 values (see `finish_probs`).
+    round_probs: bool,
 }
 
 impl<E: Elem> Inputs<'_, E> {
@@ -125,6 +127,7 @@ pub(super) fn paged_attention<E: Elem>(
         v,
         layout,
         window,
+        round_probs: E::DTYPE == burn::tensor::DType::BF16,
     };
     // (sequence, key/value head, queries i0..i1 of the sequence).
     let mut tasks = Vec::new();
@@ -259,6 +262,27 @@ fn flush(total: &mut [f32], acc: &mut [f32], first: bool) {
     }
 }
 
+/// One query's scores made probabilities over its keys `lo..hi` (0 elsewhere), as the training
+/// kernel's softmax computes them (`finish_probs`); returns the factor its weighted sum of the
+/// values is to be scaled by.
+#[inline(always)]
+fn softmax_row(row: &mut [f32], (lo, hi): (usize, usize), round_probs: bool) -> f32 {
+    let max = row[lo..hi]
+        .iter()
+        .cloned()
+        .fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0.0f32;
+    for (j, s) in row.iter_mut().enumerate() {
+        *s = if j >= lo && j < hi {
+            (*s - max).exp()
+        } else {
+            0.0
+        };
+        sum += *s;
+    }
+    finish_probs(row, sum, round_probs)
+}
+
 /// Lanes of one score accumulator: a block's scores go 16 at a time.
 const LANES: usize = 16;
 
@@ -340,7 +364,7 @@ fn weighted_sums<const D: usize, const R: usize, E: Elem>(
 unsafe fn write_sums<const D: usize, const R: usize, E: Elem>(
     inputs: &Inputs<E>,
     (seq, kv): (&PagedSeq, usize),
-    scores: &[f32],
+    (scores, post): (&[f32], &[f32]),
     (r0, width, b0): (usize, usize, usize),
     out: Shared,
 ) {
@@ -353,7 +377,9 @@ unsafe fn write_sums<const D: usize, const R: usize, E: Elem>(
     for (k, sum) in sums.iter().enumerate() {
         let r = r0 + k;
         let at = ((seq.first + r % nq) * h + kv * groups + r / nq) * D;
-        std::slice::from_raw_parts_mut(out.get().add(at), D).copy_from_slice(sum);
+        let dst = out.get().add(at);
+        std::slice::from_raw_parts_mut(dst, D).copy_from_slice(sum);
+        scale_rows(dst, D, D, &post[r..r + 1]);
     }
 }
 
@@ -364,7 +390,7 @@ unsafe fn write_sums<const D: usize, const R: usize, E: Elem>(
 unsafe fn write_sums_any<E: Elem>(
     inputs: &Inputs<E>,
     (seq, kv): (&PagedSeq, usize),
-    scores: &[f32],
+    (scores, post): (&[f32], &[f32]),
     (r, width, b0): (usize, usize, usize),
     out: Shared,
 ) {
@@ -385,6 +411,7 @@ unsafe fn write_sums_any<E: Elem>(
         axpy(&mut acc, p[j - b0 * bs], inputs.value_row(seq, kv, j));
     }
     flush(dst, &mut acc, first);
+    scale_rows(dst.as_mut_ptr(), d, d, &post[r..r + 1]);
 }
 
 /// All queries of `seq` for the query heads of key/value head `kv`: each row's scores over each
@@ -416,8 +443,9 @@ unsafe fn decode_body<E: Elem>(
     let padded = rows.div_ceil(ROWS) * ROWS;
     let scale = 1.0 / (d as f32).sqrt();
     scores.clear();
-    scores.resize(rows * width + padded * d, 0.0);
-    let (scores, qs) = scores.split_at_mut(rows * width);
+    scores.resize(rows * width + padded * d + rows, 0.0);
+    let (scores, rest) = scores.split_at_mut(rows * width);
+    let (qs, post) = rest.split_at_mut(padded * d);
     for r in 0..rows {
         let q = inputs.q.row(0, kv * groups + r / nq, seq.first + r % nq);
         qs[r * d..(r + 1) * d].copy_from_slice(q);
@@ -462,36 +490,23 @@ unsafe fn decode_body<E: Elem>(
     for (r, row) in scores.chunks_mut(width).enumerate() {
         let p = seq.past + r % nq;
         let (lo, hi) = (inputs.first_key(p) - b0 * bs, p + 1 - b0 * bs);
-        let max = row[lo..hi]
-            .iter()
-            .cloned()
-            .fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = 0.0f32;
-        for (j, s) in row.iter_mut().enumerate() {
-            *s = if j >= lo && j < hi {
-                (*s - max).exp()
-            } else {
-                0.0
-            };
-            sum += *s;
-        }
-        let inv = 1.0 / sum;
-        row.iter_mut().for_each(|p| *p *= inv);
+        post[r] = softmax_row(row, (lo, hi), inputs.round_probs);
     }
+    let (scores, post) = (&*scores, &*post);
     // Rows in pairs: each value row read once per pair, the pair's sums in registers.
     let mut r = 0;
     while r < rows {
         let at = (r, width, b0);
         let pair = rows - r >= 2;
         match (d, pair) {
-            (64, true) => write_sums::<64, 2, E>(inputs, (seq, kv), scores, at, out),
-            (64, false) => write_sums::<64, 1, E>(inputs, (seq, kv), scores, at, out),
-            (128, true) => write_sums::<128, 2, E>(inputs, (seq, kv), scores, at, out),
-            (128, false) => write_sums::<128, 1, E>(inputs, (seq, kv), scores, at, out),
-            (32, true) => write_sums::<32, 2, E>(inputs, (seq, kv), scores, at, out),
-            (32, false) => write_sums::<32, 1, E>(inputs, (seq, kv), scores, at, out),
+            (64, true) => write_sums::<64, 2, E>(inputs, (seq, kv), (scores, post), at, out),
+            (64, false) => write_sums::<64, 1, E>(inputs, (seq, kv), (scores, post), at, out),
+            (128, true) => write_sums::<128, 2, E>(inputs, (seq, kv), (scores, post), at, out),
+            (128, false) => write_sums::<128, 1, E>(inputs, (seq, kv), (scores, post), at, out),
+            (32, true) => write_sums::<32, 2, E>(inputs, (seq, kv), (scores, post), at, out),
+            (32, false) => write_sums::<32, 1, E>(inputs, (seq, kv), (scores, post), at, out),
             _ => {
-                write_sums_any(inputs, (seq, kv), scores, at, out);
+                write_sums_any(inputs, (seq, kv), (scores, post), at, out);
                 r += 1;
                 continue;
             }
@@ -554,33 +569,25 @@ unsafe fn prefill_task<E: Elem>(
             (keys.as_ptr(), n as isize, 1),
             scale,
         );
-        for (r, row) in scores.chunks_mut(n).enumerate() {
-            let p = seq.past + i0 + r;
-            let (lo, hi) = (inputs.first_key(p) - start, p + 1 - start);
-            let max = row[lo..hi]
-                .iter()
-                .cloned()
-                .fold(f32::NEG_INFINITY, f32::max);
-            let mut sum = 0.0f32;
-            for (j, s) in row.iter_mut().enumerate() {
-                *s = if j >= lo && j < hi {
-                    (*s - max).exp()
-                } else {
-                    0.0
-                };
-                sum += *s;
-            }
-            let inv = 1.0 / sum;
-            row.iter_mut().for_each(|p| *p *= inv);
-        }
+        let post: Vec<f32> = scores
+            .chunks_mut(n)
+            .enumerate()
+            .map(|(r, row)| {
+                let p = seq.past + i0 + r;
+                let (lo, hi) = (inputs.first_key(p) - start, p + 1 - start);
+                softmax_row(row, (lo, hi), inputs.round_probs)
+            })
+            .collect();
+        let dst = out.get().add(((seq.first + i0) * h + head) * d);
         matmul(
             (lb, d, n),
-            out.get().add(((seq.first + i0) * h + head) * d),
+            dst,
             (h * d) as isize,
             false,
             (scores.as_ptr(), n as isize, 1),
             (values.as_ptr(), d as isize, 1),
             1.0,
         );
+        scale_rows(dst, h * d, d, &post);
     }
 }

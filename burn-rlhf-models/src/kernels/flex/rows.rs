@@ -2,6 +2,7 @@
 
 use rayon::prelude::*;
 
+use super::widen::Rounding;
 use super::{zeros, CHUNK};
 
 /// `1 / sqrt(mean(x²) + eps)` of one row.
@@ -11,8 +12,10 @@ fn inv_rms(x: &[f32], eps: f32) -> f32 {
     1.0 / (mean + eps).sqrt()
 }
 
-/// RMSNorm over rows of `w.len()`.
-pub(super) fn rms_norm_f32(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
+/// RMSNorm over rows of `w.len()`, rounded as HF's norm rounds in the dtype `R` stands for
+/// (see `RmsNormParams`): with no offset `R(R(x̂) * w)`, with one `x̂ * (offset + w)` (rounded
+/// once by the caller).
+pub(super) fn rms_norm_f32<R: Rounding>(x: &[f32], w: &[f32], eps: f32, offset: f32) -> Vec<f32> {
     let h = w.len();
     let mut y = zeros(x.len());
     y.par_chunks_mut(h)
@@ -20,19 +23,25 @@ pub(super) fn rms_norm_f32(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
         .with_min_len(16)
         .for_each(|(y, x)| {
             let inv = inv_rms(x, eps);
-            for ((y, x), w) in y.iter_mut().zip(x).zip(w) {
-                *y = x * inv * w;
+            if offset == 0.0 {
+                for ((y, x), w) in y.iter_mut().zip(x).zip(w) {
+                    *y = R::round(R::round(x * inv) * w);
+                }
+            } else {
+                for ((y, x), w) in y.iter_mut().zip(x).zip(w) {
+                    *y = x * inv * (offset + w);
+                }
             }
         });
     y
 }
 
-/// RMSNorm's gradients: (dx, dw).
+/// RMSNorm's gradients: (dx, dw), the weight `offset + w`.
 pub(super) fn rms_norm_backward_f32(
     g: &[f32],
     x: &[f32],
     w: &[f32],
-    eps: f32,
+    (eps, offset): (f32, f32),
 ) -> (Vec<f32>, Vec<f32>) {
     let h = w.len();
     let inv: Vec<f32> = x.par_chunks(h).map(|x| inv_rms(x, eps)).collect();
@@ -45,11 +54,11 @@ pub(super) fn rms_norm_backward_f32(
                 .iter()
                 .zip(x)
                 .zip(w)
-                .map(|((g, x), w)| g * w * x * inv)
+                .map(|((g, x), w)| g * (offset + w) * x * inv)
                 .sum::<f32>()
                 / h as f32;
             for (((dx, g), x), w) in dx.iter_mut().zip(g).zip(x).zip(w) {
-                *dx = (g * w - x * inv * mean) * inv;
+                *dx = (g * (offset + w) - x * inv * mean) * inv;
             }
         });
     // Each task's sums over its rows, then added in task order. (Rayon's `reduce` pairs them
@@ -81,13 +90,16 @@ pub(super) fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + (-x).exp())
 }
 
-/// The rotary embedding of one row of width `d`: `x * cos + rotate_half(x) * sin` into `y`.
+/// The rotary embedding of one row of width `d`: `x * cos + rotate_half(x) * sin` into `y`,
+/// rounded as HF's three tensor operations round in the dtype `R` stands for (the tables too).
 #[inline]
-pub(super) fn rotate_row(y: &mut [f32], x: &[f32], cos: &[f32], sin: &[f32]) {
+pub(super) fn rotate_row<R: Rounding>(y: &mut [f32], x: &[f32], cos: &[f32], sin: &[f32]) {
     let half = x.len() / 2;
+    let r = R::round;
     for j in 0..half {
-        y[j] = x[j] * cos[j] - x[j + half] * sin[j];
-        y[j + half] = x[j + half] * cos[j + half] + x[j] * sin[j + half];
+        let (c1, s1, c2, s2) = (r(cos[j]), r(sin[j]), r(cos[j + half]), r(sin[j + half]));
+        y[j] = r(r(x[j] * c1) - r(x[j + half] * s1));
+        y[j + half] = r(r(x[j + half] * c2) + r(x[j] * s2));
     }
 }
 
@@ -121,7 +133,7 @@ mod tests {
                 .num_threads(threads)
                 .build()
                 .unwrap()
-                .install(|| rms_norm_backward_f32(&g, &x, &w, 1e-6))
+                .install(|| rms_norm_backward_f32(&g, &x, &w, (1e-6, 0.0)))
         };
         let (dx, dw) = on(1);
         for threads in [2, 3, 4, 8] {

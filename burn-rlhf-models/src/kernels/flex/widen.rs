@@ -15,6 +15,37 @@ use rayon::prelude::*;
 /// Elements per conversion task.
 const CHUNK: usize = 1 << 14;
 
+/// Where HF's half-precision arithmetic rounds an intermediate result (a product before the
+/// next one, a norm's normalised value before its weight), the f32 kernels round it too, so a
+/// bf16 result is HF's: [`Exact`] for f32 tensors (nothing rounded), [`ToBf16`] for tensors
+/// widened from bf16.
+pub(super) trait Rounding: Copy + Send + Sync + 'static {
+    /// `x` as the nearest value of the dtype (nearest even on ties, as Flex's casts round).
+    fn round(x: f32) -> f32;
+}
+
+/// f32 arithmetic: nothing rounded.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Exact;
+
+impl Rounding for Exact {
+    #[inline(always)]
+    fn round(x: f32) -> f32 {
+        x
+    }
+}
+
+/// bf16 arithmetic.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct ToBf16;
+
+impl Rounding for ToBf16 {
+    #[inline(always)]
+    fn round(x: f32) -> f32 {
+        bf16::from_f32(x).f32()
+    }
+}
+
 /// An element the pool kernels read: f32 or bf16.
 pub(super) trait Elem: Copy + Send + Sync + 'static {
     const DTYPE: DType;
