@@ -8,8 +8,10 @@
 # prompts x 128 tokens, actor + critic: first and steady), gen (64 x 128+256 generation and 8 x 384
 # forward+backward, cold and warm), peer (HF transformers and verl's code on the same GPU), then
 # fixtures (verl's fixtures through the CUDA kernels), bf16 (generation in bf16), grpo (two GRPO
-# steps), gpu (burn-rlhf's GPU tests: compile counts, kernel cache, the engine on the device) and
-# nccl (a one-rank communicator checked and timed; two ranks on the one GPU).
+# steps), trl (three GRPO steps, then TRL's GRPOTrainer on the same GPU, model, prompts and sizes,
+# f32 then bf16 weights: `benches/gpu/trl_wheels.sh` here first, and `.whl` carried), gpu
+# (burn-rlhf's GPU tests: compile counts, kernel cache, the engine on the device) and nccl (a
+# one-rank communicator checked and timed; two ranks on the one GPU).
 set -u
 OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
 log=$OUT/run.log
@@ -47,6 +49,15 @@ for p in $phases; do
     fixtures) step fixtures 40 verl_fixtures --test-threads 1 ;;
     bf16) step bf16 60 burn-rlhf bench $ppo actor_rollout_ref.rollout.dtype=bfloat16 --fwd-bwd 0 0 --steps 0 ;;
     grpo) step grpo 70 burn-rlhf bench $grpo --generate 0 0 0 --fwd-bwd 0 0 --steps 2 ;;
+    trl) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >> "$log" 2>&1
+         export PYTHONPATH=/tmp/site
+         # Micro-batches of 16 on both sides (TRL's per-device batch), no KL, on-policy.
+         for dt in float32 bfloat16; do
+           step trl-$dt ${TRL_LIMIT_S:-240} burn-rlhf bench $grpo actor_rollout_ref.model.dtype=$dt \
+             actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16 actor_rollout_ref.actor.use_kl_loss=false \
+             data.shuffle=false trainer.val_before_train=false --generate 0 0 0 --fwd-bwd 0 0 --steps 3 \
+             --peer benches/peers/trl_grpo.py --peer-python python3
+         done ;;
     gpu) step gpu 100 gpu --test-threads 1 ;;
     nccl) # pip's NCCL beside torch (libnccl.so.2), named for burn-rlhf.
           export BURN_RLHF_NCCL_LIB=$(python3 -c "import nvidia.nccl as m, os; print(os.path.join(list(m.__path__)[0], 'lib'))" 2>/dev/null)

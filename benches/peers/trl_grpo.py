@@ -7,11 +7,19 @@ One step = one generation of `prompts x n` completions and one optimiser step ov
 `steps_per_generation` = gradient accumulation, so `micro` rows per forward/backward). No KL
 (beta=0), one iteration, so TRL skips its old-log-prob pass, as burn-rlhf does when on-policy.
 
-Prints one JSON line: per step its seconds, generation and update seconds, CPU utilisation
-(process CPU time / wall), plus the process's peak resident memory and mean completion length.
+On a GPU (`--device cuda`, or `auto` when torch sees one) the model trains there; `--dtype bfloat16`
+loads its weights in bf16 (and turns TRL's bf16 autocast on), as `model.dtype=bfloat16` does on our
+side. Each step's clock stops after the device has finished (`torch.cuda.synchronize`).
 
-Set up: benches/peers/setup.sh (a venv with torch, transformers, trl, datasets).
-Usage: python trl_grpo.py --model DIR --data train.jsonl [--prompts 8 --n 4 --response 128 --micro 8 --steps 2]
+Prints one JSON line: per step its seconds, generation and update seconds, CPU utilisation
+(process CPU time / wall), plus the process's peak resident memory, on a GPU the device memory
+PyTorch's allocator reserved at its peak (`peak_device_gb`, the figure comparable with CubeCL's
+pool) and allocated, and the mean completion length.
+
+Set up: benches/peers/setup.sh (a venv with torch, transformers, trl, datasets); on a GPU host
+without network, see docs/gpu_host.md for carrying TRL and its pure-Python dependencies as wheels.
+Usage: python trl_grpo.py --model DIR --data train.jsonl [--prompts 8 --n 4 --response 128 --micro 8
+    --steps 2 --device auto --dtype float32]
 """
 import argparse, json, os, re, resource, sys, time
 
@@ -29,11 +37,17 @@ def main():
     ap.add_argument("--gradient-checkpointing", type=int, default=1)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--out", default="/tmp/trl_grpo_peer")
+    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     a = ap.parse_args()
 
     import torch
     if a.threads:
         torch.set_num_threads(a.threads)
+    cuda = a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available())
+    if cuda and not torch.cuda.is_available():
+        sys.exit("--device cuda: torch sees no CUDA device")
+    bf16 = a.dtype == "bfloat16"
     import transformers
     transformers.logging.set_verbosity_error()
     from datasets import Dataset
@@ -69,10 +83,10 @@ def main():
     if a.micro <= 0 or (a.prompts * a.n) % a.micro:
         sys.exit(f"--micro {a.micro} must divide prompts x n = {a.prompts * a.n}")
     tok = AutoTokenizer.from_pretrained(a.model)
-    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.bfloat16 if bf16 else torch.float32)
     config = GRPOConfig(
-        output_dir=a.out, report_to="none", save_strategy="no", logging_steps=1, use_cpu=True,
-        bf16=False, fp16=False, seed=0, shuffle_dataset=False, max_steps=a.steps,
+        output_dir=a.out, report_to="none", save_strategy="no", logging_steps=1, use_cpu=not cuda,
+        bf16=bf16, fp16=False, seed=0, shuffle_dataset=False, max_steps=a.steps,
         per_device_train_batch_size=a.micro, gradient_accumulation_steps=a.prompts * a.n // a.micro,
         num_generations=a.n, max_completion_length=a.response, temperature=1.0, top_p=1.0, top_k=0,
         learning_rate=a.lr, beta=0.0, num_iterations=1, gradient_checkpointing=bool(a.gradient_checkpointing),
@@ -85,19 +99,27 @@ def main():
     original = trainer._generate_and_score_completions
 
     def timed_generation(*args, **kwargs):
+        synchronize()
         t0 = time.perf_counter()
         out = original(*args, **kwargs)
+        synchronize()
         gen.append(time.perf_counter() - t0)
         lengths.append(float(out["completion_mask"].sum(1).float().mean()))
         return out
 
     trainer._generate_and_score_completions = timed_generation
 
+    def synchronize():
+        if cuda:
+            torch.cuda.synchronize()
+
     class StepClock(TrainerCallback):
         def on_step_begin(self, *_, **__):
+            synchronize()
             self.t0, self.cpu0 = time.perf_counter(), os.times()
 
         def on_step_end(self, *_, **__):
+            synchronize()
             wall = time.perf_counter() - self.t0
             cpu1 = os.times()
             cpu = (cpu1.user - self.cpu0.user) + (cpu1.system - self.cpu0.system)
@@ -109,10 +131,18 @@ def main():
         s["gen_s"] = g
         s["update_s"] = s["step_s"] - g
     peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    device = {"device": "cpu"}
+    if cuda:
+        device = {
+            "device": torch.cuda.get_device_name(0),
+            "peak_device_gb": torch.cuda.max_memory_reserved() / 1e9,
+            "peak_device_allocated_gb": torch.cuda.max_memory_allocated() / 1e9,
+        }
     print(json.dumps({
-        "peer": f"TRL {trl.__version__} GRPOTrainer (torch {torch.__version__}, transformers {transformers.__version__})",
+        "peer": f"TRL {trl.__version__} GRPOTrainer (torch {torch.__version__}, transformers "
+                f"{transformers.__version__}, {a.dtype} on {device['device']})",
         "threads": torch.get_num_threads(), "steps": steps, "peak_rss_gb": peak_kb / 1e6,
-        "mean_response_len": sum(lengths) / max(len(lengths), 1),
+        "mean_response_len": sum(lengths) / max(len(lengths), 1), "dtype": a.dtype, **device,
     }), flush=True)
 
 

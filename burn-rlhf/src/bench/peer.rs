@@ -1,7 +1,8 @@
 //! The side-by-side step benchmark: burn-rlhf's steps of a config, then TRL's `GRPOTrainer` on
 //! the same model folder, data and sizes (`benches/peers/trl_grpo.py`, run as a child process
 //! after ours has freed its memory), and the ratios of the two: step time, each phase, CPU
-//! utilisation and peak resident memory.
+//! utilisation, peak resident memory and, on a GPU, peak device memory. The peer runs where ours
+//! does (CUDA on a CUDA build, else the CPU) and in the actor's dtype (`model.dtype`).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -34,6 +35,9 @@ pub struct Side {
     pub cpu_util: Vec<f64>,
     /// Peak resident memory over the run, GB.
     pub peak_rss_gb: f64,
+    /// Peak device memory the allocator held over the run, GB (ours: CubeCL's pool after each
+    /// phase; TRL: PyTorch's `max_memory_reserved`); `None` on a CPU.
+    pub peak_device_gb: Option<f64>,
     /// Mean response length over the steps.
     pub mean_response_len: f64,
 }
@@ -60,6 +64,12 @@ impl Side {
                 .iter()
                 .map(|m| get(m, "perf/peak_rss_gb"))
                 .fold(0.0, f64::max),
+            peak_device_gb: steps
+                .iter()
+                .flat_map(|m| m.iter())
+                .filter(|(k, _)| k.starts_with("perf/device_memory_reserved_gb"))
+                .map(|(_, v)| *v)
+                .reduce(f64::max),
             mean_response_len: steps
                 .iter()
                 .map(|m| get(m, "response_length/mean"))
@@ -79,6 +89,7 @@ impl Side {
             update: col("update_s")?,
             cpu_util: col("cpu_util")?,
             peak_rss_gb: v.get("peak_rss_gb")?.as_f64()?,
+            peak_device_gb: v.get("peak_device_gb").and_then(Value::as_f64),
             mean_response_len: v.get("mean_response_len")?.as_f64()?,
         })
     }
@@ -87,6 +98,7 @@ impl Side {
         json!({
             "step_s": self.steps, "gen_s": self.gen, "update_s": self.update,
             "cpu_util": self.cpu_util, "peak_rss_gb": self.peak_rss_gb,
+            "peak_device_gb": self.peak_device_gb,
             "mean_response_len": self.mean_response_len,
             "steady_step_s": steady(&self.steps),
         })
@@ -140,7 +152,32 @@ fn peer_args(settings: &Settings, steps: usize) -> Result<Vec<String>, TrainErro
         "--gradient-checkpointing".into(),
         ((settings.model.gradient_checkpointing != crate::config::Checkpointing::Off) as u8)
             .to_string(),
+        "--device".into(),
+        peer_device(crate::backend::backend_name()).into(),
+        "--dtype".into(),
+        peer_dtype(settings.model.dtype)?.into(),
     ])
+}
+
+/// Where the peer runs for our backend: CUDA beside a CUDA build, the CPU beside the others
+/// (wgpu through lavapipe is a CPU too).
+fn peer_device(backend: &str) -> &'static str {
+    match backend {
+        "cuda" => "cuda",
+        _ => "cpu",
+    }
+}
+
+/// The peer's dtype for the actor's: float32 or bfloat16 (f16 is not compared).
+fn peer_dtype(dtype: Option<burn::tensor::FloatDType>) -> Result<&'static str, TrainError> {
+    match dtype {
+        None => Ok("float32"),
+        Some(burn::tensor::FloatDType::BF16) => Ok("bfloat16"),
+        Some(other) => Err(TrainError::config(
+            "actor_rollout_ref.model.dtype",
+            format!("the peer compares float32 and bfloat16, not {other:?}"),
+        )),
+    }
 }
 
 /// Runs the peer for `settings` and reads its figures.
@@ -196,6 +233,10 @@ pub fn compare(ours: &Side, peer: &Side, peer_name: &str) -> Value {
         "speed_ratio_gen": ratio(&peer.gen, &ours.gen),
         "speed_ratio_update": ratio(&peer.update, &ours.update),
         "memory_ratio": ours.peak_rss_gb / peer.peak_rss_gb.max(1e-9),
+        "device_memory_ratio": ours
+            .peak_device_gb
+            .zip(peer.peak_device_gb)
+            .map(|(o, p)| o / p.max(1e-9)),
     })
 }
 
@@ -244,6 +285,9 @@ pub fn table(ours: &Side, peer: &Side, peer_name: &str) -> String {
         "GB",
         ours.peak_rss_gb / peer.peak_rss_gb.max(1e-9),
     );
+    if let (Some(o), Some(p)) = (ours.peak_device_gb, peer.peak_device_gb) {
+        s += &row("peak device memory", o, p, "GB", o / p.max(1e-9));
+    }
     s += &row(
         "mean response length",
         ours.mean_response_len,
@@ -268,6 +312,7 @@ mod tests {
             update: vec![60.0, 25.0],
             cpu_util: vec![1.5, 1.9],
             peak_rss_gb: 4.0,
+            peak_device_gb: Some(3.0),
             mean_response_len: 120.0,
         };
         let peer = Side {
@@ -276,12 +321,35 @@ mod tests {
             update: vec![60.0, 50.0],
             cpu_util: vec![1.8, 1.8],
             peak_rss_gb: 8.0,
+            peak_device_gb: Some(12.0),
             mean_response_len: 110.0,
         };
         let c = compare(&ours, &peer, "TRL");
         assert_eq!(c["speed_ratio_step"], 2.0);
         assert_eq!(c["speed_ratio_gen"], 2.0);
         assert_eq!(c["memory_ratio"], 0.5);
-        assert!(table(&ours, &peer, "TRL").contains("2.00x"));
+        assert_eq!(c["device_memory_ratio"], 0.25);
+        let t = table(&ours, &peer, "TRL");
+        assert!(
+            t.contains("2.00x") && t.contains("peak device memory"),
+            "{t}"
+        );
+        let cpu = Side {
+            peak_device_gb: None,
+            ..ours
+        };
+        assert!(!table(&cpu, &peer, "TRL").contains("device"));
+    }
+
+    #[test]
+    fn the_peer_runs_where_and_in_the_dtype_ours_does() {
+        assert_eq!(peer_device("cuda"), "cuda");
+        assert_eq!(peer_device("wgpu"), "cpu");
+        assert_eq!(peer_device("flex"), "cpu");
+        assert_eq!(peer_dtype(None).unwrap(), "float32");
+        let bf16 = Some(burn::tensor::FloatDType::BF16);
+        assert_eq!(peer_dtype(bf16).unwrap(), "bfloat16");
+        let f16 = peer_dtype(Some(burn::tensor::FloatDType::F16)).unwrap_err();
+        assert!(f16.to_string().contains("model.dtype"), "{f16}");
     }
 }

@@ -7,7 +7,10 @@
 //!   for every new length;
 //! - PPO steps 2 and 3 compile and tune nothing new;
 //! - a second process with the same kernel cache tunes nothing (and on CUDA compiles nothing:
-//!   its PTX is cached; wgpu has no compiled-kernel cache).
+//!   its PTX is cached; wgpu has no compiled-kernel cache);
+//! - a whole GRPO run (`configs/grpo_gsm8k.ron`, three steps, in a process of its own with an
+//!   empty cache) compiles at most [`GRPO_RUN_KERNELS`] kernels: on CUDA each costs about a
+//!   second on a fresh machine, so the count is the first step's time there.
 //!
 //! `cargo test --release -p burn-rlhf --features wgpu --test gpu -- --test-threads=1 gpu_shapes`
 
@@ -248,4 +251,101 @@ fn a_second_process_with_the_same_kernel_cache_tunes_nothing() {
         );
     }
     let _ = std::fs::remove_dir_all(&root);
+}
+
+/// The most kernels a three-step GRPO run of the tiny task model may compile on wgpu: what it
+/// compiled on 2026-11-28 (175, with 47 autotune runs: 29 of the kernels matrix products, 33
+/// element-wise binary operations, 24 reductions; README's GPU section). The test fails when a
+/// change makes it compile more; lower it when a change makes it compile fewer.
+const GRPO_RUN_KERNELS: usize = 175;
+
+#[test]
+fn a_grpo_run_compiles_a_bounded_set_of_kernels() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let root = std::env::temp_dir().join(format!("burn-rlhf-grpo-kernels-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let model_dir = root.join("model");
+    let mc = tasks::model_config(32, 1);
+    let model: CausalLm<burn::backend::Flex> = mc.init_causal_lm(&Default::default());
+    save_pretrained(
+        &model_dir,
+        &mc,
+        &model.export(),
+        None,
+        Some(&tasks::tokenizer()),
+    )
+    .unwrap();
+    let data = root.join("train.parquet");
+    let (train, _) = tasks::split_problems(16, 20, 1);
+    burn_rlhf::rollout::data::write_parquet(&data, &train).unwrap();
+    let cache = root.join("cache");
+    let config = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/grpo_gsm8k.ron");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_burn-rlhf"))
+        .arg("train")
+        .arg(&config)
+        .args([
+            format!("actor_rollout_ref.model.path={}", model_dir.display()),
+            format!("data.train_files=[{}]", data.display()),
+            "data.max_prompt_length=8".into(),
+            "data.max_response_length=6".into(),
+            "data.train_batch_size=4".into(),
+            "actor_rollout_ref.rollout.n=2".into(),
+            "actor_rollout_ref.actor.ppo_mini_batch_size=2".into(),
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2".into(),
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4".into(),
+            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4".into(),
+            "actor_rollout_ref.model.shape_bucket=16".into(),
+            "custom_reward_function.name=arithmetic".into(),
+            "trainer.total_training_steps=3".into(),
+            "trainer.test_freq=-1".into(),
+            "trainer.save_freq=-1".into(),
+            "trainer.logger=[jsonl]".into(),
+            format!("trainer.default_local_dir={}", root.join("out").display()),
+        ])
+        .env("BURN_RLHF_KERNEL_CACHE", &cache)
+        .env("CUBECL_AUTOTUNE_LEVEL", "minimal")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let logs = KernelLogs::in_dir(&cache);
+    let (compiled, tuned) = logs.counts();
+    println!(
+        "{}: a three-step GRPO run compiled {compiled} kernels ({tuned} autotune runs); by kind:\n{}",
+        backend_name(),
+        compiled_by_kind(&logs.compile)
+    );
+    assert!(compiled > 0, "the run compiles its kernels");
+    assert!(
+        compiled <= GRPO_RUN_KERNELS,
+        "a GRPO run compiled {compiled} kernels, more than the {GRPO_RUN_KERNELS} it did"
+    );
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// The compile log's kernels counted by name (the part of each line before its first `<` or
+/// space after the tag), most first.
+fn compiled_by_kind(log: &std::path::Path) -> String {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let mut counts = std::collections::BTreeMap::<String, usize>::new();
+    for line in text.lines() {
+        if let Some(rest) = line.split("[Compiling kernel]").nth(1) {
+            let name = rest
+                .trim()
+                .split([' ', '<', '('])
+                .next()
+                .unwrap_or("")
+                .to_string();
+            *counts.entry(name).or_default() += 1;
+        }
+    }
+    let mut rows: Vec<_> = counts.into_iter().collect();
+    rows.sort_by(|a, b| b.1.cmp(&a.1));
+    rows.iter()
+        .map(|(name, n)| format!("  {n:4} {name}"))
+        .collect::<Vec<_>>()
+        .join("\n")
 }
