@@ -142,6 +142,23 @@ enum Command {
         #[arg(long)]
         rollout_peer: Option<PathBuf>,
     },
+    /// Time the decoder's matrix products on Qwen2.5-0.5B's shapes (the MLP's 896 → 4864 and the
+    /// LM head's 896 → 151936 over `--rows` tokens: the forward product and the backward's two),
+    /// on every engine this build has (CUDA: CubeCL's matmul, cuBLASLt in f32 and TF32), cold and
+    /// warm: JSON lines comparable with `benches/peers/products.py` on the same GPU.
+    ///
+    /// Example: `burn-rlhf bench-products --rows 3072 --dtypes f32 bf16`
+    BenchProducts {
+        /// Tokens per product (the rows of `x`).
+        #[arg(long, default_value_t = 3072)]
+        rows: usize,
+        /// Warm repetitions (their median is reported).
+        #[arg(long, default_value_t = 10)]
+        reps: usize,
+        /// The dtypes to multiply in.
+        #[arg(long, num_args = 1.., default_values = ["f32", "bf16"], value_parser = ["f32", "bf16", "f16"])]
+        dtypes: Vec<String>,
+    },
     /// Time the collectives the trainer uses (all-reduce, all-gather, reduce-scatter, broadcast)
     /// on this launch's transport, 4 KiB up to `--max-mib`: JSON lines with nccl-tests' algorithm
     /// and bus bandwidths. With `--peer`, torch.distributed (gloo) runs the same operations over
@@ -427,6 +444,20 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 rollout,
             };
             burn_rlhf::bench::run_bench_selected(checked_config(&config, &overrides)?, &options)?;
+        }
+        Command::BenchProducts { rows, reps, dtypes } => {
+            let dtypes: Vec<burn::tensor::FloatDType> = dtypes
+                .iter()
+                .map(|d| match d.as_str() {
+                    "bf16" => burn::tensor::FloatDType::BF16,
+                    "f16" => burn::tensor::FloatDType::F16,
+                    _ => burn::tensor::FloatDType::F32,
+                })
+                .collect();
+            let device = burn_rlhf::backend::default_device();
+            burn_rlhf::bench::bench_products::<burn_rlhf::backend::InferenceBackend>(
+                &device, rows, reps, &dtypes,
+            );
         }
         Command::BenchCollectives {
             nnodes,

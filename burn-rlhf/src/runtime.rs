@@ -138,13 +138,19 @@ fn count_lines(file: &PathBuf, what: &str) -> usize {
 }
 
 /// Sets CubeCL up before the first GPU device is used: compiled kernels and autotune results in
-/// [`kernel_cache_dir`] (so a second run of the same config compiles and tunes nothing), and logs
+/// [`kernel_cache_dir`] (CUDA: in the GPU's [`device_folder`] of it), so a second run of the same
+/// config compiles and tunes nothing, and processes on machines of one GPU kind can share the
+/// folder (CubeCL writes each cache file under a lock file); and logs
 /// of compilations and autotune runs beside them ([`kernel_logs`]; the progress bar watches the
 /// first to say when it is compiling). A `cubecl.toml`/`burn.toml` of the user's keeps its own
 /// cache settings. A no-op on CPU builds.
 pub fn configure_kernels() -> Configured {
     let cache_dir = kernel_cache_dir();
     let log_dir = cache_dir.clone().unwrap_or_else(std::env::temp_dir);
+    let cache_dir = cache_dir.map(|dir| match device_folder() {
+        Some(folder) => dir.join(folder),
+        None => dir,
+    });
     let logs = KernelLogs::in_dir(&log_dir);
     // Every kernel launch too, on request (a line per launch: for counting, not for speed).
     let logs = match std::env::var(LOG_LAUNCHES_VARIABLE).as_deref() {
@@ -152,6 +158,47 @@ pub fn configure_kernels() -> Configured {
         _ => logs,
     };
     configure_kernels_logging(cache_dir, logs)
+}
+
+/// The kernel cache's subfolder for this machine's GPU (CUDA builds: `cuda-sm90-NVIDIA_H200`):
+/// CubeCL keys a compiled kernel by the kernel, not by the GPU it was compiled for, so machines
+/// with GPUs of other architectures sharing one cache folder (a cluster's shared filesystem,
+/// `BURN_RLHF_KERNEL_CACHE`) keep theirs apart, while machines of one kind share. `None` on
+/// other builds, or where no CUDA device answers.
+pub fn device_folder() -> Option<String> {
+    #[cfg(feature = "cuda")]
+    {
+        use cudarc::driver::result::{device, init};
+        use cudarc::driver::sys::CUdevice_attribute as Attribute;
+        // cudarc panics where it cannot load the driver's library: ask the loader first.
+        let names = cudarc::get_lib_name_candidates("cuda");
+        // SAFETY: the driver library's initialisers only register it; cudarc opens the same file.
+        if !names
+            .iter()
+            .any(|n| unsafe { libloading::Library::new(n) }.is_ok())
+        {
+            return None;
+        }
+        init().ok()?;
+        let dev = device::get(0).ok()?;
+        // SAFETY: attributes of a device the driver just returned.
+        let (major, minor) = unsafe {
+            (
+                device::get_attribute(dev, Attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
+                    .ok()?,
+                device::get_attribute(dev, Attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)
+                    .ok()?,
+            )
+        };
+        let name: String = device::get_name(dev)
+            .ok()?
+            .chars()
+            .map(|c| if c.is_ascii_alphanumeric() || c == '-' { c } else { '_' })
+            .collect();
+        Some(format!("cuda-sm{major}{minor}-{name}"))
+    }
+    #[cfg(not(feature = "cuda"))]
+    None
 }
 
 /// `BURN_RLHF_LOG_LAUNCHES=1` adds a log of every kernel launch ([`KernelLogs::launches`]).

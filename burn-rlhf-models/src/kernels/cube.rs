@@ -398,9 +398,10 @@ pub fn rotary_backward<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolE
     dx
 }
 
-// Attention's forward, RMSNorm, SwiGLU and rotary forward and backward as the kernels above;
-// the rest runs the references (attention's blocked backward, which recomputes a block of
-// scores at a time, and tensor ops that CubeCL's kernels already serve).
+// Attention's forward, RMSNorm, SwiGLU and rotary forward and backward as the kernels above; the
+// products on cuBLASLt where it was chosen (CUDA), else CubeCL's matmul; the rest runs the
+// references (attention's blocked backward, which recomputes a block of scores at a time, and
+// tensor ops that CubeCL's kernels already serve).
 impl<R, F, I, BT> super::DecoderBackend for CubeBackend<R, F, I, BT>
 where
     R: CubeRuntime,
@@ -425,6 +426,45 @@ where
         window: Option<usize>,
     ) -> FloatTensor<Self> {
         paged_attention::<R, F, I, BT>(q, k, v, layout, window)
+    }
+
+    fn dec_linear(x: FloatTensor<Self>, weight: FloatTensor<Self>) -> FloatTensor<Self> {
+        #[cfg(feature = "cuda")]
+        if let Some(out) = super::cublas::product(&x, &weight, None) {
+            return out;
+        }
+        super::reference::linear::<Self>(x, weight)
+    }
+
+    fn dec_linear_bias(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        #[cfg(feature = "cuda")]
+        if let Some(out) = super::cublas::product(&x, &weight, Some(&bias)) {
+            return out;
+        }
+        super::reference::linear_bias::<Self>(x, weight, bias)
+    }
+
+    fn dec_linear_backward(
+        grad: FloatTensor<Self>,
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        #[cfg(feature = "cuda")]
+        {
+            use burn::tensor::ops::FloatTensorOps;
+            let weight_t = Self::float_transpose(weight.clone());
+            if let Some(dx) = super::cublas::product(&grad, &weight_t, None) {
+                let x_t = Self::float_transpose(x.clone());
+                let dw = super::cublas::product(&x_t, &grad, None)
+                    .expect("the same engine and dtypes as dx's");
+                return (dx, dw);
+            }
+        }
+        super::reference::linear_backward::<Self>(grad, x, weight)
     }
 
     fn dec_rms_norm(

@@ -20,6 +20,8 @@ pub mod cube;
 pub mod cube_attention;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 mod cube_launch;
+#[cfg(feature = "cuda")]
+pub mod cublas;
 #[cfg(feature = "flex")]
 mod flex;
 mod mask;
@@ -37,6 +39,62 @@ use crate::collective::TpGroup;
 use crate::paged::PagedLayout;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::Tensor;
+
+/// What runs the decoder's matrix products (its linear layers, forward and backward) on CUDA:
+/// CubeCL's autotuned matmul kernels, or NVIDIA's cuBLASLt (`kernels/cublas.rs`: no kernel to
+/// compile per shape, tensor cores for bf16 with f32 accumulation), in f32 exactly or with TF32
+/// products (about 10 bits of mantissa per input: faster, not exact). Process-wide
+/// ([`set_cuda_matmul`]); other backends ignore it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CudaMatmul {
+    /// CubeCL's matmul, autotuned per shape class.
+    #[default]
+    CubeCl,
+    /// cuBLASLt, f32 products in f32.
+    Cublas,
+    /// cuBLASLt with f32 products on TF32 tensor cores.
+    CublasTf32,
+}
+
+impl CudaMatmul {
+    /// The config's names: `cubecl`, `cublas`, `cublas_tf32`.
+    pub const NAMES: [&'static str; 3] = ["cubecl", "cublas", "cublas_tf32"];
+
+    /// The engine a config names.
+    pub fn parse(name: &str) -> Option<Self> {
+        match name {
+            "cubecl" => Some(Self::CubeCl),
+            "cublas" => Some(Self::Cublas),
+            "cublas_tf32" => Some(Self::CublasTf32),
+            _ => None,
+        }
+    }
+}
+
+static CUDA_MATMUL: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+/// Makes `engine` run this process's products on CUDA. cuBLASLt needs a CUDA build and its
+/// library where the dynamic loader finds it (or named by `BURN_RLHF_CUBLASLT_LIB`): the error
+/// says which is missing.
+pub fn set_cuda_matmul(engine: CudaMatmul) -> Result<(), String> {
+    if engine != CudaMatmul::CubeCl {
+        #[cfg(feature = "cuda")]
+        cublas::check_library()?;
+        #[cfg(not(feature = "cuda"))]
+        return Err("cuBLAS products need a CUDA build (`--features cuda`)".into());
+    }
+    CUDA_MATMUL.store(engine as u8, std::sync::atomic::Ordering::Relaxed);
+    Ok(())
+}
+
+/// The engine [`set_cuda_matmul`] chose (CubeCL's until then).
+pub fn cuda_matmul() -> CudaMatmul {
+    match CUDA_MATMUL.load(std::sync::atomic::Ordering::Relaxed) {
+        1 => CudaMatmul::Cublas,
+        2 => CudaMatmul::CublasTf32,
+        _ => CudaMatmul::CubeCl,
+    }
+}
 
 /// An RMSNorm's constants: `eps`, added to the mean square, and `weight_offset`, added to the
 /// weight (1 for Gemma's `(1 + weight)`, else 0). They also say where a half-precision norm

@@ -15,6 +15,7 @@
 
 mod collectives;
 mod peer;
+mod products;
 mod rollout;
 
 pub use collectives::{
@@ -23,6 +24,7 @@ pub use collectives::{
 };
 
 pub use peer::{compare, run_peer, table, Peer, Side};
+pub use products::{bench_products, ProductRole, ProductShape, MODEL_LAYERS};
 pub use rollout::{RolloutBench, RolloutCase};
 
 use crate::backend::LearnerBackend;

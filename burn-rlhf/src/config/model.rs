@@ -2,6 +2,7 @@
 //! settings and their rules.
 
 use burn::tensor::FloatDType;
+use burn_rlhf_models::kernels::CudaMatmul;
 use burn_rlhf_models::LoraConfig;
 use serde::{Deserialize, Serialize};
 
@@ -125,6 +126,11 @@ pub struct ModelConfig {
     /// state (old, reference, update, validation passes): the LM head's `[chunk, vocab]` logits
     /// and their gradient are all that exist at once, never `[tokens, vocab]`. burn-rlhf's key.
     pub logits_chunk_size: usize,
+    /// What runs the models' matrix products on CUDA: `cubecl` (CubeCL's autotuned kernels),
+    /// `cublas` (NVIDIA's cuBLASLt: nothing compiled per shape, bf16 on tensor cores with f32
+    /// accumulation, f32 exactly) or `cublas_tf32` (f32 products on TF32 tensor cores: faster,
+    /// not exact). Process-wide; needs a CUDA build for the cuBLAS ones. burn-rlhf's key.
+    pub cuda_matmul: String,
 }
 
 impl Default for ModelConfig {
@@ -143,6 +149,7 @@ impl Default for ModelConfig {
             lora: ModelLoraConfig::default(),
             shape_bucket: None,
             logits_chunk_size: DEFAULT_LOGITS_CHUNK,
+            cuda_matmul: "cubecl".into(),
         }
     }
 }
@@ -186,6 +193,8 @@ pub struct ModelSettings {
     pub remove_padding: Option<bool>,
     /// `lora.merge`: generation on the weights with the adapters merged in.
     pub lora_merge: bool,
+    /// `cuda_matmul`: the engine of the products on CUDA.
+    pub cuda_matmul: CudaMatmul,
 }
 
 impl ModelConfig {
@@ -206,6 +215,24 @@ impl ModelConfig {
              generation uses, but `actor_rollout_ref.model.lora_rank` is 0 (no adapters)"
                 .into()
         });
+        let cuda_matmul = CudaMatmul::parse(&self.cuda_matmul);
+        p.check(cuda_matmul.is_some(), || {
+            format!(
+                "`actor_rollout_ref.model.cuda_matmul` is `{}`; known: {}",
+                self.cuda_matmul,
+                CudaMatmul::NAMES.join(", ")
+            )
+        });
+        p.check(
+            matches!(cuda_matmul, None | Some(CudaMatmul::CubeCl)) || cfg!(feature = "cuda"),
+            || {
+                format!(
+                    "`actor_rollout_ref.model.cuda_matmul={}` runs products on cuBLAS, which \
+                     needs a CUDA build (`--features cuda`)",
+                    self.cuda_matmul
+                )
+            },
+        );
         let checkpointing = Checkpointing::decode(
             p,
             &key("gradient_checkpointing_granularity"),
@@ -227,6 +254,7 @@ impl ModelConfig {
             gradient_checkpointing: checkpointing?,
             remove_padding: self.use_remove_padding,
             lora_merge: self.lora.merge,
+            cuda_matmul: cuda_matmul?,
         })
     }
 }

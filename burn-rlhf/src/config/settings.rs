@@ -309,6 +309,31 @@ mod tests {
         assert_eq!(settings(&c).unwrap().trainer.loggers.file, None);
     }
 
+    /// `model.cuda_matmul` names an engine; the cuBLAS ones need a CUDA build.
+    #[test]
+    fn the_cuda_matmul_key_names_an_engine() {
+        use burn_rlhf_models::kernels::CudaMatmul;
+        let mut c = RlhfConfig::default();
+        assert_eq!(settings(&c).unwrap().model.cuda_matmul, CudaMatmul::CubeCl);
+        c.actor_rollout_ref.model.cuda_matmul = "cublass".into();
+        let err = settings(&c).unwrap_err().to_string();
+        assert!(
+            err.contains("actor_rollout_ref.model.cuda_matmul") && err.contains("cublas_tf32"),
+            "{err}"
+        );
+        c.actor_rollout_ref.model.cuda_matmul = "cublas".into();
+        match settings(&c) {
+            Ok(s) => {
+                assert!(cfg!(feature = "cuda"));
+                assert_eq!(s.model.cuda_matmul, CudaMatmul::Cublas);
+            }
+            Err(e) => {
+                assert!(!cfg!(feature = "cuda"));
+                assert!(e.to_string().contains("needs a CUDA build"), "{e}");
+            }
+        }
+    }
+
     #[test]
     fn derived_keys_and_names_decode_once() {
         let mut c = RlhfConfig::default();

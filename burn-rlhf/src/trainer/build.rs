@@ -169,6 +169,8 @@ impl<B: LearnerBackend> Learner<B> {
         parts: LearnerParts<B>,
         device: &B::Device,
     ) -> Result<PreparedLearner<B>, TrainError> {
+        burn_rlhf_models::kernels::set_cuda_matmul(settings.model.cuda_matmul)
+            .map_err(|e| TrainError::config("actor_rollout_ref.model.cuda_matmul", e))?;
         let mut algorithms = build_algorithms(&settings, &parts.registry, &parts.rewards)?;
         algorithms.agents = build_agents(&settings, &parts)?;
         if parts.training && settings.critic.is_some() && parts.critic.is_none() {

@@ -366,3 +366,71 @@ fn paged_attention_kernel_matches_the_reference() {
         assert_close(float4(got), float4(want), &what);
     }
 }
+
+/// Products on cuBLASLt (`model.cuda_matmul=cublas`, CUDA) against CubeCL's matmul on the same
+/// device: a linear layer's forward (with and without a bias) and its two gradient products, a
+/// stored and a transposed weight, in f32 (within f32 rounding of sums in another order) and
+/// bf16 (within a bf16 step).
+#[cfg(feature = "cuda")]
+#[test]
+fn cublas_products_match_cubecl() {
+    use burn::tensor::{DType, TensorData};
+    use burn_rlhf::models::kernels::CudaMatmul;
+    use burn_rlhf::models::DecoderBackend;
+    /// Back to CubeCL's products whatever happens (the engine is process-wide).
+    struct Restore;
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            kernels::set_cuda_matmul(CudaMatmul::CubeCl).unwrap();
+        }
+    }
+    crate::gpu_shapes::logs();
+    let _restore = Restore;
+    let host = |t: Tensor<B, 2>| t.into_data().convert::<f32>().to_vec::<f32>().unwrap();
+    let close = |got: Vec<f32>, want: Vec<f32>, tol: f32, what: &str| {
+        assert_eq!(got.len(), want.len(), "{what}");
+        let scale = want.iter().fold(1.0f32, |a, w| a.max(w.abs()));
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert!(
+                (g - w).abs() <= tol * scale,
+                "{what}: value {i} is {g}, CubeCL's {w}"
+            );
+        }
+    };
+    let prim = |t: Tensor<B, 2>| t.into_primitive().tensor();
+    let float = |t| Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(t));
+    for (dtype, tol) in [(DType::F32, 1e-5), (DType::BF16, 1e-2)] {
+        let (rows, d_in, d_out) = (37, 96, 200);
+        let x = random([rows, d_in], 1).cast(dtype);
+        let dy = random([rows, d_out], 2).cast(dtype);
+        let bias = Tensor::<B, 1>::from_data(
+            TensorData::new((0..d_out).map(|i| i as f32 * 0.01).collect(), [d_out]),
+            &Default::default(),
+        )
+        .cast(dtype);
+        for w in [
+            random([d_in, d_out], 3),
+            random([d_out, d_in], 4).transpose(),
+        ] {
+            let w = w.cast(dtype);
+            let products = |engine| {
+                kernels::set_cuda_matmul(engine).unwrap();
+                let y = kernels::linear(x.clone(), w.clone());
+                let yb = kernels::linear_bias(x.clone(), w.clone(), bias.clone());
+                let (dx, dw) =
+                    B::dec_linear_backward(prim(dy.clone()), prim(x.clone()), prim(w.clone()));
+                assert_eq!(y.dtype(), dtype);
+                [host(y), host(yb), host(float(dx)), host(float(dw))]
+            };
+            let cubecl = products(CudaMatmul::CubeCl);
+            let cublas = products(CudaMatmul::Cublas);
+            for ((got, want), what) in cublas
+                .into_iter()
+                .zip(cubecl)
+                .zip(["x.W", "x.W + b", "dx", "dw"])
+            {
+                close(got, want, tol, &format!("{dtype:?} {what}"));
+            }
+        }
+    }
+}
