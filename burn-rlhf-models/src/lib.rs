@@ -22,6 +22,7 @@ pub mod gguf;
 pub mod heads;
 mod hf_config;
 pub mod kernels;
+pub mod kv_pool;
 pub mod lora;
 pub mod packing;
 pub mod paged;
@@ -40,8 +41,9 @@ pub use error::ModelError;
 pub use heads::{cast_weights, score_positions, CausalLm, RewardModel, ScoredModel, ValueModel};
 pub use hf_config::HfConfig;
 pub use kernels::DecoderBackend;
+pub use kv_pool::KvPool;
 pub use lora::LoraConfig;
-pub use paged::{KvPool, PagedLayout, PagedSeq};
+pub use paged::{PagedLayout, PagedSeq};
 pub use pretrained::{
     load_pretrained, locate, save_pretrained, ModelFiles, Pretrained, WeightsFile,
 };

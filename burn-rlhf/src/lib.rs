@@ -27,6 +27,8 @@ pub mod optim;
 pub mod distributed;
 pub mod loading;
 
+pub mod adamw;
+
 pub mod error;
 
 pub mod config;

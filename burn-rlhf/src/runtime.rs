@@ -193,7 +193,13 @@ pub fn device_folder() -> Option<String> {
         let name: String = device::get_name(dev)
             .ok()?
             .chars()
-            .map(|c| if c.is_ascii_alphanumeric() || c == '-' { c } else { '_' })
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || c == '-' {
+                    c
+                } else {
+                    '_'
+                }
+            })
             .collect();
         Some(format!("cuda-sm{major}{minor}-{name}"))
     }

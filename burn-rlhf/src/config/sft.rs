@@ -327,11 +327,15 @@ mod tests {
         c.data.truncation = "middle".into();
         c.trainer.n_gpus_per_node = 0;
         c.trainer.logger = vec!["console".into(), "wandb".into()];
+        c.trainer.collective_backend = "gloo".into();
+        c.trainer.collective_timeout_s = 0;
         let message = c.validate("test").unwrap_err().to_string();
         for key in [
             "data.truncation",
             "n_gpus_per_node",
             "trainer.logger` = `wandb",
+            "trainer.collective_backend",
+            "trainer.collective_timeout_s",
         ] {
             assert!(message.contains(key), "{key} in {message}");
         }
@@ -356,6 +360,15 @@ mod tests {
     fn verls_sft_defaults_decode_as_verl_reads_them() {
         let s = SftConfig::default().decode("test").unwrap();
         assert_eq!(s.format, SftFormat::Messages);
+        // The ranks' exchange as RL's trainer section sets it.
+        assert_eq!(
+            s.run.collective_backend,
+            crate::config::CollectiveBackend::Auto
+        );
+        assert_eq!(
+            s.run.collective_timeout,
+            std::time::Duration::from_secs(1800)
+        );
         assert_eq!(s.pad_mode, PadMode::NoPadding);
         assert_eq!(s.max_token_len, Some(8192));
         let thinking = |v: &str| {

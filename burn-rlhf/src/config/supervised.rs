@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use super::optim::{FsdpConfig, FsdpSharding, ScheduleKind, Strategy};
 use super::problems::Problems;
-use super::trainer::{decode_loggers, decode_resume, Loggers, ResumeMode};
+use super::trainer::{decode_loggers, decode_resume, CollectiveBackend, Loggers, ResumeMode};
 use burn_rlhf_models::pretrained::expand_home;
 
 /// `optim.*`: AdamW with linear warm-up and a cosine or constant schedule.
@@ -154,6 +154,11 @@ pub struct SupervisedTrainerConfig<D: TrainerDefaults> {
     /// The newest this many checkpoints are kept (the one resumed from among them); `None` or
     /// 0: all.
     pub max_ckpt_to_keep: Option<usize>,
+    /// How long a rank waits for the others at a collective before the run fails (as RL's
+    /// `trainer.collective_timeout_s`).
+    pub collective_timeout_s: u64,
+    /// How ranks exchange: `auto`, `nccl` or `host` (as RL's `trainer.collective_backend`).
+    pub collective_backend: String,
     #[serde(skip)]
     defaults: PhantomData<D>,
 }
@@ -175,6 +180,8 @@ impl<D: TrainerDefaults> Default for SupervisedTrainerConfig<D> {
             resume_mode: "auto".into(),
             resume_from_path: None,
             max_ckpt_to_keep: None,
+            collective_timeout_s: 1800,
+            collective_backend: "auto".into(),
             defaults: PhantomData,
         }
     }
@@ -194,6 +201,10 @@ pub struct SupervisedRunSettings {
     pub resume: ResumeMode,
     /// `engine.*`: sharding and offload.
     pub engine: EngineSettings,
+    /// `trainer.collective_timeout_s`.
+    pub collective_timeout: std::time::Duration,
+    /// `trainer.collective_backend`.
+    pub collective_backend: CollectiveBackend,
 }
 
 /// Checks `optim.*` and `trainer.*` (every problem into `p`, with its key) and decodes them.
@@ -229,6 +240,10 @@ pub(super) fn decode_run<D: TrainerDefaults>(
         "`trainer.nnodes` and `trainer.n_gpus_per_node` must be >= 1".into()
     });
     let resume = decode_resume(p, &t.resume_mode, t.resume_from_path.as_deref());
+    p.check(t.collective_timeout_s >= 1, || {
+        "`trainer.collective_timeout_s` must be >= 1".into()
+    });
+    let collective_backend = CollectiveBackend::decode(p, &t.collective_backend);
     let checkpoint_dir = expand_home(t.default_local_dir.as_deref().unwrap_or(&format!(
         "checkpoints/{}/{}",
         t.project_name, t.experiment_name
@@ -236,11 +251,16 @@ pub(super) fn decode_run<D: TrainerDefaults>(
     schedule
         .zip(resume)
         .zip(engine)
-        .map(|((schedule, resume), engine)| SupervisedRunSettings {
-            schedule,
-            loggers,
-            checkpoint_dir,
-            resume,
-            engine,
-        })
+        .zip(collective_backend)
+        .map(
+            |(((schedule, resume), engine), collective_backend)| SupervisedRunSettings {
+                schedule,
+                loggers,
+                checkpoint_dir,
+                resume,
+                engine,
+                collective_timeout: std::time::Duration::from_secs(t.collective_timeout_s),
+                collective_backend,
+            },
+        )
 }

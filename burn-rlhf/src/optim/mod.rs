@@ -1,110 +1,23 @@
-//! verl's optimiser pieces that Burn does not have in the same form: AdamW as torch's, stepped by
-//! the backends' fused AdamW kernel, the learning-rate schedules (constant or cosine, both with
-//! linear warm-up), clipping by the *global* gradient norm, as torch's `clip_grad_norm_` does
-//! (Burn's `GradientClipping::Norm` clips each parameter alone), and the optimiser step shared by
-//! data-parallel replicas. AdamW's moments stay on the device or, offloaded, in host memory
-//! ([`moments`]).
-
-mod moments;
+//! verl's optimiser pieces that Burn does not have in the same form: the learning-rate schedules
+//! (constant or cosine, both with linear warm-up), clipping by the *global* gradient norm, as
+//! torch's `clip_grad_norm_` does (Burn's `GradientClipping::Norm` clips each parameter alone),
+//! and the optimiser step shared by data-parallel replicas; AdamW itself, which the sharded
+//! optimiser of `distributed::fsdp` steps too, is [`crate::adamw`] (re-exported here).
 
 use std::collections::HashSet;
 
 use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
-use burn::optim::adaptor::OptimizerAdaptor;
-use burn::optim::{GradientsParams, SimpleOptimizer};
+use burn::optim::GradientsParams;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::Tensor;
-use burn_rlhf_algos::kernels::{adamw_step, AdamWStep, RlBackend};
 use burn_rlhf_models::tensor_parallel::{TensorParallelModule, TpGroup};
 
+pub use crate::adamw::{
+    adamw, adamw_state_bytes, AdamWMoments, AdamWOf, FusedAdamW, Moments, MomentsOf, StateBytes,
+};
 pub use crate::config::settings::ScheduleKind;
 use crate::config::settings::{OptimSettings, Warmup};
 use crate::distributed::{all_reduce_grads, sync_params, DataParallel, ShardPlan};
-pub use moments::{adamw_state_bytes, AdamWMoments, Moments, MomentsOf, StateBytes};
-
-/// AdamW as torch's (decoupled weight decay, `eps = 1e-8`) with Burn's `AdamW` numbers and
-/// state record (checkpoints are interchangeable with it), each parameter stepped by
-/// [`adamw_step`]: one pass over the parameter and its moments on every core where the backend
-/// has the kernel, instead of a chain of nine tensor ops. Offloaded (`offload`), each
-/// parameter's moments live in host memory between steps and pass through the device one
-/// parameter at a time: the same kernel and the same numbers, with the device holding at most one
-/// parameter's moments.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct FusedAdamW {
-    betas: [f32; 2],
-    epsilon: f32,
-    weight_decay: f32,
-    offload: bool,
-}
-
-impl FusedAdamW {
-    /// AdamW with `betas` and decoupled `weight_decay`, `eps = 1e-8`; its moments in host memory
-    /// between steps when `offload` (see [`adamw`] for a module's optimiser).
-    pub fn new(betas: [f64; 2], weight_decay: f64, offload: bool) -> Self {
-        Self {
-            betas: [betas[0] as f32, betas[1] as f32],
-            epsilon: 1e-8,
-            weight_decay: weight_decay as f32,
-            offload,
-        }
-    }
-
-    /// Whether the moments live in host memory between steps.
-    pub fn offloads(&self) -> bool {
-        self.offload
-    }
-}
-
-impl<B: RlBackend> SimpleOptimizer<B> for FusedAdamW {
-    type State<const D: usize> = AdamWMoments<B, D>;
-
-    /// Shapes: tensor and grad alike (any rank).
-    fn step<const D: usize>(
-        &self,
-        lr: f64,
-        tensor: Tensor<B, D>,
-        grad: Tensor<B, D>,
-        state: Option<Self::State<D>>,
-    ) -> (Tensor<B, D>, Option<Self::State<D>>) {
-        let time = state.as_ref().map_or(0, |s| s.time) + 1;
-        let step = AdamWStep {
-            lr,
-            beta_1: self.betas[0],
-            beta_2: self.betas[1],
-            epsilon: self.epsilon,
-            weight_decay: self.weight_decay,
-            time,
-        };
-        let device = tensor.device();
-        let moments = state.map(|s| s.on_device(&device));
-        let (tensor, moment_1, moment_2) = adamw_step(tensor, grad, moments, step);
-        let state = AdamWMoments::kept(time, moment_1, moment_2, self.offload);
-        (tensor, Some(state))
-    }
-
-    /// Device moments follow the parameter; host ones stay in host memory.
-    fn to_device<const D: usize>(
-        state: Self::State<D>,
-        device: &burn::tensor::Device<B>,
-    ) -> Self::State<D> {
-        match state.moments {
-            Moments::Device(m, v) => AdamWMoments {
-                time: state.time,
-                moments: Moments::Device(m.to_device(device), v.to_device(device)),
-            },
-            host => AdamWMoments {
-                time: state.time,
-                moments: host,
-            },
-        }
-    }
-}
-
-impl<B: RlBackend> MomentsOf<B> for FusedAdamW {
-    fn bytes_of<const D: usize>(state: &Self::State<D>) -> StateBytes {
-        state.bytes()
-    }
-}
 
 impl OptimSettings {
     /// FSDP's sharding of the model these settings train, with its AdamW (for
@@ -138,19 +51,6 @@ pub fn held_in<B: AutodiffBackend, M: AutodiffModule<B>>(
         None | Some(burn::tensor::FloatDType::F32) => module,
         Some(dtype) => module.map(&mut Cast(dtype)),
     }
-}
-
-/// The optimiser of a module: [`FusedAdamW`].
-pub type AdamWOf<M, B> = OptimizerAdaptor<FusedAdamW, M, B>;
-
-/// AdamW with `betas` and decoupled `weight_decay`, `eps = 1e-8` (torch's default), for the
-/// actor, the critic and SFT; its moments in host memory when `offload`.
-pub fn adamw<B, M>(betas: [f64; 2], weight_decay: f64, offload: bool) -> AdamWOf<M, B>
-where
-    B: AutodiffBackend<InnerBackend: RlBackend>,
-    M: AutodiffModule<B>,
-{
-    OptimizerAdaptor::from(FusedAdamW::new(betas, weight_decay, offload))
 }
 
 /// The learning rate at each optimiser step (verl's `get_constant_schedule_with_warmup` and

@@ -395,6 +395,62 @@ fn replaced_dir(root: &Path, step: usize) -> PathBuf {
     root.join(format!(".global_step_{step}.replaced"))
 }
 
+/// One step's checkpoint folder, `root/global_step_N`, written atomically (every trainer's: RL,
+/// SFT, reward model): its files go into a partial folder beside it, then [`StepFolder::publish`]
+/// renames that into place (a re-saved step's old folder moved aside first and deleted only
+/// after, so the step's folder is never half-written; in the instant between the two renames a
+/// resume finds the aside copy, [`checkpoint_to_resume`]) and names the step in
+/// `latest_checkpointed_iteration.txt`. A run killed while saving keeps its previous checkpoint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct StepFolder {
+    root: PathBuf,
+    step: usize,
+    partial: PathBuf,
+}
+
+impl StepFolder {
+    /// Step `step`'s folder under `root` (nothing is touched yet).
+    pub(crate) fn new(root: &Path, step: usize) -> Self {
+        Self {
+            root: root.to_path_buf(),
+            step,
+            partial: root.join(format!(".global_step_{step}.partial")),
+        }
+    }
+
+    /// Where the step's files are written before [`StepFolder::publish`].
+    pub(crate) fn partial(&self) -> &Path {
+        &self.partial
+    }
+
+    /// Removes what a save killed before it published left in the partial folder.
+    pub(crate) fn clear(&self) -> Result<(), TrainError> {
+        if self.partial.exists() {
+            std::fs::remove_dir_all(&self.partial).map_err(|e| io(&self.partial, e))?;
+        }
+        Ok(())
+    }
+
+    /// Renames the written partial folder into place and names the step as the newest
+    /// checkpoint; returns the step's folder.
+    pub(crate) fn publish(&self) -> Result<PathBuf, TrainError> {
+        let done = self.root.join(format!("global_step_{}", self.step));
+        let aside = replaced_dir(&self.root, self.step);
+        if aside.exists() && done.exists() {
+            std::fs::remove_dir_all(&aside).map_err(|e| io(&aside, e))?;
+        }
+        if done.exists() {
+            std::fs::rename(&done, &aside).map_err(|e| io(&aside, e))?;
+        }
+        std::fs::rename(&self.partial, &done).map_err(|e| io(&done, e))?;
+        if aside.exists() {
+            std::fs::remove_dir_all(&aside).map_err(|e| io(&aside, e))?;
+        }
+        write_latest(&self.root, self.step)?;
+        Ok(done)
+    }
+}
+
 impl<B: LearnerBackend> Learner<B> {
     /// Where checkpoints go (`trainer.default_local_dir`).
     pub fn checkpoint_root(&self) -> PathBuf {
@@ -423,15 +479,12 @@ impl<B: LearnerBackend> Learner<B> {
             _ => None,
         };
         let root = self.checkpoint_root();
-        let name = format!("global_step_{}", self.global_step);
-        let done = root.join(&name);
-        let tmp = root.join(format!(".{name}.partial"));
+        let folder = StepFolder::new(&root, self.global_step);
+        let tmp = folder.partial();
         let actor_dir = tmp.join("actor");
         let critic_dir = tmp.join("critic");
         if main {
-            if tmp.exists() {
-                std::fs::remove_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
-            }
+            folder.clear()?;
             save_pretrained(
                 &actor_dir,
                 &self.model_config,
@@ -491,28 +544,13 @@ impl<B: LearnerBackend> Learner<B> {
         }
         self.dp.barrier()?;
         if main {
-            // Re-saving a step: the old folder is moved aside, the new one renamed in, and only
-            // then is the old one deleted, so the step's folder is never half-written; in the
-            // instant between the two renames a resume finds the aside copy
-            // ([`Learner::checkpoint_to_resume`]).
-            let aside = replaced_dir(&root, self.global_step);
-            if aside.exists() && done.exists() {
-                std::fs::remove_dir_all(&aside).map_err(|e| io(&aside, e))?;
-            }
-            if done.exists() {
-                std::fs::rename(&done, &aside).map_err(|e| io(&aside, e))?;
-            }
-            std::fs::rename(&tmp, &done).map_err(|e| io(&done, e))?;
-            if aside.exists() {
-                std::fs::remove_dir_all(&aside).map_err(|e| io(&aside, e))?;
-            }
-            write_latest(&root, self.global_step)?;
+            folder.publish()?;
             // Only now, with the new step in place and named as the latest, do older ones go.
             let t = &self.settings.trainer;
             prune_checkpoints(&root, t.keep_actor_checkpoints, t.keep_critic_checkpoints)?;
         }
         self.dp.barrier()?;
-        Ok(done)
+        Ok(root.join(format!("global_step_{}", self.global_step)))
     }
 
     /// The checkpoint `trainer.resume_mode` points at: `auto` the newest under the checkpoint
@@ -637,6 +675,47 @@ mod tests {
         // A resume that continues from the named step then finds it.
         let text = std::fs::read_to_string(root.join(LATEST_FILE)).unwrap();
         assert!(has(&format!("global_step_{}", text.trim())));
+        std::fs::remove_dir_all(root).ok();
+    }
+
+    /// A step folder is published whole: a save killed before publishing leaves the previous
+    /// checkpoint as it was (and its partial folder is cleared by the next save), and a re-saved
+    /// step replaces its folder with nothing left beside it.
+    #[test]
+    fn step_folders_are_published_whole() {
+        let root =
+            std::env::temp_dir().join(format!("burn-rlhf-step-folder-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        std::fs::create_dir_all(&root).unwrap();
+        let write = |folder: &StepFolder, text: &str| {
+            folder.clear().unwrap();
+            std::fs::create_dir_all(folder.partial()).unwrap();
+            std::fs::write(folder.partial().join("state"), text).unwrap();
+        };
+        let read = |step: usize| {
+            std::fs::read_to_string(root.join(format!("global_step_{step}/state"))).unwrap()
+        };
+        let first = StepFolder::new(&root, 3);
+        write(&first, "first");
+        assert_eq!(first.publish().unwrap(), root.join("global_step_3"));
+        // Killed mid-save: the partial folder holds half a step, the published one is intact.
+        let killed = StepFolder::new(&root, 3);
+        write(&killed, "half");
+        assert_eq!(read(3), "first");
+        let resumed = checkpoint_to_resume(&root, &ResumeMode::Auto).unwrap();
+        assert_eq!(resumed, Some(root.join("global_step_3")));
+        // The next save of the step clears what was left and replaces the step's folder.
+        let again = StepFolder::new(&root, 3);
+        write(&again, "second");
+        again.publish().unwrap();
+        assert_eq!(read(3), "second");
+        let names: Vec<String> = std::fs::read_dir(&root)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        let mut names = names;
+        names.sort();
+        assert_eq!(names, ["global_step_3", LATEST_FILE]);
         std::fs::remove_dir_all(root).ok();
     }
 }

@@ -149,7 +149,7 @@ impl SupervisedCommand for RmConfig {
 pub fn rm(config: &RmConfig, stop: &'static AtomicBool) -> Result<SupervisedOutputs, TrainError> {
     let settings = config.decode("the reward-model config")?;
     launch_supervised(
-        &config.trainer,
+        (&config.trainer, &settings.run),
         settings.checkpointing.on_backend(),
         config,
         stop,

@@ -333,7 +333,7 @@ impl SupervisedCommand for SftConfig {
 pub fn sft(config: &SftConfig, stop: &'static AtomicBool) -> Result<SupervisedOutputs, TrainError> {
     let settings = config.decode("the SFT config")?;
     launch_supervised(
-        &config.trainer,
+        (&config.trainer, &settings.run),
         settings.checkpointing.on_backend(),
         config,
         stop,

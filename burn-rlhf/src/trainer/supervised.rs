@@ -10,7 +10,6 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
 
 use burn::module::AutodiffModule;
 use burn_rlhf_models::pretrained::save_pretrained;
@@ -19,7 +18,7 @@ use burn_rlhf_models::{Tokenizer, TransformerConfig};
 use burn_rlhf_rollout::data::SamplerState;
 use burn_rlhf_rollout::PromptSampler;
 
-use super::checkpoint::{checkpoint_to_resume, prune_step_folders, save_param_order, write_latest};
+use super::checkpoint::{checkpoint_to_resume, prune_step_folders, save_param_order, StepFolder};
 use super::fit::RankMemory;
 use super::launch::{run_ranks, GroupPlan, NodeLaunch};
 use super::learner::ModelOptimizer;
@@ -116,7 +115,7 @@ pub(crate) trait SupervisedCommand: Clone + Send + Sync + 'static {
 /// `checkpointing`, started as RL training is ([`super::commands::start`]); returns rank 0's
 /// outputs. Every MPI process must run the same command (its debug text).
 pub(crate) fn launch_supervised<D: TrainerDefaults, C: SupervisedCommand + std::fmt::Debug>(
-    trainer: &SupervisedTrainerConfig<D>,
+    (trainer, run): (&SupervisedTrainerConfig<D>, &SupervisedRunSettings),
     checkpointing: bool,
     command: &C,
     stop: &'static AtomicBool,
@@ -124,8 +123,8 @@ pub(crate) fn launch_supervised<D: TrainerDefaults, C: SupervisedCommand + std::
     let place = super::commands::processes_and_devices(
         trainer.nnodes,
         trainer.n_gpus_per_node,
-        Duration::from_secs(60),
-        crate::config::CollectiveBackend::Auto,
+        run.collective_timeout,
+        run.collective_backend,
     )?;
     super::commands::start(place, checkpointing, SupervisedRanks { command, stop })
 }
@@ -378,9 +377,9 @@ struct CheckpointFiles<'a> {
     tokenizer: &'a Tokenizer,
 }
 
-/// Writes step `state.global_step` as `root/global_step_N`: the HF model folder, the AdamW state
-/// with its parameter order, and `trainer_state.json`; written aside and renamed into place, then
-/// named in `latest_checkpointed_iteration.txt`.
+/// Writes step `state.global_step` as `root/global_step_N` ([`StepFolder`]: atomically, then
+/// named in `latest_checkpointed_iteration.txt`): the HF model folder, the AdamW state with its
+/// parameter order, and `trainer_state.json`.
 fn save_checkpoint<B: LearnerBackend, M: AutodiffModule<B>>(
     root: &Path,
     files: CheckpointFiles<'_>,
@@ -388,28 +387,20 @@ fn save_checkpoint<B: LearnerBackend, M: AutodiffModule<B>>(
     optimizer: &ModelOptimizer<M, B>,
     state: &SupervisedState,
 ) -> Result<(), TrainError> {
-    let step = state.global_step;
-    let done = root.join(format!("global_step_{step}"));
-    let tmp = root.join(format!(".global_step_{step}.partial"));
-    let io = |path: &Path, e: std::io::Error| TrainError::checkpoint(path, e);
-    if tmp.exists() {
-        std::fs::remove_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
-    }
+    let folder = StepFolder::new(root, state.global_step);
+    let tmp = folder.partial();
+    folder.clear()?;
     save_pretrained(
-        &tmp,
+        tmp,
         files.config,
         files.tensors,
         files.architecture,
         Some(files.tokenizer),
     )?;
-    optimizer.save(&tmp, true, model)?;
-    save_param_order::<B, _>(&tmp, model)?;
+    optimizer.save(tmp, true, model)?;
+    save_param_order::<B, _>(tmp, model)?;
     let path = tmp.join(STATE_FILE);
     std::fs::write(&path, serde_json::to_string_pretty(state).expect("JSON"))
-        .map_err(|e| io(&path, e))?;
-    if done.exists() {
-        std::fs::remove_dir_all(&done).map_err(|e| io(&done, e))?;
-    }
-    std::fs::rename(&tmp, &done).map_err(|e| io(&done, e))?;
-    write_latest(root, step)
+        .map_err(|e| TrainError::checkpoint(&path, e))?;
+    folder.publish().map(|_| ())
 }

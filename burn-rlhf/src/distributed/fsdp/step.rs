@@ -212,13 +212,13 @@ impl<B: Backend> ChunkGradients<B> {
 /// AdamW on this rank's chunks (ZeRO-3's optimiser: each rank keeps the moments of its chunks
 /// only), with torch's global gradient-norm clipping over every rank's chunks.
 pub struct ShardedAdamW<B: Backend> {
-    adam: crate::optim::FusedAdamW,
-    states: Vec<Option<crate::optim::AdamWMoments<B, 1>>>,
+    adam: crate::adamw::FusedAdamW,
+    states: Vec<Option<crate::adamw::AdamWMoments<B, 1>>>,
 }
 
 impl<B: burn_rlhf_algos::kernels::RlBackend> ShardedAdamW<B> {
     /// The optimiser of `len` chunks.
-    pub fn new(adam: crate::optim::FusedAdamW, len: usize) -> Self {
+    pub fn new(adam: crate::adamw::FusedAdamW, len: usize) -> Self {
         Self {
             adam,
             states: (0..len).map(|_| None).collect(),
@@ -270,7 +270,7 @@ impl<B: burn_rlhf_algos::kernels::RlBackend> ShardedAdamW<B> {
                 // checkpoint's gather visits the same parameters everywhere); no kernel runs on
                 // nothing.
                 let time = self.states[index].as_ref().map_or(0, |s| s.time) + 1;
-                self.states[index] = Some(crate::optim::AdamWMoments::kept(
+                self.states[index] = Some(crate::adamw::AdamWMoments::kept(
                     time,
                     grad.clone(),
                     grad,
@@ -289,12 +289,12 @@ impl<B: burn_rlhf_algos::kernels::RlBackend> ShardedAdamW<B> {
     }
 
     /// The optimiser each chunk steps with.
-    pub fn adam(&self) -> crate::optim::FusedAdamW {
+    pub fn adam(&self) -> crate::adamw::FusedAdamW {
         self.adam
     }
 
     /// Bytes of AdamW moments this rank holds, on the device and in host memory.
-    pub fn state_bytes(&self) -> crate::optim::StateBytes {
+    pub fn state_bytes(&self) -> crate::adamw::StateBytes {
         self.states
             .iter()
             .flatten()
@@ -334,7 +334,7 @@ impl<B: burn_rlhf_algos::kernels::RlBackend> ShardedAdamW<B> {
     /// The optimiser of `shards` holding this rank's chunks of the whole states in `record`
     /// (keyed by the parameters' ids, as [`ShardedAdamW::whole_record`] writes them).
     pub fn from_whole_record<A, M>(
-        adam: crate::optim::FusedAdamW,
+        adam: crate::adamw::FusedAdamW,
         shards: &FsdpShards<A>,
         mut record: WholeRecord<M, A>,
     ) -> Self
@@ -351,7 +351,7 @@ impl<B: burn_rlhf_algos::kernels::RlBackend> ShardedAdamW<B> {
                 let AdaptorRecord::V1(state) = record.remove(&slot.id)?;
                 let (time, m, v) = flat_moments(state, &device);
                 let range = chunk(slot.numel, world, rank);
-                Some(crate::optim::AdamWMoments::kept(
+                Some(crate::adamw::AdamWMoments::kept(
                     time,
                     m.slice(range.clone()),
                     v.slice(range),
@@ -364,7 +364,7 @@ impl<B: burn_rlhf_algos::kernels::RlBackend> ShardedAdamW<B> {
 }
 
 /// The unsharded optimiser's record of a model `M`: each parameter's AdamW state by its id.
-pub type WholeRecord<M, A> = <crate::optim::AdamWOf<M, A> as burn::optim::Optimizer<M, A>>::Record;
+pub type WholeRecord<M, A> = <crate::adamw::AdamWOf<M, A> as burn::optim::Optimizer<M, A>>::Record;
 
 /// `mine` of every rank of `group`, joined in rank order.
 fn whole_of(
@@ -381,7 +381,7 @@ fn moments_record<A: AutodiffBackend>(
     v: Vec<f32>,
     dims: &[usize],
     device: &burn::tensor::Device<A::InnerBackend>,
-) -> Result<AdaptorRecord<crate::optim::FusedAdamW, A>, DistributedError>
+) -> Result<AdaptorRecord<crate::adamw::FusedAdamW, A>, DistributedError>
 where
     A::InnerBackend: burn_rlhf_algos::kernels::RlBackend,
 {
@@ -391,7 +391,7 @@ where
         v: Vec<f32>,
         dims: &[usize],
         device: &burn::tensor::Device<A::InnerBackend>,
-    ) -> AdaptorRecord<crate::optim::FusedAdamW, A>
+    ) -> AdaptorRecord<crate::adamw::FusedAdamW, A>
     where
         A::InnerBackend: burn_rlhf_algos::kernels::RlBackend,
     {
@@ -399,7 +399,7 @@ where
             Tensor::<A::InnerBackend, D>::from_data(TensorData::new(x, dims.to_vec()), device)
         };
         AdaptorRecord::V1(AdaptorRecordV1::from_state::<D>(
-            crate::optim::AdamWMoments::kept(time, t(m), t(v), false),
+            crate::adamw::AdamWMoments::kept(time, t(m), t(v), false),
         ))
     }
     Ok(match dims.len() {
@@ -418,11 +418,11 @@ where
 
 /// A record's step count and flattened moments. Shapes: → `[numel]` each.
 fn flat_moments<B: burn_rlhf_algos::kernels::RlBackend>(
-    state: AdaptorRecordV1<crate::optim::FusedAdamW, B>,
+    state: AdaptorRecordV1<crate::adamw::FusedAdamW, B>,
     device: &B::Device,
 ) -> (usize, Tensor<B, 1>, Tensor<B, 1>) {
     fn flat<B: Backend, const D: usize>(
-        s: crate::optim::AdamWMoments<B, D>,
+        s: crate::adamw::AdamWMoments<B, D>,
         device: &B::Device,
     ) -> (usize, Tensor<B, 1>, Tensor<B, 1>) {
         let time = s.time;
