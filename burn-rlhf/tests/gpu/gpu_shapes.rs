@@ -204,18 +204,7 @@ fn a_second_process_with_the_same_kernel_cache_tunes_nothing() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let root = std::env::temp_dir().join(format!("burn-rlhf-kernel-cache-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&root);
-    // The arithmetic task's model and tokenizer, as an HF folder the command loads.
-    let model_dir = root.join("model");
-    let mc = tasks::model_config(32, 1);
-    let model: CausalLm<burn::backend::Flex> = mc.init_causal_lm(&Default::default());
-    save_pretrained(
-        &model_dir,
-        &mc,
-        &model.export(),
-        None,
-        Some(&tasks::tokenizer()),
-    )
-    .unwrap();
+    let model_dir = task_model_folder(&root);
     let dir = root.join("cache");
     let run = || {
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_burn-rlhf"))
@@ -254,27 +243,19 @@ fn a_second_process_with_the_same_kernel_cache_tunes_nothing() {
 }
 
 /// The most kernels a three-step GRPO run of the tiny task model may compile on wgpu: what it
-/// compiled on 2026-11-28 (175, with 47 autotune runs: 29 of the kernels matrix products, 33
-/// element-wise binary operations, 24 reductions; README's GPU section). The test fails when a
-/// change makes it compile more; lower it when a change makes it compile fewer.
-const GRPO_RUN_KERNELS: usize = 175;
+/// compiled on 2026-11-28 (175 or 176 over six runs, 47 autotune runs: 29 of the kernels matrix
+/// products, 33 element-wise binary operations, 24-25 reductions; README's GPU section; which
+/// reduction kernel an autotune run picks, by its timings, decides whether a later sum compiles
+/// one more), with 4 of slack for those picks. The test fails when a change makes it compile
+/// more; lower it when a change makes it compile fewer.
+const GRPO_RUN_KERNELS: usize = 180;
 
 #[test]
 fn a_grpo_run_compiles_a_bounded_set_of_kernels() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let root = std::env::temp_dir().join(format!("burn-rlhf-grpo-kernels-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&root);
-    let model_dir = root.join("model");
-    let mc = tasks::model_config(32, 1);
-    let model: CausalLm<burn::backend::Flex> = mc.init_causal_lm(&Default::default());
-    save_pretrained(
-        &model_dir,
-        &mc,
-        &model.export(),
-        None,
-        Some(&tasks::tokenizer()),
-    )
-    .unwrap();
+    let model_dir = task_model_folder(&root);
     let data = root.join("train.parquet");
     let (train, _) = tasks::split_problems(16, 20, 1);
     burn_rlhf::rollout::data::write_parquet(&data, &train).unwrap();
@@ -321,9 +302,19 @@ fn a_grpo_run_compiles_a_bounded_set_of_kernels() {
     assert!(compiled > 0, "the run compiles its kernels");
     assert!(
         compiled <= GRPO_RUN_KERNELS,
-        "a GRPO run compiled {compiled} kernels, more than the {GRPO_RUN_KERNELS} it did"
+        "a GRPO run compiled {compiled} kernels, more than the {GRPO_RUN_KERNELS} it may"
     );
     let _ = std::fs::remove_dir_all(&root);
+}
+
+/// The arithmetic task's model (random) and tokenizer as an HF folder under `root`, for the
+/// commands these tests run in processes of their own.
+fn task_model_folder(root: &std::path::Path) -> PathBuf {
+    let dir = root.join("model");
+    let mc = tasks::model_config(32, 1);
+    let model: CausalLm<burn::backend::Flex> = mc.init_causal_lm(&Default::default());
+    save_pretrained(&dir, &mc, &model.export(), None, Some(&tasks::tokenizer())).unwrap();
+    dir
 }
 
 /// The compile log's kernels counted by name (the part of each line before its first `<` or
