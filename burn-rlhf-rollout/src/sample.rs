@@ -17,6 +17,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 
 use crate::params::{LogprobsMode, SamplingParams};
+use burn_rlhf_numerics::softmax::SoftmaxSums;
 
 /// Tokens per block of the device inverse CDF: the cumulative sums are over `vocab / CDF_BLOCK`
 /// block totals and then over one block.
@@ -37,20 +38,12 @@ pub fn log_softmax_row(logits: &[f32]) -> Vec<f64> {
     logits.iter().map(|&x| x as f64 - lse).collect()
 }
 
-/// The log-prob of `label` under `softmax(logits / temperature)` computed exactly as the
-/// trainer's log-prob kernels compute it (`burn_rlhf_algos`' flex `row_stats`: `z = x * (1 /
-/// T)` in f32, the row's max, the exponentials summed in vocabulary order in f32, `z_label -
-/// (max + ln sum)`), so that a rollout's log-prob and the trainer's recomputation of it from the
-/// same logits are the same f32 bit for bit (a parity test in `burn-rlhf` holds the two
-/// together).
+/// The log-prob of `label` under `softmax(logits / temperature)` computed as the trainer's
+/// log-prob kernels compute it (both through `burn_rlhf_numerics::softmax`), so that a rollout's
+/// log-prob and the trainer's recomputation of it from the same logits are the same f32 bit for
+/// bit.
 pub fn trainer_logprob(logits: &[f32], label: usize, temperature: f32) -> f32 {
-    let inv_t = 1.0 / temperature;
-    let max = logits.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x)) * inv_t;
-    let mut sum = 0.0f32;
-    for &x in logits {
-        sum += (x * inv_t - max).exp();
-    }
-    logits[label] * inv_t - (max + sum.ln())
+    burn_rlhf_numerics::softmax::log_prob(logits, label, temperature)
 }
 
 /// Whether `params` keep every token (no top-k or top-p cut): the processed distribution is then
@@ -168,15 +161,13 @@ pub fn pick(logits: &[f32], params: &SamplingParams, u: f64) -> Picked {
 /// the same exponentials (in f64) at `u` times their total.
 fn pick_whole(logits: &[f32], params: &SamplingParams, u: f64) -> Picked {
     let inv_t = 1.0 / params.temperature as f32;
-    let max = logits.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x)) * inv_t;
-    let e: Vec<f32> = logits.iter().map(|&x| (x * inv_t - max).exp()).collect();
-    // The f32 sums in the trainer's `row_stats` order; the draw's total in f64.
-    let (mut sum, mut weighted, mut total) = (0.0f32, 0.0f32, 0.0f64);
-    for (&x, &e) in logits.iter().zip(&e) {
-        sum += e;
-        weighted += e * (x * inv_t);
-        total += e as f64;
-    }
+    // The f32 sums in the trainer's order; the draw's total in f64.
+    let mut e = Vec::with_capacity(logits.len());
+    let mut total = 0.0f64;
+    let sums = SoftmaxSums::of(logits, inv_t, |x| {
+        e.push(x);
+        total += x as f64;
+    });
     let target = u * total;
     let mut chosen = e.len() - 1;
     let mut cum = 0.0f64;
@@ -187,15 +178,14 @@ fn pick_whole(logits: &[f32], params: &SamplingParams, u: f64) -> Picked {
             break;
         }
     }
-    let lse = max + sum.ln();
     let logprob = match params.logprobs_mode {
-        LogprobsMode::Processed => logits[chosen] * inv_t - lse,
+        LogprobsMode::Processed => logits[chosen] * inv_t - sums.log_sum_exp(),
         LogprobsMode::Raw => trainer_logprob(logits, chosen, 1.0),
     };
     Picked {
         token: chosen as u32,
         logprob,
-        entropy: Some(lse - weighted / sum),
+        entropy: Some(sums.entropy()),
     }
 }
 

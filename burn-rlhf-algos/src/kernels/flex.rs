@@ -12,23 +12,19 @@ use burn::backend::flex::FlexTensor;
 use burn::backend::Flex;
 use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{DType, TensorData};
+use burn_rlhf_numerics::gemm::{product_into, Operand};
+use burn_rlhf_numerics::softmax::SoftmaxSums;
 use half::bf16;
 use rayon::prelude::*;
 
 use super::{reference, AdamWStep, RlBackend};
 
-/// The row statistics of `z = logits / temperature`: (max, log-sum-exp, `E_p[z]`).
+/// The row statistics of `z = logits / temperature`: (max, log-sum-exp, `E_p[z]`), in the
+/// order the rollout's sampler sums them too (`burn_rlhf_numerics::softmax`).
 #[inline]
 fn row_stats(logits: &[f32], inv_t: f32) -> (f32, f32, f32) {
-    let max = logits.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x)) * inv_t;
-    let (mut sum, mut weighted) = (0.0f32, 0.0f32);
-    for &x in logits {
-        let z = x * inv_t;
-        let e = (z - max).exp();
-        sum += e;
-        weighted += e * z;
-    }
-    (max, max + sum.ln(), weighted / sum)
+    let sums = SoftmaxSums::of(logits, inv_t, |_| {});
+    (sums.max, sums.log_sum_exp(), sums.mean_z())
 }
 
 /// Replaces one row of logits by the gradient of (log-prob of `label`, entropy) with respect to
@@ -63,9 +59,6 @@ fn inputs(logits: &FlexTensor, labels: IntTensor<Flex>) -> Option<(FlexTensor, V
     }
     Some((logits.to_contiguous(), indices(labels)))
 }
-
-/// One matrix operand: its first element and its (row, column) strides.
-type Operand = (*const f32, isize, isize);
 
 /// A 2-D f32 tensor read in place, at any non-negative strides.
 fn operand(t: &FlexTensor) -> Option<Operand> {
@@ -102,7 +95,7 @@ fn widened_head(hidden: &FlexTensor, weight: &FlexTensor) -> Option<(FlexTensor,
             t.storage::<bf16>()
                 .par_iter()
                 .with_min_len(ELEMENTS_PER_TASK)
-                .map(|x| x.to_f32()),
+                .map(|&x| burn_rlhf_numerics::bf16::widen(x)),
         );
         let len = out.len();
         FlexTensor::from_data(TensorData::new(out, [len])).with_layout(t.layout().clone())
@@ -116,7 +109,7 @@ fn round_to_bf16(logits: &mut [f32]) {
     logits
         .par_iter_mut()
         .with_min_len(ELEMENTS_PER_TASK)
-        .for_each(|x| *x = bf16::from_f32(*x).to_f32());
+        .for_each(|x| *x = burn_rlhf_numerics::bf16::round(*x));
 }
 
 /// An f32 gradient as `dtype` (bf16 rounded to nearest even; f32 as it is).
@@ -137,77 +130,6 @@ fn gradient_as(grad: Vec<f32>, shape: [usize; 2], dtype: DType) -> FlexTensor {
 fn rows_from((ptr, rs, cs): Operand, start: usize) -> Operand {
     // SAFETY: callers stay inside the operand's rows.
     (unsafe { ptr.offset(start as isize * rs) }, rs, cs)
-}
-
-/// The deepest block of the inner dimension gemm is handed at once: as the decoder's products
-/// (`burn_rlhf_models`' flex `gemm.rs`, whose `DEPTH_BLOCK` this must equal), so a row's logits
-/// here are those the rollout computed for it, bit for bit, whatever the rows of either product
-/// (gemm picks its depth blocking, and for one row a vector kernel, from the whole shape).
-const DEPTH_BLOCK: usize = 512;
-
-/// `dst[m, n] (+)= lhs[m, k] · rhs[k, n]`, `dst` row-major with `n` columns, on every core, in
-/// depth blocks of at most [`DEPTH_BLOCK`] and never on fewer than 2 rows (nor on 256 outputs or
-/// fewer when both operands run along the depth in memory): each output row is the same sum in
-/// the same order for any `m`.
-///
-/// # Safety
-/// The operands must address valid memory for their shapes and strides; `dst` holds `m * n`
-/// elements and aliases neither.
-unsafe fn product_into(
-    (m, n, k): (usize, usize, usize),
-    dst: *mut f32,
-    accumulate: bool,
-    lhs: Operand,
-    rhs: Operand,
-) {
-    let least = if lhs.2 == 1 && rhs.1 == 1 {
-        256 / n.max(1) + 1
-    } else {
-        0
-    }
-    .max(2);
-    if m > 0 && m < least {
-        let mut scratch = vec![0.0f32; least * n];
-        if accumulate {
-            scratch[..m * n].copy_from_slice(std::slice::from_raw_parts(dst, m * n));
-        }
-        let mut rows = vec![0.0f32; least * k];
-        for r in 0..least {
-            let from = r.min(m - 1) as isize * lhs.1;
-            for c in 0..k {
-                rows[r * k + c] = *lhs.0.offset(from + c as isize * lhs.2);
-            }
-        }
-        let copy = (rows.as_ptr(), k as isize, 1);
-        product_into((least, n, k), scratch.as_mut_ptr(), accumulate, copy, rhs);
-        std::slice::from_raw_parts_mut(dst, m * n).copy_from_slice(&scratch[..m * n]);
-        return;
-    }
-    // As even as can be (the decoder's layers' split, `DepthSplit::Even` there).
-    let len = k.div_ceil(k.div_ceil(DEPTH_BLOCK).max(1)).max(1);
-    for (i, start) in (0..k).step_by(len).enumerate() {
-        gemm::gemm(
-            m,
-            n,
-            len.min(k - start),
-            dst,
-            1,
-            n as isize,
-            accumulate || i > 0,
-            lhs.0.offset(start as isize * lhs.2),
-            lhs.2,
-            lhs.1,
-            rhs.0.offset(start as isize * rhs.1),
-            rhs.2,
-            rhs.1,
-            1.0,
-            1.0,
-            false,
-            false,
-            false,
-            gemm::Parallelism::Rayon(0),
-        );
-    }
 }
 
 /// Row chunks `(start, end)` of `rows`.

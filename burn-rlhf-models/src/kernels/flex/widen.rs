@@ -42,7 +42,7 @@ pub(super) struct ToBf16;
 impl Rounding for ToBf16 {
     #[inline(always)]
     fn round(x: f32) -> f32 {
-        bf16::from_f32(x).f32()
+        burn_rlhf_numerics::bf16::round(x)
     }
 }
 
@@ -75,9 +75,7 @@ impl Elem for bf16 {
     const DTYPE: DType = DType::BF16;
     #[inline(always)]
     fn f32(self) -> f32 {
-        // The bits as the upper half of an f32's (what `bf16::to_f32` computes, spelled out
-        // so that the loops around it vectorise).
-        f32::from_bits((self.to_bits() as u32) << 16)
+        burn_rlhf_numerics::bf16::widen(self)
     }
     fn storage(t: &FlexTensor) -> &[Self] {
         t.storage::<bf16>()
