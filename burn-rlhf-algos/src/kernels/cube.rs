@@ -332,6 +332,25 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> RlBackend
             .map(|usage| usage.bytes_reserved)
     }
 
+    /// A reduction along the one axis of the flattened squares: CubeCL's whole-tensor sum
+    /// autotunes between a chained sum and one-shot sums that add partial results with atomics,
+    /// in an order that changes from run to run (so did the gradient norm, and the clipped
+    /// update with it, in the last bits); a reduction along an axis adds in a fixed order.
+    fn rl_squared_sum(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        use burn::tensor::ops::FloatTensorOps;
+        use burn::tensor::TensorMetadata;
+        let n = x.shape().num_elements();
+        let flat =
+            burn::tensor::Tensor::<Self, 1>::from_primitive(burn::tensor::TensorPrimitive::Float(
+                Self::float_reshape(x, burn::tensor::Shape::new([n])),
+            ));
+        let flat = match flat.dtype() {
+            burn::tensor::DType::F32 => flat,
+            _ => flat.cast(burn::tensor::FloatDType::F32),
+        };
+        flat.square().sum_dim(0).into_primitive().tensor()
+    }
+
     fn rl_gae_scan(
         rewards: FloatTensor<Self>,
         values: FloatTensor<Self>,

@@ -223,6 +223,13 @@ pub trait RlBackend: Backend {
         None
     }
 
+    /// `Σ x²` over every element of `x` (any rank; a half-precision `x` cast up first), in f32,
+    /// as a one-element tensor: a gradient norm's part. The same inputs give the same bits in
+    /// every run (the default is the backend's whole-tensor sum; CubeCL overrides it, see there).
+    fn rl_squared_sum(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        reference::squared_sum::<Self>(x)
+    }
+
     /// GAE: (advantages before whitening, returns) from rewards, values and mask.
     fn rl_gae_scan(
         rewards: FloatTensor<Self>,
@@ -504,6 +511,17 @@ pub fn value_clip_token_loss<B: RlBackend>(
 ) -> (Tensor<B, 2>, Tensor<B, 2>) {
     let (l, c) = B::rl_value_clip_loss(prim(vpreds), prim(values), prim(returns), cliprange as f32);
     (wrap(l), wrap(c))
+}
+
+/// `Σ x²` of a tensor in f32, read as an f64: a gradient norm's part, the same bits in every
+/// run ([`RlBackend::rl_squared_sum`]).
+pub fn squared_sum<B: RlBackend, const D: usize>(x: Tensor<B, D>) -> f64 {
+    let sum = B::rl_squared_sum(x.into_primitive().tensor());
+    Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(sum))
+        .into_data()
+        .iter::<f64>()
+        .next()
+        .unwrap_or(f64::NAN)
 }
 
 /// One AdamW step of `param` (see [`RlBackend::rl_adamw_step`]). A half-precision parameter

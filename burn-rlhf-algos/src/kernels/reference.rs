@@ -521,6 +521,22 @@ pub fn adamw_step<B: Backend>(
     (back(decayed - delta.mul_scalar(step.lr)), back(m), back(v))
 }
 
+/// `Σ x²` of every element in f32, as a one-element tensor (see
+/// [`super::RlBackend::rl_squared_sum`]).
+pub fn squared_sum<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
+    use burn::tensor::TensorMetadata;
+    let n = x.shape().num_elements();
+    let x = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(B::float_reshape(
+        x,
+        burn::tensor::Shape::new([n]),
+    )));
+    let x = match x.dtype() {
+        burn::tensor::DType::F32 => x,
+        _ => x.cast(burn::tensor::FloatDType::F32),
+    };
+    x.square().sum().into_primitive().tensor()
+}
+
 #[cfg(test)]
 mod tests {
     //! The explicit backward formulas against autodiff through the same reference ops.

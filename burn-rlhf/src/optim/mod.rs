@@ -10,6 +10,7 @@ use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::Tensor;
+use burn_rlhf_algos::kernels::{squared_sum, RlBackend};
 use burn_rlhf_models::tensor_parallel::{TensorParallelModule, TpGroup};
 
 pub use crate::adamw::{
@@ -123,22 +124,12 @@ struct SquaredNorm<'a> {
     split_sum: f64,
 }
 
-impl<B: AutodiffBackend> ModuleVisitor<B> for SquaredNorm<'_> {
+impl<B: AutodiffBackend<InnerBackend: RlBackend>> ModuleVisitor<B> for SquaredNorm<'_> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         if let Some(g) = self.grads.get::<B::InnerBackend, D>(param.id) {
-            // f32 squares summed on the device (a half-precision gradient cast up first), the
-            // per-tensor sums added in f64 here.
-            let g = match g.dtype() {
-                burn::tensor::DType::F32 => g,
-                _ => g.cast(burn::tensor::FloatDType::F32),
-            };
-            let sq = g
-                .square()
-                .sum()
-                .into_data()
-                .iter::<f64>()
-                .next()
-                .unwrap_or(f64::NAN);
+            // f32 squares summed on the device in a fixed order (a half-precision gradient cast
+            // up first), the per-tensor sums added in f64 here.
+            let sq = squared_sum(g);
             match self.split {
                 Some(split) if split.contains(&param.id) => self.split_sum += sq,
                 _ => self.sum += sq,
@@ -173,7 +164,10 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Scale<'_> {
 /// every gradient is scaled by `max_norm / (norm + 1e-6)`. Returns the gradients and the norm
 /// before clipping (verl's `actor/grad_norm`). A non-finite norm is returned as is, with the
 /// gradients untouched: verl then skips the update.
-pub fn clip_grad_norm<B: AutodiffBackend, M: AutodiffModule<B> + TensorParallelModule>(
+pub fn clip_grad_norm<
+    B: AutodiffBackend<InnerBackend: RlBackend>,
+    M: AutodiffModule<B> + TensorParallelModule,
+>(
     module: &M,
     mut grads: GradientsParams,
     max_norm: f64,
@@ -236,7 +230,7 @@ pub fn synced_step<B, M, O>(
     sync: &ReplicaSync,
 ) -> Result<(M, f64), crate::distributed::DistributedError>
 where
-    B: AutodiffBackend,
+    B: AutodiffBackend<InnerBackend: RlBackend>,
     M: AutodiffModule<B> + TensorParallelModule,
     O: burn::optim::Optimizer<M, B>,
 {

@@ -237,21 +237,12 @@ impl<B: burn_rlhf_algos::kernels::RlBackend> ShardedAdamW<B> {
     ) -> Result<f64, DistributedError> {
         use burn::optim::SimpleOptimizer;
         let chunks = grads.into_chunks();
-        // f32 squares summed on the device, the chunks' sums added in f64, the ranks' in two
-        // f32 parts (about f64 precision). The shard group holds the whole gradient once.
+        // f32 squares summed on the device in a fixed order, the chunks' sums added in f64, the
+        // ranks' in two f32 parts (about f64 precision). The shard group holds the whole gradient once.
         let mine: f64 = chunks
             .iter()
             .flatten()
-            .map(|g| {
-                g.clone()
-                    .cast(burn::tensor::FloatDType::F32)
-                    .square()
-                    .sum()
-                    .into_data()
-                    .iter::<f64>()
-                    .next()
-                    .unwrap_or(f64::NAN)
-            })
+            .map(|g| burn_rlhf_algos::kernels::squared_sum(g.clone()))
             .sum();
         let hi = mine as f32;
         let sum = shards
