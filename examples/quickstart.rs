@@ -66,11 +66,16 @@ struct Args {
     /// Seed of the initialisation, the data order and sampling.
     #[arg(long, default_value_t = 7)]
     seed: u64,
+    /// One-step-off-policy PPO (`actor_rollout_ref.hybrid_engine=False`): the next batch is
+    /// generated on a thread of its own during this step's update, one update stale.
+    #[arg(long)]
+    one_step_off: bool,
 }
 
 /// verl's PPO config for the task (every other key is verl's default).
 fn ppo_config(args: &Args) -> RlhfConfig {
     let mut c = RlhfConfig::default();
+    c.actor_rollout_ref.hybrid_engine = !args.one_step_off;
     c.data.train_batch_size = args.batch_size;
     c.data.max_prompt_length = 8;
     c.data.max_response_length = 4;

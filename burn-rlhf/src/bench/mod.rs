@@ -159,12 +159,17 @@ pub fn run_bench<B: LearnerBackend>(
         n: 1,
         max_new_tokens: tokens,
         stop_token_ids: Vec::new(),
-        ..learner.sampling_params(&learner.settings.rollout.train, false, 1)
+        ..learner
+            .generator()
+            .sampling_params(&learner.settings.rollout.train, false, 1)
     };
     // As the rollout generates: in `rollout.dtype` (LoRA merged with `model.lora.merge`).
     let policy = learner.for_generation(learner.actor_whole().valid());
     let case = format!("generate_b{rows}_p{prompt}_n{tokens}");
-    let mut engine = learner.engine_config(rows, &learner.model_config, policy.float_dtype())?;
+    let mut engine =
+        learner
+            .generator()
+            .engine_config(rows, &learner.model_config, policy.float_dtype())?;
     // Every row at once, as the peer's one `generate` call.
     engine.max_num_seqs = rows.max(1);
     let params = std::sync::Arc::new(params);

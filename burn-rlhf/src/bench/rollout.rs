@@ -69,9 +69,9 @@ pub(super) fn run_rollout_cases<B: LearnerBackend>(
     )?;
     let keys: Vec<u64> = (0..prompts.len() as u64).collect();
     let policy = learner.for_generation(learner.actor_whole().valid());
-    let config = learner.cache_config()?;
+    let config = learner.generator().cache_config()?;
     let dtype = policy.float_dtype();
-    let shapes = learner.decode_shapes();
+    let shapes = learner.generator().decode_shapes();
     let shape_name = match shapes {
         DecodeShapes::Exact => "exact".to_string(),
         DecodeShapes::Bucketed { bucket } => format!("bucket{bucket}"),
@@ -84,7 +84,10 @@ pub(super) fn run_rollout_cases<B: LearnerBackend>(
             RolloutCase::Uniform => ("uniform", Vec::new()),
         };
         for &slots in &bench.slots {
-            let mut engine_config = learner.engine_config(prompts.len() * n, &config, dtype)?;
+            let mut engine_config =
+                learner
+                    .generator()
+                    .engine_config(prompts.len() * n, &config, dtype)?;
             if slots > 0 {
                 engine_config.max_num_seqs = slots;
                 // The pool the engine may use at most for this many slots.

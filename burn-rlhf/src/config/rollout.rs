@@ -181,6 +181,91 @@ impl Default for RolloutConfig {
     }
 }
 
+/// The root `rollout.*` as written: the rollout worker's own devices when
+/// `actor_rollout_ref.hybrid_engine=False` (verl's one-step-off-policy trainer).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RolloutPoolConfig {
+    pub nnodes: usize,
+    pub n_gpus_per_node: usize,
+}
+
+impl Default for RolloutPoolConfig {
+    fn default() -> Self {
+        Self {
+            nnodes: 1,
+            n_gpus_per_node: 1,
+        }
+    }
+}
+
+/// One-step-off-policy training, decoded: the rollout worker generates batch k+1 with the
+/// weights the trainer started step k from, while the trainer updates on batch k.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OneStepOff {
+    /// The rollout pool's devices (`rollout.nnodes` x `rollout.n_gpus_per_node`).
+    pub rollout_devices: usize,
+}
+
+/// What one-step-off-policy training reads besides its two keys.
+pub(super) struct PoolContext {
+    /// `actor_rollout_ref.hybrid_engine`.
+    pub hybrid_engine: bool,
+    /// The trainer's devices (`trainer.nnodes` x `trainer.n_gpus_per_node`).
+    pub trainer_devices: usize,
+    /// `algorithm.filter_groups.enable`.
+    pub dynamic_sampling: bool,
+    /// `actor_rollout_ref.model.lora_rank` > 0.
+    pub lora: bool,
+}
+
+impl RolloutPoolConfig {
+    /// `None` with the hybrid engine (the trained weights generate in the step), else the
+    /// one-step-off-policy settings, refused where they cannot run as written.
+    pub(super) fn decode(&self, p: &mut Problems, c: &PoolContext) -> Option<OneStepOff> {
+        let devices = self.nnodes * self.n_gpus_per_node;
+        if c.hybrid_engine {
+            p.check(*self == Self::default(), || {
+                "`rollout.nnodes` and `rollout.n_gpus_per_node` are the rollout worker's own \
+                 devices in one-step-off-policy training: set \
+                 `actor_rollout_ref.hybrid_engine=False`, or remove them"
+                    .into()
+            });
+            return None;
+        }
+        p.check(devices == 1, || {
+            format!(
+                "`rollout.nnodes` x `rollout.n_gpus_per_node` = {devices}: one-step-off-policy \
+                 training runs one rollout worker, on a thread of the trainer's process with a \
+                 device of its own (1 x 1); rollout pools of several devices or MPI processes \
+                 are not built yet"
+            )
+        });
+        p.check(c.trainer_devices == 1, || {
+            format!(
+                "`actor_rollout_ref.hybrid_engine=False` with {} trainer devices \
+                 (`trainer.nnodes` x `trainer.n_gpus_per_node`): one-step-off-policy training \
+                 with a data-parallel trainer is not built yet; train on one device",
+                c.trainer_devices
+            )
+        });
+        p.check(!c.dynamic_sampling, || {
+            "`algorithm.filter_groups.enable` with `actor_rollout_ref.hybrid_engine=False`: \
+             DAPO's dynamic sampling generates as many rounds as a step needs, which a rollout \
+             one step ahead cannot know (verl's one-step-off trainer does not run it either)"
+                .into()
+        });
+        p.check(!c.lora, || {
+            "`actor_rollout_ref.model.lora_rank` with `actor_rollout_ref.hybrid_engine=False`: \
+             one-step-off-policy training of LoRA adapters is not built yet"
+                .into()
+        });
+        Some(OneStepOff {
+            rollout_devices: devices,
+        })
+    }
+}
+
 /// `actor_rollout_ref.ref.*` as written: the frozen reference policy's pass.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 #[serde(default, deny_unknown_fields)]

@@ -18,7 +18,8 @@ pub use super::optim::{OptimSettings, ScheduleKind, Warmup};
 use super::problems::Problems;
 use super::reward::RewardContext;
 pub use super::reward::{OverlongPenalty, RewardModelInput, RewardModelSettings, RewardSettings};
-pub use super::rollout::{RolloutSettings, SamplingSettings};
+use super::rollout::PoolContext;
+pub use super::rollout::{OneStepOff, RolloutSettings, SamplingSettings};
 pub use super::trainer::{ResumeMode, TrainerSettings};
 use super::tree::RlhfConfig;
 
@@ -55,6 +56,9 @@ pub struct Settings {
     pub algorithm: AlgorithmSettings,
     /// `trainer.*`.
     pub trainer: TrainerSettings,
+    /// `actor_rollout_ref.hybrid_engine=False`: one-step-off-policy training with the root
+    /// `rollout.*` pool; `None`: the hybrid engine (generation in the trainer's step).
+    pub one_step_off: Option<OneStepOff>,
 }
 
 impl Settings {
@@ -145,6 +149,14 @@ impl Settings {
                 "generation runs on the merged weights, the trainer on the adapters".into(),
             ));
         }
+        if self.one_step_off.is_some() {
+            why.push((
+                "actor_rollout_ref.hybrid_engine",
+                "one-step-off-policy: the rollout ran the weights of the step before the \
+                 trainer's"
+                    .into(),
+            ));
+        }
         if self.actor.tensor_parallel_size > 1 {
             why.push((
                 "actor_rollout_ref.actor.megatron.tensor_model_parallel_size",
@@ -229,6 +241,15 @@ fn decode(c: &RlhfConfig, known: &KnownNames, p: &mut Problems) -> Option<Settin
     arr.rollout.check_tensor_parallel(p, tp);
     c.critic.check_tensor_parallel(p, tp);
     let devices = c.trainer.nnodes * c.trainer.n_gpus_per_node;
+    let one_step_off = c.rollout.decode(
+        p,
+        &PoolContext {
+            hybrid_engine: arr.hybrid_engine,
+            trainer_devices: devices,
+            dynamic_sampling: c.algorithm.filter_groups.enable,
+            lora: arr.model.lora_rank > 0,
+        },
+    );
     p.check(devices.is_multiple_of(tp), || {
         format!(
             "`actor_rollout_ref.actor.megatron.tensor_model_parallel_size` ({tp}) must divide the \
@@ -274,6 +295,7 @@ fn decode(c: &RlhfConfig, known: &KnownNames, p: &mut Problems) -> Option<Settin
         reward: reward?,
         algorithm: algorithm.settings?,
         trainer: trainer?,
+        one_step_off,
     })
 }
 
@@ -374,5 +396,35 @@ mod tests {
             err.contains("actor_rollout_ref.actor.loss_agg_mode"),
             "{err}"
         );
+    }
+
+    /// `hybrid_engine=False` is one-step-off-policy training on the root `rollout` pool; what
+    /// it cannot run as written is refused naming the keys.
+    #[test]
+    fn hybrid_engine_off_is_one_step_off_policy() {
+        let mut c = RlhfConfig::default();
+        assert_eq!(settings(&c).unwrap().one_step_off, None);
+        c.rollout.n_gpus_per_node = 8;
+        let err = settings(&c).unwrap_err().to_string();
+        assert!(err.contains("hybrid_engine=False"), "{err}");
+        c.actor_rollout_ref.hybrid_engine = false;
+        let err = settings(&c).unwrap_err().to_string();
+        assert!(err.contains("`rollout.n_gpus_per_node` = 8"), "{err}");
+        c.rollout.n_gpus_per_node = 1;
+        let s = settings(&c).unwrap();
+        assert_eq!(s.one_step_off, Some(OneStepOff { rollout_devices: 1 }));
+        // The rollout's log-probs are a step older than the trainer's weights.
+        assert!(s
+            .inexact_logprobs()
+            .iter()
+            .any(|(key, _)| *key == "actor_rollout_ref.hybrid_engine"));
+        c.trainer.n_gpus_per_node = 2;
+        let err = settings(&c).unwrap_err().to_string();
+        assert!(err.contains("data-parallel trainer"), "{err}");
+        c.trainer.n_gpus_per_node = 1;
+        c.algorithm.filter_groups.enable = true;
+        c.algorithm.filter_groups.metric = Some("acc".into());
+        let err = settings(&c).unwrap_err().to_string();
+        assert!(err.contains("algorithm.filter_groups.enable"), "{err}");
     }
 }

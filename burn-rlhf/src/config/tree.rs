@@ -13,7 +13,7 @@ use super::critic::CriticConfig;
 use super::data::DataConfig;
 use super::model::ModelConfig;
 use super::reward::{CustomRewardFunctionConfig, RewardModelConfig};
-use super::rollout::{RefConfig, RolloutConfig};
+use super::rollout::{RefConfig, RolloutConfig, RolloutPoolConfig};
 use super::trainer::TrainerConfig;
 
 /// The whole tree. Every struct has `#[serde(default)]`, so a file names only what it changes.
@@ -27,17 +27,36 @@ pub struct RlhfConfig {
     pub custom_reward_function: CustomRewardFunctionConfig,
     pub algorithm: AlgorithmConfig,
     pub trainer: TrainerConfig,
+    /// The rollout worker's own devices under one-step-off-policy training (verl's root
+    /// `rollout.nnodes` and `rollout.n_gpus_per_node` in its `one_step_off_ppo_trainer.yaml`).
+    pub rollout: RolloutPoolConfig,
 }
 
 /// `actor_rollout_ref.*`: the policy, its rollout and its frozen reference.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ActorRolloutRefConfig {
+    /// verl's `hybrid_engine`: `true` (its default) generates with the trained weights in the
+    /// trainer's step; `false` runs verl's one-step-off-policy training: a rollout worker of its
+    /// own (the root `rollout` pool) generates the next batch during this step's update.
+    pub hybrid_engine: bool,
     pub model: ModelConfig,
     pub actor: ActorConfig,
     pub rollout: RolloutConfig,
     #[serde(rename = "ref")]
     pub reference: RefConfig,
+}
+
+impl Default for ActorRolloutRefConfig {
+    fn default() -> Self {
+        Self {
+            hybrid_engine: true,
+            model: ModelConfig::default(),
+            actor: ActorConfig::default(),
+            rollout: RolloutConfig::default(),
+            reference: RefConfig::default(),
+        }
+    }
 }
 
 impl RlhfConfig {

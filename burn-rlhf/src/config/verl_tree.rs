@@ -60,10 +60,6 @@ const INERT: &[(&str, &str)] = &[
         "the collectives' timeout is `trainer.collective_timeout_s`",
     ),
     (
-        "actor_rollout_ref.hybrid_engine",
-        "the trained model always generates (hybrid)",
-    ),
-    (
         "trainer.esi_redundant_time",
         "verl's elastic-instance checkpoint timing is not built",
     ),

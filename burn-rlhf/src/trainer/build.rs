@@ -395,6 +395,17 @@ impl<B: LearnerBackend> PreparedLearner<B> {
         let shape_bucket =
             crate::backend::shape_bucket::<B::InnerBackend>(settings.model.shape_bucket);
         let exact_logprobs = exact_logprobs::<B>(&settings, &self.algorithms, shape_bucket)?;
+        if settings.one_step_off.is_some() && self.algorithms.estimator.needs_reward_baselines() {
+            return Err(TrainError::config(
+                "algorithm.adv_estimator",
+                format!(
+                    "`{}` generates a greedy baseline with the step's own weights, which a \
+                     rollout one step ahead does not have: run it with \
+                     `actor_rollout_ref.hybrid_engine=True`",
+                    settings.algorithm.adv_estimator
+                ),
+            ));
+        }
         Ok(Learner {
             actor_optimizer,
             device,
@@ -405,6 +416,8 @@ impl<B: LearnerBackend> PreparedLearner<B> {
             reference,
             reference_refreshed_at: None,
             engine_counters: Default::default(),
+            next_batch: None,
+            rollout_worker: None,
             reward_scorer,
             algorithms: self.algorithms,
             train: self.train,

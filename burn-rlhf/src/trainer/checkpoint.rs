@@ -25,7 +25,9 @@ use burn_rlhf_models::{CausalLm, LoraConfig, ValueModel};
 use burn_rlhf_rollout::SamplerState;
 use serde::{Deserialize, Serialize};
 
+use super::generation::PendingGeneration;
 use super::learner::{Learner, ModelOptimizer};
+use super::off_policy::ROLLOUT_DIR;
 use crate::config::settings::ResumeMode;
 use crate::error::TrainError;
 use crate::optim::AdamWOf;
@@ -51,6 +53,10 @@ pub struct TrainerState {
     /// The step SPIN's reference was last replaced by the actor; its weights are in `ref/`.
     #[serde(default)]
     pub reference_refreshed_at: Option<usize>,
+    /// One-step-off-policy training: the generation in flight when the checkpoint was taken
+    /// (the next step's batch); its weights are in `rollout/`.
+    #[serde(default)]
+    pub pending_generation: Option<PendingGeneration>,
 }
 
 /// Parameter ids in visiting order: the same model built twice visits the same order.
@@ -380,6 +386,11 @@ pub fn prune_checkpoints(
         for dir in &with_part[..with_part.len().saturating_sub(keep)] {
             let old = dir.join(part);
             std::fs::remove_dir_all(&old).map_err(|e| io(&old, e))?;
+            // A one-step-off run's generation in flight resumes with the actor only.
+            let rollout = dir.join(ROLLOUT_DIR);
+            if part == "actor" && rollout.is_dir() {
+                std::fs::remove_dir_all(&rollout).map_err(|e| io(&rollout, e))?;
+            }
         }
     }
     for (_, dir) in &steps {
@@ -518,6 +529,15 @@ impl<B: LearnerBackend> Learner<B> {
                 actor_updates: self.actor_optimizer.updates,
                 critic_updates: self.critic.as_ref().map_or(0, |c| c.optimizer.updates),
                 reference_refreshed_at: self.reference_refreshed_at,
+                pending_generation: None,
+            };
+            let pending = self.pending_generation();
+            if let Some((_, weights)) = &pending {
+                self.save_rollout_weights(&tmp.join(ROLLOUT_DIR), weights)?;
+            }
+            let state = TrainerState {
+                pending_generation: pending.map(|(p, _)| p),
+                ..state
             };
             // A reference that is no longer the starting model (SPIN) is part of the state.
             if let Some(weights) = &reference_weights {
@@ -612,6 +632,23 @@ impl<B: LearnerBackend> Learner<B> {
             .restore_stream_position(state.policy_loss_stream);
         self.sampler.restore(state.sampler);
         self.global_step = state.global_step;
+        self.next_batch = None;
+        match (state.pending_generation, self.settings.one_step_off) {
+            (Some(pending), Some(_)) => self.resume_generation(dir, pending)?,
+            (Some(_), None) => {
+                return Err(TrainError::config(
+                    "actor_rollout_ref.hybrid_engine",
+                    format!(
+                        "{} was written by a one-step-off-policy run (a generation in flight): \
+                         resume it with `actor_rollout_ref.hybrid_engine=False`",
+                        dir.display()
+                    ),
+                ))
+            }
+            // A synchronous run's checkpoint resumed one step off starts its first generation
+            // at the next step.
+            (None, _) => {}
+        }
         self.actor_optimizer.updates = state.actor_updates;
         if let Some(c) = self.critic.as_mut() {
             c.optimizer.updates = state.critic_updates;

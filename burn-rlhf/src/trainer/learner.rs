@@ -16,6 +16,7 @@ use burn_rlhf_algos::{AdvantageEstimator, KlController, PolicyLoss};
 use burn_rlhf_models::{CausalLm, Tokenizer, TransformerConfig, ValueModel};
 use burn_rlhf_rollout::{PromptRecord, PromptSampler, RewardFn};
 
+use super::generation::{as_generated, NextBatch, RolloutWorker};
 use super::reward_model::RewardScorer;
 use crate::config::settings::OptimSettings;
 use crate::config::FsdpSharding;
@@ -183,6 +184,11 @@ pub struct Learner<B: LearnerBackend> {
     /// The rollout engines' counters since the step's generation began, summed over the ranks:
     /// prefill tokens, decode tokens, samples that took a sibling's prompt blocks, preemptions.
     pub(crate) engine_counters: std::sync::Mutex<[f64; 4]>,
+    /// One-step-off-policy training: the next step's batch, generating on the rollout worker.
+    pub(crate) next_batch: Option<NextBatch<B>>,
+    /// One-step-off-policy training: what the rollout worker holds of the run (made at its
+    /// first generation).
+    pub(crate) rollout_worker: Option<Arc<RolloutWorker<B>>>,
     /// Completed training steps.
     pub global_step: usize,
     pub(crate) total_steps: usize,
@@ -206,17 +212,6 @@ impl<B: LearnerBackend> Learner<B> {
         model: CausalLm<B::InnerBackend>,
     ) -> Result<Parked<B::InnerBackend, CausalLm<B::InnerBackend>>, TrainError> {
         hold_reference::<B>(model, &self.settings, &self.dp, &self.device)
-    }
-
-    /// The shape generation's KV cache takes: the policy's, or under tensor parallelism one
-    /// rank's key/value heads.
-    pub(crate) fn cache_config(&self) -> Result<TransformerConfig, TrainError> {
-        Ok(match &self.dp.tp {
-            Some(tp) => {
-                burn_rlhf_models::tensor_parallel::cache_config(&self.model_config, tp.size())?
-            }
-            None => self.model_config.clone(),
-        })
     }
 
     /// The policy with every parameter present: [`Learner::actor`] itself, or under FSDP a copy
@@ -255,11 +250,7 @@ impl<B: LearnerBackend> Learner<B> {
     /// `model` as generation runs it: its LoRA adapters merged in with `model.lora.merge`, cast to
     /// `actor_rollout_ref.rollout.dtype`.
     pub fn for_generation(&self, model: CausalLm<B::InnerBackend>) -> CausalLm<B::InnerBackend> {
-        let model = match self.settings.model.lora_merge {
-            true => model.merge_lora(),
-            false => model,
-        };
-        cast_to(model, self.settings.rollout.dtype)
+        as_generated(model, &self.settings)
     }
 
     /// Steps in the whole run (`trainer.total_training_steps`, or epochs x batches per epoch).

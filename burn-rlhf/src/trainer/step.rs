@@ -26,7 +26,10 @@ impl<B: LearnerBackend> Learner<B> {
             let (start, cpu_start) = (Instant::now(), cpu_seconds());
             let device = self.device.clone();
             let mut timing = Timing::with_device_probe(move || B::device_memory_reserved(&device));
-            let (mut batch, indices, mut metrics) = self.sample_batch(step, &mut timing)?;
+            let (mut batch, indices, mut metrics) = match self.settings.one_step_off {
+                Some(_) => self.off_policy_batch(step, &mut timing)?,
+                None => self.sample_batch(step, &mut timing)?,
+            };
             if let (Some(dir), 0) = (&self.settings.trainer.rollout_data_dir, self.dp.rank()) {
                 let rows = super::dump::batch_rows(&batch, &self.tokenizer)?;
                 super::dump::dump_generations(dir, step, &rows)?;
@@ -159,7 +162,10 @@ impl<B: LearnerBackend> Learner<B> {
             metrics.insert("perf/time_per_step".into(), elapsed);
             metrics.insert("perf/throughput".into(), tokens / elapsed.max(1e-9));
             metrics.insert("training/global_step".into(), step as f64);
-            metrics.insert("training/epoch".into(), self.sampler.state().epoch as f64);
+            // One step off, the sampler is a batch ahead: the batch's epoch is its own metric.
+            metrics
+                .entry("training/epoch".into())
+                .or_insert(self.sampler.state().epoch as f64);
             self.global_step = step;
             Ok(metrics)
         })
@@ -171,7 +177,8 @@ impl<B: LearnerBackend> Learner<B> {
     /// rollout's until its one optimiser step), and nothing before the update reads the old
     /// log-probs: no KL in the reward, no estimator that reads them (the optimal token
     /// baseline), no rollout correction weights or rejection (its diagnostics are computed
-    /// after the update from the same values), not bypass mode (which runs no pass anyway).
+    /// after the update from the same values), not bypass mode (which runs no pass anyway), and
+    /// not one step off (the batch's weights are the step before's).
     pub fn update_is_on_policy(&self, batch: &RolloutBatch, step: usize) -> bool {
         let s = &self.settings;
         let correction = &s.algorithm.rollout_correction;
@@ -183,6 +190,7 @@ impl<B: LearnerBackend> Learner<B> {
             && correction.is.is_none()
             && correction.rs.is_empty()
             && !self.algorithms.estimator.needs_sum_pi_squared()
+            && s.one_step_off.is_none()
     }
 
     /// SPIN's self-play: every `ref_update_freq` steps the opponent (the reference) becomes the

@@ -65,8 +65,9 @@ impl<B: LearnerBackend> Learner<B> {
                     "no validation prompts",
                 ));
             }
-            let seed = self.step_seed(self.global_step, Stream::Validation);
-            let params = self.sampling_params(&self.settings.rollout.val, false, seed);
+            let generator = self.generator();
+            let seed = generator.step_seed(self.global_step, Stream::Validation);
+            let params = generator.sampling_params(&self.settings.rollout.val, false, seed);
             let size = self
                 .settings
                 .data

@@ -99,6 +99,9 @@ fn section_file(key: &str) -> &'static str {
         ("actor_rollout_ref.actor.fsdp_config.", "optim.rs"),
         ("actor_rollout_ref.actor.", "actor.rs"),
         ("actor_rollout_ref.rollout.", "rollout.rs"),
+        // One-step-off-policy training: the hybrid engine's switch and the root rollout pool.
+        ("actor_rollout_ref.hybrid_engine", "rollout.rs"),
+        ("rollout.", "rollout.rs"),
         ("actor_rollout_ref.ref.", "rollout.rs"),
         ("critic.optim.", "optim.rs"),
         ("critic.model.fsdp_config.", "optim.rs"),

@@ -13,6 +13,7 @@ mod extending;
 mod fsdp;
 mod learner_logprobs;
 mod on_policy;
+mod one_step_off;
 mod ppo_loop;
 mod recipes;
 mod reward_model;

@@ -1,0 +1,500 @@
+//! Generation that reads nothing of the [`Learner`](super::Learner): the engine run over a
+//! policy given to it, with the run's settings, data-parallel group and device borrowed
+//! ([`Generator`]); and what one-step-off-policy training's rollout worker owns to generate on a
+//! thread of its own ([`RolloutWorker`], [`NextBatch`]). Below the learner: the learner holds
+//! the worker and its generation in flight.
+
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use burn_rlhf_models::ChatMessage;
+use burn_rlhf_models::{CausalLm, KvPool, Tokenizer, TransformerConfig};
+use burn_rlhf_rollout::agent::{
+    run_conversations, AgentJob, AgentLoop, AgentLoopRegistry, AgentSample, ConversationStats,
+    TurnRole,
+};
+use burn_rlhf_rollout::encode::truncate;
+use burn_rlhf_rollout::{
+    DecodeShapes, Engine, EngineConfig, PromptRecord, RolloutBatch, Sample, SamplingParams,
+};
+use serde::{Deserialize, Serialize};
+
+use super::metrics::Metrics;
+use crate::backend::LearnerBackend;
+use crate::config::settings::SamplingSettings;
+use crate::config::Settings;
+use crate::distributed::{chunk, DataParallel};
+use crate::error::TrainError;
+
+/// Which generation of a step a random stream belongs to (its salt in [`Learner::step_seed`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Stream {
+    /// Dynamic sampling's round `r` (from 1; round 1 is the plain rollout).
+    Round(usize),
+    /// ReMax's greedy baseline.
+    Greedy,
+    /// Validation.
+    Validation,
+}
+
+/// What generation reads, borrowed: the learner's own for its steps, or a rollout worker's
+/// copies on a thread of its own (one-step-off-policy training, `off_policy`). The policy it
+/// runs is an argument of each rollout.
+pub(crate) struct Generator<'a, B: LearnerBackend> {
+    pub settings: &'a Settings,
+    pub tokenizer: &'a Tokenizer,
+    pub agents: &'a AgentLoopRegistry,
+    pub dp: &'a DataParallel,
+    pub device: &'a B::Device,
+    /// Tokens per length bucket for this backend (1: exact shapes).
+    pub shape_bucket: usize,
+    /// The policy's shape.
+    pub model_config: &'a TransformerConfig,
+    /// The engines' counters since the step's generation began (see
+    /// [`Learner::engine_counters`]).
+    pub counters: &'a Mutex<[f64; 4]>,
+}
+
+impl<B: LearnerBackend> Generator<'_, B> {
+    /// The seed of step `step`'s `stream`: runs reproduce, and a resumed run draws what the
+    /// uninterrupted one would have.
+    pub(crate) fn step_seed(&self, step: usize, stream: Stream) -> u64 {
+        let salt = match stream {
+            Stream::Round(r) if r <= 1 => 0,
+            Stream::Round(r) => 100 + r as u64,
+            Stream::Greedy => 1,
+            Stream::Validation => 2,
+        };
+        self.settings
+            .trainer
+            .seed
+            .wrapping_mul(1_000_003)
+            .wrapping_add(step as u64)
+            .wrapping_mul(31)
+            .wrapping_add(salt)
+    }
+
+    /// Generation parameters from `sampling`; `greedy` forces one greedy response per prompt.
+    pub(crate) fn sampling_params(
+        &self,
+        sampling: &SamplingSettings,
+        greedy: bool,
+        seed: u64,
+    ) -> SamplingParams {
+        let r = &self.settings.rollout;
+        let mut stop = self.tokenizer.eos_token_ids.clone();
+        stop.extend(r.stop_token_ids.iter().cloned());
+        SamplingParams {
+            n: if greedy { 1 } else { sampling.n },
+            greedy: greedy || sampling.greedy(),
+            temperature: sampling.temperature,
+            top_k: sampling.top_k,
+            top_p: sampling.top_p,
+            max_new_tokens: r.response_length,
+            stop_token_ids: stop,
+            logprobs_mode: r.logprobs_mode,
+            seed,
+        }
+    }
+
+    /// The shape generation's KV cache takes: the policy's, or under tensor parallelism one
+    /// rank's key/value heads.
+    pub(crate) fn cache_config(&self) -> Result<TransformerConfig, TrainError> {
+        Ok(match &self.dp.tp {
+            Some(tp) => {
+                burn_rlhf_models::tensor_parallel::cache_config(self.model_config, tp.size())?
+            }
+            None => self.model_config.clone(),
+        })
+    }
+
+    /// Exact shapes, or this backend's bucket.
+    pub(crate) fn decode_shapes(&self) -> DecodeShapes {
+        match self.shape_bucket {
+            1 => DecodeShapes::Exact,
+            bucket => DecodeShapes::Bucketed { bucket },
+        }
+    }
+
+    /// The rollout engine's limits and pool for `rows` sequences on this rank, for a model of
+    /// `config`'s shape in `dtype`: `rollout.kv_cache_memory_bytes`, else
+    /// `gpu_memory_utilization` of the memory free now, but never more than `rows` (at most
+    /// `max_num_seqs` at once) full-length sequences need.
+    pub(crate) fn engine_config(
+        &self,
+        rows: usize,
+        config: &TransformerConfig,
+        dtype: burn::tensor::DType,
+    ) -> Result<EngineConfig, TrainError> {
+        let e = &self.settings.rollout.engine;
+        let longest = self.settings.data.max_prompt_length + self.settings.rollout.response_length;
+        let per_seq = longest.div_ceil(e.block_size);
+        let block_bytes =
+            KvPool::<B::InnerBackend>::block_bytes(config, e.block_size, dtype) as u64;
+        let needed = rows.clamp(1, e.max_num_seqs) * per_seq + 1;
+        let (bound, key) = match e.kv_cache_memory_bytes {
+            Some(bytes) => (
+                Some(bytes),
+                "actor_rollout_ref.rollout.kv_cache_memory_bytes",
+            ),
+            None => (
+                crate::backend::free_memory::<B::InnerBackend>(self.device)
+                    .map(|free| (free as f64 * e.gpu_memory_utilization) as u64),
+                "actor_rollout_ref.rollout.gpu_memory_utilization",
+            ),
+        };
+        let num_blocks = match bound {
+            Some(bytes) => needed.min((bytes / block_bytes) as usize),
+            None => needed,
+        };
+        if num_blocks < per_seq + 1 {
+            return Err(TrainError::config(
+                key,
+                format!(
+                    "the KV cache of {} bytes holds {} blocks of {} positions; one sequence of \
+                     `data.max_prompt_length` + `rollout.response_length` = {longest} positions \
+                     needs {per_seq} (one block is {block_bytes} bytes)",
+                    bound.unwrap_or(0),
+                    num_blocks.saturating_sub(1),
+                    e.block_size
+                ),
+            ));
+        }
+        Ok(EngineConfig {
+            max_num_seqs: e.max_num_seqs,
+            max_num_batched_tokens: e.max_num_batched_tokens,
+            block_size: e.block_size,
+            num_blocks,
+            enable_chunked_prefill: e.enable_chunked_prefill,
+            shapes: self.decode_shapes(),
+        })
+    }
+
+    /// Renders prompts `indices` of `records` with each row's agent loop (its `agent_name`, else
+    /// the default loop) and runs their conversations: each rank runs its consecutive share of
+    /// the prompts, each prompt's random streams keyed by its record index, and the samples are
+    /// gathered, so every rank gets what one device would. Each drawn prompt's responses form one
+    /// group, `first_group + its position` (verl's per-draw `uid`): a prompt drawn twice in a
+    /// step (DAPO's rounds across an epoch boundary) makes two groups, not one.
+    pub(crate) fn rollout(
+        &self,
+        policy: &CausalLm<B::InnerBackend>,
+        records: &[PromptRecord],
+        indices: &[usize],
+        params: &SamplingParams,
+        first_group: u64,
+    ) -> Result<RolloutBatch, TrainError> {
+        let picked: Vec<&PromptRecord> = indices.iter().map(|&i| &records[i]).collect();
+        let data = &self.settings.data;
+        let default_loop = &self.settings.rollout.default_agent_loop;
+        let agents: Vec<Arc<dyn AgentLoop>> = picked
+            .iter()
+            .map(|r| {
+                let name = r.agent_name.as_deref().unwrap_or(default_loop);
+                self.agents.get(name).map_err(|e| {
+                    TrainError::config(
+                        "actor_rollout_ref.rollout.agent.default_agent_loop",
+                        format!("row {}: {e}", r.extra_info.index),
+                    )
+                })
+            })
+            .collect::<Result<_, _>>()?;
+        let prompts: Vec<Vec<u32>> = picked
+            .iter()
+            .zip(indices)
+            .zip(&agents)
+            .map(|((r, &row), agent)| {
+                truncate(
+                    agent.prompt_ids(r)?,
+                    data.max_prompt_length,
+                    data.truncation,
+                    row,
+                )
+            })
+            .collect::<Result<_, _>>()?;
+        let share = chunk(prompts.len(), self.dp.world(), self.dp.rank());
+        let jobs: Vec<AgentJob<'_>> = share
+            .clone()
+            .map(|i| AgentJob {
+                agent: agents[i].clone(),
+                record: picked[i],
+                prompt: prompts[i].clone(),
+                key: indices[i] as u64,
+            })
+            .collect();
+        let pad = self.tokenizer.pad_token_id;
+        let cache_config = self.cache_config()?;
+        let engine =
+            self.engine_config(share.len() * params.n, &cache_config, policy.float_dtype())?;
+        let mut engine = Engine::new(policy, &cache_config, pad, engine, self.device)?;
+        let mine = run_conversations(&mut engine, &jobs, &Arc::new(params.clone()))?;
+        let s = engine.stats();
+        let counts = self.dp.all_reduce_f64(&[
+            s.prefill_tokens as f64,
+            s.decode_tokens as f64,
+            s.shared_prefills as f64,
+            s.preemptions as f64,
+        ])?;
+        let mut total = self.counters.lock().expect("not poisoned");
+        for (t, c) in total.iter_mut().zip(counts) {
+            *t += c;
+        }
+        drop(total);
+        let samples = self.gather_samples(mine, share.start, prompts.len(), params)?;
+        let group_ids: Vec<u64> = (first_group..).take(indices.len()).collect();
+        let sources: Vec<String> = picked.iter().map(|r| r.data_source.clone()).collect();
+        let truths: Vec<String> = picked.iter().map(|r| r.ground_truth.clone()).collect();
+        let raw: Vec<std::sync::Arc<[ChatMessage]>> =
+            picked.iter().map(|r| r.prompt.as_slice().into()).collect();
+        let (samples, stats): (Vec<Sample>, Vec<ConversationStats>) =
+            samples.into_iter().map(|s| (s.sample, s.stats)).unzip();
+        let batch =
+            RolloutBatch::from_samples(&prompts, &samples, pad, &group_ids, &sources, &truths)
+                .with_raw_prompts(
+                    samples
+                        .iter()
+                        .map(|s| raw[s.prompt_index].clone())
+                        .collect(),
+                )
+                .with_conversations(stats);
+        Ok(self.bucketed(batch))
+    }
+
+    /// `batch` with its prompt width padded up to the shape bucket and its response width to the
+    /// bucket holding `rollout.response_length` (as verl pads responses to that length), so the
+    /// scoring and update passes see a few shapes for the whole run. Masks mark the padding, so
+    /// nothing computed changes.
+    fn bucketed(&self, batch: RolloutBatch) -> RolloutBatch {
+        let bucket = self.shape_bucket;
+        if bucket <= 1 {
+            return batch;
+        }
+        let up = |x: usize| x.div_ceil(bucket) * bucket;
+        let response = up(self
+            .settings
+            .rollout
+            .response_length
+            .max(batch.response_len));
+        batch.padded_to(up(batch.prompt_len), response, self.tokenizer.pad_token_id)
+    }
+
+    /// Every rank's samples, in prompt order: `mine` are the samples of prompts `first..` of
+    /// `total`. Each row travels as `[length, stopped, tool calls, tool errors, truncated
+    /// responses, tool reward, interaction reward (NaN: none), tokens.., log-probs.., roles..,
+    /// entropies.. (NaN: none)]`
+    /// (token ids are exact in f32 below 2^24; a token's role is 1 for the model's, 2 for a
+    /// tool's, 3 for a user's, and a conversation's turns are the runs of one role).
+    fn gather_samples(
+        &self,
+        mine: Vec<AgentSample>,
+        first: usize,
+        total: usize,
+        params: &SamplingParams,
+    ) -> Result<Vec<AgentSample>, TrainError> {
+        if self.dp.world() == 1 {
+            return Ok(mine);
+        }
+        const HEAD: usize = 7;
+        let (n, w) = (params.n, params.max_new_tokens);
+        let width = HEAD + 4 * w;
+        let code = |r: TurnRole| match r {
+            TurnRole::Assistant => 1.0,
+            TurnRole::Tool => 2.0,
+            TurnRole::User => 3.0,
+        };
+        let rows: Vec<usize> = mine
+            .iter()
+            .enumerate()
+            .map(|(k, s)| (first + s.sample.prompt_index) * n + k % n)
+            .collect();
+        let mut packed = Vec::with_capacity(mine.len() * width);
+        for AgentSample { sample: s, stats } in &mine {
+            let mut row = vec![0.0f32; width];
+            row[..HEAD].copy_from_slice(&[
+                s.tokens.len() as f32,
+                s.stopped as u8 as f32,
+                stats.tool_calls as f32,
+                stats.tool_errors as f32,
+                stats.truncated_tool_responses as f32,
+                stats.tool_reward as f32,
+                stats.interaction_reward.map_or(f32::NAN, |r| r as f32),
+            ]);
+            for (i, (&t, &lp)) in s.tokens.iter().zip(&s.logprobs).enumerate() {
+                row[HEAD + i] = t as f32;
+                row[HEAD + w + i] = lp;
+                row[HEAD + 3 * w + i] = s.entropies.get(i).copied().flatten().unwrap_or(f32::NAN);
+            }
+            let mut at = HEAD + 2 * w;
+            for &(role, len) in &stats.turns {
+                row[at..at + len].fill(code(role));
+                at += len;
+            }
+            packed.extend(row);
+        }
+        let all = self.dp.gather_rows(&packed, &rows, total * n, width)?;
+        Ok(all
+            .chunks(width)
+            .enumerate()
+            .map(|(row, v)| {
+                let len = v[0] as usize;
+                let roles = &v[HEAD + 2 * w..HEAD + 2 * w + len];
+                let mut turns: Vec<(TurnRole, usize)> = Vec::new();
+                for &c in roles {
+                    let role = match c as u8 {
+                        1 => TurnRole::Assistant,
+                        2 => TurnRole::Tool,
+                        _ => TurnRole::User,
+                    };
+                    match turns.last_mut() {
+                        Some((r, l)) if *r == role => *l += 1,
+                        _ => turns.push((role, 1)),
+                    }
+                }
+                AgentSample {
+                    sample: Sample {
+                        prompt_index: row / n,
+                        tokens: v[HEAD..HEAD + len].iter().map(|&t| t as u32).collect(),
+                        logprobs: v[HEAD + w..HEAD + w + len].to_vec(),
+                        entropies: v[HEAD + 3 * w..HEAD + 3 * w + len]
+                            .iter()
+                            .map(|&e| (!e.is_nan()).then_some(e))
+                            .collect(),
+                        mask: roles.iter().map(|&c| u8::from(c == 1.0)).collect(),
+                        stopped: v[1] > 0.5,
+                    },
+                    stats: ConversationStats {
+                        turns,
+                        tool_calls: v[2] as usize,
+                        tool_errors: v[3] as usize,
+                        truncated_tool_responses: v[4] as usize,
+                        tool_reward: v[5] as f64,
+                        interaction_reward: (!v[6].is_nan()).then_some(v[6] as f64),
+                    },
+                }
+            })
+            .collect())
+    }
+}
+
+/// `model` as generation runs it under `settings`: its LoRA adapters merged in with
+/// `model.lora.merge`, cast to `actor_rollout_ref.rollout.dtype`.
+pub(crate) fn as_generated<B: burn::tensor::backend::Backend>(
+    model: CausalLm<B>,
+    settings: &Settings,
+) -> CausalLm<B> {
+    let model = match settings.model.lora_merge {
+        true => model.merge_lora(),
+        false => model,
+    };
+    match settings.rollout.dtype {
+        Some(dtype) => model.cast(dtype),
+        None => model,
+    }
+}
+
+/// What the rollout worker of one-step-off-policy training holds of the run: its own copies,
+/// so that it generates on a thread of its own while the trainer owns the learner.
+pub(crate) struct RolloutWorker<B: LearnerBackend> {
+    pub settings: Settings,
+    pub tokenizer: Tokenizer,
+    pub agents: AgentLoopRegistry,
+    pub train: Vec<PromptRecord>,
+    pub device: B::Device,
+    pub shape_bucket: usize,
+    pub model_config: TransformerConfig,
+    /// The compute threads host operations split across while generating: half the cores (at
+    /// least one), the trainer's being the process's own pool. From outside a pool every
+    /// parallel operation would hand its work over and sleep (generation took twice as long,
+    /// measured).
+    pub threads: rayon::ThreadPool,
+}
+
+impl<B: LearnerBackend> RolloutWorker<B> {
+    /// Step `step`'s training batch of prompts `indices`, generated by `weights` (as the
+    /// trainer holds them) on this worker's threads, with the synchronous run's random streams.
+    /// Returns the batch and the engine's counters (prefill and decode tokens, shared prefills,
+    /// preemptions).
+    pub fn generate(
+        &self,
+        weights: CausalLm<B::InnerBackend>,
+        indices: &[usize],
+        step: usize,
+    ) -> Result<(RolloutBatch, [f64; 4]), TrainError> {
+        self.threads.install(|| {
+            let counters = Mutex::new([0.0; 4]);
+            // The rollout pool is one device of its own: no collectives with the trainer.
+            let solo = DataParallel::solo();
+            let generator = Generator::<B> {
+                settings: &self.settings,
+                tokenizer: &self.tokenizer,
+                agents: &self.agents,
+                dp: &solo,
+                device: &self.device,
+                shape_bucket: self.shape_bucket,
+                model_config: &self.model_config,
+                counters: &counters,
+            };
+            let seed = generator.step_seed(step, Stream::Round(1));
+            let params = generator.sampling_params(&self.settings.rollout.train, false, seed);
+            let policy = as_generated(weights, &self.settings);
+            let batch = burn_rlhf_algos::kernels::with_kernels(
+                self.settings.model.use_fused_kernels,
+                || generator.rollout(&policy, &self.train, indices, &params, 0),
+            )?;
+            let counters = *counters.lock().expect("not poisoned");
+            Ok((batch, counters))
+        })
+    }
+}
+
+/// What the engine computed for `batch`, from its `counters` (prefill and decode tokens, shared
+/// prefills, preemptions): a conversation's earlier turns stay in its KV blocks, so prefill
+/// covers each prompt once and each appended turn (with the token sampled before it), never the
+/// history again; and the tokens appended to responses by tools and users.
+pub(crate) fn engine_metrics(batch: &RolloutBatch, counters: [f64; 4]) -> Metrics {
+    let mut metrics: Metrics = [
+        "rollout/prefill_tokens",
+        "rollout/decode_tokens",
+        "rollout/shared_prefills",
+        "rollout/preemptions",
+    ]
+    .into_iter()
+    .map(String::from)
+    .zip(counters)
+    .collect();
+    let appended: f64 = batch
+        .response_attention_mask
+        .iter()
+        .zip(&batch.response_mask)
+        .map(|(&a, &m)| f64::from(a - m))
+        .sum();
+    metrics.insert("rollout/appended_tokens".into(), appended);
+    metrics
+}
+
+/// What the rollout worker hands back: the batch, the engine's counters, and the seconds it
+/// generated for.
+pub(crate) type Generated = Result<(RolloutBatch, [f64; 4], f64), TrainError>;
+
+/// A generation in flight on the rollout worker.
+pub(crate) struct NextBatch<B: LearnerBackend> {
+    /// What it generates.
+    pub pending: PendingGeneration,
+    /// The weights it runs (the trainer's after step `pending.weights_step`), kept for a
+    /// checkpoint.
+    pub weights: CausalLm<B::InnerBackend>,
+    pub handle: JoinHandle<Generated>,
+}
+
+/// A generation in flight as a checkpoint records it (its weights in `rollout/`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PendingGeneration {
+    /// The training step it is for.
+    pub step: usize,
+    /// Its prompts.
+    pub indices: Vec<usize>,
+    /// The completed steps its weights had.
+    pub weights_step: usize,
+    /// The sampler's epoch when its prompts were drawn.
+    pub epoch: usize,
+}

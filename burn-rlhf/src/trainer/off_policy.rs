@@ -1,0 +1,189 @@
+//! verl's one-step-off-policy training (`actor_rollout_ref.hybrid_engine=False`): a rollout
+//! worker with its own copy of the policy generates batch k+1, on a thread of its own, with the
+//! weights the trainer started step k from, while the trainer rewards, scores and updates on
+//! batch k. The batch trained at step k+1 is then one update stale: its old log-probs come from
+//! the trainer's pass over it (so the policy ratio is the trainer's own), and the rollout's
+//! log-probs feed `algorithm.rollout_correction` (or, with `bypass_mode`, stand in for the old
+//! ones, verl's default for this trainer).
+//!
+//! The rollout worker draws nothing of its own: the prompts are drawn by the trainer's sampler
+//! when the generation starts (in the order a synchronous run draws them) and each step's random
+//! streams are the synchronous run's, so a generation depends only on its weights, its prompts
+//! and its step. A checkpoint after step k keeps what generates batch k+1 (its prompts and the
+//! weights of step k-1, in `rollout/`), and a resumed run generates it again, as the
+//! uninterrupted one did.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Instant;
+
+use burn::module::AutodiffModule;
+use burn_rlhf_models::pretrained::{load_pretrained, save_pretrained};
+use burn_rlhf_models::CausalLm;
+use burn_rlhf_rollout::RolloutBatch;
+
+use super::generation::{engine_metrics, NextBatch, PendingGeneration, RolloutWorker};
+use super::learner::Learner;
+use super::metrics::Metrics;
+use super::usage::Timing;
+use crate::backend::LearnerBackend;
+use crate::error::TrainError;
+
+/// The folder of a checkpoint holding the weights the pending generation runs.
+pub(crate) const ROLLOUT_DIR: &str = "rollout";
+
+impl<B: LearnerBackend> Learner<B> {
+    /// Starts generating step `step`'s batch on the rollout worker with the current weights,
+    /// its prompts drawn now.
+    fn launch_generation(&mut self, step: usize) -> NextBatch<B> {
+        let epoch = self.sampler.state().epoch;
+        let indices = self.sampler.next_batch(self.settings.data.train_batch_size);
+        let weights = self.actor_whole().valid();
+        self.start_generation(
+            weights,
+            PendingGeneration {
+                step,
+                indices,
+                weights_step: self.global_step,
+                epoch,
+            },
+        )
+    }
+
+    /// Starts the generation `pending` describes on the rollout worker, with `weights`.
+    fn start_generation(
+        &mut self,
+        weights: CausalLm<B::InnerBackend>,
+        pending: PendingGeneration,
+    ) -> NextBatch<B> {
+        if self.rollout_worker.is_none() {
+            let cores = std::thread::available_parallelism().map_or(1, usize::from);
+            self.rollout_worker = Some(Arc::new(RolloutWorker {
+                settings: self.settings.clone(),
+                tokenizer: self.tokenizer.clone(),
+                agents: self.algorithms.agents.clone(),
+                train: self.train.clone(),
+                device: self.device.clone(),
+                shape_bucket: self.shape_bucket,
+                model_config: self.model_config.clone(),
+                threads: rayon::ThreadPoolBuilder::new()
+                    .num_threads((cores / 2).max(1))
+                    .thread_name(|i| format!("rollout-compute-{i}"))
+                    .build()
+                    .expect("the rollout worker's compute threads start"),
+            }));
+        }
+        let worker = Arc::clone(self.rollout_worker.as_ref().expect("made above"));
+        let (copy, indices, step) = (weights.clone(), pending.indices.clone(), pending.step);
+        let handle = std::thread::Builder::new()
+            .name(format!("rollout-step-{step}"))
+            .spawn(move || {
+                let start = Instant::now();
+                let (batch, counters) = worker.generate(copy, &indices, step)?;
+                Ok((batch, counters, start.elapsed().as_secs_f64()))
+            })
+            .expect("the rollout worker's thread starts");
+        NextBatch {
+            pending,
+            weights,
+            handle,
+        }
+    }
+
+    /// One-step-off-policy's batch of step `step`: waits for the generation started during the
+    /// step before (at the first step, or with none in flight, starts it now), starts the next
+    /// step's with the weights this step starts from (unless this is the last step), and rewards
+    /// the batch. Metrics: verl's `timing_s/gen` (here the wait, as in verl's one-step-off
+    /// trainer) and `timing_s/wait_prev_gen`, the worker's `timing_s/generate_async`,
+    /// `rollout/staleness` (updates between the batch's weights and the trainer's) and the
+    /// engine's counters.
+    pub(crate) fn off_policy_batch(
+        &mut self,
+        step: usize,
+        timing: &mut Timing,
+    ) -> Result<(RolloutBatch, Vec<usize>, Metrics), TrainError> {
+        let next = match self.next_batch.take() {
+            Some(next) if next.pending.step == step => next,
+            // A generation for another step (a learner stepped past `fit`'s order) is dropped.
+            _ => self.launch_generation(step),
+        };
+        let NextBatch {
+            pending:
+                PendingGeneration {
+                    indices,
+                    weights_step,
+                    epoch,
+                    ..
+                },
+            handle,
+            ..
+        } = next;
+        let waited = Instant::now();
+        let (mut batch, counters, generated) = match handle.join() {
+            Ok(result) => result?,
+            Err(panic) => std::panic::resume_unwind(panic),
+        };
+        let wait = waited.elapsed().as_secs_f64();
+        if step < self.total_steps {
+            self.next_batch = Some(self.launch_generation(step + 1));
+        }
+        timing.time("reward", || self.reward(&mut batch))?;
+        let mut metrics = Metrics::from([
+            ("timing_s/gen".to_string(), wait),
+            ("timing_s/wait_prev_gen".to_string(), wait),
+            ("timing_s/generate_async".to_string(), generated),
+            (
+                "rollout/staleness".to_string(),
+                (self.global_step - weights_step) as f64,
+            ),
+            ("training/epoch".to_string(), epoch as f64),
+        ]);
+        metrics.extend(engine_metrics(&batch, counters));
+        Ok((batch, indices, metrics))
+    }
+
+    /// What a checkpoint keeps of the generation in flight, with its weights.
+    pub(crate) fn pending_generation(
+        &self,
+    ) -> Option<(PendingGeneration, &CausalLm<B::InnerBackend>)> {
+        self.next_batch
+            .as_ref()
+            .map(|next| (next.pending.clone(), &next.weights))
+    }
+
+    /// Writes the weights of the generation in flight into `dir` (a checkpoint's `rollout/`).
+    pub(crate) fn save_rollout_weights(
+        &self,
+        dir: &Path,
+        weights: &CausalLm<B::InnerBackend>,
+    ) -> Result<(), TrainError> {
+        save_pretrained(
+            dir,
+            &self.model_config,
+            &weights.export(),
+            None,
+            Some(&self.tokenizer),
+        )?;
+        Ok(())
+    }
+
+    /// Starts again the generation a checkpoint in `dir` recorded (its weights in
+    /// `dir/rollout`), as the run that wrote it had it in flight.
+    pub(crate) fn resume_generation(
+        &mut self,
+        dir: &Path,
+        pending: PendingGeneration,
+    ) -> Result<(), TrainError> {
+        let folder = dir.join(ROLLOUT_DIR);
+        if !folder.is_dir() {
+            return Err(TrainError::checkpoint(
+                &folder,
+                "missing: the checkpoint records a generation in flight, whose weights are here",
+            ));
+        }
+        let weights = load_pretrained(&folder.display().to_string())?
+            .causal_lm_part::<B::InnerBackend>(None, &self.device)?;
+        self.next_batch = Some(self.start_generation(weights, pending));
+        Ok(())
+    }
+}
