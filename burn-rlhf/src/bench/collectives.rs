@@ -15,7 +15,7 @@ use serde_json::{json, Value};
 use crate::backend::LearnerBackend;
 use crate::distributed::Collective;
 use crate::error::TrainError;
-use crate::trainer::launch::{run_ranks, GroupPlan};
+use crate::trainer::launch::launch::{run_ranks, GroupPlan};
 use crate::trainer::NodeLaunch;
 
 /// The operations timed, by their nccl-tests names.

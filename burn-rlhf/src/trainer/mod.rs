@@ -1,52 +1,42 @@
-//! Training. The shared [`Learner`] runs verl's PPO step (and the critic-free family through the
-//! same loop), one file per phase: `build`, `rollout` (generation, rewards), `scoring` (log-probs,
-//! values, KL, advantages), `update`, `step`, `validation`; with its metrics and sinks and
-//! checkpoints; the learned reward model that scores rollouts (`reward_model`); and the
-//! supervised trainers, SFT and the reward model's (`supervised`, `sft`, `rm`).
+//! Training, one folder per concern, each importing only those below it:
+//! - `logging/`: the metrics map and where metrics go (console, JSONL, TensorBoard, the plot),
+//!   timing and resource usage, the validation generations shown;
+//! - `rl/`: the shared [`Learner`], which runs verl's PPO step (and the critic-free family through
+//!   the same loop), one file per phase: `build`, `rollout` (rewards, DAPO's rounds, ReMax's
+//!   baseline) over `generation` (the engine over a given policy, and one-step-off-policy's
+//!   rollout worker, driven by `off_policy`), `scoring` (log-probs, values, KL, advantages),
+//!   `update`, `step`, `validation`; its checkpoints, generation dumps and run loop (`fit`); the
+//!   learned reward model that scores rollouts (`reward_model`);
+//! - `launch/`: starting the ranks ([`launch`]: one device in one process runs `fit` on the
+//!   calling thread, several devices a thread each, several processes as MPI ranks) and the
+//!   `train`, `eval` and `generate` commands on top of it (`commands`: a file, the selected
+//!   backend, the loaded parts, then `launch`);
+//! - `supervised/`: the supervised trainers, SFT and the reward model's (`sft`, `rm`), on one
+//!   run of their own (`supervised/run.rs`).
 //!
-//! One way in, in three layers:
-//! - [`Learner::new`] (a config and [`LearnerParts`]) or [`Learner::from_settings`] (decoded
-//!   settings and parts) builds one rank's learner; both end in the same builder;
-//! - [`Learner::fit`] (`fit.rs`) is the run loop every rank runs: resume, validate, step, log,
-//!   checkpoint;
-//! - [`launch`] (`launch.rs`) starts the ranks: one device in one process runs `fit` on the calling
-//!   thread, several devices a thread each, several processes as MPI ranks. `commands.rs` is
-//!   what the `train` and `eval` commands run on top: a file, the selected backend, the loaded
-//!   parts, then `launch`.
+//! One way in: [`Learner::new`] (a config and [`LearnerParts`]) or [`Learner::from_settings`]
+//! (decoded settings and parts) builds one rank's learner; both end in the same builder;
+//! [`Learner::fit`] is the run loop every rank runs: resume, validate, step, log, checkpoint.
 
-mod build;
-mod checkpoint;
-pub mod commands;
-mod dump;
-mod fit;
-mod generation;
 pub(crate) mod launch;
-mod learner;
-pub mod logger;
-pub mod metrics;
-mod off_policy;
-mod plot;
-pub mod reward_model;
-pub mod rm;
-mod rollout;
-mod scoring;
-pub mod sft;
-mod step;
+pub(crate) mod logging;
+pub(crate) mod rl;
 pub mod supervised;
-pub mod tensorboard;
-mod update;
-pub mod usage;
-pub mod validation;
 
 pub use crate::error::TrainError;
-pub use build::LearnerParts;
-pub use checkpoint::{TrainerState, LATEST_FILE};
+pub use launch::commands;
+pub use launch::launch::{launch, NodeLaunch, Processes};
+pub use logging::{logger, metrics, tensorboard, usage};
+pub use rl::{reward_model, validation};
+pub use supervised::{rm, sft};
+
 pub use commands::stop_on_ctrl_c;
-pub use fit::{RankMemory, RunOutputs};
-pub use generation::PendingGeneration;
-pub use launch::{launch, NodeLaunch, Processes};
-pub use learner::Learner;
 pub use logger::MetricsLogger;
+pub use logging::plot::plot_history;
 pub use metrics::Metrics;
-pub use plot::plot_history;
-pub use scoring::Rows;
+pub use rl::build::LearnerParts;
+pub use rl::checkpoint::{TrainerState, LATEST_FILE};
+pub use rl::fit::{RankMemory, RunOutputs};
+pub use rl::generation::PendingGeneration;
+pub use rl::learner::Learner;
+pub use rl::scoring::Rows;

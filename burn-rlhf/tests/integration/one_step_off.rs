@@ -206,6 +206,41 @@ fn a_stopped_run_resumes_with_the_generation_it_had_in_flight() {
     std::fs::remove_dir_all(dir).ok();
 }
 
+/// The same seed gives the same run on any number of threads: trainers on 1, 2 and 4 compute
+/// threads (their rollout workers on 1, 1 and 2) end with the same weights and the same metrics
+/// but the timings.
+#[test]
+fn a_run_is_the_same_on_any_number_of_threads() {
+    let dir = temp_dir("one-step-off-threads");
+    let (actor, _) = super::tiny_models(14);
+    let run = |threads: usize| {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap()
+            .install(|| {
+                let out = dir.join(format!("threads-{threads}"));
+                let mut learner = learner(config(&out, false, 3), &actor);
+                let metrics: Vec<Vec<(String, f64)>> = (0..3)
+                    .map(|_| {
+                        learner
+                            .step()
+                            .unwrap()
+                            .into_iter()
+                            .filter(|(k, _)| !burn_rlhf::trainer::usage::measures_the_machine(k))
+                            .collect()
+                    })
+                    .collect();
+                (params(&learner.actor), metrics)
+            })
+    };
+    let one = run(1);
+    for threads in [2, 4] {
+        assert!(one == run(threads), "{threads} threads");
+    }
+    std::fs::remove_dir_all(dir).ok();
+}
+
 fn train_cli(model: &Path, data: &Path, out: &Path) -> Command {
     let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/grpo_gsm8k.ron");
     let path = |p: &Path| p.display().to_string();

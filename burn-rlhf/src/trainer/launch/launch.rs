@@ -12,10 +12,6 @@ use std::time::{Duration, Instant};
 use crate::backend::LearnerBackend;
 use burn::module::Module;
 
-use super::build::LearnerParts;
-use super::fit::RunOutputs;
-use super::learner::Learner;
-use super::reward_model::LoadedRewardModel;
 use crate::config::{CollectiveBackend, Settings};
 #[cfg(feature = "mpi")]
 use crate::distributed::mpi::{MpiProcess, MpiRank, MpiTpRank};
@@ -24,6 +20,10 @@ use crate::distributed::{
     Subgroup,
 };
 use crate::error::TrainError;
+use crate::trainer::rl::build::LearnerParts;
+use crate::trainer::rl::fit::RunOutputs;
+use crate::trainer::rl::learner::Learner;
+use crate::trainer::rl::reward_model::LoadedRewardModel;
 use burn_rlhf_models::collective::TpExchangeFailed;
 use burn_rlhf_models::tensor_parallel::{LocalTpGroup, TpGroup};
 

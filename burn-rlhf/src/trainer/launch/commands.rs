@@ -9,15 +9,15 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::backend::LearnerBackend;
 
-use super::build::LearnerParts;
-use super::fit::RunOutputs;
 #[cfg(feature = "mpi")]
 use super::launch::Processes;
 use super::launch::{launch, NodeLaunch};
-use super::learner::Learner;
-use super::metrics::Metrics;
 use crate::config::{KnownNames, Settings};
 use crate::error::TrainError;
+use crate::trainer::logging::metrics::Metrics;
+use crate::trainer::rl::build::LearnerParts;
+use crate::trainer::rl::fit::RunOutputs;
+use crate::trainer::rl::learner::Learner;
 use burn_rlhf_models::pretrained::{save_pretrained, Pretrained};
 use burn_rlhf_rollout::{Engine, EngineConfig, SamplingParams};
 

@@ -5,13 +5,13 @@ use crate::backend::LearnerBackend;
 use burn_rlhf_rollout::RolloutBatch;
 
 use super::learner::Learner;
-use super::metrics::{MeanMetrics, Metrics};
 use crate::error::TrainError;
 use crate::forward::LogprobHead;
 use crate::minibatch::{
     actor_update, critic_update, rows_of, ActorLossConfig, ActorTargets, CriticLossConfig,
     CriticTargets, OnPolicyLogProbs, RouterAux,
 };
+use crate::trainer::logging::metrics::{MeanMetrics, Metrics};
 
 /// One epoch's mini-batches of `prompts_per_mini_batch * n` of `rows` rows: in order (verl's
 /// `split`), or with `shuffle = Some(seed)` in a seeded random order (verl's shuffled mini-batch

@@ -9,11 +9,11 @@ use burn_rlhf_rollout::{PromptRecord, RewardInput, RolloutBatch, SamplingParams}
 pub(crate) use super::generation::Stream;
 use super::generation::{engine_metrics, Generator};
 use super::learner::Learner;
-use super::metrics::Metrics;
-use super::usage::Timing;
 use crate::backend::LearnerBackend;
 use crate::config::settings::{FilterGroups, FilterMetric};
 use crate::error::TrainError;
+use crate::trainer::logging::metrics::Metrics;
+use crate::trainer::logging::usage::Timing;
 
 impl<B: LearnerBackend> Learner<B> {
     /// Generation as this learner runs it, on its own settings, data-parallel group and device.

@@ -11,11 +11,11 @@ use burn_rlhf_algos::{agg_loss, GlobalBatchInfo};
 use burn_rlhf_rollout::{LogprobsMode, RolloutBatch};
 
 use super::learner::Learner;
-use super::metrics::{data_metrics, rollout_probs_diff, Metrics, StepData};
 use super::scoring::OldLogProbs;
-use super::usage::{cpu_seconds, Timing};
 use crate::error::TrainError;
 use crate::minibatch::rows_of;
+use crate::trainer::logging::metrics::{data_metrics, rollout_probs_diff, Metrics, StepData};
+use crate::trainer::logging::usage::{cpu_seconds, Timing};
 
 impl<B: LearnerBackend> Learner<B> {
     /// One training step; returns its metrics. `global_step` counts from 1, and the actor is

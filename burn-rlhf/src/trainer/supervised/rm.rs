@@ -18,8 +18,7 @@ use burn_rlhf_models::{RewardModel, Tokenizer, TransformerConfig};
 use burn_rlhf_rollout::preference::{encode_scored, read_preference_pairs, PreferenceKeys};
 use burn_rlhf_rollout::RolloutError;
 
-use super::metrics::Metrics;
-use super::supervised::{
+use super::run::{
     launch_supervised, resume_point, SupervisedCommand, SupervisedOutputs, SupervisedRun,
     SupervisedTask,
 };
@@ -28,6 +27,7 @@ use crate::distributed::DataParallel;
 use crate::error::TrainError;
 use crate::minibatch::{rm_eval, rm_update, OptimizerStep, PairExample, PairLoss, ScoreRead};
 use crate::optim::AdamWOf;
+use crate::trainer::logging::metrics::Metrics;
 
 /// The pairs of `specs` (files, or hub datasets read as `default_split`), tokenized; a pair past
 /// `data.max_length` is an error naming its row, left out, or cut on the left, as

@@ -143,12 +143,12 @@ impl MetricsLogger {
     pub fn generations(
         &mut self,
         step: usize,
-        samples: &[super::validation::ValGeneration],
+        samples: &[super::generations::ValGeneration],
     ) -> Result<(), TrainError> {
         if samples.is_empty() {
             return Ok(());
         }
-        let text = super::validation::generations_text(step, samples);
+        let text = super::generations::generations_text(step, samples);
         if self.bar.is_some() {
             self.println(&text);
         }

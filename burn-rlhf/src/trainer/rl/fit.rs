@@ -6,10 +6,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use crate::backend::LearnerBackend;
 
 use super::learner::Learner;
-use super::logger::MetricsLogger;
-use super::metrics::Metrics;
 use crate::error::TrainError;
 use crate::optim::StateBytes;
+use crate::trainer::logging::logger::MetricsLogger;
+use crate::trainer::logging::metrics::Metrics;
 
 /// Where a run's metrics go: `{default_local_dir}/metrics.jsonl` and `metrics.png`.
 pub struct RunOutputs {
@@ -110,7 +110,7 @@ impl<B: LearnerBackend> Learner<B> {
         }
         if t.val_before_train && self.global_step == 0 && self.has_validation_data() {
             let (m, shown) = self.validate_with_generations()?;
-            say(&logger, &super::logger::table(0, &m));
+            say(&logger, &crate::trainer::logging::logger::table(0, &m));
             // verl logs it at step 0.
             logger.record(0, &m)?;
             logger.generations(0, &shown)?;

@@ -18,8 +18,7 @@ use burn_rlhf_rollout::conversation::{
 use burn_rlhf_rollout::data::{read_pairs, TextPair};
 use burn_rlhf_rollout::{RolloutBatch, RolloutError, Sample, Truncation};
 
-use super::metrics::Metrics;
-use super::supervised::{
+use super::run::{
     launch_supervised, resume_point, SupervisedCommand, SupervisedOutputs, SupervisedRun,
     SupervisedTask,
 };
@@ -29,6 +28,7 @@ use crate::error::TrainError;
 use crate::loading::{load_policy, with_lora};
 use crate::minibatch::{sft_loss, sft_update, OptimizerStep, SftPasses};
 use crate::optim::AdamWOf;
+use crate::trainer::logging::metrics::Metrics;
 
 /// One tokenized example: prompt ids (context) and response ids, of which those with `mask` 1
 /// are targets (a pair's response and EOS; a conversation's assistant turns, not the turns
@@ -326,7 +326,7 @@ impl SupervisedCommand for SftConfig {
 
 /// `burn-rlhf sft`: fine-tunes on `trainer.nnodes` hosts of `trainer.n_gpus_per_node` devices
 /// (in this process, or an MPI job's processes), every rank a replica on its share of each
-/// batch's rows, as [`super::launch`] does for RL; returns rank 0's outputs. Runs on the backend
+/// batch's rows, as [`crate::trainer::launch::launch`] does for RL; returns rank 0's outputs. Runs on the backend
 /// the Cargo features select, with gradient checkpointing when
 /// `model.enable_gradient_checkpointing`. Stops after the current step (with a checkpoint) once
 /// `stop` is set.

@@ -1,5 +1,5 @@
 //! What the supervised trainers share (`burn-rlhf sft`, `burn-rlhf rm`): the launch on this
-//! process's devices (every rank a replica on its share of each batch, as RL's [`super::launch`]),
+//! process's devices (every rank a replica on its share of each batch, as RL's [`crate::trainer::launch::launch`]),
 //! resuming, the step loop (a seeded sampler over epochs, AdamW with warm-up and a schedule,
 //! validation every `test_freq` steps and at the end, metrics to the console, jsonl and
 //! TensorBoard), and checkpoints: an HF model folder that transformers loads, the AdamW state with
@@ -18,12 +18,6 @@ use burn_rlhf_models::{Tokenizer, TransformerConfig};
 use burn_rlhf_rollout::data::SamplerState;
 use burn_rlhf_rollout::PromptSampler;
 
-use super::checkpoint::{checkpoint_to_resume, prune_step_folders, save_param_order, StepFolder};
-use super::fit::RankMemory;
-use super::launch::{run_ranks, GroupPlan, NodeLaunch};
-use super::learner::ModelOptimizer;
-use super::logger::MetricsLogger;
-use super::metrics::Metrics;
 use crate::backend::LearnerBackend;
 use crate::config::TrainerDefaults;
 use crate::config::{SupervisedOptimConfig, SupervisedRunSettings, SupervisedTrainerConfig};
@@ -31,6 +25,14 @@ use crate::distributed::{sync_params, DataParallel};
 use crate::error::TrainError;
 use crate::minibatch::OptimizerStep;
 use crate::optim::{AdamWOf, FusedAdamW, LrSchedule, ReplicaSync, ScheduleKind};
+use crate::trainer::launch::launch::{run_ranks, GroupPlan, NodeLaunch};
+use crate::trainer::logging::logger::MetricsLogger;
+use crate::trainer::logging::metrics::Metrics;
+use crate::trainer::rl::checkpoint::{
+    checkpoint_to_resume, prune_step_folders, save_param_order, StepFolder,
+};
+use crate::trainer::rl::fit::RankMemory;
+use crate::trainer::rl::learner::ModelOptimizer;
 use burn::optim::adaptor::OptimizerAdaptor;
 
 /// What a supervised trainer does with its own model and examples.
@@ -110,9 +112,9 @@ pub(crate) trait SupervisedCommand: Clone + Send + Sync + 'static {
 }
 
 /// Runs `command` on every rank of `trainer.nnodes` hosts of `trainer.n_gpus_per_node` devices
-/// (in this process, or an MPI job's processes: [`super::commands::processes_and_devices`]), on
+/// (in this process, or an MPI job's processes: [`crate::trainer::launch::commands::processes_and_devices`]), on
 /// the backend the Cargo features select, with Burn's operation-level checkpointing when
-/// `checkpointing`, started as RL training is ([`super::commands::start`]); returns rank 0's
+/// `checkpointing`, started as RL training is ([`crate::trainer::launch::commands::start`]); returns rank 0's
 /// outputs. Every MPI process must run the same command (its debug text).
 pub(crate) fn launch_supervised<D: TrainerDefaults, C: SupervisedCommand + std::fmt::Debug>(
     (trainer, run): (&SupervisedTrainerConfig<D>, &SupervisedRunSettings),
@@ -120,13 +122,13 @@ pub(crate) fn launch_supervised<D: TrainerDefaults, C: SupervisedCommand + std::
     command: &C,
     stop: &'static AtomicBool,
 ) -> Result<SupervisedOutputs, TrainError> {
-    let place = super::commands::processes_and_devices(
+    let place = crate::trainer::launch::commands::processes_and_devices(
         trainer.nnodes,
         trainer.n_gpus_per_node,
         run.collective_timeout,
         run.collective_backend,
     )?;
-    super::commands::start(place, checkpointing, SupervisedRanks { command, stop })
+    crate::trainer::launch::commands::start(place, checkpointing, SupervisedRanks { command, stop })
 }
 
 /// A supervised trainer's command: `command` on every rank.
@@ -135,7 +137,9 @@ struct SupervisedRanks<'a, C> {
     stop: &'static AtomicBool,
 }
 
-impl<C: SupervisedCommand + std::fmt::Debug> super::commands::OnDevices for SupervisedRanks<'_, C> {
+impl<C: SupervisedCommand + std::fmt::Debug> crate::trainer::launch::commands::OnDevices
+    for SupervisedRanks<'_, C>
+{
     type Output = SupervisedOutputs;
 
     fn run<B: LearnerBackend>(
@@ -155,7 +159,10 @@ fn on_ranks<B: LearnerBackend, C: SupervisedCommand + std::fmt::Debug>(
 ) -> Result<SupervisedOutputs, TrainError> {
     let group = GroupPlan::new(devices.len(), node)?;
     #[cfg(feature = "mpi")]
-    group.check_same_settings(node, super::launch::fingerprint(&format!("{command:?}")))?;
+    group.check_same_settings(
+        node,
+        crate::trainer::launch::launch::fingerprint(&format!("{command:?}")),
+    )?;
     if group.world == 1 {
         return command.fit::<B>(&devices[0], DataParallel::solo(), stop);
     }

@@ -24,10 +24,10 @@ use burn_rlhf_rollout::RolloutBatch;
 
 use super::generation::{engine_metrics, NextBatch, PendingGeneration, RolloutWorker};
 use super::learner::Learner;
-use super::metrics::Metrics;
-use super::usage::Timing;
 use crate::backend::LearnerBackend;
 use crate::error::TrainError;
+use crate::trainer::logging::metrics::Metrics;
+use crate::trainer::logging::usage::Timing;
 
 /// The folder of a checkpoint holding the weights the pending generation runs.
 pub(crate) const ROLLOUT_DIR: &str = "rollout";
@@ -57,7 +57,9 @@ impl<B: LearnerBackend> Learner<B> {
         pending: PendingGeneration,
     ) -> NextBatch<B> {
         if self.rollout_worker.is_none() {
-            let cores = std::thread::available_parallelism().map_or(1, usize::from);
+            // Half the compute threads the trainer runs on (the process's pool, or the one its
+            // caller installed).
+            let cores = rayon::current_num_threads();
             self.rollout_worker = Some(Arc::new(RolloutWorker {
                 settings: self.settings.clone(),
                 tokenizer: self.tokenizer.clone(),

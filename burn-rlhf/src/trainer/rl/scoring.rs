@@ -11,13 +11,13 @@ use burn_rlhf_models::CausalLm;
 use burn_rlhf_rollout::RolloutBatch;
 
 use super::learner::Learner;
-use super::metrics::Metrics;
 use crate::error::TrainError;
 use crate::forward::{
     response_logprobs, response_logprobs_and_sum_pi_squared, response_values, LogprobHead,
     SequenceTensors,
 };
 use crate::minibatch::micro_batches;
+use crate::trainer::logging::metrics::Metrics;
 
 /// One model's view of a batch: per-token values, row-major `[rows * response_len]`.
 pub type Rows = Vec<f32>;

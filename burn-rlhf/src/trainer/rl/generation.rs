@@ -19,12 +19,12 @@ use burn_rlhf_rollout::{
 };
 use serde::{Deserialize, Serialize};
 
-use super::metrics::Metrics;
 use crate::backend::LearnerBackend;
 use crate::config::settings::SamplingSettings;
 use crate::config::Settings;
 use crate::distributed::{chunk, DataParallel};
 use crate::error::TrainError;
+use crate::trainer::logging::metrics::Metrics;
 
 /// Which generation of a step a random stream belongs to (its salt in [`Learner::step_seed`]).
 #[derive(Debug, Clone, Copy)]
@@ -402,8 +402,8 @@ pub(crate) struct RolloutWorker<B: LearnerBackend> {
     pub device: B::Device,
     pub shape_bucket: usize,
     pub model_config: TransformerConfig,
-    /// The compute threads host operations split across while generating: half the cores (at
-    /// least one), the trainer's being the process's own pool. From outside a pool every
+    /// The compute threads host operations split across while generating: half the trainer's
+    /// (at least one), the trainer keeping its own pool. From outside a pool every
     /// parallel operation would hand its work over and sleep (generation took twice as long,
     /// measured).
     pub threads: rayon::ThreadPool,

@@ -1,0 +1,16 @@
+//! RL training: the [`learner::Learner`] and its phases, one file each (see the trainer's
+//! module text).
+
+pub(crate) mod build;
+pub(crate) mod checkpoint;
+mod dump;
+pub(crate) mod fit;
+pub(crate) mod generation;
+pub(crate) mod learner;
+mod off_policy;
+pub mod reward_model;
+mod rollout;
+pub(crate) mod scoring;
+mod step;
+mod update;
+pub mod validation;
