@@ -14,6 +14,8 @@
 //! - `supervised/`: the supervised trainers, SFT and the reward model's (`sft`, `rm`), on one
 //!   run of their own (`supervised/run.rs`).
 //!
+//! - `run_loop.rs`: the one loop their steps go through (step, validate, log, stop, checkpoint).
+//!
 //! One way in: [`Learner::new`] (a config and [`LearnerParts`]) or [`Learner::from_settings`]
 //! (decoded settings and parts) builds one rank's learner; both end in the same builder;
 //! [`Learner::fit`] is the run loop every rank runs: resume, validate, step, log, checkpoint.
@@ -21,6 +23,7 @@
 pub(crate) mod launch;
 pub(crate) mod logging;
 pub(crate) mod rl;
+mod run_loop;
 pub mod supervised;
 
 pub use crate::error::TrainError;

@@ -1,15 +1,17 @@
 //! The run loop: resume, validation, steps, metrics, checkpoints, and a clean stop on request.
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 
 use crate::backend::LearnerBackend;
 
 use super::learner::Learner;
 use crate::error::TrainError;
 use crate::optim::StateBytes;
+use crate::trainer::logging::generations::ValGeneration;
 use crate::trainer::logging::logger::MetricsLogger;
 use crate::trainer::logging::metrics::Metrics;
+use crate::trainer::run_loop::{run_steps, LoopEnd, LoopPlan, RunTask};
 
 /// Where a run's metrics go: `{default_local_dir}/metrics.jsonl` and `metrics.png`.
 pub struct RunOutputs {
@@ -96,11 +98,6 @@ impl<B: LearnerBackend> Learner<B> {
             total,
             self.global_step,
         )?;
-        let say = |logger: &MetricsLogger, line: &str| {
-            if main {
-                logger.println(line)
-            }
-        };
         let mut validation = None;
         if t.val_only && !self.has_validation_data() {
             return Err(TrainError::config(
@@ -110,42 +107,28 @@ impl<B: LearnerBackend> Learner<B> {
         }
         if t.val_before_train && self.global_step == 0 && self.has_validation_data() {
             let (m, shown) = self.validate_with_generations()?;
-            say(&logger, &crate::trainer::logging::logger::table(0, &m));
+            if main {
+                logger.println(&crate::trainer::logging::logger::table(0, &m));
+            }
             // verl logs it at step 0.
             logger.record(0, &m)?;
             logger.generations(0, &shown)?;
             validation = Some(m);
         }
-        let mut checkpoint = None;
-        let mut interrupted = false;
-        // verl's `trainer.val_only`: the validation above is the whole run.
-        let steps_to_run = if t.val_only { self.global_step } else { total };
-        while self.global_step < steps_to_run {
-            let mut metrics = self.step()?;
-            let step = self.global_step;
-            let last = step >= total;
-            let mut shown = Vec::new();
-            if t.test_freq.is_some_and(|f| step.is_multiple_of(f) || last) {
-                let (m, generations) = self.validate_with_generations()?;
-                metrics.extend(m.clone());
-                validation = Some(m);
-                shown = generations;
-            }
-            logger.log(step, &metrics)?;
-            logger.generations(step, &shown)?;
-            // Every rank stops after the same step when any saw the request.
-            interrupted = self.dp.any(stop.load(Ordering::SeqCst))?;
-            let periodic = t.save_freq.is_some_and(|f| step.is_multiple_of(f));
-            if periodic || last || interrupted {
-                let dir = self.save_checkpoint()?;
-                say(&logger, &format!("checkpoint: {}", dir.display()));
-                checkpoint = Some(dir);
-            }
-            if interrupted {
-                say(&logger, &format!("stopped on request after step {step}"));
-                break;
-            }
-        }
+        let plan = LoopPlan {
+            start: self.global_step,
+            // verl's `trainer.val_only`: the validation above is the whole run.
+            end: if t.val_only { self.global_step } else { total },
+            total,
+            save_freq: t.save_freq,
+            main,
+        };
+        let LoopEnd {
+            checkpoint,
+            validation: last_validation,
+            interrupted,
+        } = run_steps(self, &plan, &mut logger, stop)?;
+        let validation = last_validation.or(validation);
         let plot = logger.finish()?;
         Ok(RunOutputs {
             jsonl,
@@ -155,5 +138,34 @@ impl<B: LearnerBackend> Learner<B> {
             interrupted,
             memory: self.rank_memory(),
         })
+    }
+}
+
+/// The learner's steps in the run loop: verl's step, validation every `trainer.test_freq` steps
+/// and at the last, its checkpoint.
+impl<B: LearnerBackend> RunTask for Learner<B> {
+    fn step(&mut self, _step: usize) -> Result<Metrics, TrainError> {
+        Learner::step(self)
+    }
+
+    fn validate(
+        &mut self,
+        step: usize,
+        last: bool,
+    ) -> Result<Option<(Metrics, Vec<ValGeneration>)>, TrainError> {
+        let due = self
+            .settings
+            .trainer
+            .test_freq
+            .is_some_and(|f| step.is_multiple_of(f) || last);
+        due.then(|| self.validate_with_generations()).transpose()
+    }
+
+    fn save(&mut self, _step: usize) -> Result<PathBuf, TrainError> {
+        self.save_checkpoint()
+    }
+
+    fn any_rank(&self, flag: bool) -> Result<bool, TrainError> {
+        Ok(self.dp.any(flag)?)
     }
 }

@@ -9,7 +9,7 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 
 use burn::module::AutodiffModule;
 use burn_rlhf_models::pretrained::save_pretrained;
@@ -26,6 +26,7 @@ use crate::error::TrainError;
 use crate::minibatch::OptimizerStep;
 use crate::optim::{AdamWOf, FusedAdamW, LrSchedule, ReplicaSync, ScheduleKind};
 use crate::trainer::launch::launch::{run_ranks, GroupPlan, NodeLaunch};
+use crate::trainer::logging::generations::ValGeneration;
 use crate::trainer::logging::logger::MetricsLogger;
 use crate::trainer::logging::metrics::Metrics;
 use crate::trainer::rl::checkpoint::{
@@ -33,6 +34,7 @@ use crate::trainer::rl::checkpoint::{
 };
 use crate::trainer::rl::fit::RankMemory;
 use crate::trainer::rl::learner::ModelOptimizer;
+use crate::trainer::run_loop::{run_steps, LoopPlan, RunTask};
 use burn::optim::adaptor::OptimizerAdaptor;
 
 /// What a supervised trainer does with its own model and examples.
@@ -309,70 +311,139 @@ impl<B: LearnerBackend, T: SupervisedTask<B>, D: TrainerDefaults> SupervisedRun<
         // Rank 0 logs and checkpoints; every rank holds the same metrics.
         let jsonl = (run.loggers.jsonl && main).then(|| root.join("metrics.jsonl"));
         let mut logger = MetricsLogger::for_run(&run.loggers, main, (root, None), total, start)?;
-        let mut last_val = Metrics::new();
-        let mut checkpoint = None;
-        for step in start + 1..=total {
-            let picked: Vec<&T::Example> =
-                sampler.next_batch(bs).iter().map(|&i| &train[i]).collect();
-            let (updated, m) = task.update(model, optimizer.step(o.clip_grad), &picked, device)?;
-            optimizer.updates += 1;
-            model = updated;
-            let mut metrics: Metrics = dp.mean_metrics(m.into_iter().collect())?;
-            metrics.insert("train/epoch".into(), sampler.state().epoch as f64);
-            let last = step == total;
-            if !val.is_empty() && ((t.test_freq > 0 && step as i64 % t.test_freq == 0) || last) {
-                // Every rank gathers the parameters (a collective); rank 0 validates.
-                let whole = optimizer.whole(&model);
-                if main {
-                    last_val = task.validate(&whole.valid(), &val, bs, device);
-                    metrics.extend(last_val.clone());
-                }
-            }
-            logger.log(step, &metrics)?;
-            // Every rank stops after the same step when any saw the request.
-            let stopping = dp.any(stop.load(Ordering::SeqCst))?;
-            if (t.save_freq > 0 && step as i64 % t.save_freq == 0) || last || stopping {
-                let state = SupervisedState {
-                    global_step: step,
-                    sampler: sampler.state(),
-                };
-                // Under FSDP every rank takes part in gathering the model and its AdamW state;
-                // rank 0 writes them.
-                let whole = optimizer.whole(&model);
-                if main {
-                    let (tensors, architecture) = task.export(&whole);
-                    let files = CheckpointFiles {
-                        tensors: &tensors,
-                        architecture: architecture.as_deref(),
-                        config: &model_config,
-                        tokenizer: &tokenizer,
-                    };
-                    save_checkpoint::<B, T::Model>(root, files, &whole, &optimizer, &state)?;
-                    prune_step_folders(root, t.max_ckpt_to_keep.filter(|&n| n > 0))?;
-                } else {
-                    optimizer.save(root, false, &whole)?;
-                }
-                dp.barrier()?;
-                checkpoint = Some(root.join(format!("global_step_{step}")));
-            }
-            if stopping {
-                logger.println(&format!("stopped on request after step {step}"));
-                break;
-            }
-        }
+        let plan = LoopPlan {
+            start,
+            end: total,
+            total,
+            save_freq: usize::try_from(t.save_freq).ok().filter(|&f| f > 0),
+            main,
+        };
+        let mut steps = SupervisedSteps {
+            task,
+            model: Some(model),
+            optimizer,
+            sampler,
+            train: &train,
+            val: &val,
+            batch_size: bs,
+            clip_grad: o.clip_grad,
+            test_freq: usize::try_from(t.test_freq).ok().filter(|&f| f > 0),
+            max_ckpt_to_keep: t.max_ckpt_to_keep.filter(|&n| n > 0),
+            files: (&model_config, &tokenizer, root),
+            dp: &dp,
+            device,
+        };
+        let end = run_steps(&mut steps, &plan, &mut logger, stop)?;
         logger.finish()?;
-        let (parameters, parameters_host) = optimizer.parameter_bytes(&model);
+        let model = steps.model.as_ref().expect("the steps hand the model back");
+        let (parameters, parameters_host) = steps.optimizer.parameter_bytes(model);
         Ok(SupervisedOutputs {
-            checkpoint: checkpoint.expect("the last step saves"),
+            checkpoint: end.checkpoint.expect("the last step saves"),
             jsonl,
-            val: last_val,
+            val: end.validation.unwrap_or_default(),
             memory: RankMemory {
                 parameters,
                 parameters_host,
-                optimizer: optimizer.state_bytes(),
+                optimizer: steps.optimizer.state_bytes(),
                 ..RankMemory::default()
             },
         })
+    }
+}
+
+/// A supervised run's steps, as the run loop drives them: one optimiser step on a batch of the
+/// seeded sampler's examples, validation (rank 0, on the gathered model) every `test_freq` steps
+/// and at the last, a checkpoint of the model, its AdamW state and the sampler.
+struct SupervisedSteps<'a, B: LearnerBackend, T: SupervisedTask<B>> {
+    task: T,
+    /// The model between steps (an update takes it and hands it back).
+    model: Option<T::Model>,
+    optimizer: ModelOptimizer<T::Model, B>,
+    sampler: PromptSampler,
+    train: &'a [T::Example],
+    val: &'a [T::Example],
+    batch_size: usize,
+    clip_grad: f64,
+    test_freq: Option<usize>,
+    max_ckpt_to_keep: Option<usize>,
+    /// The model's shape, its tokenizer (both written with each checkpoint) and where
+    /// checkpoints go.
+    files: (&'a TransformerConfig, &'a Tokenizer, &'a Path),
+    dp: &'a DataParallel,
+    device: &'a B::Device,
+}
+
+impl<B: LearnerBackend, T: SupervisedTask<B>> RunTask for SupervisedSteps<'_, B, T> {
+    fn step(&mut self, _step: usize) -> Result<Metrics, TrainError> {
+        let picked: Vec<&T::Example> = self
+            .sampler
+            .next_batch(self.batch_size)
+            .iter()
+            .map(|&i| &self.train[i])
+            .collect();
+        let model = self.model.take().expect("the steps hand the model back");
+        let (updated, m) = self.task.update(
+            model,
+            self.optimizer.step(self.clip_grad),
+            &picked,
+            self.device,
+        )?;
+        self.optimizer.updates += 1;
+        self.model = Some(updated);
+        let mut metrics: Metrics = self.dp.mean_metrics(m.into_iter().collect())?;
+        metrics.insert("train/epoch".into(), self.sampler.state().epoch as f64);
+        Ok(metrics)
+    }
+
+    fn validate(
+        &mut self,
+        step: usize,
+        last: bool,
+    ) -> Result<Option<(Metrics, Vec<ValGeneration>)>, TrainError> {
+        let due = self.test_freq.is_some_and(|f| step.is_multiple_of(f)) || last;
+        if self.val.is_empty() || !due {
+            return Ok(None);
+        }
+        // Every rank gathers the parameters (a collective); rank 0 validates.
+        let model = self.model.as_ref().expect("the steps hand the model back");
+        let whole = self.optimizer.whole(model);
+        Ok(self.dp.is_main().then(|| {
+            let m = self
+                .task
+                .validate(&whole.valid(), self.val, self.batch_size, self.device);
+            (m, Vec::new())
+        }))
+    }
+
+    fn save(&mut self, step: usize) -> Result<PathBuf, TrainError> {
+        let (config, tokenizer, root) = self.files;
+        let state = SupervisedState {
+            global_step: step,
+            sampler: self.sampler.state(),
+        };
+        // Under FSDP every rank takes part in gathering the model and its AdamW state; rank 0
+        // writes them.
+        let model = self.model.as_ref().expect("the steps hand the model back");
+        let whole = self.optimizer.whole(model);
+        if self.dp.is_main() {
+            let (tensors, architecture) = self.task.export(&whole);
+            let files = CheckpointFiles {
+                tensors: &tensors,
+                architecture: architecture.as_deref(),
+                config,
+                tokenizer,
+            };
+            save_checkpoint::<B, T::Model>(root, files, &whole, &self.optimizer, &state)?;
+            prune_step_folders(root, self.max_ckpt_to_keep)?;
+        } else {
+            self.optimizer.save(root, false, &whole)?;
+        }
+        self.dp.barrier()?;
+        Ok(root.join(format!("global_step_{step}")))
+    }
+
+    fn any_rank(&self, flag: bool) -> Result<bool, TrainError> {
+        Ok(self.dp.any(flag)?)
     }
 }
 
