@@ -66,9 +66,9 @@ impl TruncateSide {
 /// `actor_rollout_ref.rollout.multi_turn.*`, decoded.
 #[derive(Debug, Clone, PartialEq)]
 pub struct MultiTurnSettings {
-    /// Model turns at most (`None`: no limit).
+    /// Model turns at most (`None` or 0: no limit, as in verl).
     pub max_assistant_turns: Option<usize>,
-    /// Tool and user turns at most (`None`: no limit).
+    /// Tool and user turns at most (`None` or 0: no limit, as in verl).
     pub max_user_turns: Option<usize>,
     /// Calls run per model turn at most; later ones are ignored (verl's `max_parallel_calls`).
     pub max_parallel_calls: usize,
@@ -265,9 +265,11 @@ impl Conversation for ToolConversation {
         });
         self.assistant_turns += 1;
         let s = &self.settings;
-        if s.max_assistant_turns
-            .is_some_and(|m| self.assistant_turns >= m)
-            || s.max_user_turns.is_some_and(|m| self.user_turns >= m)
+        // 0 is no limit, as verl reads it (`if self.max_assistant_turns and ...`).
+        let reached =
+            |limit: Option<usize>, turns: usize| limit.is_some_and(|m| m > 0 && turns >= m);
+        if reached(s.max_assistant_turns, self.assistant_turns)
+            || reached(s.max_user_turns, self.user_turns)
         {
             return Ok(Next::End);
         }

@@ -315,6 +315,18 @@ fn the_tool_loop_answers_calls_and_counts_bad_ones() {
         let c = call("calculator", "{\"expression\": \"1\"}");
         assert!(turn(&mut conv, &c).is_some());
         assert!(turn(&mut conv, &c).is_none());
+        // 0 is no limit, as verl reads it (`if self.max_assistant_turns and ...`), for user
+        // turns too.
+        let zero = MultiTurnSettings {
+            max_assistant_turns: Some(0),
+            max_user_turns: Some(0),
+            ..settings.clone()
+        };
+        let agent = ToolAgent::new(renderer.clone(), tools.clone(), BTreeMap::new(), zero);
+        let mut conv = agent.start(&row).unwrap();
+        for _ in 0..3 {
+            assert!(turn(&mut conv, &c).is_some(), "{name}: 0 turns is no limit");
+        }
         // An interaction: wrong, then right.
         let mut interactions: BTreeMap<String, Arc<dyn Interaction>> = BTreeMap::new();
         interactions.insert("gsm8k".into(), Arc::new(Gsm8kInteraction));

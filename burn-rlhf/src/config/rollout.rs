@@ -41,9 +41,9 @@ impl Default for ValKwargsConfig {
 pub struct MultiTurnConfig {
     /// Rows run the `tool_agent` loop unless they name another (`agent_name`).
     pub enable: bool,
-    /// Model turns at most (`null`: no limit).
+    /// Model turns at most (`null` or 0: no limit, as verl reads it).
     pub max_assistant_turns: Option<usize>,
-    /// Tool and user turns at most (`null`: no limit).
+    /// Tool and user turns at most (`null` or 0: no limit, as verl reads it).
     pub max_user_turns: Option<usize>,
     /// Calls run per model turn at most.
     pub max_parallel_calls: usize,
