@@ -7,6 +7,8 @@ use std::sync::Arc;
 
 use burn::tensor::backend::Backend;
 use burn_rlhf_algos::{AlgoError, EstimatorParams, KlControllerParams, PolicyLossParams, Registry};
+use burn_rlhf_rollout::agent::single_turn::SingleTurnAgent;
+use burn_rlhf_rollout::agent::tool_agent::ToolAgent;
 
 /// A registry without its backend: builds by name and reports what validation needs.
 trait BuildsAlgorithms: Send + Sync {
@@ -40,12 +42,16 @@ pub struct KnownNames {
     /// `custom_reward_function.name`; empty: not checked here (the reward registry is the
     /// learner's).
     pub reward_functions: Vec<String>,
+    /// `actor_rollout_ref.rollout.agent.default_agent_loop`: the built-in loops and a program's
+    /// own.
+    pub agent_loops: Vec<String>,
 }
 
 impl std::fmt::Debug for KnownNames {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("KnownNames")
             .field("reward_functions", &self.reward_functions)
+            .field("agent_loops", &self.agent_loops)
             .finish_non_exhaustive()
     }
 }
@@ -65,7 +71,20 @@ impl KnownNames {
         Self {
             algorithms: Arc::new(registry.clone()),
             reward_functions: Vec::new(),
+            agent_loops: [SingleTurnAgent::NAME, ToolAgent::NAME]
+                .map(String::from)
+                .to_vec(),
         }
+    }
+
+    /// These names, with a program's own agent loops (`names`) known beside the built-ins.
+    pub fn with_agent_loops(mut self, names: impl IntoIterator<Item = String>) -> Self {
+        for name in names {
+            if !self.agent_loops.contains(&name) {
+                self.agent_loops.push(name);
+            }
+        }
+        self
     }
 
     /// These names, with `custom_reward_function.name` checked against `names`.

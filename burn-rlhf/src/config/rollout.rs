@@ -4,12 +4,14 @@
 use std::path::PathBuf;
 
 use burn::tensor::FloatDType;
+use burn_rlhf_rollout::agent::single_turn::SingleTurnAgent;
 use burn_rlhf_rollout::agent::tool_agent::{MultiTurnSettings, ToolAgent, TruncateSide};
 use burn_rlhf_rollout::LogprobsMode;
 use serde::{Deserialize, Serialize};
 
 use super::data::DataConfig;
 use super::model::dtype;
+use super::names::KnownNames;
 use super::problems::Problems;
 
 /// `actor_rollout_ref.rollout.val_kwargs.*` as written: sampling for validation.
@@ -86,7 +88,7 @@ pub struct AgentConfig {
 impl Default for AgentConfig {
     fn default() -> Self {
         Self {
-            default_agent_loop: "single_turn_agent".into(),
+            default_agent_loop: SingleTurnAgent::NAME.into(),
         }
     }
 }
@@ -429,7 +431,12 @@ pub struct EngineSettings {
 }
 
 impl RolloutConfig {
-    pub(super) fn decode(&self, p: &mut Problems, data: &DataConfig) -> Option<RolloutSettings> {
+    pub(super) fn decode(
+        &self,
+        p: &mut Problems,
+        data: &DataConfig,
+        known: &KnownNames,
+    ) -> Option<RolloutSettings> {
         let key = |k: &str| format!("actor_rollout_ref.rollout.{k}");
         let logprobs_mode = p.name(
             &key("logprobs_mode"),
@@ -564,9 +571,25 @@ impl RolloutConfig {
                 None
             }
         };
-        let default_agent_loop = match mt.enable {
-            true => ToolAgent::NAME.to_string(),
-            false => self.agent.default_agent_loop.clone(),
+        // Looked up now, so a name no loop answers to fails `config validate` too.
+        let named = &self.agent.default_agent_loop;
+        let known_loops: Vec<&str> = known.agent_loops.iter().map(String::as_str).collect();
+        p.one_of_str(
+            "actor_rollout_ref.rollout.agent.default_agent_loop",
+            named,
+            &known_loops,
+        );
+        p.check(named != ToolAgent::NAME || mt.enable, || {
+            "`actor_rollout_ref.rollout.agent.default_agent_loop` = `tool_agent` needs \
+             `actor_rollout_ref.rollout.multi_turn.enable`: it is built from the multi-turn keys"
+                .into()
+        });
+        // With multi-turn on, rows that name no loop run the tool loop unless another default is
+        // named (verl's default stays `single_turn_agent`, and its multi-turn datasets name
+        // `tool_agent` on every row).
+        let default_agent_loop = match (mt.enable, named == SingleTurnAgent::NAME) {
+            (true, true) => ToolAgent::NAME.to_string(),
+            _ => named.clone(),
         };
         let v = &self.val_kwargs;
         Some(RolloutSettings {

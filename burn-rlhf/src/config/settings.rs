@@ -185,7 +185,7 @@ fn decode(c: &RlhfConfig, known: &KnownNames, p: &mut Problems) -> Option<Settin
     let arr = &c.actor_rollout_ref;
     let data = c.data.decode(p);
     let model = arr.model.decode(p);
-    let rollout = arr.rollout.decode(p, &c.data);
+    let rollout = arr.rollout.decode(p, &c.data, known);
     let ref_max_token_len = arr.reference.decode_budget(p, &c.data);
     let algorithm = c.algorithm.decode(p, known);
     let actor = arr.actor.decode(
@@ -426,5 +426,42 @@ mod tests {
         c.algorithm.filter_groups.metric = Some("acc".into());
         let err = settings(&c).unwrap_err().to_string();
         assert!(err.contains("algorithm.filter_groups.enable"), "{err}");
+    }
+
+    /// `agent.default_agent_loop` is looked up when the config is decoded: a name no loop
+    /// answers to is one error naming the key and the loops known; with multi-turn on, a named
+    /// loop is kept (the default, `single_turn_agent`, becomes `tool_agent`).
+    #[test]
+    fn the_default_agent_loop_is_looked_up_when_decoding() {
+        let mut c = RlhfConfig::default();
+        c.actor_rollout_ref.rollout.agent.default_agent_loop = "my_agent".into();
+        let err = settings(&c).unwrap_err().to_string();
+        assert!(
+            err.contains("actor_rollout_ref.rollout.agent.default_agent_loop")
+                && err.contains("single_turn_agent, tool_agent"),
+            "{err}"
+        );
+        let known = KnownNames::default().with_agent_loops(["my_agent".to_string()]);
+        let s = Settings::from_config(&c, &known, "test").unwrap();
+        assert_eq!(s.rollout.default_agent_loop, "my_agent");
+        c.data.return_raw_chat = true;
+        c.actor_rollout_ref.rollout.multi_turn.enable = true;
+        let s = Settings::from_config(&c, &known, "test").unwrap();
+        assert_eq!(
+            s.rollout.default_agent_loop, "my_agent",
+            "a named loop is kept"
+        );
+        c.actor_rollout_ref.rollout.agent.default_agent_loop = "single_turn_agent".into();
+        assert_eq!(
+            settings(&c).unwrap().rollout.default_agent_loop,
+            "tool_agent"
+        );
+        c.actor_rollout_ref.rollout.multi_turn.enable = false;
+        c.actor_rollout_ref.rollout.agent.default_agent_loop = "tool_agent".into();
+        let err = settings(&c).unwrap_err().to_string();
+        assert!(
+            err.contains("needs `actor_rollout_ref.rollout.multi_turn.enable`"),
+            "{err}"
+        );
     }
 }

@@ -133,7 +133,9 @@ impl<B: LearnerBackend> LearnerParts<B> {
 
     /// The names this learner's registries can build, for decoding a config against them.
     pub fn known_names(&self) -> KnownNames {
-        KnownNames::from_registry(&self.registry).with_reward_functions(self.rewards.names())
+        KnownNames::from_registry(&self.registry)
+            .with_reward_functions(self.rewards.names())
+            .with_agent_loops(self.agent_loops.iter().map(|a| a.name().to_string()))
     }
 }
 
