@@ -9,6 +9,8 @@ use burn::tensor::backend::Backend;
 use burn_rlhf_algos::{AlgoError, EstimatorParams, KlControllerParams, PolicyLossParams, Registry};
 use burn_rlhf_rollout::agent::single_turn::SingleTurnAgent;
 use burn_rlhf_rollout::agent::tool_agent::ToolAgent;
+use burn_rlhf_rollout::interactions::InteractionRegistry;
+use burn_rlhf_rollout::tools::ToolRegistry;
 
 /// A registry without its backend: builds by name and reports what validation needs.
 trait BuildsAlgorithms: Send + Sync {
@@ -45,6 +47,10 @@ pub struct KnownNames {
     /// `actor_rollout_ref.rollout.agent.default_agent_loop`: the built-in loops and a program's
     /// own.
     pub agent_loops: Vec<String>,
+    /// The tool classes `multi_turn.tool_config_path`'s file may name.
+    pub tools: ToolRegistry,
+    /// The interaction classes `multi_turn.interaction_config_path`'s file may name.
+    pub interactions: InteractionRegistry,
 }
 
 impl std::fmt::Debug for KnownNames {
@@ -74,7 +80,21 @@ impl KnownNames {
             agent_loops: [SingleTurnAgent::NAME, ToolAgent::NAME]
                 .map(String::from)
                 .to_vec(),
+            tools: ToolRegistry::default(),
+            interactions: InteractionRegistry::default(),
         }
+    }
+
+    /// These names, with the tool and interaction classes of `tools` and `interactions` (a
+    /// program's registries) instead of the built-ins.
+    pub fn with_tool_classes(
+        mut self,
+        tools: &ToolRegistry,
+        interactions: &InteractionRegistry,
+    ) -> Self {
+        self.tools = tools.clone();
+        self.interactions = interactions.clone();
+        self
     }
 
     /// These names, with a program's own agent loops (`names`) known beside the built-ins.

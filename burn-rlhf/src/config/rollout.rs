@@ -6,6 +6,8 @@ use std::path::PathBuf;
 use burn::tensor::FloatDType;
 use burn_rlhf_rollout::agent::single_turn::SingleTurnAgent;
 use burn_rlhf_rollout::agent::tool_agent::{MultiTurnSettings, ToolAgent, TruncateSide};
+use burn_rlhf_rollout::interactions::load_interactions;
+use burn_rlhf_rollout::tools::config::load_tools;
 use burn_rlhf_rollout::LogprobsMode;
 use serde::{Deserialize, Serialize};
 
@@ -541,6 +543,27 @@ impl RolloutConfig {
              the agent loop renders the conversation from its messages"
                 .into()
         });
+        if mt.enable {
+            // The files are read now, so `config validate` reports what `train` would refuse
+            // (before it loads any model): a file that is missing or does not parse, an unknown
+            // key or class.
+            if let Some(path) = &mt.tool_config_path {
+                if let Err(e) = load_tools(std::path::Path::new(path), &known.tools) {
+                    p.check(false, || {
+                        format!("`actor_rollout_ref.rollout.multi_turn.tool_config_path`: {e}")
+                    });
+                }
+            }
+            if let Some(path) = &mt.interaction_config_path {
+                if let Err(e) = load_interactions(std::path::Path::new(path), &known.interactions) {
+                    p.check(false, || {
+                        format!(
+                            "`actor_rollout_ref.rollout.multi_turn.interaction_config_path`: {e}"
+                        )
+                    });
+                }
+            }
+        }
         let multi_turn = match mt.enable {
             true => Some(MultiTurnSpec {
                 settings: MultiTurnSettings {

@@ -464,4 +464,46 @@ mod tests {
             "{err}"
         );
     }
+
+    /// The multi-turn files are read when the config is decoded: a missing file, a file that
+    /// does not parse and an unknown tool class are each refused naming the key and the file.
+    #[test]
+    fn multi_turn_files_are_read_when_decoding() {
+        let dir = std::env::temp_dir().join(format!("burn-rlhf-mt-files-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut c = RlhfConfig::default();
+        c.data.return_raw_chat = true;
+        let mt = &mut c.actor_rollout_ref.rollout.multi_turn;
+        mt.enable = true;
+        let shipped = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../configs/tools/gsm8k_calculator.yaml"
+        );
+        mt.tool_config_path = Some(shipped.into());
+        settings(&c).unwrap();
+        let key = "`actor_rollout_ref.rollout.multi_turn.tool_config_path`";
+        for (name, text, says) in [
+            ("missing.yaml", None, "missing.yaml"),
+            (
+                "broken.yaml",
+                Some("tools: [\n  - class_name: x\n"),
+                "broken.yaml",
+            ),
+            (
+                "unknown.yaml",
+                Some("tools:\n  - class_name: my.Tool\n    config: {}\n    tool_schema: {}\n"),
+                "unknown tool class `my.Tool`",
+            ),
+        ] {
+            let path = dir.join(name);
+            if let Some(text) = text {
+                std::fs::write(&path, text).unwrap();
+            }
+            c.actor_rollout_ref.rollout.multi_turn.tool_config_path =
+                Some(path.display().to_string());
+            let err = settings(&c).unwrap_err().to_string();
+            assert!(err.contains(key) && err.contains(says), "{name}: {err}");
+        }
+        std::fs::remove_dir_all(dir).ok();
+    }
 }

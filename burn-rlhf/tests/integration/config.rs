@@ -1,7 +1,7 @@
 //! The config system: every shipped file validates, overrides apply in verl's style, and each kind
 //! of mistake fails with a message that names the key and the place.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use burn_rlhf::config::{
     config_from_ron_str, config_to_ron, load_config, ConfigError, ConfigKind, RlhfConfig,
@@ -48,7 +48,17 @@ fn every_shipped_config_validates_and_round_trips() {
             }
             ConfigKind::Rl => {}
         }
-        let config = load_config(&file, &[]).unwrap_or_else(|e| panic!("{e}"));
+        let mut config = load_config(&file, &[]).unwrap_or_else(|e| panic!("{e}"));
+        // The multi-turn files are read when validating, relative to where the commands run:
+        // the repository's root.
+        let mt = &mut config.actor_rollout_ref.rollout.multi_turn;
+        for path in [&mut mt.tool_config_path, &mut mt.interaction_config_path]
+            .into_iter()
+            .flatten()
+        {
+            let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+            *path = root.join(&*path).display().to_string();
+        }
         config
             .validate(&file.display().to_string())
             .unwrap_or_else(|e| panic!("{e}"));

@@ -136,6 +136,7 @@ impl<B: LearnerBackend> LearnerParts<B> {
         KnownNames::from_registry(&self.registry)
             .with_reward_functions(self.rewards.names())
             .with_agent_loops(self.agent_loops.iter().map(|a| a.name().to_string()))
+            .with_tool_classes(&self.tools, &self.interactions)
     }
 }
 
