@@ -2,7 +2,7 @@
 //! What it does lives beside it, one file per phase of verl's step: `build` (from a config or
 //! parts), `rollout` (generation and rewards), `scoring` (log-probs, values, KL, advantages),
 //! `update` (the critic's and the actor's updates), `step` (one step in verl's order) and
-//! `validation`; `checkpoint` and `run` save, resume and loop.
+//! `validation`; `checkpoint` saves and resumes, `fit` runs the run loop (`trainer/run_loop.rs`).
 //!
 //! Each public phase that computes runs inside `kernels::with_kernels(use_fused_kernels)`: the
 //! fused-kernel switch is the learner's own, on the calling thread, so two learners in one
