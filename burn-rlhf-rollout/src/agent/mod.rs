@@ -46,7 +46,7 @@ pub struct ConversationStats {
     pub turns: Vec<(TurnRole, usize)>,
     /// Tool calls the model made (well-formed or not).
     pub tool_calls: usize,
-    /// Calls that failed: malformed, unknown tool, wrong arguments, or the tool's own error.
+    /// Calls that failed: malformed (dropped), an unknown tool, or the tool failing or panicking.
     pub tool_errors: usize,
     /// Tool responses cut to `max_tool_response_length`.
     pub truncated_tool_responses: usize,
@@ -89,6 +89,15 @@ pub enum Next {
         /// Who speaks in it.
         role: TurnRole,
     },
+    /// Append these tokens (cut to the response budget) and end the conversation: a last
+    /// turn the model does not answer (a terminating interaction's message, as verl appends
+    /// it).
+    Finish {
+        /// The turn's ids.
+        tokens: Vec<u32>,
+        /// Who speaks in it.
+        role: TurnRole,
+    },
     /// The conversation is over.
     End,
 }
@@ -117,6 +126,12 @@ pub trait AgentLoop: Send + Sync {
     fn prompt_ids(&self, record: &PromptRecord) -> Result<Vec<u32>, RolloutError>;
     /// A conversation for one sample of `record`.
     fn start(&self, record: &PromptRecord) -> Result<Box<dyn Conversation>, RolloutError>;
+    /// Whether `record` can be run (checked for every row before training starts, so a bad row
+    /// is named then, not when its batch comes); by default every row can.
+    fn check(&self, record: &PromptRecord) -> Result<(), RolloutError> {
+        let _ = record;
+        Ok(())
+    }
 }
 
 /// Agent loops by name.
@@ -173,7 +188,7 @@ pub struct AgentSample {
 /// sample's response (model turns and appended turns, together at most `params.max_new_tokens`
 /// tokens, verl's `response_length`), in job order then sample order. A turn's tokens that
 /// would not fit the rest of the budget, or the model's context, end the conversation before
-/// them, as in verl.
+/// them, as in verl; a last turn ([`Next::Finish`]) is cut to the budget instead.
 pub fn run_conversations<B: DecoderBackend>(
     engine: &mut Engine<'_, B>,
     jobs: &[AgentJob<'_>],
@@ -240,30 +255,36 @@ pub fn run_conversations<B: DecoderBackend>(
             let context_left = engine
                 .max_model_len()
                 .saturating_sub(jobs[run.slot / n].prompt.len() + s.tokens.len());
+            let mut append = |tokens: &[u32], role: TurnRole| {
+                s.tokens.extend_from_slice(tokens);
+                s.logprobs.extend(std::iter::repeat_n(0.0, tokens.len()));
+                s.entropies.extend(std::iter::repeat_n(None, tokens.len()));
+                s.mask.extend(std::iter::repeat_n(0u8, tokens.len()));
+                run.turns.push((role, tokens.len()));
+            };
             match next {
                 Next::Continue { tokens, role }
                     if tokens.len() < left && tokens.len() < context_left =>
                 {
-                    s.tokens.extend_from_slice(&tokens);
-                    s.logprobs.extend(std::iter::repeat_n(0.0, tokens.len()));
-                    s.entropies.extend(std::iter::repeat_n(None, tokens.len()));
-                    s.mask.extend(std::iter::repeat_n(0u8, tokens.len()));
-                    run.turns.push((role, tokens.len()));
+                    append(&tokens, role);
                     engine.continue_seq(f.seq, &tokens, left - tokens.len())?;
                     running.insert(f.seq, run);
+                    continue;
                 }
-                _ => {
-                    engine.release(f.seq);
-                    let stats = ConversationStats {
-                        turns: run.turns,
-                        ..run.conversation.stats().clone()
-                    };
-                    slots[run.slot] = Some(AgentSample {
-                        sample: run.sample,
-                        stats,
-                    });
+                Next::Finish { tokens, role } if !tokens.is_empty() => {
+                    append(&tokens[..tokens.len().min(left)], role);
                 }
+                _ => {}
             }
+            engine.release(f.seq);
+            let stats = ConversationStats {
+                turns: run.turns,
+                ..run.conversation.stats().clone()
+            };
+            slots[run.slot] = Some(AgentSample {
+                sample: run.sample,
+                stats,
+            });
         }
     }
     Ok(slots

@@ -1,14 +1,19 @@
 //! `tool_agent` (verl's `ToolAgentLoop`): the model answers; the tool calls in its turn (Hermes
 //! format) run and their responses are appended as a tool turn; the model goes on. When a turn
-//! has no call, the row's interaction (if any) answers with a user turn or ends the
-//! conversation; without one the conversation ends. It also ends when `max_assistant_turns` or
-//! `max_user_turns` is reached (tool and interaction turns both count as user turns, as in
-//! verl) or the response budget is spent.
+//! has no call, the row's interaction (if any) answers with a user turn, or with a last one
+//! that ends the conversation; without one the conversation ends. It also ends when
+//! `max_assistant_turns` or `max_user_turns` is reached (tool and interaction turns both count
+//! as user turns, as in verl) or the response budget is spent.
 //!
-//! Bad calls never stop the run: a call that is not JSON, names an unknown tool, has arguments
-//! its schema refuses, or whose tool fails gets an `Error: ...` response the model reads, and is
-//! counted in `tool_errors`. A response longer than `max_tool_response_length` characters is cut
-//! as verl cuts it.
+//! Calls run as verl 0.9.1's `_call_tool` runs them: malformed calls are dropped by the parser;
+//! an unknown tool answers `Unknown function 'NAME'. Available tools: [...]`; each call makes
+//! its own tool instance from the row's `create_kwargs`, and a failing `create` or call (an
+//! `Err` or a panic) answers `Error executing tool 'NAME': ...`. Arguments are not checked
+//! against the schema (verl has no such check; each tool reads its own). Failures are counted
+//! in `tool_errors`; the rollout goes on. A response longer than `max_tool_response_length`
+//! characters is cut as verl 0.9.1 cuts it. Interactions follow the last verl that had them
+//! (its `_handle_interacting_state`): every row needs `interaction_kwargs.name`, and a
+//! terminating turn's user message is still appended.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -16,21 +21,22 @@ use std::sync::Arc;
 use burn_rlhf_models::ChatMessage;
 use serde_json::Value;
 
-use super::hermes::parse_calls;
+use super::hermes::{parse_calls, FunctionCall};
 use super::render::ChatRenderer;
 use super::{AgentLoop, Conversation, ConversationStats, Next, TurnRole};
 use crate::data::PromptRecord;
 use crate::engine::FinishReason;
 use crate::error::RolloutError;
 use crate::interactions::{Interaction, InteractionState};
-use crate::tools::{check_arguments, Tool, ToolState};
+use crate::tools::{py_repr, Tool, ToolOutput};
 
-/// Which end of a long tool response is kept (`multi_turn.tool_response_truncate_side`).
+/// Which side of a long tool response is cut (`multi_turn.tool_response_truncate_side`), as
+/// verl 0.9.1 reads it (older verl read `left` and `right` the other way round).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TruncateSide {
-    /// The start, then `...(truncated)`.
+    /// The start is cut: `(truncated)...`, then the end.
     Left,
-    /// `(truncated)...`, then the end.
+    /// The end is cut: the start, then `...(truncated)`.
     Right,
     /// Half from each end around `...(truncated)...`.
     Middle,
@@ -56,8 +62,8 @@ impl TruncateSide {
         let head = |k: usize| chars[..k].iter().collect::<String>();
         let tail = |k: usize| chars[chars.len() - k..].iter().collect::<String>();
         Some(match self {
-            Self::Left => format!("{}...(truncated)", head(max)),
-            Self::Right => format!("(truncated)...{}", tail(max)),
+            Self::Left => format!("(truncated)...{}", tail(max)),
+            Self::Right => format!("{}...(truncated)", head(max)),
             Self::Middle => format!("{}...(truncated)...{}", head(max / 2), tail(max / 2)),
         })
     }
@@ -129,9 +135,16 @@ impl AgentLoop for ToolAgent {
         self.renderer.prompt_ids(&record.prompt)
     }
 
-    /// Creates each tool's state from the row's `extra_info.tools_kwargs.<name>.create_kwargs`
-    /// (`{ground_truth: <the row's>}` when the row has none) and the interaction named by `extra_info.interaction_kwargs.name` (verl's default
-    /// `gsm8k`) when interactions are configured.
+    /// Every row needs `extra_info.interaction_kwargs.name`, naming an interaction of the
+    /// file, when interactions are configured (verl: "'name' key is required in
+    /// interaction_kwargs").
+    fn check(&self, record: &PromptRecord) -> Result<(), RolloutError> {
+        self.interaction_of(record).map(|_| ())
+    }
+
+    /// Keeps each tool's `create_kwargs` from the row's `extra_info.tools_kwargs.<name>`
+    /// (`{ground_truth: <the row's>}` when the row has none) for its calls, and starts the
+    /// row's interaction.
     fn start(&self, record: &PromptRecord) -> Result<Box<dyn Conversation>, RolloutError> {
         let kwargs = &record.extra_info.tools_kwargs;
         let tools = self
@@ -151,35 +164,21 @@ impl AgentLoop for ToolAgent {
                         m.insert("ground_truth".into(), record.ground_truth.clone().into());
                         m
                     });
-                (
-                    tool.name().to_string(),
-                    (tool.clone(), tool.create(&create)),
-                )
+                (tool.clone(), create)
             })
             .collect();
-        let interaction =
-            match self.interactions.is_empty() {
-                true => None,
-                false => {
-                    let ik = &record.extra_info.interaction_kwargs;
-                    let name = ik.get("name").and_then(Value::as_str).unwrap_or("gsm8k");
-                    let interaction =
-                        self.interactions.get(name).ok_or_else(|| {
-                            RolloutError::Invalid(format!(
-                        "row {}: extra_info.interaction_kwargs.name `{name}` is not in the \
-                         interaction file (known: {})",
-                        record.extra_info.index,
-                        self.interactions.keys().cloned().collect::<Vec<_>>().join(", ")
+        let interaction = match self.interaction_of(record)? {
+            None => None,
+            Some((name, interaction)) => {
+                let ik = &record.extra_info.interaction_kwargs;
+                Some(interaction.start(ik, &record.ground_truth).map_err(|m| {
+                    RolloutError::Invalid(format!(
+                        "row {}: interaction `{name}`: {m}",
+                        record.extra_info.index
                     ))
-                        })?;
-                    Some(interaction.start(ik, &record.ground_truth).map_err(|m| {
-                        RolloutError::Invalid(format!(
-                            "row {}: interaction `{name}`: {m}",
-                            record.extra_info.index
-                        ))
-                    })?)
-                }
-            };
+                })?)
+            }
+        };
         Ok(Box::new(ToolConversation {
             renderer: self.renderer.clone(),
             settings: self.settings.clone(),
@@ -193,14 +192,51 @@ impl AgentLoop for ToolAgent {
     }
 }
 
-type ToolInstance = (Arc<dyn Tool>, Result<Box<dyn ToolState>, String>);
+impl ToolAgent {
+    /// The row's interaction, by `extra_info.interaction_kwargs.name`, when any are configured.
+    fn interaction_of<'s>(
+        &'s self,
+        record: &PromptRecord,
+    ) -> Result<Option<(&'s str, &'s Arc<dyn Interaction>)>, RolloutError> {
+        if self.interactions.is_empty() {
+            return Ok(None);
+        }
+        let known = || {
+            self.interactions
+                .keys()
+                .cloned()
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let row = record.extra_info.index;
+        let Some(name) = record.extra_info.interaction_kwargs.get("name") else {
+            return Err(RolloutError::Invalid(format!(
+                "row {row}: extra_info.interaction_kwargs has no `name`, which verl requires \
+                 when interactions are configured (the interaction file has: {})",
+                known()
+            )));
+        };
+        let found = name
+            .as_str()
+            .and_then(|n| self.interactions.get_key_value(n));
+        match found {
+            Some((name, interaction)) => Ok(Some((name.as_str(), interaction))),
+            None => Err(RolloutError::Invalid(format!(
+                "row {row}: extra_info.interaction_kwargs.name {name} is not in the interaction \
+                 file (known: {})",
+                known()
+            ))),
+        }
+    }
+}
 
 struct ToolConversation {
     renderer: ChatRenderer,
     settings: MultiTurnSettings,
     /// The rendered prompt messages and every turn since, the model's as decoded text.
     history: Vec<ChatMessage>,
-    tools: BTreeMap<String, ToolInstance>,
+    /// The tools, in the tool file's order, each with the sample's `create_kwargs`.
+    tools: Vec<(Arc<dyn Tool>, serde_json::Map<String, Value>)>,
     interaction: Option<Box<dyn InteractionState>>,
     user_turns: usize,
     assistant_turns: usize,
@@ -209,27 +245,16 @@ struct ToolConversation {
 
 impl ToolConversation {
     /// One call's response text (an error's text when it fails).
-    fn call(&mut self, call: Result<super::hermes::FunctionCall, String>) -> String {
+    fn call(&mut self, call: &FunctionCall) -> String {
         self.stats.tool_calls += 1;
-        let result = call.and_then(|c| {
-            let known = self.tools.keys().cloned().collect::<Vec<_>>().join(", ");
-            let Some((tool, state)) = self.tools.get_mut(&c.name) else {
-                return Err(format!("unknown tool `{}` (available: {known})", c.name));
-            };
-            check_arguments(tool.schema(), &c.arguments).map_err(|e| format!("{}: {e}", c.name))?;
-            let state = state.as_mut().map_err(|e| format!("{}: {e}", c.name))?;
-            state
-                .call(&c.arguments)
-                .map_err(|e| format!("{}: {e}", c.name))
-        });
-        let text = match result {
+        let text = match self.run(call) {
             Ok(out) => {
                 self.stats.tool_reward += out.reward.unwrap_or(0.0);
                 out.text
             }
             Err(e) => {
                 self.stats.tool_errors += 1;
-                format!("Error: {e}")
+                e
             }
         };
         let max = self.settings.max_tool_response_length;
@@ -240,6 +265,39 @@ impl ToolConversation {
             }
             None => text,
         }
+    }
+
+    /// verl 0.9.1's `_call_tool`: a fresh instance per call; its failure, or a panic, is the
+    /// call's error text.
+    fn run(&self, call: &FunctionCall) -> Result<ToolOutput, String> {
+        let Some((tool, create)) = self.tools.iter().find(|(t, _)| t.name() == call.name) else {
+            let names: Vec<String> = self.tools.iter().map(|(t, _)| py_repr(t.name())).collect();
+            return Err(format!(
+                "Unknown function {}. Available tools: [{}]",
+                py_repr(&call.name),
+                names.join(", ")
+            ));
+        };
+        let execute = || {
+            let arguments = call.arguments.as_object().ok_or_else(|| {
+                format!("arguments must be a JSON object, got {}", call.arguments)
+            })?;
+            tool.create(create)?.call(arguments)
+        };
+        let failed = |why: String| format!("Error executing tool {}: {why}", py_repr(tool.name()));
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(execute)) {
+            Ok(result) => result.map_err(failed),
+            Err(panic) => Err(failed(panic_message(panic.as_ref()))),
+        }
+    }
+}
+
+/// A panic's message (`panic!`'s text when it has one).
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    match (panic.downcast_ref::<&str>(), panic.downcast_ref::<String>()) {
+        (Some(s), _) => format!("the tool panicked: {s}"),
+        (None, Some(s)) => format!("the tool panicked: {s}"),
+        (None, None) => "the tool panicked".into(),
     }
 }
 
@@ -273,27 +331,31 @@ impl Conversation for ToolConversation {
         {
             return Ok(Next::End);
         }
-        let calls = parse_calls(&text);
-        let (turn, role) = if !calls.is_empty() {
+        let parsed = parse_calls(&text);
+        self.stats.tool_calls += parsed.malformed;
+        self.stats.tool_errors += parsed.malformed;
+        let (turn, role, last) = if !parsed.calls.is_empty() {
             let limit = self.settings.max_parallel_calls.max(1);
-            let responses: Vec<ChatMessage> = calls
-                .into_iter()
+            let responses: Vec<ChatMessage> = parsed
+                .calls
+                .iter()
                 .take(limit)
                 .map(|c| ChatMessage {
                     role: "tool".into(),
                     content: self.call(c),
                 })
                 .collect();
-            (responses, TurnRole::Tool)
+            (responses, TurnRole::Tool, false)
         } else if let Some(interaction) = self.interaction.as_mut() {
             let said = interaction
                 .respond(&self.history)
                 .map_err(|m| RolloutError::Invalid(format!("interaction: {m}")))?;
             self.stats.interaction_reward = Some(said.reward);
-            if said.terminate {
-                return Ok(Next::End);
-            }
-            (vec![ChatMessage::user(said.text)], TurnRole::User)
+            (
+                vec![ChatMessage::user(said.text)],
+                TurnRole::User,
+                said.terminate,
+            )
         } else {
             return Ok(Next::End);
         };
@@ -302,7 +364,11 @@ impl Conversation for ToolConversation {
             .turn_ids(&self.history, &turn, eot.as_deref())?;
         self.history.extend(turn);
         self.user_turns += 1;
-        Ok(Next::Continue { tokens: ids, role })
+        Ok(match last {
+            // verl appends a terminating interaction's message too, then ends.
+            true => Next::Finish { tokens: ids, role },
+            false => Next::Continue { tokens: ids, role },
+        })
     }
 
     fn stats(&self) -> &ConversationStats {
@@ -317,8 +383,8 @@ mod tests {
     #[test]
     fn long_responses_are_cut_as_verl_cuts_them() {
         let t = "abcdefghij";
-        assert_eq!(TruncateSide::Left.cut(t, 4).unwrap(), "abcd...(truncated)");
-        assert_eq!(TruncateSide::Right.cut(t, 4).unwrap(), "(truncated)...ghij");
+        assert_eq!(TruncateSide::Left.cut(t, 4).unwrap(), "(truncated)...ghij");
+        assert_eq!(TruncateSide::Right.cut(t, 4).unwrap(), "abcd...(truncated)");
         assert_eq!(
             TruncateSide::Middle.cut(t, 4).unwrap(),
             "ab...(truncated)...ij"

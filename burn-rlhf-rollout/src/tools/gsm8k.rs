@@ -1,10 +1,13 @@
 //! verl's GSM8K tool (`calc_gsm8k_reward`, `verl.tools.gsm8k_tool.Gsm8kTool`): the model submits
 //! an answer, the tool scores it against the row's ground truth with GSM8K's flexible rule and
-//! says so; a submission that does not improve on the sample's best so far costs 0.05.
+//! says so; a submission that does not improve on the instance's last reward costs 0.05. verl
+//! 0.9.1 makes an instance per call, so every call starts from reward 0: a right answer gives
+//! 0, a wrong one -0.05. An `answer` that is not a string is taken as its JSON text (the
+//! tool's `str(...)`), never refused.
 
 use serde_json::{Map, Value};
 
-use super::{Tool, ToolOutput, ToolState};
+use super::{py_repr, Tool, ToolOutput, ToolState};
 use crate::reward::gsm8k_submission_score;
 
 /// The GSM8K tool.
@@ -75,34 +78,6 @@ impl ToolState for Gsm8kState {
     }
 }
 
-/// Python's `repr` of a string (what verl's f-string `{answer=}` prints).
-fn py_repr(s: &str) -> String {
-    let quote = if s.contains('\'') && !s.contains('"') {
-        '"'
-    } else {
-        '\''
-    };
-    let mut out = String::from(quote);
-    for c in s.chars() {
-        match c {
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            c if c == quote => {
-                out.push('\\');
-                out.push(c);
-            }
-            c if (c as u32) < 0x20 || c as u32 == 0x7f => {
-                out.push_str(&format!("\\x{:02x}", c as u32))
-            }
-            c => out.push(c),
-        }
-    }
-    out.push(quote);
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -127,6 +102,5 @@ mod tests {
         assert_eq!(out.reward, Some(0.0));
         assert_eq!(s.call(&args(json!("72"))).unwrap().reward, Some(-0.05));
         assert!(tool.create(&Map::new()).is_err());
-        assert_eq!(py_repr("it's"), "\"it's\"");
     }
 }

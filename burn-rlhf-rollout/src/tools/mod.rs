@@ -1,6 +1,6 @@
 //! Tools a model calls during a multi-turn rollout (verl's `BaseTool`): each has an OpenAI
-//! function schema, which the chat template renders into the prompt, and makes a state per sample
-//! that answers the sample's calls. Built-ins: [`calculator::Calculator`] and verl's GSM8K tool
+//! function schema, which the chat template renders into the prompt, and makes an instance per
+//! call that answers it. Built-ins: [`calculator::Calculator`] and verl's GSM8K tool
 //! [`gsm8k::Gsm8kTool`]. [`ToolRegistry`] maps the class names of verl's tool files to them; a
 //! library user registers their own.
 
@@ -22,11 +22,12 @@ pub struct ToolOutput {
     pub reward: Option<f64>,
 }
 
-/// One sample's instance of a tool: created when the sample starts, dropped when it ends
-/// (verl's `create` / `release`).
+/// One call's instance of a tool: created for the call and dropped after it, as verl 0.9.1's
+/// `_call_tool` runs `create`, `execute` and `release` per call (state a sample keeps across
+/// calls belongs to the agent loop, verl's `agent_data`).
 pub trait ToolState: Send {
-    /// Answers one call. `Err` is the tool failing: its message becomes the tool's response
-    /// and the failure is counted; the rollout goes on.
+    /// Answers the call. `Err` (or a panic) is the tool failing: the model reads
+    /// `Error executing tool 'NAME': <message>`, the failure is counted, the rollout goes on.
     fn call(&mut self, arguments: &Map<String, Value>) -> Result<ToolOutput, String>;
 }
 
@@ -35,8 +36,8 @@ pub trait Tool: Send + Sync {
     /// The OpenAI function schema, `{"type": "function", "function": {"name", "description",
     /// "parameters"}}`, as the chat template renders it.
     fn schema(&self) -> &Value;
-    /// A sample's state from its `create_kwargs` (the dataset row's
-    /// `extra_info.tools_kwargs.<name>.create_kwargs`, `{}` when absent).
+    /// A call's instance from the sample's `create_kwargs` (the dataset row's
+    /// `extra_info.tools_kwargs.<name>.create_kwargs`). `Err` fails that call, as in verl.
     fn create(&self, create_kwargs: &Map<String, Value>) -> Result<Box<dyn ToolState>, String>;
     /// The function's name (from the schema).
     fn name(&self) -> &str {
@@ -92,64 +93,42 @@ impl ToolRegistry {
     }
 }
 
-/// Checks `arguments` against a function schema's `parameters`: the `required` keys are there,
-/// no key is outside `properties` (when given), and each declared `type` (string, number,
-/// integer, boolean, array, object) holds. The message says what is wrong, for the model.
-pub fn check_arguments(schema: &Value, arguments: &Map<String, Value>) -> Result<(), String> {
-    let params = &schema["function"]["parameters"];
-    if let Some(required) = params["required"].as_array() {
-        for key in required.iter().filter_map(Value::as_str) {
-            if !arguments.contains_key(key) {
-                return Err(format!("missing required argument `{key}`"));
+/// Python's `repr` of a string (what verl's messages print with `{x!r}`, `{x=}` or in a list).
+pub fn py_repr(s: &str) -> String {
+    let quote = if s.contains('\'') && !s.contains('"') {
+        '"'
+    } else {
+        '\''
+    };
+    let mut out = String::from(quote);
+    for c in s.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if c == quote => {
+                out.push('\\');
+                out.push(c);
             }
+            c if (c as u32) < 0x20 || c as u32 == 0x7f => {
+                out.push_str(&format!("\\x{:02x}", c as u32))
+            }
+            c => out.push(c),
         }
     }
-    if let Some(props) = params["properties"].as_object() {
-        for (key, value) in arguments {
-            let Some(prop) = props.get(key) else {
-                return Err(format!(
-                    "unknown argument `{key}` (expected: {})",
-                    props.keys().cloned().collect::<Vec<_>>().join(", ")
-                ));
-            };
-            let ok = match prop["type"].as_str() {
-                Some("string") => value.is_string(),
-                Some("number") => value.is_number(),
-                Some("integer") => value.is_i64() || value.is_u64(),
-                Some("boolean") => value.is_boolean(),
-                Some("array") => value.is_array(),
-                Some("object") => value.is_object(),
-                _ => true,
-            };
-            if !ok {
-                return Err(format!(
-                    "argument `{key}` must be of type {}, got {value}",
-                    prop["type"]
-                ));
-            }
-        }
-    }
-    Ok(())
+    out.push(quote);
+    out
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde_json::json;
 
     #[test]
-    fn arguments_are_checked_against_the_schema() {
-        let schema = json!({"type": "function", "function": {"name": "f", "parameters": {
-            "type": "object",
-            "properties": {"a": {"type": "string"}, "n": {"type": "integer"}},
-            "required": ["a"]}}});
-        let args = |v: Value| v.as_object().unwrap().clone();
-        assert!(check_arguments(&schema, &args(json!({"a": "x", "n": 3}))).is_ok());
-        let e = check_arguments(&schema, &args(json!({"n": 3}))).unwrap_err();
-        assert!(e.contains("missing required argument `a`"), "{e}");
-        let e = check_arguments(&schema, &args(json!({"a": "x", "b": 1}))).unwrap_err();
-        assert!(e.contains("unknown argument `b`"), "{e}");
-        let e = check_arguments(&schema, &args(json!({"a": 1}))).unwrap_err();
-        assert!(e.contains("`a` must be of type \"string\""), "{e}");
+    fn strings_print_as_pythons_repr() {
+        assert_eq!(py_repr("72"), "'72'");
+        assert_eq!(py_repr("it's"), "\"it's\"");
+        assert_eq!(py_repr("a'b\"c\n"), "'a\\'b\"c\\n'");
     }
 }

@@ -166,28 +166,49 @@ fn gsm8k_schema() -> Value {
             "required": ["answer"]}}})
 }
 
-/// The tool loop on Qwen2.5's tokenizer (and SmolLM2's): a call runs and its response comes back
-/// as the template's tool turn; malformed calls, unknown tools, wrong arguments and failing tools
-/// become `Error: ...` responses and are counted; a long response is cut; the loop ends on a
-/// turn without calls, or at `max_assistant_turns`; an interaction asks again after a wrong
-/// answer and ends the conversation after a right one.
+/// A tool that panics on every call (a library user's tool with a bug).
+struct Panics;
+
+impl Tool for Panics {
+    fn schema(&self) -> &Value {
+        static SCHEMA: std::sync::OnceLock<Value> = std::sync::OnceLock::new();
+        SCHEMA.get_or_init(|| {
+            json!({"type": "function", "function": {"name": "flaky",
+            "parameters": {"type": "object", "properties": {}}}})
+        })
+    }
+    fn create(
+        &self,
+        _: &serde_json::Map<String, Value>,
+    ) -> Result<Box<dyn burn_rlhf_rollout::tools::ToolState>, String> {
+        panic!("flaky is broken")
+    }
+}
+
+/// The tool loop on Qwen2.5's tokenizer (and SmolLM2's), as verl 0.9.1's `ToolAgentLoop` runs
+/// it: a call runs and its response comes back as the template's tool turn; arguments of
+/// another type than the schema's reach the tool (verl checks no schema); unknown tools, failing
+/// and panicking tools, and a failing `create` answer with verl's texts and are counted;
+/// malformed calls are dropped (a turn of only those ends the conversation); a long response is
+/// cut on verl 0.9.1's side; the loop ends at `max_assistant_turns` (0: no limit); an
+/// interaction asks again after a wrong answer and, after a right one, its last message is
+/// appended and the conversation ends; a row without `interaction_kwargs.name` is refused.
 #[test]
-fn the_tool_loop_answers_calls_and_counts_bad_ones() {
+fn the_tool_loop_runs_calls_as_verl_does() {
     for name in ["qwen2.5", "smollm2"] {
-        let Some(tokenizer) =
-            tokenizer_for(name, "the_tool_loop_answers_calls_and_counts_bad_ones")
-        else {
+        let Some(tokenizer) = tokenizer_for(name, "the_tool_loop_runs_calls_as_verl_does") else {
             continue;
         };
         let eot = tokenizer.token_to_id("<|im_end|>").unwrap();
         let tools: Vec<Arc<dyn Tool>> = vec![
             Arc::new(Calculator::new(&Default::default(), Calculator::default_schema()).unwrap()),
             Arc::new(Gsm8kTool::new(&Default::default(), gsm8k_schema()).unwrap()),
+            Arc::new(Panics),
         ];
         let schemas = tools.iter().map(|t| t.schema().clone()).collect();
         let renderer = ChatRenderer::new(tokenizer.clone(), schemas);
         let settings = MultiTurnSettings {
-            max_assistant_turns: Some(8),
+            max_assistant_turns: Some(12),
             max_parallel_calls: 2,
             max_tool_response_length: 200,
             tool_response_truncate_side: TruncateSide::Left,
@@ -226,6 +247,7 @@ fn the_tool_loop_answers_calls_and_counts_bad_ones() {
                     Some(tokenizer.decode(&tokens, false).unwrap())
                 }
                 Next::End => None,
+                Next::Finish { .. } => panic!("{name}: only an interaction finishes"),
             }
         };
         let call = |n: &str, args: &str| {
@@ -240,31 +262,42 @@ fn the_tool_loop_answers_calls_and_counts_bad_ones() {
             out.contains("408") && out.ends_with("assistant\n"),
             "{name}: {out:?}"
         );
+        // The schema says string; verl's tools take a number all the same.
+        let out = turn(&mut conv, &call("calc_gsm8k_reward", "{\"answer\": 408}")).unwrap();
+        assert!(
+            out.contains("Current parsed answer='408' reward=1.0"),
+            "{name}: {out:?}"
+        );
         let bad = [
             (
-                "<tool_call>{not json}</tool_call>".to_string(),
-                "not valid JSON",
+                call("shell", "{\"cmd\": \"ls\"}"),
+                "Unknown function 'shell'. Available tools: ['calculator', 'calc_gsm8k_reward', 'flaky']",
             ),
-            (call("shell", "{\"cmd\": \"ls\"}"), "unknown tool `shell`"),
             (
                 call("calculator", "{\"expr\": \"1\"}"),
-                "missing required argument `expression`",
+                "Error executing tool 'calculator': expected {\"expression\"",
             ),
             (
                 call("calculator", "{\"expression\": \"1 / 0\"}"),
-                "division by zero",
+                "Error executing tool 'calculator': division by zero",
+            ),
+            (
+                call("calculator", "\"1 + 1\""),
+                "Error executing tool 'calculator': arguments must be a JSON object",
+            ),
+            (
+                call("flaky", "{}"),
+                "Error executing tool 'flaky': the tool panicked: flaky is broken",
             ),
         ];
         for (text, want) in &bad {
             let out = turn(&mut conv, text).unwrap();
-            assert!(
-                out.contains("Error: ") && out.contains(want),
-                "{name}: {out:?}"
-            );
+            assert!(out.contains(want), "{name}: {out:?}");
         }
-        // Two calls in one turn (max_parallel_calls 2); the third is ignored.
+        // Two calls in one turn (max_parallel_calls 2); the third is ignored, and so is the
+        // malformed one beside them.
         let three = format!(
-            "{}\n{}\n{}",
+            "{}\n<tool_call>{{oops}}</tool_call>\n{}\n{}",
             call("calculator", "{\"expression\": \"1+1\"}"),
             call("calc_gsm8k_reward", "{\"answer\": \"408\"}"),
             call("calculator", "{\"expression\": \"3+3\"}")
@@ -274,23 +307,41 @@ fn the_tool_loop_answers_calls_and_counts_bad_ones() {
             out.contains("2") && out.contains("reward=1.0") && !out.contains("6\n"),
             "{name}: {out:?}"
         );
-        let open = call("calculator", "{\"expression\": \"(((((1\"}");
-        let out = turn(&mut conv, &open).unwrap();
+        // Each call makes its own instance: the same right answer again is not "no better".
+        let out = turn(
+            &mut conv,
+            &call("calc_gsm8k_reward", "{\"answer\": \"408\"}"),
+        )
+        .unwrap();
+        assert!(out.contains("reward=1.0"), "{name}: {out:?}");
+        let stats: &ConversationStats = conv.stats();
+        assert_eq!(stats.tool_reward, 0.0, "{name}: right answers cost nothing");
+        // A turn of malformed calls only has no call: the conversation ends.
         assert!(
-            out.contains("Error: calculator: missing `)`"),
-            "{name}: {out:?}"
-        );
-        assert!(
-            turn(&mut conv, "The answer is 408.\n#### 408").is_none(),
-            "no call: the end"
+            turn(&mut conv, "<tool_call>{not json}</tool_call>").is_none(),
+            "{name}: malformed calls are dropped"
         );
         let stats: &ConversationStats = conv.stats();
-        assert_eq!((stats.tool_calls, stats.tool_errors), (8, 5), "{name}");
-        assert_eq!(
-            stats.tool_reward, 0.0,
-            "{name}: the first submission improves"
+        assert_eq!((stats.tool_calls, stats.tool_errors), (12, 7), "{name}");
+        // A tool whose create fails (no ground truth): the call's error, not the row's.
+        let no_truth = record(
+            "q",
+            "408",
+            json!({"calc_gsm8k_reward": {"create_kwargs": {}}}),
         );
-        // Truncation: a tool whose responses are long.
+        let mut conv = agent.start(&no_truth).unwrap();
+        let out = turn(
+            &mut conv,
+            &call("calc_gsm8k_reward", "{\"answer\": \"408\"}"),
+        )
+        .unwrap();
+        assert!(
+            out.contains(
+                "Error executing tool 'calc_gsm8k_reward': create_kwargs.ground_truth is missing"
+            ),
+            "{name}: {out:?}"
+        );
+        // Truncation: verl 0.9.1's `left` cuts the start.
         let cut = MultiTurnSettings {
             max_tool_response_length: 5,
             ..settings.clone()
@@ -298,12 +349,12 @@ fn the_tool_loop_answers_calls_and_counts_bad_ones() {
         let agent = ToolAgent::new(renderer.clone(), tools.clone(), BTreeMap::new(), cut);
         let mut conv = agent.start(&row).unwrap();
         let out = turn(&mut conv, &call("calc_gsm8k_reward", "{\"answer\": \"7\"}")).unwrap();
-        assert!(out.contains("Curre...(truncated)"), "{name}: {out:?}");
+        assert!(out.contains("(truncated)...d=0.0"), "{name}: {out:?}");
         assert_eq!(conv.stats().truncated_tool_responses, 1);
         assert_eq!(
             conv.stats().tool_reward,
             -0.05,
-            "no improvement: verl's penalty"
+            "a wrong answer: verl's penalty"
         );
         // max_assistant_turns: the second model turn ends it, calls or not.
         let two = MultiTurnSettings {
@@ -336,7 +387,20 @@ fn the_tool_loop_answers_calls_and_counts_bad_ones() {
             interactions,
             settings.clone(),
         );
-        let mut conv = agent.start(&row).unwrap();
+        let unnamed = agent
+            .start(&row)
+            .err()
+            .expect("a row without a name")
+            .to_string();
+        assert!(
+            unnamed.contains("interaction_kwargs has no `name`") && unnamed.contains("gsm8k"),
+            "{name}: {unnamed}"
+        );
+        assert_eq!(agent.check(&row).unwrap_err().to_string(), unnamed);
+        let mut named = row.clone();
+        named.extra_info.interaction_kwargs = json!({"name": "gsm8k"}).as_object().unwrap().clone();
+        agent.check(&named).unwrap();
+        let mut conv = agent.start(&named).unwrap();
         match conv
             .after_model_turn(&say("#### 407"), FinishReason::Stop, 10_000)
             .unwrap()
@@ -349,12 +413,22 @@ fn the_tool_loop_answers_calls_and_counts_bad_ones() {
                     "{name}: {text:?}"
                 );
             }
-            Next::End => panic!("{name}: a wrong answer gets feedback"),
+            other => panic!("{name}: a wrong answer gets feedback, not {other:?}"),
         }
-        let end = conv
+        match conv
             .after_model_turn(&say("#### 408"), FinishReason::Stop, 10_000)
-            .unwrap();
-        assert_eq!(end, Next::End);
+            .unwrap()
+        {
+            Next::Finish { tokens, role } => {
+                assert_eq!(role, TurnRole::User);
+                let text = tokenizer.decode(&tokens, false).unwrap();
+                assert!(
+                    text.contains("user\nYour response is correct!"),
+                    "{name}: the last message is kept, as verl keeps it: {text:?}"
+                );
+            }
+            other => panic!("{name}: a right answer ends the conversation, not {other:?}"),
+        }
         assert_eq!(conv.stats().interaction_reward, Some(1.0));
     }
 }
@@ -366,16 +440,18 @@ fn load(dir: &Path) -> (CausalLm<B>, TransformerConfig) {
 }
 
 /// A library user's loop: after each model turn it appends `turn` (a user's turn of fixed ids)
-/// until it has done so `turns` times.
+/// until it has done so `turns` times; then, with `finish`, appends it once more and ends.
 struct Echo {
     prompt: Vec<u32>,
     turn: Vec<u32>,
     turns: usize,
+    finish: bool,
 }
 
 struct EchoConversation {
     turn: Vec<u32>,
     left: usize,
+    finish: bool,
     stats: ConversationStats,
 }
 
@@ -390,6 +466,7 @@ impl AgentLoop for Echo {
         Ok(Box::new(EchoConversation {
             turn: self.turn.clone(),
             left: self.turns,
+            finish: self.finish,
             stats: ConversationStats::default(),
         }))
     }
@@ -403,7 +480,13 @@ impl Conversation for EchoConversation {
         _: usize,
     ) -> Result<Next, RolloutError> {
         if self.left == 0 {
-            return Ok(Next::End);
+            return Ok(match self.finish {
+                true => Next::Finish {
+                    tokens: self.turn.clone(),
+                    role: TurnRole::User,
+                },
+                false => Next::End,
+            });
         }
         self.left -= 1;
         Ok(Next::Continue {
@@ -435,6 +518,7 @@ fn a_registered_loop_drives_conversations_on_the_engine() {
             prompt: prompt.clone(),
             turn: turn.clone(),
             turns: 2,
+            finish: false,
         }));
         let agent = agents.get("echo").unwrap();
         let rows = [record("a", "", json!({})), record("b", "", json!({}))];
@@ -522,5 +606,91 @@ fn a_registered_loop_drives_conversations_on_the_engine() {
             dir.display()
         );
         assert_eq!(e.blocks().0, e.blocks().1, "every block is released");
+    }
+}
+
+/// Runs `agent`'s conversation of one prompt (one sample) on `model`, each model turn one token
+/// (every id stops), with `budget` response tokens.
+fn converse(
+    model: &CausalLm<B>,
+    config: &TransformerConfig,
+    agent: Echo,
+    budget: usize,
+) -> burn_rlhf_rollout::agent::AgentSample {
+    let prompt = agent.prompt.clone();
+    let agent: Arc<dyn AgentLoop> = Arc::new(agent);
+    let row = record("a", "", json!({}));
+    let jobs = [AgentJob {
+        agent,
+        record: &row,
+        prompt,
+        key: 0,
+    }];
+    let params = Arc::new(SamplingParams {
+        n: 1,
+        greedy: true,
+        max_new_tokens: budget,
+        stop_token_ids: (0..config.vocab_size as u32).collect(),
+        ..Default::default()
+    });
+    let engine = EngineConfig {
+        block_size: 4,
+        num_blocks: 256,
+        ..Default::default()
+    };
+    let mut e = Engine::new(model, config, 0, engine, &Default::default()).unwrap();
+    let mut out = run_conversations(&mut e, &jobs, &params).unwrap();
+    assert_eq!(e.blocks().0, e.blocks().1, "every block is released");
+    out.pop().unwrap()
+}
+
+/// Where a conversation ends: a turn that does not fit the rest of the response budget, or
+/// would fill the model's context, ends it before that turn (nothing of it is appended); a last
+/// turn ([`Next::Finish`], a terminating interaction's message) is appended cut to the budget.
+#[test]
+fn conversations_end_at_the_budget_and_the_context() {
+    for dir in burn_rlhf_test_assets::fixture_models() {
+        let (model, config) = load(&dir);
+        let v = config.vocab_size as u32;
+        let turn: Vec<u32> = (0..3).map(|i| (30 + i) % v).collect();
+        let echo = |prompt: Vec<u32>, turns: usize, finish: bool| Echo {
+            prompt,
+            turn: turn.clone(),
+            turns,
+            finish,
+        };
+        let roles = |s: &burn_rlhf_rollout::agent::AgentSample| -> Vec<(TurnRole, usize)> {
+            s.stats.turns.clone()
+        };
+        let (a, u) = (TurnRole::Assistant, TurnRole::User);
+        // Budget 9: model 1, user 3, model 1, user 3 would leave 1; the second user turn needs
+        // 3 < 9 - 5 = 4 left, so it fits; then the model's 1 fills the budget exactly.
+        let s = converse(&model, &config, echo(vec![5 % v], 5, false), 9);
+        assert_eq!(roles(&s), vec![(a, 1), (u, 3), (a, 1), (u, 3), (a, 1)]);
+        // Budget 8: after model 1, user 3, model 1 (5 used), the user turn of 3 does not fit the
+        // 3 left (the model must be able to answer it): the conversation ends before it.
+        let s = converse(&model, &config, echo(vec![5 % v], 5, false), 8);
+        assert_eq!(roles(&s), vec![(a, 1), (u, 3), (a, 1)]);
+        assert_eq!(s.sample.tokens.len(), 5);
+        assert_eq!(s.sample.mask, vec![1, 0, 0, 0, 1]);
+        // A last turn is cut to the budget: after model 1 (7 left) it fits whole; with a
+        // budget of 3 only 2 of its 3 tokens are kept.
+        let s = converse(&model, &config, echo(vec![5 % v], 0, true), 8);
+        assert_eq!(roles(&s), vec![(a, 1), (u, 3)]);
+        let s = converse(&model, &config, echo(vec![5 % v], 0, true), 3);
+        assert_eq!(roles(&s), vec![(a, 1), (u, 2)]);
+        assert_eq!(&s.sample.tokens[1..], &turn[..2]);
+        assert_eq!(s.sample.mask, vec![1, 0, 0]);
+        // The context: a prompt that leaves 4 positions; after the model's 1 token, 3 are left,
+        // and a turn of 3 would fill them with nothing left to answer: it ends there, whatever
+        // the budget.
+        let context = config.max_model_len();
+        let long = vec![5 % v; context - 4];
+        let s = converse(&model, &config, echo(long.clone(), 5, false), 50);
+        assert_eq!(roles(&s), vec![(a, 1)], "{}", dir.display());
+        // One position more and the turn fits.
+        let shorter = long[1..].to_vec();
+        let s = converse(&model, &config, echo(shorter, 1, false), 50);
+        assert_eq!(roles(&s)[..2], [(a, 1), (u, 3)], "{}", dir.display());
     }
 }
