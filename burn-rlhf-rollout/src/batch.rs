@@ -160,15 +160,6 @@ impl RolloutBatch {
             .collect()
     }
 
-    /// Tokens the model sampled in each row (verl's `response_length` metric).
-    pub fn model_token_counts(&self) -> Vec<usize> {
-        self.response_mask
-            .chunks(self.response_len.max(1))
-            .map(|r| r.iter().filter(|&&m| m > 0.0).count())
-            .take(self.rows())
-            .collect()
-    }
-
     /// One past each row's last sampled token (0 for none): where its score goes, so that a
     /// trailing appended turn never holds it.
     pub fn score_ends(&self) -> Vec<usize> {
@@ -540,7 +531,6 @@ mod tests {
         );
         assert_eq!(partly.rollout_entropy, None, "a sampled token without one");
         assert_eq!(b.loss_mask(), &b.response_mask[..]);
-        assert_eq!(b.model_token_counts(), vec![1, 2, 2]);
         assert_eq!(b.score_ends(), vec![1, 3, 2]);
         assert_eq!(b.select(&[1]).response_mask, vec![1.0, 0.0, 1.0]);
         assert_eq!(b.select(&[1]).response_attention_mask, vec![1.0, 1.0, 1.0]);

@@ -45,6 +45,19 @@ fn mean_max_min(metrics: &mut Metrics, prefix: &str, values: &[f64]) {
     metrics.insert(format!("{prefix}/min"), min);
 }
 
+/// [`mean_max_min`], or NaN for each when there are no values (verl's default when every
+/// sample was aborted).
+fn mean_max_min_or_nan(metrics: &mut Metrics, prefix: &str, values: &[f64]) {
+    match values.is_empty() {
+        false => mean_max_min(metrics, prefix, values),
+        true => {
+            for k in ["mean", "max", "min"] {
+                metrics.insert(format!("{prefix}/{k}"), f64::NAN);
+            }
+        }
+    }
+}
+
 /// Per-token tensors of a step, `[rows * response_len]` row-major, for the data metrics.
 pub struct StepData<'a> {
     /// The batch (masks and lengths).
@@ -65,8 +78,10 @@ pub struct StepData<'a> {
     pub max_prompt_length: usize,
 }
 
-/// verl's `compute_data_metrics`: sequence score and reward statistics, advantages, returns and
-/// values over valid tokens, response and prompt lengths.
+/// verl's `compute_data_metrics`: sequence score and reward statistics (over the samples not
+/// aborted), advantages, returns and values over valid tokens, response lengths (every token
+/// of the response, tool and user turns included, as verl counts the attention mask; and over
+/// the samples not aborted), the aborted ratio, prompt lengths.
 pub fn data_metrics(d: &StepData<'_>) -> Metrics {
     let b = d.batch;
     let r = b.response_len.max(1);
@@ -83,12 +98,36 @@ pub fn data_metrics(d: &StepData<'_>) -> Metrics {
             .map(|(&x, _)| x as f64)
             .collect()
     };
-    mean_max_min(&mut m, "critic/score", &row_sums(d.scores));
-    mean_max_min(&mut m, "critic/rewards", &row_sums(d.rewards));
+    // verl's response length: the response's attention mask, tool and user tokens included.
+    // A row of none was aborted; scores and rewards are over the others.
+    let response_lengths = b.response_lengths();
+    let kept = |v: Vec<f64>| -> Vec<f64> {
+        v.into_iter()
+            .zip(&response_lengths)
+            .filter(|(_, &len)| len > 0)
+            .map(|(x, _)| x)
+            .collect()
+    };
+    mean_max_min_or_nan(&mut m, "critic/score", &kept(row_sums(d.scores)));
+    mean_max_min_or_nan(&mut m, "critic/rewards", &kept(row_sums(d.rewards)));
     mean_max_min(&mut m, "critic/advantages", &valid(d.advantages));
     mean_max_min(&mut m, "critic/returns", &valid(d.returns));
     if let Some(values) = d.values {
-        mean_max_min(&mut m, "critic/values", &valid(values));
+        let values = valid(values);
+        mean_max_min(&mut m, "critic/values", &values);
+        // verl's explained variance of the returns by the values (torch.var: unbiased).
+        let returns = valid(d.returns);
+        if returns.len() > 1 {
+            let var = |x: &[f64]| {
+                let mean = x.iter().sum::<f64>() / x.len() as f64;
+                x.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / (x.len() - 1) as f64
+            };
+            let diff: Vec<f64> = returns.iter().zip(&values).map(|(r, v)| r - v).collect();
+            m.insert(
+                "critic/vf_explained_var".into(),
+                1.0 - var(&diff) / (var(&returns) + 1e-5),
+            );
+        }
     }
     let lengths = |v: Vec<usize>, max: usize, prefix: &str, m: &mut Metrics| {
         let as_f: Vec<f64> = v.iter().map(|&x| x as f64).collect();
@@ -100,11 +139,34 @@ pub fn data_metrics(d: &StepData<'_>) -> Metrics {
         );
     };
     lengths(
-        b.model_token_counts(),
+        response_lengths.clone(),
         d.max_response_length,
         "response_length",
         &mut m,
     );
+    let non_aborted: Vec<usize> = response_lengths
+        .iter()
+        .copied()
+        .filter(|&l| l > 0)
+        .collect();
+    let aborted = response_lengths.len() - non_aborted.len();
+    m.insert(
+        "response/aborted_ratio".into(),
+        aborted as f64 / response_lengths.len().max(1) as f64,
+    );
+    match non_aborted.is_empty() {
+        false => lengths(
+            non_aborted,
+            d.max_response_length,
+            "response_length_non_aborted",
+            &mut m,
+        ),
+        true => {
+            for k in ["mean", "max", "min", "clip_ratio"] {
+                m.insert(format!("response_length_non_aborted/{k}"), f64::NAN);
+            }
+        }
+    }
     conversation_metrics(&mut m, &b.conversations);
     lengths(
         b.prompt_lengths(),
@@ -244,13 +306,66 @@ mod tests {
             11.0 / 4.0,
             "the tool token is ignored"
         );
-        assert_eq!(m["response_length/mean"], 2.0, "the model's tokens");
-        assert_eq!(m["response_length/clip_ratio"], 0.0);
+        assert_eq!(
+            m["response_length/mean"], 2.5,
+            "the attention mask's tokens, the tool's included"
+        );
+        assert_eq!(m["response_length/clip_ratio"], 0.5, "row 1 fills 3 of 3");
+        assert_eq!(m["response/aborted_ratio"], 0.0);
+        assert_eq!(m["response_length_non_aborted/mean"], 2.5);
         assert_eq!(m["num_turns/mean"], 3.0);
         assert_eq!(m["num_turns/max"], 4.0);
         assert_eq!(m["tool_calls/mean"], 1.0);
         assert_eq!(m["tool_errors/max"], 1.0);
         assert_eq!(m["prompt_length/min"], 1.0);
         assert!(!m.contains_key("critic/values/mean"));
+    }
+
+    /// A row with no response token was aborted (verl's `response_length == 0`): scores and the
+    /// non-aborted lengths leave it out; the values' explained variance is verl's.
+    #[test]
+    fn aborted_rows_are_left_out_of_scores() {
+        let batch = RolloutBatch {
+            prompt_len: 1,
+            response_len: 2,
+            prompt_ids: vec![1, 1],
+            prompt_mask: vec![1, 1],
+            response_ids: vec![5, 6, 0, 0],
+            response_mask: vec![1.0, 1.0, 0.0, 0.0],
+            response_attention_mask: vec![1.0, 1.0, 0.0, 0.0],
+            rollout_log_probs: vec![0.0; 4],
+            rollout_entropy: None,
+            group_ids: vec![0, 1],
+            data_source: vec!["a".into(); 2],
+            ground_truth: vec!["1".into(); 2],
+            token_level_scores: None,
+            loss_mask: None,
+            raw_prompt: Vec::new(),
+            conversations: Vec::new(),
+        };
+        let scores = [0.0, 1.0, 0.0, -7.0];
+        let returns = [1.0, 3.0, 0.0, 0.0];
+        let values = [0.5, 2.0, 0.0, 0.0];
+        let m = data_metrics(&StepData {
+            batch: &batch,
+            scores: &scores,
+            rewards: &scores,
+            advantages: &returns,
+            returns: &returns,
+            values: Some(&values),
+            max_response_length: 2,
+            max_prompt_length: 1,
+        });
+        assert_eq!(
+            m["critic/score/min"], 1.0,
+            "the aborted row's -7 is left out"
+        );
+        assert_eq!(m["response/aborted_ratio"], 0.5);
+        assert_eq!(m["response_length/mean"], 1.0);
+        assert_eq!(m["response_length_non_aborted/mean"], 2.0);
+        assert_eq!(m["response_length_non_aborted/clip_ratio"], 1.0);
+        // returns [1, 3], values [0.5, 2]: var(diff [0.5, 1]) = 0.125, var(returns) = 2.
+        let ev = m["critic/vf_explained_var"];
+        assert!((ev - (1.0 - 0.125 / (2.0 + 1e-5))).abs() < 1e-12, "{ev}");
     }
 }
