@@ -1163,6 +1163,31 @@ fn log_val_generations_writes_them_to_tensorboard() {
     std::fs::remove_dir_all(dir).ok();
 }
 
+/// A dump folder that cannot be written (here: under a file) fails when the learner is built,
+/// naming the key, before any step's work.
+#[test]
+fn an_unwritable_dump_folder_fails_before_the_first_step() {
+    let dir = temp_dir("unwritable-dumps");
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("a-file");
+    std::fs::write(&file, "not a folder").unwrap();
+    for key in ["trainer.rollout_data_dir", "trainer.validation_data_dir"] {
+        let (actor, critic) = tiny_models();
+        let mut config = tiny_config("grpo", &dir);
+        let bad = Some(file.join("dumps").display().to_string());
+        match key {
+            "trainer.rollout_data_dir" => config.trainer.rollout_data_dir = bad,
+            _ => config.trainer.validation_data_dir = bad,
+        }
+        let e = try_learner(config, actor, critic)
+            .err()
+            .unwrap_or_else(|| panic!("{key}: a folder under a file was accepted"))
+            .to_string();
+        assert!(e.contains(key) && e.contains("a-file"), "{e}");
+    }
+    std::fs::remove_dir_all(dir).ok();
+}
+
 /// `trainer.rollout_data_dir` and `validation_data_dir` write verl's dumps: one `{step}.jsonl`
 /// per step (every row of the step's batch) and per validation (every validation response),
 /// each line the decoded prompt and response, the ground truth, the score and the step; the

@@ -254,6 +254,18 @@ impl<B: LearnerBackend> Learner<B> {
         } else {
             (parts_train, parts_val)
         };
+        let default_loop = &settings.rollout.default_agent_loop;
+        check_rows(&algorithms.agents, default_loop, &train, "data.train_files")?;
+        check_rows(&algorithms.agents, default_loop, &val, "data.val_files")?;
+        let t = &settings.trainer;
+        for (dir, key) in [
+            (&t.rollout_data_dir, super::dump::ROLLOUT_KEY),
+            (&t.validation_data_dir, super::dump::VALIDATION_KEY),
+        ] {
+            if let Some(dir) = dir {
+                super::dump::check_writable(dir, key)?;
+            }
+        }
         let data = &settings.data;
         if parts.training {
             check_one_batch(&settings, train.len())?;
@@ -592,6 +604,25 @@ fn build_algorithms<B: LearnerBackend>(
         reward,
         agents: AgentLoopRegistry::default(),
     })
+}
+
+/// Every row's agent loop (its `agent_name`, else the default) is known and takes the row (a
+/// tool loop with interactions needs the row's `interaction_kwargs.name`), so a bad row is named
+/// before the first step rather than when its batch comes.
+fn check_rows(
+    agents: &AgentLoopRegistry,
+    default_loop: &str,
+    records: &[PromptRecord],
+    key: &str,
+) -> Result<(), TrainError> {
+    for r in records {
+        let name = r.agent_name.as_deref().unwrap_or(default_loop);
+        agents
+            .get(name)
+            .and_then(|agent| agent.check(r))
+            .map_err(|e| TrainError::config(key, e.to_string()))?;
+    }
+    Ok(())
 }
 
 /// The agent loops: `single_turn_agent`; `tool_agent` with the tools and interactions of the

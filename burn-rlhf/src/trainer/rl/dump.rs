@@ -67,21 +67,35 @@ pub(crate) fn batch_rows(
         .collect()
 }
 
-/// Writes `rows` to `{dir}/{step}.jsonl` (the folder made when missing, the file replaced).
+/// The dump keys, for their messages.
+pub(crate) const ROLLOUT_KEY: &str = "trainer.rollout_data_dir";
+pub(crate) const VALIDATION_KEY: &str = "trainer.validation_data_dir";
+
+fn io_error<'a>(key: &'a str, dir: &'a Path) -> impl Fn(std::io::Error) -> TrainError + 'a {
+    move |e| TrainError::config(key, format!("{}: {e}", dir.display()))
+}
+
+/// Makes `dir` (`key`'s folder) and checks a file can be written in it, before the run starts:
+/// a folder that cannot be written fails then, not after the first step's work.
+pub(crate) fn check_writable(dir: &Path, key: &str) -> Result<(), TrainError> {
+    let io = io_error(key, dir);
+    std::fs::create_dir_all(dir).map_err(&io)?;
+    let probe = dir.join(format!(".burn-rlhf-write-check-{}", std::process::id()));
+    std::fs::File::create(&probe).map_err(&io)?;
+    std::fs::remove_file(&probe).map_err(&io)
+}
+
+/// Writes `rows` to `{dir}/{step}.jsonl` (`key`'s folder, made when missing; the file replaced).
 pub(crate) fn dump_generations(
     dir: &Path,
+    key: &str,
     step: usize,
     rows: &[DumpRow],
 ) -> Result<(), TrainError> {
-    let io = |e: std::io::Error| {
-        TrainError::config(
-            "trainer.rollout_data_dir / trainer.validation_data_dir",
-            format!("{}: {e}", dir.display()),
-        )
-    };
-    std::fs::create_dir_all(dir).map_err(io)?;
+    let io = io_error(key, dir);
+    std::fs::create_dir_all(dir).map_err(&io)?;
     let path = dir.join(format!("{step}.jsonl"));
-    let mut out = std::io::BufWriter::new(std::fs::File::create(&path).map_err(io)?);
+    let mut out = std::io::BufWriter::new(std::fs::File::create(&path).map_err(&io)?);
     for row in rows {
         let mut line = json!({"input": row.input, "output": row.output, "gts": row.gts,
             "score": row.score, "step": step});
@@ -92,9 +106,9 @@ pub(crate) fn dump_generations(
                 .map(|(role, text)| json!({"role": role, "content": text}))
                 .collect();
         }
-        writeln!(out, "{line}").map_err(io)?;
+        writeln!(out, "{line}").map_err(&io)?;
     }
-    out.flush().map_err(io)
+    out.flush().map_err(&io)
 }
 
 #[cfg(test)]
@@ -111,7 +125,7 @@ mod tests {
             score: 1.0,
             turns: Vec::new(),
         }];
-        dump_generations(&dir, 3, &rows).unwrap();
+        dump_generations(&dir, ROLLOUT_KEY, 3, &rows).unwrap();
         let text = std::fs::read_to_string(dir.join("3.jsonl")).unwrap();
         let v: serde_json::Value = serde_json::from_str(text.trim()).unwrap();
         assert_eq!(

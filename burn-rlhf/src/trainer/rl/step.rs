@@ -32,7 +32,7 @@ impl<B: LearnerBackend> Learner<B> {
             };
             if let (Some(dir), 0) = (&self.settings.trainer.rollout_data_dir, self.dp.rank()) {
                 let rows = super::dump::batch_rows(&batch, &self.tokenizer)?;
-                super::dump::dump_generations(dir, step, &rows)?;
+                super::dump::dump_generations(dir, super::dump::ROLLOUT_KEY, step, &rows)?;
             }
             let baselines = if self.algorithms.estimator.needs_reward_baselines() {
                 Some(timing.time("gen_max", || self.reward_baselines(&indices, step))?)

@@ -67,7 +67,12 @@ impl<B: LearnerBackend> Learner<B> {
                 }
             }
             if let Some(dir) = dump {
-                super::dump::dump_generations(dir, self.global_step, &dumped)?;
+                super::dump::dump_generations(
+                    dir,
+                    super::dump::VALIDATION_KEY,
+                    self.global_step,
+                    &dumped,
+                )?;
             }
             let generations = match shown {
                 0 => Vec::new(),
