@@ -116,9 +116,10 @@ impl<'a, B: DecoderBackend> Engine<'a, B> {
 
     /// Queues `request`'s `params.n` samples; its id. A prompt that is empty or not shorter than
     /// the model's context (`max_model_len`, as vLLM derives it), a request whose longest
-    /// completion would not fit the whole pool, a stop id outside the vocabulary, or `n = 0` is
-    /// an error naming the request and the limit. A response may run past the context, as
-    /// transformers' `generate` lets it (RoPE scalings such as dynamic NTK are made for that).
+    /// completion would not fit the whole pool, a stop id outside the vocabulary, `n = 0` or
+    /// `max_new_tokens = 0` is an error naming the request and the limit. A response may run past
+    /// the context, as transformers' `generate` lets it (RoPE scalings such as dynamic NTK are
+    /// made for that).
     pub fn add(&mut self, request: Request) -> Result<RequestId, RolloutError> {
         let id = self.next_id;
         let (len, p) = (request.prompt.len(), &request.params);
@@ -134,6 +135,11 @@ impl<'a, B: DecoderBackend> Engine<'a, B> {
         }
         if p.n == 0 {
             return what("n (samples per prompt) must be >= 1".into());
+        }
+        if p.max_new_tokens == 0 {
+            return what(
+                "max_new_tokens must be >= 1 (a request samples at least one token)".into(),
+            );
         }
         if len >= limits.max_len {
             return what(format!(

@@ -486,6 +486,17 @@ fn bad_requests_are_refused_by_name() {
         "{stop}"
     );
     assert!(e_add(&mut e, request(vec![], fits.clone())).contains("empty prompt"));
+    let nothing = e_add(
+        &mut e,
+        request(
+            vec![1],
+            SamplingParams {
+                max_new_tokens: 0,
+                ..fits.clone()
+            },
+        ),
+    );
+    assert!(nothing.contains("max_new_tokens must be >= 1"), "{nothing}");
     assert_eq!(
         e.add(request(vec![1, 2], fits)).unwrap(),
         0,
@@ -495,5 +506,94 @@ fn bad_requests_are_refused_by_name() {
     assert!(
         too_long.contains(&format!("({} bytes)", 4 * bytes)),
         "{too_long}"
+    );
+}
+
+/// Continuous batching: with two slots, a waiting request is admitted the step after a running
+/// one finishes, while the other still runs (a static batch would wait for both).
+#[test]
+fn a_waiting_request_is_admitted_the_step_a_slot_frees() {
+    let dir = &burn_rlhf_test_assets::fixture_models()[0];
+    let (model, config) = load(dir);
+    let engine = EngineConfig {
+        max_num_seqs: 2,
+        block_size: 4,
+        num_blocks: 64,
+        ..Default::default()
+    };
+    let mut e = Engine::new(&model, &config, 0, engine, &Default::default()).unwrap();
+    let add = |e: &mut Engine<B>, max_new_tokens: usize, key: u64| {
+        e.add(Request {
+            prompt: vec![5, 6, 7],
+            params: Arc::new(SamplingParams {
+                n: 1,
+                max_new_tokens,
+                ..Default::default()
+            }),
+            key,
+            retain: false,
+        })
+        .unwrap()
+    };
+    let (short, long, waiting) = (add(&mut e, 2, 0), add(&mut e, 8, 1), add(&mut e, 2, 2));
+    // Per request, the steps at which it sampled a token, and the step it finished.
+    let mut sampled: std::collections::HashMap<u64, Vec<usize>> = Default::default();
+    let mut finished = std::collections::HashMap::new();
+    let mut step = 0;
+    while e.has_unfinished() {
+        let mut at = Vec::new();
+        for f in e.step(&mut |seq, _| at.push(seq.request)).unwrap() {
+            finished.insert(f.seq.request, step);
+        }
+        for r in at {
+            sampled.entry(r).or_default().push(step);
+        }
+        step += 1;
+    }
+    assert_eq!(e.stats().peak_running, 2, "two slots");
+    assert_eq!(sampled[&short], vec![0, 1]);
+    assert_eq!(sampled[&long], (0..8).collect::<Vec<_>>());
+    assert_eq!(
+        sampled[&waiting],
+        vec![finished[&short] + 1, finished[&short] + 2],
+        "admitted the step after the short one ended, beside the long one"
+    );
+    assert!(sampled[&waiting][0] < finished[&long]);
+}
+
+/// Retained sequences hold their blocks until released: a request that needs more than is left
+/// cannot start, and the engine says so instead of spinning.
+#[test]
+fn the_engine_says_when_it_cannot_make_progress() {
+    let dir = &burn_rlhf_test_assets::fixture_models()[0];
+    let (model, config) = load(dir);
+    let engine = EngineConfig {
+        block_size: 4,
+        num_blocks: 5,
+        ..Default::default()
+    };
+    let mut e = Engine::new(&model, &config, 0, engine, &Default::default()).unwrap();
+    let request = |prompt: Vec<u32>, retain: bool| Request {
+        prompt,
+        params: Arc::new(SamplingParams {
+            n: 1,
+            max_new_tokens: 2,
+            ..Default::default()
+        }),
+        key: 0,
+        retain,
+    };
+    // Holds 2 of the 4 usable blocks once done (6 prompt + 2 new positions), kept for a next turn.
+    e.add(request(vec![5; 6], true)).unwrap();
+    while e.has_unfinished() {
+        e.step(&mut |_, _| {}).unwrap();
+    }
+    assert_eq!(e.blocks(), (2, 4));
+    // Needs 3 blocks (10 + 2 positions): it fits the pool, not what the retained one left.
+    e.add(request(vec![5; 10], false)).unwrap();
+    let stuck = e.step(&mut |_, _| {}).unwrap_err().to_string();
+    assert!(
+        stuck.contains("cannot make progress") && stuck.contains("2 of 4 KV blocks free"),
+        "{stuck}"
     );
 }
