@@ -6,6 +6,7 @@
 use burn::backend::{Autodiff, Flex};
 
 mod actor_update;
+mod appended_tokens;
 mod config;
 mod data_parallel;
 mod exact_logprobs;
