@@ -1163,6 +1163,26 @@ fn log_val_generations_writes_them_to_tensorboard() {
     std::fs::remove_dir_all(dir).ok();
 }
 
+/// A KV cache too small for one sequence of prompt + response (`rollout.kv_cache_memory_bytes`)
+/// is refused at the first generation, naming the key and what one sequence needs, before any
+/// update.
+#[test]
+fn a_kv_cache_too_small_for_one_sequence_is_refused_by_name() {
+    let dir = temp_dir("kv-too-small");
+    let (actor, critic) = tiny_models();
+    let mut config = tiny_config("grpo", &dir);
+    config.actor_rollout_ref.rollout.kv_cache_memory_bytes = Some(64);
+    let mut l = learner(config, actor, critic);
+    let e = l.step().unwrap_err().to_string();
+    assert!(
+        e.contains("actor_rollout_ref.rollout.kv_cache_memory_bytes")
+            && e.contains("the KV cache of 64 bytes holds 0 blocks"),
+        "{e}"
+    );
+    assert_eq!(l.global_step, 0, "no step was taken");
+    std::fs::remove_dir_all(dir).ok();
+}
+
 /// A dump folder that cannot be written (here: under a file) fails when the learner is built,
 /// naming the key, before any step's work.
 #[test]
