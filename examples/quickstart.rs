@@ -3,7 +3,9 @@
 //!
 //! 1. A 2-layer Llama-shaped model (this repo's transformer) is initialised from scratch, with a
 //!    character tokenizer built in code, for 2-digit addition (`"37+48="` → `"85"`).
-//! 2. A short SFT warm-up teaches it the format and part of the task.
+//! 2. An SFT warm-up teaches it the format and part of the task. It runs until the model answers
+//!    a share of held-out dev problems right (`--sft-target`), not for a fixed number of steps:
+//!    how fast it learns depends on the CPU's rounding and the seed, and PPO needs room to show.
 //! 3. PPO with a critic (GAE), an exact-match reward, a small KL penalty to the SFT model in the
 //!    reward (verl's reference setup) and the shared `Learner` trains it further.
 //! 4. Held-out accuracy (greedy, on problems never trained on) is printed before and after RL;
@@ -24,19 +26,17 @@ use std::time::Instant;
 use anyhow::Context;
 use burn_rlhf::backend::{backend_name, default_device, TrainBackend};
 use burn_rlhf::burn::module::AutodiffModule;
-use burn_rlhf::burn::optim::AdamWConfig;
 use burn_rlhf::burn::tensor::backend::Backend;
 use burn_rlhf::config::RlhfConfig;
-use burn_rlhf::minibatch::{sft_update, OptimizerStep, SftPasses};
 use burn_rlhf::models::pretrained::save_pretrained;
 use burn_rlhf::models::weights::WeightMap;
 use burn_rlhf::models::{CausalLm, ValueModel};
-use burn_rlhf::optim::ReplicaSync;
 use burn_rlhf::rollout::data::write_parquet;
-use burn_rlhf::rollout::{PromptRecord, PromptSampler, RewardRegistry};
+use burn_rlhf::rollout::RewardRegistry;
 use burn_rlhf::tasks;
 use burn_rlhf::trainer::stop_on_ctrl_c;
 use burn_rlhf::trainer::{Learner, LearnerParts};
+use burn_rlhf_examples::{greedy_accuracy, warm_up, WarmUp};
 use clap::Parser;
 
 #[global_allocator]
@@ -48,9 +48,15 @@ struct Args {
     /// Where metrics, the plot and checkpoints go (replaced at each run).
     #[arg(long, default_value = "runs/quickstart")]
     out: PathBuf,
-    /// SFT steps (64 problems each).
-    #[arg(long, default_value_t = 600)]
-    sft_steps: usize,
+    /// SFT stops at the first check where the greedy accuracy on the dev problems reaches this.
+    #[arg(long, default_value_t = 0.35)]
+    sft_target: f64,
+    /// SFT steps (64 problems each) between two checks of the dev accuracy.
+    #[arg(long, default_value_t = 10)]
+    sft_check_every: usize,
+    /// SFT steps at most, target reached or not.
+    #[arg(long, default_value_t = 2000)]
+    sft_max_steps: usize,
     /// PPO steps.
     #[arg(long, default_value_t = 400)]
     ppo_steps: usize,
@@ -107,6 +113,9 @@ fn ppo_config(args: &Args) -> RlhfConfig {
     c
 }
 
+/// Problems held out of the SFT data for the warm-up's checks.
+const DEV_PROBLEMS: usize = 300;
+
 fn main() -> anyhow::Result<()> {
     burn_rlhf::runtime::tune_allocator();
     burn_rlhf::runtime::configure_kernels();
@@ -120,7 +129,9 @@ fn main() -> anyhow::Result<()> {
     let start = Instant::now();
     let tokenizer = tasks::tokenizer();
     let model_config = tasks::model_config(128, 2);
-    let (train, test) = tasks::split_problems(100, 500, args.seed);
+    let (mut train, test) = tasks::split_problems(100, 500, args.seed);
+    // Dev problems for the warm-up's checks: neither trained on nor the held-out test.
+    let dev = train.split_off(train.len() - DEV_PROBLEMS);
     println!(
         "backend {}; {} training and {} held-out problems",
         backend_name(),
@@ -129,34 +140,33 @@ fn main() -> anyhow::Result<()> {
     );
 
     // SFT warm-up.
-    let mut actor: CausalLm<TrainBackend> = model_config.init_causal_lm(&device);
-    let mut optim = AdamWConfig::new()
-        .with_epsilon(1e-8)
-        .with_weight_decay(0.0)
-        .init();
-    let mut sampler = PromptSampler::new(train.len(), args.seed, true);
-    for step in 1..=args.sft_steps {
-        let picked: Vec<&PromptRecord> =
-            sampler.next_batch(64).iter().map(|&i| &train[i]).collect();
-        let batch = tasks::sft_batch(&tokenizer, &picked);
-        let step_of = OptimizerStep {
-            optimizer: &mut optim,
-            lr: 1e-3,
-            grad_clip: 1.0,
-            sync: &ReplicaSync::default(),
-            sharded: None,
-        };
-        let passes = SftPasses {
-            remove_padding: true,
-            ..SftPasses::padded(64, burn_rlhf::config::DEFAULT_LOGITS_CHUNK)
-        };
-        // A tiny model: its activations are small, so nothing is recomputed.
-        let (updated, m) = sft_update(actor, step_of, &batch, passes, false, &device)?;
-        actor = updated;
-        if step % 50 == 0 || step == args.sft_steps {
-            println!("sft step {step}: loss {:.4}", m["train/loss"]);
-        }
-    }
+    let dev_accuracy = |actor: &CausalLm<TrainBackend>| {
+        greedy_accuracy(
+            actor,
+            &model_config,
+            &tokenizer,
+            Arc::new(tasks::ExactAnswer),
+            &dev,
+            ppo_config(&args),
+            &device,
+        )
+    };
+    let warm = WarmUp {
+        lr: 1e-3,
+        batch: 64,
+        target: args.sft_target,
+        check_every: args.sft_check_every,
+        max_steps: args.sft_max_steps,
+        seed: args.seed,
+    };
+    let (actor, sft_steps) = warm_up(
+        model_config.init_causal_lm(&device),
+        &train,
+        |picked| tasks::sft_batch(&tokenizer, picked),
+        dev_accuracy,
+        warm,
+        &device,
+    )?;
 
     // The SFT model and the task's data as files: the starting point of the CLI recipes
     // (docs/recipes.md).
@@ -194,7 +204,7 @@ fn main() -> anyhow::Result<()> {
     let key = format!("val-core/{}/reward/mean@1", tasks::DATA_SOURCE);
     let before = learner.validate()?[&key];
     println!(
-        "held-out accuracy after SFT: {:.1}% ({:.0} s so far)",
+        "held-out accuracy after SFT ({sft_steps} steps): {:.1}% ({:.0} s so far)",
         before * 100.0,
         start.elapsed().as_secs_f64()
     );

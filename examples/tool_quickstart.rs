@@ -2,8 +2,11 @@
 //!
 //! 1. A 2-layer Llama-shaped model is initialised from scratch for products of a 4-digit and a
 //!    3-digit number (`"4321*567="` → `"2450007"`), which it cannot compute; the calculator can.
-//! 2. A short SFT warm-up on traces that call the calculator (the tool's turn masked out of the
-//!    loss) teaches it the call format and part of the copying.
+//! 2. An SFT warm-up on traces that call the calculator (the tool's turn masked out of the loss)
+//!    teaches it the call format and part of the copying. It runs until the model answers a few
+//!    held-out dev problems right (`--sft-target`), not for a fixed number of steps: the copying is
+//!    learned suddenly, at a step that depends on the CPU's rounding and the seed, and a model that
+//!    answers nothing right gives GRPO nothing to learn from.
 //! 3. GRPO through verl's tool loop (`actor_rollout_ref.rollout.multi_turn`, the calculator from a
 //!    verl-schema tool file): the model calls, the tool's response is appended, the model answers;
 //!    the reward is exact match on the final answer.
@@ -21,16 +24,14 @@ use std::time::Instant;
 
 use anyhow::Context;
 use burn_rlhf::backend::{backend_name, default_device, TrainBackend};
-use burn_rlhf::burn::optim::AdamWConfig;
 use burn_rlhf::burn::tensor::backend::Backend;
 use burn_rlhf::config::RlhfConfig;
-use burn_rlhf::minibatch::{sft_update, OptimizerStep, SftPasses};
 use burn_rlhf::models::CausalLm;
-use burn_rlhf::optim::ReplicaSync;
-use burn_rlhf::rollout::{PromptRecord, PromptSampler, RewardRegistry};
+use burn_rlhf::rollout::RewardRegistry;
 use burn_rlhf::tool_task;
 use burn_rlhf::trainer::stop_on_ctrl_c;
 use burn_rlhf::trainer::{Learner, LearnerParts};
+use burn_rlhf_examples::{greedy_accuracy, warm_up, WarmUp};
 use clap::Parser;
 
 #[global_allocator]
@@ -42,9 +43,16 @@ struct Args {
     /// Where metrics, the plot, the tool file and the dumps go (replaced at each run).
     #[arg(long, default_value = "runs/tool_quickstart")]
     out: PathBuf,
-    /// SFT steps (64 traces each).
-    #[arg(long, default_value_t = 40)]
-    sft_steps: usize,
+    /// SFT stops at the first check where the greedy accuracy on the dev problems reaches this
+    /// (at 5% the samples GRPO draws at temperature 1 are almost never right: nothing to learn).
+    #[arg(long, default_value_t = 0.2)]
+    sft_target: f64,
+    /// SFT steps (64 traces each) between two checks of the dev accuracy.
+    #[arg(long, default_value_t = 2)]
+    sft_check_every: usize,
+    /// SFT steps at most, target reached or not.
+    #[arg(long, default_value_t = 200)]
+    sft_max_steps: usize,
     /// The SFT learning rate (AdamW).
     #[arg(long, default_value_t = 1e-3)]
     sft_lr: f64,
@@ -116,6 +124,9 @@ fn grpo_config(args: &Args) -> RlhfConfig {
     c
 }
 
+/// Problems held out of the SFT traces for the warm-up's checks.
+const DEV_PROBLEMS: usize = 64;
+
 fn main() -> anyhow::Result<()> {
     burn_rlhf::runtime::tune_allocator();
     burn_rlhf::runtime::configure_kernels();
@@ -131,7 +142,9 @@ fn main() -> anyhow::Result<()> {
     let start = Instant::now();
     let tokenizer = tool_task::tokenizer();
     let model_config = tool_task::model_config(args.hidden, 2);
-    let (train, test) = tool_task::split_problems(20_000, 200, args.seed);
+    let (mut train, test) = tool_task::split_problems(20_000, 200, args.seed);
+    // Dev problems for the warm-up's checks: neither trained on nor the held-out test.
+    let dev = train.split_off(train.len() - DEV_PROBLEMS);
     println!(
         "backend {}; {} training and {} held-out problems",
         backend_name(),
@@ -140,34 +153,33 @@ fn main() -> anyhow::Result<()> {
     );
 
     // SFT warm-up on traces that call the calculator.
-    let mut actor: CausalLm<TrainBackend> = model_config.init_causal_lm(&device);
-    let mut optim = AdamWConfig::new()
-        .with_epsilon(1e-8)
-        .with_weight_decay(0.0)
-        .init();
-    let mut sampler = PromptSampler::new(train.len(), args.seed, true);
-    for step in 1..=args.sft_steps {
-        let picked: Vec<&PromptRecord> =
-            sampler.next_batch(64).iter().map(|&i| &train[i]).collect();
-        let batch = tool_task::sft_batch(&tokenizer, &picked);
-        let step_of = OptimizerStep {
-            optimizer: &mut optim,
-            lr: args.sft_lr,
-            grad_clip: 1.0,
-            sync: &ReplicaSync::default(),
-            sharded: None,
-        };
-        let passes = SftPasses {
-            remove_padding: true,
-            ..SftPasses::padded(64, burn_rlhf::config::DEFAULT_LOGITS_CHUNK)
-        };
-        // A tiny model: its activations are small, so nothing is recomputed.
-        let (updated, m) = sft_update(actor, step_of, &batch, passes, false, &device)?;
-        actor = updated;
-        if step % 50 == 0 || step == args.sft_steps {
-            println!("sft step {step}: loss {:.4}", m["train/loss"]);
-        }
-    }
+    let dev_accuracy = |actor: &CausalLm<TrainBackend>| {
+        greedy_accuracy(
+            actor,
+            &model_config,
+            &tokenizer,
+            Arc::new(tool_task::FinalAnswer),
+            &dev,
+            grpo_config(&args),
+            &device,
+        )
+    };
+    let warm = WarmUp {
+        lr: args.sft_lr,
+        batch: 64,
+        target: args.sft_target,
+        check_every: args.sft_check_every,
+        max_steps: args.sft_max_steps,
+        seed: args.seed,
+    };
+    let (actor, sft_steps) = warm_up(
+        model_config.init_causal_lm(&device),
+        &train,
+        |picked| tool_task::sft_batch(&tokenizer, picked),
+        dev_accuracy,
+        warm,
+        &device,
+    )?;
 
     // GRPO through the tool loop.
     let mut rewards = RewardRegistry::default();
@@ -180,7 +192,7 @@ fn main() -> anyhow::Result<()> {
     let key = format!("val-core/{}/reward/mean@1", tool_task::DATA_SOURCE);
     let before = learner.validate()?;
     println!(
-        "held-out accuracy after SFT: {:.1}% ({:.0} s so far)",
+        "held-out accuracy after SFT ({sft_steps} steps): {:.1}% ({:.0} s so far)",
         before[&key] * 100.0,
         start.elapsed().as_secs_f64()
     );
