@@ -102,8 +102,8 @@ pub enum Next {
     End,
 }
 
-/// One sample's conversation. Its per-sample state (tools', an interaction's) lives here and is
-/// released when it is dropped, with the sample.
+/// One sample's conversation. Its per-sample state (the tools' `create_kwargs`, an
+/// interaction's) lives here and is released when it is dropped, with the sample.
 pub trait Conversation: Send {
     /// The model's turn ended with `tokens` (as sampled, the stop token last when it stopped
     /// on one) for `reason`; `budget` response tokens are left for everything after it.
