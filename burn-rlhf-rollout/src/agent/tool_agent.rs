@@ -247,23 +247,27 @@ impl ToolConversation {
     /// One call's response text (an error's text when it fails).
     fn call(&mut self, call: &FunctionCall) -> String {
         self.stats.tool_calls += 1;
-        let text = match self.run(call) {
+        match self.run(call) {
             Ok(out) => {
                 self.stats.tool_reward += out.reward.unwrap_or(0.0);
-                out.text
+                // Only a tool's own response is cut, as in verl (its error texts return before).
+                let max = self.settings.max_tool_response_length;
+                match self
+                    .settings
+                    .tool_response_truncate_side
+                    .cut(&out.text, max)
+                {
+                    Some(cut) => {
+                        self.stats.truncated_tool_responses += 1;
+                        cut
+                    }
+                    None => out.text,
+                }
             }
             Err(e) => {
                 self.stats.tool_errors += 1;
                 e
             }
-        };
-        let max = self.settings.max_tool_response_length;
-        match self.settings.tool_response_truncate_side.cut(&text, max) {
-            Some(cut) => {
-                self.stats.truncated_tool_responses += 1;
-                cut
-            }
-            None => text,
         }
     }
 

@@ -351,6 +351,13 @@ fn the_tool_loop_runs_calls_as_verl_does() {
         let out = turn(&mut conv, &call("calc_gsm8k_reward", "{\"answer\": \"7\"}")).unwrap();
         assert!(out.contains("(truncated)...d=0.0"), "{name}: {out:?}");
         assert_eq!(conv.stats().truncated_tool_responses, 1);
+        // An error text is not cut (verl returns it before cutting).
+        let out = turn(&mut conv, &call("shell", "{}")).unwrap();
+        assert!(
+            out.contains("Unknown function 'shell'. Available tools: ["),
+            "{name}: {out:?}"
+        );
+        assert_eq!(conv.stats().truncated_tool_responses, 1);
         assert_eq!(
             conv.stats().tool_reward,
             -0.05,
