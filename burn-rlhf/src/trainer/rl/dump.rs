@@ -80,7 +80,10 @@ fn io_error<'a>(key: &'a str, dir: &'a Path) -> impl Fn(std::io::Error) -> Train
 pub(crate) fn check_writable(dir: &Path, key: &str) -> Result<(), TrainError> {
     let io = io_error(key, dir);
     std::fs::create_dir_all(dir).map_err(&io)?;
-    let probe = dir.join(format!(".burn-rlhf-write-check-{}", std::process::id()));
+    // Each rank's learner checks too, and the ranks of one process run at once: one probe each.
+    static PROBES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = PROBES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let probe = dir.join(format!(".burn-rlhf-write-check-{}-{n}", std::process::id()));
     std::fs::File::create(&probe).map_err(&io)?;
     std::fs::remove_file(&probe).map_err(&io)
 }
