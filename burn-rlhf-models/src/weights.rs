@@ -79,6 +79,18 @@ impl WeightMap {
         }
     }
 
+    /// The map of `tensors` (HF names), described as `source`: an exported model's, to load
+    /// again (as a rank's shard, say).
+    pub fn from_tensors(
+        source: impl Into<String>,
+        tensors: impl IntoIterator<Item = (String, HostTensor)>,
+    ) -> Self {
+        Self {
+            source: source.into(),
+            tensors: tensors.into_iter().collect(),
+        }
+    }
+
     /// What the map was read from, for messages.
     pub fn source(&self) -> &str {
         &self.source

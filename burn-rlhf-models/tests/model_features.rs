@@ -495,7 +495,9 @@ fn tensor_parallel_shards_compute_and_train_as_the_whole_model() {
                     std::thread::spawn(move || {
                         let device = Default::default();
                         let whole_n: usize = param_sizes(&whole).iter().map(|p| p.1).sum();
-                        let shard = whole.into_part(&config, &tp, &device).unwrap();
+                        // Loaded as a run loads it: the rank's part cut from the whole weights.
+                        let weights = WeightMap::from_tensors("whole", whole.export());
+                        let shard = CausalLm::load(&config, weights, Some(&tp), &device).unwrap();
                         // The split layers name their parameters: size x theirs and the whole
                         // ones once make the whole model.
                         let split = shard.split_param_ids();

@@ -169,10 +169,7 @@ fn measure(start: &Weights, sharded: bool) -> (Vec<usize>, usize) {
                         world: RANKS,
                     })
                 } else {
-                    let dp = DataParallel {
-                        collective,
-                        ..DataParallel::solo()
-                    };
+                    let dp = DataParallel::over(collective);
                     Box::new(Whole {
                         model,
                         optim: adamw([0.9, 0.999], 0.01, false),

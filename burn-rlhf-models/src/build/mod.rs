@@ -86,19 +86,6 @@ fn export_linear<B: Backend>(
     }
 }
 
-/// A whole model's tensors (HF names) as the weights rank `group.rank()` cuts its part from.
-fn part_weights(tensors: BTreeMap<String, HostTensor>, group: &TpGroup) -> WeightMap {
-    let mut w = WeightMap::new(format!(
-        "tensor-parallel rank {} of {}",
-        group.rank(),
-        group.size()
-    ));
-    for (name, t) in tensors {
-        w.insert(name, t);
-    }
-    w
-}
-
 /// A whole layer in a column-parallel place (randomly initialised models are whole).
 fn column<B: Backend>(linear: LoraLinear<B>) -> ColumnParallelLinear<B> {
     ColumnParallelLinear::whole(linear)
@@ -612,26 +599,6 @@ impl<B: Backend> CausalLm<B> {
         };
         w.finish()?;
         Ok(Self { model, lm_head })
-    }
-
-    /// This model as rank `group.rank()`'s part in `group` (its tensors exported, then cut at
-    /// load). LoRA adapters are not split (refused).
-    pub fn into_part(
-        self,
-        c: &TransformerConfig,
-        group: &TpGroup,
-        device: &B::Device,
-    ) -> Result<Self, ModelError> {
-        if !self.export_lora().is_empty() {
-            return Err(ModelError::TensorParallel {
-                size: group.size(),
-                message: "LoRA adapters are not split across ranks; train LoRA with data \
-                          parallelism"
-                    .into(),
-            });
-        }
-        let w = part_weights(self.export(), group);
-        Self::load(c, w, Some(group), device)
     }
 
     /// Every tensor under HF names, adapters merged (what `save_pretrained` writes).

@@ -8,7 +8,7 @@ use burn::nn::{Linear, LinearConfig};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, Tensor};
 
-use super::{export_linear, linear, part_weights};
+use super::{export_linear, linear};
 use crate::config::TransformerConfig;
 use crate::error::ModelError;
 use crate::heads::ScoredModel;
@@ -58,17 +58,6 @@ impl<B: Backend> ScoredModel<B> {
         };
         w.finish()?;
         Ok(Self { model, score })
-    }
-
-    /// This critic as rank `group.rank()`'s part in `group` (see [`CausalLm::into_part`]).
-    pub fn into_part(
-        self,
-        c: &TransformerConfig,
-        group: &TpGroup,
-        device: &B::Device,
-    ) -> Result<Self, ModelError> {
-        let w = part_weights(self.export(), group);
-        Self::load_critic(c, w, Some(group), device)
     }
 
     /// A randomly initialised critic.

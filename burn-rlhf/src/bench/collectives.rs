@@ -203,7 +203,7 @@ pub fn run_collectives<B: LearnerBackend>(
     node: &NodeLaunch,
     max_bytes: usize,
 ) -> Result<Option<Vec<CollectiveRow>>, TrainError> {
-    let group = GroupPlan::new(devices.len(), node)?;
+    let group = GroupPlan::new(devices.len(), node, 1)?;
     let sizes = sizes(max_bytes);
     let first = node.processes.index() == 0;
     run_ranks::<B, _>(devices, node, &group, move |i, _device, joiner| {

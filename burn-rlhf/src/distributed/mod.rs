@@ -21,6 +21,7 @@
 mod balance;
 pub mod fsdp;
 mod local;
+pub mod mesh;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 #[cfg(feature = "cuda")]
@@ -42,6 +43,7 @@ pub use balance::balanced_partitions;
 pub use burn_rlhf_models::collective::{chunk, Collective, Solo};
 use burn_rlhf_models::tensor_parallel::TpGroup;
 pub use local::{BurnCollective, DeviceSums};
+pub use mesh::{MeshPlace, ParallelMesh};
 pub use params::{all_reduce_grads, sync_params, ShardPlan};
 pub use subgroup::Subgroup;
 
@@ -62,6 +64,8 @@ pub struct DataParallel {
     /// Tensor parallelism: the ranks this rank's models are split over (this rank's replica);
     /// `collective` then joins the replicas' ranks of the same place in their groups.
     pub tp: Option<TpGroup>,
+    /// The run's layout; `collective` joins its `data` replicas, `tp` its `tensor` ranks.
+    pub mesh: ParallelMesh,
 }
 
 impl Default for DataParallel {
@@ -89,6 +93,19 @@ impl DataParallel {
             shard_optimizer: false,
             balance_batch: true,
             tp: None,
+            mesh: ParallelMesh::solo(),
+        }
+    }
+
+    /// Data parallelism over `collective`'s ranks (one process, one device each), nothing
+    /// split or sharded.
+    pub fn over(collective: Arc<dyn Collective>) -> Self {
+        let mesh = ParallelMesh::new(1, collective.world(), 1)
+            .expect("a collective has at least one rank");
+        Self {
+            collective,
+            mesh,
+            ..Self::solo()
         }
     }
 

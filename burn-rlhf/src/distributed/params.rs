@@ -397,14 +397,11 @@ mod tests {
             .map(|rank| {
                 let shared = shared.clone();
                 std::thread::spawn(move || {
-                    let dp = DataParallel {
-                        collective: Arc::new(Threads {
-                            rank,
-                            world,
-                            shared,
-                        }),
-                        ..DataParallel::solo()
-                    };
+                    let dp = DataParallel::over(Arc::new(Threads {
+                        rank,
+                        world,
+                        shared,
+                    }));
                     // Each rank loads its own replica (other parameter ids, the same order).
                     let m = experts();
                     let grads = GradientsParams::from_grads(loss(&m, rank).backward(), &m);

@@ -13,6 +13,7 @@ use crate::backend::LearnerBackend;
 use burn::module::Module;
 
 use crate::config::{CollectiveBackend, Settings};
+use crate::distributed::mesh::{ParallelMesh, TENSOR_KEY};
 #[cfg(feature = "mpi")]
 use crate::distributed::mpi::{MpiProcess, MpiRank, MpiTpRank};
 use crate::distributed::{
@@ -26,6 +27,9 @@ use crate::trainer::rl::learner::Learner;
 use crate::trainer::rl::reward_model::LoadedRewardModel;
 use burn_rlhf_models::collective::TpExchangeFailed;
 use burn_rlhf_models::tensor_parallel::{LocalTpGroup, TpGroup};
+use burn_rlhf_models::weights::{HostTensor, WeightMap};
+use burn_rlhf_models::{CausalLm, TransformerConfig, ValueModel};
+use std::collections::BTreeMap;
 
 /// The processes of a run.
 #[derive(Debug, Clone, Default)]
@@ -109,17 +113,33 @@ impl NodeLaunch {
 }
 
 impl<B: LearnerBackend> LearnerParts<B> {
-    /// A copy of these parts on `device` (models copied, data and registries shared).
+    /// A copy of these parts on `device` (models copied whole, data and registries shared).
     pub fn replicate(&self, device: &B::Device) -> Self {
-        Self {
-            actor: self.actor.clone().fork(device),
-            model_config: self.model_config.clone(),
-            tokenizer: self.tokenizer.clone(),
-            critic: self
-                .critic
+        self.with_models(
+            device,
+            self.actor.clone().fork(device),
+            self.critic
                 .as_ref()
                 .map(|(m, c)| (m.clone().fork(device), c.clone())),
-            reference: self.reference.as_ref().map(|r| r.clone().fork(device)),
+            self.reference.as_ref().map(|r| r.clone().fork(device)),
+        )
+    }
+
+    /// These parts with the given models on `device` (data and registries shared; the reward
+    /// model, never split, copied whole).
+    fn with_models(
+        &self,
+        device: &B::Device,
+        actor: CausalLm<B>,
+        critic: Option<(ValueModel<B>, TransformerConfig)>,
+        reference: Option<CausalLm<B::InnerBackend>>,
+    ) -> Self {
+        Self {
+            actor,
+            model_config: self.model_config.clone(),
+            tokenizer: self.tokenizer.clone(),
+            critic,
+            reference,
             registry: self.registry.clone(),
             rewards: self.rewards.clone(),
             train: self.train.clone(),
@@ -133,6 +153,123 @@ impl<B: LearnerBackend> LearnerParts<B> {
                 config: r.config.clone(),
                 tokenizer: r.tokenizer.clone(),
             }),
+        }
+    }
+}
+
+/// The split models of a tensor-parallel run in host memory (HF names, whole), from which each
+/// rank loads its shard straight onto its device, through the loader a resumed run reads its
+/// checkpoint with ([`CausalLm::load`], [`ValueModel::load_critic`]): no rank holds a whole
+/// copy on its device.
+struct HostModels {
+    actor: BTreeMap<String, HostTensor>,
+    critic: Option<BTreeMap<String, HostTensor>>,
+    reference: Option<BTreeMap<String, HostTensor>>,
+}
+
+impl HostModels {
+    /// The models of `parts`, which `tensor` ranks will split (LoRA adapters are not split:
+    /// refused).
+    fn export<B: LearnerBackend>(
+        parts: &LearnerParts<B>,
+        tensor: usize,
+    ) -> Result<Self, TrainError> {
+        if !parts.actor.export_lora().is_empty() {
+            return Err(TrainError::config(
+                TENSOR_KEY,
+                format!(
+                    "LoRA adapters are not split over {tensor} tensor-parallel ranks; train \
+                     LoRA with data parallelism"
+                ),
+            ));
+        }
+        Ok(Self {
+            actor: parts.actor.export(),
+            critic: parts.critic.as_ref().map(|(m, _)| m.export()),
+            reference: parts.reference.as_ref().map(|r| r.export()),
+        })
+    }
+
+    /// Rank `tp.rank()`'s parts: `template`'s data and registries with its shard of each model
+    /// on `device`.
+    fn shard_parts<B: LearnerBackend>(
+        &self,
+        template: &LearnerParts<B>,
+        tp: &TpGroup,
+        device: &B::Device,
+    ) -> Result<LearnerParts<B>, TrainError> {
+        let weights = |tensors: &BTreeMap<String, HostTensor>, model: &str| {
+            let source = format!(
+                "the {model}, tensor-parallel rank {} of {}",
+                tp.rank(),
+                tp.size()
+            );
+            WeightMap::from_tensors(source, tensors.clone())
+        };
+        let config = &template.model_config;
+        let actor = CausalLm::load(config, weights(&self.actor, "actor"), Some(tp), device)?;
+        let critic = match (&self.critic, &template.critic) {
+            (Some(tensors), Some((_, c))) => Some((
+                ValueModel::load_critic(c, weights(tensors, "critic"), Some(tp), device)?,
+                c.clone(),
+            )),
+            _ => None,
+        };
+        let reference = self
+            .reference
+            .as_ref()
+            .map(|tensors| {
+                CausalLm::load(
+                    config,
+                    weights(tensors, "reference"),
+                    Some(tp),
+                    &device.clone().into(),
+                )
+            })
+            .transpose()?;
+        Ok(template.with_models(device, actor, critic, reference))
+    }
+}
+
+/// What each rank of this process starts from: a copy of the parts on its device, or under
+/// tensor parallelism its shards of the models, loaded when it knows its group.
+enum RankParts<B: LearnerBackend> {
+    Copies(Vec<Option<LearnerParts<B>>>),
+    Shards {
+        /// The parts' data and registries, with their whole models until every rank has loaded
+        /// its shards (then dropped).
+        template: Option<LearnerParts<B>>,
+        weights: HostModels,
+        left: usize,
+    },
+}
+
+impl<B: LearnerBackend> RankParts<B> {
+    /// Rank `i` of this process's parts (each rank takes its own once).
+    fn take(
+        &mut self,
+        i: usize,
+        tp: Option<&TpGroup>,
+        device: &B::Device,
+    ) -> Result<LearnerParts<B>, TrainError> {
+        match self {
+            Self::Copies(copies) => Ok(copies[i]
+                .take()
+                .expect("each rank takes its own parts once")),
+            Self::Shards {
+                template,
+                weights,
+                left,
+            } => {
+                let tp = tp.expect("a tensor-parallel run gives each rank its group");
+                let parts =
+                    weights.shard_parts(template.as_ref().expect("parts left to load"), tp, device);
+                *left -= 1;
+                if *left == 0 {
+                    *template = None;
+                }
+                parts
+            }
         }
     }
 }
@@ -165,20 +302,29 @@ pub fn launch<B: LearnerBackend>(
     let group = GroupPlan {
         shard_optimizer: settings.trainer.shard_optimizer,
         balance_batch: settings.trainer.balance_batch,
-        tp: settings.actor.tensor_parallel_size,
-        ..GroupPlan::new(devices.len(), node)?
+        ..GroupPlan::new(devices.len(), node, settings.actor.tensor_parallel_size)?
     };
     #[cfg(feature = "mpi")]
     group.check_same_settings(node, fingerprint(&format!("{settings:?}")))?;
-    if group.world == 1 {
+    if group.mesh.world() == 1 {
         return Learner::from_settings(settings, parts, &devices[0])?.fit(stop);
     }
-    let parts: Vec<_> = devices.iter().map(|d| parts.replicate(d)).collect();
-    let parts = std::sync::Mutex::new(parts.into_iter().map(Some).collect::<Vec<_>>());
+    let parts = if group.mesh.splits_models() {
+        RankParts::Shards {
+            weights: HostModels::export(&parts, group.mesh.tensor())?,
+            template: Some(parts),
+            left: devices.len(),
+        }
+    } else {
+        RankParts::Copies(devices.iter().map(|d| Some(parts.replicate(d))).collect())
+    };
+    let parts = std::sync::Mutex::new(parts);
     run_ranks::<B, RunOutputs>(devices, node, &group, move |i, device, joiner| {
-        let parts = parts.lock().unwrap_or_else(|e| e.into_inner())[i]
-            .take()
-            .expect("each rank takes its own parts once");
+        let parts =
+            parts
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .take(i, joiner.tp.as_ref(), device)?;
         // Config errors surface before joining, identically on every rank; the learner is then
         // built in its place of the run.
         let prepared = Learner::prepare(settings.clone(), parts, device)?;
@@ -211,12 +357,13 @@ impl<B: LearnerBackend> Joiner<B> {
         self.device_sums = sums.clone();
         // One replica has no data-parallel peers (its ranks joined alone). A subgroup's sums go
         // through its slots of host buffers.
-        let (collective, sums): (Arc<dyn Collective>, _) = match self.group.tp {
-            tp if tp > 1 && collective.world() > 1 => {
-                (Arc::new(Subgroup::new(collective, tp)), None)
-            }
-            _ => (collective, sums),
-        };
+        let mesh = self.group.mesh;
+        let (collective, sums): (Arc<dyn Collective>, _) =
+            if mesh.splits_models() && collective.world() > 1 {
+                (Arc::new(Subgroup::new(collective, mesh.tensor())), None)
+            } else {
+                (collective, sums)
+            };
         Ok(DataParallel {
             tp: self.tp.clone(),
             device_sums: sums,
@@ -242,10 +389,10 @@ pub(crate) fn run_ranks<B: LearnerBackend, T: Send + 'static>(
         .map(|d| burn::tensor::backend::DeviceOps::id(d).index_id as usize)
         .collect();
     let mut joins = group.joins(local, node, &ordinals, &abort)?;
-    if group.processes == 1 && local > 1 {
+    if group.mesh.processes() == 1 && local > 1 {
         BurnCollective::<B::InnerBackend>::reset_group();
     }
-    let mut tp_groups = group.tp_groups(local, &node.processes)?;
+    let mut tp_groups = group.tp_groups(&node.processes)?;
     let body = Arc::new(body);
     let (tx, rx) = mpsc::channel::<(usize, Result<T, TrainError>)>();
     let mut handles = Vec::with_capacity(local);
@@ -259,7 +406,7 @@ pub(crate) fn run_ranks<B: LearnerBackend, T: Send + 'static>(
             group: group.clone(),
             joined: None,
             device_sums: None,
-            tp: (group.tp > 1).then(|| tp_groups.remove(0)),
+            tp: group.mesh.splits_models().then(|| tp_groups.remove(0)),
         };
         let (device, body, abort, tx) = (device.clone(), body.clone(), abort.clone(), tx.clone());
         let handle = std::thread::Builder::new()
@@ -310,10 +457,8 @@ pub(crate) fn run_ranks<B: LearnerBackend, T: Send + 'static>(
 /// What every rank of this process needs to join the group.
 #[derive(Debug, Clone)]
 pub(crate) struct GroupPlan {
-    pub(crate) world: usize,
-    /// Ranks per tensor-parallel group (1: none); the data-parallel replicas are `world / tp`.
-    pub(crate) tp: usize,
-    processes: usize,
+    /// The run's layout.
+    pub(crate) mesh: ParallelMesh,
     /// ZeRO-1 (`trainer.zero_stage=1`).
     pub(crate) shard_optimizer: bool,
     /// `trainer.balance_batch`.
@@ -380,19 +525,11 @@ impl Join {
 }
 
 impl GroupPlan {
-    /// Checks the launch (`local` devices here, `node`'s processes) and plans the group (no
-    /// sharding, rows balanced by token count).
-    pub(crate) fn new(local: usize, node: &NodeLaunch) -> Result<Self, TrainError> {
-        if local == 0 {
-            return Err(TrainError::config(
-                "trainer.n_gpus_per_node",
-                "no devices to train on",
-            ));
-        }
+    /// Checks the launch (`local` devices here, `node`'s processes, tensor-parallel groups of
+    /// `tensor` ranks) and plans the group (no sharding, rows balanced by token count).
+    pub(crate) fn new(local: usize, node: &NodeLaunch, tensor: usize) -> Result<Self, TrainError> {
         Ok(Self {
-            world: local * node.processes.count(),
-            tp: 1,
-            processes: node.processes.count(),
+            mesh: ParallelMesh::new(node.processes.count(), local, tensor)?,
             shard_optimizer: false,
             balance_batch: true,
         })
@@ -423,11 +560,10 @@ impl GroupPlan {
         abort: &Arc<AbortFlag>,
     ) -> Result<Vec<Join>, TrainError> {
         let processes = &node.processes;
-        self.check_tp_layout(local, processes)?;
         // One replica: its ranks exchange only within their tensor-parallel group. (One rank
         // asked for NCCL gets a communicator of one: what `bench-collectives` checks.)
-        let one_nccl_rank = self.world == 1 && node.backend == CollectiveBackend::Nccl;
-        if self.world == self.tp && !one_nccl_rank {
+        let one_nccl_rank = self.mesh.world() == 1 && node.backend == CollectiveBackend::Nccl;
+        if self.mesh.one_replica() && !one_nccl_rank {
             return Ok((0..local).map(|_| Join::Solo).collect());
         }
         #[cfg(feature = "cuda")]
@@ -439,7 +575,9 @@ impl GroupPlan {
         let _ = (node.uses_nccl()?, ordinals, abort);
         Ok(match processes {
             Processes::Alone => (0..local)
-                .map(|_| Join::Local { world: self.world })
+                .map(|_| Join::Local {
+                    world: self.mesh.world(),
+                })
                 .collect(),
             #[cfg(feature = "mpi")]
             Processes::Mpi(process) => MpiRank::for_devices(process, local)
@@ -480,7 +618,7 @@ impl GroupPlan {
                     .iter()
                     .map(|&ordinal| Join::NcclJoin {
                         ordinal,
-                        world: self.world,
+                        world: self.mesh.world(),
                         id,
                     })
                     .collect())
@@ -488,54 +626,23 @@ impl GroupPlan {
         }
     }
 
-    /// A tensor-parallel group is consecutive devices of one process, or consecutive MPI
-    /// processes of one device each (one process per GPU).
-    fn check_tp_layout(&self, local: usize, processes: &Processes) -> Result<(), TrainError> {
-        let key = "actor_rollout_ref.actor.megatron.tensor_model_parallel_size";
-        let spans_processes = self.tp > local;
-        if !spans_processes && local.is_multiple_of(self.tp) {
-            return Ok(());
-        }
-        if spans_processes && matches!(processes, Processes::Alone) {
-            return Err(TrainError::config(
-                key,
-                format!(
-                    "a tensor-parallel group of {} needs that many devices in this process (it \
-                     has {local}), or that many MPI processes",
-                    self.tp
-                ),
-            ));
-        }
-        if !spans_processes || local != 1 || !self.processes.is_multiple_of(self.tp) {
-            return Err(TrainError::config(
-                key,
-                format!(
-                    "a tensor-parallel group of {} is either in one process (give each a \
-                     multiple of it; this one has {local} device(s)) or spans that many MPI \
-                     processes of one device each ({} process(es) of {local} here)",
-                    self.tp, self.processes
-                ),
-            ));
-        }
-        Ok(())
-    }
-
     /// This process's devices' tensor-parallel groups, in device order (none without tensor
     /// parallelism).
-    fn tp_groups(&self, local: usize, processes: &Processes) -> Result<Vec<TpGroup>, TrainError> {
-        if self.tp == 1 {
+    fn tp_groups(&self, processes: &Processes) -> Result<Vec<TpGroup>, TrainError> {
+        let (tensor, local) = (self.mesh.tensor(), self.mesh.local());
+        if !self.mesh.splits_models() {
             return Ok(Vec::new());
         }
-        if self.tp <= local {
-            return Ok((0..local / self.tp)
-                .flat_map(|_| LocalTpGroup::group(self.tp))
+        if !self.mesh.groups_span_processes() {
+            return Ok((0..local / tensor)
+                .flat_map(|_| LocalTpGroup::group(tensor))
                 .collect());
         }
         match processes {
             #[cfg(feature = "mpi")]
-            Processes::Mpi(process) => Ok(vec![MpiTpRank::group(process, self.tp)?]),
+            Processes::Mpi(process) => Ok(vec![MpiTpRank::group(process, tensor)?]),
             _ => Err(TrainError::config(
-                "actor_rollout_ref.actor.megatron.tensor_model_parallel_size",
+                TENSOR_KEY,
                 "a tensor-parallel group across processes needs MPI",
             )),
         }
@@ -548,6 +655,7 @@ impl GroupPlan {
             shard_optimizer: self.shard_optimizer,
             balance_batch: self.balance_batch,
             tp: None,
+            mesh: self.mesh,
         }
     }
 }
@@ -665,31 +773,19 @@ fn collect<T>(
 mod tests {
     use super::*;
 
-    fn plan(local: usize, tp: usize) -> GroupPlan {
-        GroupPlan {
-            tp,
-            ..GroupPlan::new(local, &NodeLaunch::single(Duration::from_secs(1))).unwrap()
-        }
-    }
-
     #[test]
-    fn tensor_parallel_layouts_one_process_cannot_hold_are_refused_naming_the_key() {
-        let alone = Processes::Alone;
-        assert!(plan(4, 2).check_tp_layout(4, &alone).is_ok());
-        assert!(plan(2, 2).check_tp_layout(2, &alone).is_ok());
-        assert_eq!(plan(4, 2).tp_groups(4, &alone).unwrap().len(), 4);
-        for (local, tp, says) in [
-            (1, 2, "or that many MPI processes"),
-            (3, 2, "give each a multiple of it"),
-        ] {
-            let message = plan(local, tp)
-                .check_tp_layout(local, &alone)
-                .unwrap_err()
-                .to_string();
-            assert!(
-                message.contains("tensor_model_parallel_size") && message.contains(says),
-                "{local} device(s), tp {tp}: {message}"
-            );
-        }
+    fn one_process_makes_a_tensor_parallel_group_per_replica() {
+        let node = NodeLaunch::single(Duration::from_secs(1));
+        let plan = GroupPlan::new(4, &node, 2).unwrap();
+        assert_eq!(plan.tp_groups(&Processes::Alone).unwrap().len(), 4);
+        assert!(GroupPlan::new(2, &node, 1)
+            .unwrap()
+            .tp_groups(&Processes::Alone)
+            .unwrap()
+            .is_empty());
+        assert!(GroupPlan::new(3, &node, 2)
+            .unwrap_err()
+            .to_string()
+            .contains("tensor_model_parallel_size"));
     }
 }

@@ -315,19 +315,19 @@ pub(crate) struct PreparedLearner<B: LearnerBackend> {
 }
 
 impl<B: LearnerBackend> PreparedLearner<B> {
-    /// The learner as rank `dp.rank()` of its run, built in its layout: under tensor
-    /// parallelism its models are this rank's parts of the given ones; every rank starts from
-    /// rank 0's weights (fresh heads are drawn per process); with `dp.shard_optimizer` the
-    /// optimiser state is dealt out (ZeRO-1). Checks that every mini-batch has a row for each
-    /// rank.
+    /// The learner as rank `dp.rank()` of its run, built in its layout (its models as the
+    /// launch gave them: whole, or under tensor parallelism this rank's shards); every rank
+    /// starts from rank 0's weights (fresh heads are drawn per process); with
+    /// `dp.shard_optimizer` the optimiser state is dealt out (ZeRO-1). Checks that every
+    /// mini-batch has a row for each rank.
     pub(crate) fn build(self, dp: DataParallel) -> Result<Learner<B>, TrainError> {
         let Self {
             device,
             settings,
             model_config,
-            mut actor,
-            mut critic,
-            mut reference,
+            actor,
+            critic,
+            reference,
             ..
         } = self;
         let world = dp.world();
@@ -352,15 +352,6 @@ impl<B: LearnerBackend> PreparedLearner<B> {
                     ),
                 ));
             }
-        }
-        if let Some(tp) = &dp.tp {
-            actor = actor.into_part(&model_config, tp, &device)?;
-            critic = critic
-                .map(|(m, c)| Ok::<_, TrainError>((m.into_part(&c, tp, &device)?, c)))
-                .transpose()?;
-            reference = reference
-                .map(|r| r.into_part(&model_config, tp, &device.clone().into()))
-                .transpose()?;
         }
         let rank0 = |_: usize| 0;
         let shards =

@@ -503,7 +503,7 @@ impl<B: LearnerBackend> Learner<B> {
                 None,
                 Some(&self.tokenizer),
             )?;
-            if self.dp.tp.is_none() {
+            if !self.dp.mesh.splits_models() {
                 save_param_order::<B, _>(&actor_dir, &self.actor)?;
             }
             if let Some(lora) = &self.settings.model.lora {
@@ -517,7 +517,7 @@ impl<B: LearnerBackend> Learner<B> {
                     Some(&c.config.model_type.token_classification_class()),
                     Some(&self.tokenizer),
                 )?;
-                if self.dp.tp.is_none() {
+                if !self.dp.mesh.splits_models() {
                     save_param_order::<B, _>(&critic_dir, &c.model)?;
                 }
             }

@@ -100,11 +100,12 @@ impl<B: LearnerBackend> Generator<'_, B> {
     /// The shape generation's KV cache takes: the policy's, or under tensor parallelism one
     /// rank's key/value heads.
     pub(crate) fn cache_config(&self) -> Result<TransformerConfig, TrainError> {
-        Ok(match &self.dp.tp {
-            Some(tp) => {
-                burn_rlhf_models::tensor_parallel::cache_config(self.model_config, tp.size())?
+        let mesh = self.dp.mesh;
+        Ok(match mesh.splits_models() {
+            true => {
+                burn_rlhf_models::tensor_parallel::cache_config(self.model_config, mesh.tensor())?
             }
-            None => self.model_config.clone(),
+            false => self.model_config.clone(),
         })
     }
 

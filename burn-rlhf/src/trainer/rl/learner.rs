@@ -102,8 +102,7 @@ impl<M: AutodiffModule<B>, B: LearnerBackend> ModelOptimizer<M, B> {
         device: &B::Device,
     ) -> Result<M, TrainError> {
         let model = held_in(model, self.master);
-        let Some(fsdp) = fsdp.filter(|f| (dp.world() > 1 || f.param_offload) && dp.tp.is_none())
-        else {
+        let Some(fsdp) = fsdp.filter(|f| dp.mesh.shards_parameters(f.param_offload)) else {
             return Ok(model);
         };
         let groups = ShardGroups::of_ranks(dp, fsdp.group_size, fsdp.param_offload)
@@ -294,7 +293,7 @@ pub(crate) fn hold_reference<B: LearnerBackend>(
         None => model,
     };
     match settings.ref_fsdp {
-        Some(fsdp) if dp.world() > 1 && dp.tp.is_none() => {
+        Some(fsdp) if dp.mesh.shards_parameters(false) => {
             let groups = ShardGroups::of_ranks(dp, fsdp.group_size, fsdp.param_offload).map_err(
                 |reason| TrainError::config("actor_rollout_ref.ref.fsdp_config.fsdp_size", reason),
             )?;

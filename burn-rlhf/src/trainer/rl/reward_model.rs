@@ -126,7 +126,7 @@ impl<B: ComputeBackend> RewardScorer<B> {
         let Some(fsdp) = self
             .settings
             .fsdp
-            .filter(|_| dp.world() > 1 && dp.tp.is_none())
+            .filter(|_| dp.mesh.shards_parameters(false))
         else {
             return Ok(self);
         };

@@ -159,13 +159,13 @@ fn on_ranks<B: LearnerBackend, C: SupervisedCommand + std::fmt::Debug>(
     command: &C,
     stop: &'static AtomicBool,
 ) -> Result<SupervisedOutputs, TrainError> {
-    let group = GroupPlan::new(devices.len(), node)?;
+    let group = GroupPlan::new(devices.len(), node, 1)?;
     #[cfg(feature = "mpi")]
     group.check_same_settings(
         node,
         crate::trainer::launch::launch::fingerprint(&format!("{command:?}")),
     )?;
-    if group.world == 1 {
+    if group.mesh.world() == 1 {
         return command.fit::<B>(&devices[0], DataParallel::solo(), stop);
     }
     let command = command.clone();
