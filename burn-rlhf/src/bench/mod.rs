@@ -28,7 +28,6 @@ pub use products::{bench_products, ProductRole, ProductShape, MODEL_LAYERS};
 pub use rollout::{RolloutBench, RolloutCase};
 
 use crate::backend::LearnerBackend;
-use burn::module::AutodiffModule;
 use burn_rlhf_rollout::{Engine, RolloutBatch, Sample, SamplingParams};
 use serde_json::{json, Value};
 
@@ -164,7 +163,7 @@ pub fn run_bench<B: LearnerBackend>(
             .sampling_params(&learner.settings.rollout.train, false, 1)
     };
     // As the rollout generates: in `rollout.dtype` (LoRA merged with `model.lora.merge`).
-    let policy = learner.for_generation(learner.actor_whole().valid());
+    let policy = learner.generation_policy()?;
     let case = format!("generate_b{rows}_p{prompt}_n{tokens}");
     let mut engine =
         learner

@@ -17,7 +17,6 @@
 use std::process::Command;
 use std::sync::Arc;
 
-use burn::module::AutodiffModule;
 use burn_rlhf_rollout::encode::encode_prompts;
 use burn_rlhf_rollout::{DecodeShapes, Engine, PromptRecord, SamplingParams};
 use serde_json::{json, Value};
@@ -68,7 +67,7 @@ pub(super) fn run_rollout_cases<B: LearnerBackend>(
         data.truncation,
     )?;
     let keys: Vec<u64> = (0..prompts.len() as u64).collect();
-    let policy = learner.for_generation(learner.actor_whole().valid());
+    let policy = learner.generation_policy()?;
     let config = learner.generator().cache_config()?;
     let dtype = policy.float_dtype();
     let shapes = learner.generator().decode_shapes();

@@ -402,6 +402,9 @@ pub struct RolloutSettings {
     /// `exact_logprobs` as written (`None`: wherever exact; resolved with the backend by
     /// [`crate::trainer::Learner`]'s build).
     pub exact_logprobs: Option<bool>,
+    /// Ranks each rollout replica's copy of the policy is split over
+    /// (`tensor_model_parallel_size`; the actor's by default).
+    pub tensor_parallel_size: usize,
 }
 
 /// `multi_turn.*`, decoded.
@@ -647,22 +650,56 @@ impl RolloutConfig {
             multi_turn,
             default_agent_loop,
             exact_logprobs: self.exact_logprobs,
+            // The actor's until the trainer's layout is known (`settings::decode`).
+            tensor_parallel_size: 1,
         })
     }
 }
 
 impl RolloutConfig {
-    /// Checks that generation's tensor parallelism is the actor's (`actor_tp`).
-    pub(super) fn check_tensor_parallel(&self, p: &mut Problems, actor_tp: usize) {
-        if let Some(n) = self.tensor_model_parallel_size {
-            p.check(n == actor_tp, || {
-                format!(
-                    "`actor_rollout_ref.rollout.tensor_model_parallel_size` ({n}) must equal \
-                     `actor_rollout_ref.actor.megatron.tensor_model_parallel_size` ({actor_tp}): \
-                     generation runs on the trained, split model"
-                )
-            });
+    /// Generation's tensor parallelism (`tensor_model_parallel_size`; unset: the actor's,
+    /// `actor_tp`): the ranks each rollout replica's copy of the policy is split over, on the
+    /// trainer's `devices` (the hybrid engine: every rank trains and generates). A split other
+    /// than the actor's needs a whole actor (FSDP or plain data parallelism: the weights are
+    /// resharded for generation after each update, as verl's rollout TP with FSDP training);
+    /// one-step-off-policy training's rollout worker is one copy on devices of its own.
+    pub(super) fn decode_tensor_parallel(
+        &self,
+        p: &mut Problems,
+        actor_tp: usize,
+        devices: usize,
+        hybrid_engine: bool,
+    ) -> usize {
+        let key = "actor_rollout_ref.rollout.tensor_model_parallel_size";
+        let Some(n) = self.tensor_model_parallel_size else {
+            return actor_tp;
+        };
+        if n == actor_tp {
+            return n;
         }
+        p.check(n >= 1, || format!("`{key}` ({n}) must be >= 1"));
+        p.check(actor_tp == 1, || {
+            format!(
+                "`{key}` ({n}) differs from \
+                 `actor_rollout_ref.actor.megatron.tensor_model_parallel_size` ({actor_tp}): \
+                 generation resharded from a split actor is not built; set it equal, or train \
+                 the actor whole (FSDP or data parallelism) and split only the rollout"
+            )
+        });
+        p.check(n == 0 || devices.is_multiple_of(n), || {
+            format!(
+                "`{key}` ({n}) must divide the run's devices (`trainer.nnodes` x \
+                 `trainer.n_gpus_per_node` = {devices}): each rollout replica is {n} of them"
+            )
+        });
+        p.check(hybrid_engine, || {
+            format!(
+                "`{key}` ({n}) splits generation over the trainer's devices; one-step-off-policy \
+                 training (`actor_rollout_ref.hybrid_engine=False`) generates on one copy of \
+                 its own: set it equal to the actor's"
+            )
+        });
+        n.max(1)
     }
 }
 

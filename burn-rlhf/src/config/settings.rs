@@ -163,6 +163,13 @@ impl Settings {
                 "the vocabulary-parallel log-softmax sums each rank's share first (1.7e-7 apart)"
                     .into(),
             ));
+        } else if self.rollout.tensor_parallel_size > 1 {
+            why.push((
+                "actor_rollout_ref.rollout.tensor_model_parallel_size",
+                "the split rollout's vocabulary-parallel log-softmax sums each rank's share \
+                 first, the trainer's whole one does not"
+                    .into(),
+            ));
         }
         why
     }
@@ -238,9 +245,11 @@ fn decode(c: &RlhfConfig, known: &KnownNames, p: &mut Problems) -> Option<Settin
     let tp = arr.actor.megatron.tensor_model_parallel_size.max(1);
     let ref_fsdp = arr.reference.decode_sharding(p, tp);
     let ref_dtype = arr.reference.decode_model_dtype(p);
-    arr.rollout.check_tensor_parallel(p, tp);
     c.critic.check_tensor_parallel(p, tp);
     let devices = c.trainer.nnodes * c.trainer.n_gpus_per_node;
+    let rollout_tp = arr
+        .rollout
+        .decode_tensor_parallel(p, tp, devices, arr.hybrid_engine);
     let one_step_off = c.rollout.decode(
         p,
         &PoolContext {
@@ -271,6 +280,7 @@ fn decode(c: &RlhfConfig, known: &KnownNames, p: &mut Problems) -> Option<Settin
         },
     );
     let (mut model, actor, mut rollout, critic) = (model?, actor?, rollout?, critic?);
+    rollout.tensor_parallel_size = rollout_tp;
     if actor.optim.master_dtype.is_some()
         || critic
             .as_ref()

@@ -6,16 +6,24 @@ use crate::error::TrainError;
 /// The key that sets the mesh's tensor-parallel size.
 pub const TENSOR_KEY: &str = "actor_rollout_ref.actor.megatron.tensor_model_parallel_size";
 
+/// The key that sets generation's tensor-parallel size.
+pub const ROLLOUT_TENSOR_KEY: &str = "actor_rollout_ref.rollout.tensor_model_parallel_size";
+
 /// How the ranks of a run are laid out: `processes` processes of `local` devices each, one rank
 /// per device, numbered process by process. Each `tensor` consecutive ranks form a
 /// tensor-parallel group that holds one replica of the models, split; the `data` =
 /// `world / tensor` replicas train on different rows (and under FSDP or ZeRO-1 share out their
 /// parameters or optimiser state, which only whole, unsplit replicas do).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+///
+/// Generation may split the policy otherwise (`rollout_tensor`, verl's rollout TP beside FSDP
+/// training): each `rollout_tensor` consecutive ranks then generate together as one rollout
+/// replica, from the trainer's weights resharded.
 pub struct ParallelMesh {
     processes: usize,
     local: usize,
     tensor: usize,
+    rollout_tensor: usize,
 }
 
 /// One rank's coordinates in its [`ParallelMesh`].
@@ -40,6 +48,7 @@ impl ParallelMesh {
             processes: 1,
             local: 1,
             tensor: 1,
+            rollout_tensor: 1,
         }
     }
 
@@ -61,32 +70,53 @@ impl ParallelMesh {
             processes: processes.max(1),
             local,
             tensor,
+            rollout_tensor: tensor,
         };
-        let spans_processes = tensor > local;
-        if !spans_processes && local.is_multiple_of(tensor) {
-            return Ok(mesh);
+        mesh.check_groups(tensor, TENSOR_KEY)?;
+        Ok(mesh)
+    }
+
+    /// This mesh with generation split over groups of `rollout_tensor` ranks (laid out as the
+    /// trainer's groups are), refused naming [`ROLLOUT_TENSOR_KEY`] where they cannot be.
+    pub fn with_rollout_tensor(self, rollout_tensor: usize) -> Result<Self, TrainError> {
+        if rollout_tensor == 0 {
+            return Err(TrainError::config(ROLLOUT_TENSOR_KEY, "must be at least 1"));
         }
-        if spans_processes && mesh.processes == 1 {
+        self.check_groups(rollout_tensor, ROLLOUT_TENSOR_KEY)?;
+        Ok(Self {
+            rollout_tensor,
+            ..self
+        })
+    }
+
+    /// Groups of `size` consecutive ranks are consecutive devices of one process, or consecutive
+    /// processes of one device each (one process per GPU).
+    fn check_groups(&self, size: usize, key: &str) -> Result<(), TrainError> {
+        let (local, processes) = (self.local, self.processes);
+        let spans_processes = size > local;
+        if !spans_processes && local.is_multiple_of(size) {
+            return Ok(());
+        }
+        if spans_processes && processes == 1 {
             return Err(TrainError::config(
-                TENSOR_KEY,
+                key,
                 format!(
-                    "a tensor-parallel group of {tensor} needs that many devices in this process \
+                    "a tensor-parallel group of {size} needs that many devices in this process \
                      (it has {local}), or that many MPI processes"
                 ),
             ));
         }
-        if !spans_processes || local != 1 || !mesh.processes.is_multiple_of(tensor) {
+        if !spans_processes || local != 1 || !processes.is_multiple_of(size) {
             return Err(TrainError::config(
-                TENSOR_KEY,
+                key,
                 format!(
-                    "a tensor-parallel group of {tensor} is either in one process (give each a \
+                    "a tensor-parallel group of {size} is either in one process (give each a \
                      multiple of it; this one has {local} device(s)) or spans that many MPI \
-                     processes of one device each ({} process(es) of {local} here)",
-                    mesh.processes
+                     processes of one device each ({processes} process(es) of {local} here)"
                 ),
             ));
         }
-        Ok(mesh)
+        Ok(())
     }
 
     /// Ranks in the run.
@@ -114,15 +144,25 @@ impl ParallelMesh {
         self.local
     }
 
+    /// Ranks per rollout replica (the policy's split for generation).
+    pub fn rollout_tensor(&self) -> usize {
+        self.rollout_tensor
+    }
+
+    /// Rollout replicas: generation's share of the prompts is one per replica.
+    pub fn rollout_replicas(&self) -> usize {
+        self.world() / self.rollout_tensor
+    }
+
+    /// Whether generation splits the policy otherwise than training does (its weights are
+    /// resharded for each generation).
+    pub fn reshards_rollout(&self) -> bool {
+        self.rollout_tensor != self.tensor
+    }
+
     /// Whether the models are split over tensor-parallel groups.
     pub fn splits_models(&self) -> bool {
         self.tensor > 1
-    }
-
-    /// Whether a tensor-parallel group spans processes (one device each) rather than devices of
-    /// one process.
-    pub fn groups_span_processes(&self) -> bool {
-        self.tensor > self.local
     }
 
     /// Whether a model's parameters may be sharded over the data-parallel replicas (FSDP): only
@@ -159,7 +199,7 @@ mod tests {
         assert!(ParallelMesh::new(1, 2, 2).unwrap().one_replica());
         // One device per process, groups across processes.
         let across = ParallelMesh::new(4, 1, 2).unwrap();
-        assert!(across.groups_span_processes() && across.data() == 2);
+        assert!(across.tensor() > across.local() && across.data() == 2);
         for (processes, local, tensor, says) in [
             (1, 1, 2, "or that many MPI processes"),
             (1, 3, 2, "give each a multiple of it"),
@@ -178,6 +218,30 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("n_gpus_per_node"));
+    }
+
+    #[test]
+    fn generation_may_split_a_whole_trainer_into_rollout_replicas() {
+        let mesh = ParallelMesh::new(1, 4, 1).unwrap();
+        assert!(!mesh.reshards_rollout() && mesh.rollout_replicas() == 4);
+        let split = mesh.with_rollout_tensor(2).unwrap();
+        assert!(split.reshards_rollout() && !split.splits_models());
+        assert_eq!((split.rollout_replicas(), split.data()), (2, 4));
+        let message = ParallelMesh::new(1, 3, 1)
+            .unwrap()
+            .with_rollout_tensor(2)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            message.contains("rollout.tensor_model_parallel_size"),
+            "{message}"
+        );
+        // One device per MPI process: a rollout replica spans processes.
+        let across = ParallelMesh::new(4, 1, 1)
+            .unwrap()
+            .with_rollout_tensor(2)
+            .unwrap();
+        assert!(across.rollout_tensor() > across.local());
     }
 
     #[test]

@@ -64,6 +64,9 @@ pub struct DataParallel {
     /// Tensor parallelism: the ranks this rank's models are split over (this rank's replica);
     /// `collective` then joins the replicas' ranks of the same place in their groups.
     pub tp: Option<TpGroup>,
+    /// Generation's own split when it differs from training's (the mesh's `rollout_tensor`
+    /// ranks of this rank's rollout replica, the policy resharded for each generation).
+    pub rollout_tp: Option<TpGroup>,
     /// The run's layout; `collective` joins its `data` replicas, `tp` its `tensor` ranks.
     pub mesh: ParallelMesh,
 }
@@ -93,6 +96,7 @@ impl DataParallel {
             shard_optimizer: false,
             balance_batch: true,
             tp: None,
+            rollout_tp: None,
             mesh: ParallelMesh::solo(),
         }
     }

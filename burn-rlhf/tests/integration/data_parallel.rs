@@ -581,6 +581,78 @@ fn tensor_parallel_ranks_reproduce_one_device() {
     }
 }
 
+/// `config` trained whole on `devices` devices, generating on replicas of `rollout_tp` of them
+/// (verl's rollout tensor parallelism beside FSDP training).
+fn rollout_split(mut c: RlhfConfig, rollout_tp: usize, devices: usize) -> RlhfConfig {
+    c.actor_rollout_ref.rollout.tensor_model_parallel_size = Some(rollout_tp);
+    c.trainer.n_gpus_per_node = devices;
+    c
+}
+
+#[test]
+fn a_rollout_split_over_whole_trainers_reproduces_one_device() {
+    let _turn = ONE_GROUP_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    let dir = temp_dir("dp-rollout-tp");
+    let single = one_device(&dir.join("one"));
+    for (tp, devices, fsdp) in [(2, 2, false), (2, 4, false), (2, 4, true)] {
+        let what = format!("rollout tp={tp} over {devices} devices, fsdp {fsdp}");
+        let mut c = rollout_split(
+            config(&dir.join(format!("rtp{tp}x{devices}-{fsdp}"))),
+            tp,
+            devices,
+        );
+        if fsdp {
+            c.actor_rollout_ref.actor.strategy = "fsdp".into();
+        }
+        let run = n_devices(c, Arc::new(tasks::ExactAnswer), devices).unwrap();
+        assert_same_weights(&single, &run, &what);
+        assert_same_metrics(&single, &run, &what);
+        // The split generation's log-probs sum the vocabulary's shares first: the trainer's
+        // whole pass is a few ulps away, where one device's generation matches it exactly.
+        let last = |dir: &Path| {
+            read_jsonl(&dir.parent().unwrap().join("metrics.jsonl")).unwrap()[0].1
+                ["training/rollout_probs_diff_max"]
+        };
+        let (whole, split) = (last(&single), last(&run));
+        println!("{what}: rollout_probs_diff_max {whole} vs {split}");
+        assert!(split > 0.0, "{what}: generation ran on the whole policy");
+    }
+}
+
+#[test]
+fn rollout_splits_that_cannot_run_are_refused_naming_the_key() {
+    let dir = temp_dir("dp-rollout-tp-refused");
+    let key = "rollout.tensor_model_parallel_size";
+    let validate = |c: &RlhfConfig| c.validate("test").map(|_| ()).map_err(|e| e.to_string());
+    // Not dividing the devices; with a split actor; one step off.
+    let three = rollout_split(config(&dir), 2, 3);
+    let split_actor = rollout_split(tensor_parallel(config(&dir), 2, 4), 4, 4);
+    let mut one_off = rollout_split(config(&dir), 2, 2);
+    one_off.actor_rollout_ref.hybrid_engine = false;
+    for (c, says) in [
+        (&three, "must divide"),
+        (&split_actor, "resharded from a split actor"),
+        (&one_off, "one-step-off"),
+    ] {
+        let e = validate(c).unwrap_err();
+        assert!(e.contains(key) && e.contains(says), "{e}");
+    }
+    // A vocabulary the split does not divide: refused before any step.
+    let _turn = ONE_GROUP_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    // The tiny model's heads do not divide over 3.
+    let e = n_devices(
+        rollout_split(config(&dir.join("three")), 3, 3),
+        Arc::new(tasks::ExactAnswer),
+        3,
+    )
+    .unwrap_err();
+    assert!(e.contains(key) && e.contains("not a multiple"), "{e}");
+}
+
 /// `burn-rlhf bench-collectives` between two devices of this process: every operation at every
 /// size, timed on both ranks.
 #[test]
@@ -894,6 +966,22 @@ mod processes {
             &[
                 "actor_rollout_ref.actor.strategy=megatron",
                 "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+            ],
+        );
+    }
+
+    /// One process per device, trained whole (FSDP, verl's layout) on four processes and
+    /// generating on two rollout replicas of a pair of processes each, their exchanges through
+    /// MPI.
+    #[test]
+    fn a_rollout_split_across_mpi_processes_of_fsdp_trainers_reproduces_one_process() {
+        mpi_job_of_processes(
+            "dp-mpi-rollout-tp",
+            4,
+            1,
+            &[
+                "actor_rollout_ref.actor.strategy=fsdp",
+                "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
             ],
         );
     }

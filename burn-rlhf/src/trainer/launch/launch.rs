@@ -299,11 +299,14 @@ pub fn launch<B: LearnerBackend>(
     node: &NodeLaunch,
     stop: &'static AtomicBool,
 ) -> Result<RunOutputs, TrainError> {
-    let group = GroupPlan {
+    let mut group = GroupPlan {
         shard_optimizer: settings.trainer.shard_optimizer,
         balance_batch: settings.trainer.balance_batch,
         ..GroupPlan::new(devices.len(), node, settings.actor.tensor_parallel_size)?
     };
+    group.mesh = group
+        .mesh
+        .with_rollout_tensor(settings.rollout.tensor_parallel_size)?;
     #[cfg(feature = "mpi")]
     group.check_same_settings(node, fingerprint(&format!("{settings:?}")))?;
     if group.mesh.world() == 1 {
@@ -346,6 +349,8 @@ pub(crate) struct Joiner<B: LearnerBackend> {
     device_sums: Option<DeviceSums>,
     /// This rank's tensor-parallel group (with `tensor_model_parallel_size` > 1).
     tp: Option<TpGroup>,
+    /// This rank's rollout replica, when generation splits the policy otherwise.
+    rollout: Option<TpGroup>,
 }
 
 impl<B: LearnerBackend> Joiner<B> {
@@ -366,6 +371,7 @@ impl<B: LearnerBackend> Joiner<B> {
             };
         Ok(DataParallel {
             tp: self.tp.clone(),
+            rollout_tp: self.rollout.clone(),
             device_sums: sums,
             ..self.group.data_parallel(collective)
         })
@@ -392,7 +398,11 @@ pub(crate) fn run_ranks<B: LearnerBackend, T: Send + 'static>(
     if group.mesh.processes() == 1 && local > 1 {
         BurnCollective::<B::InnerBackend>::reset_group();
     }
-    let mut tp_groups = group.tp_groups(&node.processes)?;
+    let mut tp_groups = group.tp_groups(group.mesh.tensor(), &node.processes)?;
+    let mut rollout_groups = match group.mesh.reshards_rollout() {
+        true => group.tp_groups(group.mesh.rollout_tensor(), &node.processes)?,
+        false => Vec::new(),
+    };
     let body = Arc::new(body);
     let (tx, rx) = mpsc::channel::<(usize, Result<T, TrainError>)>();
     let mut handles = Vec::with_capacity(local);
@@ -407,6 +417,10 @@ pub(crate) fn run_ranks<B: LearnerBackend, T: Send + 'static>(
             joined: None,
             device_sums: None,
             tp: group.mesh.splits_models().then(|| tp_groups.remove(0)),
+            rollout: group
+                .mesh
+                .reshards_rollout()
+                .then(|| rollout_groups.remove(0)),
         };
         let (device, body, abort, tx) = (device.clone(), body.clone(), abort.clone(), tx.clone());
         let handle = std::thread::Builder::new()
@@ -437,8 +451,10 @@ pub(crate) fn run_ranks<B: LearnerBackend, T: Send + 'static>(
                     &abort,
                 );
                 // A replica's other tensor-parallel ranks may be waiting on this one's exchange.
-                if let (Err(e), Some(tp)) = (&result, &joiner.tp) {
-                    tp.abort(&e.to_string());
+                if let Err(e) = &result {
+                    for group in joiner.tp.iter().chain(&joiner.rollout) {
+                        group.abort(&e.to_string());
+                    }
                 }
                 let _ = tx.send((rank, result));
             })
@@ -626,14 +642,14 @@ impl GroupPlan {
         }
     }
 
-    /// This process's devices' tensor-parallel groups, in device order (none without tensor
-    /// parallelism).
-    fn tp_groups(&self, processes: &Processes) -> Result<Vec<TpGroup>, TrainError> {
-        let (tensor, local) = (self.mesh.tensor(), self.mesh.local());
-        if !self.mesh.splits_models() {
+    /// This process's devices' groups of `tensor` ranks, in device order (none for 1): the
+    /// trainer's tensor-parallel groups, or generation's own.
+    fn tp_groups(&self, tensor: usize, processes: &Processes) -> Result<Vec<TpGroup>, TrainError> {
+        let local = self.mesh.local();
+        if tensor == 1 {
             return Ok(Vec::new());
         }
-        if !self.mesh.groups_span_processes() {
+        if tensor <= local {
             return Ok((0..local / tensor)
                 .flat_map(|_| LocalTpGroup::group(tensor))
                 .collect());
@@ -655,6 +671,7 @@ impl GroupPlan {
             shard_optimizer: self.shard_optimizer,
             balance_batch: self.balance_batch,
             tp: None,
+            rollout_tp: None,
             mesh: self.mesh,
         }
     }
@@ -777,10 +794,10 @@ mod tests {
     fn one_process_makes_a_tensor_parallel_group_per_replica() {
         let node = NodeLaunch::single(Duration::from_secs(1));
         let plan = GroupPlan::new(4, &node, 2).unwrap();
-        assert_eq!(plan.tp_groups(&Processes::Alone).unwrap().len(), 4);
+        assert_eq!(plan.tp_groups(2, &Processes::Alone).unwrap().len(), 4);
         assert!(GroupPlan::new(2, &node, 1)
             .unwrap()
-            .tp_groups(&Processes::Alone)
+            .tp_groups(1, &Processes::Alone)
             .unwrap()
             .is_empty());
         assert!(GroupPlan::new(3, &node, 2)

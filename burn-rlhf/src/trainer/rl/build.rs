@@ -174,6 +174,14 @@ impl<B: LearnerBackend> Learner<B> {
     ) -> Result<PreparedLearner<B>, TrainError> {
         burn_rlhf_models::kernels::set_cuda_matmul(settings.model.cuda_matmul)
             .map_err(|e| TrainError::config("actor_rollout_ref.model.cuda_matmul", e))?;
+        let rollout_tp = settings.rollout.tensor_parallel_size;
+        if rollout_tp != settings.actor.tensor_parallel_size {
+            // Refused now rather than at the first generation's reshard.
+            burn_rlhf_models::tensor_parallel::local_config(&parts.model_config, rollout_tp)
+                .map_err(|e| {
+                    TrainError::config(crate::distributed::mesh::ROLLOUT_TENSOR_KEY, e.to_string())
+                })?;
+        }
         let mut algorithms = build_algorithms(&settings, &parts.registry, &parts.rewards)?;
         algorithms.agents = build_agents(&settings, &parts)?;
         if parts.training && settings.critic.is_some() && parts.critic.is_none() {

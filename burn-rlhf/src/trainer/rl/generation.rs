@@ -7,6 +7,7 @@
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
+use burn_rlhf_models::tensor_parallel::TpGroup;
 use burn_rlhf_models::ChatMessage;
 use burn_rlhf_models::{CausalLm, KvPool, Tokenizer, TransformerConfig};
 use burn_rlhf_rollout::agent::{
@@ -97,15 +98,40 @@ impl<B: LearnerBackend> Generator<'_, B> {
         }
     }
 
-    /// The shape generation's KV cache takes: the policy's, or under tensor parallelism one
-    /// rank's key/value heads.
+    /// The group the generating policy is split over: the rollout's own (its weights resharded
+    /// from a whole trainer), else the trainer's tensor-parallel group; `None`: whole.
+    pub(crate) fn generation_group(&self) -> Option<&TpGroup> {
+        self.dp.rollout_tp.as_ref().or(self.dp.tp.as_ref())
+    }
+
+    /// This rank's rollout replica and the number of replicas, which share the prompts: a
+    /// split rollout replica's ranks generate the same samples together.
+    fn rollout_replica(&self) -> (usize, usize) {
+        match &self.dp.rollout_tp {
+            Some(group) => (
+                self.dp.rank() / group.size(),
+                self.dp.world() / group.size(),
+            ),
+            None => (self.dp.rank(), self.dp.world()),
+        }
+    }
+
+    /// Whether this rank contributes its replica's samples and counts to the gather: the first
+    /// rank of a split rollout replica (its others hold the same), every rank otherwise.
+    fn sends_replica(&self) -> bool {
+        self.dp
+            .rollout_tp
+            .as_ref()
+            .is_none_or(|group| group.rank() == 0)
+    }
+
+    /// The shape generation's KV cache takes: the policy's, or split one rank's key/value heads.
     pub(crate) fn cache_config(&self) -> Result<TransformerConfig, TrainError> {
-        let mesh = self.dp.mesh;
-        Ok(match mesh.splits_models() {
-            true => {
-                burn_rlhf_models::tensor_parallel::cache_config(self.model_config, mesh.tensor())?
+        Ok(match self.generation_group() {
+            Some(group) => {
+                burn_rlhf_models::tensor_parallel::cache_config(self.model_config, group.size())?
             }
-            false => self.model_config.clone(),
+            None => self.model_config.clone(),
         })
     }
 
@@ -144,10 +170,23 @@ impl<B: LearnerBackend> Generator<'_, B> {
                 "actor_rollout_ref.rollout.gpu_memory_utilization",
             ),
         };
-        let num_blocks = match bound {
+        let mut num_blocks = match bound {
             Some(bytes) => needed.min((bytes / block_bytes) as usize),
             None => needed,
         };
+        // The ranks of a split policy schedule in lockstep (each step's exchanges pair up): all
+        // take the group's smallest pool, as free memory differs from device to device.
+        if let Some(group) = self.generation_group() {
+            let all = group
+                .collective()
+                .all_gather(vec![num_blocks as f32])
+                .map_err(crate::distributed::DistributedError::from)?;
+            num_blocks = all
+                .iter()
+                .map(|v| v[0] as usize)
+                .min()
+                .unwrap_or(num_blocks);
+        }
         if num_blocks < per_seq + 1 {
             return Err(TrainError::config(
                 key,
@@ -213,7 +252,8 @@ impl<B: LearnerBackend> Generator<'_, B> {
                 )
             })
             .collect::<Result<_, _>>()?;
-        let share = chunk(prompts.len(), self.dp.world(), self.dp.rank());
+        let (replica, replicas) = self.rollout_replica();
+        let share = chunk(prompts.len(), replicas, replica);
         let jobs: Vec<AgentJob<'_>> = share
             .clone()
             .map(|i| AgentJob {
@@ -230,12 +270,16 @@ impl<B: LearnerBackend> Generator<'_, B> {
         let mut engine = Engine::new(policy, &cache_config, pad, engine, self.device)?;
         let mine = run_conversations(&mut engine, &jobs, &Arc::new(params.clone()))?;
         let s = engine.stats();
-        let counts = self.dp.all_reduce_f64(&[
-            s.prefill_tokens as f64,
-            s.decode_tokens as f64,
-            s.shared_prefills as f64,
-            s.preemptions as f64,
-        ])?;
+        let sends = self.sends_replica();
+        let mine = if sends { mine } else { Vec::new() };
+        let counts = [
+            s.prefill_tokens,
+            s.decode_tokens,
+            s.shared_prefills,
+            s.preemptions,
+        ]
+        .map(|c| if sends { c as f64 } else { 0.0 });
+        let counts = self.dp.all_reduce_f64(&counts)?;
         let mut total = self.counters.lock().expect("not poisoned");
         for (t, c) in total.iter_mut().zip(counts) {
             *t += c;

@@ -13,6 +13,7 @@ use std::sync::Arc;
 use crate::backend::LearnerBackend;
 use burn::module::AutodiffModule;
 use burn_rlhf_algos::{AdvantageEstimator, KlController, PolicyLoss};
+use burn_rlhf_models::weights::WeightMap;
 use burn_rlhf_models::{CausalLm, Tokenizer, TransformerConfig, ValueModel};
 use burn_rlhf_rollout::{PromptRecord, PromptSampler, RewardFn};
 
@@ -250,6 +251,33 @@ impl<B: LearnerBackend> Learner<B> {
     /// `actor_rollout_ref.rollout.dtype`.
     pub fn for_generation(&self, model: CausalLm<B::InnerBackend>) -> CausalLm<B::InnerBackend> {
         as_generated(model, &self.settings)
+    }
+
+    /// The current policy as this rank generates with it: the actor (gathered under FSDP) or,
+    /// where generation splits the policy otherwise than training
+    /// (`rollout.tensor_model_parallel_size`), this rank's shard of it in its rollout replica,
+    /// resharded through the loader every model comes through; then
+    /// [`for_generation`](Self::for_generation).
+    pub fn generation_policy(&self) -> Result<CausalLm<B::InnerBackend>, TrainError> {
+        let policy = self.actor_whole().valid();
+        let policy = match &self.dp.rollout_tp {
+            Some(group) => {
+                let source = format!(
+                    "the actor resharded for generation, rank {} of {}",
+                    group.rank(),
+                    group.size()
+                );
+                let weights = WeightMap::from_tensors(source, policy.export());
+                CausalLm::load(
+                    &self.model_config,
+                    weights,
+                    Some(group),
+                    &self.device.clone().into(),
+                )?
+            }
+            None => policy,
+        };
+        Ok(self.for_generation(policy))
     }
 
     /// Steps in the whole run (`trainer.total_training_steps`, or epochs x batches per epoch).

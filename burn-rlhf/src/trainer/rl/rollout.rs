@@ -1,7 +1,6 @@
 //! The rollout phases of a step: generation (`rollout.n` responses per prompt, split across the
 //! ranks and gathered), DAPO's dynamic sampling, ReMax's greedy baseline rollout, and rewards.
 
-use burn::module::AutodiffModule;
 use burn_rlhf_algos::dapo::{keep_groups_with_spread, overlong_penalty};
 use burn_rlhf_rollout::reward::token_level_scores;
 use burn_rlhf_rollout::{PromptRecord, RewardInput, RolloutBatch, SamplingParams};
@@ -38,7 +37,7 @@ impl<B: LearnerBackend> Learner<B> {
         params: &SamplingParams,
         first_group: u64,
     ) -> Result<RolloutBatch, TrainError> {
-        let policy = self.for_generation(self.actor_whole().valid());
+        let policy = self.generation_policy()?;
         self.generator()
             .rollout(&policy, records, indices, params, first_group)
     }
