@@ -240,9 +240,9 @@ impl RolloutPoolConfig {
         p.check(devices == 1, || {
             format!(
                 "`rollout.nnodes` x `rollout.n_gpus_per_node` = {devices}: one-step-off-policy \
-                 training runs one rollout worker, on a thread of the trainer's process with a \
-                 device of its own (1 x 1); rollout pools of several devices or MPI processes \
-                 are not built yet"
+                 training runs one rollout worker (1 x 1): a thread of the trainer's process, or \
+                 under an MPI launcher a process of its own after the trainer's; rollout pools \
+                 of several devices are not built yet"
             )
         });
         p.check(c.trainer_devices == 1, || {

@@ -43,6 +43,8 @@ enum Request {
     Sum(Vec<f32>, Sender<Vec<f32>>),
     /// Every process's value, in process order.
     GatherU64(u64, Sender<Vec<u64>>),
+    /// Process `root`'s buffer on every process (the others send one of the same length).
+    Broadcast(usize, Vec<f32>, Sender<Vec<f32>>),
     /// Splits the job into tensor-parallel groups of `size` consecutive processes (every
     /// process sends it at the same point, before any exchange of those groups).
     SplitTp(usize, Sender<()>),
@@ -107,6 +109,16 @@ impl MpiProcess {
             .map_err(|_| transport("the MPI thread stopped during a sum".into()))
     }
 
+    /// Process `root`'s `data` on every process, bit for bit (MPI's broadcast, a bucket at a
+    /// time); the others pass a buffer of the same length, whose values are ignored. Every
+    /// process calls it at the same point.
+    pub fn broadcast(&self, root: usize, data: Vec<f32>) -> Result<Vec<f32>, DistributedError> {
+        let (tx, rx) = mpsc::channel();
+        self.send(Request::Broadcast(root, data, tx))?;
+        rx.recv()
+            .map_err(|_| transport("the MPI thread stopped during a broadcast".into()))
+    }
+
     /// Checks that every process runs with the same settings (their `fingerprint`), naming the
     /// processes that differ from process 0.
     pub fn check_same(&self, fingerprint: u64) -> Result<(), DistributedError> {
@@ -153,6 +165,12 @@ impl MpiProcess {
             }
         }
         Ok(out)
+    }
+
+    /// Prints `reason` and stops the job (`MPI_Abort`): a process that fails outside the
+    /// ranks' exchanges (which abort through [`Collective::abort`]); never returns.
+    pub fn abort_job(&self, reason: &str) -> ! {
+        self.abort(reason)
     }
 
     /// Prints `reason` and stops the job (`MPI_Abort`); never returns.
@@ -236,6 +254,13 @@ fn serve(requests: Receiver<Request>, place_tx: Sender<Result<MpiPlace, String>>
                     root.broadcast_into(out);
                 }
                 let _ = reply.send(sum);
+            }
+            Request::Broadcast(from, mut data, reply) => {
+                let from = world.process_at_rank(from as i32);
+                for part in data.chunks_mut(super::bucket_elements()) {
+                    from.broadcast_into(part);
+                }
+                let _ = reply.send(data);
             }
             Request::GatherU64(value, reply) => {
                 let mut all = vec![0u64; processes];

@@ -1071,6 +1071,98 @@ mod processes {
         found
     }
 
+    /// Issue 58 item 3: one-step-off-policy training with its rollout pool in an MPI process of
+    /// its own (the trainer in process 0, the pool in process 1) trains as the in-process rollout
+    /// worker does; and a job whose trainer is killed (`kill -9`) after a checkpoint, started
+    /// again, sends the generation in flight to a fresh pool and ends with the same weights.
+    #[test]
+    fn a_rollout_pool_in_an_mpi_process_of_its_own_trains_as_the_in_process_worker() {
+        let dir = temp_dir("dp-mpi-rollout-pool");
+        let (model, data) = cli_assets(&dir);
+        let start = super::tiny_models().0;
+        let steps = 6;
+        let args = |out: &Path, extra: &[&str]| {
+            let mut a = cli_args(&model, &data, out, steps);
+            a.push("actor_rollout_ref.hybrid_engine=False".into());
+            a.extend(extra.iter().map(|e| e.to_string()));
+            a
+        };
+        let single = dir.join("single");
+        let status = Command::new(env!("CARGO_BIN_EXE_burn-rlhf"))
+            .args(args(&single, &[]))
+            .stdout(Stdio::null())
+            .status()
+            .unwrap();
+        assert!(status.success());
+        let pooled = dir.join("pooled");
+        let (ok, err) = wait_bounded(mpirun(2, &args(&pooled, &[])), Duration::from_secs(300));
+        assert!(ok, "the pooled job failed:\n{err}");
+        let last = format!("global_step_{steps}");
+        let what = "trainer + rollout pool in 2 MPI processes vs the in-process worker";
+        // Both read the steps of the whole run: `assert_same_metrics_but` counts STEPS.
+        assert_same_weights_from(&single.join(&last), &pooled.join(&last), what, &start);
+        let read = |dir: &Path| super::read_jsonl(&dir.join("metrics.jsonl")).unwrap();
+        let (a, b) = (read(&single), read(&pooled));
+        assert_eq!(a.len(), steps);
+        for ((s, m), (_, n)) in a.iter().zip(&b) {
+            for (k, v) in m {
+                if burn_rlhf::trainer::usage::measures_the_machine(k) {
+                    continue;
+                }
+                let w = n[k];
+                assert!(
+                    (v - w).abs() <= 1e-5 * (1.0 + v.abs()),
+                    "step {s} {k}: {v} vs {w}"
+                );
+            }
+        }
+        assert_eq!(b[1].1["rollout/staleness"], 1.0);
+        // Killed after its second checkpoint, then started again.
+        let killed = dir.join("killed");
+        let kill_args = args(
+            &killed,
+            &["trainer.save_freq=1", "trainer.resume_mode=auto"],
+        );
+        let job = mpirun(2, &kill_args);
+        let begun = Instant::now();
+        while !killed.join("global_step_2/trainer_state.json").exists() {
+            assert!(
+                begun.elapsed() < Duration::from_secs(120),
+                "no checkpoint in 120 s"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let ranks = mpi_ranks(job.id());
+        let (pid, _) = ranks
+            .iter()
+            .find(|(_, r)| *r == 0)
+            .unwrap_or_else(|| panic!("no process of MPI rank 0 among {ranks:?}"));
+        Command::new("kill")
+            .args(["-9", &pid.to_string()])
+            .status()
+            .unwrap();
+        let (ok, _) = wait_bounded(job, Duration::from_secs(60));
+        assert!(!ok, "the job should fail when its trainer dies");
+        assert!(!killed.join(&last).exists(), "killed before its last step");
+        let (ok, err) = wait_bounded(mpirun(2, &kill_args), Duration::from_secs(300));
+        assert!(ok, "the resumed job failed:\n{err}");
+        let file = |root: &Path| super::tensors(&root.join(&last).join("actor/model.safetensors"));
+        assert_eq!(
+            file(&pooled),
+            file(&killed),
+            "resumed after kill -9 vs straight"
+        );
+        // Started with another number of processes than trainer + pool: refused, naming why.
+        let (ok, err) = wait_bounded(
+            mpirun(3, &args(&dir.join("three"), &[])),
+            Duration::from_secs(60),
+        );
+        assert!(
+            !ok && err.contains("rollout.n_gpus_per_node") && err.contains("1 + 1"),
+            "{err}"
+        );
+    }
+
     #[test]
     fn a_killed_mpi_process_stops_the_job_naming_it() {
         let dir = temp_dir("dp-mpi-kill");

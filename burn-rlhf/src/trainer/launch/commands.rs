@@ -48,9 +48,101 @@ pub fn checked_config(config: &Path, overrides: &[String]) -> Result<Settings, T
 /// devices, this process's share of them ([`this_process`]). Ctrl-C stops after the current step
 /// with a checkpoint.
 pub fn train(settings: Settings) -> Result<RunOutputs, TrainError> {
+    #[cfg(feature = "mpi")]
+    if settings.one_step_off.is_some() && crate::distributed::launched_by_mpi() {
+        return train_with_rollout_pool(settings);
+    }
     let place = this_process(&settings)?;
     let on_backend = settings.model.gradient_checkpointing.on_backend();
     start(place, on_backend, RlTraining(settings))
+}
+
+/// One-step-off-policy training as an MPI job of the trainer's processes and then its rollout
+/// pool's, one device each (`trainer.nnodes` x `trainer.n_gpus_per_node`, then `rollout.nnodes`
+/// x `rollout.n_gpus_per_node`): the trainer's processes train, handing each generation to the
+/// pool ([`crate::trainer::rl::rollout_pool`]); the pool's generate. A process that fails stops
+/// the job, naming itself. The pool's processes return no outputs (nothing logged).
+#[cfg(feature = "mpi")]
+fn train_with_rollout_pool(settings: Settings) -> Result<RunOutputs, TrainError> {
+    use crate::distributed::mpi::MpiProcess;
+    use crate::trainer::rl::rollout_pool::RolloutPool;
+    let t = &settings.trainer;
+    let trainers = t.nnodes * t.n_gpus_per_node;
+    let pooled = settings
+        .one_step_off
+        .expect("called for one-step-off-policy training")
+        .rollout_devices;
+    let process = MpiProcess::start()?;
+    let place = process.place();
+    if place.processes != trainers + pooled {
+        let message = format!(
+            "one-step-off-policy training under an MPI launcher runs the trainer's processes \
+             and then the rollout pool's, one device each: {trainers} + {pooled} processes \
+             (`trainer.nnodes` x `trainer.n_gpus_per_node`, then `rollout.nnodes` x \
+             `rollout.n_gpus_per_node`); this job has {}",
+            place.processes
+        );
+        process.finish();
+        return Err(TrainError::config("rollout.n_gpus_per_node", message));
+    }
+    process.check_same(super::launch::fingerprint(&format!("{settings:?}")))?;
+    let pool = RolloutPool::new(process.clone(), 0, trainers);
+    let on_backend = settings.model.gradient_checkpointing.on_backend();
+    let node = NodeLaunch {
+        backend: t.collective_backend,
+        ..NodeLaunch::single(t.collective_timeout)
+    };
+    let place_here = (node.clone(), place.local_process, 1);
+    let result = if place.process < trainers {
+        let node = NodeLaunch {
+            rollout_pool: Some(pool),
+            ..node
+        };
+        start(
+            (node, place.local_process, 1),
+            on_backend,
+            RlTraining(settings),
+        )
+    } else {
+        start(place_here, on_backend, RolloutServing(settings, pool)).map(|()| RunOutputs {
+            jsonl: None,
+            plot: None,
+            checkpoint: None,
+            validation: None,
+            interrupted: false,
+            memory: Default::default(),
+        })
+    };
+    match &result {
+        Ok(_) => process.finish(),
+        Err(e) => process.abort_job(&format!(
+            "process {} ({}) failed: {e}",
+            place.process,
+            if place.process < trainers {
+                "trainer"
+            } else {
+                "rollout pool"
+            }
+        )),
+    }
+    result
+}
+
+/// The rollout pool's command: generate what the trainer orders.
+#[cfg(feature = "mpi")]
+struct RolloutServing(Settings, crate::trainer::rl::rollout_pool::RolloutPool);
+
+#[cfg(feature = "mpi")]
+impl OnDevices for RolloutServing {
+    type Output = ();
+
+    fn run<B: LearnerBackend>(
+        self,
+        _node: &NodeLaunch,
+        devices: &[B::Device],
+    ) -> Result<(), TrainError> {
+        crate::trainer::rl::rollout_pool::serve::<B>(self.0, &self.1, &devices[0])
+    }
 }
 
 /// A training command, once this process's devices and the training backend are known: RL's

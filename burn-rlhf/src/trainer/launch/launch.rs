@@ -72,6 +72,9 @@ pub struct NodeLaunch {
     pub timeout: Duration,
     /// How the ranks exchange data (`trainer.collective_backend`).
     pub backend: CollectiveBackend,
+    /// One-step-off-policy training's rollout pool, in an MPI process of its own.
+    #[cfg(feature = "mpi")]
+    pub rollout_pool: Option<crate::trainer::rl::rollout_pool::RolloutPool>,
 }
 
 impl NodeLaunch {
@@ -81,6 +84,8 @@ impl NodeLaunch {
             processes: Processes::Alone,
             timeout,
             backend: CollectiveBackend::Auto,
+            #[cfg(feature = "mpi")]
+            rollout_pool: None,
         }
     }
 
@@ -310,7 +315,12 @@ pub fn launch<B: LearnerBackend>(
     #[cfg(feature = "mpi")]
     group.check_same_settings(node, fingerprint(&format!("{settings:?}")))?;
     if group.mesh.world() == 1 {
-        return Learner::from_settings(settings, parts, &devices[0])?.fit(stop);
+        let mut learner = Learner::from_settings(settings, parts, &devices[0])?;
+        #[cfg(feature = "mpi")]
+        {
+            learner.rollout_pool = node.rollout_pool.clone();
+        }
+        return learner.fit(stop);
     }
     let parts = if group.mesh.splits_models() {
         RankParts::Shards {

@@ -381,10 +381,13 @@ fn cut_jsonl(
         path: path.into(),
         message: e.to_string(),
     })?;
-    let steps = parse_jsonl(path, &text, layout)?;
-    let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+    // A last line without its newline is a write a kill cut short: lines are written before
+    // their step's checkpoint, so it belongs to a step after the one resumed, which runs again.
+    let complete = &text[..text.rfind('\n').map_or(0, |i| i + 1)];
+    let steps = parse_jsonl(path, complete, layout)?;
+    let lines: Vec<&str> = complete.lines().filter(|l| !l.trim().is_empty()).collect();
     let keep = steps.iter().filter(|(s, _)| *s <= first_step).count();
-    if keep == lines.len() {
+    if keep == lines.len() && complete.len() == text.len() {
         return Ok(steps);
     }
     let kept: String = lines
@@ -479,6 +482,33 @@ mod tests {
             .map(|(s, m)| (*s, m["critic/score/mean"]))
             .collect();
         assert_eq!(numbers, vec![(0, 0.5), (1, 1.0), (2, 2.0), (3, 30.0)]);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A run killed while writing a step's line leaves it without its newline; the resumed run
+    /// drops it (its step runs again) instead of failing on it.
+    #[test]
+    fn a_line_a_kill_cut_short_is_dropped_on_resume() {
+        let dir = std::env::temp_dir().join(format!("burn-rlhf-torn-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("metrics.jsonl");
+        let mut first = MetricsLogger::new(false, 10, Some(path.clone()), None, 3, 0).unwrap();
+        for step in 1..=2 {
+            first.log(step, &score(step as f64)).unwrap();
+        }
+        drop(first);
+        let mut text = std::fs::read_to_string(&path).unwrap();
+        text.push_str(r#"{"step": 3, "critic/sco"#);
+        std::fs::write(&path, text).unwrap();
+        let mut resumed = MetricsLogger::new(false, 10, Some(path.clone()), None, 3, 2).unwrap();
+        resumed.log(3, &score(30.0)).unwrap();
+        drop(resumed);
+        let steps: Vec<(usize, f64)> = read_jsonl(&path)
+            .unwrap()
+            .iter()
+            .map(|(s, m)| (*s, m["critic/score/mean"]))
+            .collect();
+        assert_eq!(steps, vec![(1, 1.0), (2, 2.0), (3, 30.0)]);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -9,6 +9,7 @@ use burn_rlhf_algos::Registry;
 use burn_rlhf_models::{CausalLm, Tokenizer, TransformerConfig, ValueModel};
 use burn_rlhf_rollout::{PromptRecord, PromptSampler, RewardRegistry};
 
+use super::generation::RolloutWorker;
 use super::learner::{hold_reference, Algorithms, CriticState, Learner, ModelOptimizer};
 use super::reward_model::{LoadedRewardModel, RewardScorer};
 use crate::config::{KnownNames, RlhfConfig, Settings};
@@ -432,6 +433,8 @@ impl<B: LearnerBackend> PreparedLearner<B> {
             engine_counters: Default::default(),
             next_batch: None,
             rollout_worker: None,
+            #[cfg(feature = "mpi")]
+            rollout_pool: None,
             reward_scorer,
             algorithms: self.algorithms,
             train: self.train,
@@ -444,6 +447,31 @@ impl<B: LearnerBackend> PreparedLearner<B> {
             dp,
             settings,
         })
+    }
+}
+
+impl<B: LearnerBackend> PreparedLearner<B> {
+    /// What a rollout worker of its own holds of this run (its settings, prompts and agent
+    /// loops, checked as a trainer's are), generating on a pool of `threads` compute threads;
+    /// and the actor as loaded (the shape of the weights it is sent).
+    pub(crate) fn into_rollout_worker(self, threads: usize) -> (RolloutWorker<B>, CausalLm<B>) {
+        let shape_bucket =
+            crate::backend::shape_bucket::<B::InnerBackend>(self.settings.model.shape_bucket);
+        let worker = RolloutWorker {
+            settings: self.settings,
+            tokenizer: self.tokenizer,
+            agents: self.algorithms.agents,
+            train: self.train,
+            device: self.device,
+            shape_bucket,
+            model_config: self.model_config,
+            threads: rayon::ThreadPoolBuilder::new()
+                .num_threads(threads.max(1))
+                .thread_name(|i| format!("rollout-compute-{i}"))
+                .build()
+                .expect("the rollout worker's compute threads start"),
+        };
+        (worker, self.actor)
     }
 }
 

@@ -224,6 +224,18 @@ impl<B: LearnerBackend> Generator<'_, B> {
         params: &SamplingParams,
         first_group: u64,
     ) -> Result<RolloutBatch, TrainError> {
+        let plan = self.plan(records, indices)?;
+        let samples = self.run_share(policy, &plan, params)?;
+        Ok(self.assemble(&plan, samples, first_group))
+    }
+
+    /// What generating prompts `indices` of `records` starts from: each prompt's record, agent
+    /// loop and rendered, truncated ids.
+    pub(crate) fn plan<'r>(
+        &self,
+        records: &'r [PromptRecord],
+        indices: &[usize],
+    ) -> Result<RolloutPlan<'r>, TrainError> {
         let picked: Vec<&PromptRecord> = indices.iter().map(|&i| &records[i]).collect();
         let data = &self.settings.data;
         let default_loop = &self.settings.rollout.default_agent_loop;
@@ -252,15 +264,33 @@ impl<B: LearnerBackend> Generator<'_, B> {
                 )
             })
             .collect::<Result<_, _>>()?;
+        Ok(RolloutPlan {
+            picked,
+            agents,
+            prompts,
+            indices: indices.to_vec(),
+        })
+    }
+
+    /// Runs this rank's share of `plan`'s conversations on `policy` and gathers every rank's:
+    /// the samples of every prompt, in prompt order; the engine's counters are added to the
+    /// generator's.
+    pub(crate) fn run_share(
+        &self,
+        policy: &CausalLm<B::InnerBackend>,
+        plan: &RolloutPlan<'_>,
+        params: &SamplingParams,
+    ) -> Result<Vec<AgentSample>, TrainError> {
+        let prompts = &plan.prompts;
         let (replica, replicas) = self.rollout_replica();
         let share = chunk(prompts.len(), replicas, replica);
         let jobs: Vec<AgentJob<'_>> = share
             .clone()
             .map(|i| AgentJob {
-                agent: agents[i].clone(),
-                record: picked[i],
+                agent: plan.agents[i].clone(),
+                record: plan.picked[i],
                 prompt: prompts[i].clone(),
-                key: indices[i] as u64,
+                key: plan.indices[i] as u64,
             })
             .collect();
         let pad = self.tokenizer.pad_token_id;
@@ -285,8 +315,19 @@ impl<B: LearnerBackend> Generator<'_, B> {
             *t += c;
         }
         drop(total);
-        let samples = self.gather_samples(mine, share.start, prompts.len(), params)?;
-        let group_ids: Vec<u64> = (first_group..).take(indices.len()).collect();
+        self.gather_samples(mine, share.start, prompts.len(), params)
+    }
+
+    /// The batch of `plan`'s prompts and their `samples` (every prompt's, in prompt order).
+    pub(crate) fn assemble(
+        &self,
+        plan: &RolloutPlan<'_>,
+        samples: Vec<AgentSample>,
+        first_group: u64,
+    ) -> RolloutBatch {
+        let pad = self.tokenizer.pad_token_id;
+        let picked = &plan.picked;
+        let group_ids: Vec<u64> = (first_group..).take(picked.len()).collect();
         let sources: Vec<String> = picked.iter().map(|r| r.data_source.clone()).collect();
         let truths: Vec<String> = picked.iter().map(|r| r.ground_truth.clone()).collect();
         let raw: Vec<std::sync::Arc<[ChatMessage]>> =
@@ -294,7 +335,7 @@ impl<B: LearnerBackend> Generator<'_, B> {
         let (samples, stats): (Vec<Sample>, Vec<ConversationStats>) =
             samples.into_iter().map(|s| (s.sample, s.stats)).unzip();
         let batch =
-            RolloutBatch::from_samples(&prompts, &samples, pad, &group_ids, &sources, &truths)
+            RolloutBatch::from_samples(&plan.prompts, &samples, pad, &group_ids, &sources, &truths)
                 .with_raw_prompts(
                     samples
                         .iter()
@@ -302,7 +343,7 @@ impl<B: LearnerBackend> Generator<'_, B> {
                         .collect(),
                 )
                 .with_conversations(stats);
-        Ok(self.bucketed(batch))
+        self.bucketed(batch)
     }
 
     /// `batch` with its prompt width padded up to the shape bucket and its response width to the
@@ -324,11 +365,7 @@ impl<B: LearnerBackend> Generator<'_, B> {
     }
 
     /// Every rank's samples, in prompt order: `mine` are the samples of prompts `first..` of
-    /// `total`. Each row travels as `[length, stopped, tool calls, tool errors, truncated
-    /// responses, tool reward, interaction reward (NaN: none), tokens.., log-probs.., roles..,
-    /// entropies.. (NaN: none)]`
-    /// (token ids are exact in f32 below 2^24; a token's role is 1 for the model's, 2 for a
-    /// tool's, 3 for a user's, and a conversation's turns are the runs of one role).
+    /// `total` (each row packed as [`SamplePacking`] packs it).
     fn gather_samples(
         &self,
         mine: Vec<AgentSample>,
@@ -339,23 +376,69 @@ impl<B: LearnerBackend> Generator<'_, B> {
         if self.dp.world() == 1 {
             return Ok(mine);
         }
-        const HEAD: usize = 7;
-        let (n, w) = (params.n, params.max_new_tokens);
-        let width = HEAD + 4 * w;
+        let packing = SamplePacking::of(params);
+        let rows: Vec<usize> = mine
+            .iter()
+            .enumerate()
+            .map(|(k, s)| (first + s.sample.prompt_index) * packing.n + k % packing.n)
+            .collect();
+        let packed = packing.pack(&mine);
+        let all = self
+            .dp
+            .gather_rows(&packed, &rows, total * packing.n, packing.width())?;
+        Ok(packing.unpack(&all))
+    }
+}
+
+/// The prompts of a generation, ready to run ([`Generator::plan`]).
+pub(crate) struct RolloutPlan<'r> {
+    picked: Vec<&'r PromptRecord>,
+    agents: Vec<Arc<dyn AgentLoop>>,
+    prompts: Vec<Vec<u32>>,
+    indices: Vec<usize>,
+}
+
+/// Samples as rows of f32, to travel between ranks and processes: `[length, stopped, tool
+/// calls, tool errors, truncated responses, tool reward, interaction reward (NaN: none),
+/// tokens.., log-probs.., roles.., entropies.. (NaN: none)]`, each list `max_new_tokens` wide
+/// (token ids are exact in f32 below 2^24; a token's role is 1 for the model's, 2 for a tool's,
+/// 3 for a user's, and a conversation's turns are the runs of one role). Row `r` is prompt
+/// `r / n`'s sample `r % n`.
+pub(crate) struct SamplePacking {
+    /// Samples per prompt.
+    pub n: usize,
+    /// The longest response.
+    pub max_new_tokens: usize,
+}
+
+impl SamplePacking {
+    const HEAD: usize = 7;
+
+    /// The packing of samples drawn with `params`.
+    pub(crate) fn of(params: &SamplingParams) -> Self {
+        Self {
+            n: params.n,
+            max_new_tokens: params.max_new_tokens,
+        }
+    }
+
+    /// Values per row.
+    pub(crate) fn width(&self) -> usize {
+        Self::HEAD + 4 * self.max_new_tokens
+    }
+
+    /// `samples` as rows, in their order. Shapes: `samples.len()` → `[samples.len() * width]`.
+    pub(crate) fn pack(&self, samples: &[AgentSample]) -> Vec<f32> {
+        let (head, w, width) = (Self::HEAD, self.max_new_tokens, self.width());
         let code = |r: TurnRole| match r {
             TurnRole::Assistant => 1.0,
             TurnRole::Tool => 2.0,
             TurnRole::User => 3.0,
         };
-        let rows: Vec<usize> = mine
-            .iter()
-            .enumerate()
-            .map(|(k, s)| (first + s.sample.prompt_index) * n + k % n)
-            .collect();
-        let mut packed = Vec::with_capacity(mine.len() * width);
-        for AgentSample { sample: s, stats } in &mine {
+        let mut packed = Vec::with_capacity(samples.len() * width);
+        for AgentSample { sample: s, stats } in samples {
             let mut row = vec![0.0f32; width];
-            row[..HEAD].copy_from_slice(&[
+            row[..head].copy_from_slice(&[
                 s.tokens.len() as f32,
                 s.stopped as u8 as f32,
                 stats.tool_calls as f32,
@@ -365,24 +448,29 @@ impl<B: LearnerBackend> Generator<'_, B> {
                 stats.interaction_reward.map_or(f32::NAN, |r| r as f32),
             ]);
             for (i, (&t, &lp)) in s.tokens.iter().zip(&s.logprobs).enumerate() {
-                row[HEAD + i] = t as f32;
-                row[HEAD + w + i] = lp;
-                row[HEAD + 3 * w + i] = s.entropies.get(i).copied().flatten().unwrap_or(f32::NAN);
+                row[head + i] = t as f32;
+                row[head + w + i] = lp;
+                row[head + 3 * w + i] = s.entropies.get(i).copied().flatten().unwrap_or(f32::NAN);
             }
-            let mut at = HEAD + 2 * w;
+            let mut at = head + 2 * w;
             for &(role, len) in &stats.turns {
                 row[at..at + len].fill(code(role));
                 at += len;
             }
             packed.extend(row);
         }
-        let all = self.dp.gather_rows(&packed, &rows, total * n, width)?;
-        Ok(all
-            .chunks(width)
+        packed
+    }
+
+    /// The samples of `rows` (packed as [`pack`](Self::pack) packs them, row `r` prompt
+    /// `r / n`'s). Shapes: `[rows * width]` → `rows`.
+    pub(crate) fn unpack(&self, rows: &[f32]) -> Vec<AgentSample> {
+        let (head, w, n) = (Self::HEAD, self.max_new_tokens, self.n);
+        rows.chunks(self.width())
             .enumerate()
             .map(|(row, v)| {
                 let len = v[0] as usize;
-                let roles = &v[HEAD + 2 * w..HEAD + 2 * w + len];
+                let roles = &v[head + 2 * w..head + 2 * w + len];
                 let mut turns: Vec<(TurnRole, usize)> = Vec::new();
                 for &c in roles {
                     let role = match c as u8 {
@@ -398,9 +486,9 @@ impl<B: LearnerBackend> Generator<'_, B> {
                 AgentSample {
                     sample: Sample {
                         prompt_index: row / n,
-                        tokens: v[HEAD..HEAD + len].iter().map(|&t| t as u32).collect(),
-                        logprobs: v[HEAD + w..HEAD + w + len].to_vec(),
-                        entropies: v[HEAD + 3 * w..HEAD + 3 * w + len]
+                        tokens: v[head..head + len].iter().map(|&t| t as u32).collect(),
+                        logprobs: v[head + w..head + w + len].to_vec(),
+                        entropies: v[head + 3 * w..head + 3 * w + len]
                             .iter()
                             .map(|&e| (!e.is_nan()).then_some(e))
                             .collect(),
@@ -417,7 +505,7 @@ impl<B: LearnerBackend> Generator<'_, B> {
                     },
                 }
             })
-            .collect())
+            .collect()
     }
 }
 
@@ -465,30 +553,77 @@ impl<B: LearnerBackend> RolloutWorker<B> {
         indices: &[usize],
         step: usize,
     ) -> Result<(RolloutBatch, [f64; 4]), TrainError> {
+        let (samples, counters) = self.samples(weights, indices, step)?;
+        Ok((self.assemble(indices, samples)?, counters))
+    }
+
+    /// [`generate`](Self::generate)'s samples (every prompt's, in prompt order) and counters,
+    /// before they make a batch: what a rollout pool of its own sends the trainer.
+    pub fn samples(
+        &self,
+        weights: CausalLm<B::InnerBackend>,
+        indices: &[usize],
+        step: usize,
+    ) -> Result<(Vec<AgentSample>, [f64; 4]), TrainError> {
         self.threads.install(|| {
             let counters = Mutex::new([0.0; 4]);
             // The rollout pool is one device of its own: no collectives with the trainer.
             let solo = DataParallel::solo();
-            let generator = Generator::<B> {
-                settings: &self.settings,
-                tokenizer: &self.tokenizer,
-                agents: &self.agents,
-                dp: &solo,
-                device: &self.device,
-                shape_bucket: self.shape_bucket,
-                model_config: &self.model_config,
-                counters: &counters,
-            };
-            let seed = generator.step_seed(step, Stream::Round(1));
-            let params = generator.sampling_params(&self.settings.rollout.train, false, seed);
+            let generator = self.generator(&solo, &counters);
+            let params = self.params(&generator, step);
             let policy = as_generated(weights, &self.settings);
-            let batch = burn_rlhf_algos::kernels::with_kernels(
+            let samples = burn_rlhf_algos::kernels::with_kernels(
                 self.settings.model.use_fused_kernels,
-                || generator.rollout(&policy, &self.train, indices, &params, 0),
+                || {
+                    let plan = generator.plan(&self.train, indices)?;
+                    generator.run_share(&policy, &plan, &params)
+                },
             )?;
             let counters = *counters.lock().expect("not poisoned");
-            Ok((batch, counters))
+            Ok((samples, counters))
         })
+    }
+
+    /// The batch of prompts `indices` and their `samples` (every prompt's, in prompt order).
+    pub fn assemble(
+        &self,
+        indices: &[usize],
+        samples: Vec<AgentSample>,
+    ) -> Result<RolloutBatch, TrainError> {
+        let (solo, counters) = (DataParallel::solo(), Mutex::new([0.0; 4]));
+        let generator = self.generator(&solo, &counters);
+        let plan = generator.plan(&self.train, indices)?;
+        Ok(generator.assemble(&plan, samples, 0))
+    }
+
+    /// How step `step`'s samples are packed to travel ([`SamplePacking`]).
+    pub fn packing(&self, step: usize) -> SamplePacking {
+        let (solo, counters) = (DataParallel::solo(), Mutex::new([0.0; 4]));
+        let generator = self.generator(&solo, &counters);
+        SamplePacking::of(&self.params(&generator, step))
+    }
+
+    /// The synchronous run's sampling of step `step`'s training batch.
+    fn params(&self, generator: &Generator<'_, B>, step: usize) -> SamplingParams {
+        let seed = generator.step_seed(step, Stream::Round(1));
+        generator.sampling_params(&self.settings.rollout.train, false, seed)
+    }
+
+    fn generator<'a>(
+        &'a self,
+        dp: &'a DataParallel,
+        counters: &'a Mutex<[f64; 4]>,
+    ) -> Generator<'a, B> {
+        Generator::<B> {
+            settings: &self.settings,
+            tokenizer: &self.tokenizer,
+            agents: &self.agents,
+            dp,
+            device: &self.device,
+            shape_bucket: self.shape_bucket,
+            model_config: &self.model_config,
+            counters,
+        }
     }
 }
 

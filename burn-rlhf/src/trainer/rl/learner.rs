@@ -189,6 +189,10 @@ pub struct Learner<B: LearnerBackend> {
     /// One-step-off-policy training: what the rollout worker holds of the run (made at its
     /// first generation).
     pub(crate) rollout_worker: Option<Arc<RolloutWorker<B>>>,
+    /// One-step-off-policy training with a rollout pool in an MPI process of its own: the
+    /// worker then only makes the pool's samples into batches.
+    #[cfg(feature = "mpi")]
+    pub(crate) rollout_pool: Option<super::rollout_pool::RolloutPool>,
     /// Completed training steps.
     pub global_step: usize,
     pub(crate) total_steps: usize,

@@ -10,6 +10,8 @@ pub(crate) mod learner;
 mod off_policy;
 pub mod reward_model;
 mod rollout;
+#[cfg(feature = "mpi")]
+pub mod rollout_pool;
 pub(crate) mod scoring;
 mod step;
 mod update;

@@ -56,10 +56,17 @@ impl<B: LearnerBackend> Learner<B> {
         weights: CausalLm<B::InnerBackend>,
         pending: PendingGeneration,
     ) -> NextBatch<B> {
+        #[cfg(feature = "mpi")]
+        let pool = self.rollout_pool.clone();
+        #[cfg(not(feature = "mpi"))]
+        let pool: Option<std::convert::Infallible> = None;
         if self.rollout_worker.is_none() {
             // Half the compute threads the trainer runs on (the process's pool, or the one its
-            // caller installed).
-            let cores = rayon::current_num_threads();
+            // caller installed); one where a pool of its own generates (it only makes batches).
+            let cores = match pool {
+                Some(_) => 2,
+                None => rayon::current_num_threads(),
+            };
             self.rollout_worker = Some(Arc::new(RolloutWorker {
                 settings: self.settings.clone(),
                 tokenizer: self.tokenizer.clone(),
@@ -80,6 +87,12 @@ impl<B: LearnerBackend> Learner<B> {
         let handle = std::thread::Builder::new()
             .name(format!("rollout-step-{step}"))
             .spawn(move || {
+                #[cfg(feature = "mpi")]
+                if let Some(pool) = pool {
+                    return pool.generate(&worker, &copy, &indices, step);
+                }
+                #[cfg(not(feature = "mpi"))]
+                let _ = pool;
                 let start = Instant::now();
                 let (batch, counters) = worker.generate(copy, &indices, step)?;
                 Ok((batch, counters, start.elapsed().as_secs_f64()))
@@ -142,6 +155,23 @@ impl<B: LearnerBackend> Learner<B> {
         ]);
         metrics.extend(engine_metrics(&batch, counters));
         Ok((batch, indices, metrics))
+    }
+
+    /// Ends the run's exchanges with a rollout pool of its own: waits for the generation still
+    /// in flight (a run stopped on request leaves one, which its checkpoint keeps) and tells the
+    /// pool to stop. Nothing without a pool.
+    #[cfg(feature = "mpi")]
+    pub(crate) fn stop_rollout_pool(&mut self) -> Result<(), TrainError> {
+        let Some(pool) = self.rollout_pool.clone() else {
+            return Ok(());
+        };
+        if let Some(next) = self.next_batch.take() {
+            match next.handle.join() {
+                Ok(result) => result.map(|_| ())?,
+                Err(panic) => std::panic::resume_unwind(panic),
+            }
+        }
+        pool.stop()
     }
 
     /// What a checkpoint keeps of the generation in flight, with its weights.
