@@ -10,6 +10,7 @@
 pub mod advantage;
 pub mod agg;
 pub mod dapo;
+pub mod distillation;
 mod error;
 pub mod functional;
 pub mod kernels;

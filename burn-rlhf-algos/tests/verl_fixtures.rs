@@ -449,6 +449,86 @@ fn compute(case: &Case) -> Result<Ours, String> {
                 .collect();
             ours.outputs.insert("coef".into(), coefs);
         }
+        "distillation_loss" => {
+            use burn_rlhf_algos::distillation::{
+                abs_loss, distillation_loss, estimator_losses, DistillationInput,
+                DistillationLossMode, DistillationLossParams,
+            };
+            let DistillationLossMode::Estimator(penalty) =
+                DistillationLossMode::from_name(&case.name).map_err(|e| e.to_string())?
+            else {
+                return Err(format!("`{}` is not a single-sample estimator", case.name));
+            };
+            if case.s("policy_loss_mode").is_some_and(|m| m != "vanilla") {
+                return Err("verl 0.9.1 distils with the vanilla policy loss only".into());
+            }
+            let flag = |name: &str| case.params.get(name).and_then(Value::as_bool);
+            let params = DistillationLossParams {
+                loss_max_clamp: case.f("loss_max_clamp"),
+                use_policy_gradient: flag("use_policy_gradient")
+                    .ok_or("param use_policy_gradient missing")?,
+                clip_ratio_low: case.f("clip_ratio_low").unwrap_or(0.2),
+                clip_ratio_high: case.f("clip_ratio_high").unwrap_or(0.2),
+            };
+            let log_prob = case.input("log_prob")?.t2()?.require_grad();
+            let mask = case.input("response_mask")?.t2()?;
+            let token_losses = estimator_losses(
+                log_prob.clone(),
+                case.input("teacher_log_prob")?.t2()?,
+                penalty,
+            );
+            ours.scalar("abs_loss", abs_loss(token_losses.clone(), mask.clone()));
+            let out = distillation_loss(
+                DistillationInput {
+                    token_losses,
+                    log_prob: log_prob.clone(),
+                    old_log_prob: case.input("old_log_prob")?.t2()?,
+                    response_mask: mask,
+                    loss_agg_mode: case.agg_mode()?,
+                    global: GlobalBatchInfo::local(),
+                    rollout_is_weights: None,
+                },
+                &params,
+            )
+            .map_err(|e| e.to_string())?;
+            let grads = out.loss.backward();
+            ours.grad("log_prob", &log_prob, &grads)?;
+            ours.out("loss", out.loss);
+            for (name, value) in out.metrics {
+                ours.scalar(name.trim_start_matches("distillation/"), value);
+            }
+        }
+        "distillation_topk" => {
+            use burn_rlhf_algos::distillation::forward_kl_topk;
+            if case.name != "forward_kl_topk" {
+                return Err(format!("unknown distillation_topk `{}`", case.name));
+            }
+            case.expect_objective("sum(clamp_min(distillation_losses, 0) * mask)")?;
+            let logits = case.input("logits")?.t2()?.require_grad();
+            let mask = case.input("mask")?.t1();
+            let out = forward_kl_topk(
+                logits.clone(),
+                case.input("teacher_topk_log_probs")?.t2()?,
+                case.input("teacher_topk_ids")?.int2()?,
+                case.f("log_prob_min_clamp"),
+            );
+            let grads = (out.losses.clone().clamp_min(0.0) * mask).sum().backward();
+            ours.grad("logits", &logits, &grads)?;
+            ours.out("distillation_losses", out.losses);
+            ours.out("student_mass", out.student_mass);
+            ours.out("teacher_mass", out.teacher_mass);
+            ours.outputs.insert(
+                "overlap_count".into(),
+                out.overlap_count.iter().map(|&c| c as f64).collect(),
+            );
+            ours.outputs.insert(
+                "overlap_token_advantage".into(),
+                out.overlap_token_advantage
+                    .iter()
+                    .map(|&a| f64::from(a))
+                    .collect(),
+            );
+        }
         "preference_loss" => match case.name.as_str() {
             "online_dpo" => {
                 let loss_type = DpoLossType::from_name(case.s("loss_type").unwrap_or("sigmoid"))
