@@ -24,6 +24,7 @@ mod actor;
 mod algorithm;
 mod critic;
 mod data;
+mod distillation;
 mod error;
 mod load;
 mod model;
@@ -46,6 +47,10 @@ pub use actor::{ActorConfig, PolicyLossConfig};
 pub use algorithm::{AlgorithmConfig, FilterGroupsConfig, KlCtrlConfig};
 pub use critic::{CriticConfig, CriticModelConfig};
 pub use data::DataConfig;
+pub use distillation::{
+    DistillationConfig, DistillationLossConfig, DistillationSettings, TeacherModelConfig,
+    TeacherSettings,
+};
 pub use error::ConfigError;
 pub use load::{
     config_from_ron_str, config_kind, config_to_ron, load_config, load_typed, load_typed_in,

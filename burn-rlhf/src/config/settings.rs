@@ -59,6 +59,8 @@ pub struct Settings {
     /// `actor_rollout_ref.hybrid_engine=False`: one-step-off-policy training with the root
     /// `rollout.*` pool; `None`: the hybrid engine (generation in the trainer's step).
     pub one_step_off: Option<OneStepOff>,
+    /// `distillation.*` when `enabled`: the teachers and how their scores train the actor.
+    pub distillation: Option<super::distillation::DistillationSettings>,
 }
 
 impl Settings {
@@ -246,6 +248,7 @@ fn decode(c: &RlhfConfig, known: &KnownNames, p: &mut Problems) -> Option<Settin
     let ref_fsdp = arr.reference.decode_sharding(p, tp);
     let ref_dtype = arr.reference.decode_model_dtype(p);
     c.critic.check_tensor_parallel(p, tp);
+    let distillation = c.distillation.decode(p, tp);
     let devices = c.trainer.nnodes * c.trainer.n_gpus_per_node;
     let rollout_tp = arr
         .rollout
@@ -306,6 +309,7 @@ fn decode(c: &RlhfConfig, known: &KnownNames, p: &mut Problems) -> Option<Settin
         algorithm: algorithm.settings?,
         trainer: trainer?,
         one_step_off,
+        distillation,
     })
 }
 

@@ -30,6 +30,8 @@ pub struct RlhfConfig {
     /// The rollout worker's own devices under one-step-off-policy training (verl's root
     /// `rollout.nnodes` and `rollout.n_gpus_per_node` in its `one_step_off_ppo_trainer.yaml`).
     pub rollout: RolloutPoolConfig,
+    /// On-policy distillation from frozen teachers (verl's `distillation.*`).
+    pub distillation: super::distillation::DistillationConfig,
 }
 
 /// `actor_rollout_ref.*`: the policy, its rollout and its frozen reference.

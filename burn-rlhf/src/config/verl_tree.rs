@@ -41,7 +41,6 @@ const INERT: &[(&str, &str)] = &[
         "skip",
         "verl's rollout dump-and-replay switches are not built",
     ),
-    ("distillation", "on-policy distillation is not built"),
     (
         "trainer.use_v1",
         "verl's asynchronous v1 trainer is not built",

@@ -8,6 +8,10 @@ use std::collections::BTreeMap;
 use crate::backend::LearnerBackend;
 use burn::optim::Optimizer;
 use burn::tensor::FloatDType;
+use burn_rlhf_algos::distillation::{
+    abs_loss, combine_with_task_loss, distillation_loss, estimator_losses, DistillationInput,
+    DistillationLossParams, TaskLossMix,
+};
 use burn_rlhf_algos::functional::{from_rows, to_scalar, to_vec};
 use burn_rlhf_algos::{
     agg_loss, kl_penalty, GlobalBatchInfo, KlPenalty, LossAggMode, PolicyLoss, PolicyLossInput,
@@ -38,6 +42,8 @@ pub struct ActorTargets {
     pub ref_log_probs: Option<Vec<f32>>,
     /// Rollout correction's IS weights, multiplying each token's policy loss.
     pub rollout_is_weights: Option<Vec<f32>>,
+    /// The teachers' log-probs of the sampled tokens (on-policy distillation), `[rows * T]`.
+    pub teacher_log_probs: Option<Vec<f32>>,
     /// Return the log-probs and entropies the update computes before its step even when old
     /// log-probs are given (with exact rollout log-probs, the trainer's view of the first
     /// mini-batch for the rollout-vs-trainer metrics).
@@ -81,6 +87,8 @@ pub struct ActorLossConfig {
     /// `actor/router_aux_loss`, and added to the loss times its coefficient when the model's
     /// config says so (`output_router_logits`, as transformers adds it).
     pub router_aux: Option<RouterAux>,
+    /// On-policy distillation's loss toward the teachers (`distillation.enabled`).
+    pub distillation: Option<ActorDistillation>,
 }
 
 /// The load-balancing loss of a mixture-of-experts policy (its model config's keys).
@@ -123,8 +131,20 @@ impl ActorLossConfig {
             compute_dtype: None,
             recompute_layers: false,
             router_aux: None,
+            distillation: None,
         }
     }
+}
+
+/// How the actor's loss is trained toward the teachers (verl's `distillation_ppo_loss`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ActorDistillation {
+    /// The single-sample estimator of the divergence to the teacher.
+    pub penalty: KlPenalty,
+    /// The clamp and the policy gradient.
+    pub params: DistillationLossParams,
+    /// How it joins the task's loss.
+    pub mix: TaskLossMix,
 }
 
 /// What an on-policy update ([`ActorTargets::old_log_probs`] `None`, or one asked to with
@@ -188,6 +208,18 @@ pub fn actor_update<B: LearnerBackend, O: Optimizer<CausalLm<B>, B>>(
     let adv_all = pick(&targets.advantages);
     let ref_all = targets.ref_log_probs.as_deref().map(pick);
     let is_all = targets.rollout_is_weights.as_deref().map(pick);
+    let teacher_all = match (&config.distillation, &targets.teacher_log_probs) {
+        (Some(d), Some(t)) => Some((*d, pick(t))),
+        (None, _) => None,
+        (Some(_), None) => {
+            return Err(TrainError::config(
+                "distillation.enabled",
+                "the actor's update got no teacher log-probs",
+            ))
+        }
+    };
+    // Extremes over every micro-batch (and rank, below), as verl aggregates them.
+    let mut loss_range = (f64::INFINITY, f64::NEG_INFINITY);
     let mut gradients = step.gradients();
     let mut metrics: BTreeMap<String, f64> = BTreeMap::new();
     let plans = micro_batches(
@@ -252,11 +284,11 @@ pub fn actor_update<B: LearnerBackend, O: Optimizer<CausalLm<B>, B>>(
             // `use_kl_loss` (then with its own estimator and coefficient).
             let (penalty, coef) = config.kl_loss.unwrap_or((config.kl_metric, 0.0));
             let kl = kl_penalty(
-                log_prob,
+                log_prob.clone(),
                 from_rows::<B>(cut(reference), n, w, device),
                 penalty,
             );
-            let kl_loss = agg_loss(kl, mask, config.loss_agg_mode, &global)?;
+            let kl_loss = agg_loss(kl, mask.clone(), config.loss_agg_mode, &global)?;
             *micro_metrics.entry("actor/kl_loss".into()).or_default() +=
                 to_scalar(kl_loss.clone().detach());
             if config.kl_loss.is_some() {
@@ -265,6 +297,39 @@ pub fn actor_update<B: LearnerBackend, O: Optimizer<CausalLm<B>, B>>(
         }
         let tokens: f64 = cut(local.loss_mask()).iter().map(|&m| m as f64).sum();
         let share = tokens / total_tokens * dp.world() as f64 * weight;
+        if let Some((d, teacher)) = &teacher_all {
+            let token_losses = estimator_losses(
+                log_prob.clone(),
+                from_rows::<B>(cut(teacher), n, w, device),
+                d.penalty,
+            );
+            *micro_metrics
+                .entry("distillation/abs_loss".into())
+                .or_default() += abs_loss(token_losses.clone(), mask.clone()) * share;
+            let out = distillation_loss(
+                DistillationInput {
+                    token_losses,
+                    log_prob: log_prob.clone(),
+                    old_log_prob: input.old_log_prob.clone(),
+                    response_mask: mask.clone(),
+                    loss_agg_mode: config.loss_agg_mode,
+                    global,
+                    rollout_is_weights: input.rollout_is_weights.clone(),
+                },
+                &d.params,
+            )?;
+            *micro_metrics.entry("distillation/loss".into()).or_default() +=
+                to_scalar(out.loss.clone().detach());
+            for (name, value) in out.metrics {
+                match name.as_str() {
+                    "distillation/loss_min" if counts => loss_range.0 = loss_range.0.min(value),
+                    "distillation/loss_max" if counts => loss_range.1 = loss_range.1.max(value),
+                    "distillation/loss_min" | "distillation/loss_max" => {}
+                    _ => *micro_metrics.entry(name).or_default() += value * share,
+                }
+            }
+            loss = combine_with_task_loss(loss, out.loss, d.mix);
+        }
         // The real tokens among the routed ones.
         let routed = seq.routed_mask();
         // The load-balancing loss's part of `loss`, for a layer-checkpointed backward.
@@ -300,6 +365,19 @@ pub fn actor_update<B: LearnerBackend, O: Optimizer<CausalLm<B>, B>>(
         )?;
     }
     let mut metrics = dp.mean_metrics(metrics)?;
+    if teacher_all.is_some() {
+        // The extremes over the ranks: each rank's, gathered (a rank with no token sends ±inf).
+        let gathered = dp
+            .collective
+            .all_gather(vec![loss_range.0 as f32, loss_range.1 as f32])?;
+        let (min, max) = gathered.iter().fold(loss_range, |(lo, hi), v| {
+            (lo.min(f64::from(v[0])), hi.max(f64::from(v[1])))
+        });
+        if min.is_finite() {
+            metrics.insert("distillation/loss_min".into(), min);
+            metrics.insert("distillation/loss_max".into(), max);
+        }
+    }
     let actor = step.apply(actor, gradients, &mut metrics, "actor")?;
     let own = match own {
         Some(own) => Some(OnPolicyLogProbs {

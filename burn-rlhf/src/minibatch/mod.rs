@@ -11,7 +11,9 @@ mod rm;
 mod sft;
 mod step;
 
-pub use actor::{actor_update, ActorLossConfig, ActorTargets, OnPolicyLogProbs, RouterAux};
+pub use actor::{
+    actor_update, ActorDistillation, ActorLossConfig, ActorTargets, OnPolicyLogProbs, RouterAux,
+};
 pub use critic::{critic_update, CriticLossConfig, CriticTargets};
 pub use packing::token_budget_partitions;
 pub use rm::{rm_eval, rm_update, sequence_scores, PairExample, PairLoss, ScoreRead};

@@ -43,3 +43,4 @@ pub use rl::fit::{RankMemory, RunOutputs};
 pub use rl::generation::PendingGeneration;
 pub use rl::learner::Learner;
 pub use rl::scoring::Rows;
+pub use rl::teacher::Teacher;

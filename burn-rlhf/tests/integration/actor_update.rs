@@ -5,9 +5,12 @@ use burn::backend::{Autodiff, Flex};
 use burn::module::AutodiffModule;
 use burn::optim::SgdConfig;
 use burn::tensor::{DType, FloatDType};
+use burn_rlhf::algos::distillation::{DistillationLossParams, TaskLossMix};
 use burn_rlhf::algos::{KlPenalty, LossAggMode, PolicyLossParams, Registry};
 use burn_rlhf::forward::{response_logprobs, LogprobHead, SequenceTensors};
-use burn_rlhf::minibatch::{actor_update, ActorLossConfig, ActorTargets, OptimizerStep};
+use burn_rlhf::minibatch::{
+    actor_update, ActorDistillation, ActorLossConfig, ActorTargets, OptimizerStep,
+};
 use burn_rlhf::models::{load_pretrained, CausalLm};
 use burn_rlhf::optim::ReplicaSync;
 use burn_rlhf::rollout::{Engine, EngineConfig, RolloutBatch, SamplingParams};
@@ -92,11 +95,19 @@ fn fixture(dir: &std::path::Path) -> (CausalLm<B>, RolloutBatch, ActorTargets) {
     let targets = ActorTargets {
         old_log_probs: Some(old),
         advantages,
-        ref_log_probs: Some(reference),
+        ref_log_probs: Some(reference.clone()),
         // Rollout correction's IS weights ride along the same micro-batching.
         rollout_is_weights: Some(
             (0..rows * r)
                 .map(|i| 0.5 + (i * 7 % 5) as f32 / 4.0)
+                .collect(),
+        ),
+        // A teacher's log-probs: the distillation term rides the same micro-batching.
+        teacher_log_probs: Some(
+            reference
+                .iter()
+                .enumerate()
+                .map(|(i, x)| x + 0.03 * ((i % 5) as f32))
                 .collect(),
         ),
         record_own: false,
@@ -124,6 +135,19 @@ fn loss_config(mode: LossAggMode) -> ActorLossConfig {
         compute_dtype: None,
         recompute_layers: false,
         router_aux: None,
+        distillation: Some(ActorDistillation {
+            penalty: KlPenalty::from_name("k3").unwrap(),
+            params: DistillationLossParams {
+                loss_max_clamp: Some(5.0),
+                use_policy_gradient: false,
+                clip_ratio_low: 0.2,
+                clip_ratio_high: 0.2,
+            },
+            mix: TaskLossMix {
+                use_task_rewards: true,
+                distillation_loss_coef: 0.3,
+            },
+        }),
     }
 }
 
@@ -359,9 +383,11 @@ fn bf16_autocast_updates_f32_master_weights_on(dir: &std::path::Path) {
         .policy_loss("vanilla", &PolicyLossParams::default())
         .unwrap();
     let run = |compute_dtype: Option<FloatDType>| {
+        // The task's terms only: bf16's tolerance here is set for them.
         let cfg = ActorLossConfig {
             micro_batch_size: 2,
             compute_dtype,
+            distillation: None,
             ..loss_config(LossAggMode::TokenMean)
         };
         let (updated, metrics) = sgd_update(dir, loss.as_ref(), &batch, &targets, &cfg);

@@ -686,6 +686,8 @@ fn other_values(default: &serde_json::Value) -> Vec<serde_json::Value> {
             json!("not_a_default_value"),
             json!([7]),
         ],
+        // A map of entries (distillation's teachers) emptied.
+        serde_json::Value::Object(map) if !map.is_empty() => vec![json!({})],
         serde_json::Value::Object(_) => vec![],
     }
 }
@@ -731,6 +733,24 @@ fn every_key_is_read_or_refused() {
         (
             "algorithm.filter_groups",
             &["algorithm.filter_groups.enable=true"],
+        ),
+        (
+            "distillation",
+            &[
+                "distillation.enabled=true",
+                "distillation.teacher_models.teacher_model.model_path=teacher",
+            ],
+        ),
+        (
+            "distillation.distillation_loss.clip_ratio",
+            &[
+                "distillation.distillation_loss.clip_ratio_low=null",
+                "distillation.distillation_loss.use_policy_gradient=true",
+            ],
+        ),
+        (
+            "distillation.distillation_loss.clip_ratio_",
+            &["distillation.distillation_loss.use_policy_gradient=true"],
         ),
         ("algorithm.kl_penalty", &["algorithm.use_kl_in_reward=true"]),
         (

@@ -113,6 +113,7 @@ fn section_file(key: &str) -> &'static str {
         ("algorithm.rollout_correction.", "rollout_correction.rs"),
         ("algorithm.", "algorithm.rs"),
         ("trainer.", "trainer.rs"),
+        ("distillation.", "distillation.rs"),
     ];
     SECTIONS
         .iter()

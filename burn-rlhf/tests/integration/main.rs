@@ -9,6 +9,7 @@ mod actor_update;
 mod appended_tokens;
 mod config;
 mod data_parallel;
+mod distillation;
 mod exact_logprobs;
 mod extending;
 mod fsdp;

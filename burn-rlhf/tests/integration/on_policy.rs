@@ -98,7 +98,7 @@ fn an_on_policy_update_takes_its_own_log_probs_as_the_old_ones() {
             &batch,
             Some(&old.log_probs),
             &advantages,
-            (None, None),
+            (None, None, None),
             false,
         )
         .unwrap();

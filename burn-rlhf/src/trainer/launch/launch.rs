@@ -131,7 +131,7 @@ impl<B: LearnerBackend> LearnerParts<B> {
     }
 
     /// These parts with the given models on `device` (data and registries shared; the reward
-    /// model, never split, copied whole).
+    /// model and the teachers, never split, copied whole).
     fn with_models(
         &self,
         device: &B::Device,
@@ -158,6 +158,11 @@ impl<B: LearnerBackend> LearnerParts<B> {
                 config: r.config.clone(),
                 tokenizer: r.tokenizer.clone(),
             }),
+            teachers: self
+                .teachers
+                .iter()
+                .map(|t| t.on(&device.clone().into()))
+                .collect(),
         }
     }
 }

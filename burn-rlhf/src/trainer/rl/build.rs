@@ -12,6 +12,7 @@ use burn_rlhf_rollout::{PromptRecord, PromptSampler, RewardRegistry};
 use super::generation::RolloutWorker;
 use super::learner::{hold_reference, Algorithms, CriticState, Learner, ModelOptimizer};
 use super::reward_model::{LoadedRewardModel, RewardScorer};
+use super::teacher::Teacher;
 use crate::config::{KnownNames, RlhfConfig, Settings};
 use crate::datasets::load_data_files;
 use crate::distributed::{sync_params, DataParallel, ShardPlan};
@@ -52,6 +53,9 @@ pub struct LearnerParts<B: LearnerBackend> {
     pub training: bool,
     /// The learned reward model; required exactly when `reward_model.enable`.
     pub reward_model: Option<LoadedRewardModel<B::InnerBackend>>,
+    /// On-policy distillation's teachers (`distillation.teacher_models`), in the settings' order;
+    /// required exactly when `distillation.enabled`.
+    pub teachers: Vec<Teacher<B::InnerBackend>>,
     /// Tool classes by the `class_name` of verl's tool files.
     pub tools: ToolRegistry,
     /// Interaction classes by the `class_name` of verl's interaction files.
@@ -76,6 +80,7 @@ impl<B: LearnerBackend> LearnerParts<B> {
             val: Vec::new(),
             training: true,
             reward_model: None,
+            teachers: Vec::new(),
             tools: ToolRegistry::default(),
             interactions: InteractionRegistry::default(),
             agent_loops: Vec::new(),
@@ -118,6 +123,13 @@ impl<B: LearnerBackend> LearnerParts<B> {
         }
         if let Some(rm) = &settings.reward.model {
             parts.reward_model = Some(LoadedRewardModel::load(&rm.path, device)?);
+        }
+        if let (true, Some(d)) = (training, &settings.distillation) {
+            for t in &d.teachers {
+                parts
+                    .teachers
+                    .push(Teacher::load(t, &parts.tokenizer, &device.clone().into())?);
+            }
         }
         let data = &settings.data;
         if training {
@@ -229,6 +241,22 @@ impl<B: LearnerBackend> Learner<B> {
             None if uses_kl => Some(parts.actor.valid()),
             None => None,
         };
+        let teachers = match (&settings.distillation, parts.training) {
+            (Some(d), true) => {
+                if parts.teachers.len() != d.teachers.len() {
+                    return Err(TrainError::config(
+                        "distillation.teacher_models",
+                        format!(
+                            "{} teacher(s) configured, {} given with the learner's parts",
+                            d.teachers.len(),
+                            parts.teachers.len()
+                        ),
+                    ));
+                }
+                parts.teachers
+            }
+            _ => Vec::new(),
+        };
         let reward_scorer = match (&settings.reward.model, parts.reward_model) {
             (Some(rm), Some(loaded)) => Some(RewardScorer::new(loaded, rm, &parts.tokenizer)?),
             (Some(_), None) => {
@@ -295,6 +323,7 @@ impl<B: LearnerBackend> Learner<B> {
             critic,
             reference,
             reward_scorer,
+            teachers,
             algorithms,
             train,
             val,
@@ -315,6 +344,7 @@ pub(crate) struct PreparedLearner<B: LearnerBackend> {
     critic: Option<(ValueModel<B>, TransformerConfig)>,
     reference: Option<CausalLm<B::InnerBackend>>,
     reward_scorer: Option<RewardScorer<B::InnerBackend>>,
+    teachers: Vec<Teacher<B::InnerBackend>>,
     algorithms: Algorithms<B>,
     train: Vec<PromptRecord>,
     val: Vec<PromptRecord>,
@@ -436,6 +466,7 @@ impl<B: LearnerBackend> PreparedLearner<B> {
             #[cfg(feature = "mpi")]
             rollout_pool: None,
             reward_scorer,
+            teachers: self.teachers,
             algorithms: self.algorithms,
             train: self.train,
             val: self.val,
@@ -454,6 +485,8 @@ impl<B: LearnerBackend> PreparedLearner<B> {
     /// What a rollout worker of its own holds of this run (its settings, prompts and agent
     /// loops, checked as a trainer's are), generating on a pool of `threads` compute threads;
     /// and the actor as loaded (the shape of the weights it is sent).
+    // Used by the MPI rollout pool (the `mpi` feature).
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
     pub(crate) fn into_rollout_worker(self, threads: usize) -> (RolloutWorker<B>, CausalLm<B>) {
         let shape_bucket =
             crate::backend::shape_bucket::<B::InnerBackend>(self.settings.model.shape_bucket);

@@ -597,6 +597,8 @@ impl<B: LearnerBackend> RolloutWorker<B> {
     }
 
     /// How step `step`'s samples are packed to travel ([`SamplePacking`]).
+    // Used by the MPI rollout pool (the `mpi` feature).
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
     pub fn packing(&self, step: usize) -> SamplePacking {
         let (solo, counters) = (DataParallel::solo(), Mutex::new([0.0; 4]));
         let generator = self.generator(&solo, &counters);

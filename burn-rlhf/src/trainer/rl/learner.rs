@@ -171,6 +171,8 @@ pub struct Learner<B: LearnerBackend> {
     pub(crate) reference_refreshed_at: Option<usize>,
     /// The learned reward model, when it scores the responses (`reward_model.enable`).
     pub(crate) reward_scorer: Option<RewardScorer<B::InnerBackend>>,
+    /// On-policy distillation's teachers (`distillation.enabled`), frozen.
+    pub(crate) teachers: Vec<super::teacher::Teacher<B::InnerBackend>>,
     pub(crate) algorithms: Algorithms<B>,
     pub(crate) train: Vec<PromptRecord>,
     pub(crate) val: Vec<PromptRecord>,

@@ -217,6 +217,39 @@ impl<B: LearnerBackend> Learner<B> {
         )
     }
 
+    /// The teachers' log-probs of the sampled tokens (on-policy distillation), each row's from
+    /// its teacher, in the reference's micro-batches; `None` without teachers.
+    pub fn teacher_log_probs(&self, batch: &RolloutBatch) -> Result<Option<Rows>, TrainError> {
+        if self.teachers.is_empty() {
+            return Ok(None);
+        }
+        burn_rlhf_algos::kernels::with_kernels(self.settings.model.use_fused_kernels, || {
+            let plan = (
+                self.settings.ref_micro_batch_size,
+                self.settings.ref_max_token_len,
+                "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+            );
+            let width = batch.response_len;
+            let mut all = vec![0.0f32; batch.rows() * width];
+            let groups = super::teacher::rows_by_teacher(&self.teachers, batch)?;
+            for (teacher, rows) in self.teachers.iter().zip(groups) {
+                if rows.is_empty() {
+                    continue;
+                }
+                let part = batch.select(&rows);
+                let model = self.for_scoring(teacher.model.clone());
+                let out = self
+                    .log_probs_of(&model, &part, plan, false)?
+                    .swap_remove(0);
+                for (k, &row) in rows.iter().enumerate() {
+                    all[row * width..(row + 1) * width]
+                        .copy_from_slice(&out[k * width..(k + 1) * width]);
+                }
+            }
+            Ok(Some(all))
+        })
+    }
+
     /// Values: the critic's value at each response position, when there is a critic.
     pub fn values(&self, batch: &RolloutBatch) -> Result<Option<Rows>, TrainError> {
         burn_rlhf_algos::kernels::with_kernels(self.settings.model.use_fused_kernels, || {

@@ -61,6 +61,10 @@ impl<B: LearnerBackend> Learner<B> {
                 Some(_) => timing.time("values", || self.values(&batch))?,
                 None => None,
             };
+            let teacher_log_probs = match self.teachers.is_empty() {
+                false => timing.time("teacher", || self.teacher_log_probs(&batch))?,
+                true => None,
+            };
             let (rewards, advantages, returns, is_weights) = timing.time("adv", || {
                 let old_log_probs = old.as_ref().map(|o| o.log_probs.as_slice());
                 let (rewards, kl) =
@@ -99,7 +103,11 @@ impl<B: LearnerBackend> Learner<B> {
                         &batch,
                         old.as_ref().map(|o| o.log_probs.as_slice()),
                         &advantages,
-                        (ref_log_probs.as_deref(), is_weights.as_deref()),
+                        (
+                            ref_log_probs.as_deref(),
+                            is_weights.as_deref(),
+                            teacher_log_probs.as_deref(),
+                        ),
                         exact,
                     )
                 })?;

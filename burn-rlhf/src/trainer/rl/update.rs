@@ -8,8 +8,8 @@ use super::learner::Learner;
 use crate::error::TrainError;
 use crate::forward::LogprobHead;
 use crate::minibatch::{
-    actor_update, critic_update, rows_of, ActorLossConfig, ActorTargets, CriticLossConfig,
-    CriticTargets, OnPolicyLogProbs, RouterAux,
+    actor_update, critic_update, rows_of, ActorDistillation, ActorLossConfig, ActorTargets,
+    CriticLossConfig, CriticTargets, OnPolicyLogProbs, RouterAux,
 };
 use crate::trainer::logging::metrics::{MeanMetrics, Metrics};
 
@@ -132,7 +132,11 @@ impl<B: LearnerBackend> Learner<B> {
         batch: &RolloutBatch,
         old_log_probs: Option<&[f32]>,
         advantages: &[f32],
-        (ref_log_probs, is_weights): (Option<&[f32]>, Option<&[f32]>),
+        (ref_log_probs, is_weights, teacher_log_probs): (
+            Option<&[f32]>,
+            Option<&[f32]>,
+            Option<&[f32]>,
+        ),
         record_first: bool,
     ) -> Result<(Metrics, Option<FirstPass>), TrainError> {
         burn_rlhf_algos::kernels::with_kernels(self.settings.model.use_fused_kernels, || {
@@ -165,6 +169,7 @@ impl<B: LearnerBackend> Learner<B> {
                         advantages: rows_of(advantages, rows, r),
                         ref_log_probs: ref_log_probs.map(|v| rows_of(v, rows, r)),
                         rollout_is_weights: is_weights.map(|v| rows_of(v, rows, r)),
+                        teacher_log_probs: teacher_log_probs.map(|v| rows_of(v, rows, r)),
                         record_own: record_first && first.is_none(),
                     };
                     let (actor, m, own) = actor_update(
@@ -179,6 +184,13 @@ impl<B: LearnerBackend> Learner<B> {
                             compute_dtype: self.settings.model.dtype,
                             recompute_layers: self.settings.model.gradient_checkpointing.layers(),
                             router_aux: RouterAux::of(&self.model_config),
+                            distillation: self.settings.distillation.as_ref().map(|d| {
+                                ActorDistillation {
+                                    penalty: d.penalty,
+                                    params: d.params,
+                                    mix: d.mix,
+                                }
+                            }),
                             ..ActorLossConfig::from_settings(settings, head, rows.len())
                         },
                         &self.device,

@@ -1,0 +1,258 @@
+//! On-policy distillation end to end (verl's `distillation.*`, issue 59 item 1): the teachers'
+//! log-probs of the sampled tokens train the student through verl's losses, beside the task's or
+//! alone, as a backpropagated divergence or as a policy-gradient reward.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use burn::backend::{Autodiff, Flex};
+use burn::module::{AutodiffModule, Module};
+use burn::tensor::Tensor;
+use burn_rlhf::config::{RlhfConfig, TeacherModelConfig};
+use burn_rlhf::models::CausalLm;
+use burn_rlhf::tasks;
+use burn_rlhf::trainer::{Learner, LearnerParts, Metrics, Teacher};
+use burn_rlhf_test_assets::temp_dir;
+
+type B = Autodiff<Flex>;
+
+/// GRPO on the arithmetic task, 4 prompts x 4 samples, no KL.
+fn config(dir: &Path) -> RlhfConfig {
+    let mut c = RlhfConfig::default();
+    c.data.train_batch_size = 4;
+    c.data.max_prompt_length = 8;
+    c.data.max_response_length = 4;
+    c.data.shuffle = false;
+    c.custom_reward_function.name = Some(tasks::DATA_SOURCE.into());
+    c.algorithm.adv_estimator = "grpo".into();
+    let a = &mut c.actor_rollout_ref.actor;
+    a.optim.lr = 1e-2;
+    a.ppo_mini_batch_size = 4;
+    a.ppo_micro_batch_size_per_gpu = Some(8);
+    a.use_kl_loss = false;
+    c.actor_rollout_ref.rollout.n = 4;
+    c.trainer.logger = vec![];
+    c.trainer.test_freq = -1;
+    c.trainer.val_before_train = false;
+    c.trainer.resume_mode = "disable".into();
+    c.trainer.default_local_dir = Some(dir.display().to_string());
+    c
+}
+
+/// `c` distilling from one teacher given in code, `mode` with the policy gradient or not.
+fn distilling(mut c: RlhfConfig, mode: &str, pg: bool, task: bool, coef: f64) -> RlhfConfig {
+    let d = &mut c.distillation;
+    d.enabled = true;
+    d.distillation_loss.loss_mode = mode.into();
+    d.distillation_loss.use_policy_gradient = pg;
+    d.distillation_loss.use_task_rewards = task;
+    d.distillation_loss.distillation_loss_coef = coef;
+    d.teacher_models.insert(
+        "teacher_model".into(),
+        TeacherModelConfig {
+            model_path: Some("given in code".into()),
+            ..Default::default()
+        },
+    );
+    c
+}
+
+fn params<M: Module<Flex>>(m: &M) -> Vec<f32> {
+    struct Collect(Vec<f32>);
+    impl burn::module::ModuleVisitor<Flex> for Collect {
+        fn visit_float<const D: usize>(&mut self, p: &burn::module::Param<Tensor<Flex, D>>) {
+            self.0.extend(p.val().into_data().iter::<f32>());
+        }
+    }
+    let mut c = Collect(Vec::new());
+    m.visit(&mut c);
+    c.0
+}
+
+/// The student of seed 5 with `teachers`, the arithmetic task's data and reward.
+fn parts(teachers: Vec<Teacher<Flex>>) -> (LearnerParts<B>, CausalLm<B>) {
+    let (actor, _) = super::tiny_models(5);
+    let mut parts = LearnerParts::new(
+        actor.clone(),
+        tasks::model_config(32, 1),
+        tasks::tokenizer(),
+    );
+    parts.rewards.register(Arc::new(tasks::ExactAnswer));
+    parts.train = tasks::split_problems(16, 20, 1).0;
+    parts.teachers = teachers;
+    (parts, actor)
+}
+
+fn teacher(seed: u64, key: Option<&str>) -> Teacher<Flex> {
+    let (model, _) = super::tiny_models(seed);
+    Teacher::new(
+        "teacher_model",
+        key,
+        model.valid(),
+        tasks::model_config(32, 1),
+    )
+}
+
+/// `steps` steps; the weights after and each step's metrics.
+fn train(c: RlhfConfig, parts: LearnerParts<B>, steps: usize) -> (Vec<f32>, Vec<Metrics>) {
+    let mut learner = Learner::new(c, parts, &Default::default()).unwrap();
+    let metrics = (0..steps).map(|_| learner.step().unwrap()).collect();
+    (params(&learner.actor.valid()), metrics)
+}
+
+/// Backpropagated k3 toward a teacher that is the starting student is, term for term, the k3
+/// KL loss toward the reference: the two runs end with the same weights bit for bit.
+#[test]
+fn k3_toward_the_starting_model_trains_as_the_k3_kl_loss() {
+    let dir = temp_dir("distill-k3");
+    let (student, _) = super::tiny_models(5);
+    let copy = Teacher::new(
+        "teacher_model",
+        None,
+        student.valid(),
+        tasks::model_config(32, 1),
+    );
+    let c = distilling(config(&dir.join("d")), "k3", false, true, 0.05);
+    let (distilled, metrics) = train(c, parts(vec![copy]).0, 3);
+    let mut c = config(&dir.join("kl"));
+    c.actor_rollout_ref.actor.use_kl_loss = true;
+    c.actor_rollout_ref.actor.kl_loss_type = "low_var_kl".into();
+    c.actor_rollout_ref.actor.kl_loss_coef = 0.05;
+    let (kl, _) = train(c, parts(Vec::new()).0, 3);
+    assert_eq!(distilled, kl);
+    let m = &metrics[2];
+    for key in [
+        "distillation/loss",
+        "distillation/abs_loss",
+        "timing_s/teacher",
+    ] {
+        assert!(m.contains_key(key), "{key} missing: {:?}", m.keys());
+    }
+    assert!(m["distillation/loss_min"] <= m["distillation/loss_max"]);
+    assert!(
+        m["distillation/abs_loss"] > 0.0,
+        "the student moved from the teacher"
+    );
+}
+
+/// Alone (no task loss), the student moves toward a teacher of its own: the mean reverse KL
+/// to it falls, backpropagated (k3) and as a policy-gradient reward (k1).
+#[test]
+fn the_student_moves_toward_its_teacher() {
+    let dir = temp_dir("distill-alone");
+    for (mode, pg) in [("k3", false), ("k1", true)] {
+        let c = distilling(config(&dir.join(mode)), mode, pg, false, 1.0);
+        let (_, metrics) = train(c, parts(vec![teacher(9, None)]).0, 12);
+        let kl: Vec<f64> = metrics.iter().map(|m| m["distillation/abs_loss"]).collect();
+        println!("{mode} (policy gradient {pg}): |divergence| by step {kl:?}");
+        let (first, last) = (kl[..3].iter().sum::<f64>(), kl[9..].iter().sum::<f64>());
+        assert!(last < 0.7 * first, "{mode}: {first} -> {last}");
+        if pg {
+            assert!(metrics[0].contains_key("distillation/pg_clipfrac"));
+        }
+    }
+}
+
+/// Rows go to the teacher of their `data_source`; a row no teacher scores stops the step naming
+/// it; the settings verl refuses, and the ones not built, are refused naming their key.
+#[test]
+fn teachers_are_routed_by_data_source_and_bad_settings_are_refused() {
+    let dir = temp_dir("distill-routing");
+    let mut c = distilling(config(&dir.join("routed")), "k3", false, true, 1.0);
+    c.distillation.teacher_models.clear();
+    for name in ["math", "other"] {
+        c.distillation.teacher_models.insert(
+            name.into(),
+            TeacherModelConfig {
+                key: Some(
+                    if name == "math" {
+                        tasks::DATA_SOURCE
+                    } else {
+                        "other"
+                    }
+                    .into(),
+                ),
+                model_path: Some("given in code".into()),
+                ..Default::default()
+            },
+        );
+    }
+    let routed = parts(vec![
+        teacher(9, Some(tasks::DATA_SOURCE)),
+        teacher(8, Some("other")),
+    ])
+    .0;
+    let (_, m) = train(c.clone(), routed, 1);
+    assert!(m[0]["distillation/abs_loss"] > 0.0);
+    let unrouted = parts(vec![teacher(9, Some("gsm8k")), teacher(8, Some("other"))]).0;
+    let e = Learner::new(c, unrouted, &Default::default())
+        .unwrap()
+        .step()
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains(tasks::DATA_SOURCE) && e.contains("has no teacher"),
+        "{e}"
+    );
+
+    let refused = |edit: &dyn Fn(&mut RlhfConfig), says: &str| {
+        let mut c = distilling(config(&dir.join("refused")), "k3", false, true, 1.0);
+        edit(&mut c);
+        let e = c.validate("test").unwrap_err().to_string();
+        assert!(e.contains(says), "{says}: {e}");
+    };
+    refused(
+        &|c| c.distillation.distillation_loss.loss_mode = "forward_kl_topk".into(),
+        "the teachers' top-k pass feeding it is not yet",
+    );
+    refused(
+        &|c| c.distillation.distillation_loss.loss_mode = "k1".into(),
+        "`k1` with `use_policy_gradient=false`",
+    );
+    refused(&|c| c.distillation.nnodes = 1, "`distillation.nnodes`");
+    refused(
+        &|c| {
+            let t = c
+                .distillation
+                .teacher_models
+                .get_mut("teacher_model")
+                .unwrap();
+            t.inference
+                .insert("gpu_memory_utilization".into(), serde_json::json!(0.9));
+        },
+        "inference.gpu_memory_utilization` is read only at verl's value",
+    );
+    refused(
+        &|c| {
+            c.distillation.teacher_models.insert(
+                "second".into(),
+                TeacherModelConfig {
+                    key: Some("x".into()),
+                    model_path: Some("p".into()),
+                    ..Default::default()
+                },
+            );
+        },
+        "verl drops that entry silently",
+    );
+    refused(
+        &|c| c.distillation.distillation_loss.policy_loss_mode = "gspo".into(),
+        "`vanilla` policy loss only",
+    );
+    // verl's keys as a verl user writes them, on the command line: several named teachers.
+    let base = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/grpo_gsm8k.ron");
+    let loaded = burn_rlhf::config::load_config(
+        &base,
+        &[
+            "distillation.enabled=true".into(),
+            "+distillation.teacher_models.teacher_model1.key=openai/gsm8k".into(),
+            "+distillation.teacher_models.teacher_model1.model_path=Qwen/Qwen3-4B".into(),
+            "distillation.distillation_loss.use_policy_gradient=true".into(),
+        ],
+    )
+    .unwrap();
+    let t = &loaded.distillation.teacher_models["teacher_model1"];
+    assert_eq!(t.key.as_deref(), Some("openai/gsm8k"));
+    assert!(loaded.distillation.distillation_loss.use_policy_gradient);
+    loaded.validate("overrides").unwrap();
+}
