@@ -141,7 +141,11 @@ impl OnDevices for RolloutServing {
         _node: &NodeLaunch,
         devices: &[B::Device],
     ) -> Result<(), TrainError> {
-        crate::trainer::rl::rollout_pool::serve::<B>(self.0, &self.1, &devices[0])
+        let device = &devices[0];
+        let parts = LearnerParts::<B>::load(&self.0, device, true)?;
+        let threads = rayon::current_num_threads();
+        let (worker, actor) = Learner::prepare(self.0, parts, device)?.into_rollout_worker(threads);
+        crate::trainer::rl::rollout_pool::serve::<B>(worker, actor, &self.1, device)
     }
 }
 

@@ -19,11 +19,8 @@ use burn_rlhf_models::weights::{HostTensor, WeightMap};
 use burn_rlhf_models::CausalLm;
 use burn_rlhf_rollout::RolloutBatch;
 
-use super::build::LearnerParts;
 use super::generation::RolloutWorker;
-use super::learner::Learner;
 use crate::backend::LearnerBackend;
-use crate::config::Settings;
 use crate::distributed::mpi::MpiProcess;
 use crate::error::TrainError;
 
@@ -123,17 +120,15 @@ impl RolloutPool {
     }
 }
 
-/// The pool's side: loads what generation needs of the run (the settings' model, prompts and
-/// agent loops, checked as the trainer checks them) onto `device`, then generates what the
-/// trainer orders until it says stop.
+/// The pool's side: generates with `worker` (the run's prompts, settings and agent loops, checked
+/// as the trainer checks them) on `device` what the trainer orders, until it says stop; `actor`
+/// (the model as loaded) gives the shapes of the weights each order carries.
 pub(crate) fn serve<B: LearnerBackend>(
-    settings: Settings,
+    worker: RolloutWorker<B>,
+    actor: CausalLm<B>,
     pool: &RolloutPool,
     device: &B::Device,
 ) -> Result<(), TrainError> {
-    let parts = LearnerParts::<B>::load(&settings, device, true)?;
-    let threads = rayon::current_num_threads();
-    let (worker, actor) = Learner::prepare(settings, parts, device)?.into_rollout_worker(threads);
     let template: Vec<(String, Vec<usize>)> = actor
         .valid()
         .export()
