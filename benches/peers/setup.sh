@@ -12,4 +12,6 @@ python3 -m venv "$venv"
 # verl without its GPU dependencies: core_algos needs only these.
 "$venv/bin/pip" install -q --no-deps verl==0.9.1
 "$venv/bin/pip" install -q ray omegaconf "tensordict>=0.8.0,!=0.9.0,<=0.10.0" codetiming
+# verl's distillation losses (tests/fixtures/gen/verl_distillation.py) import its whole config package.
+"$venv/bin/pip" install -q hydra-core pillow orjson
 echo "peers ready: RLHF_PEER_PYTHON=$venv/bin/python"
