@@ -2,3 +2,4 @@
 
 pub mod commands;
 pub(crate) mod launch;
+mod rank_parts;
