@@ -5,9 +5,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use burn::backend::Flex;
-use burn::module::{AutodiffModule, Module};
-use burn::tensor::Tensor;
+use burn::module::AutodiffModule;
 use burn_rlhf::config::RlhfConfig;
 use burn_rlhf::rollout::agent::{AgentLoop, Conversation, ConversationStats, Next, TurnRole};
 use burn_rlhf::rollout::encode::encode_prompt;
@@ -81,18 +79,6 @@ fn config(dir: &Path) -> RlhfConfig {
     c
 }
 
-fn params<M: Module<Flex>>(m: &M) -> Vec<f32> {
-    struct Collect(Vec<f32>);
-    impl burn::module::ModuleVisitor<Flex> for Collect {
-        fn visit_float<const D: usize>(&mut self, p: &burn::module::Param<Tensor<Flex, D>>) {
-            self.0.extend(p.val().into_data().iter::<f32>());
-        }
-    }
-    let mut c = Collect(Vec::new());
-    m.visit(&mut c);
-    c.0
-}
-
 /// Two steps ending every conversation with `tail`: the weights before, after, and the metrics.
 fn run(dir: &Path, tail: &str) -> (Vec<f32>, Vec<f32>, Vec<burn_rlhf::trainer::Metrics>) {
     let tokenizer = tasks::tokenizer();
@@ -106,9 +92,9 @@ fn run(dir: &Path, tail: &str) -> (Vec<f32>, Vec<f32>, Vec<burn_rlhf::trainer::M
         .push(Arc::new(Closing { tokenizer, tail }));
     parts.train = train;
     let mut learner = Learner::new(config(dir), parts, &Default::default()).unwrap();
-    let before = params(&learner.actor.valid());
+    let before = super::params(&learner.actor.valid());
     let metrics = (0..2).map(|_| learner.step().unwrap()).collect();
-    (before, params(&learner.actor.valid()), metrics)
+    (before, super::params(&learner.actor.valid()), metrics)
 }
 
 /// The response's length up to the appended tail's `+` (the last one) (the model's own characters), so both

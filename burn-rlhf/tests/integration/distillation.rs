@@ -6,8 +6,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use burn::backend::{Autodiff, Flex};
-use burn::module::{AutodiffModule, Module};
-use burn::tensor::Tensor;
+use burn::module::AutodiffModule;
 use burn_rlhf::config::{RlhfConfig, TeacherModelConfig};
 use burn_rlhf::models::CausalLm;
 use burn_rlhf::tasks;
@@ -57,18 +56,6 @@ fn distilling(mut c: RlhfConfig, mode: &str, pg: bool, task: bool, coef: f64) ->
     c
 }
 
-fn params<M: Module<Flex>>(m: &M) -> Vec<f32> {
-    struct Collect(Vec<f32>);
-    impl burn::module::ModuleVisitor<Flex> for Collect {
-        fn visit_float<const D: usize>(&mut self, p: &burn::module::Param<Tensor<Flex, D>>) {
-            self.0.extend(p.val().into_data().iter::<f32>());
-        }
-    }
-    let mut c = Collect(Vec::new());
-    m.visit(&mut c);
-    c.0
-}
-
 /// The student of seed 5 with `teachers`, the arithmetic task's data and reward.
 fn parts(teachers: Vec<Teacher<Flex>>) -> (LearnerParts<B>, CausalLm<B>) {
     let (actor, _) = super::tiny_models(5);
@@ -97,7 +84,7 @@ fn teacher(seed: u64, key: Option<&str>) -> Teacher<Flex> {
 fn train(c: RlhfConfig, parts: LearnerParts<B>, steps: usize) -> (Vec<f32>, Vec<Metrics>) {
     let mut learner = Learner::new(c, parts, &Default::default()).unwrap();
     let metrics = (0..steps).map(|_| learner.step().unwrap()).collect();
-    (params(&learner.actor.valid()), metrics)
+    (super::params(&learner.actor.valid()), metrics)
 }
 
 /// Backpropagated k3 toward a teacher that is the starting student is, term for term, the k3

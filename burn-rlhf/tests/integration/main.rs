@@ -202,3 +202,19 @@ pub fn assert_same_runs(
         }
     }
 }
+
+/// Every float parameter of `m`, in visiting order: the tests compare weights through it.
+pub fn params<M: burn::module::Module<Flex>>(m: &M) -> Vec<f32> {
+    struct Collect(Vec<f32>);
+    impl burn::module::ModuleVisitor<Flex> for Collect {
+        fn visit_float<const D: usize>(
+            &mut self,
+            p: &burn::module::Param<burn::tensor::Tensor<Flex, D>>,
+        ) {
+            self.0.extend(p.val().into_data().iter::<f32>());
+        }
+    }
+    let mut c = Collect(Vec::new());
+    m.visit(&mut c);
+    c.0
+}

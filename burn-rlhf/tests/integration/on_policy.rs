@@ -4,8 +4,7 @@
 use std::path::Path;
 
 use burn::backend::{Autodiff, Flex};
-use burn::module::{AutodiffModule, Module};
-use burn::tensor::Tensor;
+use burn::module::AutodiffModule;
 use burn_rlhf::config::RlhfConfig;
 use burn_rlhf::tasks;
 use burn_rlhf::trainer::{Learner, LearnerParts};
@@ -46,23 +45,11 @@ fn learner(config: RlhfConfig) -> Learner<B> {
     Learner::new(config, parts, &Default::default()).unwrap()
 }
 
-fn params<M: Module<Flex>>(m: &M) -> Vec<f32> {
-    struct Collect(Vec<f32>);
-    impl burn::module::ModuleVisitor<Flex> for Collect {
-        fn visit_float<const D: usize>(&mut self, p: &burn::module::Param<Tensor<Flex, D>>) {
-            self.0.extend(p.val().into_data().iter::<f32>());
-        }
-    }
-    let mut c = Collect(Vec::new());
-    m.visit(&mut c);
-    c.0
-}
-
 #[test]
 fn an_on_policy_update_takes_its_own_log_probs_as_the_old_ones() {
     let dir = temp_dir("on_policy");
     let mut skipping = learner(config(&dir));
-    let before = params(&skipping.actor.valid());
+    let before = super::params(&skipping.actor.valid());
     let metrics = skipping.step().unwrap();
     assert!(
         !metrics.contains_key("timing_s/old_log_prob"),
@@ -105,8 +92,8 @@ fn an_on_policy_update_takes_its_own_log_probs_as_the_old_ones() {
     assert!(own.is_none(), "with old log-probs given, none are returned");
 
     let (a, b) = (
-        params(&skipping.actor.valid()),
-        params(&phased.actor.valid()),
+        super::params(&skipping.actor.valid()),
+        super::params(&phased.actor.valid()),
     );
     let moved = a
         .iter()

@@ -8,7 +8,7 @@ use std::process::Command;
 use std::sync::atomic::AtomicBool;
 
 use burn::backend::{Autodiff, Flex};
-use burn::module::{AutodiffModule, Module};
+use burn::module::AutodiffModule;
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_rlhf::config::{KnownNames, RlhfConfig, Settings, ThresholdSpec};
 use burn_rlhf::models::pretrained::load_pretrained;
@@ -70,18 +70,6 @@ fn try_learner(
 }
 
 /// Every parameter of a module, flattened in visiting order.
-fn params<M: Module<Flex>>(m: &M) -> Vec<f32> {
-    struct Collect(Vec<f32>);
-    impl burn::module::ModuleVisitor<Flex> for Collect {
-        fn visit_float<const D: usize>(&mut self, p: &burn::module::Param<Tensor<Flex, D>>) {
-            self.0
-                .extend(p.val().into_data().iter::<f32>().collect::<Vec<_>>());
-        }
-    }
-    let mut c = Collect(Vec::new());
-    m.visit(&mut c);
-    c.0
-}
 
 fn max_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
@@ -153,11 +141,11 @@ fn ppo_with_critic_runs_and_reports_every_metric() {
     config.actor_rollout_ref.rollout.exact_logprobs = Some(false);
     config.trainer.logger = vec!["jsonl".into()];
     let mut l = learner(config, actor, critic);
-    let before = params(&l.actor.valid());
+    let before = super::params(&l.actor.valid());
     let out = l.fit(&AtomicBool::new(false)).unwrap();
     assert_eq!(l.global_step, 2);
     assert!(
-        max_diff(&before, &params(&l.actor.valid())) > 0.0,
+        max_diff(&before, &super::params(&l.actor.valid())) > 0.0,
         "the actor trained"
     );
     let logged = read_jsonl(out.jsonl.as_ref().unwrap()).unwrap();
@@ -238,8 +226,8 @@ fn step_does_not_depend_on_micro_batch_size() {
         let mut l = learner(config, actor.clone(), critic.clone());
         let m = l.step().unwrap();
         (
-            params(&l.actor.valid()),
-            params(&l.critic().unwrap().valid()),
+            super::params(&l.actor.valid()),
+            super::params(&l.critic().unwrap().valid()),
             m,
         )
     };
@@ -276,8 +264,8 @@ fn step_does_not_depend_on_token_budget_packing() {
         let mut l = learner(config, actor.clone(), critic.clone());
         let m = l.step().unwrap();
         (
-            params(&l.actor.valid()),
-            params(&l.critic().unwrap().valid()),
+            super::params(&l.actor.valid()),
+            super::params(&l.critic().unwrap().valid()),
             m,
         )
     };
@@ -309,21 +297,21 @@ fn critic_warmup_trains_only_the_critic() {
     let mut config = tiny_config("gae", &dir);
     config.trainer.critic_warmup = 3;
     let mut l = learner(config, actor, critic);
-    let actor0 = params(&l.actor.valid());
+    let actor0 = super::params(&l.actor.valid());
     for step in 1..=2 {
-        let critic_before = params(&l.critic().unwrap().valid());
+        let critic_before = super::params(&l.critic().unwrap().valid());
         let m = l.step().unwrap();
         assert_eq!(
-            max_diff(&actor0, &params(&l.actor.valid())),
+            max_diff(&actor0, &super::params(&l.actor.valid())),
             0.0,
             "step {step}"
         );
         assert!(!m.contains_key("actor/pg_loss"));
-        assert!(max_diff(&critic_before, &params(&l.critic().unwrap().valid())) > 0.0);
+        assert!(max_diff(&critic_before, &super::params(&l.critic().unwrap().valid())) > 0.0);
     }
     // verl updates the actor from `global_steps >= critic_warmup` on.
     l.step().unwrap();
-    assert!(max_diff(&actor0, &params(&l.actor.valid())) > 0.0);
+    assert!(max_diff(&actor0, &super::params(&l.actor.valid())) > 0.0);
     std::fs::remove_dir_all(dir).ok();
 }
 
@@ -441,7 +429,7 @@ fn re_saving_a_step_never_leaves_latest_pointing_at_nothing() {
     config.trainer.resume_mode = "auto".into();
     let mut l = learner(config, actor, critic);
     l.step().unwrap();
-    let first = params(&l.actor.valid());
+    let first = super::params(&l.actor.valid());
     let ckpt = l.save_checkpoint().unwrap();
     l.step().unwrap();
     l.global_step = 1;
@@ -450,8 +438,11 @@ fn re_saving_a_step_never_leaves_latest_pointing_at_nothing() {
         .unwrap()
         .causal_lm(&Default::default())
         .unwrap();
-    assert_eq!(max_diff(&params(&saved), &params(&l.actor.valid())), 0.0);
-    assert!(max_diff(&params(&saved), &first) > 0.0);
+    assert_eq!(
+        max_diff(&super::params(&saved), &super::params(&l.actor.valid())),
+        0.0
+    );
+    assert!(max_diff(&super::params(&saved), &first) > 0.0);
     let mut left: Vec<String> = std::fs::read_dir(&dir)
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
@@ -511,7 +502,10 @@ fn checkpoint_retention_keeps_the_newest_and_resumes() {
     assert_eq!(from, dir.join("global_step_4"));
     resumed.load_checkpoint(&from).unwrap();
     assert_eq!(
-        max_diff(&params(&resumed.actor.valid()), &params(&l.actor.valid())),
+        max_diff(
+            &super::params(&resumed.actor.valid()),
+            &super::params(&l.actor.valid())
+        ),
         0.0
     );
     std::fs::remove_dir_all(dir).ok();
@@ -775,7 +769,7 @@ fn rollout_correction_weights_rejects_and_bypasses() {
         set(&mut config);
         let mut l = learner(config, actor.clone(), critic.clone());
         let m = l.step().unwrap();
-        (params(&l.actor.valid()), m)
+        (super::params(&l.actor.valid()), m)
     };
     let (plain, m) = run(&|_| {});
     for key in [
@@ -1007,7 +1001,10 @@ fn lora_runs_train_adapters_and_resume_as_if_never_stopped() {
     run(&resumed, 2);
     let b = run(&resumed, 4);
     assert_eq!(b.global_step, 4);
-    let (pa, pb) = (params(&a.actor.valid()), params(&b.actor.valid()));
+    let (pa, pb) = (
+        super::params(&a.actor.valid()),
+        super::params(&b.actor.valid()),
+    );
     assert!(max_diff(&pa, &pb) <= 1e-6, "{}", max_diff(&pa, &pb));
     // The adapters trained (B starts at zero) and nothing else did.
     let lora_b = |l: &Learner<B>| {
@@ -1022,10 +1019,10 @@ fn lora_runs_train_adapters_and_resume_as_if_never_stopped() {
         a.lora_b.val().abs().max().into_scalar()
     };
     assert!(lora_b(&a) > 0.0);
-    let merged_base = params(&a.actor.valid().model.layers[0].self_attn.q_proj.linear.base);
+    let merged_base = super::params(&a.actor.valid().model.layers[0].self_attn.q_proj.linear.base);
     assert_eq!(
         merged_base,
-        params(&adapted.valid().model.layers[0].self_attn.q_proj.linear.base)
+        super::params(&adapted.valid().model.layers[0].self_attn.q_proj.linear.base)
     );
     let ckpt = resumed.join("global_step_4/actor");
     for file in [
