@@ -76,12 +76,7 @@ fn wide_vocab_models() -> (
 ) {
     let mut mc = tasks::model_config(32, 1);
     mc.vocab_size = 16;
-    let actor: CausalLm<B> = super::seeded(11, || mc.init_causal_lm(&Default::default()));
-    let mut w = WeightMap::new("tiny actor, 16 tokens");
-    for (k, v) in actor.valid().export() {
-        w.insert(k, v);
-    }
-    let critic = ValueModel::critic_from_weights(&mc, w, &Default::default()).unwrap();
+    let (actor, critic) = super::models_of(&mc, 11);
     (actor, critic, mc)
 }
 
@@ -290,12 +285,7 @@ fn moe_models() -> (
         output_router_logits: false,
         sparse_layers: vec![true],
     });
-    let actor: CausalLm<B> = super::seeded(13, || mc.init_causal_lm(&Default::default()));
-    let mut w = WeightMap::new("tiny mixture of experts");
-    for (k, v) in actor.valid().export() {
-        w.insert(k, v);
-    }
-    let critic = ValueModel::critic_from_weights(&mc, w, &Default::default()).unwrap();
+    let (actor, critic) = super::models_of(&mc, 13);
     (actor, critic, mc)
 }
 

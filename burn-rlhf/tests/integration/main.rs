@@ -39,16 +39,11 @@ impl burn_rlhf::rollout::reward::RewardFn for Length {
     }
 }
 
-/// Burn's RNG is one per process: code that seeds it and draws from it (random model
-/// initialisation, fresh heads and adapters) holds this lock, so that what it draws does not
-/// depend on which other tests of this binary run beside it.
-pub static MODEL_INIT: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-/// `f` with Burn's RNG seeded with `seed` and no other test drawing from it.
+/// `f` with Burn's RNG (one per process) seeded with `seed` and no other thread drawing from it:
+/// the library's own lock, which its loaders and trainers also hold when they draw fresh heads,
+/// so what a test draws does not depend on which other tests run beside it.
 pub fn seeded<T>(seed: u64, f: impl FnOnce() -> T) -> T {
-    let _lock = MODEL_INIT.lock().unwrap_or_else(|e| e.into_inner());
-    <burn::backend::Flex as burn::tensor::backend::Backend>::seed(&Default::default(), seed);
-    f()
+    burn_rlhf::runtime::seeded::<burn::backend::Flex, _>(&Default::default(), seed, f)
 }
 
 /// Reads every parameter of `model` once, drawing any lazily initialised one now.
@@ -73,21 +68,32 @@ pub fn tiny_models(
     burn_rlhf::models::CausalLm<Autodiff<Flex>>,
     burn_rlhf::models::ValueModel<Autodiff<Flex>>,
 ) {
+    models_of(&burn_rlhf::tasks::model_config(32, 1), seed)
+}
+
+/// An actor of shape `c` and a critic starting from its backbone, drawn with `seed`: both drawn
+/// whole under the lock (a lazy parameter's clone, `valid()`, draws its own values, and the
+/// returned actor's would be drawn at its first read from whatever another test left in the
+/// random stream; the critic's fresh value head likewise).
+pub fn models_of(
+    c: &burn_rlhf::models::TransformerConfig,
+    seed: u64,
+) -> (
+    burn_rlhf::models::CausalLm<Autodiff<Flex>>,
+    burn_rlhf::models::ValueModel<Autodiff<Flex>>,
+) {
     use burn::module::AutodiffModule;
     seeded(seed, || {
-        let c = burn_rlhf::tasks::model_config(32, 1);
         let actor: burn_rlhf::models::CausalLm<Autodiff<Flex>> =
             c.init_causal_lm(&Default::default());
-        // Drawn here, under the lock: a lazy parameter's clone (`valid()`) draws its own values,
-        // and the returned actor's would be drawn at its first read, from whatever another test
-        // left in the random stream (two "same" actors then differed now and then).
         materialise(&actor);
         let mut w = burn_rlhf::models::weights::WeightMap::new("tiny actor");
         for (k, v) in actor.valid().export() {
             w.insert(k, v);
         }
         let critic =
-            burn_rlhf::models::ValueModel::critic_from_weights(&c, w, &Default::default()).unwrap();
+            burn_rlhf::models::ValueModel::critic_from_weights(c, w, &Default::default()).unwrap();
+        materialise(&critic);
         (actor, critic)
     })
 }

@@ -96,9 +96,20 @@ impl<B: LearnerBackend> LearnerParts<B> {
         device: &B::Device,
         training: bool,
     ) -> Result<Self, TrainError> {
-        // Fresh heads (the critic's value head, LoRA adapters) are drawn from Burn's RNG: seed it
-        // so runs, and a run and its resumption, start from the same weights.
-        B::seed(device, settings.trainer.seed);
+        // Fresh heads (the critic's value head, LoRA adapters) are drawn from Burn's RNG, one per
+        // process: seeded, and no other thread drawing meanwhile, so runs, and a run and its
+        // resumption, start from the same weights.
+        crate::runtime::seeded::<B, _>(device, settings.trainer.seed, || {
+            Self::load_seeded(settings, device, training)
+        })
+    }
+
+    /// [`LearnerParts::load`] with Burn's RNG already seeded and held.
+    fn load_seeded(
+        settings: &Settings,
+        device: &B::Device,
+        training: bool,
+    ) -> Result<Self, TrainError> {
         let m = &settings.model;
         let policy = load_policy::<B>(
             &m.path,
