@@ -24,7 +24,7 @@ use burn::tensor::{Int, Tensor};
 use crate::agg::{agg_loss, GlobalBatchInfo, LossAggMode};
 use crate::error::AlgoError;
 use crate::functional::{masked_mean, to_vec};
-use crate::kernels::RlBackend;
+use crate::kernels::{linear_log_probs_at, RlBackend};
 use crate::kl::{kl_penalty, KlPenalty};
 use crate::policy_loss::{PolicyLoss, PolicyLossInput, VanillaPpo};
 
@@ -116,8 +116,8 @@ pub struct TopkDivergence<B: Backend> {
 
 /// verl's `compute_forward_kl_topk` for positions whose student logits are `logits`: the student's
 /// log-softmax (in f32) at the teacher's top-k ids, both clamped below at `log_prob_min_clamp`,
-/// and the teacher-weighted difference summed over k. The caller passes a chunk of positions at
-/// a time, so no `[tokens, vocab]` tensor outlives its chunk.
+/// and the teacher-weighted difference summed over k. The whole `[N, V]` log-softmax: the
+/// reference of [`linear_forward_kl_topk`], which never makes it.
 ///
 /// Shapes: logits `[N, V]`, teacher_topk_log_probs `[N, K]`, teacher_topk_ids `[N, K]` → `[N]`.
 pub fn forward_kl_topk<B: Backend>(
@@ -126,10 +126,104 @@ pub fn forward_kl_topk<B: Backend>(
     teacher_topk_ids: Tensor<B, 2, Int>,
     log_prob_min_clamp: Option<f64>,
 ) -> TopkDivergence<B> {
-    let [n, k] = teacher_topk_ids.dims();
+    let k = teacher_topk_ids.dims()[1];
     let student_log_probs = log_softmax(logits, 1);
     let student_topk_ids = student_log_probs.clone().detach().topk_with_indices(k, 1).1;
     let student_topk = student_log_probs.gather(1, teacher_topk_ids.clone());
+    forward_kl_topk_at(
+        student_topk,
+        student_topk_ids,
+        teacher_topk_log_probs,
+        teacher_topk_ids,
+        log_prob_min_clamp,
+    )
+}
+
+/// [`forward_kl_topk`] with the student's side read through the LM head `chunk` rows at a time:
+/// its log-probs at the teacher's ids differentiable in `hidden` and `weight`
+/// ([`linear_log_probs_at`]), its own top-k (for the overlap diagnostics) from a pass without a
+/// graph ([`linear_topk`]). The logits are `hidden · weightᵀ / temperature`.
+///
+/// Shapes: hidden `[N, H]`, weight `[V, H]`, teacher_topk_log_probs `[N, K]`,
+/// teacher_topk_ids `[N, K]` → `[N]`.
+pub fn linear_forward_kl_topk<B: RlBackend>(
+    (hidden, weight): (Tensor<B, 2>, Tensor<B, 2>),
+    (temperature, chunk): (f64, usize),
+    teacher_topk_log_probs: Tensor<B, 2>,
+    teacher_topk_ids: Tensor<B, 2, Int>,
+    log_prob_min_clamp: Option<f64>,
+) -> TopkDivergence<B> {
+    let k = teacher_topk_ids.dims()[1];
+    let (_, student_topk_ids) = linear_topk(
+        hidden.clone().detach(),
+        weight.clone().detach(),
+        k,
+        temperature,
+        chunk,
+    );
+    let student_topk =
+        linear_log_probs_at(hidden, weight, teacher_topk_ids.clone(), temperature, chunk);
+    forward_kl_topk_at(
+        student_topk,
+        student_topk_ids,
+        teacher_topk_log_probs,
+        teacher_topk_ids,
+        log_prob_min_clamp,
+    )
+}
+
+/// The `k` most likely tokens of each row of `hidden · weightᵀ / temperature` and their f32
+/// log-probs, the logits made `chunk` rows at a time: a teacher's top-k (its pass makes no
+/// graph). Ties go to the lower id, as Burn's `topk` orders them.
+///
+/// Shapes: hidden `[N, H]`, weight `[V, H]` → (log-probs `[N, K]`, ids `[N, K]`).
+pub fn linear_topk<B: Backend>(
+    hidden: Tensor<B, 2>,
+    weight: Tensor<B, 2>,
+    k: usize,
+    temperature: f64,
+    chunk: usize,
+) -> (Tensor<B, 2>, Tensor<B, 2, Int>) {
+    let [n, h] = hidden.dims();
+    let device = hidden.device();
+    if n == 0 {
+        return (
+            Tensor::zeros([0, k], (&device, burn::tensor::DType::F32)),
+            Tensor::zeros([0, k], &device),
+        );
+    }
+    let chunk = chunk.max(1);
+    let (values, ids): (Vec<_>, Vec<_>) = (0..n)
+        .step_by(chunk)
+        .map(|start| {
+            let end = (start + chunk).min(n);
+            let z = hidden
+                .clone()
+                .slice([start..end, 0..h])
+                .matmul(weight.clone().transpose())
+                .cast(burn::tensor::DType::F32)
+                / temperature;
+            let max = z.clone().max_dim(1);
+            let lse = (z.clone() - max.clone()).exp().sum_dim(1).log() + max;
+            let (top, ids) = z.topk_with_indices(k, 1);
+            (top - lse, ids)
+        })
+        .unzip();
+    (Tensor::cat(values, 0), Tensor::cat(ids, 0))
+}
+
+/// The top-k forward KL from the student's log-probs at the teacher's top-k ids and the
+/// student's own top-k ids (the diagnostics'), as verl's `compute_forward_kl_topk` goes on.
+///
+/// Shapes: student_topk `[N, K]`, student_topk_ids `[N, K]`, teacher's `[N, K]` → `[N]`.
+pub fn forward_kl_topk_at<B: Backend>(
+    student_topk: Tensor<B, 2>,
+    student_topk_ids: Tensor<B, 2, Int>,
+    teacher_topk_log_probs: Tensor<B, 2>,
+    teacher_topk_ids: Tensor<B, 2, Int>,
+    log_prob_min_clamp: Option<f64>,
+) -> TopkDivergence<B> {
+    let [n, k] = teacher_topk_ids.dims();
     let teacher = teacher_topk_log_probs;
     let student_mass = student_topk.clone().exp().sum_dim(1).reshape([n]);
     let teacher_mass = teacher.clone().exp().sum_dim(1).reshape([n]);
@@ -332,5 +426,118 @@ mod tests {
         assert!((to_vec(with)[0] - 2.05).abs() < 1e-6);
         let alone = combine_with_task_loss(task, distill, mix(false));
         assert_eq!(to_vec(alone)[0], 0.5);
+    }
+
+    /// Values drawn from a fixed formula (no RNG: Burn's is one per process).
+    fn filled<Bk: Backend>(
+        rows: usize,
+        cols: usize,
+        scale: f32,
+        device: &Bk::Device,
+    ) -> Tensor<Bk, 2> {
+        let v: Vec<f32> = (0..rows * cols)
+            .map(|i| ((i as f32 * 0.7311).sin() + (i as f32 * 0.1937).cos()) * scale)
+            .collect();
+        Tensor::from_data(burn::tensor::TensorData::new(v, [rows, cols]), device)
+    }
+
+    /// The chunked student side (the fused head's log-probs at the teacher's ids, forward and
+    /// backward, and its own top-k) equals verl's whole log-softmax path, for any chunk, a
+    /// temperature and the clamp; the teacher's chunked top-k equals the whole one.
+    #[test]
+    fn the_chunked_top_k_loss_is_the_whole_log_softmax_s() {
+        use burn::backend::Autodiff;
+        type A = Autodiff<Flex>;
+        let device = Default::default();
+        let (n, h, v, k) = (7, 5, 23, 4);
+        let hidden0 = filled::<A>(n, h, 0.8, &device);
+        let weight0 = filled::<A>(v, h, 0.5, &device).flip([0]);
+        let teacher_hidden = filled::<B>(n, h, 1.1, &device).flip([1]);
+        for (temperature, clamp) in [(1.0, None), (0.7, Some(-2.5))] {
+            let (teacher_lp, teacher_ids) = linear_topk(
+                teacher_hidden.clone(),
+                weight0.clone().inner(),
+                k,
+                temperature,
+                3,
+            );
+            // The teacher's top-k against the whole log-softmax's.
+            let whole = log_softmax(
+                teacher_hidden
+                    .clone()
+                    .matmul(weight0.clone().inner().transpose())
+                    / temperature,
+                1,
+            );
+            let (top, ids) = whole.topk_with_indices(k, 1);
+            let worst = to_vec::<B, 2>(top.sub(teacher_lp.clone()).abs())
+                .into_iter()
+                .fold(0f32, f32::max);
+            assert!(
+                worst < 1e-5,
+                "the teacher's top-k log-probs differ by {worst}"
+            );
+            assert_eq!(ids.into_data(), teacher_ids.clone().into_data());
+            let run = |chunked: Option<usize>| {
+                let hidden = hidden0.clone().require_grad();
+                let weight = weight0.clone().require_grad();
+                let (tl, ti) = (
+                    Tensor::<A, 2>::from_inner(teacher_lp.clone()),
+                    Tensor::<A, 2, Int>::from_inner(teacher_ids.clone()),
+                );
+                let d = match chunked {
+                    Some(chunk) => linear_forward_kl_topk(
+                        (hidden.clone(), weight.clone()),
+                        (temperature, chunk),
+                        tl,
+                        ti,
+                        clamp,
+                    ),
+                    None => forward_kl_topk(
+                        hidden.clone().matmul(weight.clone().transpose()) / temperature,
+                        tl,
+                        ti,
+                        clamp,
+                    ),
+                };
+                // A weighted sum, so each position's gradient counts differently.
+                let scale =
+                    Tensor::<A, 1>::from_floats([1.0, -0.5, 2.0, 0.3, 1.5, -1.0, 0.7], &device);
+                let grads = (d.losses.clone() * scale).sum().backward();
+                (
+                    to_vec(d.losses.inner()),
+                    to_vec(d.student_mass.inner()),
+                    d.overlap_count.clone(),
+                    d.overlap_token_advantage.clone(),
+                    to_vec(hidden.grad(&grads).unwrap()),
+                    to_vec(weight.grad(&grads).unwrap()),
+                )
+            };
+            let whole = run(None);
+            for chunk in [1, 3, 64] {
+                let chunked = run(Some(chunk));
+                let close = |a: &[f32], b: &[f32], what: &str| {
+                    let worst = a
+                        .iter()
+                        .zip(b)
+                        .map(|(x, y)| (x - y).abs())
+                        .fold(0f32, f32::max);
+                    assert!(
+                        worst < 1e-5,
+                        "chunk {chunk}, T {temperature}: {what} differs by {worst}"
+                    );
+                };
+                close(&chunked.0, &whole.0, "losses");
+                close(&chunked.1, &whole.1, "student mass");
+                assert_eq!(chunked.2, whole.2, "overlap counts");
+                close(&chunked.3, &whole.3, "overlap advantages");
+                close(&chunked.4, &whole.4, "d hidden");
+                close(&chunked.5, &whole.5, "d weight");
+            }
+            assert!(
+                whole.4.iter().any(|g| g.abs() > 1e-3),
+                "the gradient is not nothing"
+            );
+        }
     }
 }

@@ -499,15 +499,19 @@ fn compute(case: &Case) -> Result<Ours, String> {
             }
         }
         "distillation_topk" => {
-            use burn_rlhf_algos::distillation::forward_kl_topk;
+            use burn_rlhf_algos::distillation::linear_forward_kl_topk;
             if case.name != "forward_kl_topk" {
                 return Err(format!("unknown distillation_topk `{}`", case.name));
             }
             case.expect_objective("sum(clamp_min(distillation_losses, 0) * mask)")?;
+            // The trainer's path: the student's logits through the chunked LM head, here as
+            // hidden states under an identity head (logits = hidden · Iᵀ), 2 rows a chunk.
             let logits = case.input("logits")?.t2()?.require_grad();
+            let vocab = logits.dims()[1];
             let mask = case.input("mask")?.t1();
-            let out = forward_kl_topk(
-                logits.clone(),
+            let out = linear_forward_kl_topk(
+                (logits.clone(), Tensor::eye(vocab, &logits.device())),
+                (1.0, 2),
                 case.input("teacher_topk_log_probs")?.t2()?,
                 case.input("teacher_topk_ids")?.int2()?,
                 case.f("log_prob_min_clamp"),

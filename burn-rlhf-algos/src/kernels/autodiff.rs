@@ -88,6 +88,36 @@ impl<B: RlBackend> Backward<B, 2> for LinearLogprobEntropyBackward {
 }
 
 #[derive(Debug)]
+struct LinearLogProbsAtBackward {
+    temperature: f32,
+    chunk: usize,
+}
+
+impl<B: RlBackend> Backward<B, 2> for LinearLogProbsAtBackward {
+    type State = (NodeId, NodeId, IntTensor<B>);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, c: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        let (hidden, weight, ids) = ops.state;
+        let hidden = c.retrieve_node_output::<FloatTensor<B>>(hidden);
+        let weight = c.retrieve_node_output::<FloatTensor<B>>(weight);
+        let (dh, dw) = B::rl_linear_log_probs_at_backward(
+            grad,
+            hidden,
+            weight,
+            ids,
+            self.temperature,
+            self.chunk,
+        );
+        for (parent, g) in ops.parents.into_iter().zip([dh, dw]) {
+            if let Some(node) = parent {
+                grads.register::<B>(node.id, g);
+            }
+        }
+    }
+}
+
+#[derive(Debug)]
 struct ValueBackward(f32);
 
 impl<B: RlBackend> Backward<B, 1> for ValueBackward {
@@ -237,6 +267,53 @@ impl<B: RlBackend, C: CheckpointStrategy> RlBackend for Autodiff<B, C> {
             inner::<B, C>(hidden),
             inner::<B, C>(weight),
             labels,
+            temperature,
+            chunk,
+        );
+        (outer::<B, C>(dh), outer::<B, C>(dw))
+    }
+
+    fn rl_linear_log_probs_at(
+        hidden: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        ids: IntTensor<Self>,
+        temperature: f32,
+        chunk: usize,
+    ) -> FloatTensor<Self> {
+        let out = B::rl_linear_log_probs_at(
+            hidden.primitive.clone(),
+            weight.primitive.clone(),
+            ids.clone(),
+            temperature,
+            chunk,
+        );
+        // Keeps the inputs (read through the checkpointer), never the logits.
+        match (LinearLogProbsAtBackward { temperature, chunk })
+            .prepare::<C>([hidden.node.clone(), weight.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(mut prep) => {
+                let state = (prep.checkpoint(&hidden), prep.checkpoint(&weight), ids);
+                prep.finish(state, out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(out),
+        }
+    }
+
+    fn rl_linear_log_probs_at_backward(
+        grad: FloatTensor<Self>,
+        hidden: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        ids: IntTensor<Self>,
+        temperature: f32,
+        chunk: usize,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (dh, dw) = B::rl_linear_log_probs_at_backward(
+            inner::<B, C>(grad),
+            inner::<B, C>(hidden),
+            inner::<B, C>(weight),
+            ids,
             temperature,
             chunk,
         );

@@ -342,6 +342,40 @@ pub trait RlBackend: Backend {
         )
     }
 
+    /// Log-softmax of `hidden · weightᵀ / temperature` at `ids` (several per row), the logits
+    /// made `chunk` rows at a time, in f32: hidden `[rows, H]`, weight `[vocab, H]`, ids
+    /// `[rows, K]` → `[rows, K]`. The student's side of the top-k forward KL (on-policy
+    /// distillation), whose `[rows, vocab]` log-softmax never exists at once.
+    fn rl_linear_log_probs_at(
+        hidden: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        ids: IntTensor<Self>,
+        temperature: f32,
+        chunk: usize,
+    ) -> FloatTensor<Self> {
+        reference::linear_log_probs_at::<Self>(hidden, weight, ids, temperature, chunk)
+    }
+
+    /// The gradients (hidden, weight) of [`RlBackend::rl_linear_log_probs_at`] given the output's
+    /// gradient `[rows, K]`, each chunk's logits recomputed.
+    fn rl_linear_log_probs_at_backward(
+        grad: FloatTensor<Self>,
+        hidden: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        ids: IntTensor<Self>,
+        temperature: f32,
+        chunk: usize,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        reference::linear_log_probs_at_backward::<Self>(
+            grad,
+            hidden,
+            weight,
+            ids,
+            temperature,
+            chunk,
+        )
+    }
+
     /// The clipped value loss per token, `max((V - R)^2, (clip(V, V_old ± c) - R)^2)`, and where
     /// the clipped term is the larger: (loss, clipped).
     fn rl_value_clip_loss(
@@ -498,6 +532,33 @@ pub fn linear_entropy_and_logprobs<B: RlBackend>(
     let logp = out.clone().slice([0..n, 0..1]).reshape([n]);
     let entropy = out.slice([0..n, 1..2]).reshape([n]);
     (entropy, logp)
+}
+
+/// Log-probs of several tokens per row (`ids`) under `hidden · weightᵀ / temperature`,
+/// differentiable in `hidden` and `weight`, the logits made `chunk` rows at a time (see
+/// [`RlBackend::rl_linear_log_probs_at`]).
+///
+/// Shapes: hidden `[N, H]`, weight `[V, H]`, ids `[N, K]` → `[N, K]` (f32).
+pub fn linear_log_probs_at<B: RlBackend>(
+    hidden: Tensor<B, 2>,
+    weight: Tensor<B, 2>,
+    ids: Tensor<B, 2, Int>,
+    temperature: f64,
+    chunk: usize,
+) -> Tensor<B, 2> {
+    assert_eq!(
+        hidden.dims()[1],
+        weight.dims()[1],
+        "hidden and weight widths"
+    );
+    assert_eq!(hidden.dims()[0], ids.dims()[0], "hidden and ids rows");
+    wrap(B::rl_linear_log_probs_at(
+        prim(hidden),
+        prim(weight),
+        ids.into_primitive(),
+        temperature as f32,
+        chunk.max(1),
+    ))
 }
 
 /// The clipped value loss per token, differentiable in `vpreds`, and where clipping wins.

@@ -437,6 +437,90 @@ pub fn linear_logprob_entropy_backward<B: super::RlBackend>(
     (p(Tensor::cat(d_hidden, 0)), p(d_weight.cast(w_dtype)))
 }
 
+/// [`super::RlBackend::rl_linear_log_probs_at`]: chunk by chunk, `z[ids] - logsumexp(z)` of the
+/// chunk's tempered f32 logits `z`.
+pub fn linear_log_probs_at<B: Backend>(
+    hidden: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    ids: IntTensor<B>,
+    temperature: f32,
+    chunk: usize,
+) -> FloatTensor<B> {
+    let (hidden, weight): (Tensor<B, 2>, Tensor<B, 2>) = (t(hidden), t(weight));
+    let ids: Tensor<B, 2, Int> = Tensor::from_primitive(ids);
+    let [rows, k] = ids.dims();
+    if rows == 0 {
+        return p(Tensor::<B, 2>::zeros(
+            [0, k],
+            (&hidden.device(), burn::tensor::DType::F32),
+        ));
+    }
+    let parts: Vec<Tensor<B, 2>> = chunks(rows, chunk)
+        .map(|range| {
+            let z = chunk_logits(&hidden, &weight, range) / temperature as f64;
+            let max = z.clone().max_dim(1);
+            let lse = (z.clone() - max.clone()).exp().sum_dim(1).log() + max;
+            z.gather(1, ids.clone().slice([range.0..range.1, 0..k])) - lse
+        })
+        .collect();
+    p(Tensor::cat(parts, 0))
+}
+
+/// The gradients (hidden, weight) of [`linear_log_probs_at`]: per chunk, `d/dz = (scatter(g) -
+/// softmax(z) · Σ_k g) / temperature` from the recomputed logits; the weight's gradient
+/// accumulates in f32.
+pub fn linear_log_probs_at_backward<B: Backend>(
+    grad: FloatTensor<B>,
+    hidden: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    ids: IntTensor<B>,
+    temperature: f32,
+    chunk: usize,
+) -> (FloatTensor<B>, FloatTensor<B>) {
+    let (grad, hidden, weight): (Tensor<B, 2>, Tensor<B, 2>, Tensor<B, 2>) =
+        (t(grad), t(hidden), t(weight));
+    let ids: Tensor<B, 2, Int> = Tensor::from_primitive(ids);
+    let (h_dtype, w_dtype) = (hidden.dtype(), weight.dtype());
+    let [rows, h] = hidden.dims();
+    let k = ids.dims()[1];
+    let mut d_weight: Option<Tensor<B, 2>> = None;
+    let mut d_hidden = Vec::new();
+    for range in chunks(rows, chunk) {
+        let z = chunk_logits(&hidden, &weight, range) / temperature as f64;
+        let max = z.clone().max_dim(1);
+        let lse = (z.clone() - max.clone()).exp().sum_dim(1).log() + max;
+        let probs = (z - lse).exp();
+        let g = grad
+            .clone()
+            .slice([range.0..range.1, 0..k])
+            .cast(burn::tensor::DType::F32);
+        let d = (probs * g.clone().sum_dim(1)).neg().scatter(
+            1,
+            ids.clone().slice([range.0..range.1, 0..k]),
+            g,
+            IndexingUpdateOp::Add,
+        );
+        let d = (d / temperature as f64).cast(h_dtype);
+        d_hidden.push(d.clone().matmul(weight.clone()));
+        let part = d
+            .transpose()
+            .matmul(hidden.clone().slice([range.0..range.1, 0..h]))
+            .cast(burn::tensor::DType::F32);
+        d_weight = Some(match d_weight {
+            Some(acc) => acc + part,
+            None => part,
+        });
+    }
+    let d_weight = d_weight.unwrap_or_else(|| {
+        Tensor::zeros(weight.dims(), (&weight.device(), burn::tensor::DType::F32))
+    });
+    let d_hidden = match d_hidden.is_empty() {
+        true => Tensor::zeros([0, h], (&hidden.device(), h_dtype)),
+        false => Tensor::cat(d_hidden, 0),
+    };
+    (p(d_hidden), p(d_weight.cast(w_dtype)))
+}
+
 /// The clipped value loss per token and where the clipped term is the larger.
 pub fn value_clip_loss<B: Backend>(
     vpreds: FloatTensor<B>,
