@@ -8,8 +8,9 @@
 //!    of them (the format, hardly any sums).
 //! 3. From that same student, for `--seconds` each: on-policy distillation (the student samples,
 //!    the teacher scores each sampled token, and `-log π/ν` is the token's reward in the clipped
-//!    policy loss: verl's `use_policy_gradient`, `loss_mode=k1`, no task reward), then GRPO with
-//!    the exact-match reward.
+//!    policy loss: verl's `use_policy_gradient`, `loss_mode=k1`, no task reward; or with
+//!    `--loss-mode forward_kl_topk` the forward KL over the teacher's top-k backpropagated), then
+//!    GRPO with the exact-match reward.
 //! 4. Held-out accuracy (greedy, problems never trained on) before and after each.
 //!
 //! ```text
@@ -57,10 +58,14 @@ struct Args {
     /// The actor's learning rate in both runs (AdamW).
     #[arg(long, default_value_t = 1e-3)]
     lr: f64,
-    /// verl's `distillation_loss.loss_mode` (`k1` as a policy-gradient reward, or `k3`
-    /// backpropagated).
+    /// verl's `distillation_loss.loss_mode` (`k1` as a policy-gradient reward; `k3` or
+    /// `forward_kl_topk`, GKD's forward KL over the teacher's top-k, backpropagated).
     #[arg(long, default_value = "k1")]
     loss_mode: String,
+    /// `distillation_loss.topk` for `forward_kl_topk` (the task's vocabulary is 14 tokens: 14
+    /// is the whole forward KL).
+    #[arg(long, default_value_t = 4)]
+    topk: usize,
     /// Samples per prompt in the distillation run (GRPO's groups take 4).
     #[arg(long, default_value_t = 1)]
     distill_n: usize,
@@ -106,6 +111,9 @@ fn config(args: &Args, out: &str, teacher: Option<&PathBuf>) -> RlhfConfig {
         // k1's gradient ignores the teacher: it trains as a reward (verl refuses it otherwise).
         d.distillation_loss.use_policy_gradient = args.loss_mode == "k1";
         d.distillation_loss.use_task_rewards = false;
+        if args.loss_mode == "forward_kl_topk" {
+            d.distillation_loss.topk = Some(args.topk);
+        }
         d.teacher_models.insert(
             "teacher_model".into(),
             TeacherModelConfig {

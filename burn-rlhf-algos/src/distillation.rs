@@ -73,6 +73,31 @@ impl DistillationLossMode {
     }
 }
 
+/// A [`DistillationLossMode`] with what it reads: what the teacher's pass gives and how the
+/// student's divergence to it is measured.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum TeacherDivergence {
+    /// A single-sample estimator on the sampled token (the teacher's log-prob of it).
+    Estimator(KlPenalty),
+    /// The forward KL over the teacher's top-`k` tokens at each position.
+    ForwardKlTopk {
+        /// `distillation_loss.topk`.
+        k: usize,
+        /// `distillation_loss.log_prob_min_clamp`.
+        log_prob_min_clamp: Option<f64>,
+    },
+}
+
+impl TeacherDivergence {
+    /// The teacher's top-k size, when it gives its top-k.
+    pub fn topk(&self) -> Option<usize> {
+        match self {
+            Self::ForwardKlTopk { k, .. } => Some(*k),
+            Self::Estimator(_) => None,
+        }
+    }
+}
+
 /// How the per-token divergences become the distillation loss (`distillation_loss.*` but the
 /// mode and `topk`).
 #[derive(Debug, Clone, Copy, PartialEq)]

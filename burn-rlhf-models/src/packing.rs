@@ -296,16 +296,42 @@ impl PackedColumns {
     {
         let device = values.device();
         let [b, r] = self.shape;
-        // Each head token's place in the [B * R] block (the bucket's padding at place 0).
+        values
+            .reshape([b * r])
+            .select(0, int_tensor(self.places(), &device))
+    }
+
+    /// [`PackedColumns::gather_padded`] of several values per position (a teacher's top-k).
+    /// Shapes: `[B * R, C]` → `[N, C]`.
+    pub fn gather_padded_rows<B: Backend, K>(&self, values: Tensor<B, 2, K>) -> Tensor<B, 2, K>
+    where
+        K: burn::tensor::Numeric<B>,
+        K::Elem: burn::tensor::Element,
+    {
+        let device = values.device();
+        values.select(0, int_tensor(self.places(), &device))
+    }
+
+    /// Each head token's place in the `[B * R]` block (the bucket's padding at place 0).
+    fn places(&self) -> Vec<i64> {
         let mut place = vec![0i64; self.gather.len()];
         for (i, (&s, &real)) in self.scatter.iter().zip(&self.real).enumerate() {
             if real > 0.0 {
                 place[s as usize] = i as i64;
             }
         }
-        values
-            .reshape([b * r])
-            .select(0, int_tensor(place, &device))
+        place
+    }
+
+    /// [`PackedColumns::scatter`] of several values per head token, without the zeroing: what
+    /// lands at padding is some real token's (callers mask it). Shapes: `[N, C]` → `[B * R, C]`.
+    pub fn scatter_rows<B: Backend, K>(&self, values: Tensor<B, 2, K>) -> Tensor<B, 2, K>
+    where
+        K: burn::tensor::Numeric<B>,
+        K::Elem: burn::tensor::Element,
+    {
+        let device = values.device();
+        values.select(0, int_tensor(self.scatter.clone(), &device))
     }
 
     /// The head's values back in the padded layout, zero at padding. Shapes: `[N]` → `[B, R]`.

@@ -5,6 +5,7 @@ use crate::backend::ComputeBackend;
 use burn::module::Module;
 use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Int, Tensor, TensorData};
+use burn_rlhf_algos::distillation::{forward_kl_topk, linear_forward_kl_topk, linear_topk};
 use burn_rlhf_algos::kernels::{entropy_and_logprobs, linear_entropy_and_logprobs};
 use burn_rlhf_models::packing::{PackedColumns, PackedRows};
 use burn_rlhf_models::recompute::KeptLayers;
@@ -352,6 +353,128 @@ pub fn response_logprobs_and_sum_pi_squared<B: ComputeBackend>(
     (at.unpack(logprobs), at.unpack(entropy), at.unpack(sums))
 }
 
+/// The teacher's side of on-policy distillation's top-k forward KL: at each response position,
+/// the `k` most likely tokens of `model`'s tempered distribution and their log-probs, the logits
+/// made `head.chunk` positions at a time (a head with a LoRA adapter or a bias: whole). An
+/// inference pass; past a row's response the values are the padding's own.
+///
+/// Shapes: → (log-probs `[B, R, K]`, ids `[B, R, K]`).
+pub fn response_topk<B: ComputeBackend>(
+    model: &CausalLm<B>,
+    seq: &SequenceTensors<B>,
+    head: LogprobHead,
+    k: usize,
+) -> (Tensor<B, 3>, Tensor<B, 3, Int>) {
+    assert!(
+        model.model.group().is_none(),
+        "a teacher's top-k pass runs on a whole model"
+    );
+    let at = response_hidden(model, seq, None, None);
+    let flat = at.flat_hidden();
+    let (log_probs, ids) = match model.head_weight() {
+        Some(weight) => linear_topk(flat, weight, k, head.temperature, head.chunk),
+        None => {
+            let [m, _] = flat.dims();
+            let logits = model.logits(flat.unsqueeze_dim(0));
+            let v = logits.dims()[2];
+            let log_probs = burn::tensor::activation::log_softmax(
+                logits.reshape([m, v]).cast(burn::tensor::DType::F32) / head.temperature,
+                1,
+            );
+            log_probs.topk_with_indices(k, 1)
+        }
+    };
+    (at.in_padded_order(log_probs), at.in_padded_order(ids))
+}
+
+/// A teacher's top-k at each response position, for the student's update.
+#[derive(Debug, Clone)]
+pub struct TopkTargets<B: Backend> {
+    /// Its log-probs, `[B, R, K]`.
+    pub log_probs: Tensor<B, 3>,
+    /// Their token ids, `[B, R, K]`.
+    pub ids: Tensor<B, 3, Int>,
+    /// Both sides' log-probs clamped below (`distillation_loss.log_prob_min_clamp`).
+    pub log_prob_min_clamp: Option<f64>,
+}
+
+/// The student's top-k forward KL to its teacher at each response position, and verl's
+/// diagnostics of it, each `[B, R]`.
+#[derive(Debug, Clone)]
+pub struct ResponseTopkKl<B: Backend> {
+    /// `Σ_k p_t (log p_t - log q_s)` before the clamp at 0, differentiable through the student.
+    pub losses: Tensor<B, 2>,
+    /// The student's mass on the teacher's top-k.
+    pub student_mass: Tensor<B, 2>,
+    /// The teacher's mass on its top-k.
+    pub teacher_mass: Tensor<B, 2>,
+    /// How many of the teacher's top-k are among the student's.
+    pub overlap_count: Tensor<B, 2>,
+    /// The mean of `-p_t (log p_t - log q_s)` over the overlapping tokens (0 without any).
+    pub overlap_token_advantage: Tensor<B, 2>,
+}
+
+/// [`response_logprobs_routed`] and, from the same decoder pass, the top-k forward KL to
+/// `teacher` at each response position through the chunked LM head
+/// ([`linear_forward_kl_topk`]: no `[tokens, vocab]` tensor, forward or backward).
+///
+/// Shapes: → (log-probs `[B, R]`, entropies `[B, R]`, the divergence's `[B, R]` each).
+pub fn response_logprobs_topk_kl<B: ComputeBackend>(
+    model: &CausalLm<B>,
+    seq: &SequenceTensors<B>,
+    head: LogprobHead,
+    teacher: &TopkTargets<B>,
+    (router, checkpoint): (
+        Option<&mut Vec<Tensor<B, 2>>>,
+        Option<&mut LayerCheckpoint<B>>,
+    ),
+) -> (Tensor<B, 2>, Tensor<B, 2>, ResponseTopkKl<B>) {
+    assert!(
+        model.model.group().is_none(),
+        "the top-k forward KL runs on a whole student"
+    );
+    let at = response_hidden(model, seq, router, checkpoint);
+    let (logprobs, entropy) = logprobs_from_hidden(model, at.hidden.clone(), at.ids.clone(), head);
+    let (teacher_log_probs, teacher_ids) = (
+        at.in_head_order(teacher.log_probs.clone()),
+        at.in_head_order(teacher.ids.clone()),
+    );
+    let flat = at.flat_hidden();
+    let d = match model.head_weight() {
+        Some(weight) => linear_forward_kl_topk(
+            (flat, weight),
+            (head.temperature, head.chunk),
+            teacher_log_probs,
+            teacher_ids,
+            teacher.log_prob_min_clamp,
+        ),
+        None => {
+            let [m, _] = flat.dims();
+            let logits = model.logits(flat.unsqueeze_dim(0));
+            let v = logits.dims()[2];
+            forward_kl_topk(
+                logits.reshape([m, v]).cast(burn::tensor::DType::F32) / head.temperature,
+                teacher_log_probs,
+                teacher_ids,
+                teacher.log_prob_min_clamp,
+            )
+        }
+    };
+    let device = d.losses.device();
+    let host = |v: Vec<f32>| {
+        let n = v.len();
+        Tensor::<B, 1>::from_data(TensorData::new(v, [n]), &device)
+    };
+    let kl = ResponseTopkKl {
+        losses: at.unpack_flat(d.losses),
+        student_mass: at.unpack_flat(d.student_mass),
+        teacher_mass: at.unpack_flat(d.teacher_mass),
+        overlap_count: at.unpack_flat(host(d.overlap_count.iter().map(|&c| c as f32).collect())),
+        overlap_token_advantage: at.unpack_flat(host(d.overlap_token_advantage)),
+    };
+    (at.unpack(logprobs), at.unpack(entropy), kl)
+}
+
 /// The last hidden state at the positions that predict response tokens, and those tokens: the
 /// padded `[B, R]` block, or a packed pass's `N` such positions as `[1, N]`.
 struct ResponseHidden<B: Backend> {
@@ -361,9 +484,55 @@ struct ResponseHidden<B: Backend> {
     ids: Tensor<B, 2, Int>,
     /// A packed pass's way back to `[B, R]`.
     columns: Option<PackedColumns>,
+    /// `[B, R]`.
+    padded: [usize; 2],
 }
 
 impl<B: Backend> ResponseHidden<B> {
+    /// The head's positions in one column: `[B * R, H]` or `[N, H]`.
+    fn flat_hidden(&self) -> Tensor<B, 2> {
+        let [b, r, h] = self.hidden.dims();
+        self.hidden.clone().reshape([b * r, h])
+    }
+
+    /// Several values per response position in the head's order. Shapes: `[B, R, C]` →
+    /// `[B * R, C]` or `[N, C]`.
+    fn in_head_order<K>(&self, values: Tensor<B, 3, K>) -> Tensor<B, 2, K>
+    where
+        K: burn::tensor::Numeric<B>,
+        K::Elem: burn::tensor::Element,
+    {
+        let [b, r, c] = values.dims();
+        let flat = values.reshape([b * r, c]);
+        match &self.columns {
+            None => flat,
+            Some(columns) => columns.gather_padded_rows(flat),
+        }
+    }
+
+    /// [`ResponseHidden::in_head_order`] back (a packed pass's padding holds some real token's values:
+    /// masked by the caller). Shapes: `[B * R, C]` or `[N, C]` → `[B, R, C]`.
+    fn in_padded_order<K>(&self, values: Tensor<B, 2, K>) -> Tensor<B, 3, K>
+    where
+        K: burn::tensor::Numeric<B>,
+        K::Elem: burn::tensor::Element,
+    {
+        let [b, r] = self.padded;
+        let c = values.dims()[1];
+        let padded = match &self.columns {
+            None => values,
+            Some(columns) => columns.scatter_rows(values),
+        };
+        padded.reshape([b, r, c])
+    }
+
+    /// One value per head position back in the padded block. Shapes: `[B * R]` or `[N]` →
+    /// `[B, R]`.
+    fn unpack_flat(&self, values: Tensor<B, 1>) -> Tensor<B, 2> {
+        let [b, r, _] = self.hidden.dims();
+        self.unpack(values.reshape([b, r]))
+    }
+
     /// Per-position values back in the padded block (zero at a packed pass's padding).
     /// Shapes: `[B, R]` or `[1, N]` → `[B, R]`.
     fn unpack(&self, values: Tensor<B, 2>) -> Tensor<B, 2> {
@@ -396,6 +565,7 @@ fn response_hidden<B: ComputeBackend>(
                 hidden: hidden.slice([0..b, seq.prompt_len - 1..l - 1]),
                 ids: seq.response_ids.clone(),
                 columns: None,
+                padded: seq.response_ids.dims(),
             }
         }
         Some(columns) => {
@@ -408,6 +578,7 @@ fn response_hidden<B: ComputeBackend>(
                     .gather_padded(seq.response_ids.clone())
                     .reshape([1, n]),
                 columns: Some(columns),
+                padded: seq.response_ids.dims(),
             }
         }
     }

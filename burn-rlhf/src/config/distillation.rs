@@ -8,8 +8,9 @@
 
 use std::collections::BTreeMap;
 
-use burn_rlhf_algos::distillation::{DistillationLossMode, DistillationLossParams, TaskLossMix};
-use burn_rlhf_algos::kl::KlPenalty;
+use burn_rlhf_algos::distillation::{
+    DistillationLossMode, DistillationLossParams, TaskLossMix, TeacherDivergence,
+};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
@@ -122,8 +123,8 @@ pub struct TeacherSettings {
 /// `distillation.*`, decoded (when `enabled`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct DistillationSettings {
-    /// The per-token divergence (a single-sample estimator).
-    pub penalty: KlPenalty,
+    /// The per-token divergence and what the teachers' pass gives for it.
+    pub divergence: TeacherDivergence,
     /// The clamp and the policy gradient.
     pub params: DistillationLossParams,
     /// How it joins the task's loss.
@@ -281,17 +282,19 @@ impl DistillationConfig {
         if !self.enabled {
             return None;
         }
-        let penalty = match mode? {
-            DistillationLossMode::Estimator(penalty) => penalty,
+        let divergence = match mode? {
+            DistillationLossMode::Estimator(penalty) => TeacherDivergence::Estimator(penalty),
             DistillationLossMode::ForwardKlTopk => {
-                p.check(false, || {
-                    format!(
-                        "`{KEY}.loss_mode` = `forward_kl_topk`: its loss is built (equal to \
-                         verl's), the teachers' top-k pass feeding it is not yet; use a \
-                         single-sample estimator (`k3`, `k2`, `abs`, `kl`)"
-                    )
-                });
-                return None;
+                let Some(k) = l.topk else {
+                    p.check(false, || {
+                        format!("`{KEY}.topk` must be set for `loss_mode=forward_kl_topk`")
+                    });
+                    return None;
+                };
+                TeacherDivergence::ForwardKlTopk {
+                    k,
+                    log_prob_min_clamp: l.log_prob_min_clamp,
+                }
             }
         };
         p.check(actor_tp == 1, || {
@@ -309,7 +312,7 @@ impl DistillationConfig {
         let teachers = self.decode_teachers(p);
         let clip = |side: Option<f64>| side.unwrap_or(l.clip_ratio);
         Some(DistillationSettings {
-            penalty,
+            divergence,
             params: DistillationLossParams {
                 loss_max_clamp: l.loss_max_clamp,
                 use_policy_gradient: l.use_policy_gradient,

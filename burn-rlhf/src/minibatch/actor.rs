@@ -7,10 +7,10 @@ use std::collections::BTreeMap;
 
 use crate::backend::LearnerBackend;
 use burn::optim::Optimizer;
-use burn::tensor::FloatDType;
+use burn::tensor::{FloatDType, Tensor, TensorData};
 use burn_rlhf_algos::distillation::{
     abs_loss, combine_with_task_loss, distillation_loss, estimator_losses, DistillationInput,
-    DistillationLossParams, TaskLossMix,
+    DistillationLossParams, TaskLossMix, TeacherDivergence,
 };
 use burn_rlhf_algos::functional::{from_rows, to_scalar, to_vec};
 use burn_rlhf_algos::{
@@ -21,7 +21,10 @@ use burn_rlhf_rollout::RolloutBatch;
 
 use crate::config::settings::ActorSettings;
 use crate::error::TrainError;
-use crate::forward::{micro_model, response_logprobs_routed, LogprobHead, SequenceTensors};
+use crate::forward::{
+    micro_model, response_logprobs_routed, response_logprobs_topk_kl, LogprobHead, SequenceTensors,
+    TopkTargets,
+};
 use burn_rlhf_models::transformer::load_balancing_loss;
 
 use super::step::OptimizerStep;
@@ -42,12 +45,90 @@ pub struct ActorTargets {
     pub ref_log_probs: Option<Vec<f32>>,
     /// Rollout correction's IS weights, multiplying each token's policy loss.
     pub rollout_is_weights: Option<Vec<f32>>,
-    /// The teachers' log-probs of the sampled tokens (on-policy distillation), `[rows * T]`.
-    pub teacher_log_probs: Option<Vec<f32>>,
+    /// What the teachers said of each response token (on-policy distillation).
+    pub teacher: Option<TeacherScores>,
     /// Return the log-probs and entropies the update computes before its step even when old
     /// log-probs are given (with exact rollout log-probs, the trainer's view of the first
     /// mini-batch for the rollout-vs-trainer metrics).
     pub record_own: bool,
+}
+
+/// What on-policy distillation's teachers said of a batch's response tokens, as per-token planes
+/// `[rows * response_len]` row-major like the batch's response fields.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TeacherScores {
+    /// The teacher's log-prob of each sampled token (the single-sample estimators).
+    Sampled(Vec<f32>),
+    /// The teacher's top-k at each position (`forward_kl_topk`): plane `j` holds every
+    /// position's `j`-th most likely token's log-prob and id (an id as an f32: exact below 2^24,
+    /// far above any vocabulary).
+    Topk {
+        /// `k` planes of log-probs.
+        log_probs: Vec<Vec<f32>>,
+        /// `k` planes of token ids.
+        ids: Vec<Vec<f32>>,
+    },
+}
+
+impl TeacherScores {
+    /// The same planes, each made by `f` from the plane.
+    pub fn map(&self, f: impl Fn(&[f32]) -> Vec<f32>) -> Self {
+        match self {
+            Self::Sampled(v) => Self::Sampled(f(v)),
+            Self::Topk { log_probs, ids } => Self::Topk {
+                log_probs: log_probs.iter().map(|v| f(v)).collect(),
+                ids: ids.iter().map(|v| f(v)).collect(),
+            },
+        }
+    }
+
+    /// The rows `rows` of planes `width` columns wide.
+    pub fn rows(&self, rows: &[usize], width: usize) -> Self {
+        self.map(|v| rows_of(v, rows, width))
+    }
+}
+
+/// A micro-batch's top-k targets on the device from its cut planes (`n` rows of `w`).
+/// Shapes: → `[n, w, K]` each.
+fn topk_targets<B: burn::tensor::backend::Backend>(
+    (log_probs, ids): (&[Vec<f32>], &[Vec<f32>]),
+    (n, w): (usize, usize),
+    log_prob_min_clamp: Option<f64>,
+    device: &B::Device,
+) -> TopkTargets<B> {
+    let k = log_probs.len();
+    let interleave = |planes: &[Vec<f32>]| -> Vec<f32> {
+        (0..n * w)
+            .flat_map(|pos| planes.iter().map(move |p| p[pos]))
+            .collect()
+    };
+    let ids: Vec<i64> = interleave(ids).into_iter().map(|x| x as i64).collect();
+    TopkTargets {
+        log_probs: Tensor::from_data(TensorData::new(interleave(log_probs), [n, w, k]), device),
+        ids: Tensor::from_data(TensorData::new(ids, [n, w, k]), device),
+        log_prob_min_clamp,
+    }
+}
+
+/// The masked mean of `values` (`[n, w]`) over `mask` and its extremes, on the host; `None`
+/// without a masked-in token.
+fn masked_stats<B: burn::tensor::backend::Backend>(
+    values: Tensor<B, 2>,
+    mask: &[f32],
+) -> Option<(f64, f64, f64)> {
+    let v = to_vec(values);
+    let inside: Vec<f64> = v
+        .iter()
+        .zip(mask)
+        .filter(|(_, &m)| m > 0.0)
+        .map(|(&x, _)| f64::from(x))
+        .collect();
+    (!inside.is_empty()).then(|| {
+        let mean = inside.iter().sum::<f64>() / inside.len() as f64;
+        let min = inside.iter().copied().fold(f64::INFINITY, f64::min);
+        let max = inside.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        (mean, min, max)
+    })
 }
 
 /// The loss terms' settings (`actor_rollout_ref.actor.*`).
@@ -139,8 +220,8 @@ impl ActorLossConfig {
 /// How the actor's loss is trained toward the teachers (verl's `distillation_ppo_loss`).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ActorDistillation {
-    /// The single-sample estimator of the divergence to the teacher.
-    pub penalty: KlPenalty,
+    /// The divergence to the teacher.
+    pub divergence: TeacherDivergence,
     /// The clamp and the policy gradient.
     pub params: DistillationLossParams,
     /// How it joins the task's loss.
@@ -208,18 +289,43 @@ pub fn actor_update<B: LearnerBackend, O: Optimizer<CausalLm<B>, B>>(
     let adv_all = pick(&targets.advantages);
     let ref_all = targets.ref_log_probs.as_deref().map(pick);
     let is_all = targets.rollout_is_weights.as_deref().map(pick);
-    let teacher_all = match (&config.distillation, &targets.teacher_log_probs) {
-        (Some(d), Some(t)) => Some((*d, pick(t))),
+    let teacher_all = match (&config.distillation, &targets.teacher) {
+        (Some(d), Some(t)) => {
+            let fits = matches!(
+                (d.divergence, t),
+                (TeacherDivergence::Estimator(_), TeacherScores::Sampled(_))
+                    | (
+                        TeacherDivergence::ForwardKlTopk { .. },
+                        TeacherScores::Topk { .. }
+                    )
+            );
+            if !fits {
+                return Err(TrainError::config(
+                    "distillation.distillation_loss.loss_mode",
+                    "the teachers' scores are not what the loss reads (sampled-token log-probs \
+                     for an estimator, the top-k for forward_kl_topk)",
+                ));
+            }
+            Some((*d, t.map(pick)))
+        }
         (None, _) => None,
         (Some(_), None) => {
             return Err(TrainError::config(
                 "distillation.enabled",
-                "the actor's update got no teacher log-probs",
+                "the actor's update got no teacher scores",
             ))
         }
     };
-    // Extremes over every micro-batch (and rank, below), as verl aggregates them.
-    let mut loss_range = (f64::INFINITY, f64::NEG_INFINITY);
+    // Extremes over every micro-batch (and rank, below), as verl aggregates them, by metric.
+    let mut extremes: BTreeMap<String, (f64, f64)> = BTreeMap::new();
+    let mut widen = |name: &str, (lo, hi): (f64, f64)| {
+        let e = extremes
+            .entry(name.to_string())
+            .or_insert((f64::INFINITY, f64::NEG_INFINITY));
+        *e = (e.0.min(lo), e.1.max(hi));
+    };
+    // verl's overlap_token_advantage: a mean over the positions with any overlap (sum, count).
+    let mut overlap_advantage = (0.0f64, 0.0f64);
     let mut gradients = step.gradients();
     let mut metrics: BTreeMap<String, f64> = BTreeMap::new();
     let plans = micro_batches(
@@ -243,13 +349,45 @@ pub fn actor_update<B: LearnerBackend, O: Optimizer<CausalLm<B>, B>>(
         let (model, mut checkpoint) =
             micro_model(&pass, config.compute_dtype, config.recompute_layers);
         let mut router = Vec::new();
-        let (log_prob, entropy) = response_logprobs_routed(
-            &model,
-            &seq,
-            config.head,
-            config.router_aux.is_some().then_some(&mut router),
-            checkpoint.as_mut(),
-        );
+        let router_slot = config.router_aux.is_some().then_some(&mut router);
+        let (log_prob, entropy, topk_kl) = match &teacher_all {
+            Some((
+                ActorDistillation {
+                    divergence:
+                        TeacherDivergence::ForwardKlTopk {
+                            log_prob_min_clamp, ..
+                        },
+                    ..
+                },
+                TeacherScores::Topk { log_probs, ids },
+            )) => {
+                let planes = |p: &[Vec<f32>]| p.iter().map(|v| cut(v)).collect::<Vec<_>>();
+                let teacher = topk_targets::<B>(
+                    (&planes(log_probs), &planes(ids)),
+                    (n, w),
+                    *log_prob_min_clamp,
+                    device,
+                );
+                let (l, e, kl) = response_logprobs_topk_kl(
+                    &model,
+                    &seq,
+                    config.head,
+                    &teacher,
+                    (router_slot, checkpoint.as_mut()),
+                );
+                (l, e, Some(kl))
+            }
+            _ => {
+                let (l, e) = response_logprobs_routed(
+                    &model,
+                    &seq,
+                    config.head,
+                    router_slot,
+                    checkpoint.as_mut(),
+                );
+                (l, e, None)
+            }
+        };
         if let (Some(own), true) = (own.as_mut(), counts) {
             micro.scatter(&to_vec(log_prob.clone().detach()), &mut own.log_probs, r);
             micro.scatter(&to_vec(entropy.clone().detach()), &mut own.entropy, r);
@@ -298,14 +436,56 @@ pub fn actor_update<B: LearnerBackend, O: Optimizer<CausalLm<B>, B>>(
         let tokens: f64 = cut(local.loss_mask()).iter().map(|&m| m as f64).sum();
         let share = tokens / total_tokens * dp.world() as f64 * weight;
         if let Some((d, teacher)) = &teacher_all {
-            let token_losses = estimator_losses(
-                log_prob.clone(),
-                from_rows::<B>(cut(teacher), n, w, device),
-                d.penalty,
-            );
-            *micro_metrics
-                .entry("distillation/abs_loss".into())
-                .or_default() += abs_loss(token_losses.clone(), mask.clone()) * share;
+            let token_losses = match (d.divergence, teacher, topk_kl) {
+                (TeacherDivergence::Estimator(penalty), TeacherScores::Sampled(t), _) => {
+                    let losses = estimator_losses(
+                        log_prob.clone(),
+                        from_rows::<B>(cut(t), n, w, device),
+                        penalty,
+                    );
+                    *micro_metrics
+                        .entry("distillation/abs_loss".into())
+                        .or_default() += abs_loss(losses.clone(), mask.clone()) * share;
+                    losses
+                }
+                (TeacherDivergence::ForwardKlTopk { k, .. }, _, Some(kl)) => {
+                    // verl's diagnostics over the response tokens (the mask's, packed or not).
+                    let in_mask = to_vec(mask.clone());
+                    for (name, values) in [
+                        ("student_mass", kl.student_mass),
+                        ("teacher_mass", kl.teacher_mass),
+                    ] {
+                        if let (Some((mean, lo, hi)), true) =
+                            (masked_stats(values, &in_mask), counts)
+                        {
+                            *micro_metrics
+                                .entry(format!("distillation/{name}"))
+                                .or_default() += mean * share;
+                            widen(&format!("distillation/{name}"), (lo, hi));
+                        }
+                    }
+                    let overlaps = to_vec(kl.overlap_count);
+                    if let Some((mean, _, _)) =
+                        masked_stats(from_rows::<B>(overlaps.clone(), n, w, device), &in_mask)
+                    {
+                        *micro_metrics
+                            .entry("distillation/overlap_ratio".into())
+                            .or_default() += mean / k as f64 * share;
+                    }
+                    if counts {
+                        let advantage = to_vec(kl.overlap_token_advantage);
+                        for ((&c, &m), &a) in overlaps.iter().zip(&in_mask).zip(&advantage) {
+                            if m > 0.0 && c > 0.0 {
+                                overlap_advantage.0 += f64::from(a);
+                                overlap_advantage.1 += 1.0;
+                            }
+                        }
+                    }
+                    // The truncated distributions do not sum to one: clamped at 0, as verl does.
+                    kl.losses.clamp_min(0.0)
+                }
+                _ => unreachable!("the teachers' scores were checked to fit the loss"),
+            };
             let out = distillation_loss(
                 DistillationInput {
                     token_losses,
@@ -322,8 +502,8 @@ pub fn actor_update<B: LearnerBackend, O: Optimizer<CausalLm<B>, B>>(
                 to_scalar(out.loss.clone().detach());
             for (name, value) in out.metrics {
                 match name.as_str() {
-                    "distillation/loss_min" if counts => loss_range.0 = loss_range.0.min(value),
-                    "distillation/loss_max" if counts => loss_range.1 = loss_range.1.max(value),
+                    "distillation/loss_min" if counts => widen("distillation/loss", (value, value)),
+                    "distillation/loss_max" if counts => widen("distillation/loss", (value, value)),
                     "distillation/loss_min" | "distillation/loss_max" => {}
                     _ => *micro_metrics.entry(name).or_default() += value * share,
                 }
@@ -366,16 +546,48 @@ pub fn actor_update<B: LearnerBackend, O: Optimizer<CausalLm<B>, B>>(
     }
     let mut metrics = dp.mean_metrics(metrics)?;
     if teacher_all.is_some() {
-        // The extremes over the ranks: each rank's, gathered (a rank with no token sends ±inf).
-        let gathered = dp
-            .collective
-            .all_gather(vec![loss_range.0 as f32, loss_range.1 as f32])?;
-        let (min, max) = gathered.iter().fold(loss_range, |(lo, hi), v| {
-            (lo.min(f64::from(v[0])), hi.max(f64::from(v[1])))
-        });
-        if min.is_finite() {
-            metrics.insert("distillation/loss_min".into(), min);
-            metrics.insert("distillation/loss_max".into(), max);
+        // The extremes over the ranks: each rank's, gathered (a rank with no token sends ±inf),
+        // and the overlap advantage's sum and count.
+        let names: Vec<String> = match teacher_all.as_ref().map(|(d, _)| d.divergence) {
+            Some(TeacherDivergence::ForwardKlTopk { .. }) => {
+                ["loss", "student_mass", "teacher_mass"]
+                    .map(|n| format!("distillation/{n}"))
+                    .to_vec()
+            }
+            _ => vec!["distillation/loss".to_string()],
+        };
+        let mut mine: Vec<f32> = names
+            .iter()
+            .flat_map(|n| {
+                let (lo, hi) = extremes
+                    .get(n)
+                    .copied()
+                    .unwrap_or((f64::INFINITY, f64::NEG_INFINITY));
+                [lo as f32, hi as f32]
+            })
+            .collect();
+        mine.extend([overlap_advantage.0 as f32, overlap_advantage.1 as f32]);
+        let gathered = dp.collective.all_gather(mine)?;
+        for (i, name) in names.iter().enumerate() {
+            let (lo, hi) = gathered
+                .iter()
+                .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| {
+                    (lo.min(f64::from(v[2 * i])), hi.max(f64::from(v[2 * i + 1])))
+                });
+            if lo.is_finite() {
+                metrics.insert(format!("{name}_min"), lo);
+                metrics.insert(format!("{name}_max"), hi);
+            }
+        }
+        if names.len() > 1 {
+            let at = 2 * names.len();
+            let (sum, count) = gathered.iter().fold((0.0, 0.0), |(s, c), v| {
+                (s + f64::from(v[at]), c + f64::from(v[at + 1]))
+            });
+            metrics.insert(
+                "distillation/overlap_token_advantage".into(),
+                if count > 0.0 { sum / count } else { 0.0 },
+            );
         }
     }
     let actor = step.apply(actor, gradients, &mut metrics, "actor")?;

@@ -13,6 +13,7 @@ mod step;
 
 pub use actor::{
     actor_update, ActorDistillation, ActorLossConfig, ActorTargets, OnPolicyLogProbs, RouterAux,
+    TeacherScores,
 };
 pub use critic::{critic_update, CriticLossConfig, CriticTargets};
 pub use packing::token_budget_partitions;

@@ -5,11 +5,11 @@ use burn::backend::{Autodiff, Flex};
 use burn::module::AutodiffModule;
 use burn::optim::SgdConfig;
 use burn::tensor::{DType, FloatDType};
-use burn_rlhf::algos::distillation::{DistillationLossParams, TaskLossMix};
+use burn_rlhf::algos::distillation::{DistillationLossParams, TaskLossMix, TeacherDivergence};
 use burn_rlhf::algos::{KlPenalty, LossAggMode, PolicyLossParams, Registry};
 use burn_rlhf::forward::{response_logprobs, LogprobHead, SequenceTensors};
 use burn_rlhf::minibatch::{
-    actor_update, ActorDistillation, ActorLossConfig, ActorTargets, OptimizerStep,
+    actor_update, ActorDistillation, ActorLossConfig, ActorTargets, OptimizerStep, TeacherScores,
 };
 use burn_rlhf::models::{load_pretrained, CausalLm};
 use burn_rlhf::optim::ReplicaSync;
@@ -103,13 +103,13 @@ fn fixture(dir: &std::path::Path) -> (CausalLm<B>, RolloutBatch, ActorTargets) {
                 .collect(),
         ),
         // A teacher's log-probs: the distillation term rides the same micro-batching.
-        teacher_log_probs: Some(
+        teacher: Some(TeacherScores::Sampled(
             reference
                 .iter()
                 .enumerate()
                 .map(|(i, x)| x + 0.03 * ((i % 5) as f32))
                 .collect(),
-        ),
+        )),
         record_own: false,
     };
     (model, batch, targets)
@@ -136,7 +136,7 @@ fn loss_config(mode: LossAggMode) -> ActorLossConfig {
         recompute_layers: false,
         router_aux: None,
         distillation: Some(ActorDistillation {
-            penalty: KlPenalty::from_name("k3").unwrap(),
+            divergence: TeacherDivergence::Estimator(KlPenalty::from_name("k3").unwrap()),
             params: DistillationLossParams {
                 loss_max_clamp: Some(5.0),
                 use_policy_gradient: false,

@@ -189,8 +189,12 @@ fn teachers_are_routed_by_data_source_and_bad_settings_are_refused() {
         assert!(e.contains(says), "{says}: {e}");
     };
     refused(
-        &|c| c.distillation.distillation_loss.loss_mode = "forward_kl_topk".into(),
-        "the teachers' top-k pass feeding it is not yet",
+        &|c| {
+            let l = &mut c.distillation.distillation_loss;
+            l.loss_mode = "forward_kl_topk".into();
+            l.topk = None;
+        },
+        "`distillation.distillation_loss.topk` must be set for `loss_mode=forward_kl_topk`",
     );
     refused(
         &|c| c.distillation.distillation_loss.loss_mode = "k1".into(),
@@ -242,4 +246,110 @@ fn teachers_are_routed_by_data_source_and_bad_settings_are_refused() {
     assert_eq!(t.key.as_deref(), Some("openai/gsm8k"));
     assert!(loaded.distillation.distillation_loss.use_policy_gradient);
     loaded.validate("overrides").unwrap();
+}
+
+/// `forward_kl_topk` (GKD's forward KL over the teacher's top-k, backpropagated through the
+/// chunked LM head): toward a teacher that is the starting student every position's divergence
+/// is 0 and the two top-k sets agree (the teacher's planes land on the student's own rows and
+/// positions, packed or padded, in any micro-batch); the run does not depend on the chunk, the
+/// micro-batch or the packing; alone, the student's divergence to another teacher falls.
+#[test]
+fn forward_kl_topk_trains_through_the_chunked_head() {
+    let dir = temp_dir("distill-topk");
+    let topk = |name: &str, k: usize, edit: &dyn Fn(&mut RlhfConfig)| {
+        let mut c = distilling(
+            config(&dir.join(name)),
+            "forward_kl_topk",
+            false,
+            false,
+            1.0,
+        );
+        c.distillation.distillation_loss.topk = Some(k);
+        edit(&mut c);
+        c
+    };
+    let (student, _) = super::tiny_models(5);
+    let copy = || {
+        Teacher::new(
+            "teacher_model",
+            None,
+            student.valid(),
+            tasks::model_config(32, 1),
+        )
+    };
+    for remove_padding in [false, true] {
+        let c = topk("same", 4, &|c| {
+            c.actor_rollout_ref.model.use_remove_padding = Some(remove_padding);
+            c.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu = Some(2);
+        });
+        let (_, m) = train(c, parts(vec![copy()]).0, 1);
+        let m = &m[0];
+        println!("toward itself, packed {remove_padding}: {m:?}");
+        assert!(m["distillation/loss_max"].abs() < 1e-5, "{m:?}");
+        assert!(
+            (m["distillation/overlap_ratio"] - 1.0).abs() < 1e-9,
+            "{m:?}"
+        );
+        assert!((m["distillation/student_mass"] - m["distillation/teacher_mass"]).abs() < 1e-5);
+        for key in [
+            "distillation/loss",
+            "distillation/student_mass_min",
+            "distillation/student_mass_max",
+            "distillation/teacher_mass_min",
+            "distillation/teacher_mass_max",
+            "distillation/overlap_token_advantage",
+            "timing_s/teacher",
+        ] {
+            assert!(m.contains_key(key), "{key} missing: {:?}", m.keys());
+        }
+        assert!(m["distillation/teacher_mass_max"] <= 1.0 + 1e-6);
+        assert!(m["distillation/teacher_mass_min"] > 0.0);
+    }
+    // Another teacher: the same run whatever the chunk, micro-batch and packing.
+    let runs: Vec<(Vec<f32>, Vec<Metrics>)> = [(64, 8, false), (1, 2, true), (5, 1, false)]
+        .into_iter()
+        .map(|(chunk, micro, packed)| {
+            let c = topk(&format!("grid-{chunk}-{micro}-{packed}"), 6, &|c| {
+                c.actor_rollout_ref.model.logits_chunk_size = chunk;
+                c.actor_rollout_ref.model.use_remove_padding = Some(packed);
+                c.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu = Some(micro);
+            });
+            train(c, parts(vec![teacher(9, None)]).0, 2)
+        })
+        .collect();
+    for (i, (weights, metrics)) in runs.iter().enumerate().skip(1) {
+        let worst = weights
+            .iter()
+            .zip(&runs[0].0)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(worst < 1e-5, "run {i}: weights differ by {worst}");
+        let loss = |m: &Vec<Metrics>| m[1]["distillation/loss"];
+        assert!((loss(metrics) - loss(&runs[0].1)).abs() < 1e-5);
+    }
+    assert_ne!(
+        runs[0].0,
+        super::params(&student.valid()),
+        "the student moved"
+    );
+    // More than the vocabulary (14 tokens) is refused, naming the key.
+    let e = Learner::new(
+        topk("too-many", 15, &|_| {}),
+        parts(vec![teacher(9, None)]).0,
+        &Default::default(),
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(
+        e.contains("distillation.distillation_loss.topk") && e.contains("vocabulary has (14)"),
+        "{e}"
+    );
+    // Alone, toward another teacher, the divergence falls.
+    let c = topk("alone", 8, &|_| {});
+    let (_, metrics) = train(c, parts(vec![teacher(9, None)]).0, 12);
+    let kl: Vec<f64> = metrics.iter().map(|m| m["distillation/loss"]).collect();
+    println!("forward KL over the teacher's top-8 by step {kl:?}");
+    let (first, last) = (kl[..3].iter().sum::<f64>(), kl[9..].iter().sum::<f64>());
+    assert!(last < 0.7 * first, "{first} -> {last}");
 }

@@ -264,6 +264,16 @@ impl<B: LearnerBackend> Learner<B> {
                         ),
                     ));
                 }
+                let vocab = parts.model_config.vocab_size;
+                if let Some(k) = d.divergence.topk().filter(|&k| k > vocab) {
+                    return Err(TrainError::config(
+                        "distillation.distillation_loss.topk",
+                        format!(
+                            "{k} is more tokens than the vocabulary has ({vocab}); at most \
+                             {vocab} (all of them: the whole forward KL)"
+                        ),
+                    ));
+                }
                 parts.teachers
             }
             _ => Vec::new(),

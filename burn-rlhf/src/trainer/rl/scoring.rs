@@ -13,10 +13,10 @@ use burn_rlhf_rollout::RolloutBatch;
 use super::learner::Learner;
 use crate::error::TrainError;
 use crate::forward::{
-    response_logprobs, response_logprobs_and_sum_pi_squared, response_values, LogprobHead,
-    SequenceTensors,
+    response_logprobs, response_logprobs_and_sum_pi_squared, response_topk, response_values,
+    LogprobHead, SequenceTensors,
 };
-use crate::minibatch::micro_batches;
+use crate::minibatch::{micro_batches, TeacherScores};
 use crate::trainer::logging::metrics::Metrics;
 
 /// One model's view of a batch: per-token values, row-major `[rows * response_len]`.
@@ -217,20 +217,35 @@ impl<B: LearnerBackend> Learner<B> {
         )
     }
 
-    /// The teachers' log-probs of the sampled tokens (on-policy distillation), each row's from
-    /// its teacher, in the reference's micro-batches; `None` without teachers.
-    pub fn teacher_log_probs(&self, batch: &RolloutBatch) -> Result<Option<Rows>, TrainError> {
-        if self.teachers.is_empty() {
+    /// What the teachers say of the sampled tokens (on-policy distillation), each row's from its
+    /// teacher, in the reference's micro-batches: their log-probs of the sampled tokens, or with
+    /// `forward_kl_topk` their top-k at each position; `None` without teachers.
+    pub fn teacher_scores(
+        &self,
+        batch: &RolloutBatch,
+    ) -> Result<Option<TeacherScores>, TrainError> {
+        let Some(distillation) = (!self.teachers.is_empty())
+            .then_some(self.settings.distillation.as_ref())
+            .flatten()
+        else {
             return Ok(None);
-        }
+        };
+        let topk = distillation.divergence.topk();
         burn_rlhf_algos::kernels::with_kernels(self.settings.model.use_fused_kernels, || {
             let plan = (
                 self.settings.ref_micro_batch_size,
                 self.settings.ref_max_token_len,
                 "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
             );
+            let head = LogprobHead {
+                temperature: self.settings.rollout.train.temperature,
+                chunk: self.settings.model.logits_chunk_size,
+            };
             let width = batch.response_len;
-            let mut all = vec![0.0f32; batch.rows() * width];
+            // Planes of `rows * width`: the sampled tokens' log-probs, or k of log-probs then k
+            // of ids.
+            let planes = topk.map_or(1, |k| 2 * k);
+            let mut all = vec![vec![0.0f32; batch.rows() * width]; planes];
             let groups = super::teacher::rows_by_teacher(&self.teachers, batch)?;
             for (teacher, rows) in self.teachers.iter().zip(groups) {
                 if rows.is_empty() {
@@ -238,15 +253,62 @@ impl<B: LearnerBackend> Learner<B> {
                 }
                 let part = batch.select(&rows);
                 let model = self.for_scoring(teacher.model.clone());
-                let out = self
-                    .log_probs_of(&model, &part, plan, false)?
-                    .swap_remove(0);
-                for (k, &row) in rows.iter().enumerate() {
-                    all[row * width..(row + 1) * width]
-                        .copy_from_slice(&out[k * width..(k + 1) * width]);
+                let out = match topk {
+                    None => self.log_probs_of(&model, &part, plan, false)?,
+                    Some(k) => self.topk_of(&model, &part, plan, head, k)?,
+                };
+                for (plane, out) in all.iter_mut().zip(out) {
+                    for (i, &row) in rows.iter().enumerate() {
+                        plane[row * width..(row + 1) * width]
+                            .copy_from_slice(&out[i * width..(i + 1) * width]);
+                    }
                 }
             }
-            Ok(Some(all))
+            Ok(Some(match topk {
+                None => TeacherScores::Sampled(all.swap_remove(0)),
+                Some(k) => {
+                    let ids = all.split_off(k);
+                    TeacherScores::Topk {
+                        log_probs: all,
+                        ids,
+                    }
+                }
+            }))
+        })
+    }
+
+    /// The top-`k` of `model` at each response position of `batch` as `2k` per-token planes
+    /// (k of log-probs, then k of ids as f32), in micro-batches of this rank's rows, gathered
+    /// from every rank.
+    fn topk_of(
+        &self,
+        model: &CausalLm<B::InnerBackend>,
+        batch: &RolloutBatch,
+        (micro, max_tokens, key): (Option<usize>, Option<usize>, &str),
+        head: LogprobHead,
+        k: usize,
+    ) -> Result<Vec<Rows>, TrainError> {
+        self.sharded_pass(batch, |mine| {
+            self.in_micro_batches(
+                mine,
+                micro.unwrap_or(mine.rows()),
+                max_tokens,
+                (key, 2 * k),
+                |part| {
+                    let seq = SequenceTensors::from_batch(part, &self.device)
+                        .packed_if(self.settings.model.remove_padding, self.shape_bucket);
+                    let (log_probs, ids) = response_topk(model, &seq, head, k);
+                    let [b, r, _] = log_probs.dims();
+                    let planes = |t: Tensor<B::InnerBackend, 3>| -> Vec<Rows> {
+                        (0..k)
+                            .map(|j| to_vec(t.clone().narrow(2, j, 1).reshape([b * r])))
+                            .collect()
+                    };
+                    let mut out = planes(log_probs);
+                    out.extend(planes(ids.float()));
+                    out
+                },
+            )
         })
     }
 

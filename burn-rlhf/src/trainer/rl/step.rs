@@ -61,8 +61,8 @@ impl<B: LearnerBackend> Learner<B> {
                 Some(_) => timing.time("values", || self.values(&batch))?,
                 None => None,
             };
-            let teacher_log_probs = match self.teachers.is_empty() {
-                false => timing.time("teacher", || self.teacher_log_probs(&batch))?,
+            let teacher_scores = match self.teachers.is_empty() {
+                false => timing.time("teacher", || self.teacher_scores(&batch))?,
                 true => None,
             };
             let (rewards, advantages, returns, is_weights) = timing.time("adv", || {
@@ -106,7 +106,7 @@ impl<B: LearnerBackend> Learner<B> {
                         (
                             ref_log_probs.as_deref(),
                             is_weights.as_deref(),
-                            teacher_log_probs.as_deref(),
+                            teacher_scores.as_ref(),
                         ),
                         exact,
                     )

@@ -9,7 +9,7 @@ use crate::error::TrainError;
 use crate::forward::LogprobHead;
 use crate::minibatch::{
     actor_update, critic_update, rows_of, ActorDistillation, ActorLossConfig, ActorTargets,
-    CriticLossConfig, CriticTargets, OnPolicyLogProbs, RouterAux,
+    CriticLossConfig, CriticTargets, OnPolicyLogProbs, RouterAux, TeacherScores,
 };
 use crate::trainer::logging::metrics::{MeanMetrics, Metrics};
 
@@ -132,10 +132,10 @@ impl<B: LearnerBackend> Learner<B> {
         batch: &RolloutBatch,
         old_log_probs: Option<&[f32]>,
         advantages: &[f32],
-        (ref_log_probs, is_weights, teacher_log_probs): (
+        (ref_log_probs, is_weights, teacher): (
             Option<&[f32]>,
             Option<&[f32]>,
-            Option<&[f32]>,
+            Option<&TeacherScores>,
         ),
         record_first: bool,
     ) -> Result<(Metrics, Option<FirstPass>), TrainError> {
@@ -169,7 +169,7 @@ impl<B: LearnerBackend> Learner<B> {
                         advantages: rows_of(advantages, rows, r),
                         ref_log_probs: ref_log_probs.map(|v| rows_of(v, rows, r)),
                         rollout_is_weights: is_weights.map(|v| rows_of(v, rows, r)),
-                        teacher_log_probs: teacher_log_probs.map(|v| rows_of(v, rows, r)),
+                        teacher: teacher.map(|t| t.rows(rows, r)),
                         record_own: record_first && first.is_none(),
                     };
                     let (actor, m, own) = actor_update(
@@ -186,7 +186,7 @@ impl<B: LearnerBackend> Learner<B> {
                             router_aux: RouterAux::of(&self.model_config),
                             distillation: self.settings.distillation.as_ref().map(|d| {
                                 ActorDistillation {
-                                    penalty: d.penalty,
+                                    divergence: d.divergence,
                                     params: d.params,
                                     mix: d.mix,
                                 }
