@@ -8,6 +8,7 @@
 
 use std::collections::BTreeMap;
 
+use burn::tensor::FloatDType;
 use burn_rlhf_algos::distillation::{
     DistillationLossMode, DistillationLossParams, TaskLossMix, TeacherDivergence,
 };
@@ -118,6 +119,17 @@ pub struct TeacherSettings {
     pub key: Option<String>,
     /// Where its weights and tokenizer are.
     pub model_path: String,
+    /// `inference.dtype` as written (`Some(None)`: float32); `None`: unwritten, the rollout's,
+    /// as verl derives it.
+    pub dtype: Option<Option<FloatDType>>,
+}
+
+impl TeacherSettings {
+    /// The dtype its weights are held and its pass computes in (`None`: float32), given the
+    /// rollout's.
+    pub fn dtype(&self, rollout: Option<FloatDType>) -> Option<FloatDType> {
+        self.dtype.unwrap_or(rollout)
+    }
 }
 
 /// `distillation.*`, decoded (when `enabled`).
@@ -255,6 +267,10 @@ impl DistillationConfig {
             });
             let defaults = verl_inference_defaults();
             for (k, v) in &t.inference {
+                if k == "dtype" {
+                    // Read (the teacher's own dtype): decoded with the teachers.
+                    continue;
+                }
                 match defaults.get(k.as_str()) {
                     Some(Some(verl)) if same(v, verl) => {}
                     Some(Some(verl)) => p.check(false, || {
@@ -368,10 +384,23 @@ impl DistillationConfig {
                     None
                 }
             };
+            let dtype = match t.inference.get("dtype") {
+                None => None,
+                Some(Value::String(name)) => {
+                    super::model::dtype(p, &format!("{at}.inference.dtype"), name)
+                }
+                Some(other) => {
+                    p.check(false, || {
+                        format!("`{at}.inference.dtype` must be a dtype's name, got `{other}`")
+                    });
+                    None
+                }
+            };
             teachers.push(TeacherSettings {
                 name: name.clone(),
                 key,
                 model_path: path,
+                dtype,
             });
         }
         teachers

@@ -274,7 +274,13 @@ impl<B: LearnerBackend> Learner<B> {
                         ),
                     ));
                 }
-                parts.teachers
+                // Held in their own dtype (`inference.dtype`, else the rollout's, as verl's).
+                parts
+                    .teachers
+                    .into_iter()
+                    .zip(&d.teachers)
+                    .map(|(t, s)| t.held_in(s.dtype(settings.rollout.dtype)))
+                    .collect()
             }
             _ => Vec::new(),
         };

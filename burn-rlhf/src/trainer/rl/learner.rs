@@ -212,6 +212,14 @@ impl<B: LearnerBackend> Learner<B> {
         self.reference.as_ref().map_or((0, 0), Parked::bytes)
     }
 
+    /// Bytes of the distillation teachers' weights (each in the dtype it is held in).
+    pub fn teacher_memory(&self) -> usize {
+        self.teachers
+            .iter()
+            .map(|t| crate::offload::param_bytes(&t.model))
+            .sum()
+    }
+
     /// `model` as this run keeps its reference.
     pub(crate) fn park_reference(
         &self,

@@ -252,7 +252,8 @@ impl<B: LearnerBackend> Learner<B> {
                     continue;
                 }
                 let part = batch.select(&rows);
-                let model = self.for_scoring(teacher.model.clone());
+                // In the dtype it is held in (its own, decided at build).
+                let model = teacher.model.clone();
                 let out = match topk {
                     None => self.log_probs_of(&model, &part, plan, false)?,
                     Some(k) => self.topk_of(&model, &part, plan, head, k)?,

@@ -78,6 +78,18 @@ impl<B: Backend> Teacher<B> {
         })
     }
 
+    /// The teacher with its weights in `dtype` (`None`: as they are), in which its pass then
+    /// computes.
+    pub fn held_in(self, dtype: Option<burn::tensor::FloatDType>) -> Self {
+        match dtype {
+            Some(dtype) => Self {
+                model: self.model.cast(dtype),
+                ..self
+            },
+            None => self,
+        }
+    }
+
     /// A copy on `device`.
     pub fn on(&self, device: &B::Device) -> Self {
         Self {
