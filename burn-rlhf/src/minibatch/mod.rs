@@ -54,6 +54,35 @@ impl MicroBatch {
     }
 }
 
+/// One epoch's mini-batches of `prompts_per_mini_batch * n` of `rows` rows: in order (verl's
+/// `split`), or with `shuffle = Some(seed)` in a seeded random order (verl's shuffled mini-batch
+/// loader), moving units of `unit` rows (pairs a loss reads together stay together).
+pub fn mini_batches(
+    rows: usize,
+    prompts_per_mini_batch: usize,
+    n: usize,
+    (unit, shuffle): (usize, Option<u64>),
+) -> Vec<Vec<usize>> {
+    use rand::seq::SliceRandom;
+    use rand::SeedableRng;
+    let size = (prompts_per_mini_batch * n).max(1);
+    let unit = unit.max(1);
+    let mut units: Vec<usize> = (0..rows.div_ceil(unit)).collect();
+    if let Some(seed) = shuffle {
+        units.shuffle(&mut rand::rngs::StdRng::seed_from_u64(seed));
+    }
+    let order: Vec<usize> = units
+        .iter()
+        .flat_map(|&u| u * unit..((u + 1) * unit).min(rows))
+        .collect();
+    order.chunks(size).map(<[usize]>::to_vec).collect()
+}
+
+/// The shuffle seed of `epoch` of the update of `model` at `step`, from `trainer.seed`.
+pub fn shuffle_seed(seed: u64, model: u64, step: usize, epoch: usize) -> u64 {
+    seed ^ (model << 56) ^ ((step as u64) << 16) ^ epoch as u64
+}
+
 /// The micro-batches of `batch`: consecutive chunks of `micro_rows` rows (rounded up to whole
 /// `unit`s, the loss's rows that stay together), or with a token budget (`use_dynamic_bsz`, `key`
 /// its setting) verl's `rearrange_micro_batches`: as few groups of whole units as hold at most
@@ -110,4 +139,30 @@ pub fn rows_of(v: &[f32], rows: &[usize], width: usize) -> Vec<f32> {
     rows.iter()
         .flat_map(|&i| v[i * width..(i + 1) * width].iter().cloned())
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// In order: verl's split. Shuffled: every row once per epoch, a new order per seed, pairs
+    /// kept whole.
+    #[test]
+    fn mini_batches_split_in_order_or_shuffle_whole_units() {
+        assert_eq!(
+            mini_batches(6, 2, 1, (1, None)),
+            vec![vec![0, 1], vec![2, 3], vec![4, 5]]
+        );
+        let a = mini_batches(8, 2, 2, (2, Some(1)));
+        let b = mini_batches(8, 2, 2, (2, Some(2)));
+        assert_ne!(a, b);
+        for m in [&a, &b] {
+            let mut all: Vec<usize> = m.iter().flatten().cloned().collect();
+            for pair in all.chunks(2) {
+                assert!(pair[0] % 2 == 0 && pair[1] == pair[0] + 1, "{m:?}");
+            }
+            all.sort();
+            assert_eq!(all, (0..8).collect::<Vec<_>>());
+        }
+    }
 }

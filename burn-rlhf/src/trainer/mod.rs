@@ -14,7 +14,8 @@
 //! - `supervised/`: the supervised trainers, SFT and the reward model's (`sft`, `rm`), on one
 //!   run of their own (`supervised/run.rs`).
 //!
-//! - `run_loop.rs`: the one loop their steps go through (step, validate, log, stop, checkpoint).
+//! - `run_loop.rs`: the one loop their steps go through (step, validate, log, stop, checkpoint);
+//!   `model_optimizer.rs`: what trains one model (AdamW, its schedule, FSDP's shards), for both.
 //!
 //! One way in: [`Learner::new`] (a config and [`LearnerParts`]) or [`Learner::from_settings`]
 //! (decoded settings and parts) builds one rank's learner; both end in the same builder;
@@ -22,6 +23,7 @@
 
 pub(crate) mod launch;
 pub(crate) mod logging;
+pub(crate) mod model_optimizer;
 pub(crate) mod rl;
 mod run_loop;
 pub mod supervised;
@@ -43,4 +45,4 @@ pub use rl::fit::{RankMemory, RunOutputs};
 pub use rl::generation::PendingGeneration;
 pub use rl::learner::Learner;
 pub use rl::scoring::Rows;
-pub use rl::teacher::Teacher;
+pub use rl::workers::teachers::Teacher;

@@ -10,9 +10,11 @@ use burn_rlhf_models::{CausalLm, Tokenizer, TransformerConfig, ValueModel};
 use burn_rlhf_rollout::{PromptRecord, PromptSampler, RewardRegistry};
 
 use super::generation::RolloutWorker;
-use super::learner::{hold_reference, Algorithms, CriticState, Learner, ModelOptimizer};
+use super::learner::{Algorithms, Learner};
 use super::reward_model::{LoadedRewardModel, RewardScorer};
-use super::teacher::Teacher;
+use super::workers::critic::CriticWorker;
+use super::workers::reference::ReferenceWorker;
+use super::workers::teachers::{Teacher, TeacherWorker};
 use crate::config::{KnownNames, RlhfConfig, Settings};
 use crate::datasets::load_data_files;
 use crate::distributed::{sync_params, DataParallel, ShardPlan};
@@ -20,6 +22,7 @@ use crate::error::TrainError;
 use crate::loading::{load_policy, load_value_model, with_lora};
 use crate::optim::ReplicaSync;
 use crate::optim::TpSplit;
+use crate::trainer::model_optimizer::ModelOptimizer;
 use burn_rlhf_rollout::agent::render::ChatRenderer;
 use burn_rlhf_rollout::agent::single_turn::SingleTurnAgent;
 use burn_rlhf_rollout::agent::tool_agent::ToolAgent;
@@ -254,16 +257,6 @@ impl<B: LearnerBackend> Learner<B> {
         };
         let teachers = match (&settings.distillation, parts.training) {
             (Some(d), true) => {
-                if parts.teachers.len() != d.teachers.len() {
-                    return Err(TrainError::config(
-                        "distillation.teacher_models",
-                        format!(
-                            "{} teacher(s) configured, {} given with the learner's parts",
-                            d.teachers.len(),
-                            parts.teachers.len()
-                        ),
-                    ));
-                }
                 let vocab = parts.model_config.vocab_size;
                 if let Some(k) = d.divergence.topk().filter(|&k| k > vocab) {
                     return Err(TrainError::config(
@@ -274,15 +267,9 @@ impl<B: LearnerBackend> Learner<B> {
                         ),
                     ));
                 }
-                // Held in their own dtype (`inference.dtype`, else the rollout's, as verl's).
-                parts
-                    .teachers
-                    .into_iter()
-                    .zip(&d.teachers)
-                    .map(|(t, s)| t.held_in(s.dtype(settings.rollout.dtype)))
-                    .collect()
+                Some(TeacherWorker::new(parts.teachers, d, &settings)?)
             }
-            _ => Vec::new(),
+            _ => None,
         };
         let reward_scorer = match (&settings.reward.model, parts.reward_model) {
             (Some(rm), Some(loaded)) => Some(RewardScorer::new(loaded, rm, &parts.tokenizer)?),
@@ -371,7 +358,7 @@ pub(crate) struct PreparedLearner<B: LearnerBackend> {
     critic: Option<(ValueModel<B>, TransformerConfig)>,
     reference: Option<CausalLm<B::InnerBackend>>,
     reward_scorer: Option<RewardScorer<B::InnerBackend>>,
-    teachers: Vec<Teacher<B::InnerBackend>>,
+    teachers: Option<TeacherWorker<B>>,
     algorithms: Algorithms<B>,
     train: Vec<PromptRecord>,
     val: Vec<PromptRecord>,
@@ -449,16 +436,17 @@ impl<B: LearnerBackend> PreparedLearner<B> {
                     &dp,
                     &device,
                 )?;
-                Some(CriticState {
-                    model,
-                    config,
+                Some(CriticWorker::new(
+                    (model, config),
                     optimizer,
-                })
+                    cs.clone(),
+                    settings.model.dtype,
+                ))
             }
             _ => None,
         };
         let reference = reference
-            .map(|r| hold_reference::<B>(r, &settings, &dp, &device))
+            .map(|r| ReferenceWorker::hold(r, &settings, &dp, &device))
             .transpose()?;
         let reward_scorer = self
             .reward_scorer
@@ -486,7 +474,6 @@ impl<B: LearnerBackend> PreparedLearner<B> {
             actor,
             critic,
             reference,
-            reference_refreshed_at: None,
             engine_counters: Default::default(),
             next_batch: None,
             rollout_worker: None,

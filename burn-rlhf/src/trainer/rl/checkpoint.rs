@@ -26,11 +26,13 @@ use burn_rlhf_rollout::SamplerState;
 use serde::{Deserialize, Serialize};
 
 use super::generation::PendingGeneration;
-use super::learner::{Learner, ModelOptimizer};
+use super::learner::Learner;
 use super::off_policy::ROLLOUT_DIR;
+use super::workers::reference::ReferenceWorker;
 use crate::config::settings::ResumeMode;
 use crate::error::TrainError;
 use crate::optim::AdamWOf;
+use crate::trainer::model_optimizer::ModelOptimizer;
 
 /// The file naming the newest complete checkpoint (verl's name).
 pub const LATEST_FILE: &str = "latest_checkpointed_iteration.txt";
@@ -485,7 +487,8 @@ impl<B: LearnerBackend> Learner<B> {
             .as_ref()
             .filter(|_| gathers)
             .map(|m| m.valid().export());
-        let reference_weights = match (self.reference_refreshed_at, self.reference()) {
+        let refreshed_at = self.reference.as_ref().and_then(|r| r.refreshed_at);
+        let reference_weights = match (refreshed_at, self.reference()) {
             (Some(_), Some(r)) if gathers => Some(r.export()),
             _ => None,
         };
@@ -528,7 +531,7 @@ impl<B: LearnerBackend> Learner<B> {
                 policy_loss_stream: self.algorithms.policy_loss.stream_position(),
                 actor_updates: self.actor_optimizer.updates,
                 critic_updates: self.critic.as_ref().map_or(0, |c| c.optimizer.updates),
-                reference_refreshed_at: self.reference_refreshed_at,
+                reference_refreshed_at: refreshed_at,
                 pending_generation: None,
             };
             let pending = self.pending_generation();
@@ -623,9 +626,18 @@ impl<B: LearnerBackend> Learner<B> {
             let ref_dir = dir.join("ref");
             let reference = load_pretrained(&ref_dir.display().to_string())?
                 .causal_lm_part::<B::InnerBackend>(self.dp.tp.as_ref(), &self.device)?;
-            self.reference = Some(self.park_reference(reference)?);
+            // A reference the run replaced by its policy (SPIN's opponent) comes back as saved.
+            match (self.reference.as_mut(), state.reference_refreshed_at) {
+                (Some(r), Some(step)) => r.replace(reference, step, &self.dp, &self.device)?,
+                (None, Some(step)) => {
+                    let mut r =
+                        ReferenceWorker::hold(reference, &self.settings, &self.dp, &self.device)?;
+                    r.refreshed_at = Some(step);
+                    self.reference = Some(r);
+                }
+                (_, None) => {}
+            }
         }
-        self.reference_refreshed_at = state.reference_refreshed_at;
         self.algorithms.kl_ctrl.load_state(&state.kl_ctrl)?;
         self.algorithms
             .policy_loss

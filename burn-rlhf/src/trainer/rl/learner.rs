@@ -19,121 +19,16 @@ use burn_rlhf_rollout::{PromptRecord, PromptSampler, RewardFn};
 
 use super::generation::{as_generated, NextBatch, RolloutWorker};
 use super::reward_model::RewardScorer;
-use crate::config::settings::OptimSettings;
-use crate::config::FsdpSharding;
+use super::workers::critic::CriticWorker;
+use super::workers::passes::Passes;
+use super::workers::reference::ReferenceWorker;
+use super::workers::teachers::TeacherWorker;
 use crate::config::Settings;
-use crate::distributed::fsdp::{FsdpShards, ShardGroups, ShardedAdamW, ShardedModel};
 use crate::distributed::DataParallel;
 use crate::error::TrainError;
-use crate::minibatch::OptimizerStep;
-use crate::offload::Parked;
-use crate::optim::{
-    adamw, adamw_state_bytes, held_in, AdamWOf, FusedAdamW, LrSchedule, ReplicaSync, StateBytes,
-};
-
-/// What trains one model (the actor, the critic): AdamW and its state, the learning-rate
-/// schedule and its position, and how the model's gradients meet the other ranks'.
-pub(crate) struct ModelOptimizer<M: AutodiffModule<B>, B: LearnerBackend> {
-    pub optim: AdamWOf<M, B>,
-    pub schedule: LrSchedule,
-    pub sync: ReplicaSync,
-    /// FSDP (`strategy: fsdp` on several ranks): the model's shards and AdamW on this rank's
-    /// chunks (`optim` then holds nothing).
-    pub sharded: Option<ShardedModel<B>>,
-    /// The dtype the weights and AdamW moments are held in (`fsdp_config.model_dtype`; `None`:
-    /// f32 master weights).
-    pub master: Option<burn::tensor::FloatDType>,
-    /// Updates so far: the schedule's position (it moves once per update, as verl's scheduler
-    /// steps once per `update_policy`).
-    pub updates: usize,
-}
-
-impl<M: AutodiffModule<B>, B: LearnerBackend> ModelOptimizer<M, B> {
-    /// AdamW and the schedule of `settings` over a run of `total_steps`, on one rank.
-    pub fn new(settings: &OptimSettings, total_steps: usize) -> Self {
-        Self {
-            optim: adamw(settings.betas, settings.weight_decay, settings.offload),
-            schedule: LrSchedule::new(settings, total_steps),
-            sync: ReplicaSync::default(),
-            sharded: None,
-            master: settings.master_dtype,
-            updates: 0,
-        }
-    }
-
-    /// One optimiser step of this update, at its learning rate, clipped at `grad_clip`.
-    pub fn step(&mut self, grad_clip: f64) -> OptimizerStep<'_, AdamWOf<M, B>, B> {
-        OptimizerStep {
-            lr: self.schedule.lr(self.updates),
-            optimizer: &mut self.optim,
-            grad_clip,
-            sync: &self.sync,
-            sharded: self.sharded.as_mut(),
-        }
-    }
-
-    /// Bytes of `model`'s parameters this rank holds on the device and in host memory: all of
-    /// them, or under FSDP its chunks (reading nothing).
-    pub fn parameter_bytes(&self, model: &M) -> (usize, usize) {
-        match &self.sharded {
-            None => (crate::offload::param_bytes(model), 0),
-            Some(s) => s.shards.bytes(),
-        }
-    }
-
-    /// Bytes of AdamW moments this rank holds, on the device and in host memory.
-    pub fn state_bytes(&self) -> StateBytes {
-        match &self.sharded {
-            None => adamw_state_bytes(&self.optim),
-            Some(s) => s.adam.state_bytes(),
-        }
-    }
-
-    /// `model` as this optimiser holds it on this rank: in its master dtype
-    /// ([`ModelOptimizer::master`]), whole, or with `strategy: fsdp` (`fsdp`) on several
-    /// data-parallel ranks (or with `param_offload`) sharded ([`FsdpShards::shard`]) over shard
-    /// groups of `fsdp_size` (`size_key`; every rank by default), the groups' same chunks summed
-    /// across them (hybrid); `adam` (this optimiser's AdamW) then steps this rank's chunks.
-    pub fn hold(
-        &mut self,
-        model: M,
-        (fsdp, adam): (Option<FsdpSharding>, FusedAdamW),
-        size_key: &str,
-        dp: &DataParallel,
-        device: &B::Device,
-    ) -> Result<M, TrainError> {
-        let model = held_in(model, self.master);
-        let Some(fsdp) = fsdp.filter(|f| dp.mesh.shards_parameters(f.param_offload)) else {
-            return Ok(model);
-        };
-        let groups = ShardGroups::of_ranks(dp, fsdp.group_size, fsdp.param_offload)
-            .map_err(|reason| TrainError::config(size_key, reason))?;
-        let (model, shards) = FsdpShards::shard(model, groups, device);
-        let adam = ShardedAdamW::new(adam, shards.len());
-        self.sharded = Some(ShardedModel {
-            shards,
-            adam,
-            reshard_after_forward: fsdp.reshard_after_forward,
-        });
-        Ok(model)
-    }
-
-    /// A copy of `model` (this optimiser's) with every parameter present: itself, or under
-    /// FSDP one gathering them all now (a collective: every rank calls it at the same point).
-    pub fn whole(&self, model: &M) -> M {
-        match &self.sharded {
-            None => model.clone(),
-            Some(s) => s.shards.whole(model),
-        }
-    }
-}
-
-/// The critic and what trains it.
-pub(crate) struct CriticState<B: LearnerBackend> {
-    pub model: ValueModel<B>,
-    pub config: TransformerConfig,
-    pub optimizer: ModelOptimizer<ValueModel<B>, B>,
-}
+use crate::forward::LogprobHead;
+use crate::optim::StateBytes;
+use crate::trainer::model_optimizer::ModelOptimizer;
 
 /// The algorithm objects a config names, built once.
 pub(crate) struct Algorithms<B: LearnerBackend> {
@@ -163,16 +58,14 @@ pub struct Learner<B: LearnerBackend> {
     /// The policy.
     pub actor: CausalLm<B>,
     pub(crate) actor_optimizer: ModelOptimizer<CausalLm<B>, B>,
-    pub(crate) critic: Option<CriticState<B>>,
-    /// The frozen reference policy (when KL is used), in host memory between its passes when
-    /// `ref.fsdp_config.param_offload`.
-    pub(crate) reference: Option<Parked<B::InnerBackend, CausalLm<B::InnerBackend>>>,
-    /// The step the reference was last replaced by the actor (`trainer.ref_update_freq`).
-    pub(crate) reference_refreshed_at: Option<usize>,
+    /// The critic worker, with a critic.
+    pub(crate) critic: Option<CriticWorker<B>>,
+    /// The frozen reference policy's worker (when KL is used).
+    pub(crate) reference: Option<ReferenceWorker<B>>,
     /// The learned reward model, when it scores the responses (`reward_model.enable`).
     pub(crate) reward_scorer: Option<RewardScorer<B::InnerBackend>>,
-    /// On-policy distillation's teachers (`distillation.enabled`), frozen.
-    pub(crate) teachers: Vec<super::teacher::Teacher<B::InnerBackend>>,
+    /// On-policy distillation's teachers' worker (`distillation.enabled`).
+    pub(crate) teachers: Option<TeacherWorker<B>>,
     pub(crate) algorithms: Algorithms<B>,
     pub(crate) train: Vec<PromptRecord>,
     pub(crate) val: Vec<PromptRecord>,
@@ -207,25 +100,30 @@ impl<B: LearnerBackend> Learner<B> {
         self.reference.as_ref().map(|r| r.on_device(&self.device))
     }
 
+    /// The scoring passes of this rank (its data-parallel place, device, shapes, LM head).
+    pub(crate) fn passes(&self) -> Passes<'_, B> {
+        Passes {
+            dp: &self.dp,
+            device: &self.device,
+            shape_bucket: self.shape_bucket,
+            remove_padding: self.settings.model.remove_padding,
+            head: LogprobHead {
+                temperature: self.settings.rollout.train.temperature,
+                chunk: self.settings.model.logits_chunk_size,
+            },
+        }
+    }
+
     /// Bytes of the reference's weights on the device and in host memory.
     pub fn reference_memory(&self) -> (usize, usize) {
-        self.reference.as_ref().map_or((0, 0), Parked::bytes)
+        self.reference
+            .as_ref()
+            .map_or((0, 0), ReferenceWorker::bytes)
     }
 
     /// Bytes of the distillation teachers' weights (each in the dtype it is held in).
     pub fn teacher_memory(&self) -> usize {
-        self.teachers
-            .iter()
-            .map(|t| crate::offload::param_bytes(&t.model))
-            .sum()
-    }
-
-    /// `model` as this run keeps its reference.
-    pub(crate) fn park_reference(
-        &self,
-        model: CausalLm<B::InnerBackend>,
-    ) -> Result<Parked<B::InnerBackend, CausalLm<B::InnerBackend>>, TrainError> {
-        hold_reference::<B>(model, &self.settings, &self.dp, &self.device)
+        self.teachers.as_ref().map_or(0, TeacherWorker::bytes)
     }
 
     /// The policy with every parameter present: [`Learner::actor`] itself, or under FSDP a copy
@@ -323,28 +221,6 @@ impl<B: LearnerBackend> Learner<B> {
 /// The frozen reference `model` as `settings` hold it on this rank: whole on the device, in host
 /// memory (`ref.fsdp_config.param_offload`), or with `ref.strategy: fsdp` on several
 /// data-parallel ranks sharded over them (its chunks in host memory with `param_offload`),
-/// gathered whole for its pass.
-pub(crate) fn hold_reference<B: LearnerBackend>(
-    model: CausalLm<B::InnerBackend>,
-    settings: &Settings,
-    dp: &DataParallel,
-    device: &B::Device,
-) -> Result<Parked<B::InnerBackend, CausalLm<B::InnerBackend>>, TrainError> {
-    let model = match settings.ref_dtype {
-        Some(dtype) => model.cast(dtype),
-        None => model,
-    };
-    match settings.ref_fsdp {
-        Some(fsdp) if dp.mesh.shards_parameters(false) => {
-            let groups = ShardGroups::of_ranks(dp, fsdp.group_size, fsdp.param_offload).map_err(
-                |reason| TrainError::config("actor_rollout_ref.ref.fsdp_config.fsdp_size", reason),
-            )?;
-            Ok(Parked::sharded(model, groups, &device.clone().into()))
-        }
-        _ => Ok(Parked::new(model, settings.ref_param_offload)),
-    }
-}
-
 /// `model` cast to `dtype` when that is a half precision, else as it is.
 fn cast_to<B: burn::tensor::backend::Backend>(
     model: CausalLm<B>,

@@ -14,6 +14,6 @@ mod rollout;
 pub mod rollout_pool;
 pub(crate) mod scoring;
 mod step;
-pub mod teacher;
 mod update;
 pub mod validation;
+pub(crate) mod workers;

@@ -61,9 +61,9 @@ impl<B: LearnerBackend> Learner<B> {
                 Some(_) => timing.time("values", || self.values(&batch))?,
                 None => None,
             };
-            let teacher_scores = match self.teachers.is_empty() {
-                false => timing.time("teacher", || self.teacher_scores(&batch))?,
-                true => None,
+            let teacher_scores = match self.teachers {
+                Some(_) => timing.time("teacher", || self.teacher_scores(&batch))?,
+                None => None,
             };
             let (rewards, advantages, returns, is_weights) = timing.time("adv", || {
                 let old_log_probs = old.as_ref().map(|o| o.log_probs.as_slice());
@@ -210,8 +210,10 @@ impl<B: LearnerBackend> Learner<B> {
             .ref_update_freq
             .is_some_and(|freq| step.is_multiple_of(freq));
         if due && self.reference.is_some() {
-            self.reference = Some(self.park_reference(self.actor_whole().valid())?);
-            self.reference_refreshed_at = Some(step);
+            let policy = self.actor_whole().valid();
+            if let Some(r) = self.reference.as_mut() {
+                r.replace(policy, step, &self.dp, &self.device)?;
+            }
         }
         Ok(())
     }

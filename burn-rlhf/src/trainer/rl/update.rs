@@ -5,37 +5,14 @@ use crate::backend::LearnerBackend;
 use burn_rlhf_rollout::RolloutBatch;
 
 use super::learner::Learner;
+use super::workers::critic::UpdateAt;
 use crate::error::TrainError;
 use crate::forward::LogprobHead;
 use crate::minibatch::{
-    actor_update, critic_update, rows_of, ActorDistillation, ActorLossConfig, ActorTargets,
-    CriticLossConfig, CriticTargets, OnPolicyLogProbs, RouterAux, TeacherScores,
+    actor_update, mini_batches, rows_of, shuffle_seed, ActorDistillation, ActorLossConfig,
+    ActorTargets, OnPolicyLogProbs, RouterAux, TeacherScores,
 };
 use crate::trainer::logging::metrics::{MeanMetrics, Metrics};
-
-/// One epoch's mini-batches of `prompts_per_mini_batch * n` of `rows` rows: in order (verl's
-/// `split`), or with `shuffle = Some(seed)` in a seeded random order (verl's shuffled mini-batch
-/// loader), moving units of `unit` rows (pairs a loss reads together stay together).
-fn mini_batches(
-    rows: usize,
-    prompts_per_mini_batch: usize,
-    n: usize,
-    (unit, shuffle): (usize, Option<u64>),
-) -> Vec<Vec<usize>> {
-    use rand::seq::SliceRandom;
-    use rand::SeedableRng;
-    let size = (prompts_per_mini_batch * n).max(1);
-    let unit = unit.max(1);
-    let mut units: Vec<usize> = (0..rows.div_ceil(unit)).collect();
-    if let Some(seed) = shuffle {
-        units.shuffle(&mut rand::rngs::StdRng::seed_from_u64(seed));
-    }
-    let order: Vec<usize> = units
-        .iter()
-        .flat_map(|&u| u * unit..((u + 1) * unit).min(rows))
-        .collect();
-    order.chunks(size).map(<[usize]>::to_vec).collect()
-}
 
 /// Per-token outputs of a mini-batch holding rows `rows` (in its order) put in their places in a
 /// batch of `batch_rows` rows (0 on the others).
@@ -67,11 +44,6 @@ pub struct FirstPass {
     pub own: OnPolicyLogProbs,
 }
 
-/// The shuffle seed of `epoch` of the update of `model` at `step`, from `trainer.seed`.
-fn shuffle_seed(seed: u64, model: u64, step: usize, epoch: usize) -> u64 {
-    seed ^ (model << 56) ^ ((step as u64) << 16) ^ epoch as u64
-}
-
 impl<B: LearnerBackend> Learner<B> {
     /// Critic update: `ppo_epochs` passes over the mini-batches, one optimiser step each.
     pub fn update_critic(
@@ -80,45 +52,18 @@ impl<B: LearnerBackend> Learner<B> {
         values: &[f32],
         returns: &[f32],
     ) -> Result<Metrics, TrainError> {
-        burn_rlhf_algos::kernels::with_kernels(self.settings.model.use_fused_kernels, || {
-            let (Some(state), Some(settings)) = (self.critic.as_mut(), &self.settings.critic)
-            else {
-                return Ok(Metrics::new());
-            };
-            let r = batch.response_len;
-            let mut means = MeanMetrics::default();
-            for epoch in 0..settings.ppo_epochs {
-                let seed = shuffle_seed(self.settings.trainer.seed, 2, self.global_step, epoch);
-                let minis = mini_batches(
-                    batch.rows(),
-                    settings.ppo_mini_batch_size,
-                    self.settings.rollout.train.n,
-                    (1, settings.shuffle.then_some(seed)),
-                );
-                for rows in &minis {
-                    let targets = CriticTargets {
-                        values: rows_of(values, rows, r),
-                        returns: rows_of(returns, rows, r),
-                    };
-                    let (model, m) = critic_update(
-                        state.model.clone(),
-                        state.optimizer.step(settings.grad_clip),
-                        &batch.select(rows),
-                        &targets,
-                        &CriticLossConfig {
-                            shape_bucket: self.shape_bucket,
-                            compute_dtype: self.settings.model.dtype,
-                            recompute_layers: settings.recompute_layers,
-                            ..CriticLossConfig::from_settings(settings, rows.len())
-                        },
-                        &self.device,
-                    )?;
-                    state.model = model;
-                    means.add(m);
-                }
-            }
-            state.optimizer.updates += 1;
-            Ok(means.finish())
+        let at = UpdateAt {
+            seed: self.settings.trainer.seed,
+            step: self.global_step,
+            n: self.settings.rollout.train.n,
+        };
+        let (bucket, device) = (self.shape_bucket, &self.device);
+        burn_rlhf_algos::kernels::with_kernels(self.settings.model.use_fused_kernels, || match self
+            .critic
+            .as_mut()
+        {
+            Some(critic) => critic.update(batch, (values, returns), at, (bucket, device)),
+            None => Ok(Metrics::new()),
         })
     }
 
@@ -209,31 +154,5 @@ impl<B: LearnerBackend> Learner<B> {
             self.actor_optimizer.updates += 1;
             Ok((means.finish(), first))
         })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// In order: verl's split. Shuffled: every row once per epoch, a new order per seed, pairs
-    /// kept whole.
-    #[test]
-    fn mini_batches_split_in_order_or_shuffle_whole_units() {
-        assert_eq!(
-            mini_batches(6, 2, 1, (1, None)),
-            vec![vec![0, 1], vec![2, 3], vec![4, 5]]
-        );
-        let a = mini_batches(8, 2, 2, (2, Some(1)));
-        let b = mini_batches(8, 2, 2, (2, Some(2)));
-        assert_ne!(a, b);
-        for m in [&a, &b] {
-            let mut all: Vec<usize> = m.iter().flatten().cloned().collect();
-            for pair in all.chunks(2) {
-                assert!(pair[0] % 2 == 0 && pair[1] == pair[0] + 1, "{m:?}");
-            }
-            all.sort();
-            assert_eq!(all, (0..8).collect::<Vec<_>>());
-        }
     }
 }

@@ -29,11 +29,11 @@ use crate::trainer::launch::launch::{run_ranks, GroupPlan, NodeLaunch};
 use crate::trainer::logging::generations::ValGeneration;
 use crate::trainer::logging::logger::MetricsLogger;
 use crate::trainer::logging::metrics::Metrics;
+use crate::trainer::model_optimizer::ModelOptimizer;
 use crate::trainer::rl::checkpoint::{
     checkpoint_to_resume, prune_step_folders, save_param_order, StepFolder,
 };
 use crate::trainer::rl::fit::RankMemory;
-use crate::trainer::rl::learner::ModelOptimizer;
 use crate::trainer::run_loop::{run_steps, LoopPlan, RunTask};
 use burn::optim::adaptor::OptimizerAdaptor;
 

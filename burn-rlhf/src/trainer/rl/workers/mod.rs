@@ -1,0 +1,19 @@
+//! The step's worker roles (verl's, without its string-keyed data bags): each owns its model,
+//! what trains it (if anything), how it is held on this rank and its slice of the settings, and
+//! answers the Learner through typed values ([`RolloutBatch`](burn_rlhf_rollout::RolloutBatch)
+//! in; per-token [`passes::Rows`], [`teachers::TeacherScores`](crate::minibatch::TeacherScores)
+//! or metrics out). The Learner orchestrates them in verl's order (`step.rs`).
+//!
+//! - `passes`: what every scoring pass of a rank shares (its data-parallel place, device, shapes,
+//!   the LM head's reading), and the pass kinds (log-probs, top-k);
+//! - `reference`: the frozen reference policy;
+//! - `critic`: the critic and its optimiser;
+//! - `teachers`: on-policy distillation's teachers.
+//!
+//! The actor (the policy and its optimiser, shared with generation) and the rollout worker
+//! (`generation.rs`) are the Learner's own.
+
+pub(crate) mod critic;
+pub(crate) mod passes;
+pub(crate) mod reference;
+pub mod teachers;
