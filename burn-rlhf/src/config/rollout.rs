@@ -219,8 +219,8 @@ pub(super) struct PoolContext {
     pub trainer_devices: usize,
     /// `algorithm.filter_groups.enable`.
     pub dynamic_sampling: bool,
-    /// `actor_rollout_ref.model.lora_rank` > 0.
-    pub lora: bool,
+    /// LoRA adapters generating unmerged (`lora_rank` > 0, `lora.merge=false`).
+    pub lora_unmerged: bool,
 }
 
 impl RolloutPoolConfig {
@@ -259,9 +259,11 @@ impl RolloutPoolConfig {
              one step ahead cannot know (verl's one-step-off trainer does not run it either)"
                 .into()
         });
-        p.check(!c.lora, || {
-            "`actor_rollout_ref.model.lora_rank` with `actor_rollout_ref.hybrid_engine=False`: \
-             one-step-off-policy training of LoRA adapters is not built yet"
+        p.check(!c.lora_unmerged, || {
+            "`actor_rollout_ref.model.lora_rank` with `actor_rollout_ref.hybrid_engine=False` \
+             and `actor_rollout_ref.model.lora.merge=false`: a rollout pool of its own and a \
+             resumed generation run the merged weights, which generate a little differently \
+             from adapters kept apart; set `actor_rollout_ref.model.lora.merge=true`"
                 .into()
         });
         Some(OneStepOff {

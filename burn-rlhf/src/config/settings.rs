@@ -259,7 +259,7 @@ fn decode(c: &RlhfConfig, known: &KnownNames, p: &mut Problems) -> Option<Settin
             hybrid_engine: arr.hybrid_engine,
             trainer_devices: devices,
             dynamic_sampling: c.algorithm.filter_groups.enable,
-            lora: arr.model.lora_rank > 0,
+            lora_unmerged: arr.model.lora_rank > 0 && !arr.model.lora.merge,
         },
     );
     p.check(devices.is_multiple_of(tp), || {

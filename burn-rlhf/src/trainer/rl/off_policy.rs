@@ -139,6 +139,9 @@ impl<B: LearnerBackend> Learner<B> {
             Err(panic) => std::panic::resume_unwind(panic),
         };
         let wait = waited.elapsed().as_secs_f64();
+        // What this generation's order carried, read before the next order is sent.
+        #[cfg(feature = "mpi")]
+        let sent = self.rollout_pool.as_ref().map(|p| p.last_sent());
         if step < self.total_steps {
             self.next_batch = Some(self.launch_generation(step + 1));
         }
@@ -154,6 +157,10 @@ impl<B: LearnerBackend> Learner<B> {
             ("training/epoch".to_string(), epoch as f64),
         ]);
         metrics.extend(engine_metrics(&batch, counters));
+        #[cfg(feature = "mpi")]
+        if let Some(sent) = sent {
+            metrics.insert("rollout/weight_values_sent".into(), sent as f64);
+        }
         Ok((batch, indices, metrics))
     }
 

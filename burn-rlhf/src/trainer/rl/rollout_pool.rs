@@ -10,8 +10,15 @@
 //! The order of exchanges: `generate(k)`, its samples, `generate(k+1)`, its samples, ...,
 //! `stop`. A checkpoint keeps the generation in flight as the in-process worker's, and a resumed
 //! job's pool (a fresh process) generates it again from the weights the trainer sends.
+//!
+//! Only the tensors that changed since the last order go (verl's weight sync sends them all):
+//! the trainer keeps each tensor's 128-bit hash (XXH3) as last sent, the order says which
+//! tensors it carries, and the pool keeps the others as it last had them. Under full
+//! fine-tuning every tensor changes each step; with LoRA only the adapted layers do (the
+//! embeddings, norms and other layers go once).
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use burn::module::AutodiffModule;
@@ -22,10 +29,10 @@ use burn_rlhf_rollout::RolloutBatch;
 use super::generation::RolloutWorker;
 use crate::backend::LearnerBackend;
 use crate::distributed::mpi::MpiProcess;
-use crate::error::TrainError;
+use crate::error::{DistributedError, TrainError};
 
-/// The header of an order: `[kind, step, prompts]` (exact in f32).
-const ORDER: usize = 3;
+/// The header of an order: `[kind, step, prompts, the values it carries as f32 and remainder]`.
+const ORDER: usize = 5;
 const STOP: f32 = 0.0;
 const GENERATE: f32 = 1.0;
 /// The header of an answer: `[rows, 4 counters and the seconds, each as f32 and remainder]`.
@@ -39,6 +46,10 @@ pub struct RolloutPool {
     trainer: usize,
     /// The pool's process (every answer comes from it).
     pool: usize,
+    /// Each tensor's hash as last sent to the pool (name order; empty before the first order).
+    sent: Arc<Mutex<Vec<u128>>>,
+    /// The weight values the last order carried.
+    last_sent: Arc<AtomicU64>,
 }
 
 impl std::fmt::Debug for RolloutPool {
@@ -61,15 +72,6 @@ fn joined(pair: &[f32]) -> f64 {
     pair[0] as f64 + pair[1] as f64
 }
 
-/// The values of `tensors` in name order, one buffer.
-fn flatten(tensors: &std::collections::BTreeMap<String, HostTensor>) -> Vec<f32> {
-    let mut flat = Vec::with_capacity(tensors.values().map(|t| t.data.len()).sum());
-    for t in tensors.values() {
-        flat.extend_from_slice(&t.data);
-    }
-    flat
-}
-
 impl RolloutPool {
     /// The pool of `process`'s job: the trainer in process `trainer`, the pool in `pool`.
     pub fn new(process: Arc<MpiProcess>, trainer: usize, pool: usize) -> Self {
@@ -77,7 +79,14 @@ impl RolloutPool {
             process,
             trainer,
             pool,
+            sent: Arc::default(),
+            last_sent: Arc::default(),
         }
+    }
+
+    /// The weight values the last order carried (`rollout/weight_values_sent`).
+    pub(crate) fn last_sent(&self) -> u64 {
+        self.last_sent.load(Ordering::SeqCst)
     }
 
     fn order(&self, header: [f32; ORDER], payload: Vec<f32>) -> Result<(), TrainError> {
@@ -100,8 +109,35 @@ impl RolloutPool {
         step: usize,
     ) -> Result<(RolloutBatch, [f64; 4], f64), TrainError> {
         let mut payload: Vec<f32> = indices.iter().map(|&i| i as f32).collect();
-        payload.extend(flatten(&weights.export()));
-        self.order([GENERATE, step as f32, indices.len() as f32], payload)?;
+        let tensors = weights.export();
+        let hashes: Vec<u128> = tensors
+            .values()
+            .map(|t| xxhash_rust::xxh3::xxh3_128(bytemuck::cast_slice(&t.data)))
+            .collect();
+        let mut sent = self.sent.lock().expect("not poisoned");
+        // One flag per tensor (1: carried), then the carried tensors' values.
+        let carried: Vec<bool> = match sent.len() == hashes.len() {
+            true => hashes
+                .iter()
+                .zip(sent.iter())
+                .map(|(h, s)| h != s)
+                .collect(),
+            false => vec![true; hashes.len()],
+        };
+        payload.extend(carried.iter().map(|&c| c as u8 as f32));
+        let mut values = 0usize;
+        for (t, _) in tensors.values().zip(&carried).filter(|(_, c)| **c) {
+            payload.extend_from_slice(&t.data);
+            values += t.data.len();
+        }
+        *sent = hashes;
+        drop(sent);
+        self.last_sent.store(values as u64, Ordering::SeqCst);
+        let [hi, lo] = split(values as f64);
+        self.order(
+            [GENERATE, step as f32, indices.len() as f32, hi, lo],
+            payload,
+        )?;
         let header = self.process.broadcast(self.pool, vec![0.0; ANSWER])?;
         let packing = worker.packing(step);
         let rows = header[0] as usize;
@@ -116,7 +152,7 @@ impl RolloutPool {
 
     /// Tells the pool the run is over (after the last generation's samples are taken).
     pub(crate) fn stop(&self) -> Result<(), TrainError> {
-        self.order([STOP, 0.0, 0.0], Vec::new())
+        self.order([STOP, 0.0, 0.0, 0.0, 0.0], Vec::new())
     }
 }
 
@@ -136,29 +172,40 @@ pub(crate) fn serve<B: LearnerBackend>(
         .map(|(name, t)| (name, t.shape))
         .collect();
     drop(actor);
-    let values: usize = template
-        .iter()
-        .map(|(_, shape)| shape.iter().product::<usize>())
-        .sum();
+    // The weights as the trainer last sent them, tensor by tensor (none before its first order).
+    let mut held: Vec<Option<Vec<f32>>> = vec![None; template.len()];
     loop {
         let order = pool.process.broadcast(pool.trainer, vec![0.0; ORDER])?;
         if order[0] == STOP {
             return Ok(());
         }
         let (step, prompts) = (order[1] as usize, order[2] as usize);
+        let values = joined(&order[3..5]) as usize;
         let payload = pool
             .process
-            .broadcast(pool.trainer, vec![0.0; prompts + values])?;
+            .broadcast(pool.trainer, vec![0.0; prompts + template.len() + values])?;
         let indices: Vec<usize> = payload[..prompts].iter().map(|&i| i as usize).collect();
-        let mut at = prompts;
-        let tensors = template.iter().map(|(name, shape)| {
-            let n: usize = shape.iter().product();
-            at += n;
-            let data = payload[at - n..at].to_vec();
+        let carried = &payload[prompts..prompts + template.len()];
+        let mut at = prompts + template.len();
+        for (((name, shape), slot), &c) in template.iter().zip(held.iter_mut()).zip(carried) {
+            if c > 0.0 {
+                let n: usize = shape.iter().product();
+                *slot = Some(payload[at..at + n].to_vec());
+                at += n;
+            } else if slot.is_none() {
+                return Err(TrainError::Distributed(DistributedError::Transport {
+                    rank: pool.pool,
+                    message: format!(
+                        "the rollout pool was never sent `{name}`, and the order keeps it"
+                    ),
+                }));
+            }
+        }
+        let tensors = template.iter().zip(&held).map(|((name, shape), data)| {
             (
                 name.clone(),
                 HostTensor {
-                    data,
+                    data: data.clone().expect("checked above"),
                     shape: shape.clone(),
                 },
             )
