@@ -237,13 +237,11 @@ impl RolloutPoolConfig {
             });
             return None;
         }
-        p.check(devices == 1, || {
-            format!(
-                "`rollout.nnodes` x `rollout.n_gpus_per_node` = {devices}: one-step-off-policy \
-                 training runs one rollout worker (1 x 1): a thread of the trainer's process, or \
-                 under an MPI launcher a process of its own after the trainer's; rollout pools \
-                 of several devices are not built yet"
-            )
+        p.check(devices >= 1, || {
+            "`rollout.nnodes` x `rollout.n_gpus_per_node` = 0: one-step-off-policy training \
+             needs a rollout worker (a thread of the trainer's process, or under an MPI launcher \
+             processes of its own after the trainer's)"
+                .into()
         });
         p.check(c.trainer_devices == 1, || {
             format!(

@@ -45,11 +45,12 @@ enum Request {
     GatherU64(u64, Sender<Vec<u64>>),
     /// Process `root`'s buffer on every process (the others send one of the same length).
     Broadcast(usize, Vec<f32>, Sender<Vec<f32>>),
-    /// Splits the job into tensor-parallel groups of `size` consecutive processes (every
-    /// process sends it at the same point, before any exchange of those groups).
-    SplitTp(usize, Sender<()>),
-    /// Every member's buffer, in member order, from this process's tensor-parallel group.
-    TpGather(Vec<f32>, Sender<Vec<Vec<f32>>>),
+    /// Splits the job into groups of `kind` by color (every process sends it at the same
+    /// point, before any exchange of those groups); answers this process's rank and size in
+    /// its group.
+    Split(Subgroup, i32, Sender<(usize, usize)>),
+    /// Every member's buffer, in member order, from this process's group of `kind`.
+    Gather(Subgroup, Vec<f32>, Sender<Vec<Vec<f32>>>),
     /// Print the reason and stop the job.
     Abort(String),
 }
@@ -238,7 +239,8 @@ fn serve(requests: Receiver<Request>, place_tx: Sender<Result<MpiPlace, String>>
         hosts: hosts as usize,
     }));
     let root = world.process_at_rank(0);
-    let mut tp: Option<SimpleCommunicator> = None;
+    // A communicator per kind of group.
+    let mut groups: [Option<SimpleCommunicator>; 2] = [None, None];
     for request in requests {
         match request {
             Request::Sum(data, reply) => {
@@ -267,14 +269,18 @@ fn serve(requests: Receiver<Request>, place_tx: Sender<Result<MpiPlace, String>>
                 world.all_gather_into(&value, &mut all[..]);
                 let _ = reply.send(all);
             }
-            Request::SplitTp(size, reply) => {
-                tp = world.split_by_color(Color::with_value((process / size) as i32));
-                let _ = reply.send(());
-            }
-            Request::TpGather(data, reply) => {
-                let group = tp
+            Request::Split(kind, color, reply) => {
+                let group = world.split_by_color(Color::with_value(color));
+                let place = group
                     .as_ref()
-                    .expect("the tensor-parallel groups are split first");
+                    .map_or((0, 1), |g| (g.rank() as usize, g.size() as usize));
+                groups[kind as usize] = group;
+                let _ = reply.send(place);
+            }
+            Request::Gather(kind, data, reply) => {
+                let group = groups[kind as usize]
+                    .as_ref()
+                    .expect("a group is split before its exchanges");
                 let _ = reply.send(gather_varcount(group, &data));
             }
             Request::Abort(reason) => {
@@ -284,7 +290,7 @@ fn serve(requests: Receiver<Request>, place_tx: Sender<Result<MpiPlace, String>>
         }
     }
     // Freed before MPI_Finalize (see `host`).
-    drop(tp);
+    drop(groups);
     drop(universe);
 }
 
@@ -312,32 +318,59 @@ fn gather_varcount(group: &SimpleCommunicator, mine: &[f32]) -> Vec<Vec<f32>> {
         .collect()
 }
 
-/// A tensor-parallel group of consecutive processes with one device each (one process per GPU,
-/// as `mpirun` and `srun` place them): its exchanges go through MPI's thread like the sums.
-pub struct MpiTpRank {
+/// The kinds of groups a job's processes split into (each its own communicator).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Subgroup {
+    /// Tensor-parallel groups of consecutive processes.
+    Tensor = 0,
+    /// One-step-off-policy's rollout pool (and, apart, the trainer's processes).
+    RolloutPool = 1,
+}
+
+/// A group of processes with one device each (a tensor-parallel group, one process per GPU as
+/// `mpirun` and `srun` place them; or the rollout pool's processes): its exchanges go through
+/// MPI's thread like the sums.
+pub struct MpiSubgroup {
     process: Arc<MpiProcess>,
+    kind: Subgroup,
+    rank: usize,
     size: usize,
 }
 
-impl MpiTpRank {
-    /// This process's handle on its group of `size` consecutive processes; every process calls
-    /// it at the same point of the run (it splits MPI's communicator).
-    pub fn group(process: &Arc<MpiProcess>, size: usize) -> Result<TpGroup, DistributedError> {
+impl MpiSubgroup {
+    /// This process's group of `kind`: the processes of the same `color`. Every process of the
+    /// job calls it at the same point of the run (it splits MPI's communicator).
+    pub fn split(
+        process: &Arc<MpiProcess>,
+        kind: Subgroup,
+        color: usize,
+    ) -> Result<Arc<Self>, DistributedError> {
         let (tx, rx) = mpsc::channel();
-        process.send(Request::SplitTp(size, tx))?;
-        rx.recv().map_err(|_| {
-            transport("the MPI thread stopped while splitting tensor-parallel groups".into())
-        })?;
-        Ok(TpGroup::new(Arc::new(Self {
+        process.send(Request::Split(kind, color as i32, tx))?;
+        let (rank, size) = rx
+            .recv()
+            .map_err(|_| transport("the MPI thread stopped while splitting groups".into()))?;
+        Ok(Arc::new(Self {
             process: process.clone(),
+            kind,
+            rank,
             size,
-        })))
+        }))
+    }
+
+    /// This process's tensor-parallel group of `size` consecutive processes.
+    pub fn tensor_group(
+        process: &Arc<MpiProcess>,
+        size: usize,
+    ) -> Result<TpGroup, DistributedError> {
+        let group = Self::split(process, Subgroup::Tensor, process.place.process / size)?;
+        Ok(TpGroup::new(group))
     }
 }
 
-impl Collective for MpiTpRank {
+impl Collective for MpiSubgroup {
     fn rank(&self) -> usize {
-        self.process.place.process % self.size
+        self.rank
     }
 
     fn world(&self) -> usize {
@@ -350,17 +383,19 @@ impl Collective for MpiTpRank {
 
     fn all_gather(&self, mine: Vec<f32>) -> Result<Vec<Vec<f32>>, DistributedError> {
         let (tx, rx) = mpsc::channel();
-        self.process.send(Request::TpGather(mine, tx))?;
+        self.process.send(Request::Gather(self.kind, mine, tx))?;
         rx.recv().map_err(|_| {
-            transport("the MPI thread stopped during a tensor-parallel exchange".into())
+            transport(format!(
+                "the MPI thread stopped during a {:?} exchange",
+                self.kind
+            ))
         })
     }
 
     fn abort(&self, reason: &str) {
         self.process.abort(&format!(
-            "process {} (tensor-parallel rank {}) failed: {reason}",
-            self.process.place.process,
-            self.rank()
+            "process {} ({:?} rank {}) failed: {reason}",
+            self.process.place.process, self.kind, self.rank
         ))
     }
 }

@@ -1222,6 +1222,56 @@ mod processes {
         assert_eq!(sent, all);
     }
 
+    /// Issue 58 item 3: a rollout pool of two MPI processes (`rollout.n_gpus_per_node=2`, the
+    /// job trainer + 2), each generating half the prompts, trains as the in-process worker does,
+    /// bit for bit; the in-process worker refuses two devices, naming the key.
+    #[test]
+    fn a_rollout_pool_of_two_processes_trains_as_the_in_process_worker() {
+        let dir = temp_dir("dp-mpi-pool-two");
+        let (model, data) = cli_assets(&dir);
+        let start = super::tiny_models().0;
+        let steps = 4;
+        let args = |out: &Path, pool: usize| {
+            let mut a = cli_args(&model, &data, out, steps);
+            a.push("actor_rollout_ref.hybrid_engine=False".into());
+            a.push(format!("rollout.n_gpus_per_node={pool}"));
+            a
+        };
+        let single = dir.join("single");
+        let status = Command::new(env!("CARGO_BIN_EXE_burn-rlhf"))
+            .args(args(&single, 1))
+            .stdout(Stdio::null())
+            .status()
+            .unwrap();
+        assert!(status.success());
+        let pooled = dir.join("pooled");
+        let (ok, err) = wait_bounded(mpirun(3, &args(&pooled, 2)), Duration::from_secs(300));
+        assert!(ok, "the job of a trainer and a pool of 2 failed:\n{err}");
+        let last = format!("global_step_{steps}");
+        let what = "trainer + a rollout pool of 2 MPI processes vs the in-process worker";
+        assert_same_weights_from(&single.join(&last), &pooled.join(&last), what, &start);
+        let read = |dir: &Path| super::read_jsonl(&dir.join("metrics.jsonl")).unwrap();
+        let (a, b) = (read(&single), read(&pooled));
+        assert_eq!(a.len(), steps);
+        for ((s, m), (_, n)) in a.iter().zip(&b) {
+            for (k, v) in m {
+                if burn_rlhf::trainer::usage::measures_the_machine(k) {
+                    continue;
+                }
+                assert_eq!(*v, n[k], "step {s} {k}");
+            }
+        }
+        let output = Command::new(env!("CARGO_BIN_EXE_burn-rlhf"))
+            .args(args(&dir.join("thread"), 2))
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&output.stderr);
+        assert!(
+            !output.status.success() && err.contains("rollout.n_gpus_per_node"),
+            "{err}"
+        );
+    }
+
     #[test]
     fn a_killed_mpi_process_stops_the_job_naming_it() {
         let dir = temp_dir("dp-mpi-kill");

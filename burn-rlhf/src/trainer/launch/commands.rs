@@ -64,7 +64,7 @@ pub fn train(settings: Settings) -> Result<RunOutputs, TrainError> {
 /// the job, naming itself. The pool's processes return no outputs (nothing logged).
 #[cfg(feature = "mpi")]
 fn train_with_rollout_pool(settings: Settings) -> Result<RunOutputs, TrainError> {
-    use crate::distributed::mpi::MpiProcess;
+    use crate::distributed::mpi::{MpiProcess, MpiSubgroup, Subgroup};
     use crate::trainer::rl::rollout_pool::RolloutPool;
     let t = &settings.trainer;
     let trainers = t.nnodes * t.n_gpus_per_node;
@@ -87,6 +87,9 @@ fn train_with_rollout_pool(settings: Settings) -> Result<RunOutputs, TrainError>
     }
     process.check_same(super::launch::fingerprint(&format!("{settings:?}")))?;
     let pool = RolloutPool::new(process.clone(), 0, trainers);
+    // The pool's processes generate together (the trainer's group, apart, is not used).
+    let in_pool = place.process >= trainers;
+    let group = MpiSubgroup::split(&process, Subgroup::RolloutPool, in_pool as usize)?;
     let on_backend = settings.model.gradient_checkpointing.on_backend();
     let node = NodeLaunch {
         backend: t.collective_backend,
@@ -104,7 +107,12 @@ fn train_with_rollout_pool(settings: Settings) -> Result<RunOutputs, TrainError>
             RlTraining(settings),
         )
     } else {
-        start(place_here, on_backend, RolloutServing(settings, pool)).map(|()| RunOutputs {
+        start(
+            place_here,
+            on_backend,
+            RolloutServing(settings, pool, group),
+        )
+        .map(|()| RunOutputs {
             jsonl: None,
             plot: None,
             checkpoint: None,
@@ -130,7 +138,11 @@ fn train_with_rollout_pool(settings: Settings) -> Result<RunOutputs, TrainError>
 
 /// The rollout pool's command: generate what the trainer orders.
 #[cfg(feature = "mpi")]
-struct RolloutServing(Settings, crate::trainer::rl::rollout_pool::RolloutPool);
+struct RolloutServing(
+    Settings,
+    crate::trainer::rl::rollout_pool::RolloutPool,
+    std::sync::Arc<crate::distributed::mpi::MpiSubgroup>,
+);
 
 #[cfg(feature = "mpi")]
 impl OnDevices for RolloutServing {
@@ -145,7 +157,8 @@ impl OnDevices for RolloutServing {
         let parts = LearnerParts::<B>::load(&self.0, device, true)?;
         let threads = rayon::current_num_threads();
         let (worker, actor) = Learner::prepare(self.0, parts, device)?.into_rollout_worker(threads);
-        crate::trainer::rl::rollout_pool::serve::<B>(worker, actor, &self.1, device)
+        let group: std::sync::Arc<dyn crate::distributed::Collective> = self.2;
+        crate::trainer::rl::rollout_pool::serve::<B>(worker, actor, (&self.1, group), device)
     }
 }
 

@@ -15,7 +15,7 @@ use super::rank_parts::{HostModels, RankParts};
 use crate::config::{CollectiveBackend, Settings};
 use crate::distributed::mesh::{ParallelMesh, TENSOR_KEY};
 #[cfg(feature = "mpi")]
-use crate::distributed::mpi::{MpiProcess, MpiRank, MpiTpRank};
+use crate::distributed::mpi::{MpiProcess, MpiRank, MpiSubgroup};
 use crate::distributed::{
     AbortFlag, BurnCollective, Collective, DataParallel, DeviceSums, DistributedError, Solo,
     Subgroup,
@@ -500,7 +500,7 @@ impl GroupPlan {
         }
         match processes {
             #[cfg(feature = "mpi")]
-            Processes::Mpi(process) => Ok(vec![MpiTpRank::group(process, tensor)?]),
+            Processes::Mpi(process) => Ok(vec![MpiSubgroup::tensor_group(process, tensor)?]),
             _ => Err(TrainError::config(
                 TENSOR_KEY,
                 "a tensor-parallel group across processes needs MPI",

@@ -553,23 +553,24 @@ impl<B: LearnerBackend> RolloutWorker<B> {
         indices: &[usize],
         step: usize,
     ) -> Result<(RolloutBatch, [f64; 4]), TrainError> {
-        let (samples, counters) = self.samples(weights, indices, step)?;
+        let (samples, counters) = self.samples(weights, indices, step, &DataParallel::solo())?;
         Ok((self.assemble(indices, samples)?, counters))
     }
 
     /// [`generate`](Self::generate)'s samples (every prompt's, in prompt order) and counters,
-    /// before they make a batch: what a rollout pool of its own sends the trainer.
+    /// before they make a batch: what a rollout pool of its own sends the trainer. `pool`: the
+    /// pool's devices (no collectives with the trainer), each generating its share of the
+    /// prompts, every one's samples gathered on each and the counters summed.
     pub fn samples(
         &self,
         weights: CausalLm<B::InnerBackend>,
         indices: &[usize],
         step: usize,
+        pool: &DataParallel,
     ) -> Result<(Vec<AgentSample>, [f64; 4]), TrainError> {
         self.threads.install(|| {
             let counters = Mutex::new([0.0; 4]);
-            // The rollout pool is one device of its own: no collectives with the trainer.
-            let solo = DataParallel::solo();
-            let generator = self.generator(&solo, &counters);
+            let generator = self.generator(pool, &counters);
             let params = self.params(&generator, step);
             let policy = as_generated(weights, &self.settings);
             let samples = burn_rlhf_algos::kernels::with_kernels(

@@ -117,6 +117,22 @@ impl<B: LearnerBackend> Learner<B> {
         step: usize,
         timing: &mut Timing,
     ) -> Result<(RolloutBatch, Vec<usize>, Metrics), TrainError> {
+        #[cfg(feature = "mpi")]
+        let pooled = self.rollout_pool.is_some();
+        #[cfg(not(feature = "mpi"))]
+        let pooled = false;
+        let devices = self.settings.one_step_off.map_or(1, |o| o.rollout_devices);
+        if devices > 1 && !pooled {
+            return Err(TrainError::config(
+                "rollout.n_gpus_per_node",
+                format!(
+                    "a rollout pool of {devices} devices runs as that many MPI processes after \
+                     the trainer's (`mpirun -np` trainer + {devices}, built with the `mpi` \
+                     feature); the in-process rollout worker is one thread: set \
+                     `rollout.nnodes` x `rollout.n_gpus_per_node` to 1"
+                ),
+            ));
+        }
         let next = match self.next_batch.take() {
             Some(next) if next.pending.step == step => next,
             // A generation for another step (a learner stepped past `fit`'s order) is dropped.

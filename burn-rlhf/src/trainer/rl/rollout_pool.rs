@@ -29,6 +29,7 @@ use burn_rlhf_rollout::RolloutBatch;
 use super::generation::RolloutWorker;
 use crate::backend::LearnerBackend;
 use crate::distributed::mpi::MpiProcess;
+use crate::distributed::{Collective, DataParallel};
 use crate::error::{DistributedError, TrainError};
 
 /// The header of an order: `[kind, step, prompts, the values it carries as f32 and remainder]`.
@@ -158,13 +159,16 @@ impl RolloutPool {
 
 /// The pool's side: generates with `worker` (the run's prompts, settings and agent loops, checked
 /// as the trainer checks them) on `device` what the trainer orders, until it says stop; `actor`
-/// (the model as loaded) gives the shapes of the weights each order carries.
+/// (the model as loaded) gives the shapes of the weights each order carries. `group`: the pool's
+/// processes, each generating its share of the prompts; the first answers the trainer.
 pub(crate) fn serve<B: LearnerBackend>(
     worker: RolloutWorker<B>,
     actor: CausalLm<B>,
-    pool: &RolloutPool,
+    (pool, group): (&RolloutPool, Arc<dyn Collective>),
     device: &B::Device,
 ) -> Result<(), TrainError> {
+    let answers = group.rank() == 0;
+    let group = DataParallel::over(group);
     let template: Vec<(String, Vec<usize>)> = actor
         .valid()
         .export()
@@ -214,14 +218,22 @@ pub(crate) fn serve<B: LearnerBackend>(
         let model_config = worker.model_config.clone();
         let weights = CausalLm::load(&model_config, weights, None, &device.clone().into())?;
         let start = Instant::now();
-        let (samples, counters) = worker.samples(weights, &indices, step)?;
+        let (samples, counters) = worker.samples(weights, &indices, step, &group)?;
         let seconds = start.elapsed().as_secs_f64();
-        let mut header = vec![samples.len() as f32];
-        for x in counters.into_iter().chain([seconds]) {
-            header.extend(split(x));
+        let packing = worker.packing(step);
+        if answers {
+            let mut header = vec![samples.len() as f32];
+            for x in counters.into_iter().chain([seconds]) {
+                header.extend(split(x));
+            }
+            pool.process.broadcast(pool.pool, header)?;
+            pool.process.broadcast(pool.pool, packing.pack(&samples))?;
+        } else {
+            // The job's broadcasts take every process: the others receive the answer too.
+            let header = pool.process.broadcast(pool.pool, vec![0.0; ANSWER])?;
+            let rows = header[0] as usize;
+            pool.process
+                .broadcast(pool.pool, vec![0.0; rows * packing.width()])?;
         }
-        pool.process.broadcast(pool.pool, header)?;
-        let packed = worker.packing(step).pack(&samples);
-        pool.process.broadcast(pool.pool, packed)?;
     }
 }
