@@ -271,6 +271,17 @@ impl DistillationConfig {
                     // Read (the teacher's own dtype): decoded with the teachers.
                     continue;
                 }
+                if k == "temperature" {
+                    // verl scores at 1.0 whatever this says (`_get_teacher_sampling_params`).
+                    p.check(v.as_f64() == Some(1.0), || {
+                        format!(
+                            "`{at}.inference.temperature` = {v}: verl's teachers score at \
+                             temperature 1.0 whatever it says (their log-probs are a forward \
+                             pass), as here; set 1.0 or remove it"
+                        )
+                    });
+                    continue;
+                }
                 match defaults.get(k.as_str()) {
                     Some(Some(verl)) if same(v, verl) => {}
                     Some(Some(verl)) => p.check(false, || {
@@ -282,7 +293,7 @@ impl DistillationConfig {
                     Some(None) => p.check(false, || {
                         format!(
                             "`{at}.inference.{k}`: verl derives it from the actor's rollout; \
-                             the teacher's pass here uses the rollout's temperature"
+                             the teacher's pass here reads the student's batch as it is"
                         )
                     }),
                     None => p.check(false, || {

@@ -394,3 +394,41 @@ fn a_teacher_is_held_and_scores_in_its_own_dtype() {
         "{e}"
     );
 }
+
+/// verl's teachers score at temperature 1 whatever the rollout's (vLLM's prompt log-probs; its
+/// `_get_teacher_sampling_params` forces 1.0) while the student's log-probs are tempered: toward
+/// a teacher that is the starting student the first step's divergence is 0 at temperature 1 and
+/// not at 0.7. `inference.temperature` other than 1 is refused, naming the key.
+#[test]
+fn teachers_score_at_temperature_one_as_verls() {
+    let dir = temp_dir("distill-temperature");
+    let (student, _) = super::tiny_models(5);
+    let first_divergence = |temperature: f64| {
+        let mut c = distilling(config(&dir.join("t")), "k3", false, true, 1.0);
+        c.actor_rollout_ref.rollout.temperature = temperature;
+        let copy = Teacher::new(
+            "teacher_model",
+            None,
+            student.valid(),
+            tasks::model_config(32, 1),
+        );
+        let (_, m) = train(c, parts(vec![copy]).0, 1);
+        m[0]["distillation/abs_loss"]
+    };
+    let (at_one, tempered) = (first_divergence(1.0), first_divergence(0.7));
+    println!("|k3| to the starting model at step 1: T=1 {at_one}, T=0.7 {tempered}");
+    assert!(at_one < 1e-6, "{at_one}");
+    assert!(tempered > 1e-3, "{tempered}");
+    let mut c = distilling(config(&dir.join("bad")), "k3", false, true, 1.0);
+    c.distillation
+        .teacher_models
+        .get_mut("teacher_model")
+        .unwrap()
+        .inference
+        .insert("temperature".into(), serde_json::json!(0.7));
+    let e = c.validate("test").unwrap_err().to_string();
+    assert!(
+        e.contains("teacher_model.inference.temperature") && e.contains("1.0"),
+        "{e}"
+    );
+}

@@ -188,6 +188,16 @@ impl<B: LearnerBackend> TeacherWorker<B> {
         batch: &RolloutBatch,
     ) -> Result<TeacherScores, TrainError> {
         let topk = self.divergence.topk();
+        // At temperature 1 whatever the rollout's, as verl's teachers score (vLLM's prompt
+        // log-probs, a forward pass: `_get_teacher_sampling_params` forces 1.0); the student's
+        // side is read at the rollout's temperature, as verl's actor reads it.
+        let passes = Passes {
+            head: crate::forward::LogprobHead {
+                temperature: 1.0,
+                ..passes.head
+            },
+            ..*passes
+        };
         let width = batch.response_len;
         // Planes of `rows * width`: the sampled tokens' log-probs, or k of log-probs then k of
         // ids.
