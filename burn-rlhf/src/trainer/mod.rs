@@ -6,7 +6,8 @@
 //!   baseline) over `generation` (the engine over a given policy, and one-step-off-policy's
 //!   rollout worker, driven by `off_policy`), `scoring` (log-probs, values, KL, advantages),
 //!   `update`, `step`, `validation`; its checkpoints, generation dumps and run loop (`fit`); the
-//!   learned reward model that scores rollouts (`reward_model`);
+//!   learned reward model that scores rollouts (`reward_model`); the worker roles it orchestrates
+//!   (`workers/`: the reference, the critic, the teachers, and the passes they share);
 //! - `launch/`: starting the ranks ([`launch`]: one device in one process runs `fit` on the
 //!   calling thread, several devices a thread each, several processes as MPI ranks) and the
 //!   `train`, `eval` and `generate` commands on top of it (`commands`: a file, the selected

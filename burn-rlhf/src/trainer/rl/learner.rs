@@ -1,4 +1,5 @@
-//! The [`Learner`]: the models, their optimisers, the algorithm objects and the data of a run.
+//! The [`Learner`]: the policy and its optimiser, the worker roles (`workers/`: reference, critic,
+//! teachers), the algorithm objects and the data of a run.
 //! What it does lives beside it, one file per phase of verl's step: `build` (from a config or
 //! parts), `rollout` (generation and rewards), `scoring` (log-probs, values, KL, advantages),
 //! `update` (the critic's and the actor's updates), `step` (one step in verl's order) and
