@@ -422,9 +422,21 @@ mod tests {
         let err = settings(&c).unwrap_err().to_string();
         assert!(err.contains("hybrid_engine=False"), "{err}");
         c.actor_rollout_ref.hybrid_engine = false;
+        // A pool of 8 (MPI processes; the in-process worker refuses it when it starts).
+        let s = settings(&c).unwrap();
+        assert_eq!(s.one_step_off, Some(OneStepOff { rollout_devices: 8 }));
+        c.rollout.n_gpus_per_node = 0;
         let err = settings(&c).unwrap_err().to_string();
-        assert!(err.contains("`rollout.n_gpus_per_node` = 8"), "{err}");
+        assert!(err.contains("`rollout.n_gpus_per_node` = 0"), "{err}");
         c.rollout.n_gpus_per_node = 1;
+        // LoRA adapters generate merged only.
+        c.actor_rollout_ref.model.lora_rank = 4;
+        let err = settings(&c).unwrap_err().to_string();
+        assert!(err.contains("lora.merge=true"), "{err}");
+        c.actor_rollout_ref.model.lora.merge = true;
+        settings(&c).unwrap();
+        c.actor_rollout_ref.model.lora.merge = false;
+        c.actor_rollout_ref.model.lora_rank = 0;
         let s = settings(&c).unwrap();
         assert_eq!(s.one_step_off, Some(OneStepOff { rollout_devices: 1 }));
         // The rollout's log-probs are a step older than the trainer's weights.
