@@ -228,8 +228,7 @@ pub fn linear_topk<B: Backend>(
                 .matmul(weight.clone().transpose())
                 .cast(burn::tensor::DType::F32)
                 / temperature;
-            let max = z.clone().max_dim(1);
-            let lse = (z.clone() - max.clone()).exp().sum_dim(1).log() + max;
+            let lse = crate::kernels::reference::log_sum_exp(z.clone());
             let (top, ids) = z.topk_with_indices(k, 1);
             (top - lse, ids)
         })

@@ -304,13 +304,18 @@ pub fn ppo_clip_loss_backward<B: Backend>(
 }
 
 /// Log-softmax statistics of `logits / temperature` per row: (z, lse, p, E_p[z]).
+/// Each row's `log Σ exp(z)`, shifted by its max. Shapes: `[rows, V]` → `[rows, 1]`.
+pub(crate) fn log_sum_exp<B: Backend>(z: Tensor<B, 2>) -> Tensor<B, 2> {
+    let max = z.clone().max_dim(1);
+    (z - max.clone()).exp().sum_dim(1).log() + max
+}
+
 fn softmax_terms<B: Backend>(
     logits: FloatTensor<B>,
     temperature: f32,
 ) -> (Tensor<B, 2>, Tensor<B, 2>, Tensor<B, 2>, Tensor<B, 2>) {
     let z = t::<B, 2>(logits) / temperature as f64;
-    let max = z.clone().max_dim(1);
-    let lse = (z.clone() - max.clone()).exp().sum_dim(1).log() + max;
+    let lse = log_sum_exp(z.clone());
     let probs = (z.clone() - lse.clone()).exp();
     let mean_z = (probs.clone() * z.clone()).sum_dim(1);
     (z, lse, probs, mean_z)
@@ -395,32 +400,20 @@ pub fn linear_logprob_entropy<B: super::RlBackend>(
     p(Tensor::cat(parts, 0))
 }
 
-/// The gradients (hidden, weight) of [`linear_logprob_entropy`], each chunk's logits
-/// recomputed; the weight's gradient accumulates in f32.
-pub fn linear_logprob_entropy_backward<B: super::RlBackend>(
-    grad: FloatTensor<B>,
-    hidden: FloatTensor<B>,
-    weight: FloatTensor<B>,
-    labels: IntTensor<B>,
-    temperature: f32,
+/// The gradients (hidden, weight) of a loss read from `hidden · weightᵀ` chunk by chunk:
+/// `d_logits` gives each chunk's f32 gradient with respect to its logits (recomputed, given to
+/// it in f32); the weight's gradient accumulates in f32.
+fn linear_grads_by_chunks<B: Backend>(
+    (hidden, weight): (Tensor<B, 2>, Tensor<B, 2>),
     chunk: usize,
+    mut d_logits: impl FnMut((usize, usize), Tensor<B, 2>) -> Tensor<B, 2>,
 ) -> (FloatTensor<B>, FloatTensor<B>) {
-    let (grad, hidden, weight): (Tensor<B, 2>, Tensor<B, 2>, Tensor<B, 2>) =
-        (t(grad), t(hidden), t(weight));
-    let labels: Tensor<B, 1, Int> = Tensor::from_primitive(labels);
     let (h_dtype, w_dtype) = (hidden.dtype(), weight.dtype());
     let [rows, h] = hidden.dims();
     let mut d_weight: Option<Tensor<B, 2>> = None;
     let mut d_hidden = Vec::new();
     for range in chunks(rows, chunk) {
-        let logits = chunk_logits(&hidden, &weight, range);
-        let g = t::<B, 2>(B::rl_logprob_entropy_backward(
-            p(grad.clone().slice([range.0..range.1, 0..2])),
-            p(logits),
-            labels.clone().slice(range.0..range.1).into_primitive(),
-            temperature,
-        ))
-        .cast(h_dtype);
+        let g = d_logits(range, chunk_logits(&hidden, &weight, range)).cast(h_dtype);
         d_hidden.push(g.clone().matmul(weight.clone()));
         let part = g
             .transpose()
@@ -434,7 +427,33 @@ pub fn linear_logprob_entropy_backward<B: super::RlBackend>(
     let d_weight = d_weight.unwrap_or_else(|| {
         Tensor::zeros(weight.dims(), (&weight.device(), burn::tensor::DType::F32))
     });
-    (p(Tensor::cat(d_hidden, 0)), p(d_weight.cast(w_dtype)))
+    let d_hidden = match d_hidden.is_empty() {
+        true => Tensor::zeros([0, h], (&hidden.device(), h_dtype)),
+        false => Tensor::cat(d_hidden, 0),
+    };
+    (p(d_hidden), p(d_weight.cast(w_dtype)))
+}
+
+/// The gradients (hidden, weight) of [`linear_logprob_entropy`], each chunk's logits
+/// recomputed and differentiated by the backend's own `rl_logprob_entropy_backward`.
+pub fn linear_logprob_entropy_backward<B: super::RlBackend>(
+    grad: FloatTensor<B>,
+    hidden: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    labels: IntTensor<B>,
+    temperature: f32,
+    chunk: usize,
+) -> (FloatTensor<B>, FloatTensor<B>) {
+    let grad: Tensor<B, 2> = t(grad);
+    let labels: Tensor<B, 1, Int> = Tensor::from_primitive(labels);
+    linear_grads_by_chunks::<B>((t(hidden), t(weight)), chunk, |range, logits| {
+        t(B::rl_logprob_entropy_backward(
+            p(grad.clone().slice([range.0..range.1, 0..2])),
+            p(logits),
+            labels.clone().slice(range.0..range.1).into_primitive(),
+            temperature,
+        ))
+    })
 }
 
 /// [`super::RlBackend::rl_linear_log_probs_at`]: chunk by chunk, `z[ids] - logsumexp(z)` of the
@@ -458,8 +477,7 @@ pub fn linear_log_probs_at<B: Backend>(
     let parts: Vec<Tensor<B, 2>> = chunks(rows, chunk)
         .map(|range| {
             let z = chunk_logits(&hidden, &weight, range) / temperature as f64;
-            let max = z.clone().max_dim(1);
-            let lse = (z.clone() - max.clone()).exp().sum_dim(1).log() + max;
+            let lse = log_sum_exp(z.clone());
             z.gather(1, ids.clone().slice([range.0..range.1, 0..k])) - lse
         })
         .collect();
@@ -477,19 +495,12 @@ pub fn linear_log_probs_at_backward<B: Backend>(
     temperature: f32,
     chunk: usize,
 ) -> (FloatTensor<B>, FloatTensor<B>) {
-    let (grad, hidden, weight): (Tensor<B, 2>, Tensor<B, 2>, Tensor<B, 2>) =
-        (t(grad), t(hidden), t(weight));
+    let grad: Tensor<B, 2> = t(grad);
     let ids: Tensor<B, 2, Int> = Tensor::from_primitive(ids);
-    let (h_dtype, w_dtype) = (hidden.dtype(), weight.dtype());
-    let [rows, h] = hidden.dims();
     let k = ids.dims()[1];
-    let mut d_weight: Option<Tensor<B, 2>> = None;
-    let mut d_hidden = Vec::new();
-    for range in chunks(rows, chunk) {
-        let z = chunk_logits(&hidden, &weight, range) / temperature as f64;
-        let max = z.clone().max_dim(1);
-        let lse = (z.clone() - max.clone()).exp().sum_dim(1).log() + max;
-        let probs = (z - lse).exp();
+    linear_grads_by_chunks::<B>((t(hidden), t(weight)), chunk, |range, logits| {
+        let z = logits / temperature as f64;
+        let probs = (z.clone() - log_sum_exp(z)).exp();
         let g = grad
             .clone()
             .slice([range.0..range.1, 0..k])
@@ -500,25 +511,8 @@ pub fn linear_log_probs_at_backward<B: Backend>(
             g,
             IndexingUpdateOp::Add,
         );
-        let d = (d / temperature as f64).cast(h_dtype);
-        d_hidden.push(d.clone().matmul(weight.clone()));
-        let part = d
-            .transpose()
-            .matmul(hidden.clone().slice([range.0..range.1, 0..h]))
-            .cast(burn::tensor::DType::F32);
-        d_weight = Some(match d_weight {
-            Some(acc) => acc + part,
-            None => part,
-        });
-    }
-    let d_weight = d_weight.unwrap_or_else(|| {
-        Tensor::zeros(weight.dims(), (&weight.device(), burn::tensor::DType::F32))
-    });
-    let d_hidden = match d_hidden.is_empty() {
-        true => Tensor::zeros([0, h], (&hidden.device(), h_dtype)),
-        false => Tensor::cat(d_hidden, 0),
-    };
-    (p(d_hidden), p(d_weight.cast(w_dtype)))
+        d / temperature as f64
+    })
 }
 
 /// The clipped value loss per token and where the clipped term is the larger.
