@@ -1061,6 +1061,33 @@ mod processes {
         found
     }
 
+    /// The metrics of the in-process worker's run (`single`, `steps` lines) and the pooled run's,
+    /// after checking that every one describing the run (not the machine's speed) agrees within
+    /// `tol` relative to the value.
+    fn pooled_metrics(
+        single: &Path,
+        pooled: &Path,
+        steps: usize,
+        tol: f64,
+    ) -> (Vec<(usize, super::Metrics)>, Vec<(usize, super::Metrics)>) {
+        let read = |dir: &Path| super::read_jsonl(&dir.join("metrics.jsonl")).unwrap();
+        let (a, b) = (read(single), read(pooled));
+        assert_eq!(a.len(), steps);
+        for ((s, m), (_, n)) in a.iter().zip(&b) {
+            for (k, v) in m {
+                if burn_rlhf::trainer::usage::measures_the_machine(k) {
+                    continue;
+                }
+                let w = n[k];
+                assert!(
+                    (v - w).abs() <= tol * (1.0 + v.abs()),
+                    "step {s} {k}: {v} vs {w}"
+                );
+            }
+        }
+        (a, b)
+    }
+
     /// Issue 58 item 3: one-step-off-policy training with its rollout pool in an MPI process of
     /// its own (the trainer in process 0, the pool in process 1) trains as the in-process rollout
     /// worker does; and a job whose trainer is killed (`kill -9`) after a checkpoint, started
@@ -1091,21 +1118,7 @@ mod processes {
         let what = "trainer + rollout pool in 2 MPI processes vs the in-process worker";
         // Both read the steps of the whole run: `assert_same_metrics_but` counts STEPS.
         assert_same_weights_from(&single.join(&last), &pooled.join(&last), what, &start);
-        let read = |dir: &Path| super::read_jsonl(&dir.join("metrics.jsonl")).unwrap();
-        let (a, b) = (read(&single), read(&pooled));
-        assert_eq!(a.len(), steps);
-        for ((s, m), (_, n)) in a.iter().zip(&b) {
-            for (k, v) in m {
-                if burn_rlhf::trainer::usage::measures_the_machine(k) {
-                    continue;
-                }
-                let w = n[k];
-                assert!(
-                    (v - w).abs() <= 1e-5 * (1.0 + v.abs()),
-                    "step {s} {k}: {v} vs {w}"
-                );
-            }
-        }
+        let (_, b) = pooled_metrics(&single, &pooled, steps, 1e-5);
         assert_eq!(b[1].1["rollout/staleness"], 1.0);
         // Killed after its second checkpoint, then started again.
         let killed = dir.join("killed");
@@ -1250,17 +1263,7 @@ mod processes {
         let last = format!("global_step_{steps}");
         let what = "trainer + a rollout pool of 2 MPI processes vs the in-process worker";
         assert_same_weights_from(&single.join(&last), &pooled.join(&last), what, &start);
-        let read = |dir: &Path| super::read_jsonl(&dir.join("metrics.jsonl")).unwrap();
-        let (a, b) = (read(&single), read(&pooled));
-        assert_eq!(a.len(), steps);
-        for ((s, m), (_, n)) in a.iter().zip(&b) {
-            for (k, v) in m {
-                if burn_rlhf::trainer::usage::measures_the_machine(k) {
-                    continue;
-                }
-                assert_eq!(*v, n[k], "step {s} {k}");
-            }
-        }
+        pooled_metrics(&single, &pooled, steps, 0.0);
         let output = Command::new(env!("CARGO_BIN_EXE_burn-rlhf"))
             .args(args(&dir.join("thread"), 2))
             .output()

@@ -56,6 +56,16 @@ fn distilling(mut c: RlhfConfig, mode: &str, pg: bool, task: bool, coef: f64) ->
     c
 }
 
+/// `c`'s `teacher_model` entry with `inference.<key>` = `value`.
+fn teacher_inference(c: &mut RlhfConfig, key: &str, value: serde_json::Value) {
+    let t = c
+        .distillation
+        .teacher_models
+        .get_mut("teacher_model")
+        .unwrap();
+    t.inference.insert(key.into(), value);
+}
+
 /// The student of seed 5 with `teachers`, the arithmetic task's data and reward.
 fn parts(teachers: Vec<Teacher<Flex>>) -> (LearnerParts<B>, CausalLm<B>) {
     let (actor, _) = super::tiny_models(5);
@@ -203,13 +213,7 @@ fn teachers_are_routed_by_data_source_and_bad_settings_are_refused() {
     refused(&|c| c.distillation.nnodes = 1, "`distillation.nnodes`");
     refused(
         &|c| {
-            let t = c
-                .distillation
-                .teacher_models
-                .get_mut("teacher_model")
-                .unwrap();
-            t.inference
-                .insert("gpu_memory_utilization".into(), serde_json::json!(0.9));
+            teacher_inference(c, "gpu_memory_utilization", serde_json::json!(0.9));
         },
         "inference.gpu_memory_utilization` is read only at verl's value",
     );
@@ -363,12 +367,7 @@ fn a_teacher_is_held_and_scores_in_its_own_dtype() {
     let run = |dtype: Option<&str>| {
         let mut c = distilling(config(&dir.join("d")), "k3", false, true, 1.0);
         if let Some(dtype) = dtype {
-            c.distillation
-                .teacher_models
-                .get_mut("teacher_model")
-                .unwrap()
-                .inference
-                .insert("dtype".into(), serde_json::json!(dtype));
+            teacher_inference(&mut c, "dtype", serde_json::json!(dtype));
         }
         let mut learner =
             Learner::new(c, parts(vec![teacher(9, None)]).0, &Default::default()).unwrap();
@@ -382,12 +381,7 @@ fn a_teacher_is_held_and_scores_in_its_own_dtype() {
     assert_ne!(f32_kl, bf16_kl, "the bf16 teacher's pass ran in bf16");
     assert!((f32_kl - bf16_kl).abs() < 0.05 * f32_kl.abs().max(0.1));
     let mut c = distilling(config(&dir.join("bad")), "k3", false, true, 1.0);
-    c.distillation
-        .teacher_models
-        .get_mut("teacher_model")
-        .unwrap()
-        .inference
-        .insert("dtype".into(), serde_json::json!("int8"));
+    teacher_inference(&mut c, "dtype", serde_json::json!("int8"));
     let e = c.validate("test").unwrap_err().to_string();
     assert!(
         e.contains("distillation.teacher_models.teacher_model.inference.dtype"),
@@ -420,12 +414,7 @@ fn teachers_score_at_temperature_one_as_verls() {
     assert!(at_one < 1e-6, "{at_one}");
     assert!(tempered > 1e-3, "{tempered}");
     let mut c = distilling(config(&dir.join("bad")), "k3", false, true, 1.0);
-    c.distillation
-        .teacher_models
-        .get_mut("teacher_model")
-        .unwrap()
-        .inference
-        .insert("temperature".into(), serde_json::json!(0.7));
+    teacher_inference(&mut c, "temperature", serde_json::json!(0.7));
     let e = c.validate("test").unwrap_err().to_string();
     assert!(
         e.contains("teacher_model.inference.temperature") && e.contains("1.0"),
