@@ -63,5 +63,14 @@ impl TrainError {
     }
 }
 
+/// A panic's message.
+pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_else(|| "unknown panic".into())
+}
+
 /// Why a collective operation failed (the transports' one error type).
 pub use burn_rlhf_models::collective::CollectiveError as DistributedError;

@@ -2,9 +2,12 @@
 //! distillation.yaml`, `workers/config/distillation.py`): frozen teachers score the student's
 //! sampled tokens and the student is trained toward them, alone or beside the task's rewards.
 //!
-//! The teachers run beside the reference, on the trainer's devices (verl runs them as inference
-//! servers on a pool of their own: `nnodes`, `n_gpus_per_node`, each teacher's `num_replicas` and
-//! `inference.*`, read here only at verl's values).
+//! The teachers run on a pool of devices of their own, as verl runs them (`nnodes` x
+//! `n_gpus_per_node`, each teacher's `num_replicas`): here devices of the trainer's process after
+//! its own, one whole replica per device, scoring a step's batch while the trainer runs its own
+//! passes over it. With `nnodes` 0 (the YAML's default, which verl itself refuses once enabled)
+//! they run beside the reference on the trainer's devices. The rest of `inference.*` (vLLM's
+//! settings) is read only at verl's values.
 
 use std::collections::BTreeMap;
 
@@ -25,9 +28,10 @@ pub struct DistillationConfig {
     pub enabled: bool,
     /// How the teachers' scores become a loss.
     pub distillation_loss: DistillationLossConfig,
-    /// verl's teacher pool: GPUs per node (read with `nnodes` 0 only).
+    /// The teachers' pool: devices per node (with `nnodes` 0, verl's default 8, unread).
     pub n_gpus_per_node: usize,
-    /// verl's teacher pool: nodes (0: none of its own; the teachers run on the trainer's devices).
+    /// The teachers' pool: nodes (here 1 at most, the trainer's process; 0: no pool, the teachers
+    /// run on the trainer's devices).
     pub nnodes: usize,
     /// The teachers by entry name (any names; verl's single-teacher entry is `teacher_model`).
     pub teacher_models: BTreeMap<String, TeacherModelConfig>,
@@ -104,7 +108,8 @@ pub struct TeacherModelConfig {
     pub key: Option<String>,
     /// A local HF folder, a `.gguf` file or a hub id.
     pub model_path: Option<String>,
-    /// verl's inference replicas of this teacher on its pool (read at 0 only).
+    /// Replicas of this teacher on the pool, one device each (one teacher: the whole pool, as
+    /// verl derives it; 0 without a pool).
     pub num_replicas: usize,
     /// verl's inference server settings (vLLM's), read at verl's values only.
     pub inference: BTreeMap<String, Value>,
@@ -122,6 +127,8 @@ pub struct TeacherSettings {
     /// `inference.dtype` as written (`Some(None)`: float32); `None`: unwritten, the rollout's,
     /// as verl derives it.
     pub dtype: Option<Option<FloatDType>>,
+    /// Its replicas on the teachers' pool, one device each (0: no pool).
+    pub replicas: usize,
 }
 
 impl TeacherSettings {
@@ -143,6 +150,9 @@ pub struct DistillationSettings {
     pub mix: TaskLossMix,
     /// The teachers.
     pub teachers: Vec<TeacherSettings>,
+    /// Devices of the teachers' own pool (`nnodes` x `n_gpus_per_node`); 0: they run on the
+    /// trainer's devices.
+    pub pool_devices: usize,
 }
 
 /// verl's teacher inference keys and their values (the ones it derives from the actor's rollout
@@ -173,6 +183,9 @@ fn verl_inference_defaults() -> BTreeMap<&'static str, Option<Value>> {
         ("skip_tokenizer_init", Some(json!(true))),
     ])
 }
+
+/// The inference keys a pool reads: a replica's devices (tensor x data parallel), 1 here.
+const POOL_READ: &[&str] = &["tensor_model_parallel_size", "data_parallel_size"];
 
 /// Whether two config values are the same (numbers by value).
 fn same(a: &Value, b: &Value) -> bool {
@@ -242,33 +255,14 @@ impl DistillationConfig {
                 )
             },
         );
-        p.check(self.n_gpus_per_node == 8 || self.nnodes > 0, || {
-            format!(
-                "`distillation.n_gpus_per_node` = {}: a teacher pool of its own is not built; \
-                 the teachers run on the trainer's devices (remove it)",
-                self.n_gpus_per_node
-            )
-        });
-        p.check(self.nnodes == 0, || {
-            format!(
-                "`distillation.nnodes` = {}: a teacher pool of its own is not built; the \
-                 teachers run on the trainer's devices beside the reference (set it to 0)",
-                self.nnodes
-            )
-        });
+        let pool = self.check_pool(p);
         for (name, t) in &self.teacher_models {
             let at = format!("distillation.teacher_models.{name}");
-            p.check(t.num_replicas == 0, || {
-                format!(
-                    "`{at}.num_replicas` = {}: the teacher runs on the trainer's devices, not \
-                     as inference replicas of a pool of its own (set it to 0)",
-                    t.num_replicas
-                )
-            });
             let defaults = verl_inference_defaults();
             for (k, v) in &t.inference {
-                if k == "dtype" {
-                    // Read (the teacher's own dtype): decoded with the teachers.
+                if k == "dtype" || (pool > 0 && POOL_READ.contains(&k.as_str())) {
+                    // Read: the teacher's own dtype, decoded with the teachers; a replica's
+                    // devices, checked with the pool.
                     continue;
                 }
                 if k == "temperature" {
@@ -336,7 +330,8 @@ impl DistillationConfig {
                 self.teacher_key
             )
         });
-        let teachers = self.decode_teachers(p);
+        let mut teachers = self.decode_teachers(p);
+        self.place_replicas(p, pool, &mut teachers);
         let clip = |side: Option<f64>| side.unwrap_or(l.clip_ratio);
         Some(DistillationSettings {
             divergence,
@@ -351,7 +346,107 @@ impl DistillationConfig {
                 distillation_loss_coef: l.distillation_loss_coef,
             },
             teachers,
+            pool_devices: pool,
         })
+    }
+
+    /// The teachers' pool's devices (`nnodes` x `n_gpus_per_node`; 0: none), checked: one host
+    /// (the trainer's process), and each replica one device.
+    fn check_pool(&self, p: &mut Problems) -> usize {
+        const AT: &str = "distillation";
+        if self.nnodes == 0 {
+            p.check(self.n_gpus_per_node == 8, || {
+                format!(
+                    "`{AT}.n_gpus_per_node` = {} with `{AT}.nnodes` = 0: no pool of the \
+                     teachers' own is made, so it would be ignored; set `{AT}.nnodes=1` for a \
+                     pool of that many devices, or remove it",
+                    self.n_gpus_per_node
+                )
+            });
+            for (name, t) in &self.teacher_models {
+                p.check(t.num_replicas == 0, || {
+                    format!(
+                        "`{AT}.teacher_models.{name}.num_replicas` = {}: replicas are placed on \
+                         the teachers' pool, and `{AT}.nnodes` = 0 makes none (the teachers run \
+                         on the trainer's devices); set `{AT}.nnodes=1` and \
+                         `{AT}.n_gpus_per_node`, or 0 replicas",
+                        t.num_replicas
+                    )
+                });
+            }
+            return 0;
+        }
+        p.check(self.nnodes == 1, || {
+            format!(
+                "`{AT}.nnodes` = {}: the teachers' pool is devices of the trainer's process here, \
+                 one host; set 1",
+                self.nnodes
+            )
+        });
+        p.check(self.n_gpus_per_node >= 1, || {
+            format!("`{AT}.n_gpus_per_node` must be >= 1 for a pool of the teachers' own")
+        });
+        for (name, t) in &self.teacher_models {
+            for key in POOL_READ {
+                let value = t.inference.get(*key).and_then(Value::as_f64);
+                // verl's default: a replica of 2 tensor-parallel devices.
+                let written = value.unwrap_or(if *key == "tensor_model_parallel_size" {
+                    2.0
+                } else {
+                    1.0
+                });
+                p.check(written == 1.0, || {
+                    format!(
+                        "`{AT}.teacher_models.{name}.inference.{key}` = {written}: a teacher's \
+                         replica here is one whole model on one device of the pool (its pass \
+                         does not split a model); set 1, and the pool's {} devices hold that \
+                         many replicas",
+                        self.nnodes * self.n_gpus_per_node
+                    )
+                });
+            }
+        }
+        self.nnodes * self.n_gpus_per_node
+    }
+
+    /// Each teacher's replicas on a pool of `pool` devices, as verl places them: one teacher
+    /// takes the whole pool (verl overwrites its `num_replicas`: a written one that differs is
+    /// refused); several take their `num_replicas` each, which must fill the pool.
+    fn place_replicas(&self, p: &mut Problems, pool: usize, teachers: &mut [TeacherSettings]) {
+        const AT: &str = "distillation.teacher_models";
+        if pool == 0 {
+            return;
+        }
+        if let [one] = teachers {
+            let written = self.teacher_models[&one.name].num_replicas;
+            p.check(written == 0 || written == pool, || {
+                format!(
+                    "`{AT}.{}.num_replicas` = {written}: one teacher takes the whole pool of \
+                     {pool} devices (verl overwrites it with that); remove it",
+                    one.name
+                )
+            });
+            one.replicas = pool;
+            return;
+        }
+        let mut placed = 0;
+        for t in teachers.iter_mut() {
+            t.replicas = self.teacher_models[&t.name].num_replicas;
+            p.check(t.replicas >= 1, || {
+                format!(
+                    "`{AT}.{}.num_replicas` must be >= 1: several teachers share the pool by it",
+                    t.name
+                )
+            });
+            placed += t.replicas;
+        }
+        p.check(placed == pool, || {
+            format!(
+                "the teachers' `num_replicas` sum to {placed} devices, and the pool \
+                 (`distillation.nnodes` x `distillation.n_gpus_per_node`) has {pool}: they must \
+                 match, as verl requires"
+            )
+        });
     }
 
     /// verl's teacher entries: one entry scores every row; several are routed by `key` (and
@@ -412,6 +507,7 @@ impl DistillationConfig {
                 key,
                 model_path: path,
                 dtype,
+                replicas: 0,
             });
         }
         teachers

@@ -210,7 +210,10 @@ fn teachers_are_routed_by_data_source_and_bad_settings_are_refused() {
         &|c| c.distillation.distillation_loss.loss_mode = "k1".into(),
         "`k1` with `use_policy_gradient=false`",
     );
-    refused(&|c| c.distillation.nnodes = 1, "`distillation.nnodes`");
+    refused(
+        &|c| c.distillation.n_gpus_per_node = 2,
+        "`distillation.n_gpus_per_node` = 2 with `distillation.nnodes` = 0",
+    );
     refused(
         &|c| {
             teacher_inference(c, "gpu_memory_utilization", serde_json::json!(0.9));
@@ -419,5 +422,146 @@ fn teachers_score_at_temperature_one_as_verls() {
     assert!(
         e.contains("teacher_model.inference.temperature") && e.contains("1.0"),
         "{e}"
+    );
+}
+
+/// The teachers on a pool of devices of their own (`distillation.nnodes=1` x `n_gpus_per_node`,
+/// verl's teacher resource pool): handed each step's batch before the trainer's own passes and
+/// collected after them, the replicas score the micro-batches the trainer's device would, so the
+/// run is the one with the teachers on the trainer's devices, bit for bit, for the sampled
+/// tokens' log-probs and for the top-k, with one learner and with two data-parallel ranks sharing
+/// one pool; each replica's bytes count; the pool's time is logged. verl's accounting of the pool
+/// (one teacher takes all of it; several fill it with their `num_replicas`) and what is not built
+/// (a replica split over devices, a pool on several hosts) are refused naming the key.
+#[test]
+fn a_teacher_pool_of_its_own_scores_as_the_trainers_devices() {
+    use serde_json::json;
+    let dir = temp_dir("distill-pool");
+    let pooled = |c: &mut RlhfConfig, devices: usize| {
+        c.distillation.nnodes = 1;
+        c.distillation.n_gpus_per_node = devices;
+        teacher_inference(c, "tensor_model_parallel_size", json!(1));
+    };
+    for (mode, topk) in [("k3", None), ("forward_kl_topk", Some(4))] {
+        let base = || {
+            let mut c = distilling(config(&dir.join(mode)), mode, false, true, 1.0);
+            if topk.is_some() {
+                c.distillation.distillation_loss.topk = topk;
+            }
+            // Micro-batches of 3 of the 16 rows: 6 jobs, spread over the replicas.
+            c.actor_rollout_ref
+                .reference
+                .log_prob_micro_batch_size_per_gpu = Some(3);
+            c
+        };
+        let (here, here_m) = train(base(), parts(vec![teacher(9, None)]).0, 2);
+        let mut c = base();
+        pooled(&mut c, 2);
+        let (pool, pool_m) = train(c, parts(vec![teacher(9, None)]).0, 2);
+        assert!(here == pool, "{mode}: the pooled run's weights differ");
+        for (h, p) in here_m.iter().zip(&pool_m) {
+            for key in ["distillation/abs_loss", "actor/pg_loss", "actor/grad_norm"] {
+                assert_eq!(h.get(key), p.get(key), "{mode}: {key}");
+            }
+            assert!(p["timing_s/teacher_pool"] > 0.0);
+            assert!(!h.contains_key("timing_s/teacher_pool"));
+        }
+    }
+
+    // Three replicas hold three copies.
+    let bytes = |devices: usize| {
+        let mut c = distilling(config(&dir.join("bytes")), "k3", false, true, 1.0);
+        if devices > 0 {
+            pooled(&mut c, devices);
+        }
+        let learner = Learner::new(c, parts(vec![teacher(9, None)]).0, &Default::default());
+        learner.unwrap().teacher_memory()
+    };
+    assert_eq!(bytes(3), 3 * bytes(0));
+
+    // Two data-parallel ranks of one process share one pool, each handing it its rows (one
+    // group of burn-collective in the process at a time).
+    let _turn = super::data_parallel::ONE_GROUP_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    let ranks = |devices: usize| {
+        let mut c = distilling(
+            config(&dir.join(format!("dp{devices}"))),
+            "k3",
+            false,
+            true,
+            1.0,
+        );
+        c.trainer.total_training_steps = Some(2);
+        c.trainer.n_gpus_per_node = 2;
+        c.actor_rollout_ref
+            .reference
+            .log_prob_micro_batch_size_per_gpu = Some(3);
+        if devices > 0 {
+            pooled(&mut c, devices);
+        }
+        let out = super::data_parallel::n_devices_of(c, parts(vec![teacher(9, None)]).0, 2);
+        super::data_parallel::tensors(&out.unwrap().join("actor/model.safetensors"))
+    };
+    assert_eq!(ranks(0), ranks(2));
+
+    let refused = |edit: &dyn Fn(&mut RlhfConfig), says: &str| {
+        let mut c = distilling(config(&dir.join("refused")), "k3", false, true, 1.0);
+        edit(&mut c);
+        let e = c.validate("test").unwrap_err().to_string();
+        assert!(e.contains(says), "{says}: {e}");
+    };
+    // verl's default replica: two tensor-parallel devices.
+    refused(
+        &|c| {
+            c.distillation.nnodes = 1;
+            c.distillation.n_gpus_per_node = 2;
+        },
+        "`distillation.teacher_models.teacher_model.inference.tensor_model_parallel_size` = 2",
+    );
+    refused(
+        &|c| {
+            pooled(c, 2);
+            c.distillation.nnodes = 2;
+        },
+        "`distillation.nnodes` = 2",
+    );
+    refused(
+        &|c| {
+            pooled(c, 4);
+            c.distillation
+                .teacher_models
+                .get_mut("teacher_model")
+                .unwrap()
+                .num_replicas = 2;
+        },
+        "one teacher takes the whole pool of 4 devices",
+    );
+    refused(
+        &|c| {
+            c.distillation
+                .teacher_models
+                .get_mut("teacher_model")
+                .unwrap()
+                .num_replicas = 1
+        },
+        "`distillation.nnodes` = 0 makes none",
+    );
+    refused(
+        &|c| {
+            pooled(c, 3);
+            let t = c
+                .distillation
+                .teacher_models
+                .remove("teacher_model")
+                .unwrap();
+            for (name, replicas) in [("a", 1), ("b", 1)] {
+                let mut t = t.clone();
+                t.key = Some(name.into());
+                t.num_replicas = replicas;
+                c.distillation.teacher_models.insert(name.into(), t);
+            }
+        },
+        "sum to 2 devices, and the pool",
     );
 }

@@ -148,6 +148,28 @@ pub fn launch<B: LearnerBackend>(
         .with_rollout_tensor(settings.rollout.tensor_parallel_size)?;
     #[cfg(feature = "mpi")]
     group.check_same_settings(node, fingerprint(&format!("{settings:?}")))?;
+    let mut parts = parts;
+    if let (Some(d), true) = (&settings.distillation, parts.training) {
+        if d.pool_devices > 0 {
+            if node.processes.count() > 1 {
+                return Err(TrainError::config(
+                    "distillation.nnodes",
+                    format!(
+                        "the teachers' pool is devices of the trainer's process, and this run \
+                         has {} processes; run the trainer in one process, or set 0 (the \
+                         teachers on the trainer's devices)",
+                        node.processes.count()
+                    ),
+                ));
+            }
+            // One pool for the process's ranks, on the devices after theirs.
+            let last = devices.last().expect("a launch has devices");
+            let teachers = std::mem::take(&mut parts.teachers);
+            parts.teacher_pool =
+                crate::trainer::rl::workers::teachers::start_pool(teachers, d, &settings, last)?
+                    .map(Arc::new);
+        }
+    }
     if group.mesh.world() == 1 {
         let mut learner = Learner::from_settings(settings, parts, &devices[0])?;
         #[cfg(feature = "mpi")]
@@ -283,7 +305,10 @@ pub(crate) fn run_ranks<B: LearnerBackend, T: Send + 'static>(
                         },
                         None => DistributedError::Transport {
                             rank,
-                            message: format!("panicked: {}", panic_message(panic.as_ref())),
+                            message: format!(
+                                "panicked: {}",
+                                crate::error::panic_message(panic.as_ref())
+                            ),
                         },
                     };
                     Err(TrainError::Distributed(error))
@@ -519,15 +544,6 @@ impl GroupPlan {
             mesh: self.mesh,
         }
     }
-}
-
-/// A panic's message.
-fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
-    panic
-        .downcast_ref::<String>()
-        .cloned()
-        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-        .unwrap_or_else(|| "unknown panic".into())
 }
 
 /// After a rank's run: a failure stops the other ranks (through the group when joined, else

@@ -61,6 +61,7 @@ impl<B: LearnerBackend> LearnerParts<B> {
                 .iter()
                 .map(|t| t.on(&device.clone().into()))
                 .collect(),
+            teacher_pool: self.teacher_pool.clone(),
         }
     }
 }

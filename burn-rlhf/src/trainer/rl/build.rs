@@ -14,6 +14,7 @@ use super::learner::{Algorithms, Learner};
 use super::reward_model::{LoadedRewardModel, RewardScorer};
 use super::workers::critic::CriticWorker;
 use super::workers::reference::ReferenceWorker;
+use super::workers::teacher_pool::TeacherPool;
 use super::workers::teachers::{Teacher, TeacherWorker};
 use crate::config::{KnownNames, RlhfConfig, Settings};
 use crate::datasets::load_data_files;
@@ -59,6 +60,9 @@ pub struct LearnerParts<B: LearnerBackend> {
     /// On-policy distillation's teachers (`distillation.teacher_models`), in the settings' order;
     /// required exactly when `distillation.enabled`.
     pub teachers: Vec<Teacher<B::InnerBackend>>,
+    /// The teachers on a pool of their own, which the process's ranks share (started at launch
+    /// from `teachers`; else each learner starts its own).
+    pub(crate) teacher_pool: Option<Arc<TeacherPool<B>>>,
     /// Tool classes by the `class_name` of verl's tool files.
     pub tools: ToolRegistry,
     /// Interaction classes by the `class_name` of verl's interaction files.
@@ -84,6 +88,7 @@ impl<B: LearnerBackend> LearnerParts<B> {
             training: true,
             reward_model: None,
             teachers: Vec::new(),
+            teacher_pool: None,
             tools: ToolRegistry::default(),
             interactions: InteractionRegistry::default(),
             agent_loops: Vec::new(),
@@ -267,7 +272,12 @@ impl<B: LearnerBackend> Learner<B> {
                         ),
                     ));
                 }
-                Some(TeacherWorker::new(parts.teachers, d, &settings)?)
+                Some(TeacherWorker::new(
+                    (parts.teachers, parts.teacher_pool),
+                    d,
+                    &settings,
+                    device,
+                )?)
             }
             _ => None,
         };

@@ -11,6 +11,7 @@ use burn_rlhf_rollout::RolloutBatch;
 
 use super::learner::Learner;
 use super::workers::passes::PassPlan;
+use super::workers::teacher_pool::PendingScores;
 use crate::error::TrainError;
 use crate::minibatch::TeacherScores;
 use crate::trainer::logging::metrics::Metrics;
@@ -118,18 +119,38 @@ impl<B: LearnerBackend> Learner<B> {
         })
     }
 
-    /// What the teachers say of the sampled tokens (on-policy distillation), each row's from its
-    /// teacher, in the reference's micro-batches: their log-probs of the sampled tokens, or with
-    /// `forward_kl_topk` their top-k at each position; `None` without teachers.
-    pub fn teacher_scores(
+    /// Hands the batch to the teachers' pool, when they have one, to score while this rank runs
+    /// its own passes; collected by [`Learner::teacher_scores`].
+    pub(crate) fn submit_to_teachers(
         &self,
         batch: &RolloutBatch,
+    ) -> Result<Option<PendingScores>, TrainError> {
+        self.teachers
+            .as_ref()
+            .map_or(Ok(None), |t| t.submit(&self.passes(), batch))
+    }
+
+    /// What the teachers say of the sampled tokens (on-policy distillation), each row's from its
+    /// teacher, in the reference's micro-batches: their log-probs of the sampled tokens, or with
+    /// `forward_kl_topk` their top-k at each position; `None` without teachers. `pending`: what
+    /// their pool was handed ([`Learner::submit_to_teachers`]); its scores are collected, with
+    /// the seconds the pool took (`timing_s/teacher_pool`) in `metrics`.
+    pub(crate) fn teacher_scores(
+        &self,
+        batch: &RolloutBatch,
+        pending: Option<PendingScores>,
+        metrics: &mut Metrics,
     ) -> Result<Option<TeacherScores>, TrainError> {
+        let Some(teachers) = &self.teachers else {
+            return Ok(None);
+        };
+        if let Some(pending) = pending {
+            let (scores, seconds) = teachers.collect(&self.passes(), pending)?;
+            metrics.insert("timing_s/teacher_pool".into(), seconds);
+            return Ok(Some(scores));
+        }
         burn_rlhf_algos::kernels::with_kernels(self.settings.model.use_fused_kernels, || {
-            self.teachers
-                .as_ref()
-                .map(|t| t.scores(&self.passes(), batch))
-                .transpose()
+            teachers.scores(&self.passes(), batch).map(Some)
         })
     }
 

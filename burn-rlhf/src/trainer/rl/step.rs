@@ -34,6 +34,8 @@ impl<B: LearnerBackend> Learner<B> {
                 let rows = super::dump::batch_rows(&batch, &self.tokenizer)?;
                 super::dump::dump_generations(dir, super::dump::ROLLOUT_KEY, step, &rows)?;
             }
+            // A pool of the teachers' own scores while this rank runs its passes.
+            let teachers_pending = self.submit_to_teachers(&batch)?;
             let baselines = if self.algorithms.estimator.needs_reward_baselines() {
                 Some(timing.time("gen_max", || self.reward_baselines(&indices, step))?)
             } else {
@@ -62,7 +64,9 @@ impl<B: LearnerBackend> Learner<B> {
                 None => None,
             };
             let teacher_scores = match self.teachers {
-                Some(_) => timing.time("teacher", || self.teacher_scores(&batch))?,
+                Some(_) => timing.time("teacher", || {
+                    self.teacher_scores(&batch, teachers_pending, &mut metrics)
+                })?,
                 None => None,
             };
             let (rewards, advantages, returns, is_weights) = timing.time("adv", || {

@@ -8,7 +8,8 @@
 //!   the LM head's reading), and the pass kinds (log-probs, top-k);
 //! - `reference`: the frozen reference policy;
 //! - `critic`: the critic and its optimiser;
-//! - `teachers`: on-policy distillation's teachers.
+//! - `teachers`: on-policy distillation's teachers, on the trainer's devices or on
+//!   `teacher_pool`, devices of their own.
 //!
 //! The actor (the policy and its optimiser, shared with generation) and the rollout worker
 //! (`generation.rs`) are the Learner's own.
@@ -16,4 +17,5 @@
 pub(crate) mod critic;
 pub(crate) mod passes;
 pub(crate) mod reference;
+pub(crate) mod teacher_pool;
 pub mod teachers;

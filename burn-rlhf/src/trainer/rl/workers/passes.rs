@@ -13,7 +13,7 @@ use crate::forward::{
     response_logprobs, response_logprobs_and_sum_pi_squared, response_topk, LogprobHead,
     SequenceTensors,
 };
-use crate::minibatch::micro_batches;
+use crate::minibatch::{micro_batches, MicroBatch};
 
 /// One model's view of a batch: per-token values, row-major `[rows * response_len]`.
 pub type Rows = Vec<f32>;
@@ -60,11 +60,36 @@ impl<B: LearnerBackend> Passes<'_, B> {
             .collect()
     }
 
+    /// `batch` cut as [`Passes::in_micro_batches`] cuts it: each micro-batch with the rows its
+    /// pass runs on (with a shape bucket, a row-sized micro-batch padded to `size` rows with
+    /// copies of its first row, whose outputs are dropped).
+    pub fn micro_runs(
+        &self,
+        batch: &RolloutBatch,
+        size: usize,
+        max_tokens: Option<usize>,
+        key: &str,
+    ) -> Result<Vec<(MicroBatch, RolloutBatch)>, TrainError> {
+        let plans = micro_batches(batch, size, max_tokens, (1, self.shape_bucket), key)?;
+        Ok(plans
+            .into_iter()
+            .map(|micro| {
+                let run =
+                    if max_tokens.is_none() && self.shape_bucket > 1 && micro.rows.len() < size {
+                        let fill: Vec<usize> = (0..size).map(|i| i % micro.rows.len()).collect();
+                        micro.batch.select(&fill)
+                    } else {
+                        micro.batch.clone()
+                    };
+                (micro, run)
+            })
+            .collect())
+    }
+
     /// Runs `pass` on `batch` in micro-batches of `size` rows, or of at most `max_tokens` tokens
     /// (`use_dynamic_bsz`, `key` its setting; each trimmed to its own longest row), and returns
     /// each of its `count` per-token outputs for every row in `batch`'s order (0 past a row's
-    /// response). With a shape bucket a row-sized micro-batch is padded to `size` rows (copies of
-    /// its first row, whose outputs are dropped).
+    /// response).
     pub fn in_micro_batches(
         &self,
         batch: &RolloutBatch,
@@ -74,16 +99,9 @@ impl<B: LearnerBackend> Passes<'_, B> {
         pass: impl Fn(&RolloutBatch) -> Vec<Rows>,
     ) -> Result<Vec<Rows>, TrainError> {
         let width = batch.response_len;
-        let plans = micro_batches(batch, size, max_tokens, (1, self.shape_bucket), key)?;
         let mut outputs: Vec<Rows> = vec![vec![0.0; batch.rows() * width]; count];
-        for micro in plans {
-            let outs = if max_tokens.is_none() && self.shape_bucket > 1 && micro.rows.len() < size {
-                let fill: Vec<usize> = (0..size).map(|i| i % micro.rows.len()).collect();
-                pass(&micro.batch.select(&fill))
-            } else {
-                pass(&micro.batch)
-            };
-            for (all, out) in outputs.iter_mut().zip(outs) {
+        for (micro, run) in self.micro_runs(batch, size, max_tokens, key)? {
+            for (all, out) in outputs.iter_mut().zip(pass(&run)) {
                 micro.scatter(&out, all, width);
             }
         }
@@ -124,17 +142,26 @@ impl<B: LearnerBackend> Passes<'_, B> {
         plan: PassPlan,
         sum_pi_squared: bool,
     ) -> Result<Vec<Rows>, TrainError> {
-        let head = self.head;
         self.planned(batch, plan, 2 + sum_pi_squared as usize, |part| {
-            let seq = self.sequences(part);
-            if sum_pi_squared {
-                let (l, e, s) = response_logprobs_and_sum_pi_squared(model, &seq, head);
-                vec![to_vec(l), to_vec(e), to_vec(s)]
-            } else {
-                let (l, e) = response_logprobs(model, &seq, head);
-                vec![to_vec(l), to_vec(e)]
-            }
+            self.log_probs_of(model, part, sum_pi_squared)
         })
+    }
+
+    /// [`Passes::log_probs`] of one micro-batch, run whole.
+    pub fn log_probs_of(
+        &self,
+        model: &CausalLm<B::InnerBackend>,
+        part: &RolloutBatch,
+        sum_pi_squared: bool,
+    ) -> Vec<Rows> {
+        let seq = self.sequences(part);
+        if sum_pi_squared {
+            let (l, e, s) = response_logprobs_and_sum_pi_squared(model, &seq, self.head);
+            vec![to_vec(l), to_vec(e), to_vec(s)]
+        } else {
+            let (l, e) = response_logprobs(model, &seq, self.head);
+            vec![to_vec(l), to_vec(e)]
+        }
     }
 
     /// The top-`k` of `model` at each response position of `batch` as `2k` per-token planes
@@ -146,18 +173,25 @@ impl<B: LearnerBackend> Passes<'_, B> {
         plan: PassPlan,
         k: usize,
     ) -> Result<Vec<Rows>, TrainError> {
-        let head = self.head;
-        self.planned(batch, plan, 2 * k, |part| {
-            let (log_probs, ids) = response_topk(model, &self.sequences(part), head, k);
-            let [b, r, _] = log_probs.dims();
-            let planes = |t: Tensor<B::InnerBackend, 3>| -> Vec<Rows> {
-                (0..k)
-                    .map(|j| to_vec(t.clone().narrow(2, j, 1).reshape([b * r])))
-                    .collect()
-            };
-            let mut out = planes(log_probs);
-            out.extend(planes(ids.float()));
-            out
-        })
+        self.planned(batch, plan, 2 * k, |part| self.topk_of(model, part, k))
+    }
+
+    /// [`Passes::topk`] of one micro-batch, run whole.
+    pub fn topk_of(
+        &self,
+        model: &CausalLm<B::InnerBackend>,
+        part: &RolloutBatch,
+        k: usize,
+    ) -> Vec<Rows> {
+        let (log_probs, ids) = response_topk(model, &self.sequences(part), self.head, k);
+        let [b, r, _] = log_probs.dims();
+        let planes = |t: Tensor<B::InnerBackend, 3>| -> Vec<Rows> {
+            (0..k)
+                .map(|j| to_vec(t.clone().narrow(2, j, 1).reshape([b * r])))
+                .collect()
+        };
+        let mut out = planes(log_probs);
+        out.extend(planes(ids.float()));
+        out
     }
 }
