@@ -211,7 +211,7 @@ pub fn run_bench<B: LearnerBackend>(
             };
             // As the actor's update computes: its dtype, its checkpointing.
             let (model, mut checkpoint) = micro_model(
-                &learner.actor,
+                &learner.actor.model,
                 learner.settings.model.dtype,
                 learner.settings.model.gradient_checkpointing.layers(),
             );
@@ -219,7 +219,7 @@ pub fn run_bench<B: LearnerBackend>(
             let loss = (logp * seq.response_mask).sum().neg();
             let mut grads = MicroGradients::default();
             grads
-                .add(&learner.actor, loss, checkpoint)
+                .add(&learner.actor.model, loss, checkpoint)
                 .expect("one device's backward");
             B::sync(device).ok();
             drop(grads);

@@ -92,9 +92,9 @@ fn run(dir: &Path, tail: &str) -> (Vec<f32>, Vec<f32>, Vec<burn_rlhf::trainer::M
         .push(Arc::new(Closing { tokenizer, tail }));
     parts.train = train;
     let mut learner = Learner::new(config(dir), parts, &Default::default()).unwrap();
-    let before = super::params(&learner.actor.valid());
+    let before = super::params(&learner.actor.model.valid());
     let metrics = (0..2).map(|_| learner.step().unwrap()).collect();
-    (before, super::params(&learner.actor.valid()), metrics)
+    (before, super::params(&learner.actor.model.valid()), metrics)
 }
 
 /// The response's length up to the appended tail's `+` (the last one) (the model's own characters), so both

@@ -94,7 +94,7 @@ fn teacher(seed: u64, key: Option<&str>) -> Teacher<Flex> {
 fn train(c: RlhfConfig, parts: LearnerParts<B>, steps: usize) -> (Vec<f32>, Vec<Metrics>) {
     let mut learner = Learner::new(c, parts, &Default::default()).unwrap();
     let metrics = (0..steps).map(|_| learner.step().unwrap()).collect();
-    (super::params(&learner.actor.valid()), metrics)
+    (super::params(&learner.actor.model.valid()), metrics)
 }
 
 /// Backpropagated k3 toward a teacher that is the starting student is, term for term, the k3

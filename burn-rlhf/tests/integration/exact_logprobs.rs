@@ -288,7 +288,11 @@ fn a_step_is_the_same_on_any_number_of_threads() {
                 let old = learner.old_log_probs(&batch).unwrap().log_probs;
                 let metrics = learner.step().unwrap();
                 let mut weights = Vec::new();
-                learner.actor.valid().visit(&mut Collect(&mut weights));
+                learner
+                    .actor
+                    .model
+                    .valid()
+                    .visit(&mut Collect(&mut weights));
                 let metrics: Vec<(String, f64)> = metrics
                     .into_iter()
                     .filter(|(k, _)| !burn_rlhf::trainer::usage::measures_the_machine(k))
@@ -344,7 +348,7 @@ fn run(
     if ranks == 1 {
         let mut learner = Learner::new(config, parts, &Default::default()).unwrap();
         let metrics = (0..2).map(|_| keep(learner.step().unwrap())).collect();
-        return (metrics, values_of(&learner.actor.valid()));
+        return (metrics, values_of(&learner.actor.model.valid()));
     }
     let _turn = super::data_parallel::ONE_GROUP_AT_A_TIME
         .lock()

@@ -49,7 +49,7 @@ fn learner(config: RlhfConfig) -> Learner<B> {
 fn an_on_policy_update_takes_its_own_log_probs_as_the_old_ones() {
     let dir = temp_dir("on_policy");
     let mut skipping = learner(config(&dir));
-    let before = super::params(&skipping.actor.valid());
+    let before = super::params(&skipping.actor.model.valid());
     let metrics = skipping.step().unwrap();
     assert!(
         !metrics.contains_key("timing_s/old_log_prob"),
@@ -92,8 +92,8 @@ fn an_on_policy_update_takes_its_own_log_probs_as_the_old_ones() {
     assert!(own.is_none(), "with old log-probs given, none are returned");
 
     let (a, b) = (
-        super::params(&skipping.actor.valid()),
-        super::params(&phased.actor.valid()),
+        super::params(&skipping.actor.model.valid()),
+        super::params(&phased.actor.model.valid()),
     );
     let moved = a
         .iter()

@@ -110,7 +110,7 @@ fn each_batch_is_generated_by_the_weights_of_the_step_before() {
     let steps = 4;
     let mut off = learner(config(&dir.join("off"), false, steps), &actor);
     // weights[k]: the actor after k steps.
-    let mut weights = vec![off.actor.clone()];
+    let mut weights = vec![off.actor.model.clone()];
     let mut staleness = Vec::new();
     for _ in 0..steps {
         let m = off.step().unwrap();
@@ -126,7 +126,7 @@ fn each_batch_is_generated_by_the_weights_of_the_step_before() {
             m.contains_key("timing_s/old_log_prob"),
             "the trainer's pass runs"
         );
-        weights.push(off.actor.clone());
+        weights.push(off.actor.model.clone());
     }
     assert_eq!(staleness, vec![0.0, 1.0, 1.0, 1.0]);
     assert!(
@@ -138,13 +138,13 @@ fn each_batch_is_generated_by_the_weights_of_the_step_before() {
     for step in 1..=steps {
         // Batch `step` ran the weights after step - 2 (step 1: the start).
         let used = step.saturating_sub(2);
-        sync.actor = weights[used].clone();
+        sync.actor.model = weights[used].clone();
         let (batch, _, _) = sync.sample_batch(step, &mut Timing::default()).unwrap();
         let want = dumped(&dir.join("off"), step);
         assert_eq!(rows(&batch), want, "step {step}'s batch");
         if step >= 2 {
             let mut newer = learner(config(&dir.join("newer"), true, steps), &actor);
-            newer.actor = weights[used + 1].clone();
+            newer.actor.model = weights[used + 1].clone();
             for earlier in 1..step {
                 // The sampler's draws up to this step.
                 newer.sample_batch(earlier, &mut Timing::default()).unwrap();
@@ -183,7 +183,7 @@ fn a_stopped_run_resumes_with_the_generation_it_had_in_flight() {
     let mut second = learner(config(&resumed_dir, false, steps), &actor);
     second.fit(&AtomicBool::new(false)).unwrap();
     assert_eq!(second.global_step, steps);
-    assert_eq!(params(&straight.actor), params(&second.actor));
+    assert_eq!(params(&straight.actor.model), params(&second.actor.model));
     for step in 1..=steps {
         assert_eq!(
             dumped(&dir.join("straight"), step),
@@ -231,7 +231,7 @@ fn a_run_is_the_same_on_any_number_of_threads() {
                             .collect()
                     })
                     .collect();
-                (params(&learner.actor), metrics)
+                (params(&learner.actor.model), metrics)
             })
     };
     let one = run(1);

@@ -141,11 +141,11 @@ fn ppo_with_critic_runs_and_reports_every_metric() {
     config.actor_rollout_ref.rollout.exact_logprobs = Some(false);
     config.trainer.logger = vec!["jsonl".into()];
     let mut l = learner(config, actor, critic);
-    let before = super::params(&l.actor.valid());
+    let before = super::params(&l.actor.model.valid());
     let out = l.fit(&AtomicBool::new(false)).unwrap();
     assert_eq!(l.global_step, 2);
     assert!(
-        max_diff(&before, &super::params(&l.actor.valid())) > 0.0,
+        max_diff(&before, &super::params(&l.actor.model.valid())) > 0.0,
         "the actor trained"
     );
     let logged = read_jsonl(out.jsonl.as_ref().unwrap()).unwrap();
@@ -226,7 +226,7 @@ fn step_does_not_depend_on_micro_batch_size() {
         let mut l = learner(config, actor.clone(), critic.clone());
         let m = l.step().unwrap();
         (
-            super::params(&l.actor.valid()),
+            super::params(&l.actor.model.valid()),
             super::params(&l.critic().unwrap().valid()),
             m,
         )
@@ -264,7 +264,7 @@ fn step_does_not_depend_on_token_budget_packing() {
         let mut l = learner(config, actor.clone(), critic.clone());
         let m = l.step().unwrap();
         (
-            super::params(&l.actor.valid()),
+            super::params(&l.actor.model.valid()),
             super::params(&l.critic().unwrap().valid()),
             m,
         )
@@ -297,12 +297,12 @@ fn critic_warmup_trains_only_the_critic() {
     let mut config = tiny_config("gae", &dir);
     config.trainer.critic_warmup = 3;
     let mut l = learner(config, actor, critic);
-    let actor0 = super::params(&l.actor.valid());
+    let actor0 = super::params(&l.actor.model.valid());
     for step in 1..=2 {
         let critic_before = super::params(&l.critic().unwrap().valid());
         let m = l.step().unwrap();
         assert_eq!(
-            max_diff(&actor0, &super::params(&l.actor.valid())),
+            max_diff(&actor0, &super::params(&l.actor.model.valid())),
             0.0,
             "step {step}"
         );
@@ -311,7 +311,7 @@ fn critic_warmup_trains_only_the_critic() {
     }
     // verl updates the actor from `global_steps >= critic_warmup` on.
     l.step().unwrap();
-    assert!(max_diff(&actor0, &super::params(&l.actor.valid())) > 0.0);
+    assert!(max_diff(&actor0, &super::params(&l.actor.model.valid())) > 0.0);
     std::fs::remove_dir_all(dir).ok();
 }
 
@@ -398,6 +398,7 @@ fn a_checkpointed_actor_loads_back_with_the_same_logits() {
     );
     let a: Vec<f32> = l
         .actor
+        .model
         .valid()
         .forward(ids.clone(), mask.clone(), pos.clone(), None)
         .into_data()
@@ -429,7 +430,7 @@ fn re_saving_a_step_never_leaves_latest_pointing_at_nothing() {
     config.trainer.resume_mode = "auto".into();
     let mut l = learner(config, actor, critic);
     l.step().unwrap();
-    let first = super::params(&l.actor.valid());
+    let first = super::params(&l.actor.model.valid());
     let ckpt = l.save_checkpoint().unwrap();
     l.step().unwrap();
     l.global_step = 1;
@@ -439,7 +440,10 @@ fn re_saving_a_step_never_leaves_latest_pointing_at_nothing() {
         .causal_lm(&Default::default())
         .unwrap();
     assert_eq!(
-        max_diff(&super::params(&saved), &super::params(&l.actor.valid())),
+        max_diff(
+            &super::params(&saved),
+            &super::params(&l.actor.model.valid())
+        ),
         0.0
     );
     assert!(max_diff(&super::params(&saved), &first) > 0.0);
@@ -503,8 +507,8 @@ fn checkpoint_retention_keeps_the_newest_and_resumes() {
     resumed.load_checkpoint(&from).unwrap();
     assert_eq!(
         max_diff(
-            &super::params(&resumed.actor.valid()),
-            &super::params(&l.actor.valid())
+            &super::params(&resumed.actor.model.valid()),
+            &super::params(&l.actor.model.valid())
         ),
         0.0
     );
@@ -769,7 +773,7 @@ fn rollout_correction_weights_rejects_and_bypasses() {
         set(&mut config);
         let mut l = learner(config, actor.clone(), critic.clone());
         let m = l.step().unwrap();
-        (super::params(&l.actor.valid()), m)
+        (super::params(&l.actor.model.valid()), m)
     };
     let (plain, m) = run(&|_| {});
     for key in [
@@ -861,7 +865,7 @@ fn half_precision_rollout_and_autocast_training() {
         config.algorithm.use_kl_in_reward = false;
         let mut l = learner(config, actor.clone(), critic.clone());
         let metrics = l.step().unwrap();
-        assert_eq!(l.actor.float_dtype(), burn::tensor::DType::F32);
+        assert_eq!(l.actor.model.float_dtype(), burn::tensor::DType::F32);
         metrics
     };
     let f32_run = run("float32", None);
@@ -1002,13 +1006,13 @@ fn lora_runs_train_adapters_and_resume_as_if_never_stopped() {
     let b = run(&resumed, 4);
     assert_eq!(b.global_step, 4);
     let (pa, pb) = (
-        super::params(&a.actor.valid()),
-        super::params(&b.actor.valid()),
+        super::params(&a.actor.model.valid()),
+        super::params(&b.actor.model.valid()),
     );
     assert!(max_diff(&pa, &pb) <= 1e-6, "{}", max_diff(&pa, &pb));
     // The adapters trained (B starts at zero) and nothing else did.
     let lora_b = |l: &Learner<B>| {
-        let m = l.actor.valid();
+        let m = l.actor.model.valid();
         let a = m.model.layers[0]
             .self_attn
             .q_proj
@@ -1019,7 +1023,13 @@ fn lora_runs_train_adapters_and_resume_as_if_never_stopped() {
         a.lora_b.val().abs().max().into_scalar()
     };
     assert!(lora_b(&a) > 0.0);
-    let merged_base = super::params(&a.actor.valid().model.layers[0].self_attn.q_proj.linear.base);
+    let merged_base = super::params(
+        &a.actor.model.valid().model.layers[0]
+            .self_attn
+            .q_proj
+            .linear
+            .base,
+    );
     assert_eq!(
         merged_base,
         super::params(&adapted.valid().model.layers[0].self_attn.q_proj.linear.base)
@@ -1064,7 +1074,7 @@ fn lora_merge_generates_on_merged_weights() {
     let mut l = learner(config.clone(), adapted.clone(), critic.clone());
     // A step, so the adapters are not zero.
     l.step().unwrap();
-    let trained = l.actor.valid();
+    let trained = l.actor.model.valid();
     let generating = l.for_generation(trained.clone());
     let adapters = |m: &CausalLm<<B as burn::tensor::backend::AutodiffBackend>::InnerBackend>| {
         m.model.layers[0].self_attn.q_proj.linear.lora.is_some()

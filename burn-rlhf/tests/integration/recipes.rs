@@ -316,13 +316,13 @@ fn policy_training_start_step_holds_the_actor_and_value_loss_scale_scales_the_gr
     let mut c = config("gae", &dir);
     c.trainer.policy_training_start_step = Some(3);
     let mut l = learner(c, reward());
-    let before = l.actor.valid().export();
+    let before = l.actor.model.valid().export();
     for _ in 0..2 {
         let m = l.step().unwrap();
         assert!(!m.contains_key("actor/pg_loss"));
         assert!(m.contains_key("critic/vf_loss"));
     }
-    assert_eq!(before, l.actor.valid().export());
+    assert_eq!(before, l.actor.model.valid().export());
     let m = l.step().unwrap();
     assert!(
         m.contains_key("actor/pg_loss"),
@@ -415,7 +415,7 @@ fn spin_refreshes_its_reference_every_ref_update_freq_steps() {
         }
         assert!(m["actor/dpo_reward_acc"].is_finite());
         let now = flat(&l.reference().unwrap());
-        let actor = flat(&l.actor.valid());
+        let actor = flat(&l.actor.model.valid());
         if step % 2 == 0 {
             assert_eq!(now, actor, "step {step}: the reference is the actor");
         } else {

@@ -12,6 +12,7 @@ use burn_rlhf_rollout::{PromptRecord, PromptSampler, RewardRegistry};
 use super::generation::RolloutWorker;
 use super::learner::{Algorithms, Learner};
 use super::reward_model::{LoadedRewardModel, RewardScorer};
+use super::workers::actor::ActorWorker;
 use super::workers::critic::CriticWorker;
 use super::workers::reference::ReferenceWorker;
 use super::workers::teacher_pool::TeacherPool;
@@ -477,11 +478,10 @@ impl<B: LearnerBackend> PreparedLearner<B> {
             ));
         }
         Ok(Learner {
-            actor_optimizer,
             device,
             tokenizer: self.tokenizer,
             model_config,
-            actor,
+            actor: ActorWorker::new(actor, actor_optimizer),
             critic,
             reference,
             engine_counters: Default::default(),

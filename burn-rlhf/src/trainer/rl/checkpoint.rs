@@ -507,7 +507,7 @@ impl<B: LearnerBackend> Learner<B> {
                 Some(&self.tokenizer),
             )?;
             if !self.dp.mesh.splits_models() {
-                save_param_order::<B, _>(&actor_dir, &self.actor)?;
+                save_param_order::<B, _>(&actor_dir, &self.actor.model)?;
             }
             if let Some(lora) = &self.settings.model.lora {
                 save_adapters(&actor_dir, &actor.valid(), lora, &self.settings.model.path)?;
@@ -529,7 +529,7 @@ impl<B: LearnerBackend> Learner<B> {
                 sampler: self.sampler.state(),
                 kl_ctrl: self.algorithms.kl_ctrl.state(),
                 policy_loss_stream: self.algorithms.policy_loss.stream_position(),
-                actor_updates: self.actor_optimizer.updates,
+                actor_updates: self.actor.updates(),
                 critic_updates: self.critic.as_ref().map_or(0, |c| c.optimizer.updates),
                 reference_refreshed_at: refreshed_at,
                 pending_generation: None,
@@ -561,7 +561,9 @@ impl<B: LearnerBackend> Learner<B> {
         }
         // The folders exist now; optimiser states are written by their holders.
         self.dp.barrier()?;
-        self.actor_optimizer.save(&actor_dir, main, &self.actor)?;
+        self.actor
+            .optimizer
+            .save(&actor_dir, main, &self.actor.model)?;
         if let Some(c) = &self.critic {
             c.optimizer.save(&critic_dir, main, &c.model)?;
         }
@@ -615,7 +617,7 @@ impl<B: LearnerBackend> Learner<B> {
             (None, false) => load_pretrained(&actor_dir.display().to_string())?
                 .causal_lm_part(self.dp.tp.as_ref(), &self.device)?,
         };
-        self.actor = self.actor_optimizer.load(&actor_dir, actor, &self.device)?;
+        self.actor.model = self.actor.optimizer.load(&actor_dir, actor, &self.device)?;
         if let Some(c) = self.critic.as_mut() {
             let critic_dir = dir.join("critic");
             let model: ValueModel<B> = load_pretrained(&critic_dir.display().to_string())?
@@ -661,7 +663,7 @@ impl<B: LearnerBackend> Learner<B> {
             // at the next step.
             (None, _) => {}
         }
-        self.actor_optimizer.updates = state.actor_updates;
+        self.actor.optimizer.updates = state.actor_updates;
         if let Some(c) = self.critic.as_mut() {
             c.optimizer.updates = state.critic_updates;
         }

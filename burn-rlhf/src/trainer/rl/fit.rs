@@ -53,7 +53,7 @@ impl<B: LearnerBackend> Learner<B> {
             .critic
             .as_ref()
             .map_or((0, 0), |c| c.optimizer.parameter_bytes(&c.model));
-        let (device, host) = self.actor_optimizer.parameter_bytes(&self.actor);
+        let (device, host) = self.actor.parameter_bytes();
         RankMemory {
             parameters: device + critic_device,
             parameters_host: host + critic_host,

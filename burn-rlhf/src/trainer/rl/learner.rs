@@ -1,5 +1,4 @@
-//! The [`Learner`]: the policy and its optimiser, the worker roles (`workers/`: reference, critic,
-//! teachers), the algorithm objects and the data of a run.
+//! The [`Learner`]: the worker roles (`workers/`: actor, reference, critic, teachers), the algorithm objects and the data of a run.
 //! What it does lives beside it, one file per phase of verl's step: `build` (from a config or
 //! parts), `rollout` (generation and rewards), `scoring` (log-probs, values, KL, advantages),
 //! `update` (the critic's and the actor's updates), `step` (one step in verl's order) and
@@ -20,6 +19,7 @@ use burn_rlhf_rollout::{PromptRecord, PromptSampler, RewardFn};
 
 use super::generation::{as_generated, NextBatch, RolloutWorker};
 use super::reward_model::RewardScorer;
+use super::workers::actor::ActorWorker;
 use super::workers::critic::CriticWorker;
 use super::workers::passes::Passes;
 use super::workers::reference::ReferenceWorker;
@@ -29,7 +29,6 @@ use crate::distributed::DataParallel;
 use crate::error::TrainError;
 use crate::forward::LogprobHead;
 use crate::optim::StateBytes;
-use crate::trainer::model_optimizer::ModelOptimizer;
 
 /// The algorithm objects a config names, built once.
 pub(crate) struct Algorithms<B: LearnerBackend> {
@@ -56,9 +55,8 @@ pub struct Learner<B: LearnerBackend> {
     pub tokenizer: Tokenizer,
     /// The policy's shape.
     pub model_config: TransformerConfig,
-    /// The policy.
-    pub actor: CausalLm<B>,
-    pub(crate) actor_optimizer: ModelOptimizer<CausalLm<B>, B>,
+    /// The policy and its optimiser.
+    pub actor: ActorWorker<B>,
     /// The critic worker, with a critic.
     pub(crate) critic: Option<CriticWorker<B>>,
     /// The frozen reference policy's worker (when KL is used).
@@ -127,10 +125,10 @@ impl<B: LearnerBackend> Learner<B> {
         self.teachers.as_ref().map_or(0, TeacherWorker::bytes)
     }
 
-    /// The policy with every parameter present: [`Learner::actor`] itself, or under FSDP a copy
-    /// gathering them now (a collective: every rank calls it at the same point of the step).
+    /// The policy with every parameter present ([`ActorWorker::whole`]: a collective under
+    /// FSDP).
     pub fn actor_whole(&self) -> CausalLm<B> {
-        self.actor_optimizer.whole(&self.actor)
+        self.actor.whole()
     }
 
     /// This learner's place in a data-parallel run.
@@ -143,7 +141,7 @@ impl<B: LearnerBackend> Learner<B> {
     /// them to the host).
     pub fn optimizer_memory(&self) -> (StateBytes, StateBytes) {
         (
-            self.actor_optimizer.state_bytes(),
+            self.actor.state_bytes(),
             self.critic
                 .as_ref()
                 .map(|c| c.optimizer.state_bytes())

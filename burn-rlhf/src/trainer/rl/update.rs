@@ -118,8 +118,8 @@ impl<B: LearnerBackend> Learner<B> {
                         record_own: record_first && first.is_none(),
                     };
                     let (actor, m, own) = actor_update(
-                        self.actor.clone(),
-                        self.actor_optimizer.step(settings.grad_clip),
+                        self.actor.model.clone(),
+                        self.actor.optimizer.step(settings.grad_clip),
                         self.algorithms.policy_loss.as_ref(),
                         &batch.select(rows),
                         &targets,
@@ -140,7 +140,7 @@ impl<B: LearnerBackend> Learner<B> {
                         },
                         &self.device,
                     )?;
-                    self.actor = actor;
+                    self.actor.model = actor;
                     means.add(m);
                     if let (Some(own), None) = (own, &first) {
                         // In the mini-batch's order, which is the batch's unless shuffled.
@@ -151,7 +151,7 @@ impl<B: LearnerBackend> Learner<B> {
                     }
                 }
             }
-            self.actor_optimizer.updates += 1;
+            self.actor.optimizer.updates += 1;
             Ok((means.finish(), first))
         })
     }

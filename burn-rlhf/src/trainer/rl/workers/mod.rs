@@ -4,6 +4,7 @@
 //! in; per-token [`passes::Rows`], [`teachers::TeacherScores`](crate::minibatch::TeacherScores)
 //! or metrics out). The Learner orchestrates them in verl's order (`step.rs`).
 //!
+//! - `actor`: the policy being trained and its optimiser;
 //! - `passes`: what every scoring pass of a rank shares (its data-parallel place, device, shapes,
 //!   the LM head's reading), and the pass kinds (log-probs, top-k);
 //! - `reference`: the frozen reference policy;
@@ -11,9 +12,9 @@
 //! - `teachers`: on-policy distillation's teachers, on the trainer's devices or on
 //!   `teacher_pool`, devices of their own.
 //!
-//! The actor (the policy and its optimiser, shared with generation) and the rollout worker
-//! (`generation.rs`) are the Learner's own.
+//! The rollout worker (`generation.rs`) is the Learner's own.
 
+pub mod actor;
 pub(crate) mod critic;
 pub(crate) mod passes;
 pub(crate) mod reference;
