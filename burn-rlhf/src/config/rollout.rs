@@ -215,8 +215,10 @@ pub struct OneStepOff {
 pub(super) struct PoolContext {
     /// `actor_rollout_ref.hybrid_engine`.
     pub hybrid_engine: bool,
-    /// The trainer's devices (`trainer.nnodes` x `trainer.n_gpus_per_node`).
-    pub trainer_devices: usize,
+    /// `trainer.nnodes`.
+    pub trainer_nodes: usize,
+    /// The actor's tensor parallelism.
+    pub tensor_parallel: usize,
     /// `algorithm.filter_groups.enable`.
     pub dynamic_sampling: bool,
     /// LoRA adapters generating unmerged (`lora_rank` > 0, `lora.merge=false`).
@@ -243,12 +245,22 @@ impl RolloutPoolConfig {
              processes of its own after the trainer's)"
                 .into()
         });
-        p.check(c.trainer_devices == 1, || {
+        p.check(c.trainer_nodes == 1, || {
             format!(
-                "`actor_rollout_ref.hybrid_engine=False` with {} trainer devices \
-                 (`trainer.nnodes` x `trainer.n_gpus_per_node`): one-step-off-policy training \
-                 with a data-parallel trainer is not built yet; train on one device",
-                c.trainer_devices
+                "`actor_rollout_ref.hybrid_engine=False` with `trainer.nnodes` = {}: \
+                 one-step-off-policy training runs the trainer's data-parallel ranks in one \
+                 process (its devices), rank 0 handing the others each generation; a trainer of \
+                 several hosts with a rollout pool is not built yet",
+                c.trainer_nodes
+            )
+        });
+        p.check(c.tensor_parallel == 1, || {
+            format!(
+                "`actor_rollout_ref.hybrid_engine=False` with \
+                 `actor_rollout_ref.actor.megatron.tensor_model_parallel_size` = {}: the rollout \
+                 worker generates with a whole policy, which a split trainer does not hand it; \
+                 train with data parallelism or FSDP",
+                c.tensor_parallel
             )
         });
         p.check(!c.dynamic_sampling, || {

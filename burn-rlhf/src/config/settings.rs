@@ -257,7 +257,8 @@ fn decode(c: &RlhfConfig, known: &KnownNames, p: &mut Problems) -> Option<Settin
         p,
         &PoolContext {
             hybrid_engine: arr.hybrid_engine,
-            trainer_devices: devices,
+            trainer_nodes: c.trainer.nnodes,
+            tensor_parallel: tp,
             dynamic_sampling: c.algorithm.filter_groups.enable,
             lora_unmerged: arr.model.lora_rank > 0 && !arr.model.lora.merge,
         },
@@ -444,9 +445,18 @@ mod tests {
             .inexact_logprobs()
             .iter()
             .any(|(key, _)| *key == "actor_rollout_ref.hybrid_engine"));
+        // A data-parallel trainer of one process; of several hosts, refused.
         c.trainer.n_gpus_per_node = 2;
+        settings(&c).unwrap();
+        c.trainer.nnodes = 2;
         let err = settings(&c).unwrap_err().to_string();
-        assert!(err.contains("data-parallel trainer"), "{err}");
+        assert!(err.contains("`trainer.nnodes` = 2"), "{err}");
+        c.trainer.nnodes = 1;
+        c.actor_rollout_ref.actor.strategy = "megatron".into();
+        c.actor_rollout_ref.actor.megatron.tensor_model_parallel_size = 2;
+        let err = settings(&c).unwrap_err().to_string();
+        assert!(err.contains("a split trainer does not hand it"), "{err}");
+        c.actor_rollout_ref.actor.megatron.tensor_model_parallel_size = 1;
         c.trainer.n_gpus_per_node = 1;
         c.algorithm.filter_groups.enable = true;
         c.algorithm.filter_groups.metric = Some("acc".into());

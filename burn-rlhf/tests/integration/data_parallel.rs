@@ -243,6 +243,28 @@ fn assert_same_metrics_but(a: &Path, b: &Path, what: &str, skip: &[&str]) {
     println!("{what}: {compared} metric values equal");
 }
 
+/// One-step-off-policy training (`hybrid_engine=False`) with a data-parallel trainer of two
+/// devices in one process: rank 0's rollout worker generates each batch a step ahead and hands
+/// its samples to the other rank; the run ends as the one-device run does, weights and metrics
+/// (the engine's counters counted once, not once per rank).
+#[test]
+fn one_step_off_with_two_devices_reproduces_one_device() {
+    let _turn = ONE_GROUP_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    let dir = temp_dir("dp-one-step-off");
+    let off = |root: &str| {
+        let mut c = config(&dir.join(root));
+        c.actor_rollout_ref.hybrid_engine = false;
+        c.actor_rollout_ref.actor.strategy = "megatron".into();
+        c
+    };
+    let single = n_devices(off("single"), Arc::new(tasks::ExactAnswer), 1).unwrap();
+    let dp = two_devices(off("dp"), Arc::new(tasks::ExactAnswer)).unwrap();
+    assert_same_weights(&single, &dp, "one step off, 2 devices vs 1");
+    assert_same_metrics(&single, &dp, "one step off, 2 devices vs 1");
+}
+
 /// Parameters whole on each rank (`strategy: megatron` without tensor parallelism: plain data
 /// parallelism).
 #[test]

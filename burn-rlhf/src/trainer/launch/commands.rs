@@ -74,6 +74,17 @@ fn train_with_rollout_pool(settings: Settings) -> Result<RunOutputs, TrainError>
         .rollout_devices;
     let process = MpiProcess::start()?;
     let place = process.place();
+    if trainers > 1 {
+        // The trainer's processes would need a group of their own, apart from the pool's.
+        let message = format!(
+            "one-step-off-policy training with a rollout pool of MPI processes runs the trainer \
+             in one process of one device; this config has {trainers} \
+             (`trainer.nnodes` x `trainer.n_gpus_per_node`). Without `mpirun` a data-parallel \
+             trainer of one process runs with the rollout worker as a thread"
+        );
+        process.finish();
+        return Err(TrainError::config("trainer.n_gpus_per_node", message));
+    }
     if place.processes != trainers + pooled {
         let message = format!(
             "one-step-off-policy training under an MPI launcher runs the trainer's processes \

@@ -15,11 +15,13 @@
 
 use std::path::Path;
 use std::sync::Arc;
+use std::thread::JoinHandle;
 use std::time::Instant;
 
 use burn::module::AutodiffModule;
 use burn_rlhf_models::pretrained::{load_pretrained, save_pretrained};
 use burn_rlhf_models::CausalLm;
+use burn_rlhf_rollout::agent::AgentSample;
 use burn_rlhf_rollout::RolloutBatch;
 
 use super::generation::{engine_metrics, NextBatch, PendingGeneration, RolloutWorker};
@@ -84,6 +86,15 @@ impl<B: LearnerBackend> Learner<B> {
         }
         let worker = Arc::clone(self.rollout_worker.as_ref().expect("made above"));
         let (copy, indices, step) = (weights.clone(), pending.indices.clone(), pending.step);
+        // Data-parallel rank 0 generates; the others take its samples at the step
+        // (`share_generation`).
+        if self.dp.rank() != 0 {
+            return NextBatch {
+                pending,
+                weights,
+                handle: None,
+            };
+        }
         let handle = std::thread::Builder::new()
             .name(format!("rollout-step-{step}"))
             .spawn(move || {
@@ -94,14 +105,15 @@ impl<B: LearnerBackend> Learner<B> {
                 #[cfg(not(feature = "mpi"))]
                 let _ = pool;
                 let start = Instant::now();
-                let (batch, counters) = worker.generate(copy, &indices, step)?;
-                Ok((batch, counters, start.elapsed().as_secs_f64()))
+                let solo = crate::distributed::DataParallel::solo();
+                let (samples, counters) = worker.samples(copy, &indices, step, &solo)?;
+                Ok((samples, counters, start.elapsed().as_secs_f64()))
             })
             .expect("the rollout worker's thread starts");
         NextBatch {
             pending,
             weights,
-            handle,
+            handle: Some(handle),
         }
     }
 
@@ -150,10 +162,17 @@ impl<B: LearnerBackend> Learner<B> {
             ..
         } = next;
         let waited = Instant::now();
-        let (mut batch, counters, generated) = match handle.join() {
-            Ok(result) => result?,
-            Err(panic) => std::panic::resume_unwind(panic),
+        let generation = match handle.map(JoinHandle::join) {
+            Some(Ok(result)) => result?,
+            Some(Err(panic)) => std::panic::resume_unwind(panic),
+            None => (Vec::new(), [0.0; 4], 0.0),
         };
+        let (samples, counters, generated) = self.share_generation(generation, step, &indices)?;
+        let worker = self
+            .rollout_worker
+            .as_ref()
+            .expect("made with the generation");
+        let mut batch = worker.assemble(&indices, samples)?;
         let wait = waited.elapsed().as_secs_f64();
         // What this generation's order carried, read before the next order is sent.
         #[cfg(feature = "mpi")]
@@ -180,6 +199,41 @@ impl<B: LearnerBackend> Learner<B> {
         Ok((batch, indices, metrics))
     }
 
+    /// Rank 0's generation of step `step` (prompts `indices`) on every data-parallel rank: its
+    /// samples gathered (the others add none), its counters and seconds summed (the others add
+    /// zeros). As it is with one rank.
+    fn share_generation(
+        &self,
+        (samples, counters, seconds): (Vec<AgentSample>, [f64; 4], f64),
+        step: usize,
+        indices: &[usize],
+    ) -> Result<(Vec<AgentSample>, [f64; 4], f64), TrainError> {
+        if self.dp.world() == 1 {
+            return Ok((samples, counters, seconds));
+        }
+        let worker = self
+            .rollout_worker
+            .as_ref()
+            .expect("made with the generation");
+        let packing = worker.packing(step);
+        let total = indices.len() * packing.n;
+        let (packed, rows): (Vec<f32>, Vec<usize>) = match self.dp.rank() {
+            0 => (packing.pack(&samples), (0..total).collect()),
+            _ => (Vec::new(), Vec::new()),
+        };
+        let all = self
+            .dp
+            .gather_rows(&packed, &rows, total, packing.width())?;
+        let mut sums = counters.to_vec();
+        sums.push(seconds);
+        let sums = self.dp.all_reduce_f64(&sums)?;
+        Ok((
+            packing.unpack(&all),
+            [sums[0], sums[1], sums[2], sums[3]],
+            sums[4],
+        ))
+    }
+
     /// Ends the run's exchanges with a rollout pool of its own: waits for the generation still
     /// in flight (a run stopped on request leaves one, which its checkpoint keeps) and tells the
     /// pool to stop. Nothing without a pool.
@@ -188,8 +242,8 @@ impl<B: LearnerBackend> Learner<B> {
         let Some(pool) = self.rollout_pool.clone() else {
             return Ok(());
         };
-        if let Some(next) = self.next_batch.take() {
-            match next.handle.join() {
+        if let Some(handle) = self.next_batch.take().and_then(|next| next.handle) {
+            match handle.join() {
                 Ok(result) => result.map(|_| ())?,
                 Err(panic) => std::panic::resume_unwind(panic),
             }

@@ -108,7 +108,7 @@ impl RolloutPool {
         weights: &CausalLm<B::InnerBackend>,
         indices: &[usize],
         step: usize,
-    ) -> Result<(RolloutBatch, [f64; 4], f64), TrainError> {
+    ) -> super::generation::Generated {
         let mut payload: Vec<f32> = indices.iter().map(|&i| i as f32).collect();
         let tensors = weights.export();
         let hashes: Vec<u128> = tensors
@@ -147,8 +147,7 @@ impl RolloutPool {
             .broadcast(self.pool, vec![0.0; rows * packing.width()])?;
         let counters = [0, 1, 2, 3].map(|i| joined(&header[1 + 2 * i..3 + 2 * i]));
         let seconds = joined(&header[9..11]);
-        let batch = worker.assemble(indices, packing.unpack(&packed))?;
-        Ok((batch, counters, seconds))
+        Ok((packing.unpack(&packed), counters, seconds))
     }
 
     /// Tells the pool the run is over (after the last generation's samples are taken).
