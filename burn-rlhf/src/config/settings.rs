@@ -453,10 +453,16 @@ mod tests {
         assert!(err.contains("`trainer.nnodes` = 2"), "{err}");
         c.trainer.nnodes = 1;
         c.actor_rollout_ref.actor.strategy = "megatron".into();
-        c.actor_rollout_ref.actor.megatron.tensor_model_parallel_size = 2;
+        c.actor_rollout_ref
+            .actor
+            .megatron
+            .tensor_model_parallel_size = 2;
         let err = settings(&c).unwrap_err().to_string();
         assert!(err.contains("a split trainer does not hand it"), "{err}");
-        c.actor_rollout_ref.actor.megatron.tensor_model_parallel_size = 1;
+        c.actor_rollout_ref
+            .actor
+            .megatron
+            .tensor_model_parallel_size = 1;
         c.trainer.n_gpus_per_node = 1;
         c.algorithm.filter_groups.enable = true;
         c.algorithm.filter_groups.metric = Some("acc".into());

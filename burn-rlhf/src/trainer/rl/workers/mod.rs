@@ -9,8 +9,8 @@
 //!   the LM head's reading), and the pass kinds (log-probs, top-k);
 //! - `reference`: the frozen reference policy;
 //! - `critic`: the critic and its optimiser;
-//! - `teachers`: on-policy distillation's teachers, on the trainer's devices or on
-//!   `teacher_pool`, devices of their own.
+//! - `teachers`: on-policy distillation's teachers (each a `teacher`), on the trainer's devices
+//!   or on `teacher_pool`, devices of their own.
 //!
 //! The rollout worker (`generation.rs`) is the Learner's own.
 
@@ -18,5 +18,6 @@ pub mod actor;
 pub(crate) mod critic;
 pub(crate) mod passes;
 pub(crate) mod reference;
+pub(crate) mod teacher;
 pub(crate) mod teacher_pool;
 pub mod teachers;

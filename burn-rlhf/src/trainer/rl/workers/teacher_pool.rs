@@ -19,7 +19,7 @@ use burn_rlhf_models::CausalLm;
 use burn_rlhf_rollout::RolloutBatch;
 
 use super::passes::{PassPlan, Passes, Rows};
-use super::teachers::Teacher;
+use super::teacher::Teacher;
 use crate::backend::LearnerBackend;
 use crate::distributed::DataParallel;
 use crate::error::TrainError;
