@@ -24,7 +24,6 @@ use std::time::Instant;
 use burn::module::AutodiffModule;
 use burn_rlhf_models::weights::{HostTensor, WeightMap};
 use burn_rlhf_models::CausalLm;
-use burn_rlhf_rollout::RolloutBatch;
 
 use super::generation::RolloutWorker;
 use crate::backend::LearnerBackend;
