@@ -90,6 +90,15 @@ fn teacher(seed: u64, key: Option<&str>) -> Teacher<Flex> {
     )
 }
 
+/// A config distilling with k3 from one teacher, edited by `edit`, fails to validate saying
+/// `says`.
+fn assert_refused(dir: &Path, edit: &dyn Fn(&mut RlhfConfig), says: &str) {
+    let mut c = distilling(config(&dir.join("refused")), "k3", false, true, 1.0);
+    edit(&mut c);
+    let e = c.validate("test").unwrap_err().to_string();
+    assert!(e.contains(says), "{says}: {e}");
+}
+
 /// `steps` steps; the weights after and each step's metrics.
 fn train(c: RlhfConfig, parts: LearnerParts<B>, steps: usize) -> (Vec<f32>, Vec<Metrics>) {
     let mut learner = Learner::new(c, parts, &Default::default()).unwrap();
@@ -192,12 +201,7 @@ fn teachers_are_routed_by_data_source_and_bad_settings_are_refused() {
         "{e}"
     );
 
-    let refused = |edit: &dyn Fn(&mut RlhfConfig), says: &str| {
-        let mut c = distilling(config(&dir.join("refused")), "k3", false, true, 1.0);
-        edit(&mut c);
-        let e = c.validate("test").unwrap_err().to_string();
-        assert!(e.contains(says), "{says}: {e}");
-    };
+    let refused = |edit: &dyn Fn(&mut RlhfConfig), says: &str| assert_refused(&dir, edit, says);
     refused(
         &|c| {
             let l = &mut c.distillation.distillation_loss;
@@ -505,12 +509,7 @@ fn a_teacher_pool_of_its_own_scores_as_the_trainers_devices() {
     };
     assert_eq!(ranks(0), ranks(2));
 
-    let refused = |edit: &dyn Fn(&mut RlhfConfig), says: &str| {
-        let mut c = distilling(config(&dir.join("refused")), "k3", false, true, 1.0);
-        edit(&mut c);
-        let e = c.validate("test").unwrap_err().to_string();
-        assert!(e.contains(says), "{says}: {e}");
-    };
+    let refused = |edit: &dyn Fn(&mut RlhfConfig), says: &str| assert_refused(&dir, edit, says);
     // verl's default replica: two tensor-parallel devices.
     refused(
         &|c| {
