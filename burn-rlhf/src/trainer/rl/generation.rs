@@ -654,8 +654,8 @@ pub(crate) struct NextBatch<B: LearnerBackend> {
     /// What it generates.
     pub pending: PendingGeneration,
     /// The weights it runs (the trainer's after step `pending.weights_step`), kept for a
-    /// checkpoint.
-    pub weights: CausalLm<B::InnerBackend>,
+    /// checkpoint by the rank that generates and writes it (the others hold no copy).
+    pub weights: Option<CausalLm<B::InnerBackend>>,
     /// The worker's thread, on the rank that generates (data-parallel rank 0).
     pub handle: Option<JoinHandle<Generated>>,
 }

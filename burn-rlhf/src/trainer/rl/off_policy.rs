@@ -91,7 +91,7 @@ impl<B: LearnerBackend> Learner<B> {
         if self.dp.rank() != 0 {
             return NextBatch {
                 pending,
-                weights,
+                weights: None,
                 handle: None,
             };
         }
@@ -112,7 +112,7 @@ impl<B: LearnerBackend> Learner<B> {
             .expect("the rollout worker's thread starts");
         NextBatch {
             pending,
-            weights,
+            weights: Some(weights),
             handle: Some(handle),
         }
     }
@@ -251,13 +251,18 @@ impl<B: LearnerBackend> Learner<B> {
         pool.stop()
     }
 
-    /// What a checkpoint keeps of the generation in flight, with its weights.
+    /// What a checkpoint keeps of the generation in flight, with its weights (asked by the rank
+    /// that writes the checkpoint, rank 0, which generates and keeps them).
     pub(crate) fn pending_generation(
         &self,
     ) -> Option<(PendingGeneration, &CausalLm<B::InnerBackend>)> {
-        self.next_batch
-            .as_ref()
-            .map(|next| (next.pending.clone(), &next.weights))
+        self.next_batch.as_ref().map(|next| {
+            let weights = next.weights.as_ref();
+            (
+                next.pending.clone(),
+                weights.expect("rank 0 keeps the weights of the generation in flight"),
+            )
+        })
     }
 
     /// Writes the weights of the generation in flight into `dir` (a checkpoint's `rollout/`).
