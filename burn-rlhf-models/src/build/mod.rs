@@ -14,6 +14,7 @@ use crate::config::TransformerConfig;
 use crate::error::ModelError;
 use crate::heads::*;
 use crate::lora::{LoraConfig, LoraLinear};
+use crate::recompute::read_parameters;
 use crate::tensor_parallel::{
     kv_whole, local_config, shared_kv_head, ColumnParallelLinear, RowParallelLinear, TpGroup,
     VocabParallelEmbedding,
@@ -162,7 +163,7 @@ impl TransformerConfig {
                 post_feedforward_layernorm: gemma.then(|| init_norm(self, h, device)),
             })
             .collect();
-        Transformer {
+        let model = Transformer {
             embed_tokens: VocabParallelEmbedding::whole(
                 EmbeddingConfig::new(self.vocab_size, h)
                     .init::<B>(device)
@@ -175,7 +176,12 @@ impl TransformerConfig {
             local_rotary: self.local_rotary_frequencies(),
             embed_scale: self.embed_scale(),
             final_logit_softcapping: self.final_logit_softcapping,
-        }
+        };
+        // Burn's initialisers are lazy: a parameter's values would be drawn from the backend's
+        // one random stream at its first read, long after the caller seeded it (and after other
+        // threads drew from it); drawn whole now, while the caller holds the seed.
+        read_parameters(&model);
+        model
     }
 
     /// Layer `n`'s feed-forward block, randomly initialised: a dense MLP, or a router and
@@ -212,10 +218,12 @@ impl TransformerConfig {
                 device,
             ))
         });
-        CausalLm {
-            model: self.init(device),
-            lm_head,
+        // The decoder's values first, then the head's: the order a visit reads them in.
+        let model = self.init(device);
+        if let Some(head) = &lm_head {
+            read_parameters(head);
         }
+        CausalLm { model, lm_head }
     }
 }
 

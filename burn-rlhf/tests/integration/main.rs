@@ -19,6 +19,7 @@ mod one_step_off;
 mod ppo_loop;
 mod recipes;
 mod reward_model;
+mod seeding;
 mod sft;
 mod verl_scripts;
 mod verl_tree;
@@ -46,20 +47,6 @@ pub fn seeded<T>(seed: u64, f: impl FnOnce() -> T) -> T {
     burn_rlhf::runtime::seeded::<burn::backend::Flex, _>(&Default::default(), seed, f)
 }
 
-/// Reads every parameter of `model` once, drawing any lazily initialised one now.
-pub fn materialise<M: burn::module::Module<Autodiff<Flex>>>(model: &M) {
-    struct Touch;
-    impl burn::module::ModuleVisitor<Autodiff<Flex>> for Touch {
-        fn visit_float<const D: usize>(
-            &mut self,
-            p: &burn::module::Param<burn::tensor::Tensor<Autodiff<Flex>, D>>,
-        ) {
-            let _ = p.val();
-        }
-    }
-    model.visit(&mut Touch);
-}
-
 /// The arithmetic task's tiny actor and a critic starting from its backbone, the same for the
 /// same seed.
 pub fn tiny_models(
@@ -71,10 +58,8 @@ pub fn tiny_models(
     models_of(&burn_rlhf::tasks::model_config(32, 1), seed)
 }
 
-/// An actor of shape `c` and a critic starting from its backbone, drawn with `seed`: both drawn
-/// whole under the lock (a lazy parameter's clone, `valid()`, draws its own values, and the
-/// returned actor's would be drawn at its first read from whatever another test left in the
-/// random stream; the critic's fresh value head likewise).
+/// An actor of shape `c` and a critic starting from its backbone, drawn with `seed` under the
+/// lock (the library draws a random model whole as it builds it).
 pub fn models_of(
     c: &burn_rlhf::models::TransformerConfig,
     seed: u64,
@@ -86,14 +71,12 @@ pub fn models_of(
     seeded(seed, || {
         let actor: burn_rlhf::models::CausalLm<Autodiff<Flex>> =
             c.init_causal_lm(&Default::default());
-        materialise(&actor);
         let mut w = burn_rlhf::models::weights::WeightMap::new("tiny actor");
         for (k, v) in actor.valid().export() {
             w.insert(k, v);
         }
         let critic =
             burn_rlhf::models::ValueModel::critic_from_weights(c, w, &Default::default()).unwrap();
-        materialise(&critic);
         (actor, critic)
     })
 }
