@@ -43,7 +43,7 @@ pub use metrics::Metrics;
 pub use rl::build::LearnerParts;
 pub use rl::checkpoint::{TrainerState, LATEST_FILE};
 pub use rl::fit::{RankMemory, RunOutputs};
-pub use rl::generation::PendingGeneration;
 pub use rl::learner::Learner;
 pub use rl::scoring::Rows;
+pub use rl::workers::rollout::PendingGeneration;
 pub use rl::workers::teachers::Teacher;

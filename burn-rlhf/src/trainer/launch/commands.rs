@@ -60,12 +60,12 @@ pub fn train(settings: Settings) -> Result<RunOutputs, TrainError> {
 /// One-step-off-policy training as an MPI job of the trainer's processes and then its rollout
 /// pool's, one device each (`trainer.nnodes` x `trainer.n_gpus_per_node`, then `rollout.nnodes`
 /// x `rollout.n_gpus_per_node`): the trainer's processes train, handing each generation to the
-/// pool ([`crate::trainer::rl::rollout_pool`]); the pool's generate. A process that fails stops
+/// pool ([`crate::trainer::rl::workers::rollout::pool`]); the pool's generate. A process that fails stops
 /// the job, naming itself. The pool's processes return no outputs (nothing logged).
 #[cfg(feature = "mpi")]
 fn train_with_rollout_pool(settings: Settings) -> Result<RunOutputs, TrainError> {
     use crate::distributed::mpi::{MpiProcess, MpiSubgroup, Subgroup};
-    use crate::trainer::rl::rollout_pool::RolloutPool;
+    use crate::trainer::rl::workers::rollout::pool::RolloutPool;
     let t = &settings.trainer;
     let trainers = t.nnodes * t.n_gpus_per_node;
     let pooled = settings
@@ -151,7 +151,7 @@ fn train_with_rollout_pool(settings: Settings) -> Result<RunOutputs, TrainError>
 #[cfg(feature = "mpi")]
 struct RolloutServing(
     Settings,
-    crate::trainer::rl::rollout_pool::RolloutPool,
+    crate::trainer::rl::workers::rollout::pool::RolloutPool,
     std::sync::Arc<crate::distributed::mpi::MpiSubgroup>,
 );
 
@@ -167,9 +167,15 @@ impl OnDevices for RolloutServing {
         let device = &devices[0];
         let parts = LearnerParts::<B>::load(&self.0, device, true)?;
         let threads = rayon::current_num_threads();
-        let (worker, actor) = Learner::prepare(self.0, parts, device)?.into_rollout_worker(threads);
+        let (worker, actor) =
+            Learner::prepare(self.0, parts, device)?.into_detached_rollout(threads);
         let group: std::sync::Arc<dyn crate::distributed::Collective> = self.2;
-        crate::trainer::rl::rollout_pool::serve::<B>(worker, actor, (&self.1, group), device)
+        crate::trainer::rl::workers::rollout::pool::serve::<B>(
+            worker,
+            actor,
+            (&self.1, group),
+            device,
+        )
     }
 }
 

@@ -70,7 +70,7 @@ pub struct NodeLaunch {
     pub backend: CollectiveBackend,
     /// One-step-off-policy training's rollout pool, in an MPI process of its own.
     #[cfg(feature = "mpi")]
-    pub rollout_pool: Option<crate::trainer::rl::rollout_pool::RolloutPool>,
+    pub rollout_pool: Option<crate::trainer::rl::workers::rollout::pool::RolloutPool>,
 }
 
 impl NodeLaunch {
@@ -174,7 +174,7 @@ pub fn launch<B: LearnerBackend>(
         let mut learner = Learner::from_settings(settings, parts, &devices[0])?;
         #[cfg(feature = "mpi")]
         {
-            learner.rollout_pool = node.rollout_pool.clone();
+            learner.rollout.use_pool(node.rollout_pool.clone());
         }
         return learner.fit(stop);
     }

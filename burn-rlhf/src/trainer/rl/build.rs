@@ -9,12 +9,12 @@ use burn_rlhf_algos::Registry;
 use burn_rlhf_models::{CausalLm, Tokenizer, TransformerConfig, ValueModel};
 use burn_rlhf_rollout::{PromptRecord, PromptSampler, RewardRegistry};
 
-use super::generation::RolloutWorker;
 use super::learner::{Algorithms, Learner};
 use super::reward_model::{LoadedRewardModel, RewardScorer};
 use super::workers::actor::ActorWorker;
 use super::workers::critic::CriticWorker;
 use super::workers::reference::ReferenceWorker;
+use super::workers::rollout::{DetachedRollout, RolloutWorker};
 use super::workers::teacher_pool::TeacherPool;
 use super::workers::teachers::{Teacher, TeacherWorker};
 use crate::config::{KnownNames, RlhfConfig, Settings};
@@ -484,11 +484,7 @@ impl<B: LearnerBackend> PreparedLearner<B> {
             actor: ActorWorker::new(actor, actor_optimizer),
             critic,
             reference,
-            engine_counters: Default::default(),
-            next_batch: None,
-            rollout_worker: None,
-            #[cfg(feature = "mpi")]
-            rollout_pool: None,
+            rollout: RolloutWorker::default(),
             reward_scorer,
             teachers: self.teachers,
             algorithms: self.algorithms,
@@ -511,10 +507,10 @@ impl<B: LearnerBackend> PreparedLearner<B> {
     /// and the actor as loaded (the shape of the weights it is sent).
     // Used by the MPI rollout pool (the `mpi` feature).
     #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
-    pub(crate) fn into_rollout_worker(self, threads: usize) -> (RolloutWorker<B>, CausalLm<B>) {
+    pub(crate) fn into_detached_rollout(self, threads: usize) -> (DetachedRollout<B>, CausalLm<B>) {
         let shape_bucket =
             crate::backend::shape_bucket::<B::InnerBackend>(self.settings.model.shape_bucket);
-        let worker = RolloutWorker {
+        let worker = DetachedRollout {
             settings: self.settings,
             tokenizer: self.tokenizer,
             agents: self.algorithms.agents,

@@ -25,10 +25,10 @@ use burn_rlhf_models::{CausalLm, LoraConfig, ValueModel};
 use burn_rlhf_rollout::SamplerState;
 use serde::{Deserialize, Serialize};
 
-use super::generation::PendingGeneration;
 use super::learner::Learner;
 use super::off_policy::ROLLOUT_DIR;
 use super::workers::reference::ReferenceWorker;
+use super::workers::rollout::PendingGeneration;
 use crate::config::settings::ResumeMode;
 use crate::error::TrainError;
 use crate::optim::AdamWOf;
@@ -534,7 +534,7 @@ impl<B: LearnerBackend> Learner<B> {
                 reference_refreshed_at: refreshed_at,
                 pending_generation: None,
             };
-            let pending = self.pending_generation();
+            let pending = self.rollout.in_flight();
             if let Some((_, weights)) = &pending {
                 self.save_rollout_weights(&tmp.join(ROLLOUT_DIR), weights)?;
             }
@@ -646,7 +646,7 @@ impl<B: LearnerBackend> Learner<B> {
             .restore_stream_position(state.policy_loss_stream);
         self.sampler.restore(state.sampler);
         self.global_step = state.global_step;
-        self.next_batch = None;
+        self.rollout.forget_next();
         match (state.pending_generation, self.settings.one_step_off) {
             (Some(pending), Some(_)) => self.resume_generation(dir, pending)?,
             (Some(_), None) => {

@@ -128,8 +128,7 @@ impl<B: LearnerBackend> Learner<B> {
             validation: last_validation,
             interrupted,
         } = run_steps(self, &plan, &mut logger, stop)?;
-        #[cfg(feature = "mpi")]
-        self.stop_rollout_pool()?;
+        self.rollout.stop_pool()?;
         let validation = last_validation.or(validation);
         let plot = logger.finish()?;
         Ok(RunOutputs {

@@ -17,12 +17,12 @@ use burn_rlhf_models::weights::WeightMap;
 use burn_rlhf_models::{CausalLm, Tokenizer, TransformerConfig, ValueModel};
 use burn_rlhf_rollout::{PromptRecord, PromptSampler, RewardFn};
 
-use super::generation::{as_generated, NextBatch, RolloutWorker};
 use super::reward_model::RewardScorer;
 use super::workers::actor::ActorWorker;
 use super::workers::critic::CriticWorker;
 use super::workers::passes::Passes;
 use super::workers::reference::ReferenceWorker;
+use super::workers::rollout::{as_generated, RolloutWorker};
 use super::workers::teachers::TeacherWorker;
 use crate::config::Settings;
 use crate::distributed::DataParallel;
@@ -75,18 +75,9 @@ pub struct Learner<B: LearnerBackend> {
     /// `actor_rollout_ref.rollout.exact_logprobs`, resolved: the rollout's log-probs and
     /// entropies are the old ones, and no old-log-prob pass runs.
     pub(crate) exact_logprobs: bool,
-    /// The rollout engines' counters since the step's generation began, summed over the ranks:
-    /// prefill tokens, decode tokens, samples that took a sibling's prompt blocks, preemptions.
-    pub(crate) engine_counters: std::sync::Mutex<[f64; 4]>,
-    /// One-step-off-policy training: the next step's batch, generating on the rollout worker.
-    pub(crate) next_batch: Option<NextBatch<B>>,
-    /// One-step-off-policy training: what the rollout worker holds of the run (made at its
-    /// first generation).
-    pub(crate) rollout_worker: Option<Arc<RolloutWorker<B>>>,
-    /// One-step-off-policy training with a rollout pool in an MPI process of its own: the
-    /// worker then only makes the pool's samples into batches.
-    #[cfg(feature = "mpi")]
-    pub(crate) rollout_pool: Option<super::rollout_pool::RolloutPool>,
+    /// Generation's state: the engines' counters and, for one-step-off-policy training, the
+    /// generation in flight on a thread or pool of its own.
+    pub(crate) rollout: RolloutWorker<B>,
     /// Completed training steps.
     pub global_step: usize,
     pub(crate) total_steps: usize,

@@ -5,13 +5,10 @@ pub(crate) mod build;
 pub(crate) mod checkpoint;
 mod dump;
 pub(crate) mod fit;
-pub(crate) mod generation;
 pub(crate) mod learner;
 mod off_policy;
 pub mod reward_model;
 mod rollout;
-#[cfg(feature = "mpi")]
-pub mod rollout_pool;
 pub(crate) mod scoring;
 mod step;
 mod update;

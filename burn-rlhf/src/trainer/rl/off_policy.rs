@@ -14,7 +14,6 @@
 //! uninterrupted one did.
 
 use std::path::Path;
-use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
 
@@ -24,8 +23,8 @@ use burn_rlhf_models::CausalLm;
 use burn_rlhf_rollout::agent::AgentSample;
 use burn_rlhf_rollout::RolloutBatch;
 
-use super::generation::{engine_metrics, NextBatch, PendingGeneration, RolloutWorker};
 use super::learner::Learner;
+use super::workers::rollout::{engine_metrics, DetachedRollout, NextBatch, PendingGeneration};
 use crate::backend::LearnerBackend;
 use crate::error::TrainError;
 use crate::trainer::logging::metrics::Metrics;
@@ -37,7 +36,7 @@ pub(crate) const ROLLOUT_DIR: &str = "rollout";
 impl<B: LearnerBackend> Learner<B> {
     /// Starts generating step `step`'s batch on the rollout worker with the current weights,
     /// its prompts drawn now.
-    fn launch_generation(&mut self, step: usize) -> NextBatch<B> {
+    fn launch_generation(&mut self, step: usize) {
         let epoch = self.sampler.state().epoch;
         let indices = self.sampler.next_batch(self.settings.data.train_batch_size);
         let weights = self.actor_whole().valid();
@@ -53,23 +52,16 @@ impl<B: LearnerBackend> Learner<B> {
     }
 
     /// Starts the generation `pending` describes on the rollout worker, with `weights`.
-    fn start_generation(
-        &mut self,
-        weights: CausalLm<B::InnerBackend>,
-        pending: PendingGeneration,
-    ) -> NextBatch<B> {
-        #[cfg(feature = "mpi")]
-        let pool = self.rollout_pool.clone();
-        #[cfg(not(feature = "mpi"))]
-        let pool: Option<std::convert::Infallible> = None;
-        if self.rollout_worker.is_none() {
+    fn start_generation(&mut self, weights: CausalLm<B::InnerBackend>, pending: PendingGeneration) {
+        let pooled = self.rollout.pooled();
+        let worker = self.rollout.detached(|| {
             // Half the compute threads the trainer runs on (the process's pool, or the one its
             // caller installed); one where a pool of its own generates (it only makes batches).
-            let cores = match pool {
-                Some(_) => 2,
-                None => rayon::current_num_threads(),
+            let cores = match pooled {
+                true => 2,
+                false => rayon::current_num_threads(),
             };
-            self.rollout_worker = Some(Arc::new(RolloutWorker {
+            DetachedRollout {
                 settings: self.settings.clone(),
                 tokenizer: self.tokenizer.clone(),
                 agents: self.algorithms.agents.clone(),
@@ -82,39 +74,12 @@ impl<B: LearnerBackend> Learner<B> {
                     .thread_name(|i| format!("rollout-compute-{i}"))
                     .build()
                     .expect("the rollout worker's compute threads start"),
-            }));
-        }
-        let worker = Arc::clone(self.rollout_worker.as_ref().expect("made above"));
-        let (copy, indices, step) = (weights.clone(), pending.indices.clone(), pending.step);
+            }
+        });
         // Data-parallel rank 0 generates; the others take its samples at the step
         // (`share_generation`).
-        if self.dp.rank() != 0 {
-            return NextBatch {
-                pending,
-                weights: None,
-                handle: None,
-            };
-        }
-        let handle = std::thread::Builder::new()
-            .name(format!("rollout-step-{step}"))
-            .spawn(move || {
-                #[cfg(feature = "mpi")]
-                if let Some(pool) = pool {
-                    return pool.generate(&worker, &copy, &indices, step);
-                }
-                #[cfg(not(feature = "mpi"))]
-                let _ = pool;
-                let start = Instant::now();
-                let solo = crate::distributed::DataParallel::solo();
-                let (samples, counters) = worker.samples(copy, &indices, step, &solo)?;
-                Ok((samples, counters, start.elapsed().as_secs_f64()))
-            })
-            .expect("the rollout worker's thread starts");
-        NextBatch {
-            pending,
-            weights: Some(weights),
-            handle: Some(handle),
-        }
+        let generates = self.dp.rank() == 0;
+        self.rollout.start(worker, weights, pending, generates);
     }
 
     /// One-step-off-policy's batch of step `step`: waits for the generation started during the
@@ -129,12 +94,8 @@ impl<B: LearnerBackend> Learner<B> {
         step: usize,
         timing: &mut Timing,
     ) -> Result<(RolloutBatch, Vec<usize>, Metrics), TrainError> {
-        #[cfg(feature = "mpi")]
-        let pooled = self.rollout_pool.is_some();
-        #[cfg(not(feature = "mpi"))]
-        let pooled = false;
         let devices = self.settings.one_step_off.map_or(1, |o| o.rollout_devices);
-        if devices > 1 && !pooled {
+        if devices > 1 && !self.rollout.pooled() {
             return Err(TrainError::config(
                 "rollout.n_gpus_per_node",
                 format!(
@@ -145,10 +106,13 @@ impl<B: LearnerBackend> Learner<B> {
                 ),
             ));
         }
-        let next = match self.next_batch.take() {
+        let next = match self.rollout.take_next() {
             Some(next) if next.pending.step == step => next,
             // A generation for another step (a learner stepped past `fit`'s order) is dropped.
-            _ => self.launch_generation(step),
+            _ => {
+                self.launch_generation(step);
+                self.rollout.take_next().expect("started now")
+            }
         };
         let NextBatch {
             pending:
@@ -168,17 +132,12 @@ impl<B: LearnerBackend> Learner<B> {
             None => (Vec::new(), [0.0; 4], 0.0),
         };
         let (samples, counters, generated) = self.share_generation(generation, step, &indices)?;
-        let worker = self
-            .rollout_worker
-            .as_ref()
-            .expect("made with the generation");
-        let mut batch = worker.assemble(&indices, samples)?;
+        let mut batch = self.rollout.made().assemble(&indices, samples)?;
         let wait = waited.elapsed().as_secs_f64();
         // What this generation's order carried, read before the next order is sent.
-        #[cfg(feature = "mpi")]
-        let sent = self.rollout_pool.as_ref().map(|p| p.last_sent());
+        let sent = self.rollout.weight_values_sent();
         if step < self.total_steps {
-            self.next_batch = Some(self.launch_generation(step + 1));
+            self.launch_generation(step + 1);
         }
         timing.time("reward", || self.reward(&mut batch))?;
         let mut metrics = Metrics::from([
@@ -192,7 +151,6 @@ impl<B: LearnerBackend> Learner<B> {
             ("training/epoch".to_string(), epoch as f64),
         ]);
         metrics.extend(engine_metrics(&batch, counters));
-        #[cfg(feature = "mpi")]
         if let Some(sent) = sent {
             metrics.insert("rollout/weight_values_sent".into(), sent as f64);
         }
@@ -211,11 +169,7 @@ impl<B: LearnerBackend> Learner<B> {
         if self.dp.world() == 1 {
             return Ok((samples, counters, seconds));
         }
-        let worker = self
-            .rollout_worker
-            .as_ref()
-            .expect("made with the generation");
-        let packing = worker.packing(step);
+        let packing = self.rollout.made().packing(step);
         let total = indices.len() * packing.n;
         let (packed, rows): (Vec<f32>, Vec<usize>) = match self.dp.rank() {
             0 => (packing.pack(&samples), (0..total).collect()),
@@ -232,37 +186,6 @@ impl<B: LearnerBackend> Learner<B> {
             [sums[0], sums[1], sums[2], sums[3]],
             sums[4],
         ))
-    }
-
-    /// Ends the run's exchanges with a rollout pool of its own: waits for the generation still
-    /// in flight (a run stopped on request leaves one, which its checkpoint keeps) and tells the
-    /// pool to stop. Nothing without a pool.
-    #[cfg(feature = "mpi")]
-    pub(crate) fn stop_rollout_pool(&mut self) -> Result<(), TrainError> {
-        let Some(pool) = self.rollout_pool.clone() else {
-            return Ok(());
-        };
-        if let Some(handle) = self.next_batch.take().and_then(|next| next.handle) {
-            match handle.join() {
-                Ok(result) => result.map(|_| ())?,
-                Err(panic) => std::panic::resume_unwind(panic),
-            }
-        }
-        pool.stop()
-    }
-
-    /// What a checkpoint keeps of the generation in flight, with its weights (asked by the rank
-    /// that writes the checkpoint, rank 0, which generates and keeps them).
-    pub(crate) fn pending_generation(
-        &self,
-    ) -> Option<(PendingGeneration, &CausalLm<B::InnerBackend>)> {
-        self.next_batch.as_ref().map(|next| {
-            let weights = next.weights.as_ref();
-            (
-                next.pending.clone(),
-                weights.expect("rank 0 keeps the weights of the generation in flight"),
-            )
-        })
     }
 
     /// Writes the weights of the generation in flight into `dir` (a checkpoint's `rollout/`).
@@ -297,7 +220,7 @@ impl<B: LearnerBackend> Learner<B> {
         }
         let weights = load_pretrained(&folder.display().to_string())?
             .causal_lm_part::<B::InnerBackend>(None, &self.device)?;
-        self.next_batch = Some(self.start_generation(weights, pending));
+        self.start_generation(weights, pending);
         Ok(())
     }
 }

@@ -5,9 +5,9 @@ use burn_rlhf_algos::dapo::{keep_groups_with_spread, overlong_penalty};
 use burn_rlhf_rollout::reward::token_level_scores;
 use burn_rlhf_rollout::{PromptRecord, RewardInput, RolloutBatch, SamplingParams};
 
-pub(crate) use super::generation::Stream;
-use super::generation::{engine_metrics, Generator};
 use super::learner::Learner;
+pub(crate) use super::workers::rollout::Stream;
+use super::workers::rollout::{engine_metrics, Generator};
 use crate::backend::LearnerBackend;
 use crate::config::settings::{FilterGroups, FilterMetric};
 use crate::error::TrainError;
@@ -25,7 +25,7 @@ impl<B: LearnerBackend> Learner<B> {
             device: &self.device,
             shape_bucket: self.shape_bucket,
             model_config: &self.model_config,
-            counters: &self.engine_counters,
+            counters: self.rollout.counters(),
         }
     }
 
@@ -72,7 +72,7 @@ impl<B: LearnerBackend> Learner<B> {
         step: usize,
         timing: &mut Timing,
     ) -> Result<(RolloutBatch, Vec<usize>, Metrics), TrainError> {
-        *self.engine_counters.lock().expect("not poisoned") = [0.0; 4];
+        self.rollout.start_counting();
         let (batch, indices, mut metrics) =
             burn_rlhf_algos::kernels::with_kernels(self.settings.model.use_fused_kernels, || {
                 if let Some(filter) = self.settings.algorithm.filter_groups {
@@ -83,7 +83,7 @@ impl<B: LearnerBackend> Learner<B> {
                 timing.time("reward", || self.reward(&mut batch))?;
                 Ok((batch, indices, Metrics::new()))
             })?;
-        let counters = *self.engine_counters.lock().expect("not poisoned");
+        let counters = self.rollout.counted();
         metrics.extend(engine_metrics(&batch, counters));
         Ok((batch, indices, metrics))
     }

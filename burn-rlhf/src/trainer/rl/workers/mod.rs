@@ -10,14 +10,15 @@
 //! - `reference`: the frozen reference policy;
 //! - `critic`: the critic and its optimiser;
 //! - `teachers`: on-policy distillation's teachers (each a `teacher`), on the trainer's devices
-//!   or on `teacher_pool`, devices of their own.
-//!
-//! The rollout worker (`generation.rs`) is the Learner's own.
+//!   or on `teacher_pool`, devices of their own;
+//! - `rollout`: generation (the engine over the policy), and for one-step-off-policy training
+//!   the generation in flight on a thread or an MPI pool of its own.
 
 pub mod actor;
 pub(crate) mod critic;
 pub(crate) mod passes;
 pub(crate) mod reference;
+pub(crate) mod rollout;
 pub(crate) mod teacher;
 pub(crate) mod teacher_pool;
 pub mod teachers;

@@ -25,7 +25,7 @@ use burn::module::AutodiffModule;
 use burn_rlhf_models::weights::{HostTensor, WeightMap};
 use burn_rlhf_models::CausalLm;
 
-use super::generation::RolloutWorker;
+use super::generation::DetachedRollout;
 use crate::backend::LearnerBackend;
 use crate::distributed::mpi::MpiProcess;
 use crate::distributed::{Collective, DataParallel};
@@ -103,7 +103,7 @@ impl RolloutPool {
     /// counters and the seconds the pool generated for.
     pub(crate) fn generate<B: LearnerBackend>(
         &self,
-        worker: &RolloutWorker<B>,
+        worker: &DetachedRollout<B>,
         weights: &CausalLm<B::InnerBackend>,
         indices: &[usize],
         step: usize,
@@ -160,7 +160,7 @@ impl RolloutPool {
 /// (the model as loaded) gives the shapes of the weights each order carries. `group`: the pool's
 /// processes, each generating its share of the prompts; the first answers the trainer.
 pub(crate) fn serve<B: LearnerBackend>(
-    worker: RolloutWorker<B>,
+    worker: DetachedRollout<B>,
     actor: CausalLm<B>,
     (pool, group): (&RolloutPool, Arc<dyn Collective>),
     device: &B::Device,

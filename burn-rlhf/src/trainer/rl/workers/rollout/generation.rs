@@ -1,8 +1,7 @@
-//! Generation that reads nothing of the [`Learner`](super::Learner): the engine run over a
-//! policy given to it, with the run's settings, data-parallel group and device borrowed
-//! ([`Generator`]); and what one-step-off-policy training's rollout worker owns to generate on a
-//! thread of its own ([`RolloutWorker`], [`NextBatch`]). Below the learner: the learner holds
-//! the worker and its generation in flight.
+//! Generation that reads nothing of the Learner: the engine run over a policy given to it, with
+//! the run's settings, data-parallel group and device borrowed ([`Generator`]); and what
+//! one-step-off-policy training's rollout worker owns to generate on a thread or in a process
+//! of its own ([`DetachedRollout`], [`NextBatch`]).
 
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -27,7 +26,7 @@ use crate::distributed::{chunk, DataParallel};
 use crate::error::TrainError;
 use crate::trainer::logging::metrics::Metrics;
 
-/// Which generation of a step a random stream belongs to (its salt in [`Learner::step_seed`]).
+/// Which generation of a step a random stream belongs to (its salt in [`Generator::step_seed`]).
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Stream {
     /// Dynamic sampling's round `r` (from 1; round 1 is the plain rollout).
@@ -51,8 +50,8 @@ pub(crate) struct Generator<'a, B: LearnerBackend> {
     pub shape_bucket: usize,
     /// The policy's shape.
     pub model_config: &'a TransformerConfig,
-    /// The engines' counters since the step's generation began (see
-    /// [`Learner::engine_counters`]).
+    /// The engines' counters since the step's generation began (the rollout worker's,
+    /// [`super::RolloutWorker::counters`]).
     pub counters: &'a Mutex<[f64; 4]>,
 }
 
@@ -525,9 +524,10 @@ pub(crate) fn as_generated<B: burn::tensor::backend::Backend>(
     }
 }
 
-/// What the rollout worker of one-step-off-policy training holds of the run: its own copies,
-/// so that it generates on a thread of its own while the trainer owns the learner.
-pub(crate) struct RolloutWorker<B: LearnerBackend> {
+/// What the rollout worker of one-step-off-policy training holds of the run to generate away
+/// from the learner: its own copies, so that it generates on a thread of its own (or in an MPI
+/// pool's process) while the trainer owns the learner.
+pub(crate) struct DetachedRollout<B: LearnerBackend> {
     pub settings: Settings,
     pub tokenizer: Tokenizer,
     pub agents: AgentLoopRegistry,
@@ -542,11 +542,11 @@ pub(crate) struct RolloutWorker<B: LearnerBackend> {
     pub threads: rayon::ThreadPool,
 }
 
-impl<B: LearnerBackend> RolloutWorker<B> {
+impl<B: LearnerBackend> DetachedRollout<B> {
     /// Step `step`'s samples of prompts `indices` (every prompt's, in prompt order), generated
     /// by `weights` (as the trainer holds them) on this worker's threads with the synchronous
     /// run's random streams, and the engine's counters (prefill and decode tokens, shared
-    /// prefills, preemptions); [`RolloutWorker::assemble`] makes them a batch. `pool`: the
+    /// prefills, preemptions); [`DetachedRollout::assemble`] makes them a batch. `pool`: the
     /// pool's devices (no collectives with the trainer), each generating its share of the
     /// prompts, every one's samples gathered on each and the counters summed.
     pub fn samples(
@@ -643,8 +643,6 @@ pub(crate) fn engine_metrics(batch: &RolloutBatch, counters: [f64; 4]) -> Metric
     metrics
 }
 
-/// What the rollout worker hands back: the batch, the engine's counters, and the seconds it
-/// generated for.
 /// A generation's samples (every prompt's, in prompt order; none on a rank that does not
 /// generate), the engine's counters and the seconds it took.
 pub(crate) type Generated = Result<(Vec<AgentSample>, [f64; 4], f64), TrainError>;
