@@ -248,9 +248,9 @@ impl RolloutPoolConfig {
         p.check(c.trainer_nodes == 1, || {
             format!(
                 "`actor_rollout_ref.hybrid_engine=False` with `trainer.nnodes` = {}: \
-                 one-step-off-policy training runs the trainer's data-parallel ranks in one \
-                 process (its devices), rank 0 handing the others each generation; a trainer of \
-                 several hosts with a rollout pool is not built yet",
+                 one-step-off-policy training runs the trainer on one host (the devices of one \
+                 process, or its MPI processes beside a rollout pool), rank 0 handing the others \
+                 each generation; a trainer of several hosts is not built yet",
                 c.trainer_nodes
             )
         });

@@ -43,14 +43,15 @@ enum Request {
     Sum(Vec<f32>, Sender<Vec<f32>>),
     /// Every process's value, in process order.
     GatherU64(u64, Sender<Vec<u64>>),
-    /// Process `root`'s buffer on every process (the others send one of the same length).
-    Broadcast(usize, Vec<f32>, Sender<Vec<f32>>),
     /// Splits the job into groups of `kind` by color (every process sends it at the same
-    /// point, before any exchange of those groups); answers this process's rank and size in
-    /// its group.
-    Split(Subgroup, i32, Sender<(usize, usize)>),
+    /// point, before any exchange of those groups; `None`: in no group of that kind); answers
+    /// this process's rank and size in its group.
+    Split(Subgroup, Option<i32>, Sender<(usize, usize)>),
     /// Every member's buffer, in member order, from this process's group of `kind`.
     Gather(Subgroup, Vec<f32>, Sender<Vec<Vec<f32>>>),
+    /// Member `root`'s buffer on every member of this process's group of `kind` (the others
+    /// send one of the same length).
+    GroupBroadcast(Subgroup, usize, Vec<f32>, Sender<Vec<f32>>),
     /// Print the reason and stop the job.
     Abort(String),
 }
@@ -108,16 +109,6 @@ impl MpiProcess {
         self.send(Request::Sum(data, tx))?;
         rx.recv()
             .map_err(|_| transport("the MPI thread stopped during a sum".into()))
-    }
-
-    /// Process `root`'s `data` on every process, bit for bit (MPI's broadcast, a bucket at a
-    /// time); the others pass a buffer of the same length, whose values are ignored. Every
-    /// process calls it at the same point.
-    pub fn broadcast(&self, root: usize, data: Vec<f32>) -> Result<Vec<f32>, DistributedError> {
-        let (tx, rx) = mpsc::channel();
-        self.send(Request::Broadcast(root, data, tx))?;
-        rx.recv()
-            .map_err(|_| transport("the MPI thread stopped during a broadcast".into()))
     }
 
     /// Checks that every process runs with the same settings (their `fingerprint`), naming the
@@ -240,7 +231,7 @@ fn serve(requests: Receiver<Request>, place_tx: Sender<Result<MpiPlace, String>>
     }));
     let root = world.process_at_rank(0);
     // A communicator per kind of group.
-    let mut groups: [Option<SimpleCommunicator>; 2] = [None, None];
+    let mut groups: [Option<SimpleCommunicator>; 3] = [None, None, None];
     for request in requests {
         match request {
             Request::Sum(data, reply) => {
@@ -257,20 +248,14 @@ fn serve(requests: Receiver<Request>, place_tx: Sender<Result<MpiPlace, String>>
                 }
                 let _ = reply.send(sum);
             }
-            Request::Broadcast(from, mut data, reply) => {
-                let from = world.process_at_rank(from as i32);
-                for part in data.chunks_mut(super::bucket_elements()) {
-                    from.broadcast_into(part);
-                }
-                let _ = reply.send(data);
-            }
             Request::GatherU64(value, reply) => {
                 let mut all = vec![0u64; processes];
                 world.all_gather_into(&value, &mut all[..]);
                 let _ = reply.send(all);
             }
             Request::Split(kind, color, reply) => {
-                let group = world.split_by_color(Color::with_value(color));
+                let color = color.map_or(Color::undefined(), Color::with_value);
+                let group = world.split_by_color(color);
                 let place = group
                     .as_ref()
                     .map_or((0, 1), |g| (g.rank() as usize, g.size() as usize));
@@ -282,6 +267,16 @@ fn serve(requests: Receiver<Request>, place_tx: Sender<Result<MpiPlace, String>>
                     .as_ref()
                     .expect("a group is split before its exchanges");
                 let _ = reply.send(gather_varcount(group, &data));
+            }
+            Request::GroupBroadcast(kind, from, mut data, reply) => {
+                let group = groups[kind as usize]
+                    .as_ref()
+                    .expect("a process broadcasts only in a group it is in");
+                let from = group.process_at_rank(from as i32);
+                for part in data.chunks_mut(super::bucket_elements()) {
+                    from.broadcast_into(part);
+                }
+                let _ = reply.send(data);
             }
             Request::Abort(reason) => {
                 eprintln!("burn-rlhf: MPI process {process}: {reason}; stopping the job");
@@ -325,6 +320,9 @@ pub enum Subgroup {
     Tensor = 0,
     /// One-step-off-policy's rollout pool (and, apart, the trainer's processes).
     RolloutPool = 1,
+    /// One-step-off-policy's orders: the trainer's first process (which orders each
+    /// generation) and the rollout pool's processes; the trainer's others are in none.
+    Orders = 2,
 }
 
 /// A group of processes with one device each (a tensor-parallel group, one process per GPU as
@@ -345,17 +343,43 @@ impl MpiSubgroup {
         kind: Subgroup,
         color: usize,
     ) -> Result<Arc<Self>, DistributedError> {
+        Ok(Self::split_some(process, kind, Some(color))?.expect("a process with a color joins"))
+    }
+
+    /// [`MpiSubgroup::split`] where only some processes join a group (`color` `None`: this
+    /// process is in none, and gets none). Every process of the job calls it at the same point.
+    pub fn split_some(
+        process: &Arc<MpiProcess>,
+        kind: Subgroup,
+        color: Option<usize>,
+    ) -> Result<Option<Arc<Self>>, DistributedError> {
         let (tx, rx) = mpsc::channel();
-        process.send(Request::Split(kind, color as i32, tx))?;
+        process.send(Request::Split(kind, color.map(|c| c as i32), tx))?;
         let (rank, size) = rx
             .recv()
             .map_err(|_| transport("the MPI thread stopped while splitting groups".into()))?;
-        Ok(Arc::new(Self {
-            process: process.clone(),
-            kind,
-            rank,
-            size,
+        Ok(color.map(|_| {
+            Arc::new(Self {
+                process: process.clone(),
+                kind,
+                rank,
+                size,
+            })
         }))
+    }
+
+    /// Member `root`'s `data` on every member, bit for bit (the others pass a buffer of the
+    /// same length, whose values are ignored). Every member calls it at the same point.
+    pub fn broadcast(&self, root: usize, data: Vec<f32>) -> Result<Vec<f32>, DistributedError> {
+        let (tx, rx) = mpsc::channel();
+        self.process
+            .send(Request::GroupBroadcast(self.kind, root, data, tx))?;
+        rx.recv().map_err(|_| {
+            transport(format!(
+                "the MPI thread stopped during a {:?} broadcast",
+                self.kind
+            ))
+        })
     }
 
     /// This process's tensor-parallel group of `size` consecutive processes.
@@ -365,6 +389,16 @@ impl MpiSubgroup {
     ) -> Result<TpGroup, DistributedError> {
         let group = Self::split(process, Subgroup::Tensor, process.place.process / size)?;
         Ok(TpGroup::new(group))
+    }
+}
+
+impl std::fmt::Debug for MpiSubgroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "MpiSubgroup({:?}, rank {} of {})",
+            self.kind, self.rank, self.size
+        )
     }
 }
 

@@ -1297,6 +1297,54 @@ mod processes {
         );
     }
 
+    /// Issue 58 item 3: a data-parallel trainer of two MPI processes beside a rollout pool of
+    /// its own (the job trainer 2 + pool 1): the trainer's first process orders each generation
+    /// from the pool over their own group and hands the samples to the other through the
+    /// trainer's group; the run trains as one process with the in-process worker does. A job
+    /// with too few processes for the trainer and the pool is refused, naming both counts.
+    #[test]
+    fn a_trainer_of_two_processes_beside_a_rollout_pool_trains_as_one_process() {
+        let dir = temp_dir("dp-mpi-pool-trainers");
+        let (model, data) = cli_assets(&dir);
+        let start = super::tiny_models().0;
+        let steps = 4;
+        let args = |out: &Path, trainers: usize| {
+            let mut a = cli_args(&model, &data, out, steps);
+            a.push("actor_rollout_ref.hybrid_engine=False".into());
+            a.push(format!("trainer.n_gpus_per_node={trainers}"));
+            a
+        };
+        let single = dir.join("single");
+        let status = Command::new(env!("CARGO_BIN_EXE_burn-rlhf"))
+            .args(args(&single, 1))
+            .stdout(Stdio::null())
+            .status()
+            .unwrap();
+        assert!(status.success());
+        let pooled = dir.join("pooled");
+        let (ok, err) = wait_bounded(mpirun(3, &args(&pooled, 2)), Duration::from_secs(300));
+        assert!(
+            ok,
+            "the job of 2 trainer processes and a pool failed:\n{err}"
+        );
+        let last = format!("global_step_{steps}");
+        let what = "2 trainer processes + a rollout pool vs one process with the in-process worker";
+        assert_same_weights_from(&single.join(&last), &pooled.join(&last), what, &start);
+        let (_, b) = pooled_metrics(&single, &pooled, steps, 1e-5);
+        assert_eq!(b[1].1["rollout/staleness"], 1.0);
+        // The pool generated (the trainer's first process sent it the weights).
+        let sent = b[0].1.get("rollout/weight_values_sent").copied();
+        assert!(sent.is_some_and(|v| v > 0.0), "weights sent: {sent:?}");
+        let (ok, err) = wait_bounded(
+            mpirun(2, &args(&dir.join("short"), 2)),
+            Duration::from_secs(60),
+        );
+        assert!(
+            !ok && err.contains("rollout.n_gpus_per_node") && err.contains("2 + 1"),
+            "{err}"
+        );
+    }
+
     #[test]
     fn a_killed_mpi_process_stops_the_job_naming_it() {
         let dir = temp_dir("dp-mpi-kill");

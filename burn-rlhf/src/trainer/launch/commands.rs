@@ -59,9 +59,10 @@ pub fn train(settings: Settings) -> Result<RunOutputs, TrainError> {
 
 /// One-step-off-policy training as an MPI job of the trainer's processes and then its rollout
 /// pool's, one device each (`trainer.nnodes` x `trainer.n_gpus_per_node`, then `rollout.nnodes`
-/// x `rollout.n_gpus_per_node`): the trainer's processes train, handing each generation to the
-/// pool ([`crate::trainer::rl::workers::rollout::pool`]); the pool's generate. A process that fails stops
-/// the job, naming itself. The pool's processes return no outputs (nothing logged).
+/// x `rollout.n_gpus_per_node`): the trainer's processes train as a data-parallel group of
+/// their own, the first handing each generation to the pool and its samples to the others
+/// ([`crate::trainer::rl::workers::rollout::pool`]); the pool's generate. A process that fails
+/// stops the job, naming itself. The pool's processes return no outputs (nothing logged).
 #[cfg(feature = "mpi")]
 fn train_with_rollout_pool(settings: Settings) -> Result<RunOutputs, TrainError> {
     use crate::distributed::mpi::{MpiProcess, MpiSubgroup, Subgroup};
@@ -74,17 +75,6 @@ fn train_with_rollout_pool(settings: Settings) -> Result<RunOutputs, TrainError>
         .rollout_devices;
     let process = MpiProcess::start()?;
     let place = process.place();
-    if trainers > 1 {
-        // The trainer's processes would need a group of their own, apart from the pool's.
-        let message = format!(
-            "one-step-off-policy training with a rollout pool of MPI processes runs the trainer \
-             in one process of one device; this config has {trainers} \
-             (`trainer.nnodes` x `trainer.n_gpus_per_node`). Without `mpirun` a data-parallel \
-             trainer of one process runs with the rollout worker as a thread"
-        );
-        process.finish();
-        return Err(TrainError::config("trainer.n_gpus_per_node", message));
-    }
     if place.processes != trainers + pooled {
         let message = format!(
             "one-step-off-policy training under an MPI launcher runs the trainer's processes \
@@ -97,10 +87,16 @@ fn train_with_rollout_pool(settings: Settings) -> Result<RunOutputs, TrainError>
         return Err(TrainError::config("rollout.n_gpus_per_node", message));
     }
     process.check_same(super::launch::fingerprint(&format!("{settings:?}")))?;
-    let pool = RolloutPool::new(process.clone(), 0, trainers);
-    // The pool's processes generate together (the trainer's group, apart, is not used).
+    // The pool's processes generate together, the trainer's train together (their data-parallel
+    // group); the trainer's first process orders from the pool over a group of its own with it.
     let in_pool = place.process >= trainers;
     let group = MpiSubgroup::split(&process, Subgroup::RolloutPool, in_pool as usize)?;
+    let orders = MpiSubgroup::split_some(
+        &process,
+        Subgroup::Orders,
+        (place.process == 0 || in_pool).then_some(0),
+    )?;
+    let pool = RolloutPool::new(orders);
     let on_backend = settings.model.gradient_checkpointing.on_backend();
     let node = NodeLaunch {
         backend: t.collective_backend,
@@ -109,6 +105,7 @@ fn train_with_rollout_pool(settings: Settings) -> Result<RunOutputs, TrainError>
     let place_here = (node.clone(), place.local_process, 1);
     let result = if place.process < trainers {
         let node = NodeLaunch {
+            processes: Processes::MpiGroup(group),
             rollout_pool: Some(pool),
             ..node
         };

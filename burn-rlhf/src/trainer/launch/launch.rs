@@ -36,6 +36,10 @@ pub enum Processes {
     /// The processes of an MPI job (`mpirun`, `srun`).
     #[cfg(feature = "mpi")]
     Mpi(Arc<MpiProcess>),
+    /// The trainer's processes of an MPI job that has others (one-step-off-policy's rollout
+    /// pool): their group, split from the job's, one device each.
+    #[cfg(feature = "mpi")]
+    MpiGroup(Arc<MpiSubgroup>),
 }
 
 impl Processes {
@@ -45,6 +49,8 @@ impl Processes {
             Self::Alone => 0,
             #[cfg(feature = "mpi")]
             Self::Mpi(p) => p.place().process,
+            #[cfg(feature = "mpi")]
+            Self::MpiGroup(g) => g.rank(),
         }
     }
 
@@ -54,6 +60,8 @@ impl Processes {
             Self::Alone => 1,
             #[cfg(feature = "mpi")]
             Self::Mpi(p) => p.place().processes,
+            #[cfg(feature = "mpi")]
+            Self::MpiGroup(g) => g.world(),
         }
     }
 }
@@ -92,6 +100,19 @@ impl NodeLaunch {
     /// through host copies, and the two are not yet measured side by side on several GPUs.
     pub fn uses_nccl(&self) -> Result<bool, TrainError> {
         let key = "trainer.collective_backend";
+        // The trainer's group beside a rollout pool exchanges through MPI: an NCCL id would be
+        // shared over the whole job, the pool's processes included.
+        #[cfg(feature = "mpi")]
+        if let Processes::MpiGroup(_) = self.processes {
+            return match self.backend {
+                CollectiveBackend::Nccl => Err(TrainError::config(
+                    key,
+                    "the trainer's processes beside a rollout pool of their own exchange \
+                     through MPI; set `host` or `auto`",
+                )),
+                _ => Ok(false),
+            };
+        }
         match self.backend {
             CollectiveBackend::Host => Ok(false),
             #[cfg(feature = "cuda")]
@@ -188,6 +209,8 @@ pub fn launch<B: LearnerBackend>(
         RankParts::Copies(devices.iter().map(|d| Some(parts.replicate(d))).collect())
     };
     let parts = std::sync::Mutex::new(parts);
+    #[cfg(feature = "mpi")]
+    let rollout_pool = node.rollout_pool.clone();
     run_ranks::<B, RunOutputs>(devices, node, &group, move |i, device, joiner| {
         let parts =
             parts
@@ -198,6 +221,8 @@ pub fn launch<B: LearnerBackend>(
         // built in its place of the run.
         let prepared = Learner::prepare(settings.clone(), parts, device)?;
         let mut learner = prepared.build(joiner.join()?)?;
+        #[cfg(feature = "mpi")]
+        learner.rollout.use_pool(rollout_pool.clone());
         learner.fit(stop)
     })
 }
@@ -358,6 +383,9 @@ enum Join {
     },
     #[cfg(feature = "mpi")]
     Mpi(MpiRank),
+    /// The trainer's group of processes beside a rollout pool (one device each).
+    #[cfg(feature = "mpi")]
+    Group(Arc<MpiSubgroup>),
     /// A communicator made with its process's others (devices of one process).
     #[cfg(feature = "cuda")]
     Nccl(crate::distributed::nccl::NcclRank),
@@ -392,6 +420,8 @@ impl Join {
             }
             #[cfg(feature = "mpi")]
             Self::Mpi(rank) => (Arc::new(rank), None),
+            #[cfg(feature = "mpi")]
+            Self::Group(group) => (group, None),
             #[cfg(feature = "cuda")]
             Self::Nccl(rank) => (Arc::new(rank), None),
             #[cfg(all(feature = "cuda", feature = "mpi"))]
@@ -428,6 +458,7 @@ impl GroupPlan {
         node: &NodeLaunch,
         fingerprint: u64,
     ) -> Result<(), TrainError> {
+        // A trainer's group beside a rollout pool was checked with the whole job before it split.
         if let Processes::Mpi(process) = &node.processes {
             process.check_same(fingerprint)?;
         }
@@ -469,6 +500,19 @@ impl GroupPlan {
                 .into_iter()
                 .map(Join::Mpi)
                 .collect(),
+            #[cfg(feature = "mpi")]
+            Processes::MpiGroup(group) => match local {
+                1 => vec![Join::Group(group.clone())],
+                _ => {
+                    return Err(TrainError::config(
+                        "trainer.n_gpus_per_node",
+                        format!(
+                            "the trainer's processes beside a rollout pool drive one device \
+                             each; this one has {local}"
+                        ),
+                    ))
+                }
+            },
         })
     }
 
@@ -508,6 +552,12 @@ impl GroupPlan {
                     })
                     .collect())
             }
+            // `uses_nccl` refuses NCCL for the trainer's group beside a pool.
+            #[cfg(feature = "mpi")]
+            Processes::MpiGroup(_) => Err(TrainError::config(
+                "trainer.collective_backend",
+                "the trainer's processes beside a rollout pool exchange through MPI",
+            )),
         }
     }
 

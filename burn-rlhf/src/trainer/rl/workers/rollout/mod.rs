@@ -86,7 +86,7 @@ impl<B: LearnerBackend> RolloutWorker<B> {
     /// The weight values the last order to the pool carried (none without a pool).
     pub(crate) fn weight_values_sent(&self) -> Option<u64> {
         #[cfg(feature = "mpi")]
-        return self.pool.as_ref().map(|p| p.last_sent());
+        return self.pool.as_ref().and_then(|p| p.last_sent());
         #[cfg(not(feature = "mpi"))]
         None
     }

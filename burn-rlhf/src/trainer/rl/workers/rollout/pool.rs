@@ -1,11 +1,13 @@
-//! One-step-off-policy training's rollout pool in an MPI process of its own (verl's
+//! One-step-off-policy training's rollout pool in MPI processes of its own (verl's
 //! `rollout.nnodes` x `rollout.n_gpus_per_node` beside the trainer's pool): an MPI job of the
-//! trainer's processes and then the pool's, one device each. The trainer hands the pool each
-//! generation (its step, its prompts and the weights it runs, as the in-process worker gets
-//! them) and takes back the samples, which it makes into the batch itself; in between the two
-//! processes compute apart, each on its own cores. Every exchange is an MPI broadcast both
-//! processes make at the same point (the pool waits in it for its next order), so the weights
-//! and the samples arrive bit for bit.
+//! trainer's processes and then the pool's, one device each. The trainer's first process hands
+//! the pool each generation (its step, its prompts and the weights it runs, as the in-process
+//! worker gets them) and takes back the samples, which it shares with the trainer's other
+//! processes (their data-parallel group, apart from the pool); each makes them into the batch
+//! itself. In between, trainer and pool compute apart, each on its own cores. Every exchange
+//! with the pool is an MPI broadcast over the orders' group (the trainer's first process and
+//! the pool's) that its members make at the same point (the pool waits in it for its next
+//! order), so the weights and the samples arrive bit for bit.
 //!
 //! The order of exchanges: `generate(k)`, its samples, `generate(k+1)`, its samples, ...,
 //! `stop`. A checkpoint keeps the generation in flight as the in-process worker's, and a resumed
@@ -27,7 +29,7 @@ use burn_rlhf_models::CausalLm;
 
 use super::generation::DetachedRollout;
 use crate::backend::LearnerBackend;
-use crate::distributed::mpi::MpiProcess;
+use crate::distributed::mpi::MpiSubgroup;
 use crate::distributed::{Collective, DataParallel};
 use crate::error::{DistributedError, TrainError};
 
@@ -38,14 +40,19 @@ const GENERATE: f32 = 1.0;
 /// The header of an answer: `[rows, 4 counters and the seconds, each as f32 and remainder]`.
 const ANSWER: usize = 1 + 2 * 5;
 
-/// The trainer's handle on the rollout pool's process.
+/// In the orders' group ([`crate::distributed::mpi::Subgroup::Orders`]): the trainer's first process, which orders.
+const TRAINER: usize = 0;
+/// In the orders' group: the pool's first process, which answers.
+const ANSWERS: usize = 1;
+
+/// A process's handle on the rollout pool: the trainer's first process orders through it and
+/// the pool's processes serve through it, all of them over the orders' group (its broadcasts
+/// take only those processes); the trainer's other processes hold one without the group
+/// (the first hands them each generation's samples through the trainer's own group).
 #[derive(Clone)]
 pub struct RolloutPool {
-    process: Arc<MpiProcess>,
-    /// The trainer's process (every order comes from it).
-    trainer: usize,
-    /// The pool's process (every answer comes from it).
-    pool: usize,
+    /// The trainer's first process and the pool's (none on the trainer's others).
+    orders: Option<Arc<MpiSubgroup>>,
     /// Each tensor's hash as last sent to the pool (name order; empty before the first order).
     sent: Arc<Mutex<Vec<u128>>>,
     /// The weight values the last order carried.
@@ -54,11 +61,10 @@ pub struct RolloutPool {
 
 impl std::fmt::Debug for RolloutPool {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "RolloutPool(trainer process {}, pool process {})",
-            self.trainer, self.pool
-        )
+        match &self.orders {
+            Some(o) => write!(f, "RolloutPool(orders rank {} of {})", o.rank(), o.world()),
+            None => write!(f, "RolloutPool(not in the orders' group)"),
+        }
     }
 }
 
@@ -73,26 +79,39 @@ fn joined(pair: &[f32]) -> f64 {
 }
 
 impl RolloutPool {
-    /// The pool of `process`'s job: the trainer in process `trainer`, the pool in `pool`.
-    pub fn new(process: Arc<MpiProcess>, trainer: usize, pool: usize) -> Self {
+    /// The pool ordered over `orders` (the trainer's first process, member 0, and the pool's
+    /// processes; `None` on the trainer's other processes).
+    pub fn new(orders: Option<Arc<MpiSubgroup>>) -> Self {
         Self {
-            process,
-            trainer,
-            pool,
+            orders,
             sent: Arc::default(),
             last_sent: Arc::default(),
         }
     }
 
-    /// The weight values the last order carried (`rollout/weight_values_sent`).
-    pub(crate) fn last_sent(&self) -> u64 {
-        self.last_sent.load(Ordering::SeqCst)
+    /// The weight values the last order carried (`rollout/weight_values_sent`), on the process
+    /// that orders.
+    pub(crate) fn last_sent(&self) -> Option<u64> {
+        self.orders
+            .as_ref()
+            .map(|_| self.last_sent.load(Ordering::SeqCst))
+    }
+
+    /// The orders' group, which only the trainer's first process and the pool's are in.
+    fn orders(&self) -> Result<&MpiSubgroup, TrainError> {
+        self.orders.as_deref().ok_or_else(|| {
+            TrainError::Distributed(DistributedError::Transport {
+                rank: 0,
+                message: "only the trainer's first process orders from the rollout pool".into(),
+            })
+        })
     }
 
     fn order(&self, header: [f32; ORDER], payload: Vec<f32>) -> Result<(), TrainError> {
-        self.process.broadcast(self.trainer, header.to_vec())?;
+        let orders = self.orders()?;
+        orders.broadcast(TRAINER, header.to_vec())?;
         if !payload.is_empty() {
-            self.process.broadcast(self.trainer, payload)?;
+            orders.broadcast(TRAINER, payload)?;
         }
         Ok(())
     }
@@ -138,20 +157,23 @@ impl RolloutPool {
             [GENERATE, step as f32, indices.len() as f32, hi, lo],
             payload,
         )?;
-        let header = self.process.broadcast(self.pool, vec![0.0; ANSWER])?;
+        let orders = self.orders()?;
+        let header = orders.broadcast(ANSWERS, vec![0.0; ANSWER])?;
         let packing = worker.packing(step);
         let rows = header[0] as usize;
-        let packed = self
-            .process
-            .broadcast(self.pool, vec![0.0; rows * packing.width()])?;
+        let packed = orders.broadcast(ANSWERS, vec![0.0; rows * packing.width()])?;
         let counters = [0, 1, 2, 3].map(|i| joined(&header[1 + 2 * i..3 + 2 * i]));
         let seconds = joined(&header[9..11]);
         Ok((packing.unpack(&packed), counters, seconds))
     }
 
-    /// Tells the pool the run is over (after the last generation's samples are taken).
+    /// Tells the pool the run is over (after the last generation's samples are taken); nothing
+    /// on the trainer's processes that do not order.
     pub(crate) fn stop(&self) -> Result<(), TrainError> {
-        self.order([STOP, 0.0, 0.0, 0.0, 0.0], Vec::new())
+        match self.orders {
+            Some(_) => self.order([STOP, 0.0, 0.0, 0.0, 0.0], Vec::new()),
+            None => Ok(()),
+        }
     }
 }
 
@@ -167,6 +189,7 @@ pub(crate) fn serve<B: LearnerBackend>(
 ) -> Result<(), TrainError> {
     let answers = group.rank() == 0;
     let group = DataParallel::over(group);
+    let orders = pool.orders()?;
     let template: Vec<(String, Vec<usize>)> = actor
         .valid()
         .export()
@@ -177,15 +200,13 @@ pub(crate) fn serve<B: LearnerBackend>(
     // The weights as the trainer last sent them, tensor by tensor (none before its first order).
     let mut held: Vec<Option<Vec<f32>>> = vec![None; template.len()];
     loop {
-        let order = pool.process.broadcast(pool.trainer, vec![0.0; ORDER])?;
+        let order = orders.broadcast(TRAINER, vec![0.0; ORDER])?;
         if order[0] == STOP {
             return Ok(());
         }
         let (step, prompts) = (order[1] as usize, order[2] as usize);
         let values = joined(&order[3..5]) as usize;
-        let payload = pool
-            .process
-            .broadcast(pool.trainer, vec![0.0; prompts + template.len() + values])?;
+        let payload = orders.broadcast(TRAINER, vec![0.0; prompts + template.len() + values])?;
         let indices: Vec<usize> = payload[..prompts].iter().map(|&i| i as usize).collect();
         let carried = &payload[prompts..prompts + template.len()];
         let mut at = prompts + template.len();
@@ -196,7 +217,7 @@ pub(crate) fn serve<B: LearnerBackend>(
                 at += n;
             } else if slot.is_none() {
                 return Err(TrainError::Distributed(DistributedError::Transport {
-                    rank: pool.pool,
+                    rank: orders.rank(),
                     message: format!(
                         "the rollout pool was never sent `{name}`, and the order keeps it"
                     ),
@@ -224,14 +245,13 @@ pub(crate) fn serve<B: LearnerBackend>(
             for x in counters.into_iter().chain([seconds]) {
                 header.extend(split(x));
             }
-            pool.process.broadcast(pool.pool, header)?;
-            pool.process.broadcast(pool.pool, packing.pack(&samples))?;
+            orders.broadcast(ANSWERS, header)?;
+            orders.broadcast(ANSWERS, packing.pack(&samples))?;
         } else {
-            // The job's broadcasts take every process: the others receive the answer too.
-            let header = pool.process.broadcast(pool.pool, vec![0.0; ANSWER])?;
+            // The orders' broadcasts take every member: the pool's others receive it too.
+            let header = orders.broadcast(ANSWERS, vec![0.0; ANSWER])?;
             let rows = header[0] as usize;
-            pool.process
-                .broadcast(pool.pool, vec![0.0; rows * packing.width()])?;
+            orders.broadcast(ANSWERS, vec![0.0; rows * packing.width()])?;
         }
     }
 }
