@@ -233,8 +233,7 @@ impl<B: AutodiffBackend> Segment<'_, B> {
 }
 
 /// Reads every float parameter of `module` once: a lazy parameter (gathered on first read,
-/// FSDP's, or drawn on first read, Burn's initialisers) gets its value, so clones of the module
-/// share it instead of reading their own.
+/// FSDP's) gets its value, so clones of the module share it instead of reading their own.
 pub fn read_parameters<B: Backend, M: Module<B>>(module: &M) {
     struct Read;
     impl<B: Backend> burn::module::ModuleVisitor<B> for Read {

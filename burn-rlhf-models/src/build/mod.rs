@@ -14,7 +14,6 @@ use crate::config::TransformerConfig;
 use crate::error::ModelError;
 use crate::heads::*;
 use crate::lora::{LoraConfig, LoraLinear};
-use crate::recompute::read_parameters;
 use crate::tensor_parallel::{
     kv_whole, local_config, shared_kv_head, ColumnParallelLinear, RowParallelLinear, TpGroup,
     VocabParallelEmbedding,
@@ -163,7 +162,7 @@ impl TransformerConfig {
                 post_feedforward_layernorm: gemma.then(|| init_norm(self, h, device)),
             })
             .collect();
-        let model = Transformer {
+        Transformer {
             embed_tokens: VocabParallelEmbedding::whole(
                 EmbeddingConfig::new(self.vocab_size, h)
                     .init::<B>(device)
@@ -176,12 +175,7 @@ impl TransformerConfig {
             local_rotary: self.local_rotary_frequencies(),
             embed_scale: self.embed_scale(),
             final_logit_softcapping: self.final_logit_softcapping,
-        };
-        // Burn's initialisers are lazy: a parameter's values would be drawn from the backend's
-        // one random stream at its first read, long after the caller seeded it (and after other
-        // threads drew from it); drawn whole now, while the caller holds the seed.
-        read_parameters(&model);
-        model
+        }
     }
 
     /// Layer `n`'s feed-forward block, randomly initialised: a dense MLP, or a router and
@@ -218,12 +212,10 @@ impl TransformerConfig {
                 device,
             ))
         });
-        // The decoder's values first, then the head's: the order a visit reads them in.
-        let model = self.init(device);
-        if let Some(head) = &lm_head {
-            read_parameters(head);
+        CausalLm {
+            model: self.init(device),
+            lm_head,
         }
-        CausalLm { model, lm_head }
     }
 }
 

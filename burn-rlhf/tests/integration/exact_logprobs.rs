@@ -49,8 +49,9 @@ fn moe_config() -> TransformerConfig {
 /// A random model of `config`, saved as `dir/name` and loaded back.
 fn actor_of(dir: &Path, config: &TransformerConfig, name: &str) -> CausalLm<B> {
     use burn::module::AutodiffModule;
-    // Drawn under the lock on the backend's one random stream (another test's model drawn
-    // meanwhile would come out different).
+    // Drawn and read under the lock on the backend's one random stream: the parameters are
+    // lazy, so their values are drawn when first read (outside the lock, another test's model
+    // drawn meanwhile would come out different).
     let weights = super::seeded(11, || {
         let fresh: CausalLm<B> = config.init_causal_lm(&Default::default());
         fresh.valid().export()

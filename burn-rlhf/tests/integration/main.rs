@@ -47,6 +47,23 @@ pub fn seeded<T>(seed: u64, f: impl FnOnce() -> T) -> T {
     burn_rlhf::runtime::seeded::<burn::backend::Flex, _>(&Default::default(), seed, f)
 }
 
+/// The model `draw` builds, drawn whole with Burn's RNG seeded with `seed` under the lock:
+/// Burn's initialisers are lazy, so a parameter left unread would be drawn at its first read,
+/// outside the lock, from wherever the other tests had left the stream (taking values another
+/// test's seeded model was being drawn from: the CI flakes "same update 0.37 apart" and
+/// "resumed vs straight 0.355"), and each copy (`valid()`) of an unread parameter draws its own.
+pub fn seeded_model<B, M>(seed: u64, draw: impl FnOnce() -> M) -> M
+where
+    B: burn::tensor::backend::Backend,
+    M: burn::module::Module<B>,
+{
+    seeded(seed, || {
+        let model = draw();
+        burn_rlhf::models::recompute::read_parameters(&model);
+        model
+    })
+}
+
 /// The arithmetic task's tiny actor and a critic starting from its backbone, the same for the
 /// same seed.
 pub fn tiny_models(
@@ -58,8 +75,8 @@ pub fn tiny_models(
     models_of(&burn_rlhf::tasks::model_config(32, 1), seed)
 }
 
-/// An actor of shape `c` and a critic starting from its backbone, drawn with `seed` under the
-/// lock (the library draws a random model whole as it builds it).
+/// An actor of shape `c` and a critic starting from its backbone, drawn whole with `seed` under
+/// the lock ([`seeded_model`]).
 pub fn models_of(
     c: &burn_rlhf::models::TransformerConfig,
     seed: u64,
@@ -71,12 +88,14 @@ pub fn models_of(
     seeded(seed, || {
         let actor: burn_rlhf::models::CausalLm<Autodiff<Flex>> =
             c.init_causal_lm(&Default::default());
+        burn_rlhf::models::recompute::read_parameters(&actor);
         let mut w = burn_rlhf::models::weights::WeightMap::new("tiny actor");
         for (k, v) in actor.valid().export() {
             w.insert(k, v);
         }
         let critic =
             burn_rlhf::models::ValueModel::critic_from_weights(c, w, &Default::default()).unwrap();
+        burn_rlhf::models::recompute::read_parameters(&critic);
         (actor, critic)
     })
 }

@@ -36,7 +36,7 @@ fn assets(dir: &Path, hidden: usize, sft_steps: usize) -> Assets {
     let c = tasks::model_config(hidden, 2);
     let tokenizer = tasks::tokenizer();
     let (train, test) = tasks::split_problems(60, 400, 11);
-    let mut model: CausalLm<B> = super::seeded(11, || c.init_causal_lm(&Default::default()));
+    let mut model: CausalLm<B> = super::seeded_model(11, || c.init_causal_lm(&Default::default()));
     let mut optim = AdamWConfig::new().with_weight_decay(0.0).init();
     let mut sampler = PromptSampler::new(train.len(), 11, true);
     for _ in 0..sft_steps {
@@ -231,7 +231,7 @@ fn a_reward_model_learns_the_right_sum_and_ppo_on_it_raises_its_score() {
 pub(crate) fn reward_model_folder(dir: &Path, permute: bool) -> PathBuf {
     let c = tasks::model_config(32, 1);
     let rm: RewardModel<Flex> =
-        super::seeded(5, || RewardModel::init_reward(&c, &Default::default()));
+        super::seeded_model(5, || RewardModel::init_reward(&c, &Default::default()));
     let arch = c.model_type.sequence_classification_class();
     save_pretrained(
         dir,

@@ -23,7 +23,8 @@ type B = Flex;
 /// A tiny random model and the arithmetic task as `{question, answer}` jsonl.
 fn assets(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
     let c = tasks::model_config(32, 1);
-    let model: CausalLm<Autodiff<B>> = super::seeded(3, || c.init_causal_lm(&Default::default()));
+    let model: CausalLm<Autodiff<B>> =
+        super::seeded_model(3, || c.init_causal_lm(&Default::default()));
     let path = dir.join("model");
     save_pretrained(
         &path,

@@ -374,6 +374,7 @@ mod tests {
     use burn::optim::GradientsParams;
     use burn::tensor::Int;
     use burn_rlhf_models::collective::LocalTpGroup;
+    use burn_rlhf_models::recompute::read_parameters;
     use burn_rlhf_models::CausalLm;
 
     pub(super) type A = Autodiff<Flex>;
@@ -381,7 +382,11 @@ mod tests {
     /// The arithmetic task's model, 2 layers.
     pub(super) fn model() -> CausalLm<A> {
         crate::runtime::seeded::<A, _>(&Default::default(), 7, || {
-            tasks::model_config(32, 2).init_causal_lm(&Default::default())
+            let m = tasks::model_config(32, 2).init_causal_lm(&Default::default());
+            // Burn initialises parameters lazily: drawn now, under the seed, so clones share
+            // them instead of drawing their own.
+            read_parameters(&m);
+            m
         })
     }
 
