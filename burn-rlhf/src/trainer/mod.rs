@@ -33,7 +33,8 @@ pub use crate::error::TrainError;
 pub use launch::commands;
 pub use launch::launch::{launch, NodeLaunch, Processes};
 pub use logging::{logger, metrics, tensorboard, usage};
-pub use rl::{reward_model, validation};
+pub use rl::validation;
+pub use rl::workers::reward_model;
 pub use supervised::{rm, sft};
 
 pub use commands::stop_on_ctrl_c;

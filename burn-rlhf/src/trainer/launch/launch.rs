@@ -170,6 +170,10 @@ pub fn launch<B: LearnerBackend>(
     #[cfg(feature = "mpi")]
     group.check_same_settings(node, fingerprint(&format!("{settings:?}")))?;
     let mut parts = parts;
+    #[cfg(feature = "mpi")]
+    {
+        parts.rollout_pool = node.rollout_pool.clone();
+    }
     if let (Some(d), true) = (&settings.distillation, parts.training) {
         if d.pool_devices > 0 {
             if node.processes.count() > 1 {
@@ -192,12 +196,7 @@ pub fn launch<B: LearnerBackend>(
         }
     }
     if group.mesh.world() == 1 {
-        let mut learner = Learner::from_settings(settings, parts, &devices[0])?;
-        #[cfg(feature = "mpi")]
-        {
-            learner.rollout.use_pool(node.rollout_pool.clone());
-        }
-        return learner.fit(stop);
+        return Learner::from_settings(settings, parts, &devices[0])?.fit(stop);
     }
     let parts = if group.mesh.splits_models() {
         RankParts::Shards {
@@ -209,8 +208,6 @@ pub fn launch<B: LearnerBackend>(
         RankParts::Copies(devices.iter().map(|d| Some(parts.replicate(d))).collect())
     };
     let parts = std::sync::Mutex::new(parts);
-    #[cfg(feature = "mpi")]
-    let rollout_pool = node.rollout_pool.clone();
     run_ranks::<B, RunOutputs>(devices, node, &group, move |i, device, joiner| {
         let parts =
             parts
@@ -221,8 +218,6 @@ pub fn launch<B: LearnerBackend>(
         // built in its place of the run.
         let prepared = Learner::prepare(settings.clone(), parts, device)?;
         let mut learner = prepared.build(joiner.join()?)?;
-        #[cfg(feature = "mpi")]
-        learner.rollout.use_pool(rollout_pool.clone());
         learner.fit(stop)
     })
 }

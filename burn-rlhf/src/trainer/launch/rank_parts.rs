@@ -13,7 +13,7 @@ use crate::backend::LearnerBackend;
 use crate::distributed::mesh::TENSOR_KEY;
 use crate::error::TrainError;
 use crate::trainer::rl::build::LearnerParts;
-use crate::trainer::rl::reward_model::LoadedRewardModel;
+use crate::trainer::rl::workers::reward_model::LoadedRewardModel;
 
 impl<B: LearnerBackend> LearnerParts<B> {
     /// A copy of these parts on `device` (models copied whole, data and registries shared).
@@ -62,6 +62,8 @@ impl<B: LearnerBackend> LearnerParts<B> {
                 .map(|t| t.on(&device.clone().into()))
                 .collect(),
             teacher_pool: self.teacher_pool.clone(),
+            #[cfg(feature = "mpi")]
+            rollout_pool: self.rollout_pool.clone(),
         }
     }
 }

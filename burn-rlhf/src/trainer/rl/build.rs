@@ -10,10 +10,10 @@ use burn_rlhf_models::{CausalLm, Tokenizer, TransformerConfig, ValueModel};
 use burn_rlhf_rollout::{PromptRecord, PromptSampler, RewardRegistry};
 
 use super::learner::{Algorithms, Learner};
-use super::reward_model::{LoadedRewardModel, RewardScorer};
 use super::workers::actor::ActorWorker;
 use super::workers::critic::CriticWorker;
 use super::workers::reference::ReferenceWorker;
+use super::workers::reward_model::{LoadedRewardModel, RewardScorer};
 use super::workers::rollout::{DetachedRollout, RolloutWorker};
 use super::workers::teacher_pool::TeacherPool;
 use super::workers::teachers::{Teacher, TeacherWorker};
@@ -64,6 +64,10 @@ pub struct LearnerParts<B: LearnerBackend> {
     /// The teachers on a pool of their own, which the process's ranks share (started at launch
     /// from `teachers`; else each learner starts its own).
     pub(crate) teacher_pool: Option<Arc<TeacherPool<B>>>,
+    /// One-step-off-policy training's rollout pool in MPI processes of its own (given at launch
+    /// to each rank; only the trainer's first process orders from it).
+    #[cfg(feature = "mpi")]
+    pub(crate) rollout_pool: Option<super::workers::rollout::pool::RolloutPool>,
     /// Tool classes by the `class_name` of verl's tool files.
     pub tools: ToolRegistry,
     /// Interaction classes by the `class_name` of verl's interaction files.
@@ -90,6 +94,8 @@ impl<B: LearnerBackend> LearnerParts<B> {
             reward_model: None,
             teachers: Vec::new(),
             teacher_pool: None,
+            #[cfg(feature = "mpi")]
+            rollout_pool: None,
             tools: ToolRegistry::default(),
             interactions: InteractionRegistry::default(),
             agent_loops: Vec::new(),
@@ -340,8 +346,13 @@ impl<B: LearnerBackend> Learner<B> {
             (Some(_), Some(critic)) => Some(critic),
             _ => None,
         };
+        #[cfg(feature = "mpi")]
+        let rollout = RolloutWorker::with_pool(parts.rollout_pool);
+        #[cfg(not(feature = "mpi"))]
+        let rollout = RolloutWorker::default();
         Ok(PreparedLearner {
             device: device.clone(),
+            rollout,
             tokenizer: parts.tokenizer,
             model_config: parts.model_config,
             actor: parts.actor,
@@ -370,6 +381,7 @@ pub(crate) struct PreparedLearner<B: LearnerBackend> {
     reference: Option<CausalLm<B::InnerBackend>>,
     reward_scorer: Option<RewardScorer<B::InnerBackend>>,
     teachers: Option<TeacherWorker<B>>,
+    rollout: RolloutWorker<B>,
     algorithms: Algorithms<B>,
     train: Vec<PromptRecord>,
     val: Vec<PromptRecord>,
@@ -484,7 +496,7 @@ impl<B: LearnerBackend> PreparedLearner<B> {
             actor: ActorWorker::new(actor, actor_optimizer),
             critic,
             reference,
-            rollout: RolloutWorker::default(),
+            rollout: self.rollout,
             reward_scorer,
             teachers: self.teachers,
             algorithms: self.algorithms,

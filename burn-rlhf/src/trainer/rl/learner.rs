@@ -17,11 +17,11 @@ use burn_rlhf_models::weights::WeightMap;
 use burn_rlhf_models::{CausalLm, Tokenizer, TransformerConfig, ValueModel};
 use burn_rlhf_rollout::{PromptRecord, PromptSampler, RewardFn};
 
-use super::reward_model::RewardScorer;
 use super::workers::actor::ActorWorker;
 use super::workers::critic::CriticWorker;
 use super::workers::passes::Passes;
 use super::workers::reference::ReferenceWorker;
+use super::workers::reward_model::RewardScorer;
 use super::workers::rollout::{as_generated, RolloutWorker};
 use super::workers::teachers::TeacherWorker;
 use crate::config::Settings;

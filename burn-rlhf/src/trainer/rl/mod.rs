@@ -7,7 +7,6 @@ mod dump;
 pub(crate) mod fit;
 pub(crate) mod learner;
 mod off_policy;
-pub mod reward_model;
 mod rollout;
 pub(crate) mod scoring;
 mod step;

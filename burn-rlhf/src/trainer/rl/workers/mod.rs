@@ -9,6 +9,7 @@
 //!   the LM head's reading), and the pass kinds (log-probs, top-k);
 //! - `reference`: the frozen reference policy;
 //! - `critic`: the critic and its optimiser;
+//! - `reward_model`: the learned reward model scoring the responses (`reward_model.enable`);
 //! - `teachers`: on-policy distillation's teachers (each a `teacher`), on the trainer's devices
 //!   or on `teacher_pool`, devices of their own;
 //! - `rollout`: generation (the engine over the policy), and for one-step-off-policy training
@@ -18,6 +19,7 @@ pub mod actor;
 pub(crate) mod critic;
 pub(crate) mod passes;
 pub(crate) mod reference;
+pub mod reward_model;
 pub(crate) mod rollout;
 pub(crate) mod teacher;
 pub(crate) mod teacher_pool;

@@ -77,10 +77,13 @@ impl<B: LearnerBackend> RolloutWorker<B> {
         false
     }
 
-    /// Generation from now on in the rollout pool `pool`.
+    /// The worker of a run whose generation is in the rollout pool `pool` (if any).
     #[cfg(feature = "mpi")]
-    pub(crate) fn use_pool(&mut self, pool: Option<pool::RolloutPool>) {
-        self.pool = pool;
+    pub(crate) fn with_pool(pool: Option<pool::RolloutPool>) -> Self {
+        Self {
+            pool,
+            ..Self::default()
+        }
     }
 
     /// The weight values the last order to the pool carried (none without a pool).
