@@ -3,11 +3,11 @@
 //!   timing and resource usage, the validation generations shown;
 //! - `rl/`: the shared [`Learner`], which runs verl's PPO step (and the critic-free family through
 //!   the same loop), one file per phase: `build`, `rollout` (rewards, DAPO's rounds, ReMax's
-//!   baseline) over `generation` (the engine over a given policy, and one-step-off-policy's
-//!   rollout worker, driven by `off_policy`), `scoring` (log-probs, values, KL, advantages),
-//!   `update`, `step`, `validation`; its checkpoints, generation dumps and run loop (`fit`); the
-//!   learned reward model that scores rollouts (`reward_model`); the worker roles it orchestrates
-//!   (`workers/`: the reference, the critic, the teachers, and the passes they share);
+//!   baseline), `off_policy` (one-step-off-policy's orders to the rollout worker), `scoring`
+//!   (log-probs, values, KL, advantages), `update`, `step`, `validation`; its checkpoints,
+//!   generation dumps and run loop (`fit`); the worker roles it orchestrates (`workers/`: the
+//!   actor, the reference, the critic, the learned reward model, the teachers, the rollout
+//!   worker with generation and its MPI pool, and the passes they share);
 //! - `launch/`: starting the ranks ([`launch`]: one device in one process runs `fit` on the
 //!   calling thread, several devices a thread each, several processes as MPI ranks) and the
 //!   `train`, `eval` and `generate` commands on top of it (`commands`: a file, the selected
