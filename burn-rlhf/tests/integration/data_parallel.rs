@@ -1257,6 +1257,32 @@ mod processes {
         assert_eq!(sent, all);
     }
 
+    /// A run of `steps` in one process (`args(dir/single, 1)`) against an MPI job of `np`
+    /// processes (`args(dir/pooled, value)`): the job ends with the single run's weights (1e-5)
+    /// and every run metric within `tol`, for `what` (`start`: the starting actor). Returns the
+    /// job's metrics by step.
+    fn single_against_job(
+        dir: &Path,
+        args: &dyn Fn(&Path, usize) -> Vec<String>,
+        (np, value): (usize, usize),
+        (steps, tol): (usize, f64),
+        (what, start): (&str, &super::CausalLm<super::B>),
+    ) -> Vec<(usize, super::Metrics)> {
+        let single = dir.join("single");
+        let status = Command::new(env!("CARGO_BIN_EXE_burn-rlhf"))
+            .args(args(&single, 1))
+            .stdout(Stdio::null())
+            .status()
+            .unwrap();
+        assert!(status.success());
+        let pooled = dir.join("pooled");
+        let (ok, err) = wait_bounded(mpirun(np, &args(&pooled, value)), Duration::from_secs(300));
+        assert!(ok, "{what}: the job failed:\n{err}");
+        let last = format!("global_step_{steps}");
+        assert_same_weights_from(&single.join(&last), &pooled.join(&last), what, start);
+        pooled_metrics(&single, &pooled, steps, tol).1
+    }
+
     /// Issue 58 item 3: a rollout pool of two MPI processes (`rollout.n_gpus_per_node=2`, the
     /// job trainer + 2), each generating half the prompts, trains as the in-process worker does,
     /// bit for bit; the in-process worker refuses two devices, naming the key.
@@ -1272,20 +1298,8 @@ mod processes {
             a.push(format!("rollout.n_gpus_per_node={pool}"));
             a
         };
-        let single = dir.join("single");
-        let status = Command::new(env!("CARGO_BIN_EXE_burn-rlhf"))
-            .args(args(&single, 1))
-            .stdout(Stdio::null())
-            .status()
-            .unwrap();
-        assert!(status.success());
-        let pooled = dir.join("pooled");
-        let (ok, err) = wait_bounded(mpirun(3, &args(&pooled, 2)), Duration::from_secs(300));
-        assert!(ok, "the job of a trainer and a pool of 2 failed:\n{err}");
-        let last = format!("global_step_{steps}");
         let what = "trainer + a rollout pool of 2 MPI processes vs the in-process worker";
-        assert_same_weights_from(&single.join(&last), &pooled.join(&last), what, &start);
-        pooled_metrics(&single, &pooled, steps, 0.0);
+        single_against_job(&dir, &args, (3, 2), (steps, 0.0), (what, &start));
         let output = Command::new(env!("CARGO_BIN_EXE_burn-rlhf"))
             .args(args(&dir.join("thread"), 2))
             .output()
@@ -1314,23 +1328,8 @@ mod processes {
             a.push(format!("trainer.n_gpus_per_node={trainers}"));
             a
         };
-        let single = dir.join("single");
-        let status = Command::new(env!("CARGO_BIN_EXE_burn-rlhf"))
-            .args(args(&single, 1))
-            .stdout(Stdio::null())
-            .status()
-            .unwrap();
-        assert!(status.success());
-        let pooled = dir.join("pooled");
-        let (ok, err) = wait_bounded(mpirun(3, &args(&pooled, 2)), Duration::from_secs(300));
-        assert!(
-            ok,
-            "the job of 2 trainer processes and a pool failed:\n{err}"
-        );
-        let last = format!("global_step_{steps}");
         let what = "2 trainer processes + a rollout pool vs one process with the in-process worker";
-        assert_same_weights_from(&single.join(&last), &pooled.join(&last), what, &start);
-        let (_, b) = pooled_metrics(&single, &pooled, steps, 1e-5);
+        let b = single_against_job(&dir, &args, (3, 2), (steps, 1e-5), (what, &start));
         assert_eq!(b[1].1["rollout/staleness"], 1.0);
         // The pool generated (the trainer's first process sent it the weights).
         let sent = b[0].1.get("rollout/weight_values_sent").copied();

@@ -3,7 +3,6 @@
 //! the lock, from wherever another test left the stream.
 
 use burn::backend::Flex;
-use burn::module::Module;
 use burn::tensor::{Distribution, Tensor};
 use burn_rlhf::models::{CausalLm, ScoredModel};
 use burn_rlhf::tasks;
@@ -17,19 +16,6 @@ fn assert_same(a: &[f32], b: &[f32], what: &str) {
         a.len(),
         b.len()
     );
-}
-
-/// Every float parameter's values, in visiting order.
-fn values<M: Module<Flex>>(module: &M) -> Vec<f32> {
-    struct Collect(Vec<f32>);
-    impl burn::module::ModuleVisitor<Flex> for Collect {
-        fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<Flex, D>>) {
-            self.0.extend(param.val().into_data().iter::<f32>());
-        }
-    }
-    let mut c = Collect(Vec::new());
-    module.visit(&mut c);
-    c.0
 }
 
 /// Another test's draw (under the lock, after this model's) between building a random model and
@@ -48,12 +34,16 @@ fn a_model_drawn_under_the_lock_is_drawn_whole() {
     let quiet: CausalLm<Flex> = super::seeded_model(17, || c.init_causal_lm(&d));
     let disturbed: CausalLm<Flex> = super::seeded_model(17, || c.init_causal_lm(&d));
     other();
-    assert_same(&values(&quiet), &values(&disturbed), "the causal LM");
+    assert_same(
+        &super::params(&quiet),
+        &super::params(&disturbed),
+        "the causal LM",
+    );
     let lazy: CausalLm<Flex> = super::seeded(17, || c.init_causal_lm(&d));
     other();
     assert_ne!(
-        values(&quiet),
-        values(&lazy),
+        super::params(&quiet),
+        super::params(&lazy),
         "built, not drawn, under the lock"
     );
     for (what, build) in [
@@ -66,6 +56,6 @@ fn a_model_drawn_under_the_lock_is_drawn_whole() {
         let quiet = super::seeded_model(17, || build(&c, &d));
         let disturbed = super::seeded_model(17, || build(&c, &d));
         other();
-        assert_same(&values(&quiet), &values(&disturbed), what);
+        assert_same(&super::params(&quiet), &super::params(&disturbed), what);
     }
 }
