@@ -2,8 +2,17 @@
 //! threads of one process here, [`LocalTpGroup`]; burn-collective, MPI and NCCL in the trainer),
 //! used by data parallelism over the whole run and by each tensor-parallel group
 //! ([`TpGroup`]).
+//!
+//! Device tensors go through [`all_reduce_tensors`]: a transport that sums device memory
+//! (burn-collective for its backend's tensors, NCCL for CUDA's) takes them where they are
+//! ([`Collective::all_reduce_on_device`]); the host path, a bucket of host buffers at a time, is
+//! the default every transport has.
 
+use std::any::Any;
 use std::sync::{Arc, Condvar, Mutex};
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{DType, FloatDType, Tensor, TensorData, TensorPrimitive};
 
 /// Why a collective operation failed.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -97,6 +106,145 @@ pub trait Collective: Send + Sync {
     /// Tells the other ranks that this one failed (`reason`), so their pending and next
     /// operations fail with it.
     fn abort(&self, reason: &str);
+    /// Whether this transport sums `tensor` on its device ([`Collective::all_reduce_on_device`]);
+    /// by default no: host buffers only.
+    fn sums_on_device(&self, tensor: &DeviceTensor) -> bool {
+        let _ = tensor;
+        false
+    }
+    /// The element-wise sum over ranks of a flat f32 `tensor`, on its device, for a tensor
+    /// [`Collective::sums_on_device`] accepts (every rank passes one of the same length; callers
+    /// go through [`all_reduce_tensors`]). Shapes: `[n]` → `[n]`.
+    fn all_reduce_on_device(&self, tensor: DeviceTensor) -> Result<DeviceTensor, CollectiveError> {
+        let _ = tensor;
+        Err(CollectiveError::Transport {
+            rank: self.rank(),
+            message: "this transport sums host buffers only".into(),
+        })
+    }
+}
+
+/// One rank's flat f32 tensor on its device with its backend erased (the backend's float
+/// primitive, boxed), so that a transport behind `dyn Collective` can take it and recognise the
+/// primitives whose memory it can sum.
+pub struct DeviceTensor(Box<dyn Any + Send>);
+
+impl DeviceTensor {
+    /// `tensor`'s primitive. Shapes: `[n]`.
+    pub fn of<B: Backend>(tensor: Tensor<B, 1>) -> Self {
+        Self(Box::new(tensor.into_primitive().tensor()))
+    }
+
+    /// Back as a tensor of `B`, or itself when it is another backend's.
+    pub fn into_tensor<B: Backend>(self) -> Result<Tensor<B, 1>, Self> {
+        self.downcast::<B::FloatTensorPrimitive>()
+            .map(|p| Tensor::from_primitive(TensorPrimitive::Float(p)))
+    }
+
+    /// Whether the primitive is a `P`.
+    pub fn is<P: 'static>(&self) -> bool {
+        self.0.is::<P>()
+    }
+
+    /// The primitive as a `P`, or itself when it is not one.
+    pub fn downcast<P: 'static>(self) -> Result<P, Self> {
+        self.0.downcast::<P>().map(|p| *p).map_err(Self)
+    }
+
+    /// A primitive `P` erased.
+    pub fn from_primitive<P: Send + 'static>(primitive: P) -> Self {
+        Self(Box::new(primitive))
+    }
+}
+
+/// Consecutive runs of items (element counts `sizes`) of at most `cap` elements each; an item
+/// larger than `cap` is a run of its own (the transport splits it further).
+pub fn buckets(sizes: &[usize], cap: usize) -> Vec<std::ops::Range<usize>> {
+    let mut out = Vec::new();
+    let (mut start, mut filled) = (0, 0);
+    for (i, &n) in sizes.iter().enumerate() {
+        if i > start && filled + n > cap {
+            out.push(start..i);
+            (start, filled) = (i, 0);
+        }
+        filled += n;
+    }
+    if start < sizes.len() {
+        out.push(start..sizes.len());
+    }
+    out
+}
+
+/// The element-wise sums over `collective`'s ranks of flat tensors (every rank the same lengths in
+/// the same order), each in f32 (a half-precision tensor cast up, its sum cast back) and on its
+/// tensor's device. Tensors travel concatenated in [`buckets`] of at most `bucket` elements, so no
+/// call grows with the model: summed where they are when the transport can
+/// ([`Collective::sums_on_device`]), else through host buffers. Shapes: each `[n_i]` → `[n_i]`.
+pub fn all_reduce_tensors<B: Backend>(
+    collective: &dyn Collective,
+    tensors: Vec<Tensor<B, 1>>,
+    bucket: usize,
+) -> Result<Vec<Tensor<B, 1>>, CollectiveError> {
+    let Some(first) = tensors.first() else {
+        return Ok(tensors);
+    };
+    let device = first.device();
+    let dtypes: Vec<DType> = tensors.iter().map(|t| t.dtype()).collect();
+    let sizes: Vec<usize> = tensors.iter().map(|t| t.dims()[0]).collect();
+    let rank = collective.rank();
+    let mut tensors = tensors.into_iter().map(|t| match t.dtype() {
+        DType::F32 => t,
+        _ => t.cast(FloatDType::F32),
+    });
+    let mut out = Vec::with_capacity(sizes.len());
+    for run in buckets(&sizes, bucket.max(1)) {
+        let part: Vec<Tensor<B, 1>> = tensors.by_ref().take(run.len()).collect();
+        let joined = match part.len() {
+            1 => part.into_iter().next().expect("one tensor"),
+            _ => Tensor::cat(part, 0),
+        };
+        let total = joined.dims()[0];
+        let on_device = DeviceTensor::of(joined);
+        let sum = if collective.sums_on_device(&on_device) {
+            collective
+                .all_reduce_on_device(on_device)?
+                .into_tensor::<B>()
+                .map_err(|_| CollectiveError::Transport {
+                    rank,
+                    message: "a device sum came back as another backend's tensor".into(),
+                })?
+        } else {
+            let joined = on_device
+                .into_tensor::<B>()
+                .unwrap_or_else(|_| unreachable!("made from a tensor of this backend"));
+            let host = joined
+                .into_data()
+                .convert::<f32>()
+                .into_vec::<f32>()
+                .map_err(|e| CollectiveError::Transport {
+                    rank,
+                    message: format!("reading tensors to send: {e:?}"),
+                })?;
+            let sum = collective.all_reduce_sum(host)?;
+            Tensor::<B, 1>::from_data(TensorData::new(sum, [total]), &device)
+        };
+        let mut start = 0;
+        for &n in &sizes[run] {
+            out.push(match n == total {
+                true => sum.clone(),
+                false => sum.clone().narrow(0, start, n),
+            });
+            start += n;
+        }
+    }
+    Ok(out
+        .into_iter()
+        .zip(dtypes)
+        .map(|(t, dtype)| match dtype {
+            DType::F32 => t,
+            other => t.cast(FloatDType::from(other)),
+        })
+        .collect())
 }
 
 /// Rank `rank`'s equal consecutive share of `0..n` (the first `n % world` ranks get one more).
@@ -182,6 +330,15 @@ impl TpGroup {
     pub fn sum(&self, data: Vec<f32>) -> Vec<f32> {
         self.0
             .all_reduce_sum(data)
+            .unwrap_or_else(|e| self.failed(e))
+    }
+
+    /// The sum over the ranks of a flat tensor, in f32 and in its dtype, on its device when the
+    /// transport sums device memory ([`all_reduce_tensors`]; panics as [`TpGroup::sum`]).
+    /// Shapes: `[n]` → `[n]`.
+    pub fn sum_tensor<B: Backend>(&self, tensor: Tensor<B, 1>) -> Tensor<B, 1> {
+        all_reduce_tensors(&*self.0, vec![tensor], usize::MAX)
+            .map(|mut sums| sums.remove(0))
             .unwrap_or_else(|e| self.failed(e))
     }
 
@@ -332,6 +489,138 @@ mod tests {
                 assert_eq!(sum, vec![3.0, 3.0 * step as f32]);
                 assert_eq!(gathered, vec![vec![0.0], vec![1.0, 1.0], vec![2.0; 3]]);
             }
+        }
+    }
+
+    type B = burn::backend::Flex;
+
+    #[test]
+    fn buckets_hold_at_most_their_cap_and_cover_every_item_in_order() {
+        assert_eq!(buckets(&[], 4), Vec::<std::ops::Range<usize>>::new());
+        // Exactly the cap fills a bucket; one more element starts the next.
+        assert_eq!(buckets(&[2, 2, 2, 2], 4), vec![0..2, 2..4]);
+        assert_eq!(buckets(&[2, 3], 4), vec![0..1, 1..2]);
+        // An item over the cap stands alone, whatever is around it.
+        assert_eq!(buckets(&[1, 9, 1, 1], 4), vec![0..1, 1..2, 2..4]);
+        assert_eq!(buckets(&[9], 4), vec![0..1]);
+        // Empty items ride along.
+        assert_eq!(buckets(&[0, 4, 0, 1], 4), vec![0..3, 3..4]);
+    }
+
+    /// Ranks whose transport "sums" flex tensors on the device by doubling them (two ranks of
+    /// equal values), counting the device calls and the host buffers it is handed.
+    struct DoublingOnDevice {
+        device_calls: std::sync::atomic::AtomicUsize,
+        host_calls: std::sync::atomic::AtomicUsize,
+        on_device: bool,
+    }
+
+    impl Collective for DoublingOnDevice {
+        fn rank(&self) -> usize {
+            0
+        }
+        fn world(&self) -> usize {
+            2
+        }
+        fn all_reduce_sum(&self, data: Vec<f32>) -> Result<Vec<f32>, CollectiveError> {
+            self.host_calls
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            Ok(data.into_iter().map(|x| 2.0 * x).collect())
+        }
+        fn abort(&self, _reason: &str) {}
+        fn sums_on_device(&self, tensor: &DeviceTensor) -> bool {
+            self.on_device && tensor.is::<burn::tensor::ops::FloatTensor<B>>()
+        }
+        fn all_reduce_on_device(
+            &self,
+            tensor: DeviceTensor,
+        ) -> Result<DeviceTensor, CollectiveError> {
+            self.device_calls
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let t = tensor
+                .into_tensor::<B>()
+                .map_err(|_| CollectiveError::Transport {
+                    rank: 0,
+                    message: "not flex".into(),
+                })?;
+            assert_eq!(t.dtype(), DType::F32, "device sums are taken in f32");
+            Ok(DeviceTensor::of(t * 2.0))
+        }
+    }
+
+    #[test]
+    fn tensors_are_summed_in_buckets_on_the_device_or_through_the_host_alike() {
+        let device = Default::default();
+        let tensors = || {
+            vec![
+                Tensor::<B, 1>::from_floats([1.0, 2.0, 3.0], &device),
+                Tensor::<B, 1>::from_floats([4.0], &device).cast(FloatDType::BF16),
+                Tensor::<B, 1>::from_floats([5.0, 6.0, 7.0, 8.0, 9.0], &device),
+                Tensor::<B, 1>::from_floats([10.0, 11.0], &device),
+            ]
+        };
+        for on_device in [false, true] {
+            let c = DoublingOnDevice {
+                device_calls: 0.into(),
+                host_calls: 0.into(),
+                on_device,
+            };
+            let sums = all_reduce_tensors(&c, tensors(), 4).unwrap();
+            let values: Vec<Vec<f32>> = sums
+                .iter()
+                .map(|t| t.to_data().convert::<f32>().into_vec().unwrap())
+                .collect();
+            assert_eq!(
+                values,
+                vec![
+                    vec![2.0, 4.0, 6.0],
+                    vec![8.0],
+                    vec![10.0, 12.0, 14.0, 16.0, 18.0],
+                    vec![20.0, 22.0]
+                ],
+                "on the device: {on_device}"
+            );
+            // The half-precision tensor comes back in its dtype.
+            assert_eq!(sums[1].dtype(), DType::BF16);
+            // Buckets of at most 4 elements: [3 + 1], [5], [2].
+            let (device_calls, host_calls) =
+                (c.device_calls.into_inner(), c.host_calls.into_inner());
+            match on_device {
+                true => assert_eq!((device_calls, host_calls), (3, 0)),
+                false => assert_eq!((device_calls, host_calls), (0, 3)),
+            }
+        }
+        // Nothing to sum, nothing sent.
+        let c = DoublingOnDevice {
+            device_calls: 0.into(),
+            host_calls: 0.into(),
+            on_device: true,
+        };
+        assert!(all_reduce_tensors::<B>(&c, Vec::new(), 4)
+            .unwrap()
+            .is_empty());
+        assert_eq!(c.host_calls.into_inner() + c.device_calls.into_inner(), 0);
+    }
+
+    #[test]
+    fn a_group_sums_device_tensors_through_its_threads() {
+        let handles: Vec<_> = LocalTpGroup::group(2)
+            .into_iter()
+            .map(|g| {
+                std::thread::spawn(move || {
+                    let device = Default::default();
+                    let r = g.rank() as f32;
+                    let t = Tensor::<B, 1>::from_floats([r, 1.0, 2.0 * r], &device);
+                    g.sum_tensor(t)
+                        .into_data()
+                        .convert::<f32>()
+                        .into_vec::<f32>()
+                        .unwrap()
+                })
+            })
+            .collect();
+        for h in handles {
+            assert_eq!(h.join().unwrap(), vec![1.0, 2.0, 2.0]);
         }
     }
 }

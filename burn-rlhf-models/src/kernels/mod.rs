@@ -22,6 +22,8 @@ pub mod cube_attention;
 mod cube_launch;
 #[cfg(feature = "cuda")]
 pub mod cublas;
+#[cfg(feature = "cuda")]
+pub mod cuda_memory;
 #[cfg(feature = "flex")]
 mod flex;
 mod mask;

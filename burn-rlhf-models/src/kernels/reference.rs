@@ -351,22 +351,22 @@ pub fn host_f32<B: Backend, const D: usize>(x: Tensor<B, D>) -> Vec<f32> {
         .expect("a float tensor converts to f32")
 }
 
-/// The sum of `x` over the ranks of `group`, through host f32 (the group's transports carry f32),
-/// in `x`'s dtype. Shapes: any → the same.
+/// The sum of `x` over the ranks of `group`, in f32 (on the device when the group's transport sums
+/// device memory, else through host buffers; [`TpGroup::sum_tensor`]), in `x`'s dtype. Shapes:
+/// any → the same.
+///
+/// [`TpGroup::sum_tensor`]: crate::collective::TpGroup::sum_tensor
 pub fn tp_all_reduce<B: Backend>(
     x: FloatTensor<B>,
     group: &crate::collective::TpGroup,
 ) -> FloatTensor<B> {
     use burn::tensor::TensorMetadata;
-    let (shape, dtype) = (x.shape(), x.dtype());
+    let shape = x.shape();
     let n = shape.num_elements();
     let flat = Tensor::<B, 1>::from_primitive(burn::tensor::TensorPrimitive::Float(
         B::float_reshape(x, burn::tensor::Shape::new([n])),
     ));
-    let device = flat.device();
-    let host = host_f32(flat);
-    let sum = Tensor::<B, 1>::from_data(TensorData::new(group.sum(host), [n]), &device).cast(dtype);
-    B::float_reshape(prim(sum), shape)
+    B::float_reshape(prim(group.sum_tensor(flat)), shape)
 }
 
 /// Where the tokens of `layout` go in a paged pool flattened to `[N * KV * a * b, 1]`, head by

@@ -5,6 +5,10 @@
 //! carries: all-reduce x 2(n-1)/n, all-gather and reduce-scatter x (n-1)/n, broadcast x 1). With
 //! a peer (`benches/peers/collectives.py`: torch.distributed over gloo, the same number of
 //! processes, sizes and operations), a table of both and their ratios follows.
+//!
+//! One more row per size, [`TENSOR_ALL_REDUCE`], sums a device tensor as the trainer sums its
+//! gradients ([`all_reduce_tensors`]): where it is when the transport can (burn-collective, NCCL),
+//! else read to the host and back; its time runs until the sum is on the device.
 
 use std::path::Path;
 use std::process::Command;
@@ -13,13 +17,19 @@ use std::time::Instant;
 use serde_json::{json, Value};
 
 use crate::backend::LearnerBackend;
-use crate::distributed::Collective;
+use burn::tensor::backend::Backend;
+use burn::tensor::Tensor;
+
+use crate::distributed::{all_reduce_tensors, Collective};
 use crate::error::TrainError;
 use crate::trainer::launch::launch::{run_ranks, GroupPlan};
 use crate::trainer::NodeLaunch;
 
-/// The operations timed, by their nccl-tests names.
+/// The operations timed on host buffers, by their nccl-tests names.
 pub const OPERATIONS: [&str; 4] = ["all_reduce", "all_gather", "reduce_scatter", "broadcast"];
+
+/// The all-reduce of a device tensor (the trainer's gradient sums), timed after [`OPERATIONS`].
+pub const TENSOR_ALL_REDUCE: &str = "all_reduce_tensor";
 
 /// One operation at one size.
 #[derive(Debug, Clone, PartialEq)]
@@ -45,7 +55,7 @@ impl CollectiveRow {
     pub fn busbw(&self) -> f64 {
         let n = self.ranks as f64;
         let factor = match self.op.as_str() {
-            "all_reduce" => 2.0 * (n - 1.0) / n,
+            "all_reduce" | TENSOR_ALL_REDUCE => 2.0 * (n - 1.0) / n,
             "all_gather" | "reduce_scatter" => (n - 1.0) / n,
             _ => 1.0,
         };
@@ -116,7 +126,22 @@ fn expected(op: &str, world: usize, rank: usize, floats: usize) -> Vec<f32> {
 /// and first wrong value.
 fn run_checked(collective: &dyn Collective, op: &str, floats: usize) -> Result<(), TrainError> {
     let got = run_once(collective, op, floats)?;
-    let want = expected(op, collective.world(), collective.rank(), floats);
+    check(collective, op, floats, got)
+}
+
+/// `got` against [`expected`] for `op` (a device tensor's all-reduce against the host's).
+fn check(
+    collective: &dyn Collective,
+    op: &str,
+    floats: usize,
+    got: Vec<f32>,
+) -> Result<(), TrainError> {
+    let host_op = if op == TENSOR_ALL_REDUCE {
+        "all_reduce"
+    } else {
+        op
+    };
+    let want = expected(host_op, collective.world(), collective.rank(), floats);
     let wrong = (got.len() != want.len())
         .then(|| format!("{} values, expected {}", got.len(), want.len()))
         .or_else(|| {
@@ -136,13 +161,46 @@ fn run_checked(collective: &dyn Collective, op: &str, floats: usize) -> Result<(
     }
 }
 
+/// A device tensor of `floats` values, this rank's + 1, made and finished before it is summed.
+fn tensor_to_sum<B: Backend>(
+    collective: &dyn Collective,
+    device: &B::Device,
+    floats: usize,
+) -> Result<Tensor<B, 1>, TrainError> {
+    let t = Tensor::<B, 1>::full([floats], collective.rank() as f32 + 1.0, device);
+    sync::<B>(device)?;
+    Ok(t)
+}
+
+/// Waits for `device`'s queued work.
+fn sync<B: Backend>(device: &B::Device) -> Result<(), TrainError> {
+    B::sync(device).map_err(|e| {
+        TrainError::Distributed(crate::distributed::DistributedError::Transport {
+            rank: 0,
+            message: format!("waiting for the device: {e:?}"),
+        })
+    })
+}
+
+/// The sum of `t` over the ranks, on its device once this returns. Shapes: `[n]` → `[n]`.
+fn sum_tensor<B: Backend>(
+    collective: &dyn Collective,
+    device: &B::Device,
+    t: Tensor<B, 1>,
+) -> Result<Tensor<B, 1>, TrainError> {
+    let sum = all_reduce_tensors(collective, vec![t], usize::MAX)?.remove(0);
+    sync::<B>(device)?;
+    Ok(sum)
+}
+
 /// Times every operation at every size on this rank's `collective` (every rank runs this with
 /// the same sizes). A first pass over every case warms the allocators and transports (the first
 /// large buffers otherwise pay for page faults, measured at up to 7x) and checks every result
 /// against the host's arithmetic; then each repetition is timed alone between barriers, and the
 /// median of the slowest rank is kept.
-pub fn measure_collectives(
+pub fn measure_collectives<B: Backend>(
     collective: &dyn Collective,
+    device: &B::Device,
     sizes: &[usize],
 ) -> Result<Vec<CollectiveRow>, TrainError> {
     let world = collective.world();
@@ -151,7 +209,26 @@ pub fn measure_collectives(
             run_checked(collective, op, bytes / 4)?;
         }
     }
+    for &bytes in sizes {
+        let floats = bytes / 4;
+        let t = tensor_to_sum::<B>(collective, device, floats)?;
+        let got = sum_tensor(collective, device, t)?
+            .into_data()
+            .convert::<f32>()
+            .into_vec::<f32>()
+            .unwrap_or_default();
+        check(collective, TENSOR_ALL_REDUCE, floats, got)?;
+    }
     let mut rows = Vec::new();
+    let row =
+        |op: &str, floats: usize, times: &mut Vec<f64>| -> Result<CollectiveRow, TrainError> {
+            Ok(CollectiveRow {
+                op: op.to_string(),
+                bytes: (floats / world) * world * 4,
+                ranks: world,
+                median_s: collective.all_reduce_max_f64(median(times))?,
+            })
+        };
     for op in OPERATIONS {
         for &bytes in sizes {
             let floats = bytes / 4;
@@ -163,14 +240,21 @@ pub fn measure_collectives(
                 times.push(start.elapsed().as_secs_f64());
                 debug_assert!(!produced.is_empty());
             }
-            let slowest = collective.all_reduce_max_f64(median(&mut times))?;
-            rows.push(CollectiveRow {
-                op: op.to_string(),
-                bytes: (floats / world) * world * 4,
-                ranks: world,
-                median_s: slowest,
-            });
+            rows.push(row(op, floats, &mut times)?);
         }
+    }
+    for &bytes in sizes {
+        let floats = bytes / 4;
+        let mut times = Vec::new();
+        for _ in 0..repetitions(bytes) {
+            let t = tensor_to_sum::<B>(collective, device, floats)?;
+            collective.barrier()?;
+            let start = Instant::now();
+            let sum = sum_tensor(collective, device, t)?;
+            times.push(start.elapsed().as_secs_f64());
+            drop(sum);
+        }
+        rows.push(row(TENSOR_ALL_REDUCE, floats, &mut times)?);
     }
     Ok(rows)
 }
@@ -206,9 +290,10 @@ pub fn run_collectives<B: LearnerBackend>(
     let group = GroupPlan::new(devices.len(), node, 1)?;
     let sizes = sizes(max_bytes);
     let first = node.processes.index() == 0;
-    run_ranks::<B, _>(devices, node, &group, move |i, _device, joiner| {
+    run_ranks::<B, _>(devices, node, &group, move |i, device, joiner| {
         let dp = joiner.join()?;
-        let rows = measure_collectives(dp.collective.as_ref(), &sizes)?;
+        let device: burn::tensor::Device<B::InnerBackend> = device.clone().into();
+        let rows = measure_collectives::<B::InnerBackend>(dp.collective.as_ref(), &device, &sizes)?;
         Ok((first && i == 0).then_some(rows))
     })
 }
@@ -327,6 +412,8 @@ pub fn collectives_table(ours: &[CollectiveRow], peer: &[CollectiveRow]) -> Stri
 mod tests {
     use super::*;
 
+    type Flex = burn::backend::Flex;
+
     #[test]
     fn bus_bandwidth_follows_nccl_tests() {
         let row = |op: &str| CollectiveRow {
@@ -365,7 +452,7 @@ mod tests {
 
     #[test]
     fn a_wrong_result_is_an_error_naming_the_operation() {
-        let err = measure_collectives(&ForgetfulPair, &sizes(4096))
+        let err = measure_collectives::<Flex>(&ForgetfulPair, &Default::default(), &sizes(4096))
             .unwrap_err()
             .to_string();
         assert!(
@@ -379,8 +466,14 @@ mod tests {
 
     #[test]
     fn one_rank_measures_every_operation_and_size() {
-        let rows = measure_collectives(&crate::distributed::Solo, &sizes(16384)).unwrap();
-        assert_eq!(rows.len(), OPERATIONS.len() * 2);
+        let rows = measure_collectives::<Flex>(
+            &crate::distributed::Solo,
+            &Default::default(),
+            &sizes(16384),
+        )
+        .unwrap();
+        assert_eq!(rows.len(), (OPERATIONS.len() + 1) * 2);
+        assert_eq!(rows.last().unwrap().op, TENSOR_ALL_REDUCE);
         assert!(rows.iter().all(|r| r.median_s > 0.0 && r.ranks == 1));
         let table = collectives_table(&rows, &rows[..1]);
         assert!(table.contains("1.00x") && table.contains(" - "), "{table}");

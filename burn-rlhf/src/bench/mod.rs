@@ -20,7 +20,7 @@ mod rollout;
 
 pub use collectives::{
     bench_collectives, collectives_table, measure_collectives, run_collectives,
-    run_collectives_peer, transport_name, CollectiveRow,
+    run_collectives_peer, transport_name, CollectiveRow, TENSOR_ALL_REDUCE,
 };
 
 pub use peer::{compare, run_peer, table, Peer, Side};

@@ -40,7 +40,9 @@ pub use crate::error::DistributedError;
 use crate::error::TrainError;
 
 pub use balance::balanced_partitions;
-pub use burn_rlhf_models::collective::{chunk, Collective, Solo};
+pub use burn_rlhf_models::collective::{
+    all_reduce_tensors, buckets, chunk, Collective, DeviceTensor, Solo,
+};
 use burn_rlhf_models::tensor_parallel::TpGroup;
 pub use local::{BurnCollective, DeviceSums};
 pub use mesh::{MeshPlace, ParallelMesh};
@@ -51,11 +53,9 @@ pub use subgroup::Subgroup;
 /// sharded (ZeRO-1, `trainer.zero_stage = 1`).
 #[derive(Clone)]
 pub struct DataParallel {
-    /// The transport.
+    /// The transport (device tensors summed where they are when it can:
+    /// [`DataParallel::all_reduce_tensors`]).
     pub collective: Arc<dyn Collective>,
-    /// With burn-collective's transport (devices of one process): gradients and parameters are
-    /// summed on their devices instead of through host buffers.
-    pub device_sums: Option<DeviceSums>,
     /// Each rank keeps the AdamW moments of its own 1/world of the parameters.
     pub shard_optimizer: bool,
     /// Rows go to ranks balanced by token count (`trainer.balance_batch`), else in equal
@@ -92,7 +92,6 @@ impl DataParallel {
     pub fn solo() -> Self {
         Self {
             collective: Arc::new(Solo),
-            device_sums: None,
             shard_optimizer: false,
             balance_batch: true,
             tp: None,
@@ -193,6 +192,16 @@ impl DataParallel {
         Ok(sum.chunks(2).map(|p| p[0] as f64 + p[1] as f64).collect())
     }
 
+    /// The sums over ranks of flat device tensors (gradients, parameters): on their devices when
+    /// the transport sums device memory (burn-collective, NCCL), else through host buffers, a
+    /// bucket ([`bucket_elements`]) at a time either way. Shapes: each `[n_i]` → `[n_i]`.
+    pub fn all_reduce_tensors<B: burn::tensor::backend::Backend>(
+        &self,
+        tensors: Vec<burn::tensor::Tensor<B, 1>>,
+    ) -> Result<Vec<burn::tensor::Tensor<B, 1>>, DistributedError> {
+        all_reduce_tensors(&*self.collective, tensors, bucket_elements())
+    }
+
     /// Gathers rows computed by their owners: `mine` holds this rank's rows `rows` (each `width`
     /// values, in `rows` order); returns all `total` rows. Exact: every other rank adds zeros.
     /// Shapes: `[rows.len() * width]` → `[total * width]`.
@@ -256,8 +265,8 @@ impl DataParallel {
     }
 }
 
-/// PyTorch DDP's gradient bucket (`bucket_cap_mb` 25): gradients are read to the host and summed
-/// over the ranks this many bytes at a time, and a transport sends no more in one call, so no
+/// PyTorch DDP's gradient bucket (`bucket_cap_mb` 25): gradients are summed over the ranks this
+/// many bytes at a time (read to the host first where the transport sums host buffers), and a transport sends no more in one call, so no
 /// buffer or element count grows with the model (MPI counts elements in 32 bits).
 const DEFAULT_BUCKET_BYTES: usize = 25 << 20;
 
@@ -272,24 +281,6 @@ pub(crate) fn bucket_elements() -> usize {
             .unwrap_or(DEFAULT_BUCKET_BYTES);
         (bytes / std::mem::size_of::<f32>()).max(1)
     })
-}
-
-/// Consecutive runs of items (element counts `sizes`) of at most `cap` elements each; an item
-/// larger than `cap` is a run of its own (the transport splits it further).
-pub(crate) fn buckets(sizes: &[usize], cap: usize) -> Vec<std::ops::Range<usize>> {
-    let mut out = Vec::new();
-    let (mut start, mut filled) = (0, 0);
-    for (i, &n) in sizes.iter().enumerate() {
-        if i > start && filled + n > cap {
-            out.push(start..i);
-            (start, filled) = (i, 0);
-        }
-        filled += n;
-    }
-    if start < sizes.len() {
-        out.push(start..sizes.len());
-    }
-    out
 }
 
 /// Whether an MPI launcher started this process (OpenMPI's, PMI's or PMIx's variables); asked
@@ -330,16 +321,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn buckets_hold_at_most_their_cap_and_cover_every_item_in_order() {
-        assert_eq!(buckets(&[], 4), Vec::<std::ops::Range<usize>>::new());
-        // Exactly the cap fills a bucket; one more element starts the next.
-        assert_eq!(buckets(&[2, 2, 2, 2], 4), vec![0..2, 2..4]);
-        assert_eq!(buckets(&[2, 3], 4), vec![0..1, 1..2]);
-        // An item over the cap stands alone, whatever is around it.
-        assert_eq!(buckets(&[1, 9, 1, 1], 4), vec![0..1, 1..2, 2..4]);
-        assert_eq!(buckets(&[9], 4), vec![0..1]);
-        // Empty items ride along.
-        assert_eq!(buckets(&[0, 4, 0, 1], 4), vec![0..3, 3..4]);
+    fn buckets_have_at_least_one_element() {
         assert!(bucket_elements() >= 1);
     }
 

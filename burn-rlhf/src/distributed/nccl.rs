@@ -4,22 +4,28 @@
 //!
 //! One communicator per device: the devices of one process get theirs together
 //! (`ncclCommInitAll`); ranks in several processes (the `mpi` feature) make theirs from a unique id
-//! that process 0 draws and MPI hands to the others. The trainer's collectives work on host
-//! buffers ([`Collective`]), so each operation copies its buffer to the device, runs NCCL on the
-//! communicator's own stream and copies the result back; while it waits, the rank watches the
-//! group's abort flag, so a failed peer in this process stops it instead of a hang.
+//! that process 0 draws and MPI hands to the others. Device tensors (gradients, parameters:
+//! [`Collective::all_reduce_on_device`]) are summed where they are, NCCL reading CubeCL's memory
+//! (ordered with CubeCL's queue through the host:
+//! [`burn_rlhf_models::kernels::cuda_memory`]); host buffers (metrics, gathered rows) are copied
+//! to the device, summed on the communicator's own stream and copied back. While it waits, the
+//! rank watches the group's abort flag, so a failed peer in this process stops it instead of a
+//! hang.
 //!
 //! Where the library is: [`super::nccl_library`].
 
 use std::ffi::{c_char, CStr};
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{CudaContext, CudaStream, DriverError};
+use burn_rlhf_models::kernels::cuda_memory::{self, CudaTensor};
+use cudarc::driver::{
+    CudaContext, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, DriverError, SyncOnDrop,
+};
 use cudarc::nccl::result::NcclError;
 use cudarc::nccl::safe::{Comm, Id, ReduceOp};
 
 use super::nccl_library::NCCL_LIBRARY_VARIABLE;
-use super::{chunk, AbortFlag, Collective, DistributedError};
+use super::{chunk, AbortFlag, Collective, DeviceTensor, DistributedError};
 
 /// Whether the dynamic loader finds NCCL under one of the names cudarc asks for; the error
 /// says where to point [`NCCL_LIBRARY_VARIABLE`]. Checked before cudarc loads it, since cudarc
@@ -210,14 +216,26 @@ impl NcclRank {
             .map_err(|e| driver(rank, "allocation", e))?;
         op(&guard.0, &send, &mut recv)
             .map_err(|e| transport(rank, format!("{what}: {}", describe(e, None))))?;
-        let done = stream
+        self.wait()?;
+        let mut out = stream
+            .clone_dtoh(&recv)
+            .map_err(|e| driver(rank, "copy to the host", e))?;
+        out.truncate(output_len);
+        Ok(out)
+    }
+
+    /// Waits for the work queued on the communicator's stream. Polled rather than waited on: a
+    /// peer of this process that failed never joins the operation, and the flag it raised is the
+    /// way out.
+    fn wait(&self) -> Result<(), DistributedError> {
+        let rank = self.rank;
+        let done = self
+            .stream
             .record_event(None)
             .map_err(|e| driver(rank, "event", e))?;
-        // Polled rather than waited on: a peer of this process that failed never joins the
-        // operation, and the flag it raised is the way out.
         loop {
             match done.try_is_complete() {
-                Ok(true) => break,
+                Ok(true) => return Ok(()),
                 Ok(false) => {}
                 Err(e) => return Err(driver(rank, "waiting", e)),
             }
@@ -226,11 +244,67 @@ impl NcclRank {
             }
             std::thread::yield_now();
         }
-        let mut out = stream
-            .clone_dtoh(&recv)
-            .map_err(|e| driver(rank, "copy to the host", e))?;
-        out.truncate(output_len);
-        Ok(out)
+    }
+
+    /// The sum over the ranks of a CUDA tensor of f32, NCCL reading and writing CubeCL's memory
+    /// on this communicator's stream. Shapes: `[n]` → `[n]`.
+    fn all_reduce_cuda(&self, tensor: CudaTensor) -> Result<CudaTensor, DistributedError> {
+        let rank = self.rank;
+        if let Some(reason) = self.abort.reason() {
+            return Err(self.failed(reason));
+        }
+        if tensor.dtype != burn::tensor::DType::F32 {
+            return Err(transport(
+                rank,
+                format!(
+                    "NCCL's device sums take f32 tensors, not {:?}",
+                    tensor.dtype
+                ),
+            ));
+        }
+        let mut failure = None;
+        let summed = cuda_memory::with_output(tensor, |at| {
+            let guard = self.comm.lock().unwrap_or_else(|e| e.into_inner());
+            if guard.0.ordinal() != at.ordinal {
+                failure = Some(transport(
+                    rank,
+                    format!(
+                        "a tensor on device {} for the communicator of device {}",
+                        at.ordinal,
+                        guard.0.ordinal()
+                    ),
+                ));
+                return Err(String::new());
+            }
+            if let Err(e) = self.stream.context().bind_to_thread() {
+                failure = Some(driver(rank, "binding the context", e));
+                return Err(String::new());
+            }
+            let send = CubeMemory {
+                address: at.input,
+                elements: at.elements,
+                stream: &self.stream,
+            };
+            let mut recv = CubeMemory {
+                address: at.output,
+                elements: at.elements,
+                stream: &self.stream,
+            };
+            let queued = guard.0.all_reduce(&send, &mut recv, &ReduceOp::Sum);
+            if let Err(e) = queued {
+                failure = Some(transport(
+                    rank,
+                    format!("ncclAllReduce: {}", describe(e, None)),
+                ));
+                return Err(String::new());
+            }
+            // NCCL's writes are done before the output goes back to CubeCL.
+            self.wait().map_err(|e| {
+                failure = Some(e);
+                String::new()
+            })
+        });
+        summed.map_err(|message| failure.take().unwrap_or_else(|| transport(rank, message)))
     }
 
     fn failed(&self, reason: String) -> DistributedError {
@@ -241,7 +315,54 @@ impl NcclRank {
     }
 }
 
+/// CubeCL's memory as NCCL's operand: an address, its f32 element count and the communicator's
+/// stream. Nothing to order on that stream: CubeCL's queue was waited for before, and the stream
+/// is waited for after ([`cuda_memory::with_output`]).
+struct CubeMemory<'a> {
+    address: u64,
+    elements: usize,
+    stream: &'a Arc<CudaStream>,
+}
+
+impl DeviceSlice<f32> for CubeMemory<'_> {
+    fn len(&self) -> usize {
+        self.elements
+    }
+    fn stream(&self) -> &Arc<CudaStream> {
+        self.stream
+    }
+}
+
+impl DevicePtr<f32> for CubeMemory<'_> {
+    fn device_ptr<'a>(
+        &'a self,
+        _stream: &'a CudaStream,
+    ) -> (cudarc::driver::sys::CUdeviceptr, SyncOnDrop<'a>) {
+        (self.address, SyncOnDrop::Sync(None))
+    }
+}
+
+impl DevicePtrMut<f32> for CubeMemory<'_> {
+    fn device_ptr_mut<'a>(
+        &'a mut self,
+        _stream: &'a CudaStream,
+    ) -> (cudarc::driver::sys::CUdeviceptr, SyncOnDrop<'a>) {
+        (self.address, SyncOnDrop::Sync(None))
+    }
+}
+
 impl Collective for NcclRank {
+    fn sums_on_device(&self, tensor: &DeviceTensor) -> bool {
+        tensor.is::<CudaTensor>()
+    }
+
+    fn all_reduce_on_device(&self, tensor: DeviceTensor) -> Result<DeviceTensor, DistributedError> {
+        let tensor = tensor
+            .downcast::<CudaTensor>()
+            .map_err(|_| transport(self.rank, "NCCL sums CUDA tensors".into()))?;
+        Ok(DeviceTensor::from_primitive(self.all_reduce_cuda(tensor)?))
+    }
+
     fn rank(&self) -> usize {
         self.rank
     }

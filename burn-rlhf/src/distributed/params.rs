@@ -10,7 +10,7 @@ use std::collections::HashSet;
 use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{Tensor, TensorData, TensorPrimitive};
+use burn::tensor::{Tensor, TensorData};
 
 use super::{DataParallel, DistributedError};
 
@@ -27,79 +27,6 @@ fn inventory<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M) -> Vec<(Param
     let mut inv = Inventory(Vec::new());
     module.visit(&mut inv);
     inv.0
-}
-
-/// Sums flat tensors over the ranks: on the devices through burn-collective when that is the
-/// transport, else on the host a bucket ([`super::bucket_elements`]) at a time, so the host holds
-/// one bucket and no transport call grows with the model. Shapes: each `[n_i]` → `[n_i]`.
-fn all_reduce_flat<B: Backend>(
-    dp: &DataParallel,
-    tensors: Vec<Tensor<B, 1>>,
-) -> Result<Vec<Tensor<B, 1>>, DistributedError> {
-    // Summed in f32 (a half-precision parameter's or gradient's values cast up), each result
-    // back in its tensor's dtype.
-    let dtypes: Vec<burn::tensor::DType> = tensors.iter().map(|t| t.dtype()).collect();
-    let tensors: Vec<Tensor<B, 1>> = tensors.into_iter().map(f32_of).collect();
-    let out = all_reduce_f32(dp, tensors)?;
-    Ok(out
-        .into_iter()
-        .zip(dtypes)
-        .map(|(t, dtype)| match dtype {
-            burn::tensor::DType::F32 => t,
-            other => t.cast(burn::tensor::FloatDType::from(other)),
-        })
-        .collect())
-}
-
-/// `t` in f32.
-fn f32_of<B: Backend, const D: usize>(t: Tensor<B, D>) -> Tensor<B, D> {
-    match t.dtype() {
-        burn::tensor::DType::F32 => t,
-        _ => t.cast(burn::tensor::FloatDType::F32),
-    }
-}
-
-/// [`all_reduce_flat`] of f32 tensors.
-fn all_reduce_f32<B: Backend>(
-    dp: &DataParallel,
-    tensors: Vec<Tensor<B, 1>>,
-) -> Result<Vec<Tensor<B, 1>>, DistributedError> {
-    if let Some(sums) = &dp.device_sums {
-        return tensors
-            .into_iter()
-            .map(|t| {
-                let out = sums.all_reduce::<B>(t.into_primitive().tensor())?;
-                Ok(Tensor::from_primitive(TensorPrimitive::Float(out)))
-            })
-            .collect();
-    }
-    let Some(first) = tensors.first() else {
-        return Ok(tensors);
-    };
-    let device = first.device();
-    let sizes: Vec<usize> = tensors.iter().map(|t| t.dims()[0]).collect();
-    let mut tensors = tensors.into_iter();
-    let mut out = Vec::with_capacity(sizes.len());
-    for bucket in super::buckets(&sizes, super::bucket_elements()) {
-        let part: Vec<Tensor<B, 1>> = tensors.by_ref().take(bucket.len()).collect();
-        let host: Vec<f32> = Tensor::cat(part, 0)
-            .into_data()
-            .convert::<f32>()
-            .into_vec::<f32>()
-            .map_err(|e| DistributedError::Transport {
-                rank: dp.rank(),
-                message: format!("reading tensors to send: {e:?}"),
-            })?;
-        let total = host.len();
-        let sum = dp.collective.all_reduce_sum(host)?;
-        let all = Tensor::<B, 1>::from_data(TensorData::new(sum, [total]), &device);
-        let mut start = 0;
-        for &n in &sizes[bucket] {
-            out.push(all.clone().narrow(0, start, n));
-            start += n;
-        }
-    }
-    Ok(out)
 }
 
 /// Takes each trainable parameter's gradient out, flattened, in visiting order, with whether this
@@ -172,7 +99,7 @@ pub fn all_reduce_grads<B: AutodiffBackend, M: AutodiffModule<B>>(
         let device = first.device();
         flat.push(Tensor::from_data(TensorData::new(had, [n]), &device));
     }
-    let mut reduced = all_reduce_flat(dp, flat)?;
+    let mut reduced = dp.all_reduce_tensors(flat)?;
     let Some(had) = reduced.pop() else {
         return Ok(grads);
     };
@@ -245,7 +172,7 @@ pub fn sync_params<B: AutodiffBackend, M: AutodiffModule<B>>(
         out: Vec::new(),
     };
     module.visit(&mut values);
-    let reduced = all_reduce_flat(dp, values.out)?;
+    let reduced = dp.all_reduce_tensors(values.out)?;
     let mut set = SetParams::<B> {
         values: reduced.into_iter(),
     };

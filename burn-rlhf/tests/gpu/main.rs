@@ -13,3 +13,4 @@ mod decoder_kernels;
 mod gpu_shapes;
 mod kernels_training;
 mod rollout_on_device;
+mod sums_on_device;

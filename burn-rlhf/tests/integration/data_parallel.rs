@@ -679,7 +679,16 @@ fn the_collectives_benchmark_times_every_operation_on_two_ranks() {
             .unwrap()
             .expect("the first rank reports");
     assert!(transport.starts_with("burn-collective"), "{transport}");
-    assert_eq!(rows.len(), 4 * 3, "4 operations at 4, 16 and 64 KiB");
+    assert_eq!(
+        rows.len(),
+        5 * 3,
+        "4 operations on host buffers and a device tensor's all-reduce at 4, 16 and 64 KiB"
+    );
+    let tensor_rows = rows
+        .iter()
+        .filter(|r| r.op == burn_rlhf::bench::TENSOR_ALL_REDUCE)
+        .count();
+    assert_eq!(tensor_rows, 3);
     for row in &rows {
         assert_eq!(row.ranks, 2);
         assert!(row.median_s > 0.0 && row.busbw().is_finite(), "{row:?}");

@@ -231,7 +231,8 @@ pub(crate) struct Joiner<B: LearnerBackend> {
     abort: Arc<AbortFlag>,
     group: GroupPlan,
     joined: Option<Arc<dyn Collective>>,
-    /// burn-collective's handle, when that is the transport (left after a successful run).
+    /// burn-collective's handle, when that is the transport (the group is left after a
+    /// successful run).
     device_sums: Option<DeviceSums>,
     /// This rank's tensor-parallel group (with `tensor_model_parallel_size` > 1).
     tp: Option<TpGroup>,
@@ -245,20 +246,18 @@ impl<B: LearnerBackend> Joiner<B> {
         let join = self.join.take().expect("a rank joins its group once");
         let (collective, sums) = join.into_collective::<B>(self.rank, &self.device, &self.abort)?;
         self.joined = Some(collective.clone());
-        self.device_sums = sums.clone();
+        self.device_sums = sums;
         // One replica has no data-parallel peers (its ranks joined alone). A subgroup's sums go
         // through its slots of host buffers.
         let mesh = self.group.mesh;
-        let (collective, sums): (Arc<dyn Collective>, _) =
-            if mesh.splits_models() && collective.world() > 1 {
-                (Arc::new(Subgroup::new(collective, mesh.tensor())), None)
-            } else {
-                (collective, sums)
-            };
+        let collective: Arc<dyn Collective> = if mesh.splits_models() && collective.world() > 1 {
+            Arc::new(Subgroup::new(collective, mesh.tensor()))
+        } else {
+            collective
+        };
         Ok(DataParallel {
             tp: self.tp.clone(),
             rollout_tp: self.rollout.clone(),
-            device_sums: sums,
             ..self.group.data_parallel(collective)
         })
     }
@@ -581,7 +580,6 @@ impl GroupPlan {
     fn data_parallel(&self, collective: Arc<dyn Collective>) -> DataParallel {
         DataParallel {
             collective,
-            device_sums: None,
             shard_optimizer: self.shard_optimizer,
             balance_batch: self.balance_batch,
             tp: None,
