@@ -215,10 +215,6 @@ pub struct OneStepOff {
 pub(super) struct PoolContext {
     /// `actor_rollout_ref.hybrid_engine`.
     pub hybrid_engine: bool,
-    /// `trainer.nnodes`.
-    pub trainer_nodes: usize,
-    /// The actor's tensor parallelism.
-    pub tensor_parallel: usize,
     /// `algorithm.filter_groups.enable`.
     pub dynamic_sampling: bool,
     /// LoRA adapters generating unmerged (`lora_rank` > 0, `lora.merge=false`).
@@ -244,24 +240,6 @@ impl RolloutPoolConfig {
              needs a rollout worker (a thread of the trainer's process, or under an MPI launcher \
              processes of its own after the trainer's)"
                 .into()
-        });
-        p.check(c.trainer_nodes == 1, || {
-            format!(
-                "`actor_rollout_ref.hybrid_engine=False` with `trainer.nnodes` = {}: \
-                 one-step-off-policy training runs the trainer on one host (the devices of one \
-                 process, or its MPI processes beside a rollout pool), rank 0 handing the others \
-                 each generation; a trainer of several hosts is not built yet",
-                c.trainer_nodes
-            )
-        });
-        p.check(c.tensor_parallel == 1, || {
-            format!(
-                "`actor_rollout_ref.hybrid_engine=False` with \
-                 `actor_rollout_ref.actor.megatron.tensor_model_parallel_size` = {}: the rollout \
-                 worker generates with a whole policy, which a split trainer does not hand it; \
-                 train with data parallelism or FSDP",
-                c.tensor_parallel
-            )
         });
         p.check(!c.dynamic_sampling, || {
             "`algorithm.filter_groups.enable` with `actor_rollout_ref.hybrid_engine=False`: \

@@ -257,8 +257,6 @@ fn decode(c: &RlhfConfig, known: &KnownNames, p: &mut Problems) -> Option<Settin
         p,
         &PoolContext {
             hybrid_engine: arr.hybrid_engine,
-            trainer_nodes: c.trainer.nnodes,
-            tensor_parallel: tp,
             dynamic_sampling: c.algorithm.filter_groups.enable,
             lora_unmerged: arr.model.lora_rank > 0 && !arr.model.lora.merge,
         },
@@ -445,20 +443,22 @@ mod tests {
             .inexact_logprobs()
             .iter()
             .any(|(key, _)| *key == "actor_rollout_ref.hybrid_engine"));
-        // A data-parallel trainer of one process; of several hosts, refused.
+        // A data-parallel trainer of one process, or of several hosts (MPI processes beside
+        // a pool; the launch checks the hosts).
         c.trainer.n_gpus_per_node = 2;
         settings(&c).unwrap();
         c.trainer.nnodes = 2;
-        let err = settings(&c).unwrap_err().to_string();
-        assert!(err.contains("`trainer.nnodes` = 2"), "{err}");
+        let s = settings(&c).unwrap();
+        assert_eq!(s.one_step_off, Some(OneStepOff { rollout_devices: 1 }));
         c.trainer.nnodes = 1;
         c.actor_rollout_ref.actor.strategy = "megatron".into();
         c.actor_rollout_ref
             .actor
             .megatron
             .tensor_model_parallel_size = 2;
-        let err = settings(&c).unwrap_err().to_string();
-        assert!(err.contains("a split trainer does not hand it"), "{err}");
+        // A tensor-parallel trainer hands the rollout worker its actor made whole.
+        let s = settings(&c).unwrap();
+        assert_eq!(s.one_step_off, Some(OneStepOff { rollout_devices: 1 }));
         c.actor_rollout_ref
             .actor
             .megatron

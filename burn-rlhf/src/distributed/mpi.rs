@@ -36,6 +36,9 @@ pub struct MpiPlace {
     pub local_processes: usize,
     /// Hosts in the job.
     pub hosts: usize,
+    /// This process's host, as a hash of MPI's processor name (equal on the processes of one
+    /// host).
+    pub host: u64,
 }
 
 enum Request {
@@ -136,6 +139,18 @@ impl MpiProcess {
         }
     }
 
+    /// The hosts the job's processes `processes` run on (every process of the job calls it at
+    /// the same point).
+    pub fn hosts_of(&self, processes: std::ops::Range<usize>) -> Result<usize, DistributedError> {
+        let (tx, rx) = mpsc::channel();
+        self.send(Request::GatherU64(self.place.host, tx))?;
+        let all = rx
+            .recv()
+            .map_err(|_| transport("the MPI thread stopped while asking for hosts".into()))?;
+        let hosts: std::collections::BTreeSet<u64> = all[processes].iter().copied().collect();
+        Ok(hosts.len())
+    }
+
     /// Process 0's `mine` (an NCCL unique id) on every process; the others pass `None`. In 16
     /// gathers of 8 bytes: it runs once, when the communicators are made.
     #[cfg(feature = "cuda")]
@@ -222,12 +237,14 @@ fn serve(requests: Receiver<Request>, place_tx: Sender<Result<MpiPlace, String>>
         &mut hosts,
         SystemOperation::sum(),
     );
+    let name = mpi::environment::processor_name().unwrap_or_default();
     let _ = place_tx.send(Ok(MpiPlace {
         process,
         processes,
         local_process,
         local_processes,
         hosts: hosts as usize,
+        host: xxhash_rust::xxh3::xxh3_64(name.as_bytes()),
     }));
     let root = world.process_at_rank(0);
     // A communicator per kind of group.

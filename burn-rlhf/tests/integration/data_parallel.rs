@@ -265,6 +265,52 @@ fn one_step_off_with_two_devices_reproduces_one_device() {
     assert_same_metrics(&single, &dp, "one step off, 2 devices vs 1");
 }
 
+/// One-step-off-policy training with a tensor-parallel trainer (refused before): the first
+/// replica's ranks gather the split actor for the rollout worker, which generates each batch a
+/// step ahead with the whole policy; its replica's ranks take its samples over their group,
+/// then the other replica's. Split over 2 devices, and over 4 (two replicas), the run ends as
+/// the one-device run does (weights and metrics); a run resumed from its checkpoint after the
+/// first step (the generation in flight started again from its `rollout/`) ends with its weights.
+#[test]
+fn one_step_off_with_a_tensor_parallel_trainer_reproduces_one_device() {
+    let _turn = ONE_GROUP_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    let dir = temp_dir("dp-tp-one-step-off");
+    let off = |root: &str| {
+        let mut c = config(&dir.join(root));
+        c.actor_rollout_ref.hybrid_engine = false;
+        c.actor_rollout_ref.actor.strategy = "megatron".into();
+        c
+    };
+    let single = n_devices(off("single"), Arc::new(tasks::ExactAnswer), 1).unwrap();
+    for devices in [2, 4] {
+        let what = format!("one step off, tp=2 over {devices} devices vs 1");
+        let c = tensor_parallel(off(&format!("tp2x{devices}")), 2, devices);
+        let run = n_devices(c, Arc::new(tasks::ExactAnswer), devices).unwrap();
+        assert_same_weights(&single, &run, &what);
+        assert_same_metrics(&single, &run, &what);
+    }
+    // A checkpoint every step: each keeps the generation in flight.
+    let mut c = tensor_parallel(off("saving"), 2, 2);
+    c.trainer.save_freq = 1;
+    let saving = n_devices(c, Arc::new(tasks::ExactAnswer), 2).unwrap();
+    let after_first = saving.with_file_name("global_step_1");
+    assert!(
+        after_first.join("rollout").is_dir(),
+        "the checkpoint keeps the weights of the generation in flight"
+    );
+    let mut c = tensor_parallel(off("resumed"), 2, 2);
+    c.trainer.resume_mode = "resume_path".into();
+    c.trainer.resume_from_path = Some(after_first.display().to_string());
+    let resumed = n_devices(c, Arc::new(tasks::ExactAnswer), 2).unwrap();
+    assert_same_weights(
+        &single,
+        &resumed,
+        "one step off, tp=2, resumed after step 1",
+    );
+}
+
 /// Parameters whole on each rank (`strategy: megatron` without tensor parallelism: plain data
 /// parallelism).
 #[test]
@@ -1324,7 +1370,8 @@ mod processes {
     /// its own (the job trainer 2 + pool 1): the trainer's first process orders each generation
     /// from the pool over their own group and hands the samples to the other through the
     /// trainer's group; the run trains as one process with the in-process worker does. A job
-    /// with too few processes for the trainer and the pool is refused, naming both counts.
+    /// with too few processes for the trainer and the pool is refused, naming both counts, and
+    /// a trainer of more hosts than its processes run on, naming `trainer.nnodes`.
     #[test]
     fn a_trainer_of_two_processes_beside_a_rollout_pool_trains_as_one_process() {
         let dir = temp_dir("dp-mpi-pool-trainers");
@@ -1351,6 +1398,40 @@ mod processes {
             !ok && err.contains("rollout.n_gpus_per_node") && err.contains("2 + 1"),
             "{err}"
         );
+        // A trainer of two hosts, one process each, on this one host: refused, naming the key.
+        let mut two_hosts = args(&dir.join("hosts"), 1);
+        two_hosts.push("trainer.nnodes=2".into());
+        let (ok, err) = wait_bounded(mpirun(3, &two_hosts), Duration::from_secs(60));
+        assert!(
+            !ok && err.contains("trainer.nnodes")
+                && err.contains("run on 1 host(s), the config says 2"),
+            "{err}"
+        );
+    }
+
+    /// A tensor-parallel trainer of two MPI processes beside a rollout pool (trainer 2 + pool 1,
+    /// the actor split over the two): the first process orders each generation with the actor
+    /// made whole from both parts, and the run trains as one process whole.
+    #[test]
+    fn a_tensor_parallel_trainer_beside_a_rollout_pool_trains_as_one_process() {
+        let dir = temp_dir("dp-mpi-pool-tp");
+        let (model, data) = cli_assets(&dir);
+        let start = super::tiny_models().0;
+        let steps = 3;
+        let args = |out: &Path, trainers: usize| {
+            let mut a = cli_args(&model, &data, out, steps);
+            a.push("actor_rollout_ref.hybrid_engine=False".into());
+            a.push("actor_rollout_ref.actor.strategy=megatron".into());
+            a.push(format!("trainer.n_gpus_per_node={trainers}"));
+            a.push(format!(
+                "actor_rollout_ref.actor.megatron.tensor_model_parallel_size={trainers}"
+            ));
+            a
+        };
+        let what = "a trainer split over 2 MPI processes + a rollout pool vs one process whole";
+        let b = single_against_job(&dir, &args, (3, 2), (steps, 1e-5), (what, &start));
+        let sent = b[0].1.get("rollout/weight_values_sent").copied();
+        assert!(sent.is_some_and(|v| v > 0.0), "weights sent: {sent:?}");
     }
 
     #[test]

@@ -87,6 +87,17 @@ fn train_with_rollout_pool(settings: Settings) -> Result<RunOutputs, TrainError>
         return Err(TrainError::config("rollout.n_gpus_per_node", message));
     }
     process.check_same(super::launch::fingerprint(&format!("{settings:?}")))?;
+    // The trainer's processes on `trainer.nnodes` hosts (the pool's may share them or not).
+    let spanned = process.hosts_of(0..trainers)?;
+    if spanned != t.nnodes {
+        let message = format!(
+            "the trainer's {trainers} processes (the job's first) run on {spanned} host(s), the \
+             config says {}",
+            t.nnodes
+        );
+        process.finish();
+        return Err(TrainError::config("trainer.nnodes", message));
+    }
     // The pool's processes generate together, the trainer's train together (their data-parallel
     // group); the trainer's first process orders from the pool over a group of its own with it.
     let in_pool = place.process >= trainers;
@@ -96,6 +107,17 @@ fn train_with_rollout_pool(settings: Settings) -> Result<RunOutputs, TrainError>
         Subgroup::Orders,
         (place.process == 0 || in_pool).then_some(0),
     )?;
+    // Tensor-parallel groups of consecutive trainer processes (the pool's in none), split now:
+    // every process of the job takes part in a split.
+    let tp = settings.actor.tensor_parallel_size;
+    let tensor = match tp > 1 {
+        true => MpiSubgroup::split_some(
+            &process,
+            Subgroup::Tensor,
+            (!in_pool).then_some(place.process / tp),
+        )?,
+        false => None,
+    };
     let pool = RolloutPool::new(orders);
     let on_backend = settings.model.gradient_checkpointing.on_backend();
     let node = NodeLaunch {
@@ -105,7 +127,10 @@ fn train_with_rollout_pool(settings: Settings) -> Result<RunOutputs, TrainError>
     let place_here = (node.clone(), place.local_process, 1);
     let result = if place.process < trainers {
         let node = NodeLaunch {
-            processes: Processes::MpiGroup(group),
+            processes: Processes::MpiGroup {
+                trainers: group,
+                tensor,
+            },
             rollout_pool: Some(pool),
             ..node
         };

@@ -37,9 +37,16 @@ pub enum Processes {
     #[cfg(feature = "mpi")]
     Mpi(Arc<MpiProcess>),
     /// The trainer's processes of an MPI job that has others (one-step-off-policy's rollout
-    /// pool): their group, split from the job's, one device each.
+    /// pool): their group, split from the job's, one device each, and under tensor parallelism
+    /// this process's tensor-parallel group among them (split at the same time: every process of
+    /// the job takes part in a split).
     #[cfg(feature = "mpi")]
-    MpiGroup(Arc<MpiSubgroup>),
+    MpiGroup {
+        /// The trainer's processes.
+        trainers: Arc<MpiSubgroup>,
+        /// This process's tensor-parallel group (`None` without tensor parallelism).
+        tensor: Option<Arc<MpiSubgroup>>,
+    },
 }
 
 impl Processes {
@@ -50,7 +57,7 @@ impl Processes {
             #[cfg(feature = "mpi")]
             Self::Mpi(p) => p.place().process,
             #[cfg(feature = "mpi")]
-            Self::MpiGroup(g) => g.rank(),
+            Self::MpiGroup { trainers, .. } => trainers.rank(),
         }
     }
 
@@ -61,7 +68,7 @@ impl Processes {
             #[cfg(feature = "mpi")]
             Self::Mpi(p) => p.place().processes,
             #[cfg(feature = "mpi")]
-            Self::MpiGroup(g) => g.world(),
+            Self::MpiGroup { trainers, .. } => trainers.world(),
         }
     }
 }
@@ -103,7 +110,7 @@ impl NodeLaunch {
         // The trainer's group beside a rollout pool exchanges through MPI: an NCCL id would be
         // shared over the whole job, the pool's processes included.
         #[cfg(feature = "mpi")]
-        if let Processes::MpiGroup(_) = self.processes {
+        if let Processes::MpiGroup { .. } = self.processes {
             return match self.backend {
                 CollectiveBackend::Nccl => Err(TrainError::config(
                     key,
@@ -495,8 +502,8 @@ impl GroupPlan {
                 .map(Join::Mpi)
                 .collect(),
             #[cfg(feature = "mpi")]
-            Processes::MpiGroup(group) => match local {
-                1 => vec![Join::Group(group.clone())],
+            Processes::MpiGroup { trainers, .. } => match local {
+                1 => vec![Join::Group(trainers.clone())],
                 _ => {
                     return Err(TrainError::config(
                         "trainer.n_gpus_per_node",
@@ -548,7 +555,7 @@ impl GroupPlan {
             }
             // `uses_nccl` refuses NCCL for the trainer's group beside a pool.
             #[cfg(feature = "mpi")]
-            Processes::MpiGroup(_) => Err(TrainError::config(
+            Processes::MpiGroup { .. } => Err(TrainError::config(
                 "trainer.collective_backend",
                 "the trainer's processes beside a rollout pool exchange through MPI",
             )),
@@ -570,6 +577,12 @@ impl GroupPlan {
         match processes {
             #[cfg(feature = "mpi")]
             Processes::Mpi(process) => Ok(vec![MpiSubgroup::tensor_group(process, tensor)?]),
+            // Split with the job's other groups, before the pool's processes went their way.
+            #[cfg(feature = "mpi")]
+            Processes::MpiGroup {
+                tensor: Some(group),
+                ..
+            } if group.world() == tensor => Ok(vec![TpGroup::new(group.clone())]),
             _ => Err(TrainError::config(
                 TENSOR_KEY,
                 "a tensor-parallel group across processes needs MPI",

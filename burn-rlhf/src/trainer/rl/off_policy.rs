@@ -19,6 +19,7 @@ use std::time::Instant;
 
 use burn::module::AutodiffModule;
 use burn_rlhf_models::pretrained::{load_pretrained, save_pretrained};
+use burn_rlhf_models::weights::WeightMap;
 use burn_rlhf_models::CausalLm;
 use burn_rlhf_rollout::agent::AgentSample;
 use burn_rlhf_rollout::RolloutBatch;
@@ -36,10 +37,10 @@ pub(crate) const ROLLOUT_DIR: &str = "rollout";
 impl<B: LearnerBackend> Learner<B> {
     /// Starts generating step `step`'s batch on the rollout worker with the current weights,
     /// its prompts drawn now.
-    fn launch_generation(&mut self, step: usize) {
+    fn launch_generation(&mut self, step: usize) -> Result<(), TrainError> {
         let epoch = self.sampler.state().epoch;
         let indices = self.sampler.next_batch(self.settings.data.train_batch_size);
-        let weights = self.actor_whole().valid();
+        let weights = self.rollout_weights()?;
         self.start_generation(
             weights,
             PendingGeneration {
@@ -48,7 +49,29 @@ impl<B: LearnerBackend> Learner<B> {
                 weights_step: self.global_step,
                 epoch,
             },
-        )
+        );
+        Ok(())
+    }
+
+    /// The policy the rollout worker generates with: the actor as it is, or a split actor
+    /// (tensor parallelism) made whole on the rank that generates, from the parts its replica's
+    /// ranks gather (an exchange each of them makes; the other replicas' ranks hand nothing).
+    fn rollout_weights(&self) -> Result<CausalLm<B::InnerBackend>, TrainError> {
+        let policy = self.actor_whole().valid();
+        if !self.dp.mesh.splits_models() || self.dp.rank() != 0 {
+            return Ok(policy);
+        }
+        let whole = policy.export();
+        if !self.dp.is_main() {
+            return Ok(policy);
+        }
+        let weights = WeightMap::from_tensors("the split actor, gathered for the rollout", whole);
+        Ok(CausalLm::load(
+            &self.model_config,
+            weights,
+            None,
+            &self.device,
+        )?)
     }
 
     /// Starts the generation `pending` describes on the rollout worker, with `weights`.
@@ -76,9 +99,9 @@ impl<B: LearnerBackend> Learner<B> {
                     .expect("the rollout worker's compute threads start"),
             }
         });
-        // Data-parallel rank 0 generates; the others take its samples at the step
-        // (`share_generation`).
-        let generates = self.dp.rank() == 0;
+        // The first rank of the first replica generates; the others take its samples at the
+        // step (`share_generation`).
+        let generates = self.dp.is_main();
         self.rollout.start(worker, weights, pending, generates);
     }
 
@@ -110,7 +133,7 @@ impl<B: LearnerBackend> Learner<B> {
             Some(next) if next.pending.step == step => next,
             // A generation for another step (a learner stepped past `fit`'s order) is dropped.
             _ => {
-                self.launch_generation(step);
+                self.launch_generation(step)?;
                 self.rollout.take_next().expect("started now")
             }
         };
@@ -137,7 +160,7 @@ impl<B: LearnerBackend> Learner<B> {
         // What this generation's order carried, read before the next order is sent.
         let sent = self.rollout.weight_values_sent();
         if step < self.total_steps {
-            self.launch_generation(step + 1);
+            self.launch_generation(step + 1)?;
         }
         timing.time("reward", || self.reward(&mut batch))?;
         let mut metrics = Metrics::from([
@@ -157,20 +180,47 @@ impl<B: LearnerBackend> Learner<B> {
         Ok((batch, indices, metrics))
     }
 
-    /// Rank 0's generation of step `step` (prompts `indices`) on every data-parallel rank: its
-    /// samples gathered (the others add none), its counters and seconds summed (the others add
-    /// zeros). As it is with one rank.
+    /// The main rank's generation of step `step` (prompts `indices`) on every rank: under tensor
+    /// parallelism its replica's ranks take it first (gathered over their group, the others
+    /// adding nothing); then every data-parallel rank from the first replica's, its samples
+    /// gathered (the others add none), its counters and seconds summed (the others add zeros).
+    /// As it is with one rank.
     fn share_generation(
         &self,
-        (samples, counters, seconds): (Vec<AgentSample>, [f64; 4], f64),
+        generation: (Vec<AgentSample>, [f64; 4], f64),
         step: usize,
         indices: &[usize],
     ) -> Result<(Vec<AgentSample>, [f64; 4], f64), TrainError> {
+        let packing = self.rollout.made().packing(step);
+        let total = indices.len() * packing.n;
+        let (samples, counters, seconds) = match &self.dp.tp {
+            Some(tp) if self.dp.rank() == 0 => {
+                let (samples, counters, seconds) = generation;
+                let mine = match tp.rank() {
+                    0 => {
+                        let mut packed = packing.pack(&samples);
+                        // Each f64 as an f32 and the f32 remainder, as `all_reduce_f64` sends it.
+                        for &v in counters.iter().chain([&seconds]) {
+                            packed.extend([v as f32, (v - v as f32 as f64) as f32]);
+                        }
+                        packed
+                    }
+                    _ => Vec::new(),
+                };
+                let first = tp.gather(mine).swap_remove(0);
+                let (rows, tail) = first.split_at(total * packing.width());
+                let tail: Vec<f64> = tail.chunks(2).map(|p| p[0] as f64 + p[1] as f64).collect();
+                (
+                    packing.unpack(rows),
+                    [tail[0], tail[1], tail[2], tail[3]],
+                    tail[4],
+                )
+            }
+            _ => generation,
+        };
         if self.dp.world() == 1 {
             return Ok((samples, counters, seconds));
         }
-        let packing = self.rollout.made().packing(step);
-        let total = indices.len() * packing.n;
         let (packed, rows): (Vec<f32>, Vec<usize>) = match self.dp.rank() {
             0 => (packing.pack(&samples), (0..total).collect()),
             _ => (Vec::new(), Vec::new()),
