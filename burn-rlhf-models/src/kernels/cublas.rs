@@ -219,12 +219,7 @@ fn gemm(
     }
     let client = a.client.clone();
     cubecl::future::block_on(client.sync()).map_err(|e| format!("CubeCL's queue: {e:?}"))?;
-    let address = |t: &CubeTensor<CudaRuntime>| {
-        client
-            .get_resource(t.handle.clone())
-            .map(|r| (r.resource().ptr, r))
-            .map_err(|e| format!("a tensor's memory: {e:?}"))
-    };
+    let address = super::cuda_memory::address;
     let (pa, ra) = address(&a)?;
     let (pb, rb) = address(&b)?;
     let (pd, rd) = address(&out)?;

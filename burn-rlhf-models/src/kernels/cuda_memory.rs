@@ -27,6 +27,15 @@ pub struct CudaOperands {
     pub ordinal: usize,
 }
 
+/// `t`'s device address, with the handle that keeps its memory while held (after CubeCL's queue
+/// was waited for, the address is safe to hand another library until the handle is dropped).
+pub fn address(t: &CudaTensor) -> Result<(u64, impl Sized), String> {
+    t.client
+        .get_resource(t.handle.clone())
+        .map(|r| (r.resource().ptr, r))
+        .map_err(|e| format!("a tensor's memory: {e:?}"))
+}
+
 /// A new tensor of `input`'s shape and dtype that `op` fills from `input` (made contiguous). `op`
 /// runs after every operation CubeCL queued has finished and must return only once its own
 /// writes have (a stream synchronised); both tensors' memory is held until it returns.
@@ -47,14 +56,7 @@ pub fn with_output(
     if elements == 0 {
         return Ok(output);
     }
-    let client = input.client.clone();
-    cubecl::future::block_on(client.sync()).map_err(|e| format!("CubeCL's queue: {e:?}"))?;
-    let address = |t: &CudaTensor| {
-        client
-            .get_resource(t.handle.clone())
-            .map(|r| (r.resource().ptr, r))
-            .map_err(|e| format!("a tensor's memory: {e:?}"))
-    };
+    cubecl::future::block_on(input.client.sync()).map_err(|e| format!("CubeCL's queue: {e:?}"))?;
     let (input_ptr, input_memory) = address(&input)?;
     let (output_ptr, output_memory) = address(&output)?;
     let ran = op(CudaOperands {
