@@ -141,7 +141,7 @@ impl<B: Backend> ModuleVisitor<B> for TakeChunks<B> {
         let dtype = value.dtype();
         let numel = value.shape().num_elements();
         let range = chunk(numel, self.world, self.rank);
-        self.chunks.push(value.reshape([numel]).slice(range));
+        self.chunks.push(owned(value.reshape([numel]).slice(range)));
         self.slots.push(Slot {
             id: param.id,
             numel,
@@ -149,6 +149,14 @@ impl<B: Backend> ModuleVisitor<B> for TakeChunks<B> {
             dtype,
         });
     }
+}
+
+/// `t` in storage of its own. A slice is a view that shares its tensor's buffer (flex's and
+/// CubeCL's), so a chunk kept as a slice would keep its whole parameter alive beside it; a
+/// multiplication by one is exact and writes a buffer of the chunk's size (the parameter is
+/// still held while its chunk is taken, so it is not done in place). Shapes: `[n]` → `[n]`.
+fn owned<B: Backend>(t: Tensor<B, 1>) -> Tensor<B, 1> {
+    t.mul_scalar(1.0)
 }
 
 /// Replaces each float parameter by a lazy one gathered from the shards on its first read.
@@ -465,6 +473,20 @@ mod tests {
                             &device,
                         );
                         let held = shards.bytes().0;
+                        // Each chunk is its own storage, not a view that keeps its whole
+                        // parameter alive (flex's and CubeCL's slices share their buffer).
+                        let stored: usize = (0..shards.len())
+                            .map(|i| {
+                                shards
+                                    .chunk(i)
+                                    .inner()
+                                    .into_primitive()
+                                    .tensor()
+                                    .bytes()
+                                    .len()
+                            })
+                            .sum();
+                        assert_eq!(stored, held, "rank {rank}: bytes stored for the chunks");
                         let copy = kept.clone();
                         let got: Vec<f32> = logits(&copy, ids(0)).into_data().to_vec().unwrap();
                         assert_eq!(&got, want_logits.as_ref(), "rank {rank}: logits");
