@@ -141,7 +141,8 @@ impl<B: Backend> ModuleVisitor<B> for TakeChunks<B> {
         let dtype = value.dtype();
         let numel = value.shape().num_elements();
         let range = chunk(numel, self.world, self.rank);
-        self.chunks.push(owned(value.reshape([numel]).slice(range)));
+        self.chunks
+            .push(owned_chunk(&value.reshape([numel]), range));
         self.slots.push(Slot {
             id: param.id,
             numel,
@@ -151,12 +152,16 @@ impl<B: Backend> ModuleVisitor<B> for TakeChunks<B> {
     }
 }
 
-/// `t` in storage of its own. A slice is a view that shares its tensor's buffer (flex's and
-/// CubeCL's), so a chunk kept as a slice would keep its whole parameter alive beside it; a
-/// multiplication by one is exact and writes a buffer of the chunk's size (the parameter is
-/// still held while its chunk is taken, so it is not done in place). Shapes: `[n]` → `[n]`.
-fn owned<B: Backend>(t: Tensor<B, 1>) -> Tensor<B, 1> {
-    t.mul_scalar(1.0)
+/// The values `range` of the flat tensor `t` in storage of their own. A slice is a view that
+/// shares its tensor's buffer (flex's and CubeCL's), so a chunk kept as a slice would keep its
+/// whole tensor alive beside it; a multiplication by one is exact and, `t` being held meanwhile,
+/// writes a new buffer of the chunk's size instead of working in place. Shapes: `[n]` →
+/// `[range.len()]`.
+pub(super) fn owned_chunk<B: Backend>(
+    t: &Tensor<B, 1>,
+    range: std::ops::Range<usize>,
+) -> Tensor<B, 1> {
+    t.clone().slice(range).mul_scalar(1.0)
 }
 
 /// Replaces each float parameter by a lazy one gathered from the shards on its first read.

@@ -342,10 +342,11 @@ impl<B: burn_rlhf_algos::kernels::RlBackend> ShardedAdamW<B> {
                 let AdaptorRecord::V1(state) = record.remove(&slot.id)?;
                 let (time, m, v) = flat_moments(state, &device);
                 let range = chunk(slot.numel, world, rank);
+                // Copies, not slices: a slice would keep the whole moments alive.
                 Some(crate::adamw::AdamWMoments::kept(
                     time,
-                    m.slice(range.clone()),
-                    v.slice(range),
+                    super::owned_chunk(&m, range.clone()),
+                    super::owned_chunk(&v, range),
                     adam.offloads(),
                 ))
             })
@@ -578,6 +579,27 @@ mod tests {
                             );
                         }
                         let at_rest = (shards.bytes().0, optimizer.state_bytes().device);
+                        // A resumed run's moments, this rank's chunks of the whole record, are
+                        // stored apart from the whole moments (not slices of them).
+                        let record = optimizer.whole_record::<A, CausalLm<A>>(&shards).unwrap();
+                        let resumed = ShardedAdamW::from_whole_record::<A, CausalLm<A>>(
+                            FusedAdamW::new([0.9, 0.95], 0.01, false),
+                            &shards,
+                            record,
+                        );
+                        let stored: usize = resumed
+                            .states
+                            .iter()
+                            .flatten()
+                            .map(|s| match &s.moments {
+                                crate::adamw::Moments::Device(m, v) => [m, v]
+                                    .iter()
+                                    .map(|t| (*t).clone().into_primitive().tensor().bytes().len())
+                                    .sum(),
+                                crate::adamw::Moments::Host(_) => 0,
+                            })
+                            .sum();
+                        assert_eq!(stored, at_rest.1, "rank {rank}: resumed moments' bytes");
                         for (i, w) in want.iter().enumerate() {
                             let got = host_of(shards.gather(i).unwrap().inner());
                             for (x, y) in got.iter().zip(w) {
