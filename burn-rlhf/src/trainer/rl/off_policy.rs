@@ -191,6 +191,9 @@ impl<B: LearnerBackend> Learner<B> {
         step: usize,
         indices: &[usize],
     ) -> Result<(Vec<AgentSample>, [f64; 4], f64), TrainError> {
+        if self.dp.tp.is_none() && self.dp.world() == 1 {
+            return Ok(generation);
+        }
         let packing = self.rollout.made().packing(step);
         let total = indices.len() * packing.n;
         let (samples, counters, seconds) = match &self.dp.tp {
